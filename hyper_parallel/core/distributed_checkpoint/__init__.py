@@ -1,0 +1,131 @@
+"""hyper_parallel distributed checkpoint: sharded save and load for MindSpore jobs.
+
+``import hyper_parallel.core.distributed_checkpoint as dcp`` then
+``dcp.save(state_dict, checkpoint_id=path)`` and
+``dcp.load(state_dict, checkpoint_id=path)`` on every rank. See docs/guide.md.
+
+Where things are: planning in :mod:`.planner` (types), :mod:`.standard_planner`
+and :mod:`.global_plan` (the coordinator's merge); bytes written in
+:mod:`.filesystem_writer`; bytes read in :mod:`.filesystem_reader`; layouts cut
+in :mod:`hyper_parallel.core.layout`; the steps in order in :mod:`.api`.
+"""
+
+# errors first: hyper_parallel.core.layout imports it while this package loads.
+from hyper_parallel.core.distributed_checkpoint.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CheckpointValueError,
+    CollectiveStepError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    LayoutError,
+    MissingKeyError,
+    PlanValidationError,
+    ShapeMismatchError,
+    UnsafeCheckpointError,
+    UnsupportedFormatError,
+    UnsupportedTypeError,
+)
+from hyper_parallel.core.distributed_checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageInfo,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from hyper_parallel.core.distributed_checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from hyper_parallel.core.distributed_checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from hyper_parallel.core.distributed_checkpoint.filesystem_writer import CheckpointIOError, FileSystemWriter
+from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
+from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardLoadPlanner, StandardSavePlanner
+from hyper_parallel.core.distributed_checkpoint.mapping import (
+    LocalNonpersistentObject,
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+    apply_factories,
+    apply_factory_merges,
+    is_main_replica,
+)
+from hyper_parallel.core.distributed_checkpoint.type_handlers import (
+    TypeHandler,
+    get_type_handler,
+    register_type_handler,
+)
+from hyper_parallel.core.distributed_checkpoint.strategies import (
+    StrategyAction,
+    get_default_strategy,
+    register_default_strategy,
+)
+from hyper_parallel.core.distributed_checkpoint.api import load, read_metadata, save
+from hyper_parallel.core.distributed_checkpoint.one_line import load_checkpoint, save_checkpoint
+
+__all__ = [
+    "BytesStorageMetadata",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointIOError",
+    "CheckpointNotFoundError",
+    "CheckpointValueError",
+    "ChunkStorageMetadata",
+    "CollectiveStepError",
+    "CorruptCheckpointError",
+    "FileSystemReader",
+    "FileSystemWriter",
+    "IncompleteCheckpointError",
+    "LayoutError",
+    "LoadItemType",
+    "LoadPlan",
+    "LoadPlanner",
+    "LocalNonpersistentObject",
+    "Metadata",
+    "MetadataIndex",
+    "MissingKeyError",
+    "PlanValidationError",
+    "ReadItem",
+    "SavePlan",
+    "SavePlanner",
+    "ShapeMismatchError",
+    "ShardedObject",
+    "ShardedTensor",
+    "ShardedTensorFactory",
+    "StandardLoadPlanner",
+    "StandardSavePlanner",
+    "StorageInfo",
+    "StorageReader",
+    "StorageWriter",
+    "StrategyAction",
+    "TensorProperties",
+    "TensorStorageMetadata",
+    "TypeHandler",
+    "UnsafeCheckpointError",
+    "UnsupportedFormatError",
+    "UnsupportedTypeError",
+    "WriteItem",
+    "WriteItemType",
+    "WriteResult",
+    "apply_factories",
+    "apply_factory_merges",
+    "get_default_strategy",
+    "get_type_handler",
+    "is_main_replica",
+    "load",
+    "load_checkpoint",
+    "read_metadata",
+    "register_default_strategy",
+    "register_type_handler",
+    "save",
+    "save_checkpoint",
+]

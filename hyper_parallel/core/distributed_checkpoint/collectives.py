@@ -1,0 +1,138 @@
+"""Distributed steps that never leave a rank waiting.
+
+Every collective step of a save or load runs through :class:`DistWrapper`:
+each rank runs its part inside ``try``, the outcome (value or error) is
+gathered from every rank, and if any rank failed every rank raises the same
+:class:`CollectiveStepError` naming the failing ranks and their messages. The
+error also derives from the failing ranks' own error class when they agree,
+so ``except MissingKeyError`` works on every rank.
+
+Without distribution (one process, or ``no_dist=True``) the steps run locally
+and errors propagate unchanged.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+from hyper_parallel import platform
+from hyper_parallel.core.distributed_checkpoint import errors
+from hyper_parallel.core.distributed_checkpoint.errors import CollectiveStepError
+
+__all__ = ["DistWrapper", "RankFailure", "raise_failures"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What one rank reports when its part of a step raised.
+
+    Attributes:
+        rank: The failing rank.
+        error_type: Class name of the exception.
+        message: ``str`` of the exception.
+        traceback: Formatted traceback.
+    """
+
+    rank: int
+    error_type: str
+    message: str
+    traceback: str
+
+
+def _failure(rank: int, exc: BaseException) -> RankFailure:
+    return RankFailure(
+        rank=rank,
+        error_type=type(exc).__name__,
+        message=str(exc),
+        traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    )
+
+
+_COMBINED: dict[str, type] = {}
+
+
+def _error_class(error_types: set[str]) -> type[CollectiveStepError]:
+    """The raised class: also the failing ranks' own error class when they agree."""
+    if len(error_types) != 1:
+        return CollectiveStepError
+    name = next(iter(error_types))
+    base = getattr(errors, name, None) if name in errors.__all__ else None
+    if base is None or not isinstance(base, type) or base is CollectiveStepError:
+        return CollectiveStepError
+    if name not in _COMBINED:
+        _COMBINED[name] = type(f"Collective{name}", (CollectiveStepError, base), {"__module__": __name__})
+    return _COMBINED[name]
+
+
+def raise_failures(step: str, failures: list[RankFailure]) -> None:
+    """Raise the combined error for ``failures`` (no-op when empty)."""
+    if not failures:
+        return
+    cls = _error_class({f.error_type for f in failures})
+    raise cls(
+        step,
+        {f.rank: f"{f.error_type}: {f.message}" for f in failures},
+        {f.rank: f.traceback for f in failures},
+        {f.rank: f.error_type for f in failures},
+    )
+
+
+class DistWrapper:
+    """Runs the steps of a save or load on all ranks, with uniform errors.
+
+    Args:
+        use_dist: Use collectives (only if communication is initialised).
+        coordinator_rank: The rank that merges plans and commits.
+    """
+
+    def __init__(self, *, use_dist: bool, coordinator_rank: int = 0) -> None:
+        self.use_dist = bool(use_dist) and platform.is_initialized() and platform.get_world_size() > 1
+        self.rank = platform.get_rank() if self.use_dist else 0
+        self.world_size = platform.get_world_size() if self.use_dist else 1
+        self.coordinator_rank = coordinator_rank
+        self.is_coordinator = self.rank == coordinator_rank
+
+    def _gather_outcomes(self, step: str, fn: Callable[[], T]) -> list[Any]:
+        try:
+            outcome: Any = ("ok", fn())
+        except BaseException as exc:  # pylint: disable=broad-except
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            outcome = ("error", _failure(self.rank, exc))
+        gathered = platform.all_gather_object(outcome)
+        raise_failures(step, [payload for status, payload in gathered if status == "error"])
+        return [payload for _, payload in gathered]
+
+    def all_gather(self, step: str, fn: Callable[[], T]) -> list[T]:
+        """Run ``fn`` on every rank and return every rank's result. All ranks call it."""
+        if not self.use_dist:
+            return [fn()]
+        return self._gather_outcomes(step, fn)
+
+    def broadcast(self, step: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the coordinator and return its result everywhere. All ranks call it."""
+        if not self.use_dist:
+            return fn()
+        results = self._gather_outcomes(step, lambda: fn() if self.is_coordinator else None)
+        return results[self.coordinator_rank]
+
+    def reduce_scatter(self, step: str, map_fn: Callable[[], T], reduce_fn: Callable[[list[T]], list[R]]) -> R:
+        """Map on every rank, reduce on the coordinator, hand each rank its part.
+
+        All ranks call it. ``reduce_fn`` runs on the coordinator only and
+        returns one result per rank.
+        """
+        if not self.use_dist:
+            return reduce_fn([map_fn()])[0]
+        values = self.all_gather(step, map_fn)
+        parts = self.broadcast(step, lambda: reduce_fn(values))
+        return parts[self.rank]
+
+    def barrier(self, step: str) -> None:
+        """Wait for every rank (an error-free gather). All ranks call it."""
+        self.all_gather(step, lambda: None)

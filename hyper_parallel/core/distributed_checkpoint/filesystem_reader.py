@@ -1,0 +1,302 @@
+"""Reading a checkpoint directory: only the byte ranges a rank needs, verified.
+
+For each region of a load plan the reader computes the byte runs of the box
+inside its stored chunk (:mod:`.byte_ranges`) and reads exactly those with
+``preadv``, straight into the target tensor's memory when dtype and layout
+allow. With checksum verification on (the default) it reads whole checksum
+blocks instead, verifies each, and copies the needed runs out; blocks are read
+in segments bounded by ``max_inflight_bytes``, so memory stays bounded
+whatever the file size.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from hyper_parallel.core.distributed_checkpoint.byte_ranges import Runs, box_runs
+from hyper_parallel.core.distributed_checkpoint.checksum import ALGORITHM, digest
+from hyper_parallel.core.distributed_checkpoint.errors import (
+    CheckpointNotFoundError,
+    CheckpointValueError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsafeCheckpointError,
+)
+from hyper_parallel.core.distributed_checkpoint.filesystem_writer import METADATA_FILE, CheckpointIOError
+from hyper_parallel.core.distributed_checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageInfo,
+    TensorStorageMetadata,
+)
+from hyper_parallel.core.distributed_checkpoint.metadata_json import metadata_from_json
+from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, StorageReader
+from hyper_parallel.platform.tensor import DTYPE_NAMES, numpy_dtype
+
+__all__ = ["FileSystemReader", "MAX_METADATA_BYTES", "DEFAULT_MAX_INFLIGHT_BYTES"]
+
+#: Metadata files larger than this are refused as hostile.
+MAX_METADATA_BYTES = 1 << 30
+#: Default bound on bytes buffered at once per I/O thread while verifying.
+DEFAULT_MAX_INFLIGHT_BYTES = 64 << 20
+
+
+class FileSystemReader(StorageReader):
+    """Reads a checkpoint from a local or shared-filesystem directory.
+
+    Args:
+        path: The checkpoint directory.
+        verify_checksums: Verify the checksum of every block read.
+        thread_count: I/O threads per rank.
+        max_inflight_bytes: Bound on the bytes one thread buffers at once.
+        metadata_file: Name of the metadata file (default ``metadata.json``).
+    """
+
+    def __init__(
+        self,
+        path: CheckpointId,
+        *,
+        verify_checksums: bool = True,
+        thread_count: int = 1,
+        max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+        metadata_file: str | None = None,
+    ) -> None:
+        if thread_count < 1 or max_inflight_bytes < 1:
+            raise CheckpointValueError("thread_count and max_inflight_bytes must be >= 1")
+        self.path = Path(os.fspath(path))
+        self.verify_checksums = verify_checksums
+        self.thread_count = thread_count
+        self.max_inflight_bytes = max_inflight_bytes
+        self.metadata_file = metadata_file or METADATA_FILE
+        self.metadata: Metadata | None = None
+        self.bytes_read = 0
+
+    def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
+        """Start a new load, optionally from another directory. All ranks."""
+        if checkpoint_id is not None:
+            self.path = Path(os.fspath(checkpoint_id))
+        self.metadata = None
+        self.bytes_read = 0
+
+    def read_metadata(self) -> Metadata:
+        """Read and check the committed metadata. Any rank; no collectives.
+
+        Raises:
+            CheckpointNotFoundError: the directory does not exist.
+            IncompleteCheckpointError: the directory has no committed metadata.
+            CorruptCheckpointError / UnsafeCheckpointError: malformed or hostile metadata.
+        """
+        if not self.path.exists():
+            raise CheckpointNotFoundError(f"checkpoint {self.path} does not exist")
+        if not self.path.is_dir():
+            raise CheckpointValueError(f"checkpoint {self.path} is not a directory")
+        meta_path = self.path / self.metadata_file
+        if not meta_path.is_file():
+            raise IncompleteCheckpointError(
+                f"checkpoint {self.path} has no {self.metadata_file}: the save did not commit (it crashed or "
+                "is still running); load an earlier checkpoint"
+            )
+        size = meta_path.stat().st_size
+        if size > MAX_METADATA_BYTES:
+            raise UnsafeCheckpointError(f"{meta_path}: metadata of {size} bytes is larger than allowed; refused")
+        return metadata_from_json(meta_path.read_bytes(), source=str(meta_path))
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool) -> None:
+        """Take the metadata. All ranks call it."""
+        self.metadata = metadata
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Nothing to adjust. All ranks call it."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Nothing to adjust. Coordinator only."""
+        return plans
+
+    def resolve(self, relative_path: str, fqn: str) -> Path:
+        """Return the data file path, refusing anything outside the directory.
+
+        Raises:
+            UnsafeCheckpointError: a symlink or path escaping the checkpoint.
+            CorruptCheckpointError: the data file is missing.
+        """
+        root = os.path.realpath(self.path)
+        full = os.path.realpath(os.path.join(root, relative_path))
+        if os.path.commonpath([root, full]) != root:
+            raise UnsafeCheckpointError(
+                f"key '{fqn}': data file {relative_path!r} resolves outside checkpoint {self.path}; refused"
+            )
+        if not os.path.isfile(full):
+            raise CorruptCheckpointError(f"key '{fqn}': data file {relative_path} is missing from {self.path}")
+        return Path(full)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> "Future[None]":
+        """Read every region of this rank's plan into the planner. All ranks call it."""
+        future: Future[None] = Future()
+        try:
+            if self.metadata is None or self.metadata.storage_data is None:
+                raise CheckpointValueError("read_data called before set_up_storage_reader")
+            by_file: dict[str, list[ReadItem]] = defaultdict(list)
+            for item in plan.items:
+                info = self._info(item.storage_index)
+                by_file[info.relative_path].append(item)
+            groups: list[list[tuple[str, list[ReadItem]]]] = [[] for _ in range(self.thread_count)]
+            for position, entry in enumerate(sorted(by_file.items())):
+                groups[position % self.thread_count].append(entry)
+            work = [g for g in groups if g]
+            if len(work) <= 1:
+                counts = [self._read_group(g, planner) for g in work]
+            else:
+                with ThreadPoolExecutor(max_workers=len(work), thread_name_prefix="hp-ckpt-read") as pool:
+                    counts = list(pool.map(lambda g: self._read_group(g, planner), work))
+            self.bytes_read += sum(counts)
+            future.set_result(None)
+        except OSError as exc:
+            future.set_exception(CheckpointIOError(f"reading checkpoint {self.path} failed: {exc}"))
+        except BaseException as exc:  # pylint: disable=broad-except
+            future.set_exception(exc)
+        return future
+
+    def _info(self, index: MetadataIndex) -> StorageInfo:
+        key = MetadataIndex(index.fqn, index.offset)
+        info = self.metadata.storage_data.get(key)
+        if info is None:
+            raise CorruptCheckpointError(
+                f"key '{index.fqn}': chunk at offset {list(index.offset)} has no storage entry in the metadata"
+            )
+        return info
+
+    def _read_group(self, files: list[tuple[str, list[ReadItem]]], planner: LoadPlanner) -> int:
+        total = 0
+        for relative_path, items in files:
+            path = self.resolve(relative_path, items[0].storage_index.fqn)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                for item in items:
+                    total += self._read_item(fd, path, size, item, planner)
+            finally:
+                os.close(fd)
+        return total
+
+    def _read_item(self, fd: int, path: Path, file_size: int, item: ReadItem, planner: LoadPlanner) -> int:
+        fqn = item.storage_index.fqn
+        info = self._info(item.storage_index)
+        if info.offset + info.length > file_size:
+            raise CorruptCheckpointError(
+                f"data file {path} is truncated: key '{fqn}' needs bytes {info.offset}..{info.offset + info.length} "
+                f"but the file has {file_size}"
+            )
+        if info.checksum is not None and info.checksum.algorithm != ALGORITHM:
+            raise CorruptCheckpointError(f"key '{fqn}': unknown checksum algorithm {info.checksum.algorithm!r}")
+        if item.type == LoadItemType.BYTE_IO:
+            buffer = np.empty(info.length, dtype=np.uint8)
+            runs = Runs(starts=np.zeros(1 if info.length else 0, dtype=np.int64), length=info.length)
+            count = self._fill(fd, path, fqn, info, runs, buffer)
+            planner.apply_bytes(item, buffer.tobytes())
+            return count
+        stored = self.metadata.state_dict_metadata.get(fqn)
+        if not isinstance(stored, TensorStorageMetadata):
+            raise CorruptCheckpointError(f"key '{fqn}' is read as a tensor but stored as a value")
+        chunk_sizes = self._chunk_sizes(stored, item.storage_index)
+        itemsize = DTYPE_NAMES[stored.properties.dtype]
+        if info.length != math.prod(chunk_sizes) * itemsize:
+            raise CorruptCheckpointError(
+                f"key '{fqn}': stored length {info.length} does not match chunk sizes {list(chunk_sizes)}"
+            )
+        runs = box_runs(chunk_sizes, itemsize, item.storage_offsets, item.lengths)
+        dest = planner.acquire_tensor(item)
+        stored_dtype = numpy_dtype(stored.properties.dtype)
+        direct = dest.flags.c_contiguous and dest.dtype == stored_dtype
+        target = dest.reshape(-1).view(np.uint8) if direct else np.empty(runs.total, dtype=np.uint8)
+        count = self._fill(fd, path, fqn, info, runs, target)
+        if not direct:
+            source = target.view(stored_dtype).reshape(item.lengths)
+            np.copyto(dest, source, casting="unsafe")
+        planner.apply_tensor(item, dest)
+        return count
+
+    @staticmethod
+    def _chunk_sizes(stored: TensorStorageMetadata, index: MetadataIndex) -> tuple[int, ...]:
+        for chunk in stored.chunks:
+            if chunk.offsets == tuple(index.offset):
+                return chunk.sizes
+        raise CorruptCheckpointError(f"key '{index.fqn}': no chunk at offset {list(index.offset)}")
+
+    def _fill(self, fd: int, path: Path, fqn: str, info: StorageInfo, runs: Runs, target: np.ndarray) -> int:
+        """Fill ``target`` (bytes of the runs, in order); return bytes read from storage."""
+        if runs.total == 0:
+            return 0
+        if self.verify_checksums and info.checksum is not None:
+            return self._fill_verified(fd, path, fqn, info, runs, target)
+        length = runs.length
+        for position, start in enumerate(runs.starts.tolist()):
+            view = target[position * length : (position + 1) * length]
+            got = os.preadv(fd, [view], info.offset + start)
+            if got != length:
+                raise CorruptCheckpointError(f"data file {path} is truncated while reading key '{fqn}'")
+        return runs.total
+
+    def _fill_verified(self, fd: int, path: Path, fqn: str, info: StorageInfo, runs: Runs, target: np.ndarray) -> int:
+        checksum = info.checksum
+        block = checksum.block_bytes
+        nblocks = max(1, -(-info.length // block))
+        if len(checksum.digests) != nblocks:
+            raise CorruptCheckpointError(
+                f"key '{fqn}' in {path}: metadata lists {len(checksum.digests)} checksums for {nblocks} blocks"
+            )
+        starts = runs.starts
+        first = starts // block
+        last = (starts + runs.length - 1) // block
+        marks = np.zeros(nblocks + 1, dtype=np.int64)
+        np.add.at(marks, first, 1)
+        np.add.at(marks, last + 1, -1)
+        touched = np.flatnonzero(np.cumsum(marks)[:-1] > 0)
+        per_segment = max(1, self.max_inflight_bytes // block)
+        segments: list[tuple[int, int]] = []
+        for blk in touched.tolist():
+            if segments and segments[-1][1] == blk and blk - segments[-1][0] < per_segment:
+                segments[-1] = (segments[-1][0], blk + 1)
+            else:
+                segments.append((blk, blk + 1))
+        read = 0
+        length = runs.length
+        for first_block, end_block in segments:
+            seg_start = first_block * block
+            seg_end = min(end_block * block, info.length)
+            buffer = np.empty(seg_end - seg_start, dtype=np.uint8)
+            got = os.preadv(fd, [buffer], info.offset + seg_start)
+            if got != buffer.size:
+                raise CorruptCheckpointError(f"data file {path} is truncated while reading key '{fqn}'")
+            read += got
+            for blk in range(first_block, end_block):
+                lo = blk * block - seg_start
+                if digest(memoryview(buffer[lo : lo + block])) != checksum.digests[blk]:
+                    raise CorruptCheckpointError(
+                        f"checksum mismatch in data file {path}, key '{fqn}' (bytes {info.offset + blk * block}.."
+                        f"{info.offset + min((blk + 1) * block, info.length)}): the checkpoint is corrupt"
+                    )
+            lo_run = int(np.searchsorted(starts, seg_start - length, side="right"))
+            hi_run = int(np.searchsorted(starts, seg_end, side="left"))
+            for position in range(lo_run, hi_run):
+                start = int(starts[position])
+                ov_start, ov_end = max(start, seg_start), min(start + length, seg_end)
+                if ov_start >= ov_end:
+                    continue
+                dst = position * length + ov_start - start
+                target[dst : dst + ov_end - ov_start] = buffer[ov_start - seg_start : ov_end - seg_start]
+        return read
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: CheckpointId) -> bool:
+        """Any local path string or ``os.PathLike`` is a filesystem checkpoint id."""
+        if isinstance(checkpoint_id, os.PathLike):
+            return True
+        return isinstance(checkpoint_id, str) and bool(checkpoint_id) and "://" not in checkpoint_id

@@ -1,0 +1,316 @@
+"""Writing a checkpoint directory: safetensors data files, then the commit.
+
+Each rank writes its items into its own data files, named from the rank, a
+counter and the save id (never from tensor names). A file's safetensors
+header is computed from the plan before any byte is written, and every tensor
+is then streamed from its own memory straight to its offset: no second copy of
+the state. Several I/O threads write several files at once.
+
+The commit (:meth:`FileSystemWriter.finish`, coordinator only) writes the JSON
+metadata to a temporary name, fsyncs it and renames it over ``metadata.json``:
+its presence is the commit. Data files of an earlier save to the same
+directory stay untouched until then, so a crash at any moment leaves either
+the old checkpoint or the new one, complete.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from hyper_parallel.core.distributed_checkpoint.checksum import DEFAULT_BLOCK_BYTES, chunk_checksum
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError, CheckpointExistsError, CheckpointValueError
+from hyper_parallel.core.distributed_checkpoint.metadata import (
+    BACKEND_NAME,
+    Metadata,
+    MetadataIndex,
+    StorageInfo,
+)
+from hyper_parallel.core.distributed_checkpoint.metadata_json import metadata_to_json
+from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from hyper_parallel.core.distributed_checkpoint.safetensors_format import HeaderEntry, build_header
+from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, StorageWriter, WriteResult
+
+__all__ = [
+    "METADATA_FILE",
+    "DATA_FILE_PATTERN",
+    "CheckpointIOError",
+    "FileSystemWriter",
+    "rank_metadata_file",
+    "write_atomically",
+    "fsync_directory",
+]
+
+#: Name of the committed metadata of a collective save.
+METADATA_FILE = "metadata.json"
+#: Data file names: ``r<rank>_<counter>.<save id>.safetensors``.
+DATA_FILE_PATTERN = re.compile(r"^r(\d{5})_(\d{3})\.([0-9a-f]{12})\.safetensors$")
+_WRITE_CHUNK = 1 << 30
+
+
+class CheckpointIOError(CheckpointError, OSError):
+    """Writing or reading a checkpoint file failed at the operating-system level."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def rank_metadata_file(rank: int) -> str:
+    """Name of the rank-local metadata written with ``use_collectives=False``."""
+    return f"metadata.rank{rank:05d}.json"
+
+
+def fsync_directory(path: Path) -> None:
+    """Make the entries of directory ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomically(path: Path, data: bytes, *, sync: bool = True) -> None:
+    """Write ``data`` to ``path`` via a temporary file and a rename.
+
+    Readers see either the old file or the whole new one. The temporary file
+    is removed on failure.
+    """
+    partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
+    try:
+        with open(partial, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            if sync:
+                os.fsync(handle.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    if sync:
+        fsync_directory(path.parent)
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    position = 0
+    while position < len(view):
+        written = os.write(fd, view[position : position + _WRITE_CHUNK])
+        if written <= 0:
+            raise OSError("short write")
+        position += written
+
+
+def _byte_view(data: np.ndarray | bytes) -> memoryview:
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return memoryview(data).cast("B")
+    array = np.ascontiguousarray(data)
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
+@dataclass(frozen=True)
+class _FileJob:
+    name: str
+    items: tuple[WriteItem, ...]
+
+
+class FileSystemWriter(StorageWriter):
+    """Writes a checkpoint into a local or shared-filesystem directory.
+
+    Args:
+        path: The checkpoint directory (created if missing).
+        sync_files: fsync data files, metadata and directory (durability).
+        thread_count: Data files (and I/O threads) per rank.
+        checksum_block_bytes: Block size of the stored checksums.
+        rank_local: Write rank-local metadata (``use_collectives=False``).
+    """
+
+    def __init__(
+        self,
+        path: CheckpointId,
+        *,
+        sync_files: bool = True,
+        thread_count: int = 1,
+        checksum_block_bytes: int = DEFAULT_BLOCK_BYTES,
+        rank_local: bool = False,
+    ) -> None:
+        if thread_count < 1:
+            raise CheckpointValueError(f"thread_count must be >= 1, got {thread_count}")
+        self.path = Path(os.fspath(path))
+        self.sync_files = sync_files
+        self.thread_count = thread_count
+        self.checksum_block_bytes = checksum_block_bytes
+        self.rank_local = rank_local
+        self.rank = 0
+        self.save_id = uuid.uuid4().hex[:12]
+
+    def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
+        """Start a new save (new save id), optionally to a new path. All ranks."""
+        if checkpoint_id is not None:
+            self.path = Path(os.fspath(checkpoint_id))
+        self.save_id = uuid.uuid4().hex[:12]
+
+    def set_up_storage_writer(self, is_coordinator: bool, *, rank: int = 0, world_size: int = 1) -> None:
+        """Create the directory (every rank may; exist is fine). All ranks call it.
+
+        Raises:
+            CheckpointExistsError: the path exists and is not a directory.
+            CheckpointIOError: the directory cannot be created or written.
+        """
+        self.rank = rank
+        if self.path.exists() and not self.path.is_dir():
+            raise CheckpointExistsError(
+                f"checkpoint path {self.path} exists and is not a directory; choose another checkpoint_id"
+            )
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointIOError(f"cannot create checkpoint directory {self.path}: {exc}") from exc
+        if not os.access(self.path, os.W_OK):
+            raise CheckpointIOError(f"checkpoint directory {self.path} is not writable (rank {rank})")
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Record this rank in the plan's storage data. All ranks call it."""
+        return replace(plan, storage_data={"rank": self.rank})
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Give every plan the coordinator's save id. Coordinator only."""
+        return [
+            replace(plan, storage_data={"rank": (plan.storage_data or {}).get("rank", rank), "save_id": self.save_id})
+            for rank, plan in enumerate(plans)
+        ]
+
+    def _jobs(self, plan: SavePlan) -> list[_FileJob]:
+        save_id = (plan.storage_data or {}).get("save_id", self.save_id)
+        self.save_id = save_id
+        bins: list[list[WriteItem]] = [[] for _ in range(self.thread_count)]
+        loads = [0] * self.thread_count
+        for item in sorted(plan.items, key=lambda i: -i.storage_size()):
+            target = loads.index(min(loads))
+            bins[target].append(item)
+            loads[target] += item.storage_size()
+        jobs = []
+        for counter, items in enumerate(b for b in bins if b):
+            name = f"r{self.rank:05d}_{counter:03d}.{save_id}.safetensors"
+            jobs.append(_FileJob(name=name, items=tuple(items)))
+        return jobs
+
+    def _write_file(self, job: _FileJob, planner: SavePlanner) -> list[WriteResult]:
+        payloads = [planner.get_data(item) for item in job.items]
+        entries = []
+        for item, data in zip(job.items, payloads):
+            if item.type == WriteItemType.BYTE_IO:
+                entries.append(HeaderEntry(_tensor_name(item.index), "uint8", (len(data),), len(data)))
+            else:
+                td = item.tensor_data
+                entries.append(HeaderEntry(_tensor_name(item.index, item.type == WriteItemType.TENSOR), td.properties.dtype, td.chunk.sizes,
+                                           item.tensor_storage_size()))
+        header, offsets = build_header(entries, {"format": "hyper_parallel", "save_id": self.save_id})
+        path = self.path / job.name
+        results = []
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(fd, memoryview(header))
+            for item, data, offset in zip(job.items, payloads, offsets):
+                view = _byte_view(data)
+                if len(view) != item.storage_size():
+                    raise CheckpointError(
+                        f"key '{item.index.fqn}': planner returned {len(view)} bytes, plan says "
+                        f"{item.storage_size()}"
+                    )
+                checksum = chunk_checksum(view, self.checksum_block_bytes)
+                _write_all(fd, view)
+                info = StorageInfo(relative_path=job.name, offset=offset, length=len(view), checksum=checksum)
+                results.append(WriteResult(index=item.index, size_in_bytes=len(view), storage_data=info))
+            if self.sync_files:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        return results
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> "Future[list[WriteResult]]":
+        """Write this rank's items durably; the returned future is already done. All ranks.
+
+        Raises (through the future):
+            CheckpointIOError: a write or fsync failed (disk full, I/O error).
+        """
+        future: Future[list[WriteResult]] = Future()
+        try:
+            jobs = self._jobs(plan)
+            if len(jobs) <= 1:
+                chunks = [self._write_file(job, planner) for job in jobs]
+            else:
+                with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="hp-ckpt-write") as pool:
+                    chunks = list(pool.map(lambda job: self._write_file(job, planner), jobs))
+            if self.sync_files and jobs:
+                fsync_directory(self.path)
+            future.set_result([result for chunk in chunks for result in chunk])
+        except OSError as exc:
+            future.set_exception(
+                CheckpointIOError(f"rank {self.rank}: writing checkpoint data in {self.path} failed: {exc}")
+            )
+        except BaseException as exc:  # pylint: disable=broad-except
+            future.set_exception(exc)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
+        """Commit: write the metadata atomically, then drop files of older saves. Coordinator only."""
+        storage_data: dict[MetadataIndex, StorageInfo] = {}
+        for rank_results in results:
+            for result in rank_results:
+                key = MetadataIndex(result.index.fqn, result.index.offset)
+                storage_data.setdefault(key, result.storage_data)
+        committed = metadata.replace(
+            storage_data=storage_data,
+            storage_meta=replace(metadata.storage_meta, backend=BACKEND_NAME, save_id=self.save_id),
+        )
+        name = rank_metadata_file(self.rank) if self.rank_local else METADATA_FILE
+        try:
+            write_atomically(self.path / name, metadata_to_json(committed), sync=self.sync_files)
+        except OSError as exc:
+            raise CheckpointIOError(f"committing checkpoint {self.path} failed: {exc}") from exc
+        self._remove_stale_files()
+        return committed
+
+    def _remove_stale_files(self) -> None:
+        """Delete data files no committed metadata of this directory references."""
+        for entry in os.scandir(self.path):
+            match = DATA_FILE_PATTERN.match(entry.name)
+            stale_partial = entry.name.startswith(".") and entry.name.endswith(".partial")
+            if stale_partial and not self.rank_local:
+                Path(entry.path).unlink(missing_ok=True)
+            if not match or match.group(3) == self.save_id:
+                continue
+            if self.rank_local and int(match.group(1)) != self.rank:
+                continue
+            if not self.rank_local and _referenced_by_rank_local(self.path, entry.name):
+                continue
+            Path(entry.path).unlink(missing_ok=True)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: CheckpointId) -> bool:
+        """Any local path string or ``os.PathLike`` is a filesystem checkpoint id."""
+        if isinstance(checkpoint_id, os.PathLike):
+            return True
+        return isinstance(checkpoint_id, str) and bool(checkpoint_id) and "://" not in checkpoint_id
+
+
+def _referenced_by_rank_local(path: Path, name: str) -> bool:
+    for entry in os.scandir(path):
+        if entry.name.startswith("metadata.rank") and entry.name.endswith(".json"):
+            try:
+                if name.encode() in Path(entry.path).read_bytes():
+                    return True
+            except OSError:
+                return True
+    return False
+
+
+def _tensor_name(index: MetadataIndex, whole: bool = False) -> str:
+    if whole or not index.offset:
+        return index.fqn
+    return f"{index.fqn}@{','.join(str(o) for o in index.offset)}"

@@ -1,0 +1,170 @@
+"""Flattening nested state dicts to dotted keys, and writing values back.
+
+``{"optim": {"state": [{"exp_avg": t}]}}`` becomes ``{"optim.state.0.exp_avg": t}``.
+A ``mindspore.nn.Cell`` stands for its ``parameters_dict()``, keys prefixed
+with its path. ``ShardedTensor`` and ``ShardedObject`` leaves are stored under
+their own global ``key`` whatever their path. Each flat key remembers its path
+so a load can put new non-tensor values back where they were (rebuilding
+tuples, which cannot change in place).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
+from hyper_parallel.platform.tensor import is_cell
+
+__all__ = ["PathElement", "FlatStateDict", "flatten_state_dict", "set_by_path", "structure_of", "unflatten"]
+
+#: One step of a path: a dict key, a list/tuple index, or a Cell parameter name.
+PathElement = Union[str, int]
+
+
+@dataclass(frozen=True)
+class FlatStateDict:
+    """A flattened state dict.
+
+    Attributes:
+        values: Leaf value of every storage key, in traversal order.
+        paths: Path of every storage key in the nested state dict.
+        containers: For every path prefix (as a tuple) the container kind
+            (``"dict"``, ``"list"``, ``"tuple"``, ``"cell"``).
+    """
+
+    values: dict[str, Any]
+    paths: dict[str, tuple[PathElement, ...]]
+    containers: dict[tuple[PathElement, ...], str]
+
+
+def _own_key(value: Any) -> str | None:
+    from hyper_parallel.core.distributed_checkpoint import mapping  # pylint: disable=import-outside-toplevel
+
+    if isinstance(value, (mapping.ShardedTensor, mapping.ShardedObject)):
+        return value.key
+    return None
+
+
+def flatten_state_dict(state_dict: dict[str, Any]) -> FlatStateDict:
+    """Flatten ``state_dict`` (see module docstring).
+
+    Raises:
+        CheckpointValueError: a non-string dict key, or two leaves that map to
+            the same storage key (the message names both paths).
+    """
+    if not isinstance(state_dict, dict):
+        raise CheckpointValueError(
+            f"state_dict must be a dict, got {type(state_dict).__name__}; wrap a Cell as {{'model': net}}"
+        )
+    values: dict[str, Any] = {}
+    paths: dict[str, tuple[PathElement, ...]] = {}
+    containers: dict[tuple[PathElement, ...], str] = {(): "dict"}
+
+    def add_leaf(path: tuple[PathElement, ...], value: Any) -> None:
+        key = _own_key(value) or ".".join(str(p) for p in path)
+        if key in values:
+            first = ".".join(str(p) for p in paths[key])
+            raise CheckpointValueError(
+                f"state_dict paths '{first}' and '{'.'.join(str(p) for p in path)}' both map to checkpoint "
+                f"key '{key}'; rename one of them"
+            )
+        values[key] = value
+        paths[key] = path
+
+    def visit(path: tuple[PathElement, ...], value: Any) -> None:
+        if isinstance(value, dict):
+            containers[path] = "dict"
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise CheckpointValueError(
+                        f"state_dict key {key!r} at '{'.'.join(str(p) for p in path) or '<root>'}' is a "
+                        f"{type(key).__name__}; only str keys can be saved"
+                    )
+                visit(path + (key,), item)
+        elif isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+            containers[path] = "list" if isinstance(value, list) else "tuple"
+            for position, item in enumerate(value):
+                visit(path + (position,), item)
+        elif is_cell(value):
+            containers[path] = "cell"
+            for name, param in value.parameters_dict().items():
+                add_leaf(path + (name,), param)
+        else:
+            add_leaf(path, value)
+
+    for key, item in state_dict.items():
+        if not isinstance(key, str):
+            raise CheckpointValueError(f"state_dict key {key!r} is a {type(key).__name__}; only str keys can be saved")
+        visit((key,), item)
+    return FlatStateDict(values=values, paths=paths, containers=containers)
+
+
+def set_by_path(root: dict[str, Any], path: tuple[PathElement, ...], value: Any) -> None:
+    """Replace the leaf at ``path`` in the nested ``root`` by ``value``.
+
+    Tuples on the way are rebuilt and put back into their parent.
+    """
+    if len(path) == 1:
+        root[path[0]] = value  # type: ignore[index]
+        return
+    parents: list[Any] = [root]
+    node: Any = root
+    for step in path[:-1]:
+        node = node[step]
+        parents.append(node)
+    new_value = value
+    for depth in range(len(path) - 1, -1, -1):
+        container = parents[depth]
+        step = path[depth]
+        if isinstance(container, tuple):
+            items = list(container)
+            items[step] = new_value  # type: ignore[index]
+            new_value = type(container)(items)
+            continue
+        if is_cell(container):
+            return  # Cell parameters are loaded in place, never replaced
+        container[step] = new_value
+        return
+
+
+def structure_of(flat: FlatStateDict) -> dict[str, Any]:
+    """Return a JSON-compatible description of the nesting (for metadata).
+
+    Returns:
+        ``{"paths": {key: [elements]}, "containers": [[path, kind], ...]}``.
+    """
+    return {
+        "paths": {key: list(path) for key, path in flat.paths.items()},
+        "containers": [[list(path), kind] for path, kind in flat.containers.items() if path],
+    }
+
+
+def unflatten(values: dict[str, Any], structure: dict[str, Any] | None) -> dict[str, Any]:
+    """Rebuild a nested state dict from flat ``values`` and a :func:`structure_of` record.
+
+    Keys without a recorded path stay at the top level under their flat name.
+    Cells come back as dicts of their parameters.
+    """
+    if not structure:
+        return dict(values)
+    kinds = {tuple(path): kind for path, kind in structure.get("containers", [])}
+    tree: dict[str, Any] = {}
+    for key, value in values.items():
+        path = tuple(structure.get("paths", {}).get(key, [key]))
+        node: Any = tree
+        for depth, step in enumerate(path[:-1]):
+            kind = kinds.get(path[: depth + 1], "dict")
+            node = node.setdefault(step, {"__kind__": kind})
+        node[path[-1]] = value
+
+    def finish(node: Any) -> Any:
+        if not isinstance(node, dict) or "__kind__" not in node:
+            return node
+        kind = node.pop("__kind__")
+        if kind in ("list", "tuple"):
+            items = [finish(node[i]) for i in sorted(node)]
+            return items if kind == "list" else tuple(items)
+        return {k: finish(v) for k, v in node.items()}
+
+    return {k: finish(v) for k, v in tree.items()}

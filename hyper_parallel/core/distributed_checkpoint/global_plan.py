@@ -1,0 +1,329 @@
+"""The coordinator's merge of every rank's save plan.
+
+Pure functions over plans, so they can be driven for any number of simulated
+ranks in one process. Three jobs, all linear in the number of items (plus a
+sort of the replicated items by size):
+
+- deduplicate: items with the same fqn and global offset on several ranks are
+  replicas; exactly one rank writes each (balanced bytes, or the lowest rank);
+- validate: same dtype, global shape and kind everywhere; the stored boxes of
+  every tensor cover it exactly; replicated values agree. Every problem is
+  reported in one :class:`PlanValidationError`;
+- describe: the checkpoint :class:`Metadata` (without storage data).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Iterable
+
+from hyper_parallel.core.distributed_checkpoint.errors import PlanValidationError
+from hyper_parallel.core.distributed_checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, WriteItem
+
+__all__ = ["build_global_save_plan", "assign_writers", "check_exact_cover", "MAX_REPORTED_PROBLEMS"]
+
+#: At most this many problems are spelled out in one validation error.
+MAX_REPORTED_PROBLEMS = 50
+
+Holder = tuple[int, int]  # (rank, position of the item in that rank's plan)
+
+
+def assign_writers(
+    groups: dict[MetadataIndex, list[Holder]],
+    sizes: dict[MetadataIndex, int],
+    *,
+    world_size: int,
+    remove_redundancy: bool,
+    save_to_minimum_rank: bool,
+) -> dict[MetadataIndex, list[int]]:
+    """Choose which holder(s) write each item.
+
+    Args:
+        groups: For each item, every ``(rank, position)`` holding it.
+        sizes: Byte size of each item.
+        world_size: Number of ranks.
+        remove_redundancy: ``False`` keeps every holder.
+        save_to_minimum_rank: Give each replicated item to its lowest rank.
+
+    Returns:
+        For each item, the ranks that write it.
+    """
+    if not remove_redundancy:
+        return {index: sorted({rank for rank, _ in holders}) for index, holders in groups.items()}
+    if save_to_minimum_rank:
+        return {index: [min(rank for rank, _ in holders)] for index, holders in groups.items()}
+    load = [0] * world_size
+    chosen: dict[MetadataIndex, list[int]] = {}
+    replicated: list[MetadataIndex] = []
+    for index, holders in groups.items():
+        if len(holders) == 1:
+            rank = holders[0][0]
+            chosen[index] = [rank]
+            load[rank] += sizes[index]
+        else:
+            replicated.append(index)
+    # Largest first, each to the least-loaded holder (lowest rank on ties).
+    replicated.sort(key=lambda idx: (-sizes[idx], idx.fqn, idx.offset))
+    for index in replicated:
+        ranks = {rank for rank, _ in groups[index]}
+        best = min(ranks, key=lambda r: (load[r], r))
+        chosen[index] = [best]
+        load[best] += sizes[index]
+    return chosen
+
+
+def check_exact_cover(
+    fqn: str, size: tuple[int, ...], chunks: Iterable[ChunkStorageMetadata]
+) -> list[str]:
+    """Check that ``chunks`` lie inside ``size`` and tile it with no overlap.
+
+    A chunk set that forms a grid is checked in linear time; anything else
+    falls back to a sweep over pairs that share a first-dim interval.
+
+    Returns:
+        A message per problem (empty when the cover is exact).
+    """
+    chunks = list(chunks)
+    problems: list[str] = []
+    total = math.prod(size)
+    for chunk in chunks:
+        if len(chunk.offsets) != len(size) or len(chunk.sizes) != len(size):
+            problems.append(f"'{fqn}': chunk at {chunk.offsets} has rank {len(chunk.sizes)}, tensor has {len(size)}")
+            continue
+        for dim, (off, ext, full) in enumerate(zip(chunk.offsets, chunk.sizes, size)):
+            if off < 0 or ext < 0 or off + ext > full:
+                problems.append(
+                    f"'{fqn}': chunk at {chunk.offsets} with sizes {chunk.sizes} leaves the global shape "
+                    f"{size} in dim {dim}"
+                )
+                break
+    if problems:
+        return problems
+    volume = sum(math.prod(chunk.sizes) for chunk in chunks)
+    if not size:
+        return [] if len(chunks) == 1 else [f"'{fqn}': scalar stored {len(chunks)} times"]
+    if _is_grid(size, chunks):
+        return []
+    overlaps = _find_overlaps(chunks)
+    for first, second in overlaps[:MAX_REPORTED_PROBLEMS]:
+        problems.append(
+            f"'{fqn}': shards at offsets {first.offsets} (sizes {first.sizes}) and {second.offsets} "
+            f"(sizes {second.sizes}) overlap"
+        )
+    if not overlaps and volume != total:
+        problems.append(
+            f"'{fqn}': the saved shards cover {volume} of {total} elements of global shape {size}; "
+            "some part of the tensor is held by no rank"
+        )
+    return problems
+
+
+def _is_grid(size: tuple[int, ...], chunks: list[ChunkStorageMetadata]) -> bool:
+    bounds = []
+    for dim, full in enumerate(size):
+        cuts = sorted({c.offsets[dim] for c in chunks} | {c.offsets[dim] + c.sizes[dim] for c in chunks})
+        if cuts[0] != 0 or cuts[-1] != full:
+            return False
+        bounds.append({cut: position for position, cut in enumerate(cuts)})
+    cells = math.prod(len(b) - 1 for b in bounds)
+    if cells != len(chunks):
+        return False
+    seen = set()
+    for chunk in chunks:
+        key = []
+        for dim, table in enumerate(bounds):
+            start = table[chunk.offsets[dim]]
+            if table[chunk.offsets[dim] + chunk.sizes[dim]] != start + 1:
+                return False
+            key.append(start)
+        seen.add(tuple(key))
+    return len(seen) == len(chunks)
+
+
+def _overlap(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
+    return all(
+        ao < bo + bs and bo < ao + as_
+        for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes)
+    ) and all(s > 0 for s in a.sizes + b.sizes)
+
+
+def _find_overlaps(chunks: list[ChunkStorageMetadata]) -> list[tuple[ChunkStorageMetadata, ChunkStorageMetadata]]:
+    ordered = sorted(chunks, key=lambda c: c.offsets[0])
+    found = []
+    active: list[ChunkStorageMetadata] = []
+    for chunk in ordered:
+        active = [a for a in active if a.offsets[0] + a.sizes[0] > chunk.offsets[0]]
+        found.extend((a, chunk) for a in active if _overlap(a, chunk))
+        active.append(chunk)
+    return found
+
+
+def build_global_save_plan(
+    all_plans: list[SavePlan],
+    *,
+    remove_redundancy: bool = True,
+    save_to_minimum_rank: bool = False,
+    planner_data: Any = None,
+) -> tuple[list[SavePlan], Metadata]:
+    """Deduplicate, validate and describe the plans of every rank. Coordinator only.
+
+    Raises:
+        PlanValidationError: listing every inconsistency found.
+    """
+    world_size = len(all_plans)
+    groups: dict[MetadataIndex, list[Holder]] = defaultdict(list)
+    first_item: dict[MetadataIndex, WriteItem] = {}
+    for rank, plan in enumerate(all_plans):
+        for position, item in enumerate(plan.items):
+            key = MetadataIndex(item.index.fqn, item.index.offset)
+            groups[key].append((rank, position))
+            first_item.setdefault(key, item)
+
+    problems: list[str] = []
+    sizes: dict[MetadataIndex, int] = {}
+    by_fqn: dict[str, list[MetadataIndex]] = defaultdict(list)
+    for key, holders in groups.items():
+        by_fqn[key.fqn].append(key)
+        first = first_item[key]
+        sizes[key] = first.storage_size()
+        if len(holders) > 1:
+            problems.extend(_check_replicas(key, holders, all_plans))
+
+    state_dict_metadata: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    for fqn, keys in by_fqn.items():
+        items = [first_item[k] for k in keys]
+        kinds = {item.tensor_data is not None for item in items}
+        if len(kinds) > 1:
+            problems.append(f"'{fqn}': saved as a tensor by some ranks and as a non-tensor value by others")
+            continue
+        if items[0].tensor_data is not None:
+            problems.extend(_describe_tensor(fqn, keys, groups, all_plans, state_dict_metadata))
+        else:
+            problems.extend(_describe_bytes(fqn, keys, groups, all_plans, state_dict_metadata))
+
+    if problems:
+        shown = problems[:MAX_REPORTED_PROBLEMS]
+        more = len(problems) - len(shown)
+        text = "\n  ".join(shown) + (f"\n  ... and {more} more" if more else "")
+        raise PlanValidationError(f"the global save plan is invalid ({len(problems)} problem(s)):\n  {text}")
+
+    writers = assign_writers(
+        groups,
+        sizes,
+        world_size=world_size,
+        remove_redundancy=remove_redundancy,
+        save_to_minimum_rank=save_to_minimum_rank,
+    )
+    keep: list[set[int]] = [set() for _ in range(world_size)]
+    for key, ranks in writers.items():
+        for rank in ranks:
+            for holder_rank, position in groups[key]:
+                if holder_rank == rank:
+                    keep[rank].add(position)
+                    break
+    final_plans = [
+        SavePlan(
+            items=tuple(item for position, item in enumerate(plan.items) if position in keep[rank]),
+            storage_data=plan.storage_data,
+            planner_data=plan.planner_data,
+        )
+        for rank, plan in enumerate(all_plans)
+    ]
+    bytes_per_rank = tuple(sum(item.storage_size() for item in plan.items) for plan in final_plans)
+    metadata = Metadata(
+        state_dict_metadata=state_dict_metadata,
+        planner_data=planner_data,
+        storage_meta=StorageMeta(world_size=world_size, bytes_per_rank=bytes_per_rank),
+    )
+    return final_plans, metadata
+
+
+def _check_replicas(key: MetadataIndex, holders: list[Holder], all_plans: list[SavePlan]) -> list[str]:
+    items = [(rank, all_plans[rank].items[position]) for rank, position in holders]
+    first = items[0][1]
+    if first.tensor_data is not None:
+        shapes = defaultdict(list)
+        for rank, item in items:
+            sizes = item.tensor_data.chunk.sizes if item.tensor_data is not None else None
+            shapes[sizes].append(rank)
+        if len(shapes) > 1:
+            detail = "; ".join(f"ranks {ranks} hold sizes {sizes}" for sizes, ranks in shapes.items())
+            return [f"'{key.fqn}': shards at offset {key.offset} differ in size ({detail}); they overlap"]
+        return []
+    digests = defaultdict(list)
+    for rank, item in items:
+        digest = item.bytes_io_data.digest if item.bytes_io_data is not None else None
+        digests[digest].append(rank)
+    if len(digests) > 1:
+        groups = "; ".join(f"ranks {ranks}" for ranks in digests.values())
+        where = f" at grid position {key.offset}" if key.offset else ""
+        return [
+            f"'{key.fqn}'{where}: the value differs between ranks ({groups} each agree); a plain value must be "
+            "equal on every rank: put per-rank values in a ShardedObject"
+        ]
+    return []
+
+
+def _describe_tensor(fqn, keys, groups, all_plans, out) -> list[str]:
+    problems: list[str] = []
+    dtypes: dict[str, list[int]] = defaultdict(list)
+    shapes: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for key in keys:
+        for rank, position in groups[key]:
+            data = all_plans[rank].items[position].tensor_data
+            if rank not in dtypes[data.properties.dtype]:
+                dtypes[data.properties.dtype].append(rank)
+            if rank not in shapes[data.size]:
+                shapes[data.size].append(rank)
+    if len(dtypes) > 1:
+        detail = "; ".join(f"{name} on ranks {sorted(ranks)}" for name, ranks in dtypes.items())
+        problems.append(f"'{fqn}': dtype differs between ranks ({detail})")
+    if len(shapes) > 1:
+        detail = "; ".join(f"{list(shape)} on ranks {sorted(ranks)}" for shape, ranks in shapes.items())
+        problems.append(f"'{fqn}': global shape differs between ranks ({detail})")
+    if problems:
+        return problems
+    size = next(iter(shapes))
+    chunks = sorted(
+        (all_plans[groups[k][0][0]].items[groups[k][0][1]].tensor_data.chunk for k in keys),
+        key=lambda c: c.offsets,
+    )
+    problems.extend(check_exact_cover(fqn, size, chunks))
+    out[fqn] = TensorStorageMetadata(
+        properties=TensorProperties(dtype=next(iter(dtypes))), size=size, chunks=tuple(chunks)
+    )
+    return problems
+
+
+def _describe_bytes(fqn, keys, groups, all_plans, out) -> list[str]:
+    type_names: dict[str, list[int]] = defaultdict(list)
+    grids: set[tuple[int, ...]] = set()
+    for key in keys:
+        for rank, position in groups[key]:
+            data = all_plans[rank].items[position].bytes_io_data
+            type_names[data.type_name].append(rank)
+            grids.add(data.global_shape)
+    problems = []
+    if len(type_names) > 1:
+        detail = "; ".join(f"{name} on ranks {sorted(set(ranks))}" for name, ranks in type_names.items())
+        problems.append(f"'{fqn}': value type differs between ranks ({detail})")
+    if len(grids) > 1:
+        problems.append(f"'{fqn}': ShardedObject global_shape differs between ranks ({sorted(grids)})")
+    if problems:
+        return problems
+    out[fqn] = BytesStorageMetadata(
+        type_name=next(iter(type_names)),
+        global_shape=next(iter(grids)),
+        shard_offsets=tuple(sorted(k.offset for k in keys)),
+    )
+    return []

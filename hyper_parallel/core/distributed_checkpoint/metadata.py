@@ -1,0 +1,190 @@
+"""What a checkpoint holds: typed, frozen descriptions of every stored item.
+
+Only dataclasses live here; JSON encoding is in :mod:`.metadata_json`.
+Coordinates follow one rule everywhere: an item is a box in its global tensor,
+given by ``offsets`` (first element of each dim) and ``sizes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+__all__ = [
+    "FORMAT_VERSION",
+    "BACKEND_NAME",
+    "MetadataIndex",
+    "ChunkStorageMetadata",
+    "TensorProperties",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "ChunkChecksum",
+    "StorageInfo",
+    "StorageMeta",
+    "Metadata",
+    "STATE_DICT_TYPE",
+]
+
+#: Version of the on-disk format written by this code (see docs/format.md).
+FORMAT_VERSION = "1.0"
+#: Name of the storage backend of the filesystem format.
+BACKEND_NAME = "filesystem"
+
+#: A flat or nested state dict as given by the caller.
+STATE_DICT_TYPE = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class MetadataIndex:
+    """Names one stored item: a whole tensor, a shard of one, or a value.
+
+    Attributes:
+        fqn: Fully qualified name of the item in the flattened state dict (or
+            the global key of a ``ShardedTensor``/``ShardedObject``).
+        offset: Global offset of the shard (empty for whole values).
+        index: A hint: the position of the item in a plan or chunk list. It is
+            left out of equality and hashing.
+    """
+
+    fqn: str
+    offset: tuple[int, ...] = ()
+    index: int | None = field(default=None, compare=False, hash=False)
+
+
+@dataclass(frozen=True)
+class ChunkStorageMetadata:
+    """One stored box of a tensor.
+
+    Attributes:
+        offsets: Global offset of the box in each dim.
+        sizes: Extent of the box in each dim.
+    """
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TensorProperties:
+    """Properties of a stored tensor.
+
+    Attributes:
+        dtype: Framework-neutral dtype name (``"float32"``, ``"bfloat16"``...).
+    """
+
+    dtype: str
+
+
+@dataclass(frozen=True)
+class TensorStorageMetadata:
+    """A tensor in the checkpoint: its properties, global shape and chunks.
+
+    Attributes:
+        properties: dtype and other properties.
+        size: Global shape.
+        chunks: The distinct stored boxes; together they cover ``size`` exactly.
+    """
+
+    properties: TensorProperties
+    size: tuple[int, ...]
+    chunks: tuple[ChunkStorageMetadata, ...]
+
+
+@dataclass(frozen=True)
+class BytesStorageMetadata:
+    """A non-tensor value stored as bytes by a type handler.
+
+    Attributes:
+        type_name: The type handler's type string (``"int"``, ``"pickle"``...).
+        global_shape: For a ``ShardedObject``, the shape of the grid of
+            per-rank objects; empty for a plain value.
+        shard_offsets: For a ``ShardedObject``, the stored grid positions;
+            ``((),)`` for a plain value.
+    """
+
+    type_name: str = ""
+    global_shape: tuple[int, ...] = ()
+    shard_offsets: tuple[tuple[int, ...], ...] = ((),)
+
+
+@dataclass(frozen=True)
+class ChunkChecksum:
+    """Checksums of one stored chunk, block by block.
+
+    The chunk's stored bytes are cut into consecutive blocks of
+    ``block_bytes`` bytes (the last may be shorter); ``digests[i]`` is the hex
+    digest of block ``i``. Loading a part of a chunk reads and verifies only
+    the blocks it touches.
+
+    Attributes:
+        algorithm: Hash name (``"xxh3_64"``).
+        block_bytes: Size of each block in bytes (> 0).
+        digests: One lowercase hex digest per block.
+    """
+
+    algorithm: str
+    block_bytes: int
+    digests: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StorageInfo:
+    """Where the bytes of one item live.
+
+    Attributes:
+        relative_path: Data file, relative to the checkpoint directory.
+        offset: Byte offset of the item in that file.
+        length: Stored length in bytes.
+        checksum: Block checksums of the stored bytes, if any.
+        compression: Codec of the stored bytes (``None`` when raw).
+        raw_length: Uncompressed length when ``compression`` is set.
+    """
+
+    relative_path: str
+    offset: int
+    length: int
+    checksum: ChunkChecksum | None = None
+    compression: str | None = None
+    raw_length: int | None = None
+
+
+@dataclass(frozen=True)
+class StorageMeta:
+    """Facts about the save itself, recorded in the metadata.
+
+    Attributes:
+        backend: Name of the storage backend that wrote the checkpoint.
+        save_id: Unique id of the save (part of every data file name).
+        world_size: Number of ranks that took part.
+        bytes_per_rank: Bytes written by each rank.
+    """
+
+    backend: str = BACKEND_NAME
+    save_id: str = ""
+    world_size: int = 1
+    bytes_per_rank: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Metadata:
+    """The committed description of a checkpoint.
+
+    Attributes:
+        state_dict_metadata: For every stored fqn its tensor or bytes metadata.
+        planner_data: JSON-compatible data of the save planner (the nesting
+            structure of the saved state dict).
+        storage_data: Where each item is stored (set by the storage writer).
+        version: Format version (:data:`FORMAT_VERSION` when written here).
+        storage_meta: Backend name and facts about the save.
+    """
+
+    state_dict_metadata: dict[str, Union[TensorStorageMetadata, BytesStorageMetadata]]
+    planner_data: Any = None
+    storage_data: dict[MetadataIndex, StorageInfo] | None = None
+    version: str = FORMAT_VERSION
+    storage_meta: StorageMeta = field(default_factory=StorageMeta)
+
+    def replace(self, **changes: Any) -> "Metadata":
+        """Return a copy with ``changes`` applied (``dataclasses.replace``)."""
+        return dataclasses.replace(self, **changes)

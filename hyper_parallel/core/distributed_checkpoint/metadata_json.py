@@ -1,0 +1,230 @@
+"""JSON encoding of :class:`Metadata`, strict on the way in.
+
+The metadata file is plain JSON (never pickle). Decoding checks every field's
+type and range and refuses paths that leave the checkpoint directory, so a
+hostile file is rejected before anything is read or allocated. The format is
+specified in ``docs/format.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import posixpath
+from typing import Any
+
+from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
+from hyper_parallel.core.distributed_checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkChecksum,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageInfo,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from hyper_parallel.platform.tensor import DTYPE_NAMES
+
+__all__ = ["FORMAT_NAME", "MAX_TENSOR_BYTES", "metadata_to_json", "metadata_from_json", "check_relative_path"]
+
+#: Value of the top-level ``"format"`` field.
+FORMAT_NAME = "hyper_parallel.distributed_checkpoint"
+#: Largest tensor (in bytes) a checkpoint may declare; larger is refused as hostile.
+MAX_TENSOR_BYTES = 1 << 50
+
+
+def metadata_to_json(metadata: Metadata) -> bytes:
+    """Encode ``metadata`` as UTF-8 JSON bytes."""
+    tensors: dict[str, Any] = {}
+    for fqn, item in metadata.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            tensors[fqn] = {
+                "kind": "tensor",
+                "dtype": item.properties.dtype,
+                "size": list(item.size),
+                "chunks": [[list(c.offsets), list(c.sizes)] for c in item.chunks],
+            }
+        else:
+            tensors[fqn] = {
+                "kind": "bytes",
+                "type": item.type_name,
+                "global_shape": list(item.global_shape),
+                "shard_offsets": [list(o) for o in item.shard_offsets],
+            }
+    storage = []
+    for index, info in (metadata.storage_data or {}).items():
+        entry: dict[str, Any] = {
+            "fqn": index.fqn,
+            "offset": list(index.offset),
+            "file": info.relative_path,
+            "byte_offset": info.offset,
+            "length": info.length,
+        }
+        if info.checksum is not None:
+            entry["checksum"] = {
+                "algorithm": info.checksum.algorithm,
+                "block_bytes": info.checksum.block_bytes,
+                "digests": list(info.checksum.digests),
+            }
+        if info.compression is not None:
+            entry["compression"] = info.compression
+            entry["raw_length"] = info.raw_length
+        storage.append(entry)
+    meta = metadata.storage_meta
+    document = {
+        "format": FORMAT_NAME,
+        "version": metadata.version,
+        "backend": meta.backend,
+        "save_id": meta.save_id,
+        "world_size": meta.world_size,
+        "bytes_per_rank": list(meta.bytes_per_rank),
+        "state_dict_metadata": tensors,
+        "storage_data": storage,
+        "planner_data": metadata.planner_data,
+    }
+    return json.dumps(document, separators=(",", ":")).encode("utf-8")
+
+
+def check_relative_path(path: Any, where: str) -> str:
+    """Return ``path`` if it is a plain relative path inside the directory.
+
+    Raises:
+        UnsafeCheckpointError: absolute, empty, backslash, ``..`` or NUL paths.
+    """
+    if not isinstance(path, str) or not path or "\x00" in path or "\\" in path:
+        raise UnsafeCheckpointError(f"{where}: data file name {path!r} is not a plain relative path")
+    norm = posixpath.normpath(path)
+    if posixpath.isabs(path) or norm.startswith("..") or norm != path or path.startswith("./"):
+        raise UnsafeCheckpointError(f"{where}: data file {path!r} leaves the checkpoint directory; refused")
+    return path
+
+
+def _ints(value: Any, where: str, *, minimum: int = 0) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(type(v) is int and v >= minimum for v in value):
+        raise CorruptCheckpointError(f"{where}: expected a list of integers >= {minimum}, got {value!r:.80}")
+    return tuple(value)
+
+
+def _int(value: Any, where: str) -> int:
+    if type(value) is not int or value < 0:
+        raise CorruptCheckpointError(f"{where}: expected an integer >= 0, got {value!r:.80}")
+    return value
+
+
+def _str(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise CorruptCheckpointError(f"{where}: expected a string, got {value!r:.80}")
+    return value
+
+
+def _tensor_entry(fqn: str, raw: dict, where: str) -> TensorStorageMetadata:
+    dtype = _str(raw.get("dtype"), f"{where} dtype")
+    if dtype not in DTYPE_NAMES:
+        raise CorruptCheckpointError(f"{where}: unknown dtype {dtype!r}")
+    size = _ints(raw.get("size"), f"{where} size")
+    if math.prod(size) * DTYPE_NAMES[dtype] > MAX_TENSOR_BYTES:
+        raise UnsafeCheckpointError(f"{where}: declared size {list(size)} is absurdly large; refused")
+    chunks = []
+    raw_chunks = raw.get("chunks")
+    if not isinstance(raw_chunks, list):
+        raise CorruptCheckpointError(f"{where}: chunks must be a list")
+    for position, pair in enumerate(raw_chunks):
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise CorruptCheckpointError(f"{where}: chunk {position} must be [offsets, sizes]")
+        offsets = _ints(pair[0], f"{where} chunk {position} offsets")
+        sizes = _ints(pair[1], f"{where} chunk {position} sizes")
+        if len(offsets) != len(size) or len(sizes) != len(size) or any(
+            o + s > full for o, s, full in zip(offsets, sizes, size)
+        ):
+            raise CorruptCheckpointError(f"{where}: chunk {position} {offsets}+{sizes} lies outside {list(size)}")
+        chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=sizes))
+    return TensorStorageMetadata(properties=TensorProperties(dtype=dtype), size=size, chunks=tuple(chunks))
+
+
+def _storage_entry(raw: Any, position: int) -> tuple[MetadataIndex, StorageInfo]:
+    where = f"metadata storage_data[{position}]"
+    if not isinstance(raw, dict):
+        raise CorruptCheckpointError(f"{where}: expected an object")
+    fqn = _str(raw.get("fqn"), f"{where} fqn")
+    index = MetadataIndex(fqn, _ints(raw.get("offset"), f"{where} offset"))
+    path = check_relative_path(raw.get("file"), f"{where} (key '{fqn}')")
+    checksum = None
+    if raw.get("checksum") is not None:
+        chk = raw["checksum"]
+        if not isinstance(chk, dict):
+            raise CorruptCheckpointError(f"{where}: checksum must be an object")
+        block = _int(chk.get("block_bytes"), f"{where} block_bytes")
+        digests = chk.get("digests")
+        if block <= 0 or not isinstance(digests, list) or not all(isinstance(d, str) for d in digests):
+            raise CorruptCheckpointError(f"{where}: malformed checksum for key '{fqn}'")
+        checksum = ChunkChecksum(
+            algorithm=_str(chk.get("algorithm"), f"{where} algorithm"), block_bytes=block, digests=tuple(digests)
+        )
+    compression = raw.get("compression")
+    if compression is not None and compression != "zstd":
+        raise CorruptCheckpointError(f"{where}: unknown compression {compression!r} for key '{fqn}'")
+    info = StorageInfo(
+        relative_path=path,
+        offset=_int(raw.get("byte_offset"), f"{where} byte_offset"),
+        length=_int(raw.get("length"), f"{where} length"),
+        checksum=checksum,
+        compression=compression,
+        raw_length=_int(raw["raw_length"], f"{where} raw_length") if compression else None,
+    )
+    if info.length > MAX_TENSOR_BYTES or info.offset > MAX_TENSOR_BYTES:
+        raise UnsafeCheckpointError(f"{where}: absurd byte offset or length for key '{fqn}'; refused")
+    return index, info
+
+
+def metadata_from_json(data: bytes, *, source: str = "metadata") -> Metadata:
+    """Decode and check metadata written by :func:`metadata_to_json`.
+
+    Raises:
+        CorruptCheckpointError: not JSON, or a field of the wrong type.
+        UnsafeCheckpointError: a path leaving the directory or an absurd size.
+    """
+    try:
+        document = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptCheckpointError(f"{source}: not valid JSON metadata ({exc})") from exc
+    if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{source}: not a hyper_parallel checkpoint metadata file")
+    raw_items = document.get("state_dict_metadata")
+    if not isinstance(raw_items, dict):
+        raise CorruptCheckpointError(f"{source}: state_dict_metadata must be an object")
+    items: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    for fqn, raw in raw_items.items():
+        where = f"{source}: key '{fqn}'"
+        if not isinstance(raw, dict):
+            raise CorruptCheckpointError(f"{where}: expected an object")
+        if raw.get("kind") == "tensor":
+            items[fqn] = _tensor_entry(fqn, raw, where)
+        elif raw.get("kind") == "bytes":
+            offsets = raw.get("shard_offsets", [[]])
+            if not isinstance(offsets, list):
+                raise CorruptCheckpointError(f"{where}: shard_offsets must be a list")
+            items[fqn] = BytesStorageMetadata(
+                type_name=_str(raw.get("type"), f"{where} type"),
+                global_shape=_ints(raw.get("global_shape", []), f"{where} global_shape"),
+                shard_offsets=tuple(_ints(o, f"{where} shard offset") for o in offsets),
+            )
+        else:
+            raise CorruptCheckpointError(f"{where}: unknown kind {raw.get('kind')!r}")
+    raw_storage = document.get("storage_data")
+    if not isinstance(raw_storage, list):
+        raise CorruptCheckpointError(f"{source}: storage_data must be a list")
+    storage = dict(_storage_entry(raw, position) for position, raw in enumerate(raw_storage))
+    return Metadata(
+        state_dict_metadata=items,
+        planner_data=document.get("planner_data"),
+        storage_data=storage,
+        version=_str(document.get("version"), f"{source} version"),
+        storage_meta=StorageMeta(
+            backend=_str(document.get("backend"), f"{source} backend"),
+            save_id=_str(document.get("save_id", ""), f"{source} save_id"),
+            world_size=_int(document.get("world_size", 1), f"{source} world_size"),
+            bytes_per_rank=_ints(document.get("bytes_per_rank", []), f"{source} bytes_per_rank"),
+        ),
+    )

@@ -1,0 +1,146 @@
+"""The safetensors container of every data file: header building and parsing.
+
+A safetensors file is an 8-byte little-endian header length ``N``, ``N``
+bytes of JSON (padded with spaces to a multiple of 8), then the data region.
+Each JSON entry gives ``dtype``, ``shape`` and ``data_offsets`` (begin, end)
+relative to the data region; entries tile the region with no gap. The header
+is built before any data is written, so every tensor streams straight to its
+precomputed offset.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+
+from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
+
+__all__ = [
+    "SAFETENSORS_DTYPES",
+    "DTYPE_FROM_SAFETENSORS",
+    "MAX_HEADER_BYTES",
+    "HeaderEntry",
+    "build_header",
+    "read_header",
+]
+
+#: Stored dtype name -> safetensors dtype code.
+SAFETENSORS_DTYPES: dict[str, str] = {
+    "bool": "BOOL",
+    "int8": "I8",
+    "uint8": "U8",
+    "int16": "I16",
+    "uint16": "U16",
+    "int32": "I32",
+    "uint32": "U32",
+    "int64": "I64",
+    "uint64": "U64",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float32": "F32",
+    "float64": "F64",
+}
+DTYPE_FROM_SAFETENSORS = {code: name for name, code in SAFETENSORS_DTYPES.items()}
+
+#: Headers larger than this are refused as hostile (safetensors uses 100 MB).
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    """One tensor of a safetensors file.
+
+    Attributes:
+        name: Tensor name in the file.
+        dtype: Stored dtype name (``"float32"``...).
+        shape: Shape as stored.
+        nbytes: Byte length in the data region.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def build_header(entries: list[HeaderEntry], file_metadata: dict[str, str]) -> tuple[bytes, list[int]]:
+    """Return the header bytes (length prefix included) and each entry's absolute offset.
+
+    Entries are laid out in the given order with no gaps, as safetensors requires.
+    """
+    header: dict[str, object] = {"__metadata__": dict(file_metadata)}
+    position = 0
+    relative = []
+    for entry in entries:
+        header[entry.name] = {
+            "dtype": SAFETENSORS_DTYPES[entry.dtype],
+            "shape": list(entry.shape),
+            "data_offsets": [position, position + entry.nbytes],
+        }
+        relative.append(position)
+        position += entry.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    prefix = struct.pack("<Q", len(text))
+    base = len(prefix) + len(text)
+    return prefix + text, [base + r for r in relative]
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict[str, dict], int]:
+    """Parse and check a safetensors header.
+
+    Returns:
+        The tensor entries (without ``__metadata__``) and the absolute offset
+        where the data region starts.
+
+    Raises:
+        CorruptCheckpointError: a header that is too large, not JSON, or whose
+            entries do not tile the data region (names the file).
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as handle:
+        raw = handle.read(8)
+        if len(raw) < 8:
+            raise CorruptCheckpointError(f"{path}: file too short for a safetensors header ({size} bytes)")
+        (length,) = struct.unpack("<Q", raw)
+        if length > MAX_HEADER_BYTES or length + 8 > size:
+            raise CorruptCheckpointError(
+                f"{path}: safetensors header length {length} is larger than the file or the "
+                f"{MAX_HEADER_BYTES}-byte limit"
+            )
+        text = handle.read(length)
+    try:
+        header = json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptCheckpointError(f"{path}: safetensors header is not valid JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{path}: safetensors header is not a JSON object")
+    header.pop("__metadata__", None)
+    data_start = 8 + length
+    spans = []
+    for name, entry in header.items():
+        try:
+            begin, end = (int(v) for v in entry["data_offsets"])
+            dtype = DTYPE_FROM_SAFETENSORS[entry["dtype"]]
+            shape = tuple(int(s) for s in entry["shape"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptCheckpointError(f"{path}: malformed safetensors entry '{name}'") from exc
+        from hyper_parallel.platform.tensor import DTYPE_NAMES  # pylint: disable=import-outside-toplevel
+
+        if end - begin != math.prod(shape) * DTYPE_NAMES[dtype] or begin > end:
+            raise CorruptCheckpointError(f"{path}: entry '{name}' offsets {begin}..{end} do not match its shape")
+        spans.append((begin, end))
+    spans.sort()
+    position = 0
+    for begin, end in spans:
+        if begin != position:
+            raise CorruptCheckpointError(f"{path}: safetensors entries leave a gap or overlap at byte {position}")
+        position = end
+    if data_start + position != size:
+        raise CorruptCheckpointError(
+            f"{path}: data region holds {size - data_start} bytes but the header describes {position}"
+        )
+    return header, data_start

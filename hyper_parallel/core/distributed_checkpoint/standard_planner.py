@@ -1,0 +1,355 @@
+"""The default planners: what to write from a state dict, where to load into.
+
+:class:`StandardSavePlanner` offers one write item per tensor piece (a whole
+tensor, a DTensor shard, a ShardedTensor box) and one bytes item per value;
+tensors stay in its cache, never in plans. The coordinator's merge is
+:func:`.global_plan.build_global_save_plan`.
+
+:class:`StandardLoadPlanner` reads, for every piece of every target tensor,
+the overlap with each stored chunk, straight into the target's memory when the
+framework shares it (CPU), otherwise into a staging copy assigned back at the
+end. Non-tensor values are replaced in the caller's (nested) dict.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from hyper_parallel.core.distributed_checkpoint.checksum import digest
+from hyper_parallel.core.distributed_checkpoint.errors import (
+    CheckpointValueError,
+    MissingKeyError,
+    ShapeMismatchError,
+)
+from hyper_parallel.core.distributed_checkpoint.flatten import FlatStateDict, flatten_state_dict, set_by_path, structure_of
+from hyper_parallel.core.distributed_checkpoint.global_plan import build_global_save_plan
+from hyper_parallel.core.distributed_checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from hyper_parallel.core.distributed_checkpoint.planner import (
+    BytesWriteData,
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from hyper_parallel.core.distributed_checkpoint.state_items import (
+    SkipEntry,
+    TensorEntry,
+    TensorPiece,
+    ValueEntry,
+    make_entry,
+    piece_view,
+)
+from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value, serialize_value
+from hyper_parallel.platform.tensor import assign, to_numpy, writable_view
+
+__all__ = ["StandardSavePlanner", "StandardLoadPlanner"]
+
+
+class StandardSavePlanner(SavePlanner):
+    """Plans a save of a (nested) state dict.
+
+    Args:
+        allow_pickle: Pickle values of types with no registered handler.
+    """
+
+    def __init__(self, *, allow_pickle: bool = False) -> None:
+        self.allow_pickle = allow_pickle
+        self.flat: FlatStateDict | None = None
+        self.rank = 0
+        self.world_size = 1
+        self.is_coordinator = True
+        self.remove_redundancy = True
+        self.save_to_minimum_rank = False
+        self._tensors: dict[MetadataIndex, tuple[TensorEntry, TensorPiece]] = {}
+        self._bytes: dict[MetadataIndex, bytes] = {}
+
+    def configure_planner(
+        self,
+        state_dict: dict[str, Any],
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        is_coordinator: bool = True,
+        remove_redundancy: bool = True,
+        save_to_minimum_rank: bool = False,
+    ) -> None:
+        """Flatten this rank's state dict. All ranks call it first."""
+        self.flat = flatten_state_dict(state_dict)
+        self.rank, self.world_size, self.is_coordinator = rank, world_size, is_coordinator
+        self.remove_redundancy = remove_redundancy
+        self.save_to_minimum_rank = save_to_minimum_rank
+        self._tensors.clear()
+        self._bytes.clear()
+
+    def build_local_plan(self) -> SavePlan:
+        """Return one item per tensor piece and per value. All ranks call it.
+
+        Raises:
+            UnsupportedTypeError: a value of a type with no handler (names the key).
+        """
+        if self.flat is None:
+            raise CheckpointValueError("configure_planner must be called before build_local_plan")
+        items: list[WriteItem] = []
+        for fqn, value in self.flat.values.items():
+            entry = make_entry(fqn, value)
+            if isinstance(entry, SkipEntry) or not entry.write:
+                continue
+            if isinstance(entry, TensorEntry):
+                items.extend(self._tensor_items(entry))
+            else:
+                items.append(self._bytes_item(entry))
+        return SavePlan(items=tuple(items), planner_data=structure_of(self.flat))
+
+    def _tensor_items(self, entry: TensorEntry) -> list[WriteItem]:
+        items = []
+        for piece in entry.pieces:
+            index = MetadataIndex(entry.fqn, piece.offsets)
+            whole = piece.sizes == entry.global_shape
+            items.append(
+                WriteItem(
+                    index=index,
+                    type=WriteItemType.TENSOR if whole else WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=piece.offsets, sizes=piece.sizes),
+                        properties=TensorProperties(dtype=entry.dtype),
+                        size=entry.global_shape,
+                    ),
+                )
+            )
+            self._tensors[index] = (entry, piece)
+        return items
+
+    def _bytes_item(self, entry: ValueEntry) -> WriteItem:
+        type_name, payload = serialize_value(entry.value, key=entry.fqn, allow_pickle=self.allow_pickle)
+        index = MetadataIndex(entry.fqn, entry.offset)
+        self._bytes[index] = payload
+        return WriteItem(
+            index=index,
+            type=WriteItemType.BYTE_IO,
+            bytes_io_data=BytesWriteData(
+                type_name=type_name, nbytes=len(payload), digest=digest(payload), global_shape=entry.grid_shape
+            ),
+        )
+
+    def build_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """Deduplicate, validate and describe. Coordinator only."""
+        structure = all_plans[0].planner_data if all_plans else None
+        stripped = [replace(plan, planner_data=None) for plan in all_plans]
+        return build_global_save_plan(
+            stripped,
+            remove_redundancy=self.remove_redundancy,
+            save_to_minimum_rank=self.save_to_minimum_rank,
+            planner_data=structure,
+        )
+
+    def finalize_plan(self, plan: SavePlan) -> SavePlan:
+        """Accept the final plan. All ranks call it."""
+        return plan
+
+    def get_data(self, item: WriteItem) -> np.ndarray | bytes:
+        """Return the item's bytes or array (a view of the tensor when possible)."""
+        key = MetadataIndex(item.index.fqn, item.index.offset)
+        if item.type == WriteItemType.BYTE_IO:
+            return self._bytes[key]
+        entry, piece = self._tensors[key]
+        local = to_numpy(entry.local)
+        if piece.flat_start is None and tuple(local.shape) != entry.local_shape:
+            local = local.reshape(entry.local_shape)
+        return np.ascontiguousarray(piece_view(local, entry, piece))
+
+
+class StandardLoadPlanner(LoadPlanner):
+    """Plans a load into a (nested) state dict, in place.
+
+    Args:
+        allow_partial_load: Skip target keys missing from the checkpoint
+            instead of raising :class:`MissingKeyError`.
+        allow_pickle: Unpickle stored pickled values (trusted checkpoints only).
+    """
+
+    def __init__(self, *, allow_partial_load: bool = False, allow_pickle: bool = False) -> None:
+        self.allow_partial_load = allow_partial_load
+        self.allow_pickle = allow_pickle
+        self.state_dict: dict[str, Any] | None = None
+        self.flat: FlatStateDict | None = None
+        self.metadata: Metadata | None = None
+        self.rank = 0
+        self.missing_keys: list[str] = []
+        self._entries: dict[str, TensorEntry | ValueEntry | SkipEntry] = {}
+        self._targets: dict[str, np.ndarray] = {}
+        self._staged: set[str] = set()
+        self._pieces: dict[MetadataIndex, tuple[TensorEntry, TensorPiece]] = {}
+        self._values: dict[str, Any] = {}
+
+    def configure_planner(
+        self,
+        state_dict: dict[str, Any],
+        metadata: Metadata,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        is_coordinator: bool = True,
+    ) -> None:
+        """Flatten the target and check it against the metadata. All ranks call it.
+
+        Raises:
+            MissingKeyError: keys missing from the checkpoint (all listed).
+            ShapeMismatchError: a global shape differs (names key and shapes).
+        """
+        self.state_dict = state_dict
+        self.flat = flatten_state_dict(state_dict)
+        self.metadata = metadata
+        self.rank = rank
+        self.missing_keys = []
+        self._entries.clear()
+        self._targets.clear()
+        self._staged.clear()
+        self._pieces.clear()
+        self._values.clear()
+        problems = []
+        for fqn, value in self.flat.values.items():
+            entry = make_entry(fqn, value)
+            if isinstance(entry, SkipEntry):
+                self._entries[fqn] = entry
+                continue
+            stored = metadata.state_dict_metadata.get(fqn)
+            if stored is None:
+                self.missing_keys.append(fqn)
+                continue
+            if isinstance(entry, TensorEntry):
+                if not isinstance(stored, TensorStorageMetadata):
+                    problems.append(f"key '{fqn}': the target is a tensor but the checkpoint stores a value")
+                    continue
+                if tuple(stored.size) != entry.global_shape and not entry.allow_shape_mismatch:
+                    raise ShapeMismatchError(
+                        f"key '{fqn}': checkpoint global shape {list(stored.size)} differs from the target's "
+                        f"global shape {list(entry.global_shape)}"
+                    )
+            self._entries[fqn] = entry
+        if problems:
+            raise CheckpointValueError("; ".join(problems))
+        if self.missing_keys and not self.allow_partial_load:
+            shown = ", ".join(f"'{k}'" for k in self.missing_keys[:20])
+            more = f" and {len(self.missing_keys) - 20} more" if len(self.missing_keys) > 20 else ""
+            raise MissingKeyError(
+                f"rank {rank}: key(s) {shown}{more} not in the checkpoint; pass "
+                "StandardLoadPlanner(allow_partial_load=True) to load the others"
+            )
+
+    def build_local_plan(self) -> LoadPlan:
+        """Return the overlap of every target piece with every stored chunk. All ranks."""
+        items: list[ReadItem] = []
+        for fqn, entry in self._entries.items():
+            stored = self.metadata.state_dict_metadata[fqn] if not isinstance(entry, SkipEntry) else None
+            if isinstance(entry, TensorEntry) and isinstance(stored, TensorStorageMetadata):
+                items.extend(self._tensor_reads(entry, stored))
+            elif isinstance(entry, ValueEntry) and isinstance(stored, BytesStorageMetadata):
+                if entry.offset not in stored.shard_offsets:
+                    raise MissingKeyError(
+                        f"key '{fqn}': grid position {list(entry.offset)} is not in the checkpoint "
+                        f"(stored: {[list(o) for o in stored.shard_offsets]})"
+                    )
+                index = MetadataIndex(fqn, entry.offset)
+                items.append(ReadItem(LoadItemType.BYTE_IO, index, (), index, (), ()))
+            elif isinstance(entry, ValueEntry) and isinstance(stored, TensorStorageMetadata):
+                items.extend(self._new_tensor_reads(fqn, stored))
+        return LoadPlan(items=tuple(items))
+
+    def _tensor_reads(self, entry: TensorEntry, stored: TensorStorageMetadata) -> list[ReadItem]:
+        reads = []
+        for position, piece in enumerate(entry.pieces):
+            dest = MetadataIndex(entry.fqn, piece.offsets, index=position)
+            self._pieces[MetadataIndex(entry.fqn, piece.offsets)] = (entry, piece)
+            for chunk in stored.chunks:
+                lo = tuple(max(a, b) for a, b in zip(piece.offsets, chunk.offsets))
+                hi = tuple(
+                    min(a + s, b + t) for a, s, b, t in zip(piece.offsets, piece.sizes, chunk.offsets, chunk.sizes)
+                )
+                if math.prod(piece.sizes) == 0 or any(h <= l for l, h in zip(lo, hi)):
+                    continue
+                reads.append(
+                    ReadItem(
+                        type=LoadItemType.TENSOR,
+                        dest_index=dest,
+                        dest_offsets=tuple(l - p for l, p in zip(lo, piece.offsets)),
+                        storage_index=MetadataIndex(entry.fqn, chunk.offsets),
+                        storage_offsets=tuple(l - c for l, c in zip(lo, chunk.offsets)),
+                        lengths=tuple(h - l for l, h in zip(lo, hi)),
+                    )
+                )
+        return reads
+
+    def _new_tensor_reads(self, fqn: str, stored: TensorStorageMetadata) -> list[ReadItem]:
+        """A non-tensor placeholder (e.g. ``None``) receives the whole stored tensor as numpy."""
+        from hyper_parallel.platform.tensor import numpy_dtype  # pylint: disable=import-outside-toplevel
+
+        array = np.zeros(stored.size, dtype=numpy_dtype(stored.properties.dtype))
+        entry = make_entry(fqn, array)
+        self._entries[fqn] = entry
+        self._values[fqn] = array
+        return self._tensor_reads(entry, stored)
+
+    def build_global_plan(self, all_plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Keep every rank's plan. Coordinator only."""
+        return all_plans
+
+    def finalize_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Accept the final plan. All ranks call it."""
+        return plan
+
+    def _target(self, entry: TensorEntry) -> np.ndarray:
+        array = self._targets.get(entry.fqn)
+        if array is None:
+            array = writable_view(entry.local)
+            if array is None:
+                array = np.array(to_numpy(entry.local), copy=True)
+                self._staged.add(entry.fqn)
+            if entry.pieces[0].flat_start is None and tuple(array.shape) != entry.local_shape:
+                array = array.reshape(entry.local_shape)
+            self._targets[entry.fqn] = array
+        return array
+
+    def acquire_tensor(self, read_item: ReadItem) -> np.ndarray:
+        """Return the writable target region of ``read_item``. Called by the reader."""
+        entry, piece = self._pieces[MetadataIndex(read_item.dest_index.fqn, read_item.dest_index.offset)]
+        region = piece_view(self._target(entry), entry, piece)
+        slices = tuple(slice(o, o + n) for o, n in zip(read_item.dest_offsets, read_item.lengths))
+        return region[slices] if slices else region
+
+    def apply_tensor(self, read_item: ReadItem, tensor: np.ndarray) -> None:
+        """The region was filled in place; nothing more to do. Called by the reader."""
+
+    def apply_bytes(self, read_item: ReadItem, value: bytes) -> None:
+        """Decode a stored value with its type handler. Called by the reader."""
+        fqn = read_item.dest_index.fqn
+        stored = self.metadata.state_dict_metadata[fqn]
+        self._values[fqn] = deserialize_value(
+            stored.type_name, value, key=fqn, allow_pickle=self.allow_pickle
+        )
+
+    def finish_load(self) -> None:
+        """Assign staged tensors and put new values into the caller's dict. All ranks."""
+        for fqn in self._staged:
+            entry = self._entries[fqn]
+            assign(entry.local, self._targets[fqn].reshape(np.shape(to_numpy(entry.local))))
+        for fqn, entry in self._entries.items():
+            if isinstance(entry, SkipEntry):
+                set_by_path(self.state_dict, self.flat.paths[fqn], entry.value)
+            elif fqn in self._values:
+                set_by_path(self.state_dict, self.flat.paths[fqn], self._values[fqn])

@@ -1,0 +1,227 @@
+"""What one flattened state-dict leaf is, in the terms the planners use.
+
+Every tensor-like leaf (DTensor, MindSpore Tensor/Parameter, numpy array,
+``ShardedTensor``) becomes a :class:`TensorEntry`: the global shape and one or
+more *pieces*, boxes of the global tensor that this rank holds. A DTensor or a
+whole tensor is one piece; a ``ShardedTensor`` with ``flattened_range`` is the
+few boxes its flat slice decomposes into, so a flat slice is stored as ordinary
+chunks and reshards like any other box. Every other leaf becomes a
+:class:`ValueEntry`, stored as bytes by a type handler.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hyper_parallel.core.distributed_checkpoint.errors import UnsupportedTypeError
+from hyper_parallel.core.distributed_checkpoint.mapping import (
+    LocalNonpersistentObject,
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+    is_main_replica,
+)
+from hyper_parallel.core.dtensor import DTensor
+from hyper_parallel.platform.tensor import dtype_name, is_tensor
+
+__all__ = [
+    "TensorPiece",
+    "TensorEntry",
+    "ValueEntry",
+    "SkipEntry",
+    "make_entry",
+    "flat_range_boxes",
+    "piece_view",
+]
+
+
+@dataclass(frozen=True)
+class TensorPiece:
+    """A box of the global tensor held locally.
+
+    Attributes:
+        offsets: Global offset of the box.
+        sizes: Extent of the box.
+        flat_start: ``None`` when the box is the whole local tensor; else the
+            position in the (1-D) local data where the box's elements start,
+            in row-major order.
+    """
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    flat_start: int | None = None
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A tensor-like leaf.
+
+    Attributes:
+        fqn: Storage key.
+        dtype: Stored (or target) dtype name.
+        global_shape: Shape of the global tensor.
+        pieces: The boxes held locally.
+        local: The local tensor object (loaded into in place).
+        local_shape: Shape of the local box (before any flattening).
+        write: Whether this rank offers the pieces for writing (main replica).
+        allow_shape_mismatch: On load, accept a different stored global shape.
+    """
+
+    fqn: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    pieces: tuple[TensorPiece, ...]
+    local: Any
+    local_shape: tuple[int, ...]
+    write: bool = True
+    allow_shape_mismatch: bool = False
+
+
+@dataclass(frozen=True)
+class ValueEntry:
+    """A non-tensor leaf (a plain value or a ``ShardedObject``).
+
+    Attributes:
+        fqn: Storage key.
+        value: The value.
+        offset: Grid position of a ``ShardedObject`` (empty otherwise).
+        grid_shape: Grid shape of a ``ShardedObject`` (empty otherwise).
+        write: Whether this rank writes it (main replica).
+    """
+
+    fqn: str
+    value: Any
+    offset: tuple[int, ...] = ()
+    grid_shape: tuple[int, ...] = ()
+    write: bool = True
+
+
+@dataclass(frozen=True)
+class SkipEntry:
+    """A leaf never saved (``LocalNonpersistentObject``); on load it keeps its value."""
+
+    fqn: str
+    value: Any
+
+
+def flat_range_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Cut the row-major flat range ``[start, stop)`` of ``shape`` into boxes.
+
+    The boxes come in flat order and each is contiguous in row-major order, so
+    box ``i`` holds the next ``prod(sizes)`` elements of the range.
+
+    Returns:
+        ``(offsets, sizes)`` of each box, offsets relative to ``shape``.
+    """
+    if start >= stop:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (stop - start,))] if shape else [((), ())]
+    inner = math.prod(shape[1:])
+    if inner == 0:
+        return []
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    row, col = divmod(start, inner)
+    if col:
+        end = min(stop, (row + 1) * inner)
+        for offs, sizes in flat_range_boxes(shape[1:], col, end - row * inner):
+            boxes.append(((row,) + offs, (1,) + sizes))
+        row, start = row + 1, end
+    full_rows = (stop - start) // inner
+    if start < stop and full_rows:
+        boxes.append(((row,) + (0,) * (len(shape) - 1), (full_rows,) + tuple(shape[1:])))
+        row, start = row + full_rows, start + full_rows * inner
+    if start < stop:
+        for offs, sizes in flat_range_boxes(shape[1:], 0, stop - start):
+            boxes.append(((row,) + offs, (1,) + sizes))
+    return boxes
+
+
+def _sharded_tensor_entry(fqn: str, st: ShardedTensor) -> TensorEntry:
+    if st.flattened_range is None:
+        pieces = (TensorPiece(offsets=st.global_offset, sizes=st.local_shape),)
+    else:
+        rng = st.flattened_range
+        boxes = flat_range_boxes(st.local_shape, rng.start, rng.stop)
+        pieces_list = []
+        position = 0
+        for offs, sizes in boxes:
+            glob = tuple(o + g for o, g in zip(offs, st.global_offset))
+            pieces_list.append(TensorPiece(offsets=glob, sizes=sizes, flat_start=position))
+            position += math.prod(sizes)
+        pieces = tuple(pieces_list)
+    return TensorEntry(
+        fqn=fqn,
+        dtype=dtype_name(st.data),
+        global_shape=st.global_shape,
+        pieces=pieces,
+        local=st.data,
+        local_shape=st.local_shape,
+        write=is_main_replica(st.replica_id),
+        allow_shape_mismatch=st.allow_shape_mismatch,
+    )
+
+
+def make_entry(fqn: str, value: Any) -> TensorEntry | ValueEntry | SkipEntry:
+    """Classify one flattened leaf.
+
+    Raises:
+        UnsupportedTypeError: an unapplied ``ShardedTensorFactory`` (call
+            ``apply_factories`` first).
+    """
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        return TensorEntry(
+            fqn=fqn,
+            dtype=dtype_name(local),
+            global_shape=tuple(value.shape),
+            pieces=(TensorPiece(offsets=tuple(value.global_offset), sizes=tuple(value.local_shape)),),
+            local=local,
+            local_shape=tuple(value.local_shape),
+        )
+    if isinstance(value, ShardedTensor):
+        return _sharded_tensor_entry(fqn, value)
+    if is_tensor(value) or isinstance(value, np.ndarray):
+        shape = tuple(int(s) for s in value.shape)
+        if isinstance(value, np.ndarray) and value.dtype == object:
+            return ValueEntry(fqn=fqn, value=value)
+        return TensorEntry(
+            fqn=fqn,
+            dtype=dtype_name(value),
+            global_shape=shape,
+            pieces=(TensorPiece(offsets=(0,) * len(shape), sizes=shape),),
+            local=value,
+            local_shape=shape,
+        )
+    if isinstance(value, ShardedObject):
+        return ValueEntry(
+            fqn=fqn,
+            value=value.data,
+            offset=value.global_offset,
+            grid_shape=value.global_shape,
+            write=is_main_replica(value.replica_id),
+        )
+    if isinstance(value, LocalNonpersistentObject):
+        return SkipEntry(fqn=fqn, value=value.unwrap())
+    if isinstance(value, ShardedTensorFactory):
+        raise UnsupportedTypeError(
+            f"state_dict key '{fqn}' holds a ShardedTensorFactory; call "
+            "hyper_parallel.core.distributed_checkpoint.mapping.apply_factories(state_dict) first"
+        )
+    return ValueEntry(fqn=fqn, value=value)
+
+
+def piece_view(local_array: np.ndarray, entry: TensorEntry, piece: TensorPiece) -> np.ndarray:
+    """Return the part of the local array holding ``piece``, shaped like the box.
+
+    A view whenever the layout allows (always for whole and flat pieces).
+    """
+    if piece.flat_start is None:
+        return local_array.reshape(piece.sizes)
+    count = math.prod(piece.sizes)
+    flat = local_array.reshape(-1)
+    return flat[piece.flat_start : piece.flat_start + count].reshape(piece.sizes)

@@ -1,0 +1,111 @@
+"""Abstract storage: where plans become bytes and bytes become values.
+
+Writer call order in ``dcp.save``: ``reset`` -> ``set_up_storage_writer`` ->
+``prepare_local_plan`` (all ranks) -> ``prepare_global_plan`` (coordinator) ->
+``write_data`` (all ranks) -> ``finish`` (coordinator: the commit).
+
+Reader call order in ``dcp.load``: ``reset`` -> ``read_metadata`` ->
+``set_up_storage_reader`` -> ``prepare_local_plan`` (all ranks) ->
+``prepare_global_plan`` (coordinator) -> ``read_data`` (all ranks).
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Union
+
+from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex, StorageInfo
+from hyper_parallel.core.distributed_checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
+
+__all__ = ["CheckpointId", "WriteResult", "StorageWriter", "StorageReader"]
+
+#: What callers may pass as ``checkpoint_id``.
+CheckpointId = Union[str, os.PathLike]
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    """Where one written item landed.
+
+    Attributes:
+        index: The item written.
+        size_in_bytes: Bytes written for it.
+        storage_data: File, offset, length and checksum.
+    """
+
+    index: MetadataIndex
+    size_in_bytes: int
+    storage_data: StorageInfo
+
+
+class StorageWriter(abc.ABC):
+    """Writes the items of a save plan and commits the checkpoint."""
+
+    @abc.abstractmethod
+    def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
+        """Start a new save, optionally to a new location. All ranks call it."""
+
+    @abc.abstractmethod
+    def set_up_storage_writer(self, is_coordinator: bool, *, rank: int = 0, world_size: int = 1) -> None:
+        """Prepare the destination (the coordinator creates it). All ranks call it."""
+
+    @abc.abstractmethod
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Adjust this rank's plan for storage. All ranks call it."""
+
+    @abc.abstractmethod
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Assign storage (file names) to every rank's plan. Coordinator only."""
+
+    @abc.abstractmethod
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> "Future[list[WriteResult]]":
+        """Write every item of this rank's final plan durably. All ranks call it."""
+
+    @abc.abstractmethod
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
+        """Commit: record where everything is, atomically. Coordinator only.
+
+        Returns:
+            The committed metadata (with storage data).
+        """
+
+    @classmethod
+    @abc.abstractmethod
+    def validate_checkpoint_id(cls, checkpoint_id: CheckpointId) -> bool:
+        """Tell whether this writer can handle ``checkpoint_id``."""
+
+
+class StorageReader(abc.ABC):
+    """Reads the metadata and the regions of a load plan."""
+
+    @abc.abstractmethod
+    def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
+        """Start a new load, optionally from a new location. All ranks call it."""
+
+    @abc.abstractmethod
+    def read_metadata(self) -> Metadata:
+        """Read and check the committed metadata. Any rank; no collectives."""
+
+    @abc.abstractmethod
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool) -> None:
+        """Take the metadata before planning. All ranks call it."""
+
+    @abc.abstractmethod
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Adjust this rank's plan for storage. All ranks call it."""
+
+    @abc.abstractmethod
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Adjust every rank's plan. Coordinator only."""
+
+    @abc.abstractmethod
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> "Future[None]":
+        """Read every region of this rank's plan into the planner. All ranks call it."""
+
+    @classmethod
+    @abc.abstractmethod
+    def validate_checkpoint_id(cls, checkpoint_id: CheckpointId) -> bool:
+        """Tell whether this reader can handle ``checkpoint_id``."""

@@ -1,0 +1,631 @@
+"""Type handlers: how a non-tensor-shard value becomes bytes and comes back.
+
+A :class:`TypeHandler` turns one value into a payload (``bytes``) and names its
+encoding with a short, stable *type string* that is stored next to the payload.
+Loading looks the handler up by that string, so a checkpoint never says *how*
+to rebuild a value, only *which* known encoding it used.
+
+Built in: ``int``, ``float``, ``bool``, ``None``, ``str``, ``bytes``, numpy
+scalars and arrays, and MindSpore tensors. Other types need a handler
+(:func:`register_type_handler`) or ``allow_pickle=True``; a pickled payload is
+only ever unpickled by :func:`deserialize_value` with ``allow_pickle=True``,
+because unpickling can run arbitrary code.
+
+Lookup by value walks ``type(value).__mro__`` and picks the most specific
+registered type, so ``True`` uses the ``bool`` handler although ``bool`` is a
+subclass of ``int``. A subclass without its own handler is stored (and loaded)
+as its registered base type.
+
+MindSpore is never imported here at module import time: its tensor handler is
+registered lazily and resolved once ``mindspore`` appears in ``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import abc
+import decimal
+import json
+import math
+import pickle
+import re
+import struct
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+
+from hyper_parallel.core.distributed_checkpoint.errors import (
+    CheckpointError,
+    CheckpointValueError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+    UnsupportedFormatError,
+    UnsupportedTypeError,
+)
+from hyper_parallel.platform import DTYPE_NAMES, dtype_name, from_numpy, numpy_dtype, to_numpy
+
+__all__ = [
+    "PICKLE_TYPE_STRING",
+    "TypeHandler",
+    "IntHandler",
+    "FloatHandler",
+    "BoolHandler",
+    "NoneHandler",
+    "StrHandler",
+    "BytesHandler",
+    "NumpyScalarHandler",
+    "NumpyArrayHandler",
+    "MindSporeTensorHandler",
+    "PickleHandler",
+    "TypeHandlerRegistry",
+    "default_registry",
+    "register_type_handler",
+    "get_type_handler",
+    "serialize_value",
+    "deserialize_value",
+]
+
+#: The reserved type string of pickled payloads.
+PICKLE_TYPE_STRING = "pickle"
+
+_REGISTER_HINT = "register a handler with hyper_parallel.core.distributed_checkpoint.register_type_handler(...)"
+_MAX_HEADER_BYTES = 64 * 1024
+_INT_TEXT = re.compile(rb"-?[0-9]+")
+
+
+class TypeHandler(abc.ABC):
+    """Turns values of some type into bytes and back.
+
+    Subclasses set ``type_string`` (a class attribute or property): a short,
+    stable name stored with every payload and used to find the handler again
+    at load time. It must never change once checkpoints exist.
+    """
+
+    type_string: str
+
+    @abc.abstractmethod
+    def serialize(self, value: Any) -> bytes:
+        """Encode ``value``.
+
+        Args:
+            value: The value to store.
+
+        Returns:
+            The payload.
+
+        Raises:
+            UnsupportedTypeError: The value cannot be encoded by this handler.
+        """
+
+    @abc.abstractmethod
+    def deserialize(self, data: bytes) -> Any:
+        """Decode a payload written by :meth:`serialize`.
+
+        Args:
+            data: The payload.
+
+        Returns:
+            The value.
+
+        Raises:
+            CorruptCheckpointError: The payload is malformed.
+        """
+
+
+def _qualified_name(type_: type) -> str:
+    return f"{type_.__module__}.{type_.__qualname__}"
+
+
+# ----------------------------------------------------------------- built-ins
+
+
+class IntHandler(TypeHandler):
+    """``int`` of any size, as decimal ASCII text."""
+
+    type_string = "int"
+
+    def serialize(self, value: Any) -> bytes:
+        number = int(value)
+        try:
+            text = str(number)
+        except ValueError:  # beyond sys.get_int_max_str_digits(); Decimal has no limit
+            text = str(decimal.Decimal(number))
+        return text.encode("ascii")
+
+    def deserialize(self, data: bytes) -> int:
+        data = bytes(data)
+        if not _INT_TEXT.fullmatch(data):
+            raise CorruptCheckpointError(f"int payload is not decimal digits: {data[:40]!r}")
+        try:
+            return int(data)
+        except ValueError:  # beyond sys.get_int_max_str_digits()
+            return int(decimal.Decimal(data.decode("ascii")))
+
+
+class FloatHandler(TypeHandler):
+    """``float`` as 8-byte little-endian IEEE 754 (keeps nan, inf and -0.0)."""
+
+    type_string = "float"
+
+    def serialize(self, value: Any) -> bytes:
+        return struct.pack("<d", float(value))
+
+    def deserialize(self, data: bytes) -> float:
+        if len(data) != 8:
+            raise CorruptCheckpointError(f"float payload has {len(data)} bytes, expected 8")
+        return struct.unpack("<d", data)[0]
+
+
+class BoolHandler(TypeHandler):
+    """``bool`` as one byte, 0 or 1."""
+
+    type_string = "bool"
+
+    def serialize(self, value: Any) -> bytes:
+        return b"\x01" if value else b"\x00"
+
+    def deserialize(self, data: bytes) -> bool:
+        data = bytes(data)
+        if data not in (b"\x00", b"\x01"):
+            raise CorruptCheckpointError(f"bool payload must be b'\\x00' or b'\\x01', got {data[:8]!r}")
+        return data == b"\x01"
+
+
+class NoneHandler(TypeHandler):
+    """``None`` as an empty payload."""
+
+    type_string = "none"
+
+    def serialize(self, value: Any) -> bytes:
+        return b""
+
+    def deserialize(self, data: bytes) -> None:
+        if len(data) != 0:
+            raise CorruptCheckpointError(f"none payload must be empty, got {len(data)} bytes")
+
+
+class StrHandler(TypeHandler):
+    """``str`` as UTF-8 (lone surrogates kept via ``surrogatepass``)."""
+
+    type_string = "str"
+
+    def serialize(self, value: Any) -> bytes:
+        return str(value).encode("utf-8", "surrogatepass")
+
+    def deserialize(self, data: bytes) -> str:
+        try:
+            return bytes(data).decode("utf-8", "surrogatepass")
+        except UnicodeDecodeError as exc:
+            raise CorruptCheckpointError(f"str payload is not valid UTF-8: {exc}") from exc
+
+
+class BytesHandler(TypeHandler):
+    """``bytes`` stored as is."""
+
+    type_string = "bytes"
+
+    def serialize(self, value: Any) -> bytes:
+        return bytes(value)
+
+    def deserialize(self, data: bytes) -> bytes:
+        return bytes(data)
+
+
+def _encode_array(array: np.ndarray) -> bytes:
+    """Encode an array as a JSON header line, then its raw little-endian C-order bytes."""
+    try:
+        name = dtype_name(array)
+    except TypeError as exc:
+        raise UnsupportedTypeError(f"numpy dtype {array.dtype} is not supported: {exc}") from exc
+    if not array.flags.c_contiguous:  # (np.ascontiguousarray would turn 0-d into 1-d)
+        array = array.copy(order="C")
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    if sys.byteorder == "big":  # pragma: no cover - no big-endian CI
+        array = array.byteswap()
+    header = json.dumps({"dtype": name, "shape": list(array.shape)}, separators=(",", ":"))
+    body = array.reshape(-1).view(np.uint8)
+    return b"".join((header.encode("ascii"), b"\n", body.data))
+
+
+def _decode_array(data: bytes) -> np.ndarray:
+    """Decode :func:`_encode_array` output, validating every header field."""
+    view = memoryview(data).cast("B")
+    end = bytes(view[:_MAX_HEADER_BYTES]).find(b"\n")
+    if end < 0:
+        raise CorruptCheckpointError("array payload has no header line")
+    try:
+        header = json.loads(bytes(view[:end]).decode("ascii"))
+    except (ValueError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"array header is not valid JSON: {exc}") from exc
+    if not isinstance(header, dict) or set(header) != {"dtype", "shape"}:
+        raise CorruptCheckpointError(f"array header must hold exactly 'dtype' and 'shape': {header!r}")
+    name, shape = header["dtype"], header["shape"]
+    if not isinstance(name, str) or name not in DTYPE_NAMES:
+        raise CorruptCheckpointError(f"array header names unknown dtype {name!r}")
+    if not isinstance(shape, list) or not all(type(dim) is int and dim >= 0 for dim in shape):
+        raise CorruptCheckpointError(f"array shape must be a list of ints >= 0, got {shape!r}")
+    count = math.prod(shape)
+    expected = count * DTYPE_NAMES[name]
+    actual = len(view) - end - 1
+    if actual != expected:
+        raise CorruptCheckpointError(
+            f"array payload of dtype {name} and shape {tuple(shape)} needs {expected} bytes, got {actual}"
+        )
+    dtype = numpy_dtype(name)
+    array = np.frombuffer(view, dtype=dtype, count=count, offset=end + 1).reshape(tuple(shape)).copy()
+    if sys.byteorder == "big":  # pragma: no cover - no big-endian CI
+        array = array.byteswap()
+    return array
+
+
+class NumpyArrayHandler(TypeHandler):
+    """``numpy.ndarray`` of a storable dtype (bool, ints, floats, bfloat16).
+
+    Payload: ``{"dtype":...,"shape":[...]}`` and a newline, then the raw
+    C-order little-endian bytes. Object, string and complex arrays are refused.
+    """
+
+    type_string = "numpy.ndarray"
+
+    def serialize(self, value: Any) -> bytes:
+        return _encode_array(np.asarray(value))
+
+    def deserialize(self, data: bytes) -> np.ndarray:
+        return _decode_array(data)
+
+
+class NumpyScalarHandler(TypeHandler):
+    """numpy scalars (``numpy.generic``); loads back the exact numpy type."""
+
+    type_string = "numpy.scalar"
+
+    def serialize(self, value: Any) -> bytes:
+        return _encode_array(np.asarray(value))
+
+    def deserialize(self, data: bytes) -> np.generic:
+        array = _decode_array(data)
+        if array.ndim != 0:
+            raise CorruptCheckpointError(f"numpy scalar payload has shape {array.shape}, expected ()")
+        return array[()]
+
+
+class MindSporeTensorHandler(TypeHandler):
+    """MindSpore ``Tensor`` (and ``Parameter``), encoded like a numpy array.
+
+    Loads back a ``mindspore.Tensor`` of the same dtype, bfloat16 included.
+    """
+
+    type_string = "mindspore.Tensor"
+
+    def serialize(self, value: Any) -> bytes:
+        return _encode_array(to_numpy(value))
+
+    def deserialize(self, data: bytes) -> Any:
+        return from_numpy(_decode_array(data))
+
+
+class PickleHandler(TypeHandler):
+    """Any picklable value, with pickle protocol 5.
+
+    :meth:`deserialize` always refuses: unpickling can run code from the
+    checkpoint, so it happens only in :func:`deserialize_value` with
+    ``allow_pickle=True``.
+    """
+
+    type_string = PICKLE_TYPE_STRING
+
+    def serialize(self, value: Any) -> bytes:
+        return pickle.dumps(value, protocol=5)
+
+    def deserialize(self, data: bytes) -> Any:
+        raise UnsafeCheckpointError(_pickle_refusal(None))
+
+    @staticmethod
+    def _loads_trusted(data: bytes) -> Any:
+        return pickle.loads(data)  # noqa: S301 - gated by allow_pickle=True
+
+
+def _pickle_refusal(key: str | None) -> str:
+    item = "the checkpoint item" if key is None else f"checkpoint item {key!r}"
+    return (
+        f"{item} holds a pickled object, and loading it could run arbitrary code from the "
+        "checkpoint. Pass allow_pickle=True (only for checkpoints you trust), or "
+        f"{_REGISTER_HINT} for its type and save it again."
+    )
+
+
+_PICKLE_HANDLER = PickleHandler()
+
+
+# ------------------------------------------------------------------ registry
+
+
+class TypeHandlerRegistry:
+    """Maps Python types to handlers, and type strings back to handlers.
+
+    A type has one handler; a type string belongs to one handler (one handler
+    may serve several types). ``override=True`` replaces both; types that
+    still pointed at a displaced handler are dropped, so they fail loudly at
+    save instead of writing payloads their type string no longer decodes.
+    The type string ``"pickle"`` is reserved.
+    """
+
+    def __init__(self) -> None:
+        self._by_type: dict[type, TypeHandler] = {}
+        self._by_string: dict[str, TypeHandler] = {}
+        self._lazy: list[tuple[str, str, TypeHandler]] = []
+        self._lock = threading.RLock()
+
+    def copy(self) -> TypeHandlerRegistry:
+        """Return an independent registry with the same registrations."""
+        with self._lock:
+            other = TypeHandlerRegistry()
+            other._by_type = dict(self._by_type)
+            other._by_string = dict(self._by_string)
+            other._lazy = list(self._lazy)
+            return other
+
+    def register(self, type_: type, handler: TypeHandler, override: bool = False) -> None:
+        """Register ``handler`` for values of ``type_`` (and its subclasses).
+
+        Args:
+            type_: The type.
+            handler: The handler; its ``type_string`` is stored with each payload.
+            override: Replace an existing handler of ``type_`` or of the type string.
+
+        Raises:
+            CheckpointValueError: Bad arguments, ``type_`` already has a handler, or
+                another handler already claims the type string (without ``override``).
+        """
+        if not isinstance(type_, type):
+            raise CheckpointValueError(f"register expects a type, got {type_!r}")
+        with self._lock:
+            self._resolve_lazy()
+            existing = self._by_type.get(type_)
+            if existing is not None and existing is not handler and not override:
+                raise CheckpointValueError(
+                    f"type {_qualified_name(type_)} already has a type handler "
+                    f"({type(existing).__name__}, type string {existing.type_string!r}); "
+                    "pass override=True to replace it"
+                )
+            self._claim_string(handler, override)
+            self._by_type[type_] = handler
+
+    def register_lazy(self, module: str, type_name: str, handler: TypeHandler, override: bool = False) -> None:
+        """Register ``handler`` for ``module.type_name`` once ``module`` is imported.
+
+        The type string is claimed at once, so payloads load without the module
+        having been imported first (the handler imports what it needs). The type
+        is resolved when ``module`` appears in ``sys.modules``; a handler already
+        registered for it by then wins.
+
+        Args:
+            module: The module name, e.g. ``"mindspore"``.
+            type_name: The attribute path of the type in the module, e.g. ``"Tensor"``.
+            handler: The handler.
+            override: As in :meth:`register`, for the type string.
+        """
+        with self._lock:
+            self._claim_string(handler, override)
+            self._lazy.append((module, type_name, handler))
+            self._resolve_lazy()
+
+    def handler_for_type(self, type_: type) -> TypeHandler | None:
+        """Return the handler used for values of ``type_`` (most specific in its MRO)."""
+        with self._lock:
+            self._resolve_lazy()
+            for base in type_.__mro__:
+                handler = self._by_type.get(base)
+                if handler is not None:
+                    return handler
+            return None
+
+    def handler_for_value(self, value: Any) -> TypeHandler | None:
+        """Return the handler for ``value``, or ``None`` if no type in its MRO has one."""
+        return self.handler_for_type(type(value))
+
+    def handler_for_type_string(self, type_string: str) -> TypeHandler:
+        """Return the handler that wrote payloads tagged ``type_string``.
+
+        Raises:
+            UnsupportedFormatError: No handler knows ``type_string``.
+        """
+        if type_string == PICKLE_TYPE_STRING:
+            return _PICKLE_HANDLER
+        with self._lock:
+            handler = self._by_string.get(type_string)
+            if handler is None:
+                known = ", ".join(repr(s) for s in sorted([*self._by_string, PICKLE_TYPE_STRING]))
+                raise UnsupportedFormatError(
+                    f"unknown stored type {type_string!r}: no registered type handler has this "
+                    f"type string (known: {known}); {_REGISTER_HINT} to load it"
+                )
+            return handler
+
+    def _claim_string(self, handler: TypeHandler, override: bool) -> None:
+        if not isinstance(handler, TypeHandler):
+            raise CheckpointValueError(f"a type handler must subclass TypeHandler, got {type(handler).__name__}")
+        type_string = getattr(handler, "type_string", None)
+        if not isinstance(type_string, str) or not type_string:
+            raise CheckpointValueError(f"{type(handler).__name__}.type_string must be a non-empty str")
+        if type_string == PICKLE_TYPE_STRING:
+            raise CheckpointValueError(f"the type string {PICKLE_TYPE_STRING!r} is reserved")
+        previous = self._by_string.get(type_string)
+        if previous is None or previous is handler:
+            self._by_string[type_string] = handler
+            return
+        if not override:
+            raise CheckpointValueError(
+                f"type string {type_string!r} is already claimed by another handler "
+                f"({type(previous).__name__}); pass override=True to replace it"
+            )
+        self._by_string[type_string] = handler
+        self._by_type = {t: h for t, h in self._by_type.items() if h is not previous}
+        self._lazy = [entry for entry in self._lazy if entry[2] is not previous]
+
+    def _resolve_lazy(self) -> None:
+        if not self._lazy:
+            return
+        pending = []
+        for module_name, type_name, handler in self._lazy:
+            module = sys.modules.get(module_name)
+            if module is None:
+                pending.append((module_name, type_name, handler))
+                continue
+            type_: Any = module
+            for part in type_name.split("."):
+                type_ = getattr(type_, part)
+            self._by_type.setdefault(type_, handler)
+        self._lazy = pending
+
+
+def _build_default_registry() -> TypeHandlerRegistry:
+    registry = TypeHandlerRegistry()
+    registry.register(int, IntHandler())
+    registry.register(float, FloatHandler())
+    registry.register(bool, BoolHandler())
+    registry.register(type(None), NoneHandler())
+    registry.register(str, StrHandler())
+    registry.register(bytes, BytesHandler())
+    registry.register(np.generic, NumpyScalarHandler())
+    registry.register(np.ndarray, NumpyArrayHandler())
+    registry.register_lazy("mindspore", "Tensor", MindSporeTensorHandler())
+    return registry
+
+
+_default = _build_default_registry()
+
+
+def default_registry() -> TypeHandlerRegistry:
+    """Return the process-wide registry used when no ``registry`` is passed."""
+    return _default
+
+
+def register_type_handler(type_: type, handler: TypeHandler, override: bool = False) -> None:
+    """Register ``handler`` for ``type_`` in the default registry.
+
+    Args:
+        type_: The type (its subclasses use the handler too, unless they have their own).
+        handler: The handler.
+        override: Replace an existing registration instead of raising.
+
+    Raises:
+        CheckpointValueError: ``type_`` or the handler's type string is already
+            registered and ``override`` is false.
+    """
+    _default.register(type_, handler, override=override)
+
+
+def get_type_handler(type_: type) -> TypeHandler | None:
+    """Return the default registry's handler for values of ``type_``, or ``None``."""
+    return _default.handler_for_type(type_)
+
+
+def _with_key(exc: CheckpointError, key: str) -> CheckpointError:
+    try:
+        return type(exc)(f"checkpoint item {key!r}: {exc}")
+    except TypeError:  # an error class with a different constructor
+        return exc
+
+
+def _unsupported(key: str, value: Any, reason: str) -> str:
+    return (
+        f"cannot save checkpoint item {key!r} of type {_qualified_name(type(value))}: {reason}. "
+        f"Either {_REGISTER_HINT}, or pass allow_pickle=True (the value is then pickled, and "
+        "loading it will need allow_pickle=True too)."
+    )
+
+
+def serialize_value(
+    value: Any, *, key: str, allow_pickle: bool = False, registry: TypeHandlerRegistry | None = None
+) -> tuple[str, bytes]:
+    """Encode ``value`` with its registered handler.
+
+    Args:
+        value: The value.
+        key: The checkpoint key of the value (used in error messages).
+        allow_pickle: Pickle values no handler can encode, instead of raising.
+        registry: The registry to use (default: the process-wide one).
+
+    Returns:
+        ``(type_string, payload)``.
+
+    Raises:
+        UnsupportedTypeError: No handler for the type (or the handler refuses the
+            value) and ``allow_pickle`` is false, or pickling failed.
+    """
+    registry = _default if registry is None else registry
+    handler = registry.handler_for_value(value)
+    if handler is not None:
+        try:
+            payload = handler.serialize(value)
+        except UnsupportedTypeError as exc:
+            if not allow_pickle:
+                raise UnsupportedTypeError(_unsupported(key, value, f"{exc}")) from exc
+        except CheckpointError as exc:
+            raise _with_key(exc, key) from exc
+        else:
+            if not isinstance(payload, (bytes, bytearray, memoryview)):
+                raise CheckpointValueError(
+                    f"checkpoint item {key!r}: {type(handler).__name__}.serialize returned "
+                    f"{type(payload).__name__}, expected bytes"
+                )
+            return handler.type_string, bytes(payload)
+    elif not allow_pickle:
+        raise UnsupportedTypeError(_unsupported(key, value, "no type handler for this type"))
+    try:
+        return PICKLE_TYPE_STRING, _PICKLE_HANDLER.serialize(value)
+    except Exception as exc:
+        raise UnsupportedTypeError(
+            f"cannot save checkpoint item {key!r}: pickling type {_qualified_name(type(value))} "
+            f"failed ({type(exc).__name__}: {exc}); {_REGISTER_HINT} instead"
+        ) from exc
+
+
+def deserialize_value(
+    type_string: str,
+    data: bytes,
+    *,
+    key: str,
+    allow_pickle: bool = False,
+    registry: TypeHandlerRegistry | None = None,
+) -> Any:
+    """Decode a payload with the handler named by its stored type string.
+
+    Args:
+        type_string: The type string stored with the payload.
+        data: The payload.
+        key: The checkpoint key of the value (used in error messages).
+        allow_pickle: Unpickle ``"pickle"`` payloads. This runs code from the
+            checkpoint: pass it only for checkpoints you trust.
+        registry: The registry to use (default: the process-wide one).
+
+    Returns:
+        The value.
+
+    Raises:
+        UnsafeCheckpointError: A pickled payload and ``allow_pickle`` is false.
+        UnsupportedFormatError: No handler knows ``type_string``.
+        CorruptCheckpointError: The payload cannot be decoded.
+    """
+    registry = _default if registry is None else registry
+    if type_string == PICKLE_TYPE_STRING:
+        if not allow_pickle:
+            raise UnsafeCheckpointError(_pickle_refusal(key))
+        try:
+            return PickleHandler._loads_trusted(data)  # pylint: disable=protected-access
+        except Exception as exc:
+            raise CorruptCheckpointError(
+                f"checkpoint item {key!r}: cannot unpickle payload ({type(exc).__name__}: {exc})"
+            ) from exc
+    try:
+        handler = registry.handler_for_type_string(type_string)
+        return handler.deserialize(data)
+    except CheckpointError as exc:
+        raise _with_key(exc, key) from exc
+    except Exception as exc:  # a user handler failing on bad bytes
+        raise CorruptCheckpointError(
+            f"checkpoint item {key!r}: cannot decode {type_string!r} payload ({type(exc).__name__}: {exc})"
+        ) from exc

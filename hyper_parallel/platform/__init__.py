@@ -1,0 +1,48 @@
+"""The one place where the checkpoint talks to the framework.
+
+Communication (rank, world size, object collectives) lives in
+:mod:`hyper_parallel.platform.comm`; tensor conversion and dtype names in
+:mod:`hyper_parallel.platform.tensor`. Nothing here runs at import time.
+"""
+
+from hyper_parallel.platform.comm import (
+    all_gather_object,
+    barrier,
+    broadcast_object,
+    get_rank,
+    get_world_size,
+    is_initialized,
+)
+from hyper_parallel.platform.tensor import (
+    DTYPE_NAMES,
+    assign,
+    dtype_name,
+    from_numpy,
+    is_cell,
+    is_parameter,
+    is_tensor,
+    ms_dtype,
+    numpy_dtype,
+    to_numpy,
+    writable_view,
+)
+
+__all__ = [
+    "DTYPE_NAMES",
+    "all_gather_object",
+    "assign",
+    "barrier",
+    "broadcast_object",
+    "dtype_name",
+    "from_numpy",
+    "get_rank",
+    "get_world_size",
+    "is_cell",
+    "is_initialized",
+    "is_parameter",
+    "is_tensor",
+    "ms_dtype",
+    "numpy_dtype",
+    "to_numpy",
+    "writable_view",
+]

@@ -1,0 +1,88 @@
+"""Process-group facts and object collectives, on top of MindSpore communication.
+
+Every function works whether or not ``mindspore.communication.init()`` was
+called: without it the process is rank 0 of a world of 1, and the collectives
+return at once. Nothing is looked up at import time; MindSpore is imported only
+when a function is called and only if the caller already imported it (a job
+that never imported MindSpore cannot have initialised its communication).
+
+``broadcast_object`` is built on ``all_gather_object`` because MindSpore 2.10's
+``broadcast_object_list`` looks up the ``hccl`` group and fails on CPU.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+__all__ = [
+    "is_initialized",
+    "get_rank",
+    "get_world_size",
+    "all_gather_object",
+    "broadcast_object",
+    "barrier",
+]
+
+
+def is_initialized() -> bool:
+    """Tell whether MindSpore communication was initialised in this process.
+
+    Called by any rank. Never initialises anything.
+    """
+    if "mindspore" not in sys.modules:
+        return False
+    from mindspore.communication import GlobalComm  # pylint: disable=import-outside-toplevel
+
+    return bool(getattr(GlobalComm, "INITED", False))
+
+
+def get_rank() -> int:
+    """Return this process's global rank (0 when communication is not initialised)."""
+    if not is_initialized():
+        return 0
+    from mindspore.communication import get_rank as _ms_get_rank  # pylint: disable=import-outside-toplevel
+
+    return int(_ms_get_rank())
+
+
+def get_world_size() -> int:
+    """Return the number of processes in the job (1 when not initialised)."""
+    if not is_initialized():
+        return 1
+    from mindspore.communication import get_group_size  # pylint: disable=import-outside-toplevel
+
+    return int(get_group_size())
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Gather one picklable object from every rank, in rank order.
+
+    All ranks call it. Without initialised communication returns ``[obj]``.
+    """
+    if not is_initialized() or get_world_size() == 1:
+        return [obj]
+    from mindspore.mint.distributed import all_gather_object as _gather  # pylint: disable=import-outside-toplevel
+
+    out: list[Any] = [None] * get_world_size()
+    _gather(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Return rank ``src``'s ``obj`` on every rank.
+
+    All ranks call it; only ``src``'s argument matters (the others may pass
+    ``None``, which keeps the gathered payload small).
+    """
+    gathered = all_gather_object(obj if get_rank() == src else None)
+    return gathered[src]
+
+
+def barrier() -> None:
+    """Block until every rank reaches this call. All ranks call it."""
+    if not is_initialized() or get_world_size() == 1:
+        return
+    from mindspore.mint.distributed import barrier as _barrier  # pylint: disable=import-outside-toplevel
+
+    _barrier()

@@ -1,0 +1,171 @@
+"""Tensor <-> numpy conversion and framework-neutral dtype names.
+
+The checkpoint works on numpy views of tensors: on CPU ``Tensor.asnumpy()``
+shares memory with the tensor, so saving reads the tensor's own bytes and
+loading can write straight into a Parameter. Where the framework hands back a
+copy (a device tensor), :func:`writable_view` says so by returning ``None`` and
+the caller assigns the new value instead.
+
+MindSpore is imported lazily: a job that saves only numpy arrays never pays for
+importing it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "DTYPE_NAMES",
+    "is_tensor",
+    "is_parameter",
+    "is_cell",
+    "to_numpy",
+    "writable_view",
+    "from_numpy",
+    "assign",
+    "dtype_name",
+    "numpy_dtype",
+    "ms_dtype",
+]
+
+#: Every dtype name the checkpoint stores, with its element size in bytes.
+DTYPE_NAMES: dict[str, int] = {
+    "bool": 1,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "uint16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+}
+
+
+def _mindspore() -> Any | None:
+    return sys.modules.get("mindspore")
+
+
+def is_tensor(value: Any) -> bool:
+    """Tell whether ``value`` is a MindSpore Tensor (a Parameter is one too)."""
+    ms = _mindspore()
+    return ms is not None and isinstance(value, ms.Tensor)
+
+
+def is_parameter(value: Any) -> bool:
+    """Tell whether ``value`` is a MindSpore Parameter."""
+    ms = _mindspore()
+    return ms is not None and isinstance(value, ms.Parameter)
+
+
+def is_cell(value: Any) -> bool:
+    """Tell whether ``value`` is a MindSpore ``nn.Cell`` (a network or optimizer)."""
+    ms = _mindspore()
+    return ms is not None and isinstance(value, ms.nn.Cell)
+
+
+def to_numpy(value: Any) -> np.ndarray:
+    """Return a numpy array holding ``value``'s elements, without copying if possible.
+
+    On CPU the result shares memory with a MindSpore tensor: copy it before
+    handing it to a background writer. bfloat16 comes back with MindSpore's
+    numpy ``bfloat16`` dtype.
+    """
+    if isinstance(value, np.ndarray):
+        return value
+    if is_tensor(value):
+        return value.asnumpy()
+    if isinstance(value, np.generic):
+        return np.asarray(value)
+    raise TypeError(f"expected a MindSpore Tensor or numpy array, got {type(value).__name__}")
+
+
+def writable_view(value: Any) -> np.ndarray | None:
+    """Return a numpy array that aliases ``value``'s memory, or ``None``.
+
+    Writing into the returned array changes the tensor in place. ``None`` means
+    the framework returns copies for this tensor (device memory); the caller
+    must then build the new value and :func:`assign` it.
+    """
+    if isinstance(value, np.ndarray):
+        return value if value.flags.writeable else None
+    if not is_tensor(value):
+        return None
+    first = value.asnumpy()
+    second = value.asnumpy()
+    if first.size == 0:
+        return first
+    same = first.__array_interface__["data"][0] == second.__array_interface__["data"][0]
+    return first if same and first.flags.writeable else None
+
+
+def from_numpy(array: np.ndarray, *, copy: bool = False) -> Any:
+    """Wrap a numpy array as a MindSpore Tensor (sharing memory unless ``copy``)."""
+    import mindspore as ms  # pylint: disable=import-outside-toplevel
+
+    if np.ndim(array) == 0:
+        return ms.Tensor(np.array(array, copy=True))
+    data = np.array(array, copy=True, order="C") if copy else np.ascontiguousarray(array)
+    return ms.Tensor.from_numpy(data)
+
+
+def assign(target: Any, array: np.ndarray) -> None:
+    """Give tensor ``target`` the values of ``array`` in place (same object)."""
+    if isinstance(target, np.ndarray):
+        np.copyto(target, array.astype(target.dtype, copy=False))
+        return
+    ms = _mindspore()
+    if ms is None or not isinstance(target, ms.Tensor):
+        raise TypeError(f"cannot assign into {type(target).__name__}")
+    new = from_numpy(np.asarray(array, dtype=to_numpy(target).dtype), copy=True)
+    if isinstance(target, ms.Parameter):
+        target.set_data(new)
+    else:
+        target.assign_value(new)
+
+
+def dtype_name(value: Any) -> str:
+    """Return the framework-neutral dtype name of a tensor, array or dtype.
+
+    Raises:
+        TypeError: the dtype is not one the checkpoint stores.
+    """
+    if is_tensor(value):
+        dtype = value.asnumpy().dtype if str(value.dtype) == "BFloat16" else None
+        name = "bfloat16" if dtype is not None else _ms_dtype_name(value.dtype)
+    else:
+        dtype = value.dtype if hasattr(value, "dtype") else np.dtype(value)
+        name = np.dtype(dtype).name
+    if name not in DTYPE_NAMES:
+        raise TypeError(f"dtype {name} cannot be stored in a checkpoint")
+    return name
+
+
+def _ms_dtype_name(dtype: Any) -> str:
+    text = str(dtype).lower()
+    return {"bool_": "bool", "bool": "bool"}.get(text, text)
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """Return the numpy dtype for a stored dtype name (bfloat16 needs MindSpore)."""
+    if name == "bfloat16":
+        from mindspore.common import np_dtype  # pylint: disable=import-outside-toplevel
+
+        return np.dtype(np_dtype.bfloat16)
+    if name not in DTYPE_NAMES:
+        raise TypeError(f"unknown stored dtype {name!r}")
+    return np.dtype(name)
+
+
+def ms_dtype(name: str) -> Any:
+    """Return the MindSpore dtype object for a stored dtype name."""
+    import mindspore as ms  # pylint: disable=import-outside-toplevel
+
+    return {"bool": ms.bool_}.get(name) or getattr(ms, name)

@@ -1,0 +1,24 @@
+"""Install hyper_parallel: ``pip install -e .[test]``."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="hyper_parallel",
+    version="0.1.0",
+    description="Distributed checkpoint for MindSpore training jobs: sharded, deduplicated, async, reshardable",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=find_packages(include=["hyper_parallel", "hyper_parallel.*"]),
+    install_requires=[
+        "mindspore==2.10.0",
+        "numpy<2",
+        "safetensors>=0.4",
+        "xxhash>=3.0",
+    ],
+    extras_require={
+        "zstd": ["zstandard>=0.22"],
+        "test": ["pytest>=7", "pytest-cov>=5", "coverage>=7.10", "zstandard>=0.22", "psutil>=5"],
+    },
+    entry_points={"console_scripts": ["hp-ckpt=hyper_parallel.cli.main:main"]},
+)
