@@ -1,0 +1,166 @@
+"""Background calls with finalization on the caller's thread (Megatron-style).
+
+An :class:`AsyncRequest` is a function to run in the background plus
+finalize functions to run afterwards on the caller's thread (where running
+collectives is safe: the background never runs a collective, so it can never
+interleave with the training job's own collectives). An
+:class:`AsyncCallsQueue` runs requests one at a time on a background thread
+and finalizes them when asked.
+
+At process exit, a call still in flight is left to finish its background work
+but is not finalized: an async save that was never finalized stays
+uncommitted, never half-committed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+__all__ = ["AsyncRequest", "AsyncCall", "AsyncCallsQueue"]
+
+_LOG = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AsyncRequest:
+    """Work to do in the background, then to finalize on the caller's thread.
+
+    Attributes:
+        async_fn: Runs on the background thread; its return value is handed
+            to the first finalize function.
+        async_fn_args: Positional arguments of ``async_fn``.
+        finalize_fns: Run in order on the caller's thread, each with the
+            previous one's result (the first gets ``async_fn``'s result, or
+            the exception it raised, as ``(value, error)``).
+    """
+
+    async_fn: Callable[..., Any]
+    async_fn_args: tuple[Any, ...] = ()
+    finalize_fns: tuple[Callable[[Any, BaseException | None], Any], ...] = field(default_factory=tuple)
+
+
+class AsyncCall:
+    """One scheduled request: its thread, its outcome, its finalization."""
+
+    def __init__(self, request: AsyncRequest, name: str) -> None:
+        self.request = request
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._finalized = False
+        self._final_value: Any = None
+        self._final_error: BaseException | None = None
+        self._lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self._value = self.request.async_fn(*self.request.async_fn_args)
+        except BaseException as exc:  # pylint: disable=broad-except
+            _LOG.warning("background call %s failed: %s", self.thread.name, exc)
+            self._error = exc
+
+    def background_done(self) -> bool:
+        """True once the background function returned or raised."""
+        return not self.thread.is_alive()
+
+    def finalized(self) -> bool:
+        """True once the finalize functions ran."""
+        return self._finalized
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the background function; return whether it finished."""
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+    def finalize(self) -> Any:
+        """Wait for the background work, then run the finalize functions once.
+
+        Called on the caller's thread. Re-raises the outcome on every call.
+        """
+        with self._lock:
+            if not self._finalized:
+                self.thread.join()
+                value, error = self._value, self._error
+                try:
+                    for fn in self.request.finalize_fns:
+                        value = fn(value, error)
+                        error = None
+                    if error is not None:
+                        raise error
+                    self._final_value = value
+                except BaseException as exc:  # pylint: disable=broad-except
+                    self._final_error = exc
+                self._finalized = True
+        if self._final_error is not None:
+            raise self._final_error
+        return self._final_value
+
+
+class AsyncCallsQueue:
+    """Runs async requests one at a time and finalizes them on demand.
+
+    A new request waits until the previous one is finalized.
+    """
+
+    _instances: "weakref.WeakSet[AsyncCallsQueue]" = weakref.WeakSet()
+
+    def __init__(self) -> None:
+        self._calls: list[AsyncCall] = []
+        self._counter = 0
+        AsyncCallsQueue._instances.add(self)
+
+    def schedule_async_request(self, request: AsyncRequest) -> AsyncCall:
+        """Finalize any earlier call (blocking), then start ``request``. Caller's thread."""
+        self.maybe_finalize_async_calls(blocking=True)
+        self._counter += 1
+        call = AsyncCall(request, name=f"hp-ckpt-async-{self._counter}")
+        self._calls.append(call)
+        call.thread.start()
+        return call
+
+    def maybe_finalize_async_calls(self, blocking: bool = False) -> int:
+        """Finalize calls whose background work is done (all of them if ``blocking``).
+
+        Errors of a finalized call are kept on the call (its ``finalize``
+        re-raises them); they are not raised here unless ``blocking``.
+
+        Returns:
+            The number of calls still unfinalized.
+        """
+        remaining = []
+        first_error: BaseException | None = None
+        for call in self._calls:
+            if blocking or call.background_done():
+                try:
+                    call.finalize()
+                except BaseException as exc:  # pylint: disable=broad-except
+                    first_error = first_error or exc
+            else:
+                remaining.append(call)
+        self._calls = [c for c in remaining if not c.finalized()]
+        if blocking and first_error is not None:
+            _LOG.warning("an earlier async call failed: %s", first_error)
+        return len(self._calls)
+
+    def get_num_unfinalized_calls(self) -> int:
+        """Number of scheduled calls not finalized yet."""
+        return sum(1 for call in self._calls if not call.finalized())
+
+    def close(self) -> None:
+        """Finalize every call (blocking). Caller's thread."""
+        self.maybe_finalize_async_calls(blocking=True)
+
+    @classmethod
+    def _drain_at_exit(cls) -> None:
+        for queue in list(cls._instances):
+            for call in queue._calls:  # pylint: disable=protected-access
+                if not call.finalized():
+                    call.wait()
+
+
+atexit.register(AsyncCallsQueue._drain_at_exit)  # pylint: disable=protected-access

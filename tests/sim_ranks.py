@@ -1,0 +1,61 @@
+"""Drive the save and load steps for ranks 0..N-1 in one process.
+
+This is the planner protocol of ``dcp.save`` run by hand: every simulated rank
+plans, the coordinator (rank 0) merges, every rank writes, rank 0 commits.
+It lets unit tests check planning and resharding without launching msrun.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hyper_parallel.core.distributed_checkpoint import (
+    FileSystemWriter,
+    Metadata,
+    SavePlan,
+    StandardSavePlanner,
+)
+
+__all__ = ["simulate_save", "plan_ranks"]
+
+
+def plan_ranks(
+    states: list[dict[str, Any]], *, remove_redundancy: bool = True, save_to_minimum_rank: bool = False
+) -> tuple[list[StandardSavePlanner], list[SavePlan]]:
+    """Configure one planner per simulated rank and return them with their local plans."""
+    planners, plans = [], []
+    for rank, state in enumerate(states):
+        planner = StandardSavePlanner()
+        planner.configure_planner(
+            state,
+            rank=rank,
+            world_size=len(states),
+            is_coordinator=rank == 0,
+            remove_redundancy=remove_redundancy,
+            save_to_minimum_rank=save_to_minimum_rank,
+        )
+        planners.append(planner)
+        plans.append(planner.build_local_plan())
+    return planners, plans
+
+
+def simulate_save(states: list[dict[str, Any]], path: Path, **kwargs: Any) -> tuple[Metadata, list[int]]:
+    """Save the per-rank ``states`` as one checkpoint at ``path``.
+
+    Returns:
+        The committed metadata and the bytes each rank wrote.
+    """
+    planners, _ = plan_ranks(states, **kwargs)
+    writers = []
+    plans = []
+    for rank, planner in enumerate(planners):
+        writer = FileSystemWriter(path)
+        writer.set_up_storage_writer(rank == 0, rank=rank, world_size=len(states))
+        writers.append(writer)
+        plans.append(writer.prepare_local_plan(planner.build_local_plan()))
+    final, metadata = planners[0].build_global_plan(plans)
+    final = writers[0].prepare_global_plan(final)
+    results = [writers[r].write_data(final[r], planners[r]).result() for r in range(len(states))]
+    committed = writers[0].finish(metadata, results)
+    return committed, [sum(r.size_in_bytes for r in rank_results) for rank_results in results]
