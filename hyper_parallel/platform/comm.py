@@ -80,9 +80,11 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 
 
 def barrier() -> None:
-    """Block until every rank reaches this call. All ranks call it."""
+    """Block until every rank reaches this call. All ranks call it.
+
+    Built on ``all_gather_object``: MindSpore 2.10's ``barrier`` returns at
+    once on CPU without waiting for the other ranks.
+    """
     if not is_initialized() or get_world_size() == 1:
         return
-    from mindspore.mint.distributed import barrier as _barrier  # pylint: disable=import-outside-toplevel
-
-    _barrier()
+    all_gather_object(None)

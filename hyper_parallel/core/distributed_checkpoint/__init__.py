@@ -14,6 +14,7 @@ in :mod:`hyper_parallel.core.layout`; the steps in order in :mod:`.api`.
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
     CheckpointExistsError,
+    CheckpointIOError,
     CheckpointNotFoundError,
     CheckpointValueError,
     CollectiveStepError,
@@ -47,7 +48,7 @@ from hyper_parallel.core.distributed_checkpoint.planner import (
     WriteItemType,
 )
 from hyper_parallel.core.distributed_checkpoint.storage import StorageReader, StorageWriter, WriteResult
-from hyper_parallel.core.distributed_checkpoint.filesystem_writer import CheckpointIOError, FileSystemWriter
+from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardLoadPlanner, StandardSavePlanner
 from hyper_parallel.core.distributed_checkpoint.mapping import (

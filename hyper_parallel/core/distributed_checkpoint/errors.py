@@ -25,6 +25,7 @@ __all__ = [
     "UnsupportedFormatError",
     "CollectiveStepError",
     "CheckpointExistsError",
+    "CheckpointIOError",
 ]
 
 
@@ -124,3 +125,13 @@ class CollectiveStepError(CheckpointError):
     def failed_ranks(self) -> tuple[int, ...]:
         """The ranks that raised, in increasing order."""
         return tuple(self.failures)
+
+
+class CheckpointIOError(CheckpointError, OSError):
+    """Writing or reading a checkpoint file failed at the operating-system level.
+
+    Disk full (ENOSPC), I/O errors (EIO), permission problems.
+    """
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""

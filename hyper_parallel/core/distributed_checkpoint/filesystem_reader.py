@@ -22,13 +22,14 @@ import numpy as np
 from hyper_parallel.core.distributed_checkpoint.byte_ranges import Runs, box_runs
 from hyper_parallel.core.distributed_checkpoint.checksum import ALGORITHM, digest
 from hyper_parallel.core.distributed_checkpoint.errors import (
+    CheckpointIOError,
     CheckpointNotFoundError,
     CheckpointValueError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     UnsafeCheckpointError,
 )
-from hyper_parallel.core.distributed_checkpoint.filesystem_writer import METADATA_FILE, CheckpointIOError
+from hyper_parallel.core.distributed_checkpoint.filesystem_writer import METADATA_FILE
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     Metadata,
     MetadataIndex,

@@ -25,7 +25,12 @@ from pathlib import Path
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint.checksum import DEFAULT_BLOCK_BYTES, chunk_checksum
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError, CheckpointExistsError, CheckpointValueError
+from hyper_parallel.core.distributed_checkpoint.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointIOError,
+    CheckpointValueError,
+)
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BACKEND_NAME,
     Metadata,
@@ -40,7 +45,6 @@ from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, Sto
 __all__ = [
     "METADATA_FILE",
     "DATA_FILE_PATTERN",
-    "CheckpointIOError",
     "FileSystemWriter",
     "rank_metadata_file",
     "write_atomically",
@@ -52,13 +56,6 @@ METADATA_FILE = "metadata.json"
 #: Data file names: ``r<rank>_<counter>.<save id>.safetensors``.
 DATA_FILE_PATTERN = re.compile(r"^r(\d{5})_(\d{3})\.([0-9a-f]{12})\.safetensors$")
 _WRITE_CHUNK = 1 << 30
-
-
-class CheckpointIOError(CheckpointError, OSError):
-    """Writing or reading a checkpoint file failed at the operating-system level."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
 
 
 def rank_metadata_file(rank: int) -> str:

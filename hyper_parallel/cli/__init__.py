@@ -1,0 +1,36 @@
+"""``hp-ckpt``: command-line tools for hyper_parallel checkpoints, also usable as functions.
+
+- :func:`inspect_checkpoint` (``hp-ckpt inspect DIR [--json]``): keys, dtypes,
+  shapes, chunks, files and who wrote them, from the metadata alone.
+- :func:`verify_checkpoint` (``hp-ckpt verify DIR``): re-reads every chunk,
+  checks checksums, safetensors headers and coverage.
+- :func:`convert_to_safetensors` (``hp-ckpt convert DIR OUT --to safetensors``):
+  full tensors in Hugging Face safetensors shards plus an index json.
+- :func:`import_checkpoint` (``hp-ckpt import FILE_OR_DIR OUT``): from a
+  MindSpore ``.ckpt``/``.safetensors`` file or a Hugging Face directory.
+- :func:`diff_checkpoints` (``hp-ckpt diff A B``): differing keys, shapes,
+  dtypes and values.
+
+Importing this package does not import MindSpore.
+"""
+
+from hyper_parallel.cli.convert_cmd import ConvertResult, convert_to_safetensors
+from hyper_parallel.cli.diff_cmd import DiffReport, KeyDifference, diff_checkpoints
+from hyper_parallel.cli.import_cmd import import_checkpoint
+from hyper_parallel.cli.inspect_cmd import inspect_checkpoint
+from hyper_parallel.cli.main import main
+from hyper_parallel.cli.verify_cmd import VerifyProblem, VerifyReport, verify_checkpoint
+
+__all__ = [
+    "ConvertResult",
+    "DiffReport",
+    "KeyDifference",
+    "VerifyProblem",
+    "VerifyReport",
+    "convert_to_safetensors",
+    "diff_checkpoints",
+    "import_checkpoint",
+    "inspect_checkpoint",
+    "main",
+    "verify_checkpoint",
+]

@@ -1,0 +1,185 @@
+"""Helpers shared by the ``hp-ckpt`` subcommands.
+
+Opening a checkpoint (metadata only), assembling one full tensor at a time
+from its stored chunks, reading a stored value's raw bytes, and the small
+text formatting every subcommand uses (tables, byte counts, size parsing).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from hyper_parallel.core.distributed_checkpoint.api import read_metadata
+from hyper_parallel.core.distributed_checkpoint.checksum import ALGORITHM, digest
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, CorruptCheckpointError
+from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
+from hyper_parallel.core.distributed_checkpoint.filesystem_writer import DATA_FILE_PATTERN
+from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardLoadPlanner
+from hyper_parallel.core.distributed_checkpoint.strategies import check_load_compatible
+from hyper_parallel.platform.tensor import DTYPE_NAMES, numpy_dtype
+
+__all__ = [
+    "open_checkpoint",
+    "tensor_nbytes",
+    "read_full_tensor",
+    "read_stored_bytes",
+    "rank_of_file",
+    "format_table",
+    "format_bytes",
+    "parse_size",
+]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def open_checkpoint(path: str | os.PathLike) -> tuple[Path, Metadata]:
+    """Read and check a checkpoint's metadata (no data is read).
+
+    Args:
+        path: The checkpoint directory.
+
+    Returns:
+        The directory as a ``Path`` and its committed metadata.
+
+    Raises:
+        CheckpointError: not a directory, no committed metadata, malformed
+            metadata, or an unsupported backend / format version.
+    """
+    directory = Path(os.fspath(path))
+    metadata = read_metadata(directory)
+    check_load_compatible(metadata)
+    return directory, metadata
+
+
+def tensor_nbytes(stored: TensorStorageMetadata) -> int:
+    """Bytes of the full (unsharded) tensor."""
+    return math.prod(stored.size) * DTYPE_NAMES[stored.properties.dtype]
+
+
+def read_full_tensor(
+    directory: Path, metadata: Metadata, fqn: str, *, verify_checksums: bool = True
+) -> np.ndarray:
+    """Assemble one full tensor from its stored chunks.
+
+    Only this tensor's chunks are read, straight into a new array of the
+    stored dtype (bfloat16 uses MindSpore's numpy ``bfloat16``), so memory is
+    bounded by the size of this tensor.
+
+    Args:
+        directory: The checkpoint directory.
+        metadata: Its metadata (from :func:`open_checkpoint`).
+        fqn: The tensor's key.
+        verify_checksums: Verify the checksum of every block read.
+
+    Returns:
+        The full tensor, with the stored global shape.
+
+    Raises:
+        CheckpointValueError: ``fqn`` is not a tensor of the checkpoint.
+        CorruptCheckpointError: a checksum mismatch or a truncated file.
+    """
+    stored = metadata.state_dict_metadata.get(fqn)
+    if not isinstance(stored, TensorStorageMetadata):
+        raise CheckpointValueError(f"key '{fqn}' is not a tensor of checkpoint {directory}")
+    target = np.empty(stored.size, dtype=numpy_dtype(stored.properties.dtype))
+    reader = FileSystemReader(directory, verify_checksums=verify_checksums)
+    reader.set_up_storage_reader(metadata, True)
+    planner = StandardLoadPlanner(allow_partial_load=True)
+    planner.configure_planner({fqn: target}, metadata)
+    reader.read_data(planner.build_local_plan(), planner).result()
+    planner.finish_load()
+    return target
+
+
+def read_stored_bytes(directory: Path, metadata: Metadata, index: MetadataIndex) -> bytes:
+    """Return the raw stored bytes of one item, checksum verified.
+
+    Used for non-tensor values, whose payload is compared or shown without
+    decoding (so a pickled payload is never unpickled).
+
+    Raises:
+        CorruptCheckpointError: no storage entry, a truncated file or a checksum mismatch.
+    """
+    info = (metadata.storage_data or {}).get(MetadataIndex(index.fqn, index.offset))
+    if info is None:
+        raise CorruptCheckpointError(f"key '{index.fqn}': no storage entry in the metadata of {directory}")
+    path = FileSystemReader(directory).resolve(info.relative_path, index.fqn)
+    with open(path, "rb") as handle:
+        handle.seek(info.offset)
+        data = handle.read(info.length)
+    if len(data) != info.length:
+        raise CorruptCheckpointError(f"data file {path} is truncated while reading key '{index.fqn}'")
+    checksum = info.checksum
+    if checksum is not None and checksum.algorithm == ALGORITHM:
+        block = checksum.block_bytes
+        starts = range(0, max(len(data), 1), block)
+        for position, start in enumerate(starts):
+            if position >= len(checksum.digests) or digest(data[start : start + block]) != checksum.digests[position]:
+                raise CorruptCheckpointError(f"checksum mismatch in data file {path}, key '{index.fqn}'")
+    return data
+
+
+def rank_of_file(name: str) -> int | None:
+    """Return the rank that wrote data file ``name`` (from its name), or ``None``."""
+    match = DATA_FILE_PATTERN.match(os.path.basename(name))
+    return int(match.group(1)) if match else None
+
+
+def format_bytes(count: int) -> str:
+    """Return ``count`` bytes in a short human form (``"1.5 MiB"``)."""
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{count} B"  # pragma: no cover
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Return a plain-text table: a header line, a rule, one line per row.
+
+    Columns holding only numbers are right-aligned.
+    """
+    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    numeric = [all(isinstance(row[i], (int, float)) for row in rows) and bool(rows) for i in range(len(headers))]
+
+    def line(row: list[str]) -> str:
+        parts = [c.rjust(w) if n else c.ljust(w) for c, w, n in zip(row, widths, numeric)]
+        return "  ".join(parts).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule] + [line(row) for row in cells[1:]])
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a size such as ``"5GB"`` (10**9), ``"500MiB"`` (2**20) or ``1024``.
+
+    Raises:
+        CheckpointValueError: not a positive size.
+    """
+    if isinstance(text, int):
+        value = text
+    else:
+        match = _SIZE_PATTERN.match(str(text))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise CheckpointValueError(
+                f"cannot parse size {text!r}: use a number with an optional unit (KB, MB, GB, KiB, MiB, GiB)"
+            )
+        value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise CheckpointValueError(f"size must be positive, got {text!r}")
+    return value

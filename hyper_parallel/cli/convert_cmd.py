@@ -1,0 +1,215 @@
+"""``hp-ckpt convert DIR OUT --to safetensors``: consolidate into Hugging Face safetensors.
+
+Each tensor is assembled whole from its chunks, written at its precomputed
+offset and dropped before the next one, so memory stays bounded by the
+largest tensor, never by the model. Shard headers are computed from the
+metadata before any byte is written. Output: ``model.safetensors`` (or
+``model-00001-of-0000N.safetensors`` when it exceeds ``max_shard_size``) and
+``model.safetensors.index.json``
+(``{"metadata": {"total_size": N}, "weight_map": {name: file}}``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hyper_parallel.cli._common import (
+    format_bytes,
+    open_checkpoint,
+    parse_size,
+    read_full_tensor,
+    read_stored_bytes,
+    tensor_nbytes,
+)
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointExistsError, CheckpointValueError
+from hyper_parallel.core.distributed_checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from hyper_parallel.core.distributed_checkpoint.safetensors_format import HeaderEntry, build_header
+
+__all__ = ["ConvertResult", "INDEX_FILE", "convert_to_safetensors", "format_convert", "register"]
+
+#: Name of the Hugging Face index written next to the shards.
+INDEX_FILE = "model.safetensors.index.json"
+#: Plain values whose stored payload is at most this long go into ``__metadata__``.
+_MAX_METADATA_VALUE_BYTES = 4096
+#: Value types shown as text in ``__metadata__`` (decoded without running code).
+_TEXT_TYPES = ("int", "float", "bool", "str", "none")
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    """What :func:`convert_to_safetensors` wrote.
+
+    Attributes:
+        out: The output directory.
+        files: The safetensors files written, in order.
+        weight_map: Tensor name -> file name.
+        total_size: Bytes of all tensors.
+        skipped: Non-tensor keys left out of the tensors, with the reason.
+    """
+
+    out: str
+    files: tuple[str, ...]
+    weight_map: dict[str, str]
+    total_size: int
+    skipped: tuple[tuple[str, str], ...]
+
+
+def _plan_shards(tensors: list[tuple[str, TensorStorageMetadata]], max_bytes: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    used = 0
+    for fqn, stored in tensors:
+        nbytes = tensor_nbytes(stored)
+        if shards[-1] and used + nbytes > max_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(fqn)
+        used += nbytes
+    return shards
+
+
+def _value_texts(directory: Path, metadata: Metadata) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """Small plain values as text for ``__metadata__``; every other value is skipped with a reason."""
+    from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value  # pylint: disable=import-outside-toplevel
+
+    texts: dict[str, str] = {}
+    skipped: list[tuple[str, str]] = []
+    for fqn in sorted(metadata.state_dict_metadata):
+        stored = metadata.state_dict_metadata[fqn]
+        if not isinstance(stored, BytesStorageMetadata):
+            continue
+        info = (metadata.storage_data or {}).get(MetadataIndex(fqn, ()))
+        if stored.type_name not in _TEXT_TYPES or stored.global_shape or info is None:
+            skipped.append((fqn, f"non-tensor value of type {stored.type_name!r} skipped"))
+            continue
+        if info.length > _MAX_METADATA_VALUE_BYTES:
+            skipped.append((fqn, f"value of {info.length} bytes too large for __metadata__; skipped"))
+            continue
+        value = deserialize_value(stored.type_name, read_stored_bytes(directory, metadata, MetadataIndex(fqn, ())),
+                                  key=fqn)
+        texts[fqn] = value if isinstance(value, str) else json.dumps(value)
+        skipped.append((fqn, "non-tensor value stored as text in __metadata__ of the first file"))
+    return texts, skipped
+
+
+def _prepare_out(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise CheckpointExistsError(f"output {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        raise CheckpointExistsError(f"output directory {out} is not empty; choose a new or empty directory")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _write_shard(
+    directory: Path, metadata: Metadata, path: Path, names: list[str], file_metadata: dict[str, str]
+) -> None:
+    entries = []
+    for fqn in names:
+        stored = metadata.state_dict_metadata[fqn]
+        entries.append(HeaderEntry(fqn, stored.properties.dtype, tuple(stored.size), tensor_nbytes(stored)))
+    header, offsets = build_header(entries, file_metadata)
+    partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
+    try:
+        with open(partial, "wb") as handle:
+            handle.write(header)
+            for fqn, offset in zip(names, offsets):
+                tensor = read_full_tensor(directory, metadata, fqn)
+                if handle.tell() != offset:
+                    raise CheckpointValueError(f"key '{fqn}': writing at byte {handle.tell()}, header says {offset}")
+                handle.write(memoryview(np.ascontiguousarray(tensor).reshape(-1).view(np.uint8)))
+                del tensor
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+def convert_to_safetensors(
+    src: str | os.PathLike, out: str | os.PathLike, max_shard_size: int | str = "5GB"
+) -> ConvertResult:
+    """Consolidate a checkpoint into full tensors in Hugging Face safetensors files.
+
+    Args:
+        src: The checkpoint directory.
+        out: The output directory (created; must be new or empty).
+        max_shard_size: Largest file size (int bytes or ``"5GB"``, ``"500MiB"``);
+            a tensor larger than it gets a file of its own.
+
+    Returns:
+        What was written.
+
+    Raises:
+        CheckpointError: ``src`` is not a checkpoint, is corrupt, or ``out``
+            is not an empty directory.
+    """
+    limit = parse_size(max_shard_size)
+    directory, metadata = open_checkpoint(src)
+    out_dir = Path(os.fspath(out))
+    _prepare_out(out_dir)
+    tensors = sorted(
+        (fqn, stored) for fqn, stored in metadata.state_dict_metadata.items()
+        if isinstance(stored, TensorStorageMetadata)
+    )
+    texts, skipped = _value_texts(directory, metadata)
+    shards = _plan_shards(tensors, limit)
+    count = len(shards)
+    names = ["model.safetensors"] if count == 1 else [
+        f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)
+    ]
+    weight_map: dict[str, str] = {}
+    for position, (name, keys) in enumerate(zip(names, shards)):
+        file_metadata = {"format": "pt"}
+        if position == 0:
+            file_metadata.update(texts)
+        _write_shard(directory, metadata, out_dir / name, keys, file_metadata)
+        weight_map.update({fqn: name for fqn in keys})
+    total = sum(tensor_nbytes(stored) for _, stored in tensors)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    return ConvertResult(str(out_dir), tuple(names), weight_map, total, tuple(skipped))
+
+
+def format_convert(result: ConvertResult) -> str:
+    """Render a :class:`ConvertResult` for people."""
+    lines = [
+        f"wrote {len(result.weight_map)} tensor(s), {format_bytes(result.total_size)}, "
+        f"in {len(result.files)} file(s) to {result.out}"
+    ]
+    lines += [f"  {name}" for name in result.files] + [f"  {INDEX_FILE}"]
+    lines += [f"note: '{key}': {reason}" for key, reason in result.skipped]
+    return "\n".join(lines)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.to != "safetensors":  # pragma: no cover - argparse restricts choices
+        raise CheckpointValueError(f"unsupported output format {args.to!r}")
+    print(format_convert(convert_to_safetensors(args.dir, args.out, max_shard_size=args.max_shard_size)))
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``convert`` subcommand to the ``hp-ckpt`` parser."""
+    parser = subparsers.add_parser(
+        "convert", help="consolidate into full tensors in Hugging Face safetensors files",
+        description="Write full (unsharded) tensors as safetensors shards plus model.safetensors.index.json, "
+                    "one tensor in memory at a time.",
+    )
+    parser.add_argument("dir", help="the checkpoint directory")
+    parser.add_argument("out", help="the output directory (new or empty)")
+    parser.add_argument("--to", choices=["safetensors"], default="safetensors", help="output format")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 5GB or 500MiB")
+    parser.set_defaults(func=_run)

@@ -1,0 +1,288 @@
+"""``hp-ckpt verify DIR``: re-read every stored byte and check the checkpoint.
+
+Three checks, every problem collected (none stops the others):
+
+- each data file is a valid safetensors file, and every stored item sits at
+  a header entry of the right byte length;
+- every block of every stored chunk matches its recorded checksum (a file
+  too short is reported as truncated, naming the keys it loses);
+- the chunks of each tensor tile its global shape exactly, and every chunk
+  and value has a storage entry of the right length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from hyper_parallel.cli._common import format_bytes, open_checkpoint
+from hyper_parallel.core.distributed_checkpoint.checksum import ALGORITHM, digest
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
+from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
+from hyper_parallel.core.distributed_checkpoint.global_plan import check_exact_cover
+from hyper_parallel.core.distributed_checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageInfo,
+    TensorStorageMetadata,
+)
+from hyper_parallel.core.distributed_checkpoint.safetensors_format import read_header
+from hyper_parallel.platform.tensor import DTYPE_NAMES
+
+__all__ = ["VerifyProblem", "VerifyReport", "verify_checkpoint", "format_verify", "register"]
+
+
+@dataclass(frozen=True)
+class VerifyProblem:
+    """One problem found by :func:`verify_checkpoint`.
+
+    Attributes:
+        file: The data file concerned (relative to the checkpoint), if any.
+        key: The checkpoint key concerned, if any.
+        message: What is wrong.
+    """
+
+    file: str | None
+    key: str | None
+    message: str
+
+    def __str__(self) -> str:
+        where = [f"file {self.file}"] if self.file else []
+        where += [f"key '{self.key}'"] if self.key is not None else []
+        return f"{', '.join(where) or 'checkpoint'}: {self.message}"
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """The result of :func:`verify_checkpoint`.
+
+    Attributes:
+        path: The checkpoint directory.
+        problems: Every problem found (empty when the checkpoint is sound).
+        files_checked: Data files whose header was checked.
+        chunks_checked: Stored items whose bytes were re-hashed.
+        bytes_checked: Bytes re-read and hashed.
+        unchecked: Stored items that carry no checksum (their bytes were not verified).
+    """
+
+    path: str
+    problems: tuple[VerifyProblem, ...]
+    files_checked: int
+    chunks_checked: int
+    bytes_checked: int
+    unchecked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """``True`` when no problem was found."""
+        return not self.problems
+
+
+class _Progress:
+    """A one-line progress bar redrawn on a terminal; silent otherwise."""
+
+    def __init__(self, total: int, stream: TextIO | None) -> None:
+        self.total, self.done, self.stream, self._shown = max(total, 1), 0, stream, -1
+
+    def advance(self, count: int) -> None:
+        self.done += count
+        if self.stream is None:
+            return
+        percent = min(100, self.done * 100 // self.total)
+        if percent != self._shown:
+            self._shown = percent
+            bar = "#" * (percent // 4) + "-" * (25 - percent // 4)
+            self.stream.write(f"\rverify [{bar}] {percent:3d}% {format_bytes(self.done)}")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def verify_checkpoint(path: str | os.PathLike, progress: bool | None = None) -> VerifyReport:
+    """Re-read and check every data file, chunk checksum and tensor coverage.
+
+    Args:
+        path: The checkpoint directory.
+        progress: Draw a progress bar on stderr; ``None`` (the default) draws
+            it only when stderr is a terminal.
+
+    Returns:
+        A report listing every problem, each naming its file and key.
+
+    Raises:
+        CheckpointError: the metadata itself cannot be read (not a checkpoint).
+    """
+    directory, metadata = open_checkpoint(path)
+    storage = metadata.storage_data or {}
+    problems = _check_coverage(metadata)
+    by_file: dict[str, list[tuple[MetadataIndex, StorageInfo]]] = defaultdict(list)
+    for index, info in storage.items():
+        by_file[info.relative_path].append((index, info))
+    show = sys.stderr.isatty() if progress is None else progress
+    bar = _Progress(sum(info.length for info in storage.values()), sys.stderr if show else None)
+    reader = FileSystemReader(directory)
+    files_checked = chunks_checked = bytes_checked = unchecked = 0
+    try:
+        for name in sorted(by_file):
+            items = sorted(by_file[name], key=lambda pair: pair[1].offset)
+            try:
+                full = reader.resolve(name, items[0][0].fqn)
+            except CheckpointError as exc:
+                keys = ", ".join(sorted({f"'{index.fqn}'" for index, _ in items}))
+                problems.append(VerifyProblem(name, None, f"{exc} (holds key(s) {keys})"))
+                bar.advance(sum(info.length for _, info in items))
+                continue
+            files_checked += 1
+            problems.extend(_check_header(name, full, items, metadata))
+            with open(full, "rb") as handle:
+                size = os.fstat(handle.fileno()).st_size
+                for index, info in items:
+                    found, hashed = _check_chunk(name, handle, size, index, info)
+                    problems.extend(found)
+                    chunks_checked += hashed is not None
+                    unchecked += info.checksum is None
+                    bytes_checked += hashed or 0
+                    bar.advance(info.length)
+    finally:
+        bar.close()
+    return VerifyReport(str(directory), tuple(problems), files_checked, chunks_checked, bytes_checked, unchecked)
+
+
+def _check_coverage(metadata: Metadata) -> list[VerifyProblem]:
+    storage = metadata.storage_data or {}
+    problems: list[VerifyProblem] = []
+    expected: set[MetadataIndex] = set()
+    for fqn in sorted(metadata.state_dict_metadata):
+        stored = metadata.state_dict_metadata[fqn]
+        if isinstance(stored, TensorStorageMetadata):
+            for message in check_exact_cover(fqn, tuple(stored.size), stored.chunks):
+                problems.append(VerifyProblem(None, fqn, f"coverage: {message}"))
+            itemsize = DTYPE_NAMES.get(stored.properties.dtype)
+            if itemsize is None:
+                problems.append(VerifyProblem(None, fqn, f"unknown dtype {stored.properties.dtype!r}"))
+            for chunk in stored.chunks:
+                index = MetadataIndex(fqn, tuple(chunk.offsets))
+                expected.add(index)
+                info = storage.get(index)
+                if info is None:
+                    problems.append(VerifyProblem(None, fqn, f"chunk at offset {list(chunk.offsets)} has no storage entry"))
+                    continue
+                length = info.raw_length if info.compression else info.length
+                want = math.prod(chunk.sizes) * (itemsize or 0)
+                if itemsize is not None and length != want:
+                    problems.append(VerifyProblem(
+                        info.relative_path, fqn,
+                        f"chunk at offset {list(chunk.offsets)} stores {length} bytes, its sizes "
+                        f"{list(chunk.sizes)} need {want}",
+                    ))
+        elif isinstance(stored, BytesStorageMetadata):
+            for offset in stored.shard_offsets:
+                index = MetadataIndex(fqn, tuple(offset))
+                expected.add(index)
+                if index not in storage:
+                    problems.append(VerifyProblem(None, fqn, f"value at {list(offset)} has no storage entry"))
+    for index, info in storage.items():
+        if MetadataIndex(index.fqn, index.offset) not in expected:
+            problems.append(VerifyProblem(
+                info.relative_path, index.fqn, f"storage entry at offset {list(index.offset)} belongs to no item"
+            ))
+    return problems
+
+
+def _check_header(
+    name: str, full: Any, items: list[tuple[MetadataIndex, StorageInfo]], metadata: Metadata
+) -> list[VerifyProblem]:
+    try:
+        header, data_start = read_header(full)
+    except CheckpointError as exc:
+        keys = ", ".join(sorted({f"'{index.fqn}'" for index, _ in items}))
+        return [VerifyProblem(name, None, f"invalid safetensors header: {exc} (file holds key(s) {keys})")]
+    spans = {}
+    for entry in header.values():
+        begin, end = (int(v) for v in entry["data_offsets"])
+        spans[data_start + begin] = end - begin
+    problems = []
+    for index, info in items:
+        if spans.get(info.offset) != info.length:
+            problems.append(VerifyProblem(
+                name, index.fqn,
+                f"no safetensors entry of {info.length} bytes at byte {info.offset} "
+                f"(chunk at offset {list(index.offset)})",
+            ))
+    return problems
+
+
+def _check_chunk(
+    name: str, handle: Any, size: int, index: MetadataIndex, info: StorageInfo
+) -> tuple[list[VerifyProblem], int | None]:
+    """Re-hash one stored item; return its problems and the bytes hashed (``None``: not hashed)."""
+    fqn = index.fqn
+    where = f"chunk at offset {list(index.offset)}"
+    if info.offset + info.length > size:
+        return [VerifyProblem(
+            name, fqn,
+            f"file is truncated: {where} needs bytes {info.offset}..{info.offset + info.length}, "
+            f"the file has {size}",
+        )], None
+    checksum = info.checksum
+    if checksum is None:
+        return [], None
+    if checksum.algorithm != ALGORITHM or checksum.block_bytes <= 0:
+        return [VerifyProblem(name, fqn, f"{where}: unsupported checksum {checksum.algorithm!r}")], None
+    blocks = max(1, -(-info.length // checksum.block_bytes))
+    if len(checksum.digests) != blocks:
+        return [VerifyProblem(
+            name, fqn, f"{where}: metadata lists {len(checksum.digests)} checksums for {blocks} blocks"
+        )], None
+    bad = []
+    handle.seek(info.offset)
+    for block in range(blocks):
+        data = handle.read(min(checksum.block_bytes, info.length - block * checksum.block_bytes))
+        if digest(data) != checksum.digests[block]:
+            start = info.offset + block * checksum.block_bytes
+            bad.append(f"{start}..{start + len(data)}")
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        return [VerifyProblem(name, fqn, f"checksum mismatch in {where} (bytes {shown})")], info.length
+    return [], info.length
+
+
+def format_verify(report: VerifyReport) -> str:
+    """Render a :class:`VerifyReport` for people: a summary, then every problem."""
+    summary = (
+        f"{report.files_checked} file(s), {report.chunks_checked} chunk(s), "
+        f"{format_bytes(report.bytes_checked)} checked"
+    )
+    if report.unchecked:
+        summary += f"; {report.unchecked} item(s) carry no checksum"
+    if report.ok:
+        return f"OK: {report.path}: {summary}"
+    lines = [f"FAILED: {report.path}: {len(report.problems)} problem(s); {summary}"]
+    lines += [f"  {problem}" for problem in report.problems]
+    return "\n".join(lines)
+
+
+def _run(args: argparse.Namespace) -> int:
+    report = verify_checkpoint(args.dir, progress=False if args.no_progress else None)
+    print(format_verify(report))
+    return 0 if report.ok else 1
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``verify`` subcommand to the ``hp-ckpt`` parser."""
+    parser = subparsers.add_parser(
+        "verify", help="re-read every chunk and check checksums, file headers and coverage",
+        description="Re-read every stored byte; exit 1 naming every problem (file and key), 0 when sound.",
+    )
+    parser.add_argument("dir", help="the checkpoint directory")
+    parser.add_argument("--no-progress", action="store_true", help="never draw a progress bar")
+    parser.set_defaults(func=_run)

@@ -1,0 +1,133 @@
+"""msrun worker of ``benchmark.py``: bytes read by a resharded load, per rank.
+
+Launched by ``benchmark.py`` as ``msrun --worker_num=N ... bench_reshard_worker.py --dir D --out F``.
+Every rank saves its row shard (``Layout((N,), (0, -1))``: dim 0 split over
+the mesh) of a few matrices, then loads column shards (``Layout((N,), (-1, 0))``)
+with a cold page cache, verification on and off. Per rank it measures the bytes
+fetched from storage (``/proc/self/io`` read_bytes delta and the reader's
+``bytes_read``) against the bytes of its shard, and the load time. Rank 0
+writes every rank's figures as JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmark import GIB, data_files, drop_page_cache, pretouch, read_io_bytes  # noqa: E402
+
+__all__ = ["main"]
+
+#: (name, columns, dtype) of the matrices; rows follow from the size. Half rows are whole pages.
+_MATRICES = (("w_f32_4096", 4096, "float32"), ("w_bf16_8192", 8192, "bfloat16"), ("w_f32_16384", 16384, "float32"))
+
+
+def _shapes(size_bytes: int, world: int) -> dict[str, tuple[tuple[int, int], str]]:
+    """Global shape and dtype of each matrix; rows a multiple of ``world``; about ``size_bytes`` in all."""
+    shapes = {}
+    for name, cols, dtype in _MATRICES:
+        itemsize = 4 if dtype == "float32" else 2
+        rows = max(world, size_bytes // len(_MATRICES) // (cols * itemsize) // world * world)
+        shapes[name] = ((rows, cols), dtype)
+    return shapes
+
+
+def _values(shape: tuple[int, int], rows: slice, cols: slice) -> np.ndarray:
+    """The region ``[rows, cols]`` of a matrix whose values (integers < 256) are exact in bfloat16."""
+    i = np.arange(shape[0], dtype=np.int64)[rows, None]
+    j = np.arange(shape[1], dtype=np.int64)[None, cols]
+    return ((i * 7 + j * 13) % 256).astype(np.float32)
+
+
+def _tensor(values: np.ndarray, dtype: str):  # -> mindspore.Tensor
+    import mindspore as ms  # pylint: disable=import-outside-toplevel
+
+    return ms.Tensor(values, ms.bfloat16 if dtype == "bfloat16" else ms.float32)
+
+
+def _load_once(directory: Path, shapes: dict, layout, rank: int, world: int, verify: bool, pretouch_gb: float):
+    """One cold collective load of this rank's column shards; returns (seconds, reader bytes, /proc bytes)."""
+    import hyper_parallel.core.distributed_checkpoint as dcp  # pylint: disable=import-outside-toplevel
+    from hyper_parallel import DTensor, platform  # pylint: disable=import-outside-toplevel
+
+    targets = {}
+    for name, ((rows, cols), dtype) in shapes.items():
+        local = _tensor(np.zeros((rows, cols // world), np.float32), dtype)
+        targets[name] = DTensor(local, layout, global_shape=(rows, cols))
+    drop_page_cache(data_files(directory))
+    pretouch(pretouch_gb)
+    platform.barrier()
+    reader = dcp.FileSystemReader(directory, verify_checksums=verify)
+    before, start = read_io_bytes(), time.perf_counter()
+    dcp.load(targets, storage_reader=reader)
+    seconds, fetched = time.perf_counter() - start, read_io_bytes() - before
+    for name, ((rows, cols), _) in shapes.items():
+        part = slice(rank * cols // world, (rank + 1) * cols // world)
+        got = targets[name].to_local().asnumpy().astype(np.float32)
+        if not np.array_equal(got, _values((rows, cols), slice(None), part)):
+            raise RuntimeError(f"rank {rank}: resharded load of '{name}' returned wrong values")
+    return seconds, reader.bytes_read, fetched
+
+
+def main() -> None:
+    """Save row-split, load column-split (cold), report bytes read per rank."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--dir", type=Path, required=True, help="checkpoint directory")
+    parser.add_argument("--out", type=Path, required=True, help="JSON output (written by rank 0)")
+    parser.add_argument("--size-gb", type=float, default=1.0, help="global size of the matrices in GiB")
+    parser.add_argument("--runs", type=int, default=3, help="loads per setting (medians reported)")
+    parser.add_argument("--pretouch-gb", type=float, default=3.0, help="GiB touched before each load")
+    args = parser.parse_args()
+
+    import mindspore as ms  # pylint: disable=import-outside-toplevel
+    from mindspore.communication import get_group_size, get_rank, init  # pylint: disable=import-outside-toplevel
+
+    ms.set_device("CPU")
+    init()
+    import hyper_parallel.core.distributed_checkpoint as dcp  # pylint: disable=import-outside-toplevel
+    from hyper_parallel import DTensor, Layout, platform  # pylint: disable=import-outside-toplevel
+
+    rank, world = int(get_rank()), int(get_group_size())
+    shapes = _shapes(int(args.size_gb * GIB), world)
+    rows_split, cols_split = Layout((world,), (0, -1)), Layout((world,), (-1, 0))
+    source = {}
+    for name, ((rows, cols), dtype) in shapes.items():
+        mine = slice(rank * rows // world, (rank + 1) * rows // world)
+        source[name] = DTensor(_tensor(_values((rows, cols), mine, slice(None)), dtype), rows_split,
+                               global_shape=(rows, cols))
+    start = time.perf_counter()
+    dcp.save(source, checkpoint_id=args.dir)
+    save_seconds = time.perf_counter() - start
+    del source
+
+    needed = sum(rows * (cols // world) * (4 if dtype == "float32" else 2)
+                 for (rows, cols), dtype in shapes.values())
+    figures = {"rank": rank, "needed_bytes": needed, "save_s": save_seconds}
+    for verify in (True, False):
+        runs = [_load_once(args.dir, shapes, cols_split, rank, world, verify, args.pretouch_gb)
+                for _ in range(args.runs)]
+        figures[f"verify {'on' if verify else 'off'}"] = {
+            "median_s": statistics.median(r[0] for r in runs),
+            "reader bytes_read": statistics.median(r[1] for r in runs),
+            "/proc read_bytes": statistics.median(r[2] for r in runs),
+            "runs": runs,
+        }
+    everyone = platform.all_gather_object(figures)
+    if rank == 0:
+        description = ", ".join(f"{n} {list(s)} {d}" for n, (s, d) in shapes.items())
+        args.out.write_text(json.dumps({
+            "description": f"saved Layout(({world},), (0, -1)), loaded Layout(({world},), (-1, 0)): {description}",
+            "ranks": everyone,
+        }, indent=2))
+    platform.barrier()
+
+
+if __name__ == "__main__":
+    main()

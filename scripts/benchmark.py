@@ -1,0 +1,555 @@
+"""Measure the performance contract of docs/DESIGN "Performance contract" in one run.
+
+Run: ``python scripts/benchmark.py [--size-gb 1] [--threads 2] [--runs 3] [--out DIR]``.
+Builds a state of MindSpore Parameters (a few large and many small tensors,
+float32 and bfloat16), then times, on the same disk: a plain fsynced write and
+a cold/warm sequential read of the same bytes (the machine's limits), a host
+memcpy, ``mindspore.save_checkpoint``/``load_checkpoint`` (safetensors), this
+project's save, async save and load, a resharded load on ``--ranks`` msrun
+processes (``bench_reshard_worker.py``) and the extra memory of a load. Prints
+a table of medians and the contract's ratios, and writes everything as JSON.
+
+This VM returns freed memory to its host, so the first touch of fresh memory
+is slow: before every timed run the script allocates and touches
+``--pretouch-gb`` GiB (then frees it), so each run finds memory ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+__all__ = ["drop_page_cache", "main", "pretouch", "read_io_bytes"]
+
+GIB = 1 << 30
+CHUNK = 64 << 20
+SCRIPTS = Path(__file__).resolve().parent
+
+
+# ----------------------------------------------------------------- helpers (also used by the worker)
+
+def pretouch(gib: float) -> None:
+    """Allocate and touch ``gib`` GiB, then free it (makes the VM hand memory back first)."""
+    if gib > 0:
+        block = np.ones(int(gib * GIB), dtype=np.uint8)
+        del block
+
+
+def drop_page_cache(paths: list[Path]) -> str:
+    """Evict ``paths`` from the page cache; return the method used.
+
+    ``posix_fadvise(DONTNEED)`` after ``fsync`` drops clean pages without
+    root; as root ``/proc/sys/vm/drop_caches`` is written too.
+    """
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    try:
+        with open("/proc/sys/vm/drop_caches", "w", encoding="ascii") as handle:
+            handle.write("1")
+        return "posix_fadvise+drop_caches"
+    except OSError:
+        return "posix_fadvise"
+
+
+def read_io_bytes() -> int:
+    """Bytes this process caused to be fetched from storage (``/proc/self/io`` read_bytes)."""
+    with open("/proc/self/io", encoding="ascii") as handle:
+        fields = dict(line.split(": ") for line in handle.read().splitlines())
+    return int(fields["read_bytes"])
+
+
+def warm_cache(paths: list[Path]) -> None:
+    """Read ``paths`` once so that they are in the page cache."""
+    for path in paths:
+        with open(path, "rb", buffering=0) as handle:
+            while handle.read(CHUNK):
+                pass
+
+
+def data_files(directory: Path) -> list[Path]:
+    """The safetensors data files of a checkpoint directory."""
+    return sorted(directory.glob("*.safetensors"))
+
+
+def timed(fn: Callable[[], Any], *, runs: int, pretouch_gb: float,
+          setup: Callable[[], Any] | None = None) -> list[float]:
+    """Run ``setup`` (untimed), pretouch, then time ``fn``; ``runs`` times. Returns seconds."""
+    times = []
+    for _ in range(runs):
+        if setup is not None:
+            setup()
+        pretouch(pretouch_gb)
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+class Fresh:
+    """Hands out fresh paths under ``root`` and deletes the previous one (outside the timing)."""
+
+    def __init__(self, root: Path, name: str) -> None:
+        self.root, self.name, self.count, self.current = root, name, 0, None
+
+    def next(self) -> Path:
+        """Delete the last path handed out and return a new one."""
+        self.clear()
+        self.count += 1
+        self.current = self.root / f"{self.name}{self.count}"
+        return self.current
+
+    def clear(self) -> None:
+        """Delete the last path handed out."""
+        if self.current is not None:
+            shutil.rmtree(self.current, ignore_errors=True) if self.current.is_dir() else \
+                self.current.unlink(missing_ok=True)
+
+
+# ----------------------------------------------------------------- the state
+
+def build_state(size_bytes: int, seed: int = 0) -> dict[str, Any]:
+    """A dict of named Parameters of about ``size_bytes``.
+
+    80 % in four large matrices (4096 columns), 18 % in 48 medium matrices
+    (1024 columns), 2 % (at least 200) small vectors; float32 and bfloat16 alternate.
+    """
+    import mindspore as ms  # pylint: disable=import-outside-toplevel
+
+    rng = np.random.default_rng(seed)
+    specs = []
+    for i in range(4):
+        itemsize = 4 if i % 2 == 0 else 2
+        specs.append((f"layer{i}_weight", (max(1, int(size_bytes * 0.2) // (4096 * itemsize)), 4096), i % 2))
+    for i in range(48):
+        itemsize = 4 if i % 2 == 0 else 2
+        specs.append((f"block{i}_proj", (max(1, int(size_bytes * 0.18 / 48) // (1024 * itemsize)), 1024), i % 2))
+    small = max(200, int(size_bytes * 0.02) // (4096 * 3))
+    specs += [(f"norm{i}_bias", (4096,), i % 2) for i in range(small)]
+    state = {}
+    for name, shape, is_bf16 in specs:
+        values = rng.random(shape, dtype=np.float32)
+        tensor = ms.Tensor(values, ms.bfloat16) if is_bf16 else ms.Tensor(values)
+        state[name] = ms.Parameter(tensor, name=name)
+    return state
+
+
+def state_bytes(state: dict[str, Any]) -> int:
+    """Total bytes of the state's tensors."""
+    return sum(p.asnumpy().nbytes for p in state.values())
+
+
+# ----------------------------------------------------------------- phases
+
+def phase_baseline(work: Path, nbytes: int, args: argparse.Namespace) -> tuple[dict[str, list[float]], str]:
+    """Plain single-stream fsynced write, cold and warm sequential read of ``nbytes``."""
+    source = np.ones(nbytes, dtype=np.uint8)
+    target = np.ones(nbytes, dtype=np.uint8)
+    fresh = Fresh(work, "plain")
+    method = ""
+
+    def write() -> None:
+        fd = os.open(fresh.current, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(source)
+            for start in range(0, nbytes, CHUNK):
+                os.write(fd, view[start:start + CHUNK])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def read() -> None:
+        fd = os.open(fresh.current, os.O_RDONLY)
+        try:
+            view = memoryview(target)
+            for start in range(0, nbytes, CHUNK):
+                os.preadv(fd, [view[start:start + CHUNK]], start)
+        finally:
+            os.close(fd)
+
+    def cold_setup() -> None:
+        nonlocal method
+        method = drop_page_cache([fresh.current])
+
+    times = {"plain write+fsync": timed(write, runs=args.runs, pretouch_gb=args.pretouch_gb, setup=fresh.next)}
+    times["cold sequential read"] = timed(read, runs=args.runs, pretouch_gb=args.pretouch_gb, setup=cold_setup)
+    times["warm sequential read"] = timed(read, runs=args.runs, pretouch_gb=args.pretouch_gb)
+    if not np.array_equal(source[:CHUNK], target[:CHUNK]):
+        raise RuntimeError("baseline read returned other bytes than written")
+    fresh.clear()
+    return times, method
+
+
+def phase_memcpy(nbytes: int, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Host memcpy of ``nbytes`` into a pre-touched buffer."""
+    source = np.ones(nbytes, dtype=np.uint8)
+    target = np.zeros(nbytes, dtype=np.uint8)
+    return {"host memcpy": timed(lambda: np.copyto(target, source), runs=args.runs, pretouch_gb=args.pretouch_gb)}
+
+
+def phase_mindspore(state: dict[str, Any], work: Path, args: argparse.Namespace) -> dict[str, list[float]]:
+    """``mindspore.save_checkpoint`` (+ an fsync, which it does not do) and load + load_param_into_net (cold)."""
+    import mindspore as ms  # pylint: disable=import-outside-toplevel
+
+    path = work / "ms.safetensors"
+    params = list(state.values())
+    net = ms.nn.Cell()
+    for param in params:
+        net.insert_param_to_cell(param.name, param)
+    save_only: list[float] = []
+
+    def save() -> None:
+        start = time.perf_counter()
+        ms.save_checkpoint(params, str(path), format="safetensors")
+        save_only.append(time.perf_counter() - start)
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+    def load() -> None:
+        not_loaded, _ = ms.load_param_into_net(net, ms.load_checkpoint(str(path), format="safetensors"))
+        if not_loaded:
+            raise RuntimeError(f"mindspore did not load {not_loaded[:5]}")
+
+    times = {"ms.save_checkpoint+fsync": timed(save, runs=args.runs, pretouch_gb=args.pretouch_gb,
+                                               setup=lambda: path.unlink(missing_ok=True))}
+    times["ms.save_checkpoint (no fsync)"] = save_only
+    times["ms.load_checkpoint+load_param_into_net cold"] = timed(
+        load, runs=args.runs, pretouch_gb=args.pretouch_gb, setup=lambda: drop_page_cache([path]))
+    path.unlink()
+    return times
+
+
+def phase_save(state: dict[str, Any], work: Path, args: argparse.Namespace) -> dict[str, list[float]]:
+    """``dcp.save`` with fsync: default writer and ``FileSystemWriter(thread_count=T)``."""
+    import hyper_parallel.core.distributed_checkpoint as dcp  # pylint: disable=import-outside-toplevel
+
+    fresh = Fresh(work, "save")
+    times = {"dcp.save (1 thread)": timed(
+        lambda: dcp.save(state, checkpoint_id=fresh.current, no_dist=True),
+        runs=args.runs, pretouch_gb=args.pretouch_gb, setup=fresh.next)}
+    times[f"dcp.save ({args.threads} threads)"] = timed(
+        lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(fresh.current, thread_count=args.threads),
+                         no_dist=True),
+        runs=args.runs, pretouch_gb=args.pretouch_gb, setup=fresh.next)
+    fresh.clear()
+    return times
+
+
+def phase_async(state: dict[str, Any], work: Path, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Time ``dcp.async_save`` until it returns; ``.result()`` runs untimed. First call, then steady state."""
+    import hyper_parallel.core.distributed_checkpoint as dcp  # pylint: disable=import-outside-toplevel
+
+    fresh = Fresh(work, "async")
+    times: list[float] = []
+    for _ in range(1 + args.runs):
+        path = fresh.next()
+        pretouch(args.pretouch_gb)
+        start = time.perf_counter()
+        handle = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=args.threads),
+                                no_dist=True)
+        times.append(time.perf_counter() - start)
+        handle.result()
+    fresh.clear()
+    return {"dcp.async_save blocking, first call": times[:1], "dcp.async_save blocking, steady": times[1:]}
+
+
+def save_for_load(state: dict[str, Any], work: Path, threads: int) -> Path:
+    """Save the checkpoint the load phases read (``threads`` data files, so ``threads`` readers work)."""
+    import hyper_parallel.core.distributed_checkpoint as dcp  # pylint: disable=import-outside-toplevel
+
+    path = work / "load_ckpt"
+    shutil.rmtree(path, ignore_errors=True)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=threads), no_dist=True)
+    return path
+
+
+def check_load(state: dict[str, Any], path: Path, threads: int) -> None:
+    """Untimed sanity check: zero two tensors in place, load, compare with the values saved."""
+    import hyper_parallel.core.distributed_checkpoint as dcp  # pylint: disable=import-outside-toplevel
+
+    names = [next(iter(state)), list(state)[-1]]
+    expected = {n: state[n].asnumpy().copy() for n in names}
+    for name in names:
+        state[name].asnumpy()[...] = 0
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path, thread_count=threads), no_dist=True)
+    for name in names:
+        if not np.array_equal(state[name].asnumpy().view(np.uint8), expected[name].view(np.uint8)):
+            raise RuntimeError(f"dcp.load did not restore '{name}' in place")
+
+
+def phase_load(state: dict[str, Any], path: Path, args: argparse.Namespace) -> dict[str, list[float]]:
+    """``dcp.load`` into the existing Parameters, warm and cold cache, verification on and off."""
+    import hyper_parallel.core.distributed_checkpoint as dcp  # pylint: disable=import-outside-toplevel
+
+    files = data_files(path)
+    times = {}
+    for verify in (True, False):
+        def load(verify: bool = verify) -> None:
+            reader = dcp.FileSystemReader(path, verify_checksums=verify, thread_count=args.threads)
+            dcp.load(state, storage_reader=reader, no_dist=True)
+
+        for cache, setup in (("warm", lambda: warm_cache(files)), ("cold", lambda: drop_page_cache(files))):
+            label = f"dcp.load {cache}, verify {'on' if verify else 'off'} ({args.threads} threads)"
+            times[label] = timed(load, runs=args.runs, pretouch_gb=args.pretouch_gb, setup=setup)
+    return times
+
+
+class PeakRss:
+    """Peak RSS above the RSS at entry: VmHWM after resetting it via clear_refs, else a 1 ms sampler."""
+
+    def __init__(self) -> None:
+        self.base = self.peak = 0
+        self.method = ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def _status(field: str) -> int:
+        with open("/proc/self/status", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+        raise KeyError(field)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, self._status("VmRSS"))
+
+    def __enter__(self) -> PeakRss:
+        try:
+            with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
+                handle.write("5")  # resets VmHWM to the current RSS
+            self.method = "VmHWM reset by clear_refs"
+        except OSError:
+            self.method = "VmRSS sampled every 1 ms"
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+        self.base = self.peak = self._status("VmRSS")
+        if self._thread is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+        else:
+            self.peak = self._status("VmHWM")
+
+    @property
+    def extra(self) -> int:
+        """Bytes of peak RSS above the RSS at entry."""
+        return self.peak - self.base
+
+
+def phase_memory(state: dict[str, Any], path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Extra RSS of a cold ``dcp.load`` (untimed) against the reader's in-flight bound."""
+    import hyper_parallel.core.distributed_checkpoint as dcp  # pylint: disable=import-outside-toplevel
+
+    result: dict[str, Any] = {}
+    for verify in (True, False):
+        reader = dcp.FileSystemReader(path, verify_checksums=verify, thread_count=args.threads)
+        drop_page_cache(data_files(path))
+        with PeakRss() as peak:
+            dcp.load(state, storage_reader=reader, no_dist=True)
+        bound = reader.max_inflight_bytes * reader.thread_count
+        result[f"verify {'on' if verify else 'off'}"] = {
+            "extra_bytes": peak.extra, "bound_bytes": bound, "method": peak.method}
+    return result
+
+
+def phase_reshard(work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Run ``bench_reshard_worker.py`` on ``--ranks`` msrun processes; return its JSON."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log_dir, out = work / "msrun_logs", work / "reshard.json"
+    launcher = [shutil.which("msrun")] if shutil.which("msrun") else [sys.executable, "-m",
+                                                                       "mindspore.parallel.cluster.run"]
+    cmd = [*launcher, f"--worker_num={args.ranks}", f"--local_worker_num={args.ranks}",
+           "--master_addr=127.0.0.1", f"--master_port={port}", f"--log_dir={log_dir}", "--join=True",
+           f"--tail_worker_log={args.ranks}", str(SCRIPTS / "bench_reshard_worker.py"),
+           "--dir", str(work / "reshard_ckpt"), "--out", str(out), "--size-gb", str(args.size_gb),
+           "--runs", str(args.runs), "--pretouch-gb", str(args.pretouch_gb)]
+    env = {**os.environ, "PATH": os.pathsep.join((str(Path(sys.executable).parent), os.environ["PATH"]))}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SCRIPTS.parent), env.get("PYTHONPATH", "")) if p)
+    with open(work / "msrun_console.log", "wb") as console:
+        proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=console, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=args.msrun_timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = "timeout"
+    shutil.rmtree(work / "reshard_ckpt", ignore_errors=True)
+    if code != 0 or not out.exists():
+        tails = [f"--- {p.name} ---\n" + "\n".join(p.read_text(errors="replace").splitlines()[-30:])
+                 for p in [*sorted(log_dir.glob("worker_*.log")), work / "msrun_console.log"] if p.exists()]
+        raise RuntimeError(f"msrun reshard run failed ({code}):\n" + "\n".join(tails))
+    return json.loads(out.read_text())
+
+
+def profile(label: str, fn: Callable[[], Any]) -> str:
+    """Run ``fn`` under cProfile; return the top 10 cumulative entries."""
+    prof = cProfile.Profile()
+    prof.runcall(fn)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(10)
+    return f"--- cProfile: {label} (top 10 cumulative) ---\n" + text.getvalue().split("\n\n", 1)[-1].strip()
+
+
+def phase_profile(state: dict[str, Any], work: Path, path: Path) -> list[str]:
+    """cProfile one save and one cold verified load (1 thread: cProfile sees only the main thread)."""
+    import hyper_parallel.core.distributed_checkpoint as dcp  # pylint: disable=import-outside-toplevel
+
+    target = work / "profile_ckpt"
+    shutil.rmtree(target, ignore_errors=True)
+    texts = [profile("dcp.save (1 thread)", lambda: dcp.save(state, checkpoint_id=target, no_dist=True))]
+    shutil.rmtree(target, ignore_errors=True)
+    drop_page_cache(data_files(path))
+    texts.append(profile("dcp.load cold, verify on (1 thread)",
+                         lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)))
+    return texts
+
+
+# ----------------------------------------------------------------- report
+
+def ratios(t: dict[str, float], args: argparse.Namespace, reshard: dict[str, Any] | None,
+           memory: dict[str, Any]) -> list[tuple[str, float, str, bool | None]]:
+    """The contract's ratios: (figure, value, target text, met or None when there is no target)."""
+    T = args.threads
+    out: list[tuple[str, float, str, bool | None]] = []
+
+    def add(name: str, value: float, limit: float | None, op: str = "<=") -> None:
+        met = None if limit is None else (value <= limit if op == "<=" else value < limit)
+        out.append((name, value, "" if limit is None else f"{op} {limit:g}", met))
+
+    for threads in ("1 thread", f"{T} threads"):
+        add(f"dcp.save ({threads}) / plain write", t[f"dcp.save ({threads})"] / t["plain write+fsync"], 1.0)
+    best_save = min(t["dcp.save (1 thread)"], t[f"dcp.save ({T} threads)"])
+    add("best dcp.save / ms.save_checkpoint+fsync", best_save / t["ms.save_checkpoint+fsync"], 1.0, "<")
+    add("best dcp.save / ms.save_checkpoint (no fsync)", best_save / t["ms.save_checkpoint (no fsync)"], None)
+    for when in ("steady", "first call"):
+        blocking = t[f"dcp.async_save blocking, {when}"]
+        add(f"async blocking ({when}) / memcpy", blocking / t["host memcpy"], 1.5 if when == "steady" else None)
+        add(f"async blocking ({when}) / sync save", blocking / best_save, 0.1 if when == "steady" else None)
+    if reshard is not None:
+        for verify in ("on", "off"):
+            for counter in ("reader bytes_read", "/proc read_bytes"):
+                worst = max(r[f"verify {verify}"][counter] / r["needed_bytes"] for r in reshard["ranks"])
+                add(f"reshard {counter} / needed, verify {verify} (worst rank)", worst, 1.05)
+    for verify in ("on", "off"):
+        add(f"cold load / cold read, verify {verify}",
+            t[f"dcp.load cold, verify {verify} ({T} threads)"] / t["cold sequential read"], 1.5)
+        add(f"warm load / memcpy, verify {verify}",
+            t[f"dcp.load warm, verify {verify} ({T} threads)"] / t["host memcpy"], 2.0)
+        mem = memory[f"verify {verify}"]
+        add(f"load extra memory / in-flight bound, verify {verify}", mem["extra_bytes"] / mem["bound_bytes"], 1.0)
+    return out
+
+
+def print_report(times: dict[str, list[float]], nbytes: int, table: list[tuple[str, float, str, bool | None]],
+                 reshard: dict[str, Any] | None, memory: dict[str, Any]) -> None:
+    """Print the timing table, the reshard and memory figures and the ratio table."""
+    print(f"\n{'phase':<48} {'median s':>9} {'GB/s':>7}  runs (s)")
+    for name, runs in times.items():
+        med = statistics.median(runs)
+        print(f"{name:<48} {med:>9.3f} {nbytes / med / 1e9:>7.2f}  {' '.join(f'{r:.3f}' for r in runs)}")
+    if reshard is not None:
+        print(f"\nresharded load on {len(reshard['ranks'])} ranks, {reshard['description']}")
+        print(f"{'rank':<5} {'verify':<7} {'needed MiB':>10} {'reader MiB':>10} {'/proc MiB':>10} {'median s':>9}")
+        for r in reshard["ranks"]:
+            for verify in ("on", "off"):
+                fig = r[f"verify {verify}"]
+                print(f"{r['rank']:<5} {verify:<7} {r['needed_bytes'] / 2**20:>10.1f} "
+                      f"{fig['reader bytes_read'] / 2**20:>10.1f} {fig['/proc read_bytes'] / 2**20:>10.1f} "
+                      f"{fig['median_s']:>9.3f}")
+    for name, mem in memory.items():
+        print(f"load extra memory, {name}: {mem['extra_bytes'] / 2**20:.1f} MiB "
+              f"(bound {mem['bound_bytes'] / 2**20:.0f} MiB; {mem['method']})")
+    print(f"\n{'ratio':<58} {'value':>7}  {'target':<7} result")
+    for name, value, target, met in table:
+        print(f"{name:<58} {value:>7.3f}  {target:<7} {'' if met is None else 'ok' if met else 'MISS'}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-gb", type=float, default=1.0, help="state size in GiB (default 1)")
+    parser.add_argument("--ranks", type=int, default=2, help="msrun processes of the reshard phase (default 2)")
+    parser.add_argument("--threads", type=int, default=2, help="writer/reader thread_count T (default 2)")
+    parser.add_argument("--runs", type=int, default=3, help="timed runs per figure; medians reported (default 3)")
+    parser.add_argument("--pretouch-gb", type=float, default=3.0, help="GiB touched before each timed run")
+    parser.add_argument("--out", type=Path, default=None, help="working directory (default: new one under /tmp)")
+    parser.add_argument("--json", type=Path, default=None, help="JSON result path (default OUT/benchmark.json)")
+    parser.add_argument("--skip-msrun", action="store_true", help="skip the resharded load on msrun")
+    parser.add_argument("--profile", action="store_true", help="print cProfile top 10 of a save and a load")
+    parser.add_argument("--msrun-timeout", type=float, default=300.0, help="seconds before msrun is killed")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Build the state, run every phase, print and write the results."""
+    args = parse_args(argv)
+    import mindspore as ms  # pylint: disable=import-outside-toplevel
+
+    ms.set_device("CPU")
+    work = args.out or Path(tempfile.mkdtemp(prefix="hp_bench_", dir="/tmp"))
+    work.mkdir(parents=True, exist_ok=True)
+    state = build_state(int(args.size_gb * GIB))
+    nbytes = state_bytes(state)
+    print(f"state: {len(state)} Parameters, {nbytes / GIB:.3f} GiB; work dir {work}; "
+          f"{os.cpu_count()} cpus; pretouch {args.pretouch_gb} GiB before each of {args.runs} runs", flush=True)
+    started = time.perf_counter()
+    times, cold_method = phase_baseline(work, nbytes, args)
+    times.update(phase_memcpy(nbytes, args))
+    times.update(phase_mindspore(state, work, args))
+    times.update(phase_save(state, work, args))
+    times.update(phase_async(state, work, args))
+    load_path = save_for_load(state, work, args.threads)
+    check_load(state, load_path, args.threads)
+    times.update(phase_load(state, load_path, args))
+    memory = phase_memory(state, load_path, args)
+    profiles = phase_profile(state, work, load_path) if args.profile else []
+    shutil.rmtree(load_path, ignore_errors=True)
+    reshard = None if args.skip_msrun else phase_reshard(work, args)
+    medians = {name: statistics.median(runs) for name, runs in times.items()}
+    table = ratios(medians, args, reshard, memory)
+    print(f"cold cache by: {cold_method}; total {time.perf_counter() - started:.0f} s")
+    print_report(times, nbytes, table, reshard, memory)
+    for text in profiles:
+        print("\n" + text)
+    result = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "state_bytes": nbytes, "tensors": len(state), "cold_cache_method": cold_method,
+              "times_s": times, "median_s": medians, "reshard": reshard, "memory": memory,
+              "ratios": [{"figure": n, "value": v, "target": tg, "met": m} for n, v, tg, m in table],
+              "profiles": profiles}
+    json_path = args.json or work / "benchmark.json"
+    json_path.write_text(json.dumps(result, indent=2))
+    print(f"\nJSON written to {json_path}")
+
+
+if __name__ == "__main__":
+    main()

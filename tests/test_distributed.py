@@ -1,0 +1,135 @@
+"""Distributed save and load under real msrun launches (2 and 4 CPU workers).
+
+Three launches in order: 2 ranks save checkpoint Y (and run the async and
+rank-local scenarios), 4 ranks load Y in another layout and save X (and run
+dedup and failure scenarios), 2 ranks load X in a third layout; finally this
+process (no communication) loads X whole.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hyper_parallel.core.distributed_checkpoint as dcp
+from msrun_harness import check_scenarios, run_workers, scenario_values
+
+pytestmark = pytest.mark.msrun
+WORKER = Path(__file__).parent / "workers" / "dist_worker.py"
+FULL_X = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("dist")
+
+
+@pytest.fixture(scope="module")
+def two_first(base, tmp_path_factory):
+    results = run_workers(WORKER, workers=2, tmp_path=tmp_path_factory.mktemp("l1"), args=["two_first", str(base)],
+                          timeout=400)
+    return results
+
+
+@pytest.fixture(scope="module")
+def four(base, two_first, tmp_path_factory):
+    return run_workers(WORKER, workers=4, tmp_path=tmp_path_factory.mktemp("l2"), args=["four", str(base)],
+                       timeout=500)
+
+
+@pytest.fixture(scope="module")
+def two_last(base, four, tmp_path_factory):
+    return run_workers(WORKER, workers=2, tmp_path=tmp_path_factory.mktemp("l3"), args=["two_last", str(base)],
+                       timeout=400)
+
+
+def test_two_rank_save_commits_before_return(two_first):
+    check_scenarios(two_first, ["save_y"])
+    for value in scenario_values(two_first, "save_y"):
+        assert value["committed"]
+        assert sum(value["bytes_per_rank"]) == 8 * 12 * 4 + 8 * 4 * 2 + 8 * 4 + 1
+
+
+def test_async_saves_in_a_loop_keep_their_own_step(two_first):
+    check_scenarios(two_first, ["async_loop", "async_deleted_tensors"])
+    for rank, value in enumerate(scenario_values(two_first, "async_loop")):
+        assert value["loaded"] == [{"step": step, "values": [float(step * 100 + rank)]} for step in range(5)]
+    for value in scenario_values(two_first, "async_deleted_tensors"):
+        assert value == {"a": 3.0, "b": [5] * 10}
+
+
+def test_async_background_failure_surfaces_on_every_rank(two_first):
+    check_scenarios(two_first, ["async_write_failure"])
+    for value in scenario_values(two_first, "async_write_failure"):
+        assert value["type"] in ("CollectiveStepError", "CollectiveCheckpointIOError")
+        assert value["failed_ranks"] == [1]
+        assert "No space left on device" in value["message"]
+        assert value["old_values"] == [1.0] * 16, "the earlier committed checkpoint must stay intact"
+
+
+def test_use_collectives_false_round_trip(two_first, base):
+    check_scenarios(two_first, ["no_collectives"])
+    for rank, value in enumerate(scenario_values(two_first, "no_collectives")):
+        assert value["mine"] == [rank] * 4 and value["step"] == rank
+        assert "metadata.rank00000.json" in value["files"] and "metadata.rank00001.json" in value["files"]
+
+
+def test_four_ranks_load_a_two_rank_checkpoint_in_another_layout(four):
+    check_scenarios(four, ["load_y_on_four"])
+    assert scenario_values(four, "load_y_on_four") == [{"ok": True, "bf_ok": True, "step": 7}] * 4
+
+
+def test_replicated_state_written_once_and_balanced(four):
+    check_scenarios(four, ["replicated_bytes"])
+    value = scenario_values(four, "replicated_bytes")[0]
+    per_rank = value["bytes_per_rank"]
+    assert sum(per_rank) == 40 * 1024 * 4, "total written equals the unique bytes"
+    ideal = sum(per_rank) / 4
+    assert max(per_rank) <= ideal * 1.10
+    assert sorted(value["file_bytes"]) == ["r00000", "r00001", "r00002", "r00003"]
+
+
+def test_three_dedup_modes(four):
+    check_scenarios(four, ["dedup_modes"])
+    value = scenario_values(four, "dedup_modes")[0]
+    assert value["min"] == {"bytes": [8 * 1024, 0, 0, 0], "ok": True}
+    assert value["all"] == {"bytes": [8 * 1024] * 4, "ok": True}
+    assert value["balanced"] == {"bytes": [2048] * 4, "ok": True}
+
+
+def test_failures_raise_the_same_error_on_every_rank(four):
+    names = ["save_failure_planning", "save_failure_write", "save_failure_commit", "load_failure_missing_key",
+             "load_failure_read", "differing_value"]
+    check_scenarios(four, names)
+    for value in scenario_values(four, "save_failure_planning"):
+        assert value["failed_ranks"] == [2] and "'weird'" in value["message"] and "allow_pickle" in value["message"]
+        assert value["seconds"] < 60
+    for value in scenario_values(four, "save_failure_write"):
+        assert value["failed_ranks"] == [1] and "No space left" in value["message"] and not value["committed"]
+    for value in scenario_values(four, "save_failure_commit"):
+        assert value["failed_ranks"] == [0] and "commit" in value["message"] and not value["committed"]
+    for value in scenario_values(four, "load_failure_missing_key"):
+        assert value["failed_ranks"] == [3] and value["is_missing_key"] and "'nope'" in value["message"]
+    for value in scenario_values(four, "load_failure_read"):
+        assert value["failed_ranks"] == [1] and "I/O error while reading" in value["message"]
+    for value in scenario_values(four, "differing_value"):
+        assert value["failed_ranks"] == [0] and value["is_validation"]
+        assert "'step'" in value["message"] and "ranks [0, 2]" in value["message"]
+
+
+def test_two_ranks_load_a_four_rank_checkpoint_reading_only_needed_bytes(two_last):
+    check_scenarios(two_last)
+    for value in scenario_values(two_last, "load_x_on_two"):
+        assert value["ok"] and value["step"] == 42
+        assert value["bias"] == np.linspace(-1, 1, 8, dtype=np.float32).tolist()
+        assert value["bytes_read"] == value["needed"] + len(b"42")  # + the stored step value
+
+
+def test_one_process_loads_the_four_rank_checkpoint(base, four):
+    check_scenarios(four, ["save_x"])
+    assert all(v["visible_after_return"] and v["chunks"] == 4 for v in scenario_values(four, "save_x"))
+    target = {"model": {"x": np.zeros((16, 8), np.float32), "bias": np.zeros(8, np.float32)}, "step": 0}
+    dcp.load(target, checkpoint_id=base / "X")
+    assert np.array_equal(target["model"]["x"], FULL_X) and target["step"] == 42

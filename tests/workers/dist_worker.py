@@ -1,0 +1,262 @@
+"""msrun worker for the distributed save/load tests (tests/test_distributed.py).
+
+Usage: ``dist_worker.py PHASE BASE_DIR``. Phases run in this order across three
+launches: ``two_first`` (2 ranks), ``four`` (4 ranks), ``two_last`` (2 ranks).
+Each scenario returns plain values that the pytest side asserts.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from worker_lib import init_worker, run_scenarios
+
+RANK, WORLD = init_worker()
+
+import mindspore as ms  # noqa: E402  (after init_worker, which sets the device)
+
+import hyper_parallel.core.distributed_checkpoint as dcp  # noqa: E402
+from hyper_parallel import DTensor, Layout  # noqa: E402
+
+PHASE, BASE = sys.argv[1], Path(sys.argv[2])
+FULL_X = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+FULL_Y = (np.arange(8 * 12, dtype=np.float32) * 0.5).reshape(8, 12)
+BIAS = np.linspace(-1, 1, 8, dtype=np.float32)
+
+
+def _param(array: np.ndarray, name: str) -> ms.Parameter:
+    return ms.Parameter(ms.Tensor(array.copy()), name=name)
+
+
+def _dtensor(full: np.ndarray, layout: Layout, name: str) -> DTensor:
+    local = DTensor.from_global(full, layout, rank=RANK).to_local()
+    return DTensor(_param(np.asarray(local), name), layout, full.shape)
+
+
+def _zero_dtensor(full: np.ndarray, layout: Layout, name: str) -> DTensor:
+    return DTensor(_param(np.zeros(layout.local_shape(full.shape), full.dtype), name), layout, full.shape)
+
+
+def _expect(full: np.ndarray, target: DTensor) -> bool:
+    local = target.to_local().asnumpy()
+    box = tuple(slice(o, o + s) for o, s in zip(target.global_offset, local.shape))
+    return bool(np.array_equal(local, full[box]))
+
+
+def _failure(fn) -> dict:
+    """Run ``fn`` expecting a failure on every rank; describe it."""
+    start = time.monotonic()
+    try:
+        fn()
+    except dcp.CheckpointError as exc:
+        return {
+            "type": type(exc).__name__,
+            "failed_ranks": list(getattr(exc, "failed_ranks", ())),
+            "message": str(exc),
+            "is_missing_key": isinstance(exc, dcp.MissingKeyError),
+            "is_validation": isinstance(exc, dcp.PlanValidationError),
+            "seconds": time.monotonic() - start,
+        }
+    return {"type": None}
+
+
+class FailingWriter(dcp.FileSystemWriter):
+    """A writer whose disk is 'full' on one rank, or whose commit fails."""
+
+    def __init__(self, path, *, fail_rank: int | None = None, fail_commit: bool = False) -> None:
+        super().__init__(path)
+        self.fail_rank = fail_rank
+        self.fail_commit = fail_commit
+
+    def write_data(self, plan, planner):
+        if self.rank == self.fail_rank:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return super().write_data(plan, planner)
+
+    def finish(self, metadata, results):
+        if self.fail_commit:
+            raise OSError(errno.EIO, "I/O error during commit (injected)")
+        return super().finish(metadata, results)
+
+
+class FailingReader(dcp.FileSystemReader):
+    """A reader that fails on one rank."""
+
+    def __init__(self, path, *, fail_rank: int) -> None:
+        super().__init__(path)
+        self.fail_rank = fail_rank
+
+    def read_data(self, plan, planner):
+        if RANK == self.fail_rank:
+            raise OSError(errno.EIO, "I/O error while reading (injected)")
+        return super().read_data(plan, planner)
+
+
+# ---------------------------------------------------------------- phase two_first (2 ranks)
+
+def save_y() -> dict:
+    layout = Layout((2,), (0, -1))
+    bf = ms.Tensor(FULL_Y[:, :4], ms.bfloat16)
+    state = {"y": _dtensor(FULL_Y, layout, "y"), "bf": bf, "bias": ms.Tensor(BIAS), "step": 7}
+    meta = dcp.save(state, checkpoint_id=BASE / "Y")
+    return {"committed": (BASE / "Y" / "metadata.json").is_file(), "bytes_per_rank": list(meta.storage_meta.bytes_per_rank)}
+
+
+def async_loop() -> dict:
+    layout = Layout((2,), (0, -1))
+    param = _dtensor(FULL_Y, layout, "w")
+    handles = []
+    for step in range(5):
+        param.to_local().asnumpy()[...] = step * 100.0 + RANK
+        handles.append(dcp.async_save({"w": param, "step": step}, checkpoint_id=BASE / "async" / f"step{step}"))
+        param.to_local().asnumpy()[...] = -1.0  # the training step changes the tensor right away
+    for handle in handles:
+        handle.result()
+    loaded = []
+    for step in range(5):
+        target = {"w": _zero_dtensor(FULL_Y, layout, "w"), "step": -1}
+        dcp.load(target, checkpoint_id=BASE / "async" / f"step{step}")
+        values = np.unique(target["w"].to_local().asnumpy()).tolist()
+        loaded.append({"step": target["step"], "values": values})
+    return {"loaded": loaded}
+
+
+def async_deleted_tensors() -> dict:
+    state = {"a": ms.Tensor(np.full((64, 64), 3.0, np.float32)), "b": np.full(10, 5, np.int64)}
+    handle = dcp.async_save(state, checkpoint_id=BASE / "async_del")
+    state["b"][...] = 0
+    del state
+    handle.result()
+    target = {"a": np.zeros((64, 64), np.float32), "b": np.zeros(10, np.int64)}
+    dcp.load(target, checkpoint_id=BASE / "async_del")
+    return {"a": float(target["a"].mean()), "b": target["b"].tolist()}
+
+
+def async_write_failure() -> dict:
+    path = BASE / "async_fail"
+    dcp.save({"v": ms.Tensor(np.ones(16, np.float32))}, checkpoint_id=path)  # an earlier complete checkpoint
+    handle = dcp.async_save({"v": ms.Tensor(np.full(16, 9.0, np.float32))},
+                            storage_writer=FailingWriter(path, fail_rank=1))
+    info = _failure(handle.result)
+    target = np.zeros(16, np.float32)
+    dcp.load({"v": target}, checkpoint_id=path)
+    info["old_values"] = target.tolist()
+    return info
+
+
+def no_collectives() -> dict:
+    state = {"mine": np.full(4, RANK, np.int32), "step": RANK}
+    dcp.save(state, checkpoint_id=BASE / "local", use_collectives=False)
+    target = {"mine": np.zeros(4, np.int32), "step": -1}
+    dcp.load(target, checkpoint_id=BASE / "local", use_collectives=False)
+    return {"mine": target["mine"].tolist(), "step": target["step"],
+            "files": sorted(os.listdir(BASE / "local"))}
+
+
+# ---------------------------------------------------------------- phase four (4 ranks)
+
+def load_y_on_four() -> dict:
+    layout = Layout((2, 2), (1, 0))
+    target = {"y": _zero_dtensor(FULL_Y, layout, "y"), "bf": ms.Tensor(np.zeros((8, 4), np.float32)), "step": 0}
+    dcp.load(target, checkpoint_id=BASE / "Y")
+    bf_ok = bool(np.array_equal(target["bf"].asnumpy(), ms.Tensor(FULL_Y[:, :4], ms.bfloat16).asnumpy().astype(np.float32)))
+    return {"ok": _expect(FULL_Y, target["y"]), "bf_ok": bf_ok, "step": target["step"]}
+
+
+def replicated_bytes() -> dict:
+    state = {f"rep{i}": ms.Tensor(np.full(1024, i, np.float32)) for i in range(40)}
+    meta = dcp.save(state, checkpoint_id=BASE / "rep")
+    sizes = {}
+    for name in os.listdir(BASE / "rep"):
+        if name.endswith(".safetensors"):
+            sizes.setdefault(name[:6], 0)
+            sizes[name[:6]] += (BASE / "rep" / name).stat().st_size
+    return {"bytes_per_rank": list(meta.storage_meta.bytes_per_rank), "file_bytes": sizes}
+
+
+def dedup_modes() -> dict:
+    state = {f"r{i}": ms.Tensor(np.full(256, i, np.float32)) for i in range(8)}
+    out = {}
+    for mode, kwargs in {"min": {"save_to_minimum_rank": True}, "all": {"remove_redundancy": False},
+                         "balanced": {}}.items():
+        meta = dcp.save(state, checkpoint_id=BASE / f"dedup_{mode}", **kwargs)
+        target = {f"r{i}": np.zeros(256, np.float32) for i in range(8)}
+        dcp.load(target, checkpoint_id=BASE / f"dedup_{mode}")
+        out[mode] = {"bytes": list(meta.storage_meta.bytes_per_rank),
+                     "ok": all(np.all(target[f"r{i}"] == i) for i in range(8))}
+    return out
+
+
+def save_x() -> dict:
+    layout = Layout((2, 2), (1, 0))
+    state = {"model": {"x": _dtensor(FULL_X, layout, "x"), "bias": ms.Tensor(BIAS)}, "step": 42}
+    meta = dcp.save(state, checkpoint_id=BASE / "X")
+    return {"visible_after_return": (BASE / "X" / "metadata.json").is_file(),
+            "chunks": len(meta.state_dict_metadata["model.x"].chunks)}
+
+
+def save_failure_planning() -> dict:
+    state = {"a": ms.Tensor(np.ones(4, np.float32))}
+    if RANK == 2:
+        state["weird"] = object()
+    else:
+        state["weird"] = 1
+    return _failure(lambda: dcp.save(state, checkpoint_id=BASE / "fail_plan"))
+
+
+def save_failure_write() -> dict:
+    info = _failure(lambda: dcp.save({"a": ms.Tensor(np.ones(4, np.float32)), "b": np.full(4, RANK)},
+                                     storage_writer=FailingWriter(BASE / "fail_write", fail_rank=1)))
+    info["committed"] = (BASE / "fail_write" / "metadata.json").exists()
+    return info
+
+
+def save_failure_commit() -> dict:
+    info = _failure(lambda: dcp.save({"a": ms.Tensor(np.ones(4, np.float32))},
+                                     storage_writer=FailingWriter(BASE / "fail_commit", fail_commit=True)))
+    info["committed"] = (BASE / "fail_commit" / "metadata.json").exists()
+    return info
+
+
+def load_failure_missing_key() -> dict:
+    target = {"model": {"x": _zero_dtensor(FULL_X, Layout((4,), (0, -1)), "x")}}
+    if RANK == 3:
+        target["nope"] = np.zeros(2)
+    return _failure(lambda: dcp.load(target, checkpoint_id=BASE / "X"))
+
+
+def load_failure_read() -> dict:
+    target = {"model": {"x": _zero_dtensor(FULL_X, Layout((4,), (0, -1)), "x")}}
+    return _failure(lambda: dcp.load(target, storage_reader=FailingReader(BASE / "X", fail_rank=1)))
+
+
+def differing_value() -> dict:
+    return _failure(lambda: dcp.save({"step": RANK % 2, "a": np.ones(2)}, checkpoint_id=BASE / "differ"))
+
+
+# ---------------------------------------------------------------- phase two_last (2 ranks)
+
+def load_x_on_two() -> dict:
+    layout = Layout((2,), (-1, 0))  # columns, where the save split rows and columns over 4 ranks
+    target = {"model": {"x": _zero_dtensor(FULL_X, layout, "x"), "bias": np.zeros(8, np.float32)}, "step": 0}
+    reader = dcp.FileSystemReader(BASE / "X", verify_checksums=False)
+    dcp.load(target, storage_reader=reader)
+    return {"ok": _expect(FULL_X, target["model"]["x"]), "bias": target["model"]["bias"].tolist(),
+            "step": target["step"], "bytes_read": reader.bytes_read,
+            "needed": target["model"]["x"].to_local().asnumpy().nbytes + BIAS.nbytes}
+
+
+PHASES = {
+    "two_first": [save_y, async_loop, async_deleted_tensors, async_write_failure, no_collectives],
+    "four": [load_y_on_four, replicated_bytes, dedup_modes, save_x, save_failure_planning, save_failure_write,
+             save_failure_commit, load_failure_missing_key, load_failure_read, differing_value],
+    "two_last": [load_x_on_two],
+}
+
+run_scenarios({fn.__name__: fn for fn in PHASES[PHASE]})
