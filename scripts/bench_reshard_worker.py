@@ -4,8 +4,10 @@ Launched by ``benchmark.py`` as ``msrun --worker_num=N ... bench_reshard_worker.
 Every rank saves its row shard (``Layout((N,), (0, -1))``: dim 0 split over
 the mesh) of a few matrices, then loads column shards (``Layout((N,), (-1, 0))``)
 with a cold page cache, verification on and off. Per rank it measures the bytes
-fetched from storage (``/proc/self/io`` read_bytes delta and the reader's
-``bytes_read``) against the bytes of its shard, and the load time. Rank 0
+read from storage against the bytes of its shard: the reader's ``bytes_read``
+and the time of a collective load (all ranks at once), and the
+``/proc/self/io`` read_bytes delta (page cache and readahead included) of a
+load run by each rank alone, so that no rank's reads warm another's cache. Rank 0
 writes every rank's figures as JSON to ``--out``.
 """
 
@@ -52,28 +54,60 @@ def _tensor(values: np.ndarray, dtype: str):  # -> mindspore.Tensor
     return ms.Tensor(values, ms.bfloat16 if dtype == "bfloat16" else ms.float32)
 
 
-def _load_once(directory: Path, shapes: dict, layout, rank: int, world: int, verify: bool, pretouch_gb: float):
-    """One cold collective load of this rank's column shards; returns (seconds, reader bytes, /proc bytes)."""
-    import hyper_parallel.core.distributed_checkpoint as dcp  # pylint: disable=import-outside-toplevel
-    from hyper_parallel import DTensor, platform  # pylint: disable=import-outside-toplevel
+def _targets(shapes: dict, layout, world: int) -> dict:
+    """Zeroed column shards (DTensors) of every matrix."""
+    from hyper_parallel import DTensor  # pylint: disable=import-outside-toplevel
 
-    targets = {}
-    for name, ((rows, cols), dtype) in shapes.items():
-        local = _tensor(np.zeros((rows, cols // world), np.float32), dtype)
-        targets[name] = DTensor(local, layout, global_shape=(rows, cols))
-    drop_page_cache(data_files(directory))
-    pretouch(pretouch_gb)
-    platform.barrier()
-    reader = dcp.FileSystemReader(directory, verify_checksums=verify)
-    before, start = read_io_bytes(), time.perf_counter()
-    dcp.load(targets, storage_reader=reader)
-    seconds, fetched = time.perf_counter() - start, read_io_bytes() - before
+    return {name: DTensor(_tensor(np.zeros((rows, cols // world), np.float32), dtype), layout,
+                          global_shape=(rows, cols))
+            for name, ((rows, cols), dtype) in shapes.items()}
+
+
+def _check(targets: dict, shapes: dict, rank: int, world: int) -> None:
+    """Raise unless every column shard holds the saved values."""
     for name, ((rows, cols), _) in shapes.items():
         part = slice(rank * cols // world, (rank + 1) * cols // world)
         got = targets[name].to_local().asnumpy().astype(np.float32)
         if not np.array_equal(got, _values((rows, cols), slice(None), part)):
             raise RuntimeError(f"rank {rank}: resharded load of '{name}' returned wrong values")
-    return seconds, reader.bytes_read, fetched
+
+
+def _collective_load(directory: Path, shapes: dict, layout, rank: int, world: int, verify: bool,
+                     pretouch_gb: float) -> tuple[float, int]:
+    """One cold collective load on all ranks at once; returns (seconds, reader bytes_read)."""
+    import hyper_parallel.core.distributed_checkpoint as dcp  # pylint: disable=import-outside-toplevel
+    from hyper_parallel import platform  # pylint: disable=import-outside-toplevel
+
+    targets = _targets(shapes, layout, world)
+    drop_page_cache(data_files(directory))
+    pretouch(pretouch_gb)
+    platform.barrier()
+    reader = dcp.FileSystemReader(directory, verify_checksums=verify)
+    start = time.perf_counter()
+    dcp.load(targets, storage_reader=reader)
+    seconds = time.perf_counter() - start
+    _check(targets, shapes, rank, world)
+    return seconds, reader.bytes_read
+
+
+def _alone_load(directory: Path, shapes: dict, layout, rank: int, world: int, verify: bool) -> int:
+    """Cold loads one rank at a time (``use_collectives=False``), so that no rank's
+    readahead fills another's page cache; returns this rank's ``/proc/self/io`` read_bytes delta."""
+    import hyper_parallel.core.distributed_checkpoint as dcp  # pylint: disable=import-outside-toplevel
+    from hyper_parallel import platform  # pylint: disable=import-outside-toplevel
+
+    targets = _targets(shapes, layout, world)
+    fetched = 0
+    for turn in range(world):
+        if turn == rank:
+            drop_page_cache(data_files(directory))
+            before = read_io_bytes()
+            dcp.load(targets, storage_reader=dcp.FileSystemReader(directory, verify_checksums=verify),
+                     use_collectives=False)
+            fetched = read_io_bytes() - before
+            _check(targets, shapes, rank, world)
+        platform.barrier()
+    return fetched
 
 
 def main() -> None:
@@ -111,13 +145,15 @@ def main() -> None:
                  for (rows, cols), dtype in shapes.values())
     figures = {"rank": rank, "needed_bytes": needed, "save_s": save_seconds}
     for verify in (True, False):
-        runs = [_load_once(args.dir, shapes, cols_split, rank, world, verify, args.pretouch_gb)
+        runs = [_collective_load(args.dir, shapes, cols_split, rank, world, verify, args.pretouch_gb)
                 for _ in range(args.runs)]
+        fetched = [_alone_load(args.dir, shapes, cols_split, rank, world, verify) for _ in range(args.runs)]
         figures[f"verify {'on' if verify else 'off'}"] = {
             "median_s": statistics.median(r[0] for r in runs),
             "reader bytes_read": statistics.median(r[1] for r in runs),
-            "/proc read_bytes": statistics.median(r[2] for r in runs),
+            "/proc read_bytes": statistics.median(fetched),
             "runs": runs,
+            "/proc runs": fetched,
         }
     everyone = platform.all_gather_object(figures)
     if rank == 0:

@@ -204,7 +204,7 @@ def phase_baseline(work: Path, nbytes: int, args: argparse.Namespace) -> tuple[d
 def phase_memcpy(nbytes: int, args: argparse.Namespace) -> dict[str, list[float]]:
     """Host memcpy of ``nbytes`` into a pre-touched buffer."""
     source = np.ones(nbytes, dtype=np.uint8)
-    target = np.zeros(nbytes, dtype=np.uint8)
+    target = np.ones(nbytes, dtype=np.uint8)  # np.zeros would leave the pages untouched
     return {"host memcpy": timed(lambda: np.copyto(target, source), runs=args.runs, pretouch_gb=args.pretouch_gb)}
 
 
@@ -412,12 +412,16 @@ def phase_reshard(work: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def profile(label: str, fn: Callable[[], Any]) -> str:
-    """Run ``fn`` under cProfile; return the top 10 cumulative entries."""
+    """Run ``fn`` under cProfile; return its top 10 entries by cumulative and by own time."""
     prof = cProfile.Profile()
     prof.runcall(fn)
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(10)
-    return f"--- cProfile: {label} (top 10 cumulative) ---\n" + text.getvalue().split("\n\n", 1)[-1].strip()
+    parts = [f"--- cProfile: {label} ---"]
+    for key in ("cumulative", "tottime"):
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(10)
+        rows = text.getvalue().split("\n\n", 1)[-1].strip().splitlines()[2:]  # drop the "Ordered by" lines
+        parts.append(f"top 10 by {key}:\n" + "\n".join(row.replace(str(SCRIPTS.parent) + "/", "") for row in rows))
+    return "\n".join(parts)
 
 
 def phase_profile(state: dict[str, Any], work: Path, path: Path) -> list[str]:

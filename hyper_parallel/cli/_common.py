@@ -11,7 +11,7 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -20,8 +20,9 @@ from hyper_parallel.core.distributed_checkpoint.checksum import ALGORITHM, diges
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import DATA_FILE_PATTERN
+from hyper_parallel.core.distributed_checkpoint.global_plan import check_exact_cover
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
-from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardLoadPlanner
+from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel.core.distributed_checkpoint.strategies import check_load_compatible
 from hyper_parallel.platform.tensor import DTYPE_NAMES, numpy_dtype
 
@@ -68,14 +69,61 @@ def tensor_nbytes(stored: TensorStorageMetadata) -> int:
     return math.prod(stored.size) * DTYPE_NAMES[stored.properties.dtype]
 
 
+class _WholeTensorPlanner(LoadPlanner):
+    """Plans the read of every stored chunk of one tensor into one full array.
+
+    Built directly from the metadata (no state-dict flattening), so nothing
+    outlives the read but the returned array.
+    """
+
+    def __init__(self, fqn: str, stored: TensorStorageMetadata, target: np.ndarray) -> None:
+        self.fqn, self.stored, self.target = fqn, stored, target
+
+    def configure_planner(
+        self, state_dict: dict[str, Any], metadata: Metadata, *, rank: int = 0, world_size: int = 1,
+        is_coordinator: bool = True,
+    ) -> None:
+        """Nothing to configure: the target was given to the constructor. Single process."""
+
+    def build_local_plan(self) -> LoadPlan:
+        """One read item per non-empty stored chunk, placed at its global offset. Single process."""
+        dest = MetadataIndex(self.fqn, ())
+        return LoadPlan(items=tuple(
+            ReadItem(LoadItemType.TENSOR, dest, tuple(chunk.offsets), MetadataIndex(self.fqn, tuple(chunk.offsets)),
+                     (0,) * len(chunk.sizes), tuple(chunk.sizes))
+            for chunk in self.stored.chunks if math.prod(chunk.sizes) > 0
+        ))
+
+    def build_global_plan(self, all_plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Keep the plan. Single process."""
+        return all_plans
+
+    def finalize_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Keep the plan. Single process."""
+        return plan
+
+    def acquire_tensor(self, read_item: ReadItem) -> np.ndarray:
+        """Return the chunk's region of the full array. Called by the reader."""
+        slices = tuple(slice(o, o + n) for o, n in zip(read_item.dest_offsets, read_item.lengths))
+        return self.target[slices] if slices else self.target[...]
+
+    def apply_tensor(self, read_item: ReadItem, tensor: np.ndarray) -> None:
+        """The region was filled in place. Called by the reader."""
+
+    def apply_bytes(self, read_item: ReadItem, value: bytes) -> None:
+        """Never called: only tensor chunks are planned."""
+        raise CheckpointValueError(f"key '{read_item.dest_index.fqn}' is not a tensor")
+
+
 def read_full_tensor(
     directory: Path, metadata: Metadata, fqn: str, *, verify_checksums: bool = True
 ) -> np.ndarray:
     """Assemble one full tensor from its stored chunks.
 
-    Only this tensor's chunks are read, straight into a new array of the
-    stored dtype (bfloat16 uses MindSpore's numpy ``bfloat16``), so memory is
-    bounded by the size of this tensor.
+    Only this tensor's chunks are read, by :class:`FileSystemReader` (which
+    verifies checksums) into a new array of the stored dtype (bfloat16 uses
+    MindSpore's numpy ``bfloat16``), so memory is bounded by this tensor plus
+    one chunk.
 
     Args:
         directory: The checkpoint directory.
@@ -88,18 +136,20 @@ def read_full_tensor(
 
     Raises:
         CheckpointValueError: ``fqn`` is not a tensor of the checkpoint.
-        CorruptCheckpointError: a checksum mismatch or a truncated file.
+        CorruptCheckpointError: chunks that do not tile the tensor, a checksum
+            mismatch or a truncated file (names file and key).
     """
     stored = metadata.state_dict_metadata.get(fqn)
     if not isinstance(stored, TensorStorageMetadata):
         raise CheckpointValueError(f"key '{fqn}' is not a tensor of checkpoint {directory}")
+    problems = check_exact_cover(fqn, tuple(stored.size), stored.chunks)
+    if problems:
+        raise CorruptCheckpointError(f"checkpoint {directory}: {'; '.join(problems)}")
     target = np.empty(stored.size, dtype=numpy_dtype(stored.properties.dtype))
     reader = FileSystemReader(directory, verify_checksums=verify_checksums)
     reader.set_up_storage_reader(metadata, True)
-    planner = StandardLoadPlanner(allow_partial_load=True)
-    planner.configure_planner({fqn: target}, metadata)
+    planner = _WholeTensorPlanner(fqn, stored, target)
     reader.read_data(planner.build_local_plan(), planner).result()
-    planner.finish_load()
     return target
 
 

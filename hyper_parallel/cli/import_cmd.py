@@ -48,9 +48,13 @@ def safetensors_files(directory: Path) -> list[Path]:
     ``model.safetensors``; else every ``*.safetensors`` file, sorted.
 
     Raises:
-        UnsupportedFormatError: the directory holds no safetensors file.
+        UnsupportedFormatError: no safetensors file, or already a hyper_parallel checkpoint.
         CorruptCheckpointError: the index json is malformed.
     """
+    if (directory / METADATA_FILE).is_file():
+        raise UnsupportedFormatError(
+            f"{directory} is already a hyper_parallel checkpoint; nothing to import (see hp-ckpt inspect)"
+        )
     indexes = sorted(directory.glob("*.safetensors.index.json"))
     preferred = directory / "model.safetensors.index.json"
     if indexes:
@@ -73,8 +77,7 @@ def safetensors_files(directory: Path) -> list[Path]:
         return [directory / "model.safetensors"]
     files = sorted(directory.glob("*.safetensors"))
     if not files:
-        hint = " (it is already a hyper_parallel checkpoint)" if (directory / METADATA_FILE).is_file() else ""
-        raise UnsupportedFormatError(f"{directory} holds no .safetensors file to import{hint}")
+        raise UnsupportedFormatError(f"{directory} holds no .safetensors file to import")
     return files
 
 

@@ -226,7 +226,7 @@ def _check_chunk(
 ) -> tuple[list[VerifyProblem], int | None]:
     """Re-hash one stored item; return its problems and the bytes hashed (``None``: not hashed)."""
     fqn = index.fqn
-    where = f"chunk at offset {list(index.offset)}"
+    where = f"chunk at offset {list(index.offset)}" if index.offset else "stored value"
     if info.offset + info.length > size:
         return [VerifyProblem(
             name, fqn,

@@ -74,6 +74,7 @@ from hyper_parallel.core.distributed_checkpoint.api import load, read_metadata, 
 from hyper_parallel.core.distributed_checkpoint.one_line import load_checkpoint, save_checkpoint
 from hyper_parallel.core.distributed_checkpoint.async_queue import AsyncCallsQueue, AsyncRequest
 from hyper_parallel.core.distributed_checkpoint.async_save import AsyncSaveHandle, async_save
+from hyper_parallel.core.distributed_checkpoint.manager import CheckpointManager
 
 __all__ = [
     "AsyncCallsQueue",
@@ -81,6 +82,7 @@ __all__ = [
     "AsyncSaveHandle",
     "async_save",
     "BytesStorageMetadata",
+    "CheckpointManager",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointIOError",

@@ -55,6 +55,8 @@ class AsyncCall:
         self._final_value: Any = None
         self._final_error: BaseException | None = None
         self._lock = threading.Lock()
+        #: Whether a failure of this call has been raised to the caller.
+        self.error_seen = False
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def _run(self) -> None:
@@ -77,15 +79,17 @@ class AsyncCall:
         self.thread.join(timeout)
         return not self.thread.is_alive()
 
-    def finalize(self) -> Any:
+    def finalize(self, seen: bool = True) -> Any:
         """Wait for the background work, then run the finalize functions once.
 
-        Called on the caller's thread. Re-raises the outcome on every call.
+        Called on the caller's thread. Re-raises the outcome on every call;
+        ``seen`` marks a raised failure as seen by the caller.
         """
         with self._lock:
             if not self._finalized:
                 self.thread.join()
                 value, error = self._value, self._error
+                self._error = None
                 try:
                     for fn in self.request.finalize_fns:
                         value = fn(value, error)
@@ -96,7 +100,11 @@ class AsyncCall:
                 except BaseException as exc:  # pylint: disable=broad-except
                     self._final_error = exc
                 self._finalized = True
+                # Release the closures (state dict, staged buffers) for the GC.
+                self.request = None  # type: ignore[assignment]
+                self._value = None
         if self._final_error is not None:
+            self.error_seen = self.error_seen or seen
             raise self._final_error
         return self._final_value
 
@@ -126,26 +134,32 @@ class AsyncCallsQueue:
     def maybe_finalize_async_calls(self, blocking: bool = False) -> int:
         """Finalize calls whose background work is done (all of them if ``blocking``).
 
-        Errors of a finalized call are kept on the call (its ``finalize``
-        re-raises them); they are not raised here unless ``blocking``.
+        Caller's thread. A failure nobody has seen yet (no ``finalize(seen=True)``
+        raised it) is kept; with ``blocking`` it is raised here, after every
+        call was finalized, so no error is ever lost silently.
 
         Returns:
             The number of calls still unfinalized.
         """
-        remaining = []
-        first_error: BaseException | None = None
+        kept = []
+        unseen: BaseException | None = None
         for call in self._calls:
-            if blocking or call.background_done():
-                try:
-                    call.finalize()
-                except BaseException as exc:  # pylint: disable=broad-except
-                    first_error = first_error or exc
-            else:
-                remaining.append(call)
-        self._calls = [c for c in remaining if not c.finalized()]
-        if blocking and first_error is not None:
-            _LOG.warning("an earlier async call failed: %s", first_error)
-        return len(self._calls)
+            if not (blocking or call.background_done()):
+                kept.append(call)
+                continue
+            try:
+                call.finalize(seen=False)
+            except BaseException as exc:  # pylint: disable=broad-except
+                if not call.error_seen:
+                    if blocking:
+                        unseen = unseen or exc
+                        call.error_seen = True
+                    else:
+                        kept.append(call)
+        self._calls = kept
+        if unseen is not None:
+            raise unseen
+        return sum(1 for call in kept if not call.finalized())
 
     def get_num_unfinalized_calls(self) -> int:
         """Number of scheduled calls not finalized yet."""

@@ -135,6 +135,7 @@ class AsyncSaveHandle:
         """
         if not self._call.finalized() and not self._call.wait(timeout):
             raise TimeoutError(f"async save still writing after {timeout} s")
+        self._session = None  # the state dict and plan are no longer needed
         return self._call.finalize()
 
 

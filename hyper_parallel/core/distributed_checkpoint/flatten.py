@@ -46,6 +46,19 @@ def _own_key(value: Any) -> str | None:
     return None
 
 
+def _add_leaf(values: dict[str, Any], paths: dict[str, tuple[PathElement, ...]], path: tuple[PathElement, ...],
+              value: Any) -> None:
+    key = _own_key(value) or ".".join(str(p) for p in path)
+    if key in values:
+        first = ".".join(str(p) for p in paths[key])
+        raise CheckpointValueError(
+            f"state_dict paths '{first}' and '{'.'.join(str(p) for p in path)}' both map to checkpoint "
+            f"key '{key}'; rename one of them"
+        )
+    values[key] = value
+    paths[key] = path
+
+
 def flatten_state_dict(state_dict: dict[str, Any]) -> FlatStateDict:
     """Flatten ``state_dict`` (see module docstring).
 
@@ -60,43 +73,34 @@ def flatten_state_dict(state_dict: dict[str, Any]) -> FlatStateDict:
     values: dict[str, Any] = {}
     paths: dict[str, tuple[PathElement, ...]] = {}
     containers: dict[tuple[PathElement, ...], str] = {(): "dict"}
-
-    def add_leaf(path: tuple[PathElement, ...], value: Any) -> None:
-        key = _own_key(value) or ".".join(str(p) for p in path)
-        if key in values:
-            first = ".".join(str(p) for p in paths[key])
-            raise CheckpointValueError(
-                f"state_dict paths '{first}' and '{'.'.join(str(p) for p in path)}' both map to checkpoint "
-                f"key '{key}'; rename one of them"
-            )
-        values[key] = value
-        paths[key] = path
-
-    def visit(path: tuple[PathElement, ...], value: Any) -> None:
+    # An explicit stack, not nested recursive closures: those would form a
+    # reference cycle holding every tensor of the state dict until the next
+    # cyclic garbage collection.
+    stack: list[tuple[tuple[PathElement, ...], Any]] = []
+    for key in reversed(list(state_dict)):
+        if not isinstance(key, str):
+            raise CheckpointValueError(f"state_dict key {key!r} is a {type(key).__name__}; only str keys can be saved")
+        stack.append(((key,), state_dict[key]))
+    while stack:
+        path, value = stack.pop()
         if isinstance(value, dict):
             containers[path] = "dict"
-            for key, item in value.items():
+            for key in reversed(list(value)):
                 if not isinstance(key, str):
                     raise CheckpointValueError(
-                        f"state_dict key {key!r} at '{'.'.join(str(p) for p in path) or '<root>'}' is a "
+                        f"state_dict key {key!r} at '{'.'.join(str(p) for p in path)}' is a "
                         f"{type(key).__name__}; only str keys can be saved"
                     )
-                visit(path + (key,), item)
+                stack.append((path + (key,), value[key]))
         elif isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
             containers[path] = "list" if isinstance(value, list) else "tuple"
-            for position, item in enumerate(value):
-                visit(path + (position,), item)
+            stack.extend((path + (position,), item) for position, item in reversed(list(enumerate(value))))
         elif is_cell(value):
             containers[path] = "cell"
             for name, param in value.parameters_dict().items():
-                add_leaf(path + (name,), param)
+                _add_leaf(values, paths, path + (name,), param)
         else:
-            add_leaf(path, value)
-
-    for key, item in state_dict.items():
-        if not isinstance(key, str):
-            raise CheckpointValueError(f"state_dict key {key!r} is a {type(key).__name__}; only str keys can be saved")
-        visit((key,), item)
+            _add_leaf(values, paths, path, value)
     return FlatStateDict(values=values, paths=paths, containers=containers)
 
 

@@ -14,6 +14,7 @@ sort of the replicated items by size):
 
 from __future__ import annotations
 
+import gc
 import math
 from collections import defaultdict
 from typing import Any, Iterable
@@ -36,16 +37,17 @@ __all__ = ["build_global_save_plan", "assign_writers", "check_exact_cover", "MAX
 MAX_REPORTED_PROBLEMS = 50
 
 Holder = tuple[int, int]  # (rank, position of the item in that rank's plan)
+ItemKey = tuple[str, tuple[int, ...]]  # (fqn, global offset): plain tuples hash fast
 
 
 def assign_writers(
-    groups: dict[MetadataIndex, list[Holder]],
-    sizes: dict[MetadataIndex, int],
+    groups: dict[ItemKey, list[Holder]],
+    sizes: dict[ItemKey, int],
     *,
     world_size: int,
     remove_redundancy: bool,
     save_to_minimum_rank: bool,
-) -> dict[MetadataIndex, list[int]]:
+) -> dict[ItemKey, list[int]]:
     """Choose which holder(s) write each item.
 
     Args:
@@ -63,8 +65,8 @@ def assign_writers(
     if save_to_minimum_rank:
         return {index: [min(rank for rank, _ in holders)] for index, holders in groups.items()}
     load = [0] * world_size
-    chosen: dict[MetadataIndex, list[int]] = {}
-    replicated: list[MetadataIndex] = []
+    chosen: dict[ItemKey, list[int]] = {}
+    replicated: list[ItemKey] = []
     for index, holders in groups.items():
         if len(holders) == 1:
             rank = holders[0][0]
@@ -73,7 +75,7 @@ def assign_writers(
         else:
             replicated.append(index)
     # Largest first, each to the least-loaded holder (lowest rank on ties).
-    replicated.sort(key=lambda idx: (-sizes[idx], idx.fqn, idx.offset))
+    replicated.sort(key=lambda idx: (-sizes[idx], idx))
     for index in replicated:
         ranks = {rank for rank, _ in groups[index]}
         best = min(ranks, key=lambda r: (load[r], r))
@@ -180,20 +182,36 @@ def build_global_save_plan(
     Raises:
         PlanValidationError: listing every inconsistency found.
     """
+    # Millions of small objects: pause the cyclic GC, whose full passes would
+    # otherwise make the merge superlinear in the number of items.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _build_global_save_plan(all_plans, remove_redundancy, save_to_minimum_rank, planner_data)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _build_global_save_plan(
+    all_plans: list[SavePlan], remove_redundancy: bool, save_to_minimum_rank: bool, planner_data: Any
+) -> tuple[list[SavePlan], Metadata]:
     world_size = len(all_plans)
-    groups: dict[MetadataIndex, list[Holder]] = defaultdict(list)
-    first_item: dict[MetadataIndex, WriteItem] = {}
+    groups: dict[ItemKey, list[Holder]] = defaultdict(list)
+    first_item: dict[ItemKey, WriteItem] = {}
     for rank, plan in enumerate(all_plans):
         for position, item in enumerate(plan.items):
-            key = MetadataIndex(item.index.fqn, item.index.offset)
-            groups[key].append((rank, position))
-            first_item.setdefault(key, item)
+            key = (item.index.fqn, item.index.offset)
+            holders = groups[key]
+            if not holders:
+                first_item[key] = item
+            holders.append((rank, position))
 
     problems: list[str] = []
-    sizes: dict[MetadataIndex, int] = {}
-    by_fqn: dict[str, list[MetadataIndex]] = defaultdict(list)
+    sizes: dict[ItemKey, int] = {}
+    by_fqn: dict[str, list[ItemKey]] = defaultdict(list)
     for key, holders in groups.items():
-        by_fqn[key.fqn].append(key)
+        by_fqn[key[0]].append(key)
         first = first_item[key]
         sizes[key] = first.storage_size()
         if len(holders) > 1:
@@ -226,11 +244,15 @@ def build_global_save_plan(
     )
     keep: list[set[int]] = [set() for _ in range(world_size)]
     for key, ranks in writers.items():
+        holders = groups[key]
+        if len(holders) == 1:
+            keep[holders[0][0]].add(holders[0][1])
+            continue
+        position_of = {}
+        for holder_rank, position in holders:
+            position_of.setdefault(holder_rank, position)
         for rank in ranks:
-            for holder_rank, position in groups[key]:
-                if holder_rank == rank:
-                    keep[rank].add(position)
-                    break
+            keep[rank].add(position_of[rank])
     final_plans = [
         SavePlan(
             items=tuple(item for position, item in enumerate(plan.items) if position in keep[rank]),
@@ -248,7 +270,7 @@ def build_global_save_plan(
     return final_plans, metadata
 
 
-def _check_replicas(key: MetadataIndex, holders: list[Holder], all_plans: list[SavePlan]) -> list[str]:
+def _check_replicas(key: ItemKey, holders: list[Holder], all_plans: list[SavePlan]) -> list[str]:
     items = [(rank, all_plans[rank].items[position]) for rank, position in holders]
     first = items[0][1]
     if first.tensor_data is not None:
@@ -258,7 +280,7 @@ def _check_replicas(key: MetadataIndex, holders: list[Holder], all_plans: list[S
             shapes[sizes].append(rank)
         if len(shapes) > 1:
             detail = "; ".join(f"ranks {ranks} hold sizes {sizes}" for sizes, ranks in shapes.items())
-            return [f"'{key.fqn}': shards at offset {key.offset} differ in size ({detail}); they overlap"]
+            return [f"'{key[0]}': shards at offset {key[1]} differ in size ({detail}); they overlap"]
         return []
     digests = defaultdict(list)
     for rank, item in items:
@@ -266,9 +288,9 @@ def _check_replicas(key: MetadataIndex, holders: list[Holder], all_plans: list[S
         digests[digest].append(rank)
     if len(digests) > 1:
         groups = "; ".join(f"ranks {ranks}" for ranks in digests.values())
-        where = f" at grid position {key.offset}" if key.offset else ""
+        where = f" at grid position {key[1]}" if key[1] else ""
         return [
-            f"'{key.fqn}'{where}: the value differs between ranks ({groups} each agree); a plain value must be "
+            f"'{key[0]}'{where}: the value differs between ranks ({groups} each agree); a plain value must be "
             "equal on every rank: put per-rank values in a ShardedObject"
         ]
     return []
@@ -276,15 +298,13 @@ def _check_replicas(key: MetadataIndex, holders: list[Holder], all_plans: list[S
 
 def _describe_tensor(fqn, keys, groups, all_plans, out) -> list[str]:
     problems: list[str] = []
-    dtypes: dict[str, list[int]] = defaultdict(list)
-    shapes: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    dtypes: dict[str, set[int]] = defaultdict(set)
+    shapes: dict[tuple[int, ...], set[int]] = defaultdict(set)
     for key in keys:
         for rank, position in groups[key]:
             data = all_plans[rank].items[position].tensor_data
-            if rank not in dtypes[data.properties.dtype]:
-                dtypes[data.properties.dtype].append(rank)
-            if rank not in shapes[data.size]:
-                shapes[data.size].append(rank)
+            dtypes[data.properties.dtype].add(rank)
+            shapes[data.size].add(rank)
     if len(dtypes) > 1:
         detail = "; ".join(f"{name} on ranks {sorted(ranks)}" for name, ranks in dtypes.items())
         problems.append(f"'{fqn}': dtype differs between ranks ({detail})")
@@ -324,6 +344,6 @@ def _describe_bytes(fqn, keys, groups, all_plans, out) -> list[str]:
     out[fqn] = BytesStorageMetadata(
         type_name=next(iter(type_names)),
         global_shape=next(iter(grids)),
-        shard_offsets=tuple(sorted(k.offset for k in keys)),
+        shard_offsets=tuple(sorted(k[1] for k in keys)),
     )
     return []
