@@ -119,8 +119,23 @@ def test_failures_raise_the_same_error_on_every_rank(four):
         assert "'step'" in value["message"] and "ranks [0, 2]" in value["message"]
 
 
+def test_one_line_forms_under_msrun(two_first):
+    check_scenarios(two_first, ["one_liners"])
+    for value in scenario_values(two_first, "one_liners"):
+        assert value["same"] and value["keys"] == ["bias", "weight"]
+        assert value["weight_sum"] == value["expected_sum"]
+
+
+def test_sharded_tensor_from_four_loads_into_dtensors_and_flat_ranges_on_two(four, two_last):
+    check_scenarios(four, ["save_mapping"])
+    check_scenarios(two_last, ["load_mapping_on_two"])
+    for rank, value in enumerate(scenario_values(two_last, "load_mapping_on_two")):
+        assert value["dtensor_ok"] and value["flat_ok"]
+        assert value["objs"] == [rank * 2 * 11, (rank * 2 + 1) * 11]
+
+
 def test_two_ranks_load_a_four_rank_checkpoint_reading_only_needed_bytes(two_last):
-    check_scenarios(two_last)
+    check_scenarios(two_last, ["load_x_on_two"])
     for value in scenario_values(two_last, "load_x_on_two"):
         assert value["ok"] and value["step"] == 42
         assert value["bias"] == np.linspace(-1, 1, 8, dtype=np.float32).tolist()

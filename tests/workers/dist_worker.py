@@ -159,7 +159,39 @@ def no_collectives() -> dict:
             "files": sorted(os.listdir(BASE / "local"))}
 
 
+def one_liners() -> dict:
+    from mindspore import nn  # pylint: disable=import-outside-toplevel
+
+    import hyper_parallel  # pylint: disable=import-outside-toplevel
+
+    ms.set_seed(5)
+    net = nn.Dense(4, 3)
+    hyper_parallel.save_checkpoint(net, BASE / "oneline")
+    other = nn.Dense(4, 3)
+    hyper_parallel.load_checkpoint(BASE / "oneline", net=other)
+    whole = hyper_parallel.load_checkpoint(BASE / "oneline")
+    return {"same": all(np.array_equal(p.asnumpy(), other.parameters_dict()[k].asnumpy())
+                        for k, p in net.parameters_dict().items()),
+            "keys": sorted(whole), "weight_sum": float(whole["weight"].asnumpy().sum()),
+            "expected_sum": float(net.weight.asnumpy().sum())}
+
+
 # ---------------------------------------------------------------- phase four (4 ranks)
+
+FULL_S = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+
+
+def save_mapping() -> dict:
+    """A ShardedTensor (rows over 4 ranks) and a flattened-range optimizer state (2 row shards x 2 flat parts)."""
+    st = dcp.ShardedTensor.from_rank_offsets("decoder.w", FULL_S[RANK * 2:(RANK + 1) * 2].copy(), (0, RANK, 4))
+    shard = FULL_S[(RANK // 2) * 4:(RANK // 2 + 1) * 4].reshape(-1)
+    rng = slice(0, 10) if RANK % 2 == 0 else slice(10, 24)
+    flat = dcp.ShardedTensor("optim.exp_avg", shard[rng].copy(), "float32", (4, 6), (8, 6), ((RANK // 2) * 4, 0),
+                             (2, 1), flattened_range=rng)
+    dcp.save({"model": {"w": st}, "optim": [flat], "rng": dcp.ShardedObject("rng", RANK * 11, (4,), (RANK,))},
+             checkpoint_id=BASE / "mapping")
+    return {"ok": True}
+
 
 def load_y_on_four() -> dict:
     layout = Layout((2, 2), (1, 0))
@@ -252,11 +284,26 @@ def load_x_on_two() -> dict:
             "needed": target["model"]["x"].to_local().asnumpy().nbytes + BIAS.nbytes}
 
 
+def load_mapping_on_two() -> dict:
+    layout = Layout((2,), (-1, 0))
+    target_dt = _zero_dtensor(FULL_S, layout, "w")
+    # Each rank holds all 8 rows flattened, split in two flat halves of different size than the save's.
+    rng = slice(0, 20) if RANK == 0 else slice(20, 48)
+    flat = dcp.ShardedTensor("optim.exp_avg", np.zeros(rng.stop - rng.start, np.float32), "float32", (8, 6),
+                             (8, 6), (0, 0), (1, 1), flattened_range=rng)
+    objs = [dcp.ShardedObject("rng", None, (4,), (k,)) for k in (RANK * 2, RANK * 2 + 1)]
+    state = {"decoder.w": target_dt, "flat": flat, "objs": objs}
+    dcp.load(state, checkpoint_id=BASE / "mapping")
+    return {"dtensor_ok": _expect(FULL_S, target_dt),
+            "flat_ok": bool(np.array_equal(flat.data, FULL_S.reshape(-1)[rng])),
+            "objs": state["objs"]}
+
+
 PHASES = {
-    "two_first": [save_y, async_loop, async_deleted_tensors, async_write_failure, no_collectives],
+    "two_first": [save_y, async_loop, async_deleted_tensors, async_write_failure, no_collectives, one_liners],
     "four": [load_y_on_four, replicated_bytes, dedup_modes, save_x, save_failure_planning, save_failure_write,
-             save_failure_commit, load_failure_missing_key, load_failure_read, differing_value],
-    "two_last": [load_x_on_two],
+             save_failure_commit, load_failure_missing_key, load_failure_read, differing_value, save_mapping],
+    "two_last": [load_x_on_two, load_mapping_on_two],
 }
 
 run_scenarios({fn.__name__: fn for fn in PHASES[PHASE]})

@@ -10,7 +10,7 @@ tuples, which cannot change in place).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Union
 
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
@@ -27,15 +27,20 @@ class FlatStateDict:
     """A flattened state dict.
 
     Attributes:
-        values: Leaf value of every storage key, in traversal order.
-        paths: Path of every storage key in the nested state dict.
+        values: Leaf value by dotted name, in traversal order.
+        paths: Path of every dotted name in the nested state dict.
         containers: For every path prefix (as a tuple) the container kind
             (``"dict"``, ``"list"``, ``"tuple"``, ``"cell"``).
+        storage_keys: Checkpoint key of every dotted name (its own ``key``
+            for a ShardedTensor/ShardedObject, else the dotted name).
+        key_users: The dotted names stored under each checkpoint key.
     """
 
     values: dict[str, Any]
     paths: dict[str, tuple[PathElement, ...]]
     containers: dict[tuple[PathElement, ...], str]
+    storage_keys: dict[str, str] = field(default_factory=dict)
+    key_users: dict[str, list[str]] = field(default_factory=dict)
 
 
 def _own_key(value: Any) -> str | None:
@@ -46,17 +51,24 @@ def _own_key(value: Any) -> str | None:
     return None
 
 
-def _add_leaf(values: dict[str, Any], paths: dict[str, tuple[PathElement, ...]], path: tuple[PathElement, ...],
-              value: Any) -> None:
-    key = _own_key(value) or ".".join(str(p) for p in path)
-    if key in values:
-        first = ".".join(str(p) for p in paths[key])
+def _add_leaf(flat: "FlatStateDict", path: tuple[PathElement, ...], value: Any) -> None:
+    name = ".".join(str(p) for p in path)
+    own = _own_key(value)
+    key = own or name
+    if name in flat.values:
+        first = ".".join(str(p) for p in flat.paths[name])
+        raise CheckpointValueError(f"state_dict paths '{first}' and '{name}' have the same dotted name; rename one")
+    users = flat.key_users.setdefault(key, [])
+    # Several ShardedTensors/ShardedObjects may share a global key (different boxes); nothing else may.
+    if users and (own is None or any(flat.storage_keys[u] == u for u in users)):
+        first = ".".join(str(p) for p in flat.paths[users[0]])
         raise CheckpointValueError(
-            f"state_dict paths '{first}' and '{'.'.join(str(p) for p in path)}' both map to checkpoint "
-            f"key '{key}'; rename one of them"
+            f"state_dict paths '{first}' and '{name}' both map to checkpoint key '{key}'; rename one of them"
         )
-    values[key] = value
-    paths[key] = path
+    users.append(name)
+    flat.values[name] = value
+    flat.paths[name] = path
+    flat.storage_keys[name] = key
 
 
 def flatten_state_dict(state_dict: dict[str, Any]) -> FlatStateDict:
@@ -70,9 +82,8 @@ def flatten_state_dict(state_dict: dict[str, Any]) -> FlatStateDict:
         raise CheckpointValueError(
             f"state_dict must be a dict, got {type(state_dict).__name__}; wrap a Cell as {{'model': net}}"
         )
-    values: dict[str, Any] = {}
-    paths: dict[str, tuple[PathElement, ...]] = {}
-    containers: dict[tuple[PathElement, ...], str] = {(): "dict"}
+    flat = FlatStateDict(values={}, paths={}, containers={(): "dict"})
+    containers = flat.containers
     # An explicit stack, not nested recursive closures: those would form a
     # reference cycle holding every tensor of the state dict until the next
     # cyclic garbage collection.
@@ -98,10 +109,10 @@ def flatten_state_dict(state_dict: dict[str, Any]) -> FlatStateDict:
         elif is_cell(value):
             containers[path] = "cell"
             for name, param in value.parameters_dict().items():
-                _add_leaf(values, paths, path + (name,), param)
+                _add_leaf(flat, path + (name,), param)
         else:
-            _add_leaf(values, paths, path, value)
-    return FlatStateDict(values=values, paths=paths, containers=containers)
+            _add_leaf(flat, path, value)
+    return flat
 
 
 def set_by_path(root: dict[str, Any], path: tuple[PathElement, ...], value: Any) -> None:
@@ -139,7 +150,7 @@ def structure_of(flat: FlatStateDict) -> dict[str, Any]:
         ``{"paths": {key: [elements]}, "containers": [[path, kind], ...]}``.
     """
     return {
-        "paths": {key: list(path) for key, path in flat.paths.items()},
+        "paths": {flat.storage_keys[name]: list(path) for name, path in flat.paths.items()},
         "containers": [[list(path), kind] for path, kind in flat.containers.items() if path],
     }
 

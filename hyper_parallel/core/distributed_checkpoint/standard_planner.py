@@ -106,8 +106,8 @@ class StandardSavePlanner(SavePlanner):
         if self.flat is None:
             raise CheckpointValueError("configure_planner must be called before build_local_plan")
         items: list[WriteItem] = []
-        for fqn, value in self.flat.values.items():
-            entry = make_entry(fqn, value)
+        for name, value in self.flat.values.items():
+            entry = make_entry(self.flat.storage_keys[name], value)
             if isinstance(entry, SkipEntry) or not entry.write:
                 continue
             if isinstance(entry, TensorEntry):
@@ -191,10 +191,13 @@ class StandardLoadPlanner(LoadPlanner):
         self.metadata: Metadata | None = None
         self.rank = 0
         self.missing_keys: list[str] = []
+        # Everything below is keyed by the leaf's dotted name in the state dict
+        # (several ShardedTensors/ShardedObjects may share one checkpoint key).
         self._entries: dict[str, TensorEntry | ValueEntry | SkipEntry] = {}
         self._targets: dict[str, np.ndarray] = {}
         self._staged: set[str] = set()
-        self._pieces: dict[MetadataIndex, tuple[TensorEntry, TensorPiece]] = {}
+        self._pieces: dict[tuple[str, tuple[int, ...]], tuple[str, TensorEntry, TensorPiece]] = {}
+        self._value_names: dict[tuple[str, tuple[int, ...]], str] = {}
         self._values: dict[str, Any] = {}
 
     def configure_planner(
@@ -221,12 +224,14 @@ class StandardLoadPlanner(LoadPlanner):
         self._targets.clear()
         self._staged.clear()
         self._pieces.clear()
+        self._value_names.clear()
         self._values.clear()
         problems = []
-        for fqn, value in self.flat.values.items():
+        for name, value in self.flat.values.items():
+            fqn = self.flat.storage_keys[name]
             entry = make_entry(fqn, value)
             if isinstance(entry, SkipEntry):
-                self._entries[fqn] = entry
+                self._entries[name] = entry
                 continue
             stored = metadata.state_dict_metadata.get(fqn)
             if stored is None:
@@ -241,7 +246,7 @@ class StandardLoadPlanner(LoadPlanner):
                         f"key '{fqn}': checkpoint global shape {list(stored.size)} differs from the target's "
                         f"global shape {list(entry.global_shape)}"
                     )
-            self._entries[fqn] = entry
+            self._entries[name] = entry
         if problems:
             raise CheckpointValueError("; ".join(problems))
         if self.missing_keys and not self.allow_partial_load:
@@ -255,10 +260,11 @@ class StandardLoadPlanner(LoadPlanner):
     def build_local_plan(self) -> LoadPlan:
         """Return the overlap of every target piece with every stored chunk. All ranks."""
         items: list[ReadItem] = []
-        for fqn, entry in self._entries.items():
+        for name, entry in list(self._entries.items()):
+            fqn = entry.fqn
             stored = self.metadata.state_dict_metadata[fqn] if not isinstance(entry, SkipEntry) else None
             if isinstance(entry, TensorEntry) and isinstance(stored, TensorStorageMetadata):
-                items.extend(self._tensor_reads(entry, stored))
+                items.extend(self._tensor_reads(name, entry, stored))
             elif isinstance(entry, ValueEntry) and isinstance(stored, BytesStorageMetadata):
                 if entry.offset not in stored.shard_offsets:
                     raise MissingKeyError(
@@ -266,16 +272,23 @@ class StandardLoadPlanner(LoadPlanner):
                         f"(stored: {[list(o) for o in stored.shard_offsets]})"
                     )
                 index = MetadataIndex(fqn, entry.offset)
+                self._value_names[(fqn, entry.offset)] = name
                 items.append(ReadItem(LoadItemType.BYTE_IO, index, (), index, (), ()))
             elif isinstance(entry, ValueEntry) and isinstance(stored, TensorStorageMetadata):
-                items.extend(self._new_tensor_reads(fqn, stored))
+                items.extend(self._new_tensor_reads(name, fqn, stored))
         return LoadPlan(items=tuple(items))
 
-    def _tensor_reads(self, entry: TensorEntry, stored: TensorStorageMetadata) -> list[ReadItem]:
+    def _tensor_reads(self, name: str, entry: TensorEntry, stored: TensorStorageMetadata) -> list[ReadItem]:
         reads = []
         for position, piece in enumerate(entry.pieces):
             dest = MetadataIndex(entry.fqn, piece.offsets, index=position)
-            self._pieces[MetadataIndex(entry.fqn, piece.offsets)] = (entry, piece)
+            if (entry.fqn, piece.offsets) in self._pieces:
+                other = self._pieces[(entry.fqn, piece.offsets)][0]
+                raise CheckpointValueError(
+                    f"state_dict entries '{other}' and '{name}' both ask for key '{entry.fqn}' at offset "
+                    f"{list(piece.offsets)}; load it once"
+                )
+            self._pieces[(entry.fqn, piece.offsets)] = (name, entry, piece)
             for chunk in stored.chunks:
                 lo = tuple(max(a, b) for a, b in zip(piece.offsets, chunk.offsets))
                 hi = tuple(
@@ -295,15 +308,15 @@ class StandardLoadPlanner(LoadPlanner):
                 )
         return reads
 
-    def _new_tensor_reads(self, fqn: str, stored: TensorStorageMetadata) -> list[ReadItem]:
+    def _new_tensor_reads(self, name: str, fqn: str, stored: TensorStorageMetadata) -> list[ReadItem]:
         """A non-tensor placeholder (e.g. ``None``) receives the whole stored tensor as numpy."""
         from hyper_parallel.platform.tensor import numpy_dtype  # pylint: disable=import-outside-toplevel
 
         array = np.zeros(stored.size, dtype=numpy_dtype(stored.properties.dtype))
         entry = make_entry(fqn, array)
-        self._entries[fqn] = entry
-        self._values[fqn] = array
-        return self._tensor_reads(entry, stored)
+        self._entries[name] = entry
+        self._values[name] = array
+        return self._tensor_reads(name, entry, stored)
 
     def build_global_plan(self, all_plans: list[LoadPlan]) -> list[LoadPlan]:
         """Keep every rank's plan. Coordinator only."""
@@ -313,22 +326,22 @@ class StandardLoadPlanner(LoadPlanner):
         """Accept the final plan. All ranks call it."""
         return plan
 
-    def _target(self, entry: TensorEntry) -> np.ndarray:
-        array = self._targets.get(entry.fqn)
+    def _target(self, name: str, entry: TensorEntry) -> np.ndarray:
+        array = self._targets.get(name)
         if array is None:
             array = writable_view(entry.local)
             if array is None:
                 array = np.array(to_numpy(entry.local), copy=True)
-                self._staged.add(entry.fqn)
+                self._staged.add(name)
             if entry.pieces[0].flat_start is None and tuple(array.shape) != entry.local_shape:
                 array = array.reshape(entry.local_shape)
-            self._targets[entry.fqn] = array
+            self._targets[name] = array
         return array
 
     def acquire_tensor(self, read_item: ReadItem) -> np.ndarray:
         """Return the writable target region of ``read_item``. Called by the reader."""
-        entry, piece = self._pieces[MetadataIndex(read_item.dest_index.fqn, read_item.dest_index.offset)]
-        region = piece_view(self._target(entry), entry, piece)
+        name, entry, piece = self._pieces[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
+        region = piece_view(self._target(name, entry), entry, piece)
         slices = tuple(slice(o, o + n) for o, n in zip(read_item.dest_offsets, read_item.lengths))
         return region[slices] if slices else region
 
@@ -339,17 +352,18 @@ class StandardLoadPlanner(LoadPlanner):
         """Decode a stored value with its type handler. Called by the reader."""
         fqn = read_item.dest_index.fqn
         stored = self.metadata.state_dict_metadata[fqn]
-        self._values[fqn] = deserialize_value(
+        name = self._value_names[(fqn, tuple(read_item.dest_index.offset))]
+        self._values[name] = deserialize_value(
             stored.type_name, value, key=fqn, allow_pickle=self.allow_pickle
         )
 
     def finish_load(self) -> None:
         """Assign staged tensors and put new values into the caller's dict. All ranks."""
-        for fqn in self._staged:
-            entry = self._entries[fqn]
-            assign(entry.local, self._targets[fqn].reshape(np.shape(to_numpy(entry.local))))
-        for fqn, entry in self._entries.items():
+        for name in self._staged:
+            entry = self._entries[name]
+            assign(entry.local, self._targets[name].reshape(np.shape(to_numpy(entry.local))))
+        for name, entry in self._entries.items():
             if isinstance(entry, SkipEntry):
-                set_by_path(self.state_dict, self.flat.paths[fqn], entry.value)
-            elif fqn in self._values:
-                set_by_path(self.state_dict, self.flat.paths[fqn], self._values[fqn])
+                set_by_path(self.state_dict, self.flat.paths[name], entry.value)
+            elif name in self._values:
+                set_by_path(self.state_dict, self.flat.paths[name], self._values[name])

@@ -23,6 +23,8 @@ registered lazily and resolved once ``mindspore`` appears in ``sys.modules``.
 from __future__ import annotations
 
 import abc
+import base64
+import binascii
 import decimal
 import json
 import math
@@ -58,6 +60,7 @@ __all__ = [
     "NumpyArrayHandler",
     "MindSporeTensorHandler",
     "PickleHandler",
+    "ContainerHandler",
     "TypeHandlerRegistry",
     "default_registry",
     "register_type_handler",
@@ -481,6 +484,62 @@ class TypeHandlerRegistry:
         self._lazy = pending
 
 
+class ContainerHandler(TypeHandler):
+    """``dict`` (str keys), ``list`` and ``tuple`` of values that have handlers, nested.
+
+    For containers that are one value, such as the data of a ``ShardedObject``
+    (nested containers directly in a state dict are flattened instead). The
+    payload is JSON: ``{"d": [[key, node], ...]}``, ``{"l": [...]}``,
+    ``{"t": [...]}`` or, for a leaf, ``{"v": [type_string, base64 payload]}``.
+    Leaves never use pickle.
+    """
+
+    type_string = "container"
+
+    def _encode(self, value: Any, depth: int) -> Any:
+        if depth > 64:
+            raise UnsupportedTypeError("container nested more than 64 levels")
+        if isinstance(value, dict):
+            if not all(isinstance(k, str) for k in value):
+                raise UnsupportedTypeError("dict keys must all be str")
+            return {"d": [[k, self._encode(v, depth + 1)] for k, v in value.items()]}
+        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+            return {"l" if isinstance(value, list) else "t": [self._encode(v, depth + 1) for v in value]}
+        handler = _default.handler_for_value(value)
+        if handler is None or isinstance(handler, ContainerHandler):
+            raise UnsupportedTypeError(f"no type handler for {_qualified_name(type(value))} inside the container")
+        return {"v": [handler.type_string, base64.b64encode(handler.serialize(value)).decode("ascii")]}
+
+    def _decode(self, node: Any) -> Any:
+        if not isinstance(node, dict) or len(node) != 1:
+            raise CorruptCheckpointError("malformed container payload")
+        (tag, body), = node.items()
+        if tag == "d" and isinstance(body, list):
+            return {str(k): self._decode(v) for k, v in body}
+        if tag in ("l", "t") and isinstance(body, list):
+            items = [self._decode(v) for v in body]
+            return items if tag == "l" else tuple(items)
+        if tag == "v" and isinstance(body, list) and len(body) == 2 and body[0] != PICKLE_TYPE_STRING:
+            handler = _default.handler_for_type_string(str(body[0]))
+            return handler.deserialize(base64.b64decode(body[1]))
+        raise CorruptCheckpointError(f"malformed container payload (tag {tag!r})")
+
+    def serialize(self, value: Any) -> bytes:
+        """Encode a nested container of handled values as JSON."""
+        return json.dumps(self._encode(value, 0), separators=(",", ":")).encode("utf-8")
+
+    def deserialize(self, data: bytes) -> Any:
+        """Decode a container written by :meth:`serialize`."""
+        try:
+            node = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise CorruptCheckpointError(f"container payload is not JSON ({exc})") from exc
+        try:
+            return self._decode(node)
+        except (TypeError, ValueError, binascii.Error) as exc:
+            raise CorruptCheckpointError(f"malformed container payload ({exc})") from exc
+
+
 def _build_default_registry() -> TypeHandlerRegistry:
     registry = TypeHandlerRegistry()
     registry.register(int, IntHandler())
@@ -492,6 +551,10 @@ def _build_default_registry() -> TypeHandlerRegistry:
     registry.register(np.generic, NumpyScalarHandler())
     registry.register(np.ndarray, NumpyArrayHandler())
     registry.register_lazy("mindspore", "Tensor", MindSporeTensorHandler())
+    container = ContainerHandler()
+    registry.register(dict, container)
+    registry.register(list, container)
+    registry.register(tuple, container)
     return registry
 
 
