@@ -73,7 +73,7 @@ from hyper_parallel.core.distributed_checkpoint.strategies import (
 from hyper_parallel.core.distributed_checkpoint.api import load, read_metadata, save
 from hyper_parallel.core.distributed_checkpoint.one_line import load_checkpoint, save_checkpoint
 from hyper_parallel.core.distributed_checkpoint.async_queue import AsyncCallsQueue, AsyncRequest
-from hyper_parallel.core.distributed_checkpoint.async_save import AsyncSaveHandle, async_save
+from hyper_parallel.core.distributed_checkpoint.async_checkpoint import AsyncSaveHandle, async_save
 from hyper_parallel.core.distributed_checkpoint.manager import CheckpointManager
 
 __all__ = [

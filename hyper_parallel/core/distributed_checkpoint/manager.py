@@ -32,8 +32,8 @@ from typing import Any
 from hyper_parallel.core.distributed_checkpoint.api import load as dcp_load
 from hyper_parallel.core.distributed_checkpoint.api import read_metadata
 from hyper_parallel.core.distributed_checkpoint.api import save as dcp_save
-from hyper_parallel.core.distributed_checkpoint.async_save import AsyncSaveHandle
-from hyper_parallel.core.distributed_checkpoint.async_save import async_save as dcp_async_save
+from hyper_parallel.core.distributed_checkpoint.async_checkpoint import AsyncSaveHandle
+from hyper_parallel.core.distributed_checkpoint.async_checkpoint import async_save as dcp_async_save
 from hyper_parallel.core.distributed_checkpoint.collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,

@@ -27,7 +27,14 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
 )
 from hyper_parallel.platform.tensor import DTYPE_NAMES
 
-__all__ = ["FORMAT_NAME", "MAX_TENSOR_BYTES", "metadata_to_json", "metadata_from_json", "check_relative_path"]
+__all__ = [
+    "FORMAT_NAME",
+    "MAX_TENSOR_BYTES",
+    "metadata_to_json",
+    "metadata_from_json",
+    "check_relative_path",
+    "check_consistency",
+]
 
 #: Value of the top-level ``"format"`` field.
 FORMAT_NAME = "hyper_parallel.distributed_checkpoint"
@@ -143,8 +150,8 @@ def _tensor_entry(fqn: str, raw: dict, where: str) -> TensorStorageMetadata:
     return TensorStorageMetadata(properties=TensorProperties(dtype=dtype), size=size, chunks=tuple(chunks))
 
 
-def _storage_entry(raw: Any, position: int) -> tuple[MetadataIndex, StorageInfo]:
-    where = f"metadata storage_data[{position}]"
+def _storage_entry(raw: Any, position: int, source: str) -> tuple[MetadataIndex, StorageInfo]:
+    where = f"{source}: storage_data[{position}]"
     if not isinstance(raw, dict):
         raise CorruptCheckpointError(f"{where}: expected an object")
     fqn = _str(raw.get("fqn"), f"{where} fqn")
@@ -171,7 +178,7 @@ def _storage_entry(raw: Any, position: int) -> tuple[MetadataIndex, StorageInfo]
         length=_int(raw.get("length"), f"{where} length"),
         checksum=checksum,
         compression=compression,
-        raw_length=_int(raw["raw_length"], f"{where} raw_length") if compression else None,
+        raw_length=_int(raw.get("raw_length"), f"{where} raw_length") if compression else None,
     )
     if info.length > MAX_TENSOR_BYTES or info.offset > MAX_TENSOR_BYTES:
         raise UnsafeCheckpointError(f"{where}: absurd byte offset or length for key '{fqn}'; refused")
@@ -187,7 +194,7 @@ def metadata_from_json(data: bytes, *, source: str = "metadata") -> Metadata:
     """
     try:
         document = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, too deep, an integer too long
         raise CorruptCheckpointError(f"{source}: not valid JSON metadata ({exc})") from exc
     if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{source}: not a hyper_parallel checkpoint metadata file")
@@ -215,7 +222,9 @@ def metadata_from_json(data: bytes, *, source: str = "metadata") -> Metadata:
     raw_storage = document.get("storage_data")
     if not isinstance(raw_storage, list):
         raise CorruptCheckpointError(f"{source}: storage_data must be a list")
-    storage = dict(_storage_entry(raw, position) for position, raw in enumerate(raw_storage))
+    storage = dict(_storage_entry(raw, position, source) for position, raw in enumerate(raw_storage))
+    if len(storage) != len(raw_storage):
+        raise CorruptCheckpointError(f"{source}: storage_data lists a chunk twice")
     return Metadata(
         state_dict_metadata=items,
         planner_data=document.get("planner_data"),

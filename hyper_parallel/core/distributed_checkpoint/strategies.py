@@ -97,10 +97,10 @@ class FileSystemSaveStrategy(SaveStrategyBase):
 
     def save(self, state_dict: dict[str, Any], checkpoint_id: Any, **kwargs: Any) -> Any:
         """Save with ``dcp.save``; with ``async_save=True`` return an ``AsyncSaveHandle``."""
-        from hyper_parallel.core.distributed_checkpoint import api, async_save  # pylint: disable=import-outside-toplevel
+        from hyper_parallel.core.distributed_checkpoint import api, async_checkpoint  # pylint: disable=import-outside-toplevel
 
         if kwargs.pop("async_save", False):
-            return async_save.async_save(state_dict, checkpoint_id=checkpoint_id, **kwargs)
+            return async_checkpoint.async_save(state_dict, checkpoint_id=checkpoint_id, **kwargs)
         return api.save(state_dict, checkpoint_id=checkpoint_id, **kwargs)
 
 

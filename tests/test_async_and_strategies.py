@@ -1,0 +1,141 @@
+"""Async save in one process, and the strategy registry with format versions."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel.core.distributed_checkpoint import async_checkpoint as async_module
+from hyper_parallel.core.distributed_checkpoint.strategies import (
+    FileSystemLoadStrategy,
+    StrategyAction,
+    check_load_compatible,
+    get_default_strategy,
+    register_default_strategy,
+)
+
+
+def test_async_save_keeps_values_at_call_time_and_reuses_staging(tmp_path):
+    param = ms.Parameter(ms.Tensor(np.full((32, 32), 1.0, np.float32)), name="p")
+    array = np.arange(10, dtype=np.int64)
+    handle = dcp.async_save({"p": param, "a": array, "step": 1}, checkpoint_id=tmp_path / "s1")
+    param.asnumpy()[...] = 5.0
+    array[...] = -1
+    metadata = handle.result()
+    assert handle.done() and metadata.storage_meta.world_size == 1
+    reused_before = async_module._POOL.reused  # pylint: disable=protected-access
+    handle2 = dcp.async_save({"p": param, "a": array, "step": 2}, checkpoint_id=tmp_path / "s2")
+    param.asnumpy()[...] = 9.0
+    handle2.result()
+    assert async_module._POOL.reused - reused_before == 2, "same shapes: both staging buffers reused"
+    for path, p_value, a_value, step in ((tmp_path / "s1", 1.0, list(range(10)), 1),
+                                         (tmp_path / "s2", 5.0, [-1] * 10, 2)):
+        target = {"p": np.zeros((32, 32), np.float32), "a": np.zeros(10, np.int64), "step": 0}
+        dcp.load(target, checkpoint_id=path)
+        assert np.all(target["p"] == p_value) and target["a"].tolist() == a_value and target["step"] == step
+
+
+def test_async_result_timeout_and_failure_keep_old_checkpoint(tmp_path):
+    dcp.save({"v": np.ones(4)}, checkpoint_id=tmp_path / "c")
+
+    class Failing(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):
+            raise OSError(28, "No space left on device")
+
+    handle = dcp.async_save({"v": np.zeros(4)}, storage_writer=Failing(tmp_path / "c"))
+    with pytest.raises(OSError, match="No space left"):
+        handle.result(timeout=30)
+    with pytest.raises(OSError):
+        handle.result()  # the same failure again, never a silent success
+    target = np.zeros(4)
+    dcp.load({"v": target}, checkpoint_id=tmp_path / "c")
+    assert target.tolist() == [1.0] * 4
+
+
+def test_an_unseen_async_failure_is_raised_by_the_next_async_save(tmp_path):
+    class Failing(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):
+            raise OSError(5, "Input/output error")
+
+    dcp.async_save({"v": np.zeros(4)}, storage_writer=Failing(tmp_path / "bad"))
+    with pytest.raises(OSError, match="Input/output error"):
+        dcp.async_save({"v": np.zeros(4)}, checkpoint_id=tmp_path / "next")
+    dcp.async_save({"v": np.zeros(4)}, checkpoint_id=tmp_path / "next").result()
+
+
+def test_process_exit_with_async_save_in_flight_leaves_it_uncommitted(tmp_path):
+    script = textwrap.dedent(f"""
+        import numpy as np
+        import hyper_parallel.core.distributed_checkpoint as dcp
+        dcp.save({{"v": np.ones(8)}}, checkpoint_id={str(tmp_path / 'old')!r})
+        dcp.async_save({{"v": np.ones((2048, 2048))}}, checkpoint_id={str(tmp_path / 'new')!r})
+        # exit without result(): the commit never ran
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    with pytest.raises(dcp.IncompleteCheckpointError):
+        dcp.read_metadata(tmp_path / "new")
+    target = np.zeros(8)
+    dcp.load({"v": target}, checkpoint_id=tmp_path / "old")
+    assert target.tolist() == [1.0] * 8
+
+
+def test_filesystem_backend_is_registered_and_recorded(tmp_path):
+    metadata = dcp.save({"a": np.ones(2)}, checkpoint_id=tmp_path / "c")
+    assert (metadata.storage_meta.backend, metadata.version) == ("filesystem", "1.0")
+    strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, "filesystem", "1.0")
+    assert isinstance(strategy, FileSystemLoadStrategy)
+    assert check_load_compatible(metadata) is strategy
+    assert get_default_strategy(StrategyAction.LOAD_SHARDED, "filesystem", "1.0").backend == "filesystem"
+    save_strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, "filesystem", "1.0")
+    save_strategy.save({"a": np.full(2, 3.0)}, tmp_path / "via_strategy")
+    target = {"a": np.zeros(2)}
+    strategy.load(target, tmp_path / "via_strategy")
+    assert target["a"].tolist() == [3.0, 3.0]
+    handle = save_strategy.save({"a": np.full(2, 4.0)}, tmp_path / "via_async", async_save=True)
+    assert handle.result().storage_meta.backend == "filesystem"
+
+
+def _rewrite(path, **fields):
+    document = json.loads((path / "metadata.json").read_text())
+    document.update(fields)
+    (path / "metadata.json").write_text(json.dumps(document))
+
+
+@pytest.mark.parametrize("fields,expected", [
+    ({"backend": "zarr"}, "backend 'zarr' version '1.0'"),
+    ({"version": "2.0"}, "backend 'filesystem' version '2.0'"),
+    ({"version": "1.7"}, "backend 'filesystem' version '1.7'"),
+])
+def test_unknown_backend_or_future_version_is_refused(tmp_path, fields, expected):
+    dcp.save({"a": np.ones(2)}, checkpoint_id=tmp_path / "c")
+    _rewrite(tmp_path / "c", **fields)
+    with pytest.raises(dcp.UnsupportedFormatError) as caught:
+        dcp.load({"a": np.zeros(2)}, checkpoint_id=tmp_path / "c")
+    assert expected in str(caught.value) and "supported: filesystem 1.0" in str(caught.value)
+
+
+def test_registering_a_strategy_for_a_new_version(tmp_path):
+    dcp.save({"a": np.ones(2)}, checkpoint_id=tmp_path / "c")
+    _rewrite(tmp_path / "c", version="1.5")
+
+    class Reader15(FileSystemLoadStrategy):
+        pass
+
+    register_default_strategy(StrategyAction.LOAD_SHARDED, "filesystem", "1.5", Reader15("filesystem", "1.5"))
+    try:
+        target = {"a": np.zeros(2)}
+        dcp.load(target, checkpoint_id=tmp_path / "c")
+        assert target["a"].tolist() == [1.0, 1.0]
+    finally:
+        from hyper_parallel.core.distributed_checkpoint import strategies  # pylint: disable=import-outside-toplevel
+
+        strategies._REGISTRY.pop((StrategyAction.LOAD_SHARDED, "filesystem", "1.5"))  # pylint: disable=protected-access
+    with pytest.raises(dcp.CheckpointValueError):
+        register_default_strategy("load", "filesystem", "1.0", Reader15("filesystem", "1.0"))
