@@ -20,14 +20,19 @@ import sys
 import time
 from pathlib import Path
 
+import mindspore as ms
 import numpy as np
+from mindspore.communication import get_group_size, get_rank, init
+
+import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel import DTensor, Layout, platform
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark import GIB, data_files, drop_page_cache, pretouch, read_io_bytes  # noqa: E402
+from benchmark import GIB, data_files, drop_page_cache, pretouch, read_io_bytes  # noqa: E402  pylint: disable=wrong-import-position
 
 __all__ = ["main"]
 
-#: (name, columns, dtype) of the matrices; rows follow from the size. Half rows are whole pages.
+#: (name, columns, dtype) of the matrices; rows follow from the size. Row shards of up to 4 ranks are whole pages.
 _MATRICES = (("w_f32_4096", 4096, "float32"), ("w_bf16_8192", 8192, "bfloat16"), ("w_f32_16384", 16384, "float32"))
 
 
@@ -43,21 +48,18 @@ def _shapes(size_bytes: int, world: int) -> dict[str, tuple[tuple[int, int], str
 
 def _values(shape: tuple[int, int], rows: slice, cols: slice) -> np.ndarray:
     """The region ``[rows, cols]`` of a matrix whose values (integers < 256) are exact in bfloat16."""
-    i = np.arange(shape[0], dtype=np.int64)[rows, None]
-    j = np.arange(shape[1], dtype=np.int64)[None, cols]
+    i = np.arange(shape[0], dtype=np.int32)[rows, None]
+    j = np.arange(shape[1], dtype=np.int32)[None, cols]
     return ((i * 7 + j * 13) % 256).astype(np.float32)
 
 
-def _tensor(values: np.ndarray, dtype: str):  # -> mindspore.Tensor
-    import mindspore as ms  # pylint: disable=import-outside-toplevel
-
+def _tensor(values: np.ndarray, dtype: str) -> ms.Tensor:
+    """``values`` as a MindSpore tensor of ``dtype``."""
     return ms.Tensor(values, ms.bfloat16 if dtype == "bfloat16" else ms.float32)
 
 
-def _targets(shapes: dict, layout, world: int) -> dict:
+def _targets(shapes: dict, layout: Layout, world: int) -> dict:
     """Zeroed column shards (DTensors) of every matrix."""
-    from hyper_parallel import DTensor  # pylint: disable=import-outside-toplevel
-
     return {name: DTensor(_tensor(np.zeros((rows, cols // world), np.float32), dtype), layout,
                           global_shape=(rows, cols))
             for name, ((rows, cols), dtype) in shapes.items()}
@@ -72,12 +74,9 @@ def _check(targets: dict, shapes: dict, rank: int, world: int) -> None:
             raise RuntimeError(f"rank {rank}: resharded load of '{name}' returned wrong values")
 
 
-def _collective_load(directory: Path, shapes: dict, layout, rank: int, world: int, verify: bool,
+def _collective_load(directory: Path, shapes: dict, layout: Layout, rank: int, world: int, verify: bool,
                      pretouch_gb: float) -> tuple[float, int]:
     """One cold collective load on all ranks at once; returns (seconds, reader bytes_read)."""
-    import hyper_parallel.core.distributed_checkpoint as dcp  # pylint: disable=import-outside-toplevel
-    from hyper_parallel import platform  # pylint: disable=import-outside-toplevel
-
     targets = _targets(shapes, layout, world)
     drop_page_cache(data_files(directory))
     pretouch(pretouch_gb)
@@ -90,12 +89,9 @@ def _collective_load(directory: Path, shapes: dict, layout, rank: int, world: in
     return seconds, reader.bytes_read
 
 
-def _alone_load(directory: Path, shapes: dict, layout, rank: int, world: int, verify: bool) -> int:
+def _alone_load(directory: Path, shapes: dict, layout: Layout, rank: int, world: int, verify: bool) -> int:
     """Cold loads one rank at a time (``use_collectives=False``), so that no rank's
     readahead fills another's page cache; returns this rank's ``/proc/self/io`` read_bytes delta."""
-    import hyper_parallel.core.distributed_checkpoint as dcp  # pylint: disable=import-outside-toplevel
-    from hyper_parallel import platform  # pylint: disable=import-outside-toplevel
-
     targets = _targets(shapes, layout, world)
     fetched = 0
     for turn in range(world):
@@ -119,15 +115,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="loads per setting (medians reported)")
     parser.add_argument("--pretouch-gb", type=float, default=3.0, help="GiB touched before each load")
     args = parser.parse_args()
-
-    import mindspore as ms  # pylint: disable=import-outside-toplevel
-    from mindspore.communication import get_group_size, get_rank, init  # pylint: disable=import-outside-toplevel
-
     ms.set_device("CPU")
     init()
-    import hyper_parallel.core.distributed_checkpoint as dcp  # pylint: disable=import-outside-toplevel
-    from hyper_parallel import DTensor, Layout, platform  # pylint: disable=import-outside-toplevel
-
     rank, world = int(get_rank()), int(get_group_size())
     shapes = _shapes(int(args.size_gb * GIB), world)
     rows_split, cols_split = Layout((world,), (0, -1)), Layout((world,), (-1, 0))

@@ -3,7 +3,7 @@
 Three checks, every problem collected (none stops the others):
 
 - each data file is a valid safetensors file, and every stored item sits at
-  a header entry of the right byte length;
+  a header entry of the right name, dtype, shape and byte length;
 - every block of every stored chunk matches its recorded checksum (a file
   too short is reported as truncated, naming the keys it loses);
 - the chunks of each tensor tile its global shape exactly, and every chunk
@@ -32,7 +32,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     StorageInfo,
     TensorStorageMetadata,
 )
-from hyper_parallel.core.distributed_checkpoint.safetensors_format import read_header
+from hyper_parallel.core.distributed_checkpoint.safetensors_format import SAFETENSORS_DTYPES, read_header
 from hyper_parallel.platform.tensor import DTYPE_NAMES
 
 __all__ = ["VerifyProblem", "VerifyReport", "verify_checkpoint", "format_verify", "register"]
@@ -129,6 +129,12 @@ def verify_checkpoint(path: str | os.PathLike, progress: bool | None = None) -> 
         by_file[info.relative_path].append((index, info))
     show = sys.stderr.isatty() if progress is None else progress
     bar = _Progress(sum(info.length for info in storage.values()), sys.stderr if show else None)
+    chunk_sizes = {
+        MetadataIndex(fqn, tuple(chunk.offsets)): tuple(chunk.sizes)
+        for fqn, stored in metadata.state_dict_metadata.items()
+        if isinstance(stored, TensorStorageMetadata)
+        for chunk in stored.chunks
+    }
     reader = FileSystemReader(directory)
     files_checked = chunks_checked = bytes_checked = unchecked = 0
     try:
@@ -142,7 +148,7 @@ def verify_checkpoint(path: str | os.PathLike, progress: bool | None = None) -> 
                 bar.advance(sum(info.length for _, info in items))
                 continue
             files_checked += 1
-            problems.extend(_check_header(name, full, items, metadata))
+            problems.extend(_check_header(name, full, items, metadata, chunk_sizes))
             with open(full, "rb") as handle:
                 size = os.fstat(handle.fileno()).st_size
                 for index, info in items:
@@ -199,7 +205,11 @@ def _check_coverage(metadata: Metadata) -> list[VerifyProblem]:
 
 
 def _check_header(
-    name: str, full: Any, items: list[tuple[MetadataIndex, StorageInfo]], metadata: Metadata
+    name: str,
+    full: Any,
+    items: list[tuple[MetadataIndex, StorageInfo]],
+    metadata: Metadata,
+    chunk_sizes: dict[MetadataIndex, tuple[int, ...]],
 ) -> list[VerifyProblem]:
     try:
         header, data_start = read_header(full)
@@ -207,18 +217,37 @@ def _check_header(
         keys = ", ".join(sorted({f"'{index.fqn}'" for index, _ in items}))
         return [VerifyProblem(name, None, f"invalid safetensors header: {exc} (file holds key(s) {keys})")]
     spans = {}
-    for entry in header.values():
-        begin, end = (int(v) for v in entry["data_offsets"])
-        spans[data_start + begin] = end - begin
+    for tensor, entry in header.items():
+        begin, end = entry["data_offsets"]
+        spans[data_start + begin] = (end - begin, tensor, entry["dtype"], tuple(entry["shape"]))
     problems = []
     for index, info in items:
-        if spans.get(info.offset) != info.length:
+        expected = (info.length, *_header_entry(metadata, index, info, chunk_sizes))
+        if spans.get(info.offset) != expected:
             problems.append(VerifyProblem(
                 name, index.fqn,
-                f"no safetensors entry of {info.length} bytes at byte {info.offset} "
-                f"(chunk at offset {list(index.offset)})",
+                f"no safetensors entry '{expected[1]}' ({expected[2]}, shape {list(expected[3])}) of "
+                f"{info.length} bytes at byte {info.offset} (chunk at offset {list(index.offset)})",
             ))
     return problems
+
+
+def _header_entry(
+    metadata: Metadata, index: MetadataIndex, info: StorageInfo, chunk_sizes: dict[MetadataIndex, tuple[int, ...]]
+) -> tuple[str, str, tuple[int, ...]]:
+    """The name, safetensors dtype and shape the writer gives a stored item in its file's header.
+
+    A whole tensor is named by its key, a shard ``key@o0,o1``; a stored value is a ``U8`` array.
+    """
+    stored = metadata.state_dict_metadata.get(index.fqn)
+    if isinstance(stored, TensorStorageMetadata):
+        shape = chunk_sizes.get(MetadataIndex(index.fqn, tuple(index.offset)), ())
+        whole, dtype = shape == tuple(stored.size), SAFETENSORS_DTYPES.get(stored.properties.dtype, "?")
+    else:
+        whole, dtype, shape = False, "U8", (info.length,)
+    if whole or not index.offset:
+        return index.fqn, dtype, shape
+    return f"{index.fqn}@{','.join(str(o) for o in index.offset)}", dtype, shape
 
 
 def _check_chunk(

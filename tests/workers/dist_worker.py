@@ -22,6 +22,7 @@ RANK, WORLD = init_worker()
 import mindspore as ms  # noqa: E402  (after init_worker, which sets the device)
 
 import hyper_parallel.core.distributed_checkpoint as dcp  # noqa: E402
+import hyper_parallel  # noqa: E402
 from hyper_parallel import DTensor, Layout  # noqa: E402
 
 PHASE, BASE = sys.argv[1], Path(sys.argv[2])
@@ -155,14 +156,13 @@ def no_collectives() -> dict:
     dcp.save(state, checkpoint_id=BASE / "local", use_collectives=False)
     target = {"mine": np.zeros(4, np.int32), "step": -1}
     dcp.load(target, checkpoint_id=BASE / "local", use_collectives=False)
+    hyper_parallel.platform.barrier()  # rank-local saves do not wait for each other
     return {"mine": target["mine"].tolist(), "step": target["step"],
             "files": sorted(os.listdir(BASE / "local"))}
 
 
 def one_liners() -> dict:
     from mindspore import nn  # pylint: disable=import-outside-toplevel
-
-    import hyper_parallel  # pylint: disable=import-outside-toplevel
 
     ms.set_seed(5)
     net = nn.Dense(4, 3)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Runs", "box_runs"]
+__all__ = ["Runs", "box_runs", "split_box"]
 
 
 @dataclass(frozen=True)
@@ -61,3 +61,31 @@ def box_runs(chunk_sizes: tuple[int, ...], itemsize: int, offsets: tuple[int, ..
         steps = np.arange(lengths[dim], dtype=np.int64) * strides[dim]
         starts = (steps[:, None] + starts[None, :]).reshape(-1)
     return Runs(starts=starts, length=int(length))
+
+
+def split_box(lengths: tuple[int, ...], itemsize: int, max_bytes: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Cut a box into sub-boxes of at most ``max_bytes`` each (one element minimum).
+
+    The cut is along the outermost dims: sub-boxes are slabs of whole inner
+    rows where possible, so each stays a few long runs.
+
+    Returns:
+        ``(offsets, lengths)`` of each sub-box, relative to the box, in row-major order.
+    """
+    total = math.prod(lengths) * itemsize
+    if total <= max_bytes or not lengths:
+        return [((0,) * len(lengths), tuple(lengths))]
+    # First dim whose inner block (dims after it) fits the bound.
+    dim = 0
+    while dim < len(lengths) - 1 and math.prod(lengths[dim + 1 :]) * itemsize > max_bytes:
+        dim += 1
+    inner = math.prod(lengths[dim + 1 :]) * itemsize
+    step = max(1, max_bytes // inner)
+    boxes = []
+    for outer in np.ndindex(*lengths[:dim]):
+        for start in range(0, lengths[dim], step):
+            extent = min(step, lengths[dim] - start)
+            offsets = tuple(outer) + (start,) + (0,) * (len(lengths) - dim - 1)
+            sizes = (1,) * dim + (extent,) + tuple(lengths[dim + 1 :])
+            boxes.append((offsets, sizes))
+    return boxes

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hyper_parallel.core.distributed_checkpoint.byte_ranges import Runs, box_runs
+from hyper_parallel.core.distributed_checkpoint.byte_ranges import Runs, box_runs, split_box
 from hyper_parallel.core.distributed_checkpoint.checksum import ALGORITHM, digest
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointIOError,
@@ -36,7 +36,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     StorageInfo,
     TensorStorageMetadata,
 )
-from hyper_parallel.core.distributed_checkpoint.metadata_json import metadata_from_json
+from hyper_parallel.core.distributed_checkpoint.metadata_json import check_consistency, metadata_from_json
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, StorageReader
 from hyper_parallel.platform.tensor import DTYPE_NAMES, numpy_dtype
@@ -104,13 +104,21 @@ class FileSystemReader(StorageReader):
                 f"checkpoint {self.path} has no {self.metadata_file}: the save did not commit (it crashed or "
                 "is still running); load an earlier checkpoint"
             )
+        root = os.path.realpath(self.path)
+        if os.path.commonpath([root, os.path.realpath(meta_path)]) != root:
+            raise UnsafeCheckpointError(f"{meta_path} is a link leading outside checkpoint {self.path}; refused")
         size = meta_path.stat().st_size
         if size > MAX_METADATA_BYTES:
             raise UnsafeCheckpointError(f"{meta_path}: metadata of {size} bytes is larger than allowed; refused")
         return metadata_from_json(meta_path.read_bytes(), source=str(meta_path))
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool) -> None:
-        """Take the metadata. All ranks call it."""
+        """Take the metadata, after checking its items and storage entries match. All ranks call it.
+
+        Raises:
+            CorruptCheckpointError: a chunk without its storage entry, or the like (names the file and key).
+        """
+        check_consistency(metadata, source=str(self.path / self.metadata_file))
         self.metadata = metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -135,7 +143,9 @@ class FileSystemReader(StorageReader):
                 f"key '{fqn}': data file {relative_path!r} resolves outside checkpoint {self.path}; refused"
             )
         if not os.path.isfile(full):
-            raise CorruptCheckpointError(f"key '{fqn}': data file {relative_path} is missing from {self.path}")
+            raise CorruptCheckpointError(
+                f"key '{fqn}': data file {relative_path} (listed in {self.metadata_file}) is missing from {self.path}"
+            )
         return Path(full)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> "Future[None]":
@@ -198,7 +208,7 @@ class FileSystemReader(StorageReader):
         if info.checksum is not None and info.checksum.algorithm != ALGORITHM:
             raise CorruptCheckpointError(f"key '{fqn}': unknown checksum algorithm {info.checksum.algorithm!r}")
         if item.type == LoadItemType.BYTE_IO:
-            buffer = np.empty(info.length, dtype=np.uint8)
+            buffer = np.empty((1, info.length), dtype=np.uint8)
             runs = Runs(starts=np.zeros(1 if info.length else 0, dtype=np.int64), length=info.length)
             count = self._fill(fd, path, fqn, info, runs, buffer)
             planner.apply_bytes(item, buffer.tobytes())
@@ -212,15 +222,24 @@ class FileSystemReader(StorageReader):
             raise CorruptCheckpointError(
                 f"key '{fqn}': stored length {info.length} does not match chunk sizes {list(chunk_sizes)}"
             )
-        runs = box_runs(chunk_sizes, itemsize, item.storage_offsets, item.lengths)
         dest = planner.acquire_tensor(item)
         stored_dtype = numpy_dtype(stored.properties.dtype)
-        direct = dest.flags.c_contiguous and dest.dtype == stored_dtype
-        target = dest.reshape(-1).view(np.uint8) if direct else np.empty(runs.total, dtype=np.uint8)
-        count = self._fill(fd, path, fqn, info, runs, target)
-        if not direct:
-            source = target.view(stored_dtype).reshape(item.lengths)
-            np.copyto(dest, source, casting="unsafe")
+        count = 0
+        # Pieces of at most max_inflight_bytes: a cast or scattered target never
+        # needs a staging buffer larger than that, whatever the tensor size.
+        for sub_offsets, sub_lengths in split_box(item.lengths, itemsize, self.max_inflight_bytes):
+            offsets = tuple(o + s for o, s in zip(item.storage_offsets, sub_offsets))
+            runs = box_runs(chunk_sizes, itemsize, offsets, sub_lengths)
+            if runs.total == 0:
+                continue
+            region = dest[tuple(slice(o, o + n) for o, n in zip(sub_offsets, sub_lengths))] if dest.ndim else dest
+            rows = _run_rows(region, runs, stored_dtype)
+            if rows is not None:
+                count += self._fill(fd, path, fqn, info, runs, rows)
+                continue
+            staging = np.empty((runs.starts.size, runs.length), dtype=np.uint8)
+            count += self._fill(fd, path, fqn, info, runs, staging)
+            np.copyto(region, staging.view(stored_dtype).reshape(sub_lengths), casting="unsafe")
         planner.apply_tensor(item, dest)
         return count
 
@@ -232,15 +251,20 @@ class FileSystemReader(StorageReader):
         raise CorruptCheckpointError(f"key '{index.fqn}': no chunk at offset {list(index.offset)}")
 
     def _fill(self, fd: int, path: Path, fqn: str, info: StorageInfo, runs: Runs, target: np.ndarray) -> int:
-        """Fill ``target`` (bytes of the runs, in order); return bytes read from storage."""
+        """Fill ``target`` (``uint8``, one row per run) with the runs; return bytes read from storage."""
         if runs.total == 0:
+            if info.length == 0 and self.verify_checksums and info.checksum is not None:
+                if info.checksum.digests != (digest(b""),):  # the length itself may be the damage
+                    raise CorruptCheckpointError(
+                        f"checksum mismatch in data file {path}, key '{fqn}': the metadata says it stores 0 bytes, "
+                        "its checksum says otherwise; the checkpoint is corrupt"
+                    )
             return 0
         if self.verify_checksums and info.checksum is not None:
             return self._fill_verified(fd, path, fqn, info, runs, target)
         length = runs.length
         for position, start in enumerate(runs.starts.tolist()):
-            view = target[position * length : (position + 1) * length]
-            got = os.preadv(fd, [view], info.offset + start)
+            got = os.preadv(fd, [target[position]], info.offset + start)
             if got != length:
                 raise CorruptCheckpointError(f"data file {path} is truncated while reading key '{fqn}'")
         return runs.total
@@ -291,8 +315,7 @@ class FileSystemReader(StorageReader):
                 ov_start, ov_end = max(start, seg_start), min(start + length, seg_end)
                 if ov_start >= ov_end:
                     continue
-                dst = position * length + ov_start - start
-                target[dst : dst + ov_end - ov_start] = buffer[ov_start - seg_start : ov_end - seg_start]
+                target[position, ov_start - start : ov_end - start] = buffer[ov_start - seg_start : ov_end - seg_start]
         return read
 
     @classmethod
@@ -301,3 +324,23 @@ class FileSystemReader(StorageReader):
         if isinstance(checkpoint_id, os.PathLike):
             return True
         return isinstance(checkpoint_id, str) and bool(checkpoint_id) and "://" not in checkpoint_id
+
+
+def _run_rows(region: np.ndarray, runs: Runs, stored_dtype: np.dtype) -> np.ndarray | None:
+    """A ``uint8`` (runs, run bytes) view of ``region`` to read straight into, or ``None``.
+
+    Possible when the target has the stored dtype and each run is contiguous
+    in the target's memory (the rows may be strided).
+    """
+    if region.dtype != stored_dtype or runs.length % region.itemsize:
+        return None
+    view = region.view()
+    try:
+        view.shape = (runs.starts.size, runs.length // region.itemsize)
+    except AttributeError:
+        return None
+    if view.shape[1] > 1 and view.strides[1] != region.itemsize:
+        return None
+    if not view.flags.writeable:
+        return None
+    return view.view(np.uint8)

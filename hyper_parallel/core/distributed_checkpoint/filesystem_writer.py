@@ -15,6 +15,7 @@ the old checkpoint or the new one, complete.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import uuid
@@ -135,6 +136,8 @@ class FileSystemWriter(StorageWriter):
         checksum_block_bytes: int = DEFAULT_BLOCK_BYTES,
         rank_local: bool = False,
     ) -> None:
+        if checksum_block_bytes < 1:
+            raise CheckpointValueError(f"checksum_block_bytes must be >= 1, got {checksum_block_bytes}")
         if thread_count < 1:
             raise CheckpointValueError(f"thread_count must be >= 1, got {thread_count}")
         self.path = Path(os.fspath(path))
@@ -154,11 +157,16 @@ class FileSystemWriter(StorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *, rank: int = 0, world_size: int = 1) -> None:
         """Create the directory (every rank may; exist is fine). All ranks call it.
 
+        Every save gets a new save id here (the coordinator's is handed to all
+        ranks with the plan), so a writer used for several saves never writes
+        over the data files of a checkpoint it committed before.
+
         Raises:
             CheckpointExistsError: the path exists and is not a directory.
             CheckpointIOError: the directory cannot be created or written.
         """
         self.rank = rank
+        self.save_id = uuid.uuid4().hex[:12]
         if self.path.exists() and not self.path.is_dir():
             raise CheckpointExistsError(
                 f"checkpoint path {self.path} exists and is not a directory; choose another checkpoint_id"
@@ -199,13 +207,17 @@ class FileSystemWriter(StorageWriter):
     def _write_file(self, job: _FileJob, planner: SavePlanner) -> list[WriteResult]:
         payloads = [planner.get_data(item) for item in job.items]
         entries = []
+        used: set[str] = set()
         for item, data in zip(job.items, payloads):
+            name = _tensor_name(item.index, item.type == WriteItemType.TENSOR)
+            while name in used:  # a key that itself looks like "fqn@offsets"
+                name += "#"
+            used.add(name)
             if item.type == WriteItemType.BYTE_IO:
-                entries.append(HeaderEntry(_tensor_name(item.index), "uint8", (len(data),), len(data)))
+                entries.append(HeaderEntry(name, "uint8", (len(data),), len(data)))
             else:
                 td = item.tensor_data
-                entries.append(HeaderEntry(_tensor_name(item.index, item.type == WriteItemType.TENSOR), td.properties.dtype, td.chunk.sizes,
-                                           item.tensor_storage_size()))
+                entries.append(HeaderEntry(name, td.properties.dtype, td.chunk.sizes, item.tensor_storage_size()))
         header, offsets = build_header(entries, {"format": "hyper_parallel", "save_id": self.save_id})
         path = self.path / job.name
         results = []
@@ -232,10 +244,14 @@ class FileSystemWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> "Future[list[WriteResult]]":
         """Write this rank's items durably; the returned future is already done. All ranks.
 
+        On failure this rank's data files of this save are removed (nothing
+        references them, and on a full disk they hold the space).
+
         Raises (through the future):
             CheckpointIOError: a write or fsync failed (disk full, I/O error).
         """
         future: Future[list[WriteResult]] = Future()
+        jobs: list[_FileJob] = []
         try:
             jobs = self._jobs(plan)
             if len(jobs) <= 1:
@@ -247,12 +263,21 @@ class FileSystemWriter(StorageWriter):
                 fsync_directory(self.path)
             future.set_result([result for chunk in chunks for result in chunk])
         except OSError as exc:
+            self._discard(jobs)
             future.set_exception(
                 CheckpointIOError(f"rank {self.rank}: writing checkpoint data in {self.path} failed: {exc}")
             )
         except BaseException as exc:  # pylint: disable=broad-except
+            self._discard(jobs)
             future.set_exception(exc)
         return future
+
+    def _discard(self, jobs: list[_FileJob]) -> None:
+        for job in jobs:
+            try:
+                (self.path / job.name).unlink(missing_ok=True)
+            except OSError:
+                pass  # a later save of this directory removes it as stale
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
         """Commit: write the metadata atomically, then drop files of older saves. Coordinator only."""
@@ -270,21 +295,26 @@ class FileSystemWriter(StorageWriter):
             write_atomically(self.path / name, metadata_to_json(committed), sync=self.sync_files)
         except OSError as exc:
             raise CheckpointIOError(f"committing checkpoint {self.path} failed: {exc}") from exc
-        self._remove_stale_files()
+        self._remove_stale_files(name)
         return committed
 
-    def _remove_stale_files(self) -> None:
-        """Delete data files no committed metadata of this directory references."""
+    def _remove_stale_files(self, committed_name: str) -> None:
+        """Delete data files of older saves that no committed metadata references.
+
+        With rank-local metadata only this rank's files are candidates. If any
+        other metadata file cannot be parsed, nothing is deleted.
+        """
+        referenced = _files_referenced_by_others(self.path, committed_name)
+        if referenced is None:
+            return
         for entry in os.scandir(self.path):
-            match = DATA_FILE_PATTERN.match(entry.name)
-            stale_partial = entry.name.startswith(".") and entry.name.endswith(".partial")
-            if stale_partial and not self.rank_local:
+            if entry.name.startswith(".") and entry.name.endswith(".partial") and not self.rank_local:
                 Path(entry.path).unlink(missing_ok=True)
-            if not match or match.group(3) == self.save_id:
+                continue
+            match = DATA_FILE_PATTERN.match(entry.name)
+            if not match or match.group(3) == self.save_id or entry.name in referenced:
                 continue
             if self.rank_local and int(match.group(1)) != self.rank:
-                continue
-            if not self.rank_local and _referenced_by_rank_local(self.path, entry.name):
                 continue
             Path(entry.path).unlink(missing_ok=True)
 
@@ -296,15 +326,21 @@ class FileSystemWriter(StorageWriter):
         return isinstance(checkpoint_id, str) and bool(checkpoint_id) and "://" not in checkpoint_id
 
 
-def _referenced_by_rank_local(path: Path, name: str) -> bool:
+def _files_referenced_by_others(path: Path, committed_name: str) -> set[str] | None:
+    """Data files named by the other metadata files of the directory (``None``: one is unreadable)."""
+    names: set[str] = set()
     for entry in os.scandir(path):
-        if entry.name.startswith("metadata.rank") and entry.name.endswith(".json"):
-            try:
-                if name.encode() in Path(entry.path).read_bytes():
-                    return True
-            except OSError:
-                return True
-    return False
+        is_metadata = entry.name == METADATA_FILE or (
+            entry.name.startswith("metadata.rank") and entry.name.endswith(".json")
+        )
+        if not is_metadata or entry.name == committed_name:
+            continue
+        try:
+            document = json.loads(Path(entry.path).read_bytes())
+            names.update(str(item["file"]) for item in document["storage_data"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+    return names
 
 
 def _tensor_name(index: MetadataIndex, whole: bool = False) -> str:

@@ -110,7 +110,54 @@ class ShardedTensor:
         equal parts and the data is part ``axis_rank_offset``. Axes below
         ``prepend_axis_num`` are global axes the data does not have.
         """
-        data_shape = tuple(int(s) for s in data.shape)
+        if flattened_range is not None:
+            raise CheckpointValueError(
+                f"ShardedTensor '{key}': from_rank_offsets takes the local shape from the data; for a flat "
+                "slice use ShardedTensor.from_rank_offsets_flat(key, data, non_flat_local_shape, *rank_offsets, "
+                "flattened_range=...)"
+            )
+        return cls._from_shape(key, data, tuple(int(s) for s in data.shape), rank_offsets, replica_id,
+                               prepend_axis_num, None, allow_shape_mismatch)
+
+    @classmethod
+    def from_rank_offsets_flat(
+        cls,
+        key: str,
+        data: Any,
+        non_flat_local_shape: tuple[int, ...],
+        *rank_offsets: tuple[int, int, int],
+        flattened_range: slice,
+        replica_id: Any = 0,
+        prepend_axis_num: int = 0,
+        allow_shape_mismatch: bool = False,
+    ) -> "ShardedTensor":
+        """Like :meth:`from_rank_offsets` for ``data`` holding a flat slice of the local box.
+
+        Args:
+            non_flat_local_shape: Shape of the whole local box (without prepended axes).
+            flattened_range: The slice of the flattened box that ``data`` (1-D) holds.
+        """
+        expected = flattened_range.stop - flattened_range.start
+        if tuple(int(s) for s in data.shape) != (expected,):
+            raise CheckpointValueError(
+                f"ShardedTensor '{key}': flat data of shape {tuple(data.shape)} does not hold flattened_range "
+                f"{flattened_range} ({expected} elements)"
+            )
+        return cls._from_shape(key, data, tuple(int(s) for s in non_flat_local_shape), rank_offsets, replica_id,
+                               prepend_axis_num, flattened_range, allow_shape_mismatch)
+
+    @classmethod
+    def _from_shape(
+        cls,
+        key: str,
+        data: Any,
+        data_shape: tuple[int, ...],
+        rank_offsets: tuple[tuple[int, int, int], ...],
+        replica_id: Any,
+        prepend_axis_num: int,
+        flattened_range: slice | None,
+        allow_shape_mismatch: bool,
+    ) -> "ShardedTensor":
         local_shape = (1,) * prepend_axis_num + data_shape
         fragments = [1] * len(local_shape)
         offsets = [0] * len(local_shape)

@@ -2,8 +2,9 @@
 
 The metadata file is plain JSON (never pickle). Decoding checks every field's
 type and range and refuses paths that leave the checkpoint directory, so a
-hostile file is rejected before anything is read or allocated. The format is
-specified in ``docs/format.md``.
+hostile file is rejected before anything is read or allocated;
+:func:`check_consistency` then checks that items and storage entries match
+one to one (loading runs both). The format is specified in ``docs/format.md``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import math
 import posixpath
 from typing import Any
 
+from hyper_parallel.core.distributed_checkpoint.checksum import ALGORITHM
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
+from hyper_parallel.core.distributed_checkpoint.global_plan import check_exact_cover
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkChecksum,
@@ -237,3 +240,72 @@ def metadata_from_json(data: bytes, *, source: str = "metadata") -> Metadata:
             bytes_per_rank=_ints(document.get("bytes_per_rank", []), f"{source} bytes_per_rank"),
         ),
     )
+
+
+def _entry_of(
+    storage: dict[MetadataIndex, StorageInfo],
+    fqn: str,
+    offset: tuple[int, ...],
+    where: str,
+    claimed: set[MetadataIndex],
+) -> StorageInfo:
+    index = MetadataIndex(fqn, tuple(offset))
+    info = storage.get(index)
+    if info is None:
+        raise CorruptCheckpointError(f"{where}: the chunk at offset {list(offset)} has no storage entry")
+    claimed.add(index)
+    if info.checksum is not None:
+        checksum = info.checksum
+        if checksum.algorithm != ALGORITHM:
+            raise CorruptCheckpointError(f"{where}: unknown checksum algorithm {checksum.algorithm!r}")
+        blocks = max(1, -(-info.length // checksum.block_bytes))
+        if len(checksum.digests) != blocks:
+            raise CorruptCheckpointError(
+                f"{where}: {len(checksum.digests)} checksums listed for the {blocks} block(s) of the chunk at "
+                f"offset {list(offset)}"
+            )
+    return info
+
+
+def check_consistency(metadata: Metadata, *, source: str = "metadata") -> None:
+    """Check that the items and the storage entries of ``metadata`` match one to one.
+
+    Every tensor chunk and every stored value has a storage entry (a chunk's of
+    exactly its byte length, with a known checksum algorithm and one digest
+    per block), every storage entry belongs to an item, and the chunks of each
+    tensor tile its global shape. Loading runs this before planning, so a
+    damaged or hand-made file can neither leave part of a target unread nor
+    read one item's bytes into another. Linear in the number of entries for
+    grid-shaped shardings.
+
+    Raises:
+        CorruptCheckpointError: the first mismatch found (names ``source`` and the key).
+    """
+    storage = metadata.storage_data or {}
+    claimed: set[MetadataIndex] = set()
+    for fqn, item in metadata.state_dict_metadata.items():
+        where = f"{source}: key '{fqn}'"
+        if not isinstance(item, TensorStorageMetadata):
+            for offset in item.shard_offsets:
+                _entry_of(storage, fqn, offset, where, claimed)
+            continue
+        itemsize = DTYPE_NAMES.get(item.properties.dtype)
+        if itemsize is None:
+            raise CorruptCheckpointError(f"{where}: unknown dtype {item.properties.dtype!r}")
+        for chunk in item.chunks:
+            info = _entry_of(storage, fqn, chunk.offsets, where, claimed)
+            length = info.raw_length if info.compression else info.length
+            if length != math.prod(chunk.sizes) * itemsize:
+                raise CorruptCheckpointError(
+                    f"{where}: the chunk at offset {list(chunk.offsets)} stores {length} bytes, but its sizes "
+                    f"{list(chunk.sizes)} of {item.properties.dtype} take {math.prod(chunk.sizes) * itemsize}"
+                )
+        whole = len(item.chunks) == 1 and item.chunks[0].sizes == item.size  # (chunks lie inside size)
+        problems = [] if whole else check_exact_cover(fqn, tuple(item.size), item.chunks)
+        if problems:
+            raise CorruptCheckpointError(f"{where}: the stored chunks do not tile the tensor: {problems[0]}")
+    if len(claimed) != len(storage):
+        orphan = next(index for index in storage if index not in claimed)
+        raise CorruptCheckpointError(
+            f"{source}: storage entry of key '{orphan.fqn}' at offset {list(orphan.offset)} belongs to no item"
+        )

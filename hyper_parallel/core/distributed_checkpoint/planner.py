@@ -186,8 +186,19 @@ class SavePlanner(abc.ABC):
         rank: int,
         world_size: int,
         is_coordinator: bool,
+        remove_redundancy: bool = True,
+        save_to_minimum_rank: bool = False,
     ) -> None:
-        """Take the flattened state dict of this rank. All ranks call it first."""
+        """Take this rank's state dict and the save options. All ranks call it first.
+
+        Args:
+            state_dict: The (nested) state dict to save.
+            rank: This rank.
+            world_size: Number of ranks saving.
+            is_coordinator: Whether this rank merges plans and commits.
+            remove_redundancy: Write each replicated item once.
+            save_to_minimum_rank: Give replicated items to their lowest rank.
+        """
 
     @abc.abstractmethod
     def build_local_plan(self) -> SavePlan:

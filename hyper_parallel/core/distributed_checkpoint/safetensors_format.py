@@ -89,6 +89,15 @@ def build_header(entries: list[HeaderEntry], file_metadata: dict[str, str]) -> t
     return prefix + text, [base + r for r in relative]
 
 
+def _naturals(value: object, count: int | None = None) -> bool:
+    """True for a list of integers >= 0 (of ``count`` items when given)."""
+    return (
+        isinstance(value, list)
+        and (count is None or len(value) == count)
+        and all(type(v) is int and v >= 0 for v in value)
+    )
+
+
 def read_header(path: str | os.PathLike) -> tuple[dict[str, dict], int]:
     """Parse and check a safetensors header.
 
@@ -114,20 +123,30 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, dict], int]:
         text = handle.read(length)
     try:
         header = json.loads(text.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, too deep, an integer too long
         raise CorruptCheckpointError(f"{path}: safetensors header is not valid JSON ({exc})") from exc
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{path}: safetensors header is not a JSON object")
-    header.pop("__metadata__", None)
+    file_metadata = header.pop("__metadata__", {})
+    if not isinstance(file_metadata, dict) or not all(isinstance(v, str) for v in file_metadata.values()):
+        raise CorruptCheckpointError(f"{path}: safetensors __metadata__ must map strings to strings")
     data_start = 8 + length
     spans = []
     for name, entry in header.items():
-        try:
-            begin, end = (int(v) for v in entry["data_offsets"])
-            dtype = DTYPE_FROM_SAFETENSORS[entry["dtype"]]
-            shape = tuple(int(s) for s in entry["shape"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CorruptCheckpointError(f"{path}: malformed safetensors entry '{name}'") from exc
+        if (
+            not isinstance(entry, dict)
+            or not _naturals(entry.get("data_offsets"), 2)
+            or not _naturals(entry.get("shape"))
+            or not isinstance(entry.get("dtype"), str)
+            or entry["dtype"] not in DTYPE_FROM_SAFETENSORS
+        ):
+            raise CorruptCheckpointError(
+                f"{path}: malformed safetensors entry '{name}' (needs a known dtype, a shape and two data "
+                "offsets, as integers >= 0)"
+            )
+        begin, end = entry["data_offsets"]
+        dtype = DTYPE_FROM_SAFETENSORS[entry["dtype"]]
+        shape = tuple(entry["shape"])
         from hyper_parallel.platform.tensor import DTYPE_NAMES  # pylint: disable=import-outside-toplevel
 
         if end - begin != math.prod(shape) * DTYPE_NAMES[dtype] or begin > end:

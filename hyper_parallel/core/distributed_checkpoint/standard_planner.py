@@ -24,6 +24,8 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointValueError,
     MissingKeyError,
     ShapeMismatchError,
+    UnsafeCheckpointError,
+    UnsupportedTypeError,
 )
 from hyper_parallel.core.distributed_checkpoint.flatten import FlatStateDict, flatten_state_dict, set_by_path, structure_of
 from hyper_parallel.core.distributed_checkpoint.global_plan import build_global_save_plan
@@ -59,6 +61,18 @@ from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize
 from hyper_parallel.platform.tensor import assign, to_numpy, writable_view
 
 __all__ = ["StandardSavePlanner", "StandardLoadPlanner"]
+
+
+def _classify(fqn: str, value: Any) -> TensorEntry | ValueEntry | SkipEntry:
+    """:func:`make_entry`, with a tensor of a dtype no checkpoint stores reported against its key."""
+    try:
+        return make_entry(fqn, value)
+    except TypeError as exc:
+        if isinstance(exc, UnsupportedTypeError):
+            raise
+        raise UnsupportedTypeError(
+            f"checkpoint item {fqn!r}: {exc}; convert it to bool, an integer or float dtype, or bfloat16"
+        ) from exc
 
 
 class StandardSavePlanner(SavePlanner):
@@ -107,7 +121,7 @@ class StandardSavePlanner(SavePlanner):
             raise CheckpointValueError("configure_planner must be called before build_local_plan")
         items: list[WriteItem] = []
         for name, value in self.flat.values.items():
-            entry = make_entry(self.flat.storage_keys[name], value)
+            entry = _classify(self.flat.storage_keys[name], value)
             if isinstance(entry, SkipEntry) or not entry.write:
                 continue
             if isinstance(entry, TensorEntry):
@@ -169,6 +183,8 @@ class StandardSavePlanner(SavePlanner):
             return self._bytes[key]
         entry, piece = self._tensors[key]
         local = to_numpy(entry.local)
+        if not local.dtype.isnative:  # stored little-endian, as safetensors requires
+            local = local.astype(local.dtype.newbyteorder("="))
         if piece.flat_start is None and tuple(local.shape) != entry.local_shape:
             local = local.reshape(entry.local_shape)
         return np.ascontiguousarray(piece_view(local, entry, piece))
@@ -229,7 +245,7 @@ class StandardLoadPlanner(LoadPlanner):
         problems = []
         for name, value in self.flat.values.items():
             fqn = self.flat.storage_keys[name]
-            entry = make_entry(fqn, value)
+            entry = _classify(fqn, value)
             if isinstance(entry, SkipEntry):
                 self._entries[name] = entry
                 continue
@@ -240,6 +256,9 @@ class StandardLoadPlanner(LoadPlanner):
             if isinstance(entry, TensorEntry):
                 if not isinstance(stored, TensorStorageMetadata):
                     problems.append(f"key '{fqn}': the target is a tensor but the checkpoint stores a value")
+                    continue
+                if isinstance(entry.local, np.ndarray) and not entry.local.flags.writeable:
+                    problems.append(f"key '{fqn}': the target numpy array is read-only; pass a writable array")
                     continue
                 if tuple(stored.size) != entry.global_shape and not entry.allow_shape_mismatch:
                     raise ShapeMismatchError(
@@ -312,7 +331,13 @@ class StandardLoadPlanner(LoadPlanner):
         """A non-tensor placeholder (e.g. ``None``) receives the whole stored tensor as numpy."""
         from hyper_parallel.platform.tensor import numpy_dtype  # pylint: disable=import-outside-toplevel
 
-        array = np.zeros(stored.size, dtype=numpy_dtype(stored.properties.dtype))
+        try:
+            array = np.zeros(stored.size, dtype=numpy_dtype(stored.properties.dtype))
+        except MemoryError as exc:  # sizes come from the checkpoint: refuse, do not crash
+            raise UnsafeCheckpointError(
+                f"key '{fqn}': the checkpoint declares a {stored.properties.dtype} tensor of shape "
+                f"{list(stored.size)}, too large to allocate; pass a target tensor or check the checkpoint"
+            ) from exc
         entry = make_entry(fqn, array)
         self._entries[name] = entry
         self._values[name] = array

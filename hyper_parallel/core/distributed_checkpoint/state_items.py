@@ -171,8 +171,17 @@ def make_entry(fqn: str, value: Any) -> TensorEntry | ValueEntry | SkipEntry:
 
     Raises:
         UnsupportedTypeError: an unapplied ``ShardedTensorFactory`` (call
-            ``apply_factories`` first).
+            ``apply_factories`` first), or a tensor dtype that cannot be stored.
     """
+    try:
+        return _make_entry(fqn, value)
+    except TypeError as exc:
+        if isinstance(exc, UnsupportedTypeError):
+            raise
+        raise UnsupportedTypeError(f"key '{fqn}': {exc}; convert it to a supported dtype before saving") from exc
+
+
+def _make_entry(fqn: str, value: Any) -> TensorEntry | ValueEntry | SkipEntry:
     if isinstance(value, DTensor):
         local = value.to_local()
         return TensorEntry(

@@ -1,0 +1,219 @@
+"""Disk full, I/O errors and read-only storage: a clear error, nothing committed, earlier checkpoints intact.
+
+Real conditions where the machine allows it (a small or read-only tmpfs
+mounted for the test; skipped with the reason otherwise), and injected
+``ENOSPC`` / ``EIO`` at every I/O step of a save everywhere.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import errno
+import os
+import subprocess
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pytest
+
+import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel.core.distributed_checkpoint import filesystem_writer as fw
+
+from fault_common import (
+    ModuleProxy,
+    assert_same_state,
+    files_of,
+    load_into_blank,
+    make_state,
+    mounted_tmpfs,
+)
+
+
+def _small(seed: int) -> dict[str, Any]:
+    return {"w": np.arange(1000, dtype=np.float32) * seed, "step": seed, "tag": f"small-{seed}"}
+
+
+@contextlib.contextmanager
+def _tmpfs_or_skip(path: Path, options: str) -> Iterator[Path]:
+    stack = contextlib.ExitStack()
+    try:
+        disk = stack.enter_context(mounted_tmpfs(path, options))
+    except OSError as exc:
+        pytest.skip(f"{exc}: a real small or read-only filesystem needs root and mount permission")
+    with stack:
+        yield disk
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 512 KiB tmpfs: holds a small checkpoint, not a 1.2 MB one."""
+    with _tmpfs_or_skip(tmp_path / "disk", "size=512k") as disk:
+        yield disk
+
+
+def _assert_io_error(caught: pytest.ExceptionInfo, path: Path, reason: str) -> None:
+    error = caught.value
+    assert isinstance(error, dcp.CheckpointIOError) and isinstance(error, OSError), repr(error)
+    assert reason in str(error) and str(path) in str(error), str(error)
+
+
+def _assert_not_committed(path: Path) -> None:
+    with pytest.raises(dcp.IncompleteCheckpointError, match="did not commit"):
+        load_into_blank(path, _small(1))
+    assert not [n for n in os.listdir(path) if n.endswith(".partial")]
+
+
+def test_disk_full_gives_a_clear_error_and_keeps_earlier_checkpoints(small_disk: Path) -> None:
+    dcp.save(_small(1), checkpoint_id=small_disk / "A", no_dist=True)
+    files_a = files_of(small_disk / "A")
+    big = make_state(2)
+
+    with pytest.raises(dcp.CheckpointError) as caught:
+        dcp.save(big, checkpoint_id=small_disk / "B", no_dist=True)
+    _assert_io_error(caught, small_disk / "B", "No space left on device")
+    assert "rank 0" in str(caught.value)
+    _assert_not_committed(small_disk / "B")
+    assert files_of(small_disk / "B") == [], "a failed write must not leave its data files behind"
+
+    with pytest.raises(dcp.CheckpointIOError, match="No space left on device"):
+        dcp.save(big, checkpoint_id=small_disk / "A", no_dist=True)  # over the earlier checkpoint
+    assert files_of(small_disk / "A") == files_a
+    handle = dcp.async_save(big, checkpoint_id=small_disk / "C", no_dist=True)
+    with pytest.raises(dcp.CheckpointIOError, match="No space left on device"):
+        handle.result(timeout=60)
+    _assert_not_committed(small_disk / "C")
+
+    assert_same_state(load_into_blank(small_disk / "A", _small(1)), _small(1))
+    dcp.save(_small(3), checkpoint_id=small_disk / "B", no_dist=True)  # the space was given back
+    assert_same_state(load_into_blank(small_disk / "B", _small(3)), _small(3))
+
+
+def test_disk_full_at_the_commit(small_disk: Path) -> None:
+    """The data fits exactly, the metadata does not: nothing committed, no temporary file left."""
+    dcp.save(_small(1), checkpoint_id=small_disk / "A", no_dist=True)
+    (small_disk / "B").mkdir()
+    state = {"w": np.arange(5000, dtype=np.float32)}
+    dcp.save(state, checkpoint_id=small_disk.parent / "probe", no_dist=True)
+    data_bytes = sum(p.stat().st_size for p in (small_disk.parent / "probe").glob("*.safetensors"))
+    stat = os.statvfs(small_disk)
+    page = stat.f_frsize
+    (small_disk / "filler").write_bytes(bytes(stat.f_bavail * page - -(-data_bytes // page) * page))
+    with pytest.raises(dcp.CheckpointIOError) as caught:
+        dcp.save(state, checkpoint_id=small_disk / "B", no_dist=True)
+    _assert_io_error(caught, small_disk / "B", "No space left on device")
+    assert "committing" in str(caught.value)
+    _assert_not_committed(small_disk / "B")
+    assert_same_state(load_into_blank(small_disk / "A", _small(1)), _small(1))
+    (small_disk / "filler").unlink()
+    dcp.save(state, checkpoint_id=small_disk / "B", no_dist=True)  # the next save sweeps the stale data file
+    assert len(files_of(small_disk / "B")) == 2
+
+
+def test_read_only_directory(tmp_path: Path) -> None:
+    with _tmpfs_or_skip(tmp_path / "ro", "size=1m") as disk:
+        dcp.save(_small(1), checkpoint_id=disk / "A", no_dist=True)
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], capture_output=True, check=False)
+        if os.access(disk, os.W_OK):
+            pytest.skip("cannot remount the test tmpfs read-only")
+        with pytest.raises(dcp.CheckpointIOError, match="is not writable") as caught:
+            dcp.save(_small(2), checkpoint_id=disk / "A", no_dist=True)
+        assert str(disk / "A") in str(caught.value)
+        with pytest.raises(dcp.CheckpointIOError, match="cannot create checkpoint directory") as caught:
+            dcp.save(_small(2), checkpoint_id=disk / "new", no_dist=True)
+        assert "Read-only file system" in str(caught.value)
+        assert_same_state(load_into_blank(disk / "A", _small(1)), _small(1))  # loading needs no write access
+
+
+# ------------------------------------------------------------------ injected errors
+
+
+def _fail_at(nth: int, err: int, original: Callable[..., Any]) -> Callable[..., Any]:
+    calls = {"count": 0}
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        calls["count"] += 1
+        if calls["count"] == nth:
+            raise OSError(err, os.strerror(err))
+        return original(*args, **kwargs)
+
+    return failing
+
+
+class _FailingFile:
+    """The metadata's temporary file: ``write`` fails with ``err``."""
+
+    def __init__(self, handle: Any, err: int) -> None:
+        self._handle, self._err = handle, err
+
+    def __enter__(self) -> "_FailingFile":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._handle.close()
+
+    def write(self, data: bytes) -> int:
+        raise OSError(self._err, os.strerror(self._err))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handle, name)
+
+
+def _inject(monkeypatch: pytest.MonkeyPatch, where: str, err: int) -> None:
+    if where.startswith("os."):
+        name, _, nth = where[3:].partition("#")
+        monkeypatch.setattr(fw, "os", ModuleProxy(os, **{name: _fail_at(int(nth or 1), err, getattr(os, name))}))
+    elif where.startswith("fsync_directory#"):
+        monkeypatch.setattr(fw, "fsync_directory", _fail_at(int(where[-1]), err, fw.fsync_directory))
+    else:
+        assert where == "metadata.write"
+        monkeypatch.setattr(fw, "open", lambda *a, **k: _FailingFile(builtins.open(*a, **k), err), raising=False)
+
+
+# (where, errno, phase): a data-phase failure removes the save's data files; after the
+# rename the commit happened, and the error says syncing it failed.
+INJECTED = [
+    ("os.write#1", errno.EIO, "data"),  # the header of the data file
+    ("os.write#2", errno.ENOSPC, "data"),  # the first (largest) tensor
+    ("os.write#7", errno.EIO, "data"),  # a stored value
+    ("os.fsync#1", errno.EIO, "data"),
+    ("fsync_directory#1", errno.EIO, "data"),
+    ("metadata.write", errno.ENOSPC, "commit"),
+    ("os.fsync#3", errno.EIO, "commit"),  # the metadata's temporary file
+    ("os.replace", errno.EIO, "commit"),
+    ("fsync_directory#2", errno.EIO, "committed"),  # the rename is done; its directory sync failed
+]
+
+
+@pytest.mark.parametrize("target", ["new", "resave", "async"])
+@pytest.mark.parametrize("where,err,phase", INJECTED, ids=[f"{w}-{errno.errorcode[e]}" for w, e, _ in INJECTED])
+def test_injected_io_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str, err: int, phase: str, target: str
+) -> None:
+    old, new = make_state(1), make_state(2)
+    dcp.save(old, checkpoint_id=tmp_path / "A", no_dist=True)
+    files_a = files_of(tmp_path / "A")
+    path = tmp_path / ("A" if target == "resave" else "B")
+    _inject(monkeypatch, where, err)
+    with pytest.raises(dcp.CheckpointError) as caught:
+        if target == "async":
+            dcp.async_save(new, checkpoint_id=path, no_dist=True).result(timeout=60)
+        else:
+            dcp.save(new, checkpoint_id=path, no_dist=True)
+    monkeypatch.undo()
+    _assert_io_error(caught, path, os.strerror(err))
+    assert not [n for n in os.listdir(path) if n.endswith(".partial")]
+    if phase == "committed":
+        assert_same_state(load_into_blank(path, new), new)
+    elif target == "resave":
+        assert_same_state(load_into_blank(path, old), old)
+    else:
+        _assert_not_committed(path)
+    if phase == "data":
+        assert files_of(path) == (files_a if target == "resave" else [])
+    if target != "resave":
+        assert_same_state(load_into_blank(tmp_path / "A", old), old)
+    dcp.save(make_state(3), checkpoint_id=path, no_dist=True)  # the next save works and sweeps leftovers
+    assert_same_state(load_into_blank(path, make_state(3)), make_state(3))
+    assert len(files_of(path)) == 2
