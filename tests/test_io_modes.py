@@ -57,3 +57,40 @@ def test_scattered_targets_read_directly_and_in_pieces(tmp_path):
     reader = dcp.FileSystemReader(tmp_path / "c", max_inflight_bytes=1000)
     dcp.load({"w": window}, storage_reader=reader, no_dist=True)
     assert np.array_equal(big[8:72, 16:64], full) and big.sum() == full.sum()
+
+
+def test_zstd_compression_round_trip_verified(tmp_path):
+    import mindspore as ms  # pylint: disable=import-outside-toplevel
+
+    state = {"z": np.zeros((256, 256), np.float32), "r": np.arange(1000, dtype=np.int64),
+             "h": ms.Tensor(np.linspace(0, 1, 64, dtype=np.float32), ms.bfloat16), "step": 9}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "c", compression="zstd"))
+    meta = dcp.read_metadata(tmp_path / "c")
+    info = next(v for k, v in meta.storage_data.items() if k.fqn == "z")
+    assert info.compression == "zstd" and info.raw_length == 256 * 256 * 4 and info.length < 4096
+    target = {"z": np.ones((256, 256), np.float32), "r": np.zeros(1000, np.int64),
+              "h": ms.Tensor(np.zeros(64, np.float32), ms.bfloat16), "step": 0}
+    dcp.load(target, checkpoint_id=tmp_path / "c")
+    assert not target["z"].any() and np.array_equal(target["r"], state["r"]) and target["step"] == 9
+    assert np.array_equal(target["h"].asnumpy().view(np.uint16), state["h"].asnumpy().view(np.uint16))
+    # a region of a compressed chunk (resharded load) and a corrupted compressed byte
+    half = np.zeros(500, np.int64)
+    dcp.load({"r": dcp.ShardedTensor.from_rank_offsets("r", half, (0, 1, 2))}, checkpoint_id=tmp_path / "c")
+    assert np.array_equal(half, np.arange(500, 1000))
+    path = tmp_path / "c" / info.relative_path
+    data = bytearray(path.read_bytes())
+    data[info.offset + 5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(dcp.CorruptCheckpointError, match="'z'"):
+        dcp.load({"z": np.ones((256, 256), np.float32)}, checkpoint_id=tmp_path / "c")
+    with pytest.raises(dcp.CheckpointValueError, match="compression"):
+        dcp.FileSystemWriter(tmp_path / "x", compression="lz4")
+
+
+def test_many_small_tensors_are_packed_into_few_writes(tmp_path):
+    state = {f"s{i}": np.full(10, i, np.int16) for i in range(300)}
+    dcp.save(state, checkpoint_id=tmp_path / "c")
+    assert len(list((tmp_path / "c").glob("*.safetensors"))) == 1
+    target = {f"s{i}": np.zeros(10, np.int16) for i in range(300)}
+    dcp.load(target, checkpoint_id=tmp_path / "c")
+    assert all(target[f"s{i}"][0] == i for i in range(300))

@@ -207,6 +207,8 @@ class FileSystemReader(StorageReader):
             )
         if info.checksum is not None and info.checksum.algorithm != ALGORITHM:
             raise CorruptCheckpointError(f"key '{fqn}': unknown checksum algorithm {info.checksum.algorithm!r}")
+        if info.compression is not None:
+            return self._read_compressed(fd, path, fqn, info, item, planner)
         if item.type == LoadItemType.BYTE_IO:
             buffer = np.empty((1, info.length), dtype=np.uint8)
             runs = Runs(starts=np.zeros(1 if info.length else 0, dtype=np.int64), length=info.length)
@@ -240,6 +242,42 @@ class FileSystemReader(StorageReader):
             staging = np.empty((runs.starts.size, runs.length), dtype=np.uint8)
             count += self._fill(fd, path, fqn, info, runs, staging)
             np.copyto(region, staging.view(stored_dtype).reshape(sub_lengths), casting="unsafe")
+        planner.apply_tensor(item, dest)
+        return count
+
+    def _read_compressed(
+        self, fd: int, path: Path, fqn: str, info: StorageInfo, item: ReadItem, planner: LoadPlanner
+    ) -> int:
+        """Read, verify and decompress a whole compressed item, then apply its region."""
+        stored_bytes = np.empty((1, info.length), dtype=np.uint8)
+        runs = Runs(starts=np.zeros(1 if info.length else 0, dtype=np.int64), length=info.length)
+        count = self._fill(fd, path, fqn, info, runs, stored_bytes)
+        raw_length = info.raw_length or 0
+        try:
+            import zstandard  # pylint: disable=import-outside-toplevel
+
+            raw = zstandard.ZstdDecompressor().decompress(stored_bytes.tobytes(), max_output_size=raw_length)
+        except ImportError as exc:
+            raise CheckpointValueError("this checkpoint is zstd-compressed: pip install zstandard") from exc
+        except zstandard.ZstdError as exc:
+            raise CorruptCheckpointError(f"data file {path}, key '{fqn}': zstd data does not decompress ({exc})") from exc
+        if len(raw) != raw_length:
+            raise CorruptCheckpointError(
+                f"data file {path}, key '{fqn}': decompressed {len(raw)} bytes, metadata says {raw_length}"
+            )
+        if item.type == LoadItemType.BYTE_IO:
+            planner.apply_bytes(item, raw)
+            return count
+        stored = self.metadata.state_dict_metadata.get(fqn)
+        if not isinstance(stored, TensorStorageMetadata):
+            raise CorruptCheckpointError(f"key '{fqn}' is read as a tensor but stored as a value")
+        chunk_sizes = self._chunk_sizes(stored, item.storage_index)
+        if raw_length != math.prod(chunk_sizes) * DTYPE_NAMES[stored.properties.dtype]:
+            raise CorruptCheckpointError(f"key '{fqn}': raw length {raw_length} does not match its chunk")
+        chunk = np.frombuffer(raw, dtype=numpy_dtype(stored.properties.dtype)).reshape(chunk_sizes)
+        region = chunk[tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))] if chunk.ndim else chunk
+        dest = planner.acquire_tensor(item)
+        np.copyto(dest, region, casting="unsafe")
         planner.apply_tensor(item, dest)
         return count
 

@@ -103,6 +103,41 @@ def _write_all(fd: int, view: memoryview) -> None:
         position += written
 
 
+class _CoalescingWriter:
+    """Sequential writes to one file descriptor; small pieces are packed into one write."""
+
+    SMALL = 256 << 10
+    FLUSH = 4 << 20
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.pending = bytearray()
+
+    def write(self, view: memoryview) -> None:
+        if len(view) < self.SMALL:
+            self.pending += view
+            if len(self.pending) >= self.FLUSH:
+                self.flush()
+            return
+        self.flush()
+        _write_all(self.fd, view)
+
+    def flush(self) -> None:
+        if self.pending:
+            _write_all(self.fd, memoryview(self.pending))
+            self.pending = bytearray()
+
+
+def _zstd():
+    try:
+        import zstandard  # pylint: disable=import-outside-toplevel
+    except ImportError as exc:
+        raise CheckpointValueError(
+            "compression='zstd' needs the zstandard package: pip install 'hyper_parallel[zstd]'"
+        ) from exc
+    return zstandard
+
+
 def _byte_view(data: np.ndarray | bytes) -> memoryview:
     if isinstance(data, (bytes, bytearray, memoryview)):
         return memoryview(data).cast("B")
@@ -125,6 +160,11 @@ class FileSystemWriter(StorageWriter):
         thread_count: Data files (and I/O threads) per rank.
         checksum_block_bytes: Block size of the stored checksums.
         rank_local: Write rank-local metadata (``use_collectives=False``).
+        compression: ``None`` (default) or ``"zstd"``: each item compressed
+            on its own. Compressed items are stored as ``U8`` arrays, so the
+            files stay readable safetensors containers but hold compressed
+            bytes, not tensors; loading reads whole items.
+        compression_level: zstd level.
     """
 
     def __init__(
@@ -135,7 +175,13 @@ class FileSystemWriter(StorageWriter):
         thread_count: int = 1,
         checksum_block_bytes: int = DEFAULT_BLOCK_BYTES,
         rank_local: bool = False,
+        compression: str | None = None,
+        compression_level: int = 3,
     ) -> None:
+        if compression not in (None, "zstd"):
+            raise CheckpointValueError(f"compression must be None or 'zstd', got {compression!r}")
+        if compression:
+            _zstd()
         if checksum_block_bytes < 1:
             raise CheckpointValueError(f"checksum_block_bytes must be >= 1, got {checksum_block_bytes}")
         if thread_count < 1:
@@ -145,6 +191,8 @@ class FileSystemWriter(StorageWriter):
         self.thread_count = thread_count
         self.checksum_block_bytes = checksum_block_bytes
         self.rank_local = rank_local
+        self.compression = compression
+        self.compression_level = compression_level
         self.rank = 0
         self.save_id = uuid.uuid4().hex[:12]
 
@@ -204,37 +252,53 @@ class FileSystemWriter(StorageWriter):
             jobs.append(_FileJob(name=name, items=tuple(items)))
         return jobs
 
+    def _stored_views(self, job: _FileJob, planner: SavePlanner) -> list[tuple[memoryview, int]]:
+        """Each item's stored bytes (compressed when asked) and its raw length."""
+        views = []
+        for item in job.items:
+            view = _byte_view(planner.get_data(item))
+            if len(view) != item.storage_size():
+                raise CheckpointError(
+                    f"key '{item.index.fqn}': planner returned {len(view)} bytes, plan says {item.storage_size()}"
+                )
+            raw_length = len(view)
+            if self.compression == "zstd":
+                view = memoryview(_zstd().ZstdCompressor(level=self.compression_level).compress(view))
+            views.append((view, raw_length))
+        return views
+
     def _write_file(self, job: _FileJob, planner: SavePlanner) -> list[WriteResult]:
-        payloads = [planner.get_data(item) for item in job.items]
+        views = self._stored_views(job, planner)
         entries = []
         used: set[str] = set()
-        for item, data in zip(job.items, payloads):
+        for item, (view, _) in zip(job.items, views):
             name = _tensor_name(item.index, item.type == WriteItemType.TENSOR)
             while name in used:  # a key that itself looks like "fqn@offsets"
                 name += "#"
             used.add(name)
-            if item.type == WriteItemType.BYTE_IO:
-                entries.append(HeaderEntry(name, "uint8", (len(data),), len(data)))
+            if item.type == WriteItemType.BYTE_IO or self.compression:
+                entries.append(HeaderEntry(name, "uint8", (len(view),), len(view)))
             else:
                 td = item.tensor_data
-                entries.append(HeaderEntry(name, td.properties.dtype, td.chunk.sizes, item.tensor_storage_size()))
+                entries.append(HeaderEntry(name, td.properties.dtype, td.chunk.sizes, len(view)))
         header, offsets = build_header(entries, {"format": "hyper_parallel", "save_id": self.save_id})
-        path = self.path / job.name
         results = []
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(self.path / job.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            _write_all(fd, memoryview(header))
-            for item, data, offset in zip(job.items, payloads, offsets):
-                view = _byte_view(data)
-                if len(view) != item.storage_size():
-                    raise CheckpointError(
-                        f"key '{item.index.fqn}': planner returned {len(view)} bytes, plan says "
-                        f"{item.storage_size()}"
-                    )
-                checksum = chunk_checksum(view, self.checksum_block_bytes)
-                _write_all(fd, view)
-                info = StorageInfo(relative_path=job.name, offset=offset, length=len(view), checksum=checksum)
+            out = _CoalescingWriter(fd)
+            out.write(memoryview(header))
+            for item, (view, raw_length), offset in zip(job.items, views, offsets):
+                info = StorageInfo(
+                    relative_path=job.name,
+                    offset=offset,
+                    length=len(view),
+                    checksum=chunk_checksum(view, self.checksum_block_bytes),
+                    compression=self.compression,
+                    raw_length=raw_length if self.compression else None,
+                )
+                out.write(view)
                 results.append(WriteResult(index=item.index, size_in_bytes=len(view), storage_data=info))
+            out.flush()
             if self.sync_files:
                 os.fsync(fd)
         finally:
