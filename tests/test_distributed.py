@@ -91,6 +91,15 @@ def test_replicated_state_written_once_and_balanced(four):
     assert sorted(value["file_bytes"]) == ["r00000", "r00001", "r00002", "r00003"]
 
 
+def test_single_replica_read_reads_each_byte_once(four):
+    check_scenarios(four, ["single_replica_read"])
+    values = scenario_values(four, "single_replica_read")
+    assert all(v["ok"] and v["x_ok"] for v in values)
+    assert sum(v["bytes_read"] for v in values) == 40 * 1024 * 4, "unique bytes, read once in total"
+    assert max(v["bytes_read"] for v in values) <= 40 * 1024 * 4 / 4 * 1.1, "reads balanced across ranks"
+    assert sum(v["x_bytes_read"] for v in values) == 16 * 8 * 4
+
+
 def test_three_dedup_modes(four):
     check_scenarios(four, ["dedup_modes"])
     value = scenario_values(four, "dedup_modes")[0]

@@ -212,6 +212,21 @@ def replicated_bytes() -> dict:
     return {"bytes_per_rank": list(meta.storage_meta.bytes_per_rank), "file_bytes": sizes}
 
 
+def single_replica_read() -> dict:
+    """Every rank loads the whole replicated state; each byte is read from storage once."""
+    target = {f"rep{i}": np.zeros(1024, np.float32) for i in range(40)}
+    reader = dcp.FileSystemReader(BASE / "rep")
+    planner = dcp.StandardLoadPlanner(single_replica_read=True, exchange_round_bytes=16 << 10)
+    dcp.load(target, storage_reader=reader, planner=planner)
+    full = {"model": {"x": np.zeros((16, 8), np.float64)}}  # all ranks want the whole of X, as float64
+    reader_x = dcp.FileSystemReader(BASE / "X")
+    dcp.load(full, storage_reader=reader_x, planner=dcp.StandardLoadPlanner(single_replica_read=True,
+                                                                             allow_partial_load=True))
+    return {"ok": all(np.all(target[f"rep{i}"] == i) for i in range(40)), "bytes_read": reader.bytes_read,
+            "x_ok": bool(np.array_equal(full["model"]["x"], FULL_X.astype(np.float64))),
+            "x_bytes_read": reader_x.bytes_read}
+
+
 def dedup_modes() -> dict:
     state = {f"r{i}": ms.Tensor(np.full(256, i, np.float32)) for i in range(8)}
     out = {}
@@ -302,7 +317,8 @@ def load_mapping_on_two() -> dict:
 PHASES = {
     "two_first": [save_y, async_loop, async_deleted_tensors, async_write_failure, no_collectives, one_liners],
     "four": [load_y_on_four, replicated_bytes, dedup_modes, save_x, save_failure_planning, save_failure_write,
-             save_failure_commit, load_failure_missing_key, load_failure_read, differing_value, save_mapping],
+             save_failure_commit, load_failure_missing_key, load_failure_read, differing_value, save_mapping,
+             single_replica_read],
     "two_last": [load_x_on_two, load_mapping_on_two],
 }
 

@@ -258,11 +258,28 @@ def load(
     received = dist.reduce_scatter("load plan", local_step, global_step)
     plan = planner.finalize_plan(received if received is not None else holder["local"])
 
-    def read_step() -> None:
-        reader.read_data(plan, planner).result()
-        planner.finish_load()
+    rounds = planner.read_rounds(plan)
+    for index, round_plan in enumerate(rounds):
+        last = index == len(rounds) - 1
 
-    dist.all_gather("read", read_step)
+        def read_step(round_plan: LoadPlan = round_plan, last: bool = last) -> None:
+            reader.read_data(round_plan, planner).result()
+            if last and not planner.shares_reads:
+                planner.finish_load()
+
+        dist.all_gather("read", read_step)
+        if planner.shares_reads:
+            shared = dist.all_gather("share reads", lambda index=index: planner.outgoing(index))
+
+            def receive_step(index: int = index, last: bool = last) -> None:
+                merged: dict[int, Any] = {}
+                for payload in shared:
+                    merged.update(payload)
+                planner.incoming(index, merged)
+                if last:
+                    planner.finish_load()
+
+            dist.all_gather("receive reads", receive_step)
 
 
 def read_metadata(checkpoint_id: CheckpointId) -> Metadata:

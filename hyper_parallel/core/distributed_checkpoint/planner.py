@@ -266,3 +266,20 @@ class LoadPlanner(abc.ABC):
 
     def finish_load(self) -> None:  # noqa: B027 - optional hook
         """Called on all ranks after every item was read (commit staged values)."""
+
+    # Optional hooks for planners that share reads between ranks (see
+    # replicated_read.py). ``dcp.load`` reads ``read_rounds(plan)`` one after
+    # the other; after each, if ``shares_reads``, every rank's ``outgoing``
+    # is gathered and handed to every rank's ``incoming``.
+    shares_reads: bool = False
+
+    def read_rounds(self, plan: LoadPlan) -> list[LoadPlan]:
+        """Split this rank's final plan into rounds read in order. All ranks."""
+        return [plan]
+
+    def outgoing(self, round_index: int) -> dict[int, Any]:
+        """Regions this rank read for others in round ``round_index``, by slot. All ranks."""
+        return {}
+
+    def incoming(self, round_index: int, payloads: dict[int, Any]) -> None:  # noqa: B027 - optional hook
+        """Take the regions other ranks read for this one. All ranks."""

@@ -49,6 +49,11 @@ from hyper_parallel.core.distributed_checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+from hyper_parallel.core.distributed_checkpoint.replicated_read import (
+    ReadExchange,
+    plan_single_replica_reads,
+    region_key,
+)
 from hyper_parallel.core.distributed_checkpoint.state_items import (
     SkipEntry,
     TensorEntry,
@@ -58,7 +63,7 @@ from hyper_parallel.core.distributed_checkpoint.state_items import (
     piece_view,
 )
 from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value, serialize_value
-from hyper_parallel.platform.tensor import assign, to_numpy, writable_view
+from hyper_parallel.platform.tensor import DTYPE_NAMES, assign, numpy_dtype, to_numpy, writable_view
 
 __all__ = ["StandardSavePlanner", "StandardLoadPlanner"]
 
@@ -197,11 +202,26 @@ class StandardLoadPlanner(LoadPlanner):
         allow_partial_load: Skip target keys missing from the checkpoint
             instead of raising :class:`MissingKeyError`.
         allow_pickle: Unpickle stored pickled values (trusted checkpoints only).
+        single_replica_read: A region several ranks need is read from storage
+            by one of them and sent to the others over the collective.
+        exchange_round_bytes: Most bytes a rank sends per exchange round
+            (bounds the extra memory of ``single_replica_read``).
     """
 
-    def __init__(self, *, allow_partial_load: bool = False, allow_pickle: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        allow_partial_load: bool = False,
+        allow_pickle: bool = False,
+        single_replica_read: bool = False,
+        exchange_round_bytes: int = 256 << 20,
+    ) -> None:
         self.allow_partial_load = allow_partial_load
         self.allow_pickle = allow_pickle
+        self.shares_reads = single_replica_read
+        self.exchange_round_bytes = exchange_round_bytes
+        self._exchange: ReadExchange | None = None
+        self._outbox: dict[int, tuple[int, Any]] = {}
         self.state_dict: dict[str, Any] | None = None
         self.flat: FlatStateDict | None = None
         self.metadata: Metadata | None = None
@@ -329,8 +349,6 @@ class StandardLoadPlanner(LoadPlanner):
 
     def _new_tensor_reads(self, name: str, fqn: str, stored: TensorStorageMetadata) -> list[ReadItem]:
         """A non-tensor placeholder (e.g. ``None``) receives the whole stored tensor as numpy."""
-        from hyper_parallel.platform.tensor import numpy_dtype  # pylint: disable=import-outside-toplevel
-
         try:
             array = np.zeros(stored.size, dtype=numpy_dtype(stored.properties.dtype))
         except MemoryError as exc:  # sizes come from the checkpoint: refuse, do not crash
@@ -344,12 +362,53 @@ class StandardLoadPlanner(LoadPlanner):
         return self._tensor_reads(name, entry, stored)
 
     def build_global_plan(self, all_plans: list[LoadPlan]) -> list[LoadPlan]:
-        """Keep every rank's plan. Coordinator only."""
-        return all_plans
+        """Keep every rank's plan, or share replicated reads. Coordinator only."""
+        if not self.shares_reads:
+            return all_plans
+        return plan_single_replica_reads(all_plans, round_bytes=self.exchange_round_bytes, item_bytes=self._item_bytes)
+
+    def _item_bytes(self, item: ReadItem) -> int:
+        stored = self.metadata.state_dict_metadata[item.storage_index.fqn]
+        if isinstance(stored, TensorStorageMetadata):
+            return math.prod(item.lengths) * DTYPE_NAMES[stored.properties.dtype]
+        info = (self.metadata.storage_data or {}).get(MetadataIndex(item.storage_index.fqn, item.storage_index.offset))
+        return info.length if info is not None else 0
 
     def finalize_plan(self, plan: LoadPlan) -> LoadPlan:
         """Accept the final plan. All ranks call it."""
+        self._exchange = plan.planner_data if isinstance(plan.planner_data, ReadExchange) else None
+        self._outbox = {}
         return plan
+
+    def read_rounds(self, plan: LoadPlan) -> list[LoadPlan]:
+        """One plan per exchange round (items read in that round). All ranks."""
+        if self._exchange is None:
+            return [plan]
+        rounds: list[list[ReadItem]] = [[] for _ in range(self._exchange.rounds)]
+        for item, round_index in zip(plan.items, self._exchange.item_rounds):
+            rounds[round_index].append(item)
+        return [LoadPlan(items=tuple(items)) for items in rounds]
+
+    def outgoing(self, round_index: int) -> dict[int, Any]:
+        """The regions read for others in this round (stored dtype), by slot. All ranks."""
+        out = {slot: value for slot, (rnd, value) in self._outbox.items() if rnd == round_index}
+        for slot in out:
+            del self._outbox[slot]
+        return out
+
+    def incoming(self, round_index: int, payloads: dict[int, Any]) -> None:
+        """Apply the regions other ranks read for this one. All ranks."""
+        if self._exchange is None:
+            return
+        for slot, rnd, item in self._exchange.receive:
+            if rnd != round_index:
+                continue
+            value = payloads[slot]
+            if item.type == LoadItemType.BYTE_IO:
+                self.apply_bytes(item, value)
+            else:
+                dest = self.acquire_tensor(item, shared=False)
+                np.copyto(dest, value, casting="unsafe")
 
     def _target(self, name: str, entry: TensorEntry) -> np.ndarray:
         array = self._targets.get(name)
@@ -363,20 +422,37 @@ class StandardLoadPlanner(LoadPlanner):
             self._targets[name] = array
         return array
 
-    def acquire_tensor(self, read_item: ReadItem) -> np.ndarray:
-        """Return the writable target region of ``read_item``. Called by the reader."""
+    def acquire_tensor(self, read_item: ReadItem, shared: bool = True) -> np.ndarray:
+        """Return the writable target region of ``read_item``. Called by the reader.
+
+        A region this rank reads for others gets a buffer of the stored dtype
+        instead (copied into the target by :meth:`apply_tensor`).
+        """
+        if shared and self._exchange is not None and region_key(read_item) in self._exchange.send:
+            stored = self.metadata.state_dict_metadata[read_item.storage_index.fqn]
+            return np.empty(read_item.lengths, dtype=numpy_dtype(stored.properties.dtype))
         name, entry, piece = self._pieces[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
         region = piece_view(self._target(name, entry), entry, piece)
         slices = tuple(slice(o, o + n) for o, n in zip(read_item.dest_offsets, read_item.lengths))
         return region[slices] if slices else region
 
     def apply_tensor(self, read_item: ReadItem, tensor: np.ndarray) -> None:
-        """The region was filled in place; nothing more to do. Called by the reader."""
+        """Keep a region read for others; otherwise it was filled in place. Called by the reader."""
+        if self._exchange is None:
+            return
+        key = region_key(read_item)
+        if key in self._exchange.send:
+            np.copyto(self.acquire_tensor(read_item, shared=False), tensor, casting="unsafe")
+            slot, round_index = self._exchange.send[key]
+            self._outbox[slot] = (round_index, tensor)
 
     def apply_bytes(self, read_item: ReadItem, value: bytes) -> None:
         """Decode a stored value with its type handler. Called by the reader."""
         fqn = read_item.dest_index.fqn
         stored = self.metadata.state_dict_metadata[fqn]
+        if self._exchange is not None and region_key(read_item) in self._exchange.send:
+            slot, round_index = self._exchange.send[region_key(read_item)]
+            self._outbox[slot] = (round_index, value)
         name = self._value_names[(fqn, tuple(read_item.dest_index.offset))]
         self._values[name] = deserialize_value(
             stored.type_name, value, key=fqn, allow_pickle=self.allow_pickle
