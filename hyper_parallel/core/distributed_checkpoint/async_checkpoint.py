@@ -18,6 +18,7 @@ that is already mapped.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -40,9 +41,15 @@ class StagingPool:
         self.allocated = 0
 
     def stage(self, items: tuple[WriteItem, ...], planner: SavePlanner) -> dict[MetadataIndex, Any]:
-        """Copy every item's data into owned buffers; drop buffers no longer used."""
+        """Copy every item's data into owned buffers; drop buffers no longer used.
+
+        The copies run as raw-byte pieces on :data:`STAGING_THREADS` threads
+        (numpy releases the GIL while copying), so staging runs at the
+        memory bandwidth of the machine rather than of one core.
+        """
         staged: dict[MetadataIndex, Any] = {}
         kept: dict[tuple[MetadataIndex, tuple[int, ...], str], np.ndarray] = {}
+        copies: list[tuple[np.ndarray, np.ndarray]] = []
         for item in items:
             index = MetadataIndex(item.index.fqn, item.index.offset)
             data = planner.get_data(item)
@@ -56,11 +63,32 @@ class StagingPool:
                 self.allocated += 1
             else:
                 self.reused += 1
-            np.copyto(buffer, data)
+            source = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+            target = buffer.reshape(-1).view(np.uint8)
+            for start in range(0, source.size, _PIECE_BYTES):
+                copies.append((target[start : start + _PIECE_BYTES], source[start : start + _PIECE_BYTES]))
             kept[key] = buffer
             staged[index] = buffer
+        if len(copies) > 1 and STAGING_THREADS > 1:
+            list(_copy_pool().map(lambda pair: np.copyto(pair[0], pair[1]), copies))
+        else:
+            for target, source in copies:
+                np.copyto(target, source)
         self._buffers = kept
         return staged
+
+
+#: Threads copying into staging buffers.
+STAGING_THREADS = 2
+_PIECE_BYTES = 32 << 20
+_COPY_POOL: ThreadPoolExecutor | None = None
+
+
+def _copy_pool() -> ThreadPoolExecutor:
+    global _COPY_POOL  # pylint: disable=global-statement
+    if _COPY_POOL is None:
+        _COPY_POOL = ThreadPoolExecutor(max_workers=STAGING_THREADS, thread_name_prefix="hp-ckpt-stage")
+    return _COPY_POOL
 
 
 class StagedSavePlanner(SavePlanner):
@@ -171,6 +199,8 @@ def async_save(
         remove_redundancy=remove_redundancy,
         save_to_minimum_rank=save_to_minimum_rank,
     )
+    if hasattr(session.writer, "background_cleanup"):
+        session.writer.background_cleanup = True  # the commit runs on the caller's thread
     holder: dict[str, Any] = {}
 
     def stage_step() -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -193,6 +194,9 @@ class FileSystemWriter(StorageWriter):
         self.rank_local = rank_local
         self.compression = compression
         self.compression_level = compression_level
+        self._cleanup: threading.Thread | None = None
+        #: Delete the files of older saves on a background thread after commit.
+        self.background_cleanup = False
         self.rank = 0
         self.save_id = uuid.uuid4().hex[:12]
 
@@ -359,8 +363,24 @@ class FileSystemWriter(StorageWriter):
             write_atomically(self.path / name, metadata_to_json(committed), sync=self.sync_files)
         except OSError as exc:
             raise CheckpointIOError(f"committing checkpoint {self.path} failed: {exc}") from exc
-        self._remove_stale_files(name)
+        # Files of older saves are garbage once the new metadata is durable.
+        # An async save's commit deletes them off the caller's path (unlinking
+        # large files takes time); see ``background_cleanup``.
+        self.wait_cleanup()
+        if not self.background_cleanup:
+            self._remove_stale_files(name)
+            return committed
+        self._cleanup = threading.Thread(
+            target=self._remove_stale_files, args=(name,), name="hp-ckpt-cleanup", daemon=True
+        )
+        self._cleanup.start()
         return committed
+
+    def wait_cleanup(self) -> None:
+        """Wait until the files of older saves are deleted. Coordinator."""
+        if self._cleanup is not None:
+            self._cleanup.join()
+            self._cleanup = None
 
     def _remove_stale_files(self, committed_name: str) -> None:
         """Delete data files of older saves that no committed metadata references.
