@@ -139,3 +139,26 @@ def test_registering_a_strategy_for_a_new_version(tmp_path):
         strategies._REGISTRY.pop((StrategyAction.LOAD_SHARDED, "filesystem", "1.5"))  # pylint: disable=protected-access
     with pytest.raises(dcp.CheckpointValueError):
         register_default_strategy("load", "filesystem", "1.0", Reader15("filesystem", "1.0"))
+
+
+def test_fork_staging_snapshots_at_call_time_and_reports_child_errors(tmp_path):
+    param = ms.Parameter(ms.Tensor(np.full((64, 64), 2.0, np.float32)), name="p")
+    handle = dcp.async_save({"p": param, "step": 5}, checkpoint_id=tmp_path / "f", staging="fork")
+    param.asnumpy()[...] = -7.0  # after the fork: the child's snapshot keeps 2.0
+    metadata = handle.result()
+    assert metadata.state_dict_metadata["p"].size == (64, 64)
+    target = {"p": np.zeros((64, 64), np.float32), "step": 0}
+    dcp.load(target, checkpoint_id=tmp_path / "f")
+    assert np.all(target["p"] == 2.0) and target["step"] == 5
+
+    class Failing(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):
+            raise OSError(28, "No space left on device")
+
+    handle = dcp.async_save({"p": param}, storage_writer=Failing(tmp_path / "g"), staging="fork")
+    with pytest.raises(dcp.CheckpointIOError, match="No space left on device") as caught:
+        handle.result()
+    assert "writer process failed" in str(caught.value)
+    assert not (tmp_path / "g" / "metadata.json").exists()
+    with pytest.raises(dcp.CheckpointValueError, match="staging"):
+        dcp.async_save({"p": param}, checkpoint_id=tmp_path / "h", staging="mmap")

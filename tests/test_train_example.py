@@ -38,6 +38,7 @@ TIMEOUT = 120.0  # seconds, per run
 
 
 def _env() -> dict[str, str]:
+    """Environment for the runs: this interpreter and this checkout."""
     env = {k: v for k, v in os.environ.items() if k != "MS_ROLE"}  # the script inits comm only under msrun
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     # msrun starts every rank as a bare `python script`: make that this interpreter.
@@ -46,10 +47,13 @@ def _env() -> dict[str, str]:
 
 
 def _losses(log: Path, skip: int = 0) -> dict[int, float]:
-    """Read the script's JSON-lines log, without its first ``skip`` lines: step -> loss."""
+    """Read the script's JSON-lines log, without its first ``skip`` lines: step -> loss.
+
+    A last line still being written (no newline yet) is ignored.
+    """
     if not log.exists():
         return {}
-    lines = log.read_text(encoding="utf-8").splitlines()[skip:]
+    lines = log.read_text(encoding="utf-8").split("\n")[:-1][skip:]
     return {record["step"]: record["loss"] for record in map(json.loads, lines)}
 
 

@@ -115,7 +115,9 @@ def async_loop() -> dict:
     handles = []
     for step in range(5):
         param.to_local().asnumpy()[...] = step * 100.0 + RANK
-        handles.append(dcp.async_save({"w": param, "step": step}, checkpoint_id=BASE / "async" / f"step{step}"))
+        staging = "fork" if step % 2 else "copy"
+        handles.append(dcp.async_save({"w": param, "step": step}, checkpoint_id=BASE / "async" / f"step{step}",
+                                      staging=staging))
         param.to_local().asnumpy()[...] = -1.0  # the training step changes the tensor right away
     for handle in handles:
         handle.result()

@@ -17,6 +17,7 @@ that is already mapped.
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -25,6 +26,8 @@ import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint.api import SaveSession, prepare_save
 from hyper_parallel.core.distributed_checkpoint.async_queue import AsyncCall, AsyncCallsQueue, AsyncRequest
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
+from hyper_parallel.core.distributed_checkpoint.fork_writer import fork_write
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, StorageWriter
@@ -177,6 +180,7 @@ def async_save(
     use_collectives: bool = True,
     remove_redundancy: bool = True,
     save_to_minimum_rank: bool = False,
+    staging: str = "copy",
 ) -> AsyncSaveHandle:
     """Save ``state_dict`` in the background. All ranks call it.
 
@@ -184,9 +188,20 @@ def async_save(
     delete its tensors; the checkpoint keeps the values at call time. A
     previous async save is finished (committed) first.
 
+    Args:
+        staging: ``"copy"`` (default): copy the state into reused host
+            buffers, written by a background thread. ``"fork"`` (POSIX): fork
+            a writer process whose copy-on-write view of memory is the
+            snapshot; the caller blocks only for planning and the fork.
+        Others: as :func:`dcp.save`.
+
     Returns:
         An :class:`AsyncSaveHandle`; ``result()`` commits and returns the metadata.
     """
+    if staging not in ("copy", "fork"):
+        raise CheckpointValueError(f"staging must be 'copy' or 'fork', got {staging!r}")
+    if staging == "fork" and not hasattr(os, "fork"):
+        raise CheckpointValueError("staging='fork' needs a POSIX system; use staging='copy'")
     queue = default_queue()
     queue.maybe_finalize_async_calls(blocking=True)
     session = prepare_save(
@@ -204,13 +219,17 @@ def async_save(
     holder: dict[str, Any] = {}
 
     def stage_step() -> None:
-        holder["staged"] = _POOL.stage(session.plan.items, session.planner)
+        if staging == "copy":
+            staged = _POOL.stage(session.plan.items, session.planner)
+            planner = StagedSavePlanner(session.planner, staged)
+            holder["background"] = lambda: session.writer.write_data(session.plan, planner).result()
+        else:
+            views = {MetadataIndex(i.index.fqn, i.index.offset): session.planner.get_data(i) for i in session.plan.items}
+            planner = StagedSavePlanner(session.planner, views)
+            holder["background"] = fork_write(session.writer, session.plan, planner, rank=session.dist.rank)
 
     session.dist.all_gather("stage", stage_step)
-    staged_planner = StagedSavePlanner(session.planner, holder["staged"])
-
-    def background() -> Any:
-        return session.writer.write_data(session.plan, staged_planner).result()
+    background = holder["background"]
 
     def commit(results: Any, error: BaseException | None) -> Metadata:
         def local_results() -> Any:

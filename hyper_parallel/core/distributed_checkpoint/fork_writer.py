@@ -1,0 +1,81 @@
+"""Async staging by ``fork``: the kernel's copy-on-write snapshot as the staging buffer.
+
+``async_save(..., staging="fork")`` forks a child process right after
+planning. The child sees the state exactly as it was at the fork (pages the
+training later changes are copied by the kernel, lazily) and writes the data
+files; the parent returns at once. The caller therefore blocks only for
+planning and the ``fork`` itself, whatever the state's size.
+
+Safety: every tensor is resolved to a numpy view in the parent before the
+fork, so the child never calls into the framework (whose threads and locks do
+not survive a fork); it only runs the storage writer (numpy, xxhash, file
+I/O) and exits with ``os._exit``. The child reports its write results (or its
+error) through a pipe; unpickling them is safe, the data comes from our own
+child, never from a checkpoint. POSIX only.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import traceback
+from typing import Any, Callable
+
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError, CheckpointIOError
+from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner
+from hyper_parallel.core.distributed_checkpoint.storage import StorageWriter
+
+__all__ = ["fork_write"]
+
+
+def _child(writer: StorageWriter, plan: SavePlan, planner: SavePlanner, out_fd: int) -> None:
+    try:
+        payload = pickle.dumps(("ok", writer.write_data(plan, planner).result()))
+    except BaseException as exc:  # pylint: disable=broad-except
+        kind = "io" if isinstance(exc, OSError) else "error"
+        payload = pickle.dumps((kind, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+    view = memoryview(payload)
+    while view:
+        view = view[os.write(out_fd, view):]
+    os.close(out_fd)
+
+
+def fork_write(writer: StorageWriter, plan: SavePlan, planner: SavePlanner, *, rank: int) -> Callable[[], Any]:
+    """Fork a child that writes ``plan``; return the function that waits for its results.
+
+    Called on the caller's thread; the returned function runs on the
+    background thread and returns the write results, or raises the child's
+    error (a :class:`CheckpointIOError` for I/O errors).
+    """
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: write, report, leave without running any parent cleanup
+        status = 0
+        try:
+            os.close(read_fd)
+            _child(writer, plan, planner, write_fd)
+        except BaseException:  # pylint: disable=broad-except
+            status = 1
+        os._exit(status)  # pylint: disable=protected-access
+    os.close(write_fd)
+
+    def wait() -> Any:
+        chunks = []
+        try:
+            while True:
+                chunk = os.read(read_fd, 1 << 20)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        finally:
+            os.close(read_fd)
+            _, status = os.waitpid(pid, 0)
+        if not chunks:
+            raise CheckpointIOError(f"rank {rank}: the async save writer process {pid} died (wait status {status})")
+        outcome = pickle.loads(b"".join(chunks))  # from our own child process
+        if outcome[0] == "ok":
+            return outcome[1]
+        cls = CheckpointIOError if outcome[0] == "io" else CheckpointError
+        raise cls(f"rank {rank}: async save writer process failed: {outcome[1]}\n{outcome[2]}")
+
+    return wait
