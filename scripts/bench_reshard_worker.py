@@ -28,7 +28,7 @@ import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel import DTensor, Layout, platform
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark import GIB, data_files, drop_page_cache, pretouch, read_io_bytes  # noqa: E402  pylint: disable=wrong-import-position
+from benchmark import GIB, data_files, drop_page_cache, pretouch, read_io_bytes  # noqa: E402
 
 __all__ = ["main"]
 

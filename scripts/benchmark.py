@@ -273,8 +273,8 @@ def _proc_status(field: str) -> int:
 
 
 def peak_extra_rss(fn: Callable[[], Any]) -> tuple[int, str]:
-    """Run ``fn``; return its peak RSS above the RSS before it, and the method used: VmHWM after
-    resetting it through ``/proc/self/clear_refs`` where allowed, and VmRSS sampled every 1 ms."""
+    """Run ``fn``; return its peak RSS above the RSS before it (a lower bound where the allocator reuses memory
+    it holds) and the method: VmHWM reset through ``/proc/self/clear_refs`` if allowed, VmRSS sampled every 1 ms."""
     base = _proc_status("VmRSS")
     try:
         with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from hyper_parallel.cli._common import format_bytes, open_checkpoint
-from hyper_parallel.core.distributed_checkpoint.checksum import ALGORITHM, digest
+from hyper_parallel.core.distributed_checkpoint.checksum import ALGORITHM, bad_blocks, expected_blocks
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.global_plan import check_exact_cover
@@ -152,7 +152,7 @@ def verify_checkpoint(path: str | os.PathLike, progress: bool | None = None) -> 
             with open(full, "rb") as handle:
                 size = os.fstat(handle.fileno()).st_size
                 for index, info in items:
-                    found, hashed = _check_chunk(name, handle, size, index, info)
+                    found, hashed = _check_chunk(name, handle, size, index, info, metadata, chunk_sizes)
                     problems.extend(found)
                     chunks_checked += hashed is not None
                     unchecked += info.checksum is None
@@ -240,6 +240,9 @@ def _header_entry(
     A whole tensor is named by its key, a shard ``key@o0,o1``; a stored value is a ``U8`` array.
     """
     stored = metadata.state_dict_metadata.get(index.fqn)
+    if info.compression:
+        return index.fqn if not index.offset else f"{index.fqn}@{','.join(str(o) for o in index.offset)}", "U8", (
+            info.length,)
     if isinstance(stored, TensorStorageMetadata):
         shape = chunk_sizes.get(MetadataIndex(index.fqn, tuple(index.offset)), ())
         whole, dtype = shape == tuple(stored.size), SAFETENSORS_DTYPES.get(stored.properties.dtype, "?")
@@ -251,7 +254,13 @@ def _header_entry(
 
 
 def _check_chunk(
-    name: str, handle: Any, size: int, index: MetadataIndex, info: StorageInfo
+    name: str,
+    handle: Any,
+    size: int,
+    index: MetadataIndex,
+    info: StorageInfo,
+    metadata: Metadata,
+    chunk_sizes: dict[MetadataIndex, tuple[int, ...]],
 ) -> tuple[list[VerifyProblem], int | None]:
     """Re-hash one stored item; return its problems and the bytes hashed (``None``: not hashed)."""
     fqn = index.fqn
@@ -265,23 +274,23 @@ def _check_chunk(
     checksum = info.checksum
     if checksum is None:
         return [], None
+    stored = metadata.state_dict_metadata.get(fqn)
+    sizes = chunk_sizes.get(MetadataIndex(fqn, tuple(index.offset))) if not info.compression else None
+    itemsize = DTYPE_NAMES.get(stored.properties.dtype, 1) if isinstance(stored, TensorStorageMetadata) else 1
     if checksum.algorithm != ALGORITHM or checksum.block_bytes <= 0:
         return [VerifyProblem(name, fqn, f"{where}: unsupported checksum {checksum.algorithm!r}")], None
-    blocks = max(1, -(-info.length // checksum.block_bytes))
-    if len(checksum.digests) != blocks:
+    blocks = expected_blocks(checksum, sizes, info.length)
+    if len(checksum.digests) != blocks or (checksum.block_shape and sizes is None):
         return [VerifyProblem(
             name, fqn, f"{where}: metadata lists {len(checksum.digests)} checksums for {blocks} blocks"
         )], None
-    bad = []
     handle.seek(info.offset)
-    for block in range(blocks):
-        data = handle.read(min(checksum.block_bytes, info.length - block * checksum.block_bytes))
-        if digest(data) != checksum.digests[block]:
-            start = info.offset + block * checksum.block_bytes
-            bad.append(f"{start}..{start + len(data)}")
+    data = handle.read(info.length)
+    bad = bad_blocks(data, checksum, sizes, itemsize)
     if bad:
-        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-        return [VerifyProblem(name, fqn, f"checksum mismatch in {where} (bytes {shown})")], info.length
+        kind = "tile" if checksum.block_shape else "block"
+        shown = ", ".join(str(b) for b in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        return [VerifyProblem(name, fqn, f"checksum mismatch in {where} ({kind}(s) {shown})")], info.length
     return [], info.length
 
 

@@ -1,22 +1,44 @@
 """Block checksums of stored bytes (xxh3-64, which runs at memory speed).
 
-A chunk's stored bytes are cut into blocks of ``block_bytes``; each block has
-its own digest, so a load that needs part of a chunk verifies only the blocks
-it reads.
+Two block layouts, recorded in :class:`ChunkChecksum`:
+
+- flat (``block_shape == ()``): the stored bytes cut into consecutive blocks
+  of ``block_bytes``; used for values, 1-D and narrow tensors;
+- tiles (``block_shape`` set): the chunk cut into a grid of boxes of
+  ``block_shape`` = ``(rows, *middle dims, columns)``, digests in row-major
+  grid order, each over the tile's elements in row-major order. A load that
+  needs some columns of a chunk (a column-split reshard) then verifies exactly
+  the tiles it reads, instead of whole rows: verification costs no extra reads.
 """
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import xxhash
 
 from hyper_parallel.core.distributed_checkpoint.metadata import ChunkChecksum
 
-__all__ = ["ALGORITHM", "DEFAULT_BLOCK_BYTES", "digest", "chunk_checksum"]
+__all__ = [
+    "ALGORITHM",
+    "DEFAULT_BLOCK_BYTES",
+    "MIN_TILE_ROW_BYTES",
+    "digest",
+    "tile_shape",
+    "grid_shape",
+    "expected_blocks",
+    "chunk_checksum",
+    "bad_blocks",
+]
 
 #: The hash used for every block.
 ALGORITHM = "xxh3_64"
 #: Default block size: small enough that partial reads verify little extra.
 DEFAULT_BLOCK_BYTES = 1 << 20
+#: Column tiles are never narrower than this many bytes per row.
+MIN_TILE_ROW_BYTES = 4096
+_MAX_COLUMN_TILES = 8
 
 
 def digest(data: memoryview | bytes) -> str:
@@ -24,11 +46,92 @@ def digest(data: memoryview | bytes) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
-def chunk_checksum(data: memoryview, block_bytes: int = DEFAULT_BLOCK_BYTES) -> ChunkChecksum:
-    """Return the block checksums of one chunk's stored bytes (a 1-D byte view)."""
+def tile_shape(sizes: tuple[int, ...], itemsize: int, block_bytes: int) -> tuple[int, ...]:
+    """The tile layout for a chunk of ``sizes``, or ``()`` for flat blocks.
+
+    Tiles split the last dim into up to 8 equal column groups of at least
+    :data:`MIN_TILE_ROW_BYTES` bytes, and the first dim into slabs of about
+    ``block_bytes`` per tile.
+    """
+    if len(sizes) < 2 or math.prod(sizes) == 0:
+        return ()
+    columns = sizes[-1]
+    parts = _MAX_COLUMN_TILES
+    while parts > 1 and (columns % parts or columns * itemsize // parts < MIN_TILE_ROW_BYTES):
+        parts //= 2
+    if parts == 1:
+        return ()
+    width = columns // parts
+    inner = math.prod(sizes[1:-1])
+    rows = max(1, block_bytes // (width * itemsize * inner))
+    return (min(rows, sizes[0]),) + tuple(sizes[1:-1]) + (width,)
+
+
+def grid_shape(sizes: tuple[int, ...], block_shape: tuple[int, ...]) -> tuple[int, int]:
+    """Number of tiles along the first and the last dim."""
+    return -(-sizes[0] // block_shape[0]), -(-sizes[-1] // block_shape[-1])
+
+
+def expected_blocks(checksum: ChunkChecksum, sizes: tuple[int, ...] | None, length: int) -> int:
+    """How many digests ``checksum`` must list for a chunk of ``sizes`` stored in ``length`` bytes."""
+    if checksum.block_shape and sizes is not None and len(sizes) == len(checksum.block_shape):
+        rows, columns = grid_shape(sizes, checksum.block_shape)
+        return rows * columns
+    return max(1, -(-length // checksum.block_bytes))
+
+
+def _tiles(data: np.ndarray, sizes: tuple[int, ...], itemsize: int, block_shape: tuple[int, ...]):
+    """Yield (grid index, contiguous tile bytes) of a chunk stored row-major in ``data`` (uint8)."""
+    inner = math.prod(sizes[1:-1])
+    row_bytes = sizes[-1] * itemsize
+    cube = data.reshape(sizes[0], inner, row_bytes)
+    rows, width = block_shape[0], block_shape[-1] * itemsize
+    scratch = np.empty(rows * inner * width, dtype=np.uint8)
+    position = 0
+    for start in range(0, sizes[0], rows):
+        slab = cube[start : start + rows]
+        for column in range(0, row_bytes, width):
+            tile = slab[:, :, column : column + width]
+            out = scratch[: tile.size].reshape(tile.shape)
+            np.copyto(out, tile)
+            yield position, memoryview(scratch[: tile.size])
+            position += 1
+
+
+def chunk_checksum(
+    data: memoryview,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    *,
+    sizes: tuple[int, ...] | None = None,
+    itemsize: int = 1,
+    tiles: bool = True,
+) -> ChunkChecksum:
+    """Return the block checksums of one chunk's stored bytes (a 1-D byte view).
+
+    With ``sizes`` (the chunk's shape) and ``tiles``, 2-D and larger chunks
+    wide enough get tile checksums.
+    """
+    block_shape = tile_shape(tuple(sizes), itemsize, block_bytes) if (tiles and sizes is not None) else ()
+    if block_shape:
+        array = np.frombuffer(data, dtype=np.uint8)
+        digests = tuple(digest(tile) for _, tile in _tiles(array, tuple(sizes), itemsize, block_shape))
+        return ChunkChecksum(algorithm=ALGORITHM, block_bytes=block_bytes, digests=digests, block_shape=block_shape)
     length = len(data)
     if length == 0:
-        digests: tuple[str, ...] = (digest(b""),)
+        flat: tuple[str, ...] = (digest(b""),)
     else:
-        digests = tuple(digest(data[start : start + block_bytes]) for start in range(0, length, block_bytes))
-    return ChunkChecksum(algorithm=ALGORITHM, block_bytes=block_bytes, digests=digests)
+        flat = tuple(digest(data[start : start + block_bytes]) for start in range(0, length, block_bytes))
+    return ChunkChecksum(algorithm=ALGORITHM, block_bytes=block_bytes, digests=flat)
+
+
+def bad_blocks(data: bytes | memoryview, checksum: ChunkChecksum, sizes: tuple[int, ...] | None, itemsize: int) -> list[int]:
+    """Indices of the blocks of a whole stored chunk whose digest does not match."""
+    view = memoryview(data).cast("B")
+    if checksum.block_shape and sizes is not None:
+        array = np.frombuffer(view, dtype=np.uint8)
+        return [i for i, tile in _tiles(array, tuple(sizes), itemsize, checksum.block_shape)
+                if i >= len(checksum.digests) or digest(tile) != checksum.digests[i]]
+    block = checksum.block_bytes
+    starts = range(0, max(len(view), 1), block)
+    return [i for i, start in enumerate(starts)
+            if i >= len(checksum.digests) or digest(view[start : start + block]) != checksum.digests[i]]

@@ -20,8 +20,9 @@ from pathlib import Path
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint.byte_ranges import Runs, box_runs, split_box
-from hyper_parallel.core.distributed_checkpoint.checksum import ALGORITHM, digest
+from hyper_parallel.core.distributed_checkpoint.checksum import ALGORITHM, digest, grid_shape
 from hyper_parallel.core.distributed_checkpoint.errors import (
+    CheckpointError,
     CheckpointIOError,
     CheckpointNotFoundError,
     CheckpointValueError,
@@ -135,6 +136,7 @@ class FileSystemReader(StorageReader):
         Raises:
             UnsafeCheckpointError: a symlink or path escaping the checkpoint.
             CorruptCheckpointError: the data file is missing.
+            CheckpointNotFoundError: the checkpoint was deleted or re-saved since its metadata was read.
         """
         root = os.path.realpath(self.path)
         full = os.path.realpath(os.path.join(root, relative_path))
@@ -143,10 +145,25 @@ class FileSystemReader(StorageReader):
                 f"key '{fqn}': data file {relative_path!r} resolves outside checkpoint {self.path}; refused"
             )
         if not os.path.isfile(full):
+            if self._replaced():
+                raise CheckpointNotFoundError(
+                    f"checkpoint {self.path} was deleted or replaced by another save while loading (data file "
+                    f"{relative_path} of key '{fqn}' is gone); load it again"
+                )
             raise CorruptCheckpointError(
                 f"key '{fqn}': data file {relative_path} (listed in {self.metadata_file}) is missing from {self.path}"
             )
         return Path(full)
+
+    def _replaced(self) -> bool:
+        """True when the metadata this load started from is no longer the committed one."""
+        if self.metadata is None:
+            return False
+        try:
+            current = metadata_from_json((self.path / self.metadata_file).read_bytes())
+        except (OSError, CheckpointError):
+            return not (self.path / self.metadata_file).is_file()
+        return current.storage_meta.save_id != self.metadata.storage_meta.save_id
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> "Future[None]":
         """Read every region of this rank's plan into the planner. All ranks call it."""
@@ -170,7 +187,10 @@ class FileSystemReader(StorageReader):
             self.bytes_read += sum(counts)
             future.set_result(None)
         except OSError as exc:
-            future.set_exception(CheckpointIOError(f"reading checkpoint {self.path} failed: {exc}"))
+            if isinstance(exc, CheckpointError):  # already says what went wrong (a CheckpointNotFoundError)
+                future.set_exception(exc)
+            else:
+                future.set_exception(CheckpointIOError(f"reading checkpoint {self.path} failed: {exc}"))
         except BaseException as exc:  # pylint: disable=broad-except
             future.set_exception(exc)
         return future
@@ -226,6 +246,10 @@ class FileSystemReader(StorageReader):
             )
         dest = planner.acquire_tensor(item)
         stored_dtype = numpy_dtype(stored.properties.dtype)
+        if self.verify_checksums and info.checksum is not None and info.checksum.block_shape:
+            count = self._read_tiles(fd, path, fqn, info, chunk_sizes, stored_dtype, item, dest)
+            planner.apply_tensor(item, dest)
+            return count
         count = 0
         # Pieces of at most max_inflight_bytes: a cast or scattered target never
         # needs a staging buffer larger than that, whatever the tensor size.
@@ -243,6 +267,61 @@ class FileSystemReader(StorageReader):
             count += self._fill(fd, path, fqn, info, runs, staging)
             np.copyto(region, staging.view(stored_dtype).reshape(sub_lengths), casting="unsafe")
         planner.apply_tensor(item, dest)
+        return count
+
+    def _read_tiles(
+        self,
+        fd: int,
+        path: Path,
+        fqn: str,
+        info: StorageInfo,
+        sizes: tuple[int, ...],
+        stored_dtype: np.dtype,
+        item: ReadItem,
+        dest: np.ndarray,
+    ) -> int:
+        """Read the checksum tiles the region touches, verify each, copy the region out.
+
+        One row slab of tiles at a time (bounded memory); only the column
+        groups the region needs are read.
+        """
+        block = info.checksum.block_shape
+        if len(block) != len(sizes) or tuple(block[1:-1]) != tuple(sizes[1:-1]):
+            raise CorruptCheckpointError(f"key '{fqn}' in {path}: checksum tiles {list(block)} do not fit the chunk")
+        itemsize = stored_dtype.itemsize
+        rows, width = block[0], block[-1]
+        grid_rows, grid_columns = grid_shape(sizes, block)
+        if len(info.checksum.digests) != grid_rows * grid_columns:
+            raise CorruptCheckpointError(f"key '{fqn}' in {path}: wrong number of tile checksums")
+        low, lengths = item.storage_offsets, item.lengths
+        first_column, last_column = low[-1] // width, (low[-1] + lengths[-1] - 1) // width
+        column_start = first_column * width
+        column_end = min((last_column + 1) * width, sizes[-1])
+        inner = math.prod(sizes[1:-1])
+        count = 0
+        for slab in range(low[0] // rows, (low[0] + lengths[0] - 1) // rows + 1):
+            row_start = slab * rows
+            box_offsets = (row_start,) + (0,) * (len(sizes) - 2) + (column_start,)
+            box_lengths = (min(rows, sizes[0] - row_start),) + tuple(sizes[1:-1]) + (column_end - column_start,)
+            runs = box_runs(sizes, itemsize, box_offsets, box_lengths)
+            buffer = np.empty((runs.starts.size, runs.length), dtype=np.uint8)
+            count += self._fill(fd, path, fqn, info, runs, buffer, verify=False)
+            cube = buffer.reshape(box_lengths[0], inner, (column_end - column_start) * itemsize)
+            for column in range(first_column, last_column + 1):
+                start = (column * width - column_start) * itemsize
+                stop = (min((column + 1) * width, sizes[-1]) - column_start) * itemsize
+                tile = np.ascontiguousarray(cube[:, :, start:stop])
+                if digest(tile) != info.checksum.digests[slab * grid_columns + column]:
+                    raise CorruptCheckpointError(
+                        f"checksum mismatch in data file {path}, key '{fqn}' (tile {slab},{column} of the chunk "
+                        f"at offset {list(item.storage_index.offset)}): the checkpoint is corrupt"
+                    )
+            box = buffer.view(stored_dtype).reshape(box_lengths)
+            lo = [max(a, b) for a, b in zip(low, box_offsets)]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(low, lengths, box_offsets, box_lengths)]
+            source = box[tuple(slice(a - b, c - b) for a, c, b in zip(lo, hi, box_offsets))]
+            target = dest[tuple(slice(a - b, c - b) for a, c, b in zip(lo, hi, low))]
+            np.copyto(target, source, casting="unsafe")
         return count
 
     def _read_compressed(
@@ -288,8 +367,13 @@ class FileSystemReader(StorageReader):
                 return chunk.sizes
         raise CorruptCheckpointError(f"key '{index.fqn}': no chunk at offset {list(index.offset)}")
 
-    def _fill(self, fd: int, path: Path, fqn: str, info: StorageInfo, runs: Runs, target: np.ndarray) -> int:
-        """Fill ``target`` (``uint8``, one row per run) with the runs; return bytes read from storage."""
+    def _fill(
+        self, fd: int, path: Path, fqn: str, info: StorageInfo, runs: Runs, target: np.ndarray, verify: bool = True
+    ) -> int:
+        """Fill ``target`` (``uint8``, one row per run) with the runs; return bytes read from storage.
+
+        With ``verify`` (and flat block checksums) whole blocks are read and checked.
+        """
         if runs.total == 0:
             if info.length == 0 and self.verify_checksums and info.checksum is not None:
                 if info.checksum.digests != (digest(b""),):  # the length itself may be the damage
@@ -298,7 +382,7 @@ class FileSystemReader(StorageReader):
                         "its checksum says otherwise; the checkpoint is corrupt"
                     )
             return 0
-        if self.verify_checksums and info.checksum is not None:
+        if verify and self.verify_checksums and info.checksum is not None and not info.checksum.block_shape:
             return self._fill_verified(fd, path, fqn, info, runs, target)
         length = runs.length
         for position, start in enumerate(runs.starts.tolist()):

@@ -42,6 +42,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
 from hyper_parallel.core.distributed_checkpoint.metadata_json import metadata_to_json
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from hyper_parallel.core.distributed_checkpoint.safetensors_format import HeaderEntry, build_header
+from hyper_parallel.platform.tensor import DTYPE_NAMES
 from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, StorageWriter, WriteResult
 
 __all__ = [
@@ -166,6 +167,9 @@ class FileSystemWriter(StorageWriter):
             files stay readable safetensors containers but hold compressed
             bytes, not tensors; loading reads whole items.
         compression_level: zstd level.
+        tile_checksums: Checksum 2-D and larger chunks by tiles (row slabs x
+            column groups), so loads of some columns verify without reading
+            whole rows. ``False``: flat blocks only.
     """
 
     def __init__(
@@ -178,6 +182,7 @@ class FileSystemWriter(StorageWriter):
         rank_local: bool = False,
         compression: str | None = None,
         compression_level: int = 3,
+        tile_checksums: bool = True,
     ) -> None:
         if compression not in (None, "zstd"):
             raise CheckpointValueError(f"compression must be None or 'zstd', got {compression!r}")
@@ -194,6 +199,7 @@ class FileSystemWriter(StorageWriter):
         self.rank_local = rank_local
         self.compression = compression
         self.compression_level = compression_level
+        self.tile_checksums = tile_checksums
         self._cleanup: threading.Thread | None = None
         #: Delete the files of older saves on a background thread after commit.
         self.background_cleanup = False
@@ -296,7 +302,13 @@ class FileSystemWriter(StorageWriter):
                     relative_path=job.name,
                     offset=offset,
                     length=len(view),
-                    checksum=chunk_checksum(view, self.checksum_block_bytes),
+                    checksum=chunk_checksum(
+                        view,
+                        self.checksum_block_bytes,
+                        sizes=item.tensor_data.chunk.sizes if item.tensor_data is not None else None,
+                        itemsize=DTYPE_NAMES[item.tensor_data.properties.dtype] if item.tensor_data else 1,
+                        tiles=self.tile_checksums and not self.compression,
+                    ),
                     compression=self.compression,
                     raw_length=raw_length if self.compression else None,
                 )

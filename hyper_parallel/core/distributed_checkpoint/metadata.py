@@ -121,11 +121,14 @@ class ChunkChecksum:
         algorithm: Hash name (``"xxh3_64"``).
         block_bytes: Size of each block in bytes (> 0).
         digests: One lowercase hex digest per block.
+        block_shape: Empty for flat blocks; else the tile shape, blocks are
+            a grid of boxes of the chunk (see :mod:`.checksum`).
     """
 
     algorithm: str
     block_bytes: int
     digests: tuple[str, ...]
+    block_shape: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import math
 import posixpath
 from typing import Any
 
-from hyper_parallel.core.distributed_checkpoint.checksum import ALGORITHM
+from hyper_parallel.core.distributed_checkpoint.checksum import ALGORITHM, expected_blocks
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
 from hyper_parallel.core.distributed_checkpoint.global_plan import check_exact_cover
 from hyper_parallel.core.distributed_checkpoint.metadata import (
@@ -78,6 +78,8 @@ def metadata_to_json(metadata: Metadata) -> bytes:
                 "block_bytes": info.checksum.block_bytes,
                 "digests": list(info.checksum.digests),
             }
+            if info.checksum.block_shape:
+                entry["checksum"]["block_shape"] = list(info.checksum.block_shape)
         if info.compression is not None:
             entry["compression"] = info.compression
             entry["raw_length"] = info.raw_length
@@ -169,8 +171,12 @@ def _storage_entry(raw: Any, position: int, source: str) -> tuple[MetadataIndex,
         digests = chk.get("digests")
         if block <= 0 or not isinstance(digests, list) or not all(isinstance(d, str) for d in digests):
             raise CorruptCheckpointError(f"{where}: malformed checksum for key '{fqn}'")
+        block_shape = _ints(chk.get("block_shape", []), f"{where} block_shape", minimum=1)
         checksum = ChunkChecksum(
-            algorithm=_str(chk.get("algorithm"), f"{where} algorithm"), block_bytes=block, digests=tuple(digests)
+            algorithm=_str(chk.get("algorithm"), f"{where} algorithm"),
+            block_bytes=block,
+            digests=tuple(digests),
+            block_shape=block_shape,
         )
     compression = raw.get("compression")
     if compression is not None and compression != "zstd":
@@ -248,6 +254,7 @@ def _entry_of(
     offset: tuple[int, ...],
     where: str,
     claimed: set[MetadataIndex],
+    sizes: tuple[int, ...] | None = None,
 ) -> StorageInfo:
     index = MetadataIndex(fqn, tuple(offset))
     info = storage.get(index)
@@ -258,7 +265,17 @@ def _entry_of(
         checksum = info.checksum
         if checksum.algorithm != ALGORITHM:
             raise CorruptCheckpointError(f"{where}: unknown checksum algorithm {checksum.algorithm!r}")
-        blocks = max(1, -(-info.length // checksum.block_bytes))
+        if checksum.block_shape and (
+            sizes is None
+            or info.compression
+            or len(checksum.block_shape) != len(sizes)
+            or tuple(checksum.block_shape[1:-1]) != tuple(sizes[1:-1])
+        ):
+            raise CorruptCheckpointError(
+                f"{where}: checksum tile shape {list(checksum.block_shape)} does not fit the chunk at offset "
+                f"{list(offset)}"
+            )
+        blocks = expected_blocks(checksum, sizes, info.length)
         if len(checksum.digests) != blocks:
             raise CorruptCheckpointError(
                 f"{where}: {len(checksum.digests)} checksums listed for the {blocks} block(s) of the chunk at "
@@ -293,7 +310,7 @@ def check_consistency(metadata: Metadata, *, source: str = "metadata") -> None:
         if itemsize is None:
             raise CorruptCheckpointError(f"{where}: unknown dtype {item.properties.dtype!r}")
         for chunk in item.chunks:
-            info = _entry_of(storage, fqn, chunk.offsets, where, claimed)
+            info = _entry_of(storage, fqn, chunk.offsets, where, claimed, tuple(chunk.sizes))
             length = info.raw_length if info.compression else info.length
             if length != math.prod(chunk.sizes) * itemsize:
                 raise CorruptCheckpointError(
