@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -66,7 +67,7 @@ class FileSystemReader(StorageReader):
         path: CheckpointId,
         *,
         verify_checksums: bool = True,
-        thread_count: int = 1,
+        thread_count: int = 2,
         max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
         metadata_file: str | None = None,
     ) -> None:
@@ -185,6 +186,7 @@ class FileSystemReader(StorageReader):
                 with ThreadPoolExecutor(max_workers=len(work), thread_name_prefix="hp-ckpt-read") as pool:
                     counts = list(pool.map(lambda g: self._read_group(g, planner), work))
             self.bytes_read += sum(counts)
+            _SCRATCH.buffers = None  # do not keep the caller thread's scratch after the load
             future.set_result(None)
         except OSError as exc:
             if isinstance(exc, CheckpointError):  # already says what went wrong (a CheckpointNotFoundError)
@@ -211,6 +213,11 @@ class FileSystemReader(StorageReader):
             fd = os.open(path, os.O_RDONLY)
             try:
                 size = os.fstat(fd).st_size
+                wanted = sum(math.prod(item.lengths) for item in items)  # elements, a lower bound on bytes
+                if hasattr(os, "posix_fadvise") and wanted * 2 < size:
+                    # Reading parts of the file (a reshard): kernel readahead would
+                    # fetch the skipped ranges too.
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
                 for item in items:
                     total += self._read_item(fd, path, size, item, planner)
             finally:
@@ -263,7 +270,7 @@ class FileSystemReader(StorageReader):
             if rows is not None:
                 count += self._fill(fd, path, fqn, info, runs, rows)
                 continue
-            staging = np.empty((runs.starts.size, runs.length), dtype=np.uint8)
+            staging = _scratch(runs.total).reshape(runs.starts.size, runs.length)
             count += self._fill(fd, path, fqn, info, runs, staging)
             np.copyto(region, staging.view(stored_dtype).reshape(sub_lengths), casting="unsafe")
         planner.apply_tensor(item, dest)
@@ -304,7 +311,7 @@ class FileSystemReader(StorageReader):
             box_offsets = (row_start,) + (0,) * (len(sizes) - 2) + (column_start,)
             box_lengths = (min(rows, sizes[0] - row_start),) + tuple(sizes[1:-1]) + (column_end - column_start,)
             runs = box_runs(sizes, itemsize, box_offsets, box_lengths)
-            buffer = np.empty((runs.starts.size, runs.length), dtype=np.uint8)
+            buffer = _scratch(runs.total).reshape(runs.starts.size, runs.length)
             count += self._fill(fd, path, fqn, info, runs, buffer, verify=False)
             cube = buffer.reshape(box_lengths[0], inner, (column_end - column_start) * itemsize)
             for column in range(first_column, last_column + 1):
@@ -418,7 +425,7 @@ class FileSystemReader(StorageReader):
         for first_block, end_block in segments:
             seg_start = first_block * block
             seg_end = min(end_block * block, info.length)
-            buffer = np.empty(seg_end - seg_start, dtype=np.uint8)
+            buffer = _scratch(seg_end - seg_start, slot=1)
             got = os.preadv(fd, [buffer], info.offset + seg_start)
             if got != buffer.size:
                 raise CorruptCheckpointError(f"data file {path} is truncated while reading key '{fqn}'")
@@ -466,3 +473,22 @@ def _run_rows(region: np.ndarray, runs: Runs, stored_dtype: np.dtype) -> np.ndar
     if not view.flags.writeable:
         return None
     return view.view(np.uint8)
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(nbytes: int, slot: int = 0) -> np.ndarray:
+    """A per-thread reusable ``uint8`` buffer of ``nbytes`` (grown on demand).
+
+    Reusing it keeps the reader's extra memory at the in-flight bound instead
+    of leaving freed buffers to the allocator. ``slot`` separates buffers in
+    use at the same time.
+    """
+    buffers = getattr(_SCRATCH, "buffers", None)
+    if buffers is None:
+        buffers = _SCRATCH.buffers = {}
+    buffer = buffers.get(slot)
+    if buffer is None or buffer.size < nbytes:
+        buffer = buffers[slot] = np.empty(max(nbytes, 1), dtype=np.uint8)
+    return buffer[:nbytes]
