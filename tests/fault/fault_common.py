@@ -29,6 +29,7 @@ __all__ = [
     "same_state",
     "load_into_blank",
     "files_of",
+    "assert_only_committed_files",
     "snapshot_tree",
     "ModuleProxy",
     "mounted_tmpfs",
@@ -45,7 +46,8 @@ def make_state(seed: int) -> dict[str, Any]:
     """A nested numpy-only training state whose every value depends on ``seed``.
 
     One tensor is 1 MiB, so a kill "in the middle of a write" really lands
-    inside one ``os.write`` of a big buffer.
+    inside one ``os.write`` of a big buffer. The stored sizes do not depend on
+    ``seed`` (for seeds below 10), so byte positions carry over between saves.
     """
     rng = np.random.default_rng(seed)
     return {
@@ -62,7 +64,7 @@ def make_state(seed: int) -> dict[str, Any]:
             "beta": np.float32(0.5 + seed),
             "betas": [0.9 * seed, 0.999],
         },
-        "blob": bytes(range(seed % 7, 200)),
+        "blob": bytes((seed + i) % 256 for i in range(200)),
         "flag": bool(seed % 2),
     }
 
@@ -130,6 +132,13 @@ def load_into_blank(path: str | os.PathLike, like: Any, **kwargs: Any) -> Any:
 def files_of(path: Path) -> list[str]:
     """Sorted names of the entries of directory ``path``."""
     return sorted(os.listdir(path))
+
+
+def assert_only_committed_files(path: Path) -> None:
+    """``path`` holds its metadata and the data files of the committed save, nothing else."""
+    save_id = dcp.read_metadata(path).storage_meta.save_id
+    extra = [n for n in files_of(path) if n != "metadata.json" and f".{save_id}." not in n]
+    assert not extra, f"{path} keeps files of other saves: {extra}"
 
 
 def snapshot_tree(root: Path) -> dict[str, tuple[int, str]]:

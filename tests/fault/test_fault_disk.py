@@ -23,6 +23,7 @@ from hyper_parallel.core.distributed_checkpoint import filesystem_writer as fw
 
 from fault_common import (
     ModuleProxy,
+    assert_only_committed_files,
     assert_same_state,
     files_of,
     load_into_blank,
@@ -96,10 +97,10 @@ def test_disk_full_at_the_commit(small_disk: Path) -> None:
     (small_disk / "B").mkdir()
     state = {"w": np.arange(5000, dtype=np.float32)}
     dcp.save(state, checkpoint_id=small_disk.parent / "probe", no_dist=True)
-    data_bytes = sum(p.stat().st_size for p in (small_disk.parent / "probe").glob("*.safetensors"))
     stat = os.statvfs(small_disk)
     page = stat.f_frsize
-    (small_disk / "filler").write_bytes(bytes(stat.f_bavail * page - -(-data_bytes // page) * page))
+    data_pages = sum(-(-p.stat().st_size // page) for p in (small_disk.parent / "probe").glob("*.safetensors"))
+    (small_disk / "filler").write_bytes(bytes((stat.f_bavail - data_pages) * page))
     with pytest.raises(dcp.CheckpointIOError) as caught:
         dcp.save(state, checkpoint_id=small_disk / "B", no_dist=True)
     _assert_io_error(caught, small_disk / "B", "No space left on device")
@@ -107,8 +108,8 @@ def test_disk_full_at_the_commit(small_disk: Path) -> None:
     _assert_not_committed(small_disk / "B")
     assert_same_state(load_into_blank(small_disk / "A", _small(1)), _small(1))
     (small_disk / "filler").unlink()
-    dcp.save(state, checkpoint_id=small_disk / "B", no_dist=True)  # the next save sweeps the stale data file
-    assert len(files_of(small_disk / "B")) == 2
+    dcp.save(state, checkpoint_id=small_disk / "B", no_dist=True)  # the next save sweeps the stale data files
+    assert_only_committed_files(small_disk / "B")
 
 
 def test_read_only_directory(tmp_path: Path) -> None:
@@ -160,8 +161,25 @@ class _FailingFile:
         return getattr(self._handle, name)
 
 
+def _during_commit(monkeypatch: pytest.MonkeyPatch, name: str, err: int) -> None:
+    """``os.<name>`` fails inside ``write_atomically`` (the commit) only."""
+    original = fw.write_atomically
+    failing = ModuleProxy(os, **{name: _fail_at(1, err, getattr(os, name))})
+
+    def commit(*args: Any, **kwargs: Any) -> Any:
+        fw.os = failing
+        try:
+            return original(*args, **kwargs)
+        finally:
+            fw.os = os
+
+    monkeypatch.setattr(fw, "write_atomically", commit)
+
+
 def _inject(monkeypatch: pytest.MonkeyPatch, where: str, err: int) -> None:
-    if where.startswith("os."):
+    if where.startswith("commit:os."):
+        _during_commit(monkeypatch, where[len("commit:os."):], err)
+    elif where.startswith("os."):
         name, _, nth = where[3:].partition("#")
         monkeypatch.setattr(fw, "os", ModuleProxy(os, **{name: _fail_at(int(nth or 1), err, getattr(os, name))}))
     elif where.startswith("fsync_directory#"):
@@ -174,14 +192,14 @@ def _inject(monkeypatch: pytest.MonkeyPatch, where: str, err: int) -> None:
 # (where, errno, phase): a data-phase failure removes the save's data files; after the
 # rename the commit happened, and the error says syncing it failed.
 INJECTED = [
-    ("os.write#1", errno.EIO, "data"),  # the header of the data file
-    ("os.write#2", errno.ENOSPC, "data"),  # the first (largest) tensor
-    ("os.write#7", errno.EIO, "data"),  # a stored value
+    ("os.write#1", errno.EIO, "data"),  # the data files' writes, in whatever order the
+    ("os.write#2", errno.ENOSPC, "data"),  # writer threads issue them (headers, a big
+    ("os.write#3", errno.EIO, "data"),  # tensor, small items packed together)
     ("os.fsync#1", errno.EIO, "data"),
     ("fsync_directory#1", errno.EIO, "data"),
     ("metadata.write", errno.ENOSPC, "commit"),
-    ("os.fsync#3", errno.EIO, "commit"),  # the metadata's temporary file
-    ("os.replace", errno.EIO, "commit"),
+    ("commit:os.fsync", errno.EIO, "commit"),  # the metadata's temporary file
+    ("commit:os.replace", errno.EIO, "commit"),
     ("fsync_directory#2", errno.EIO, "committed"),  # the rename is done; its directory sync failed
 ]
 
@@ -216,4 +234,4 @@ def test_injected_io_error(
         assert_same_state(load_into_blank(tmp_path / "A", old), old)
     dcp.save(make_state(3), checkpoint_id=path, no_dist=True)  # the next save works and sweeps leftovers
     assert_same_state(load_into_blank(path, make_state(3)), make_state(3))
-    assert len(files_of(path)) == 2
+    assert_only_committed_files(path)

@@ -7,7 +7,10 @@ The driver forks one child per case (so the imports are paid once); the child
 saves checkpoint A completely, arms the fault hook, starts the scenario's
 next save, and the hook kills the child with SIGKILL at the chosen point: the
 ``nth`` call of ``target``, ``before`` it runs, ``after`` it returns, or in
-the ``mid``dle (half of the bytes written). With ``--no-fork`` the single case
+the ``mid``dle (half of the bytes written), counting only calls made
+``within`` a given writer function if asked; or once the data files of the
+save hold ``at_byte`` bytes (positions taken from A's data files: the states
+have the same layout). With ``--no-fork`` the single case
 runs in this process (used for the MindSpore case: MindSpore does not survive
 a fork). RESULTS_JSON maps each case name to how its process ended.
 
@@ -23,6 +26,7 @@ import os
 import pathlib
 import signal
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -74,24 +78,23 @@ class _HalfWriter:
 
 
 def _mid(original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """Run ``original`` on half of its byte argument, then die."""
-    if original is os.write:
-        fd, data = args
-        os.write(fd, memoryview(data)[: len(data) // 2])
-    elif original is builtins.open:
-        return _HalfWriter(original(*args, **kwargs))
-    else:
+    """Open the metadata's temporary file so that its write stops halfway."""
+    if original is not builtins.open:
         raise ValueError(f"no 'mid' hook for {original}")
-    die()
-    return None  # pragma: no cover
+    return _HalfWriter(original(*args, **kwargs))
 
 
-def _wrap(original: Callable[..., Any], nth: int, when: str, method: bool = False) -> Callable[..., Any]:
+def _wrap(original: Callable[..., Any], nth: int, when: str, active: Callable[[], bool]) -> Callable[..., Any]:
+    """``original``, except that its ``nth`` call while ``active()`` dies ``when`` asked."""
     calls = {"count": 0}
+    lock = threading.Lock()
 
     def hooked(*args: Any, **kwargs: Any) -> Any:
-        calls["count"] += 1
-        if calls["count"] != nth:
+        with lock:
+            if active():
+                calls["count"] += 1
+            fire = active() and calls["count"] == nth
+        if not fire:
             return original(*args, **kwargs)
         if when == "before":
             die()
@@ -104,27 +107,91 @@ def _wrap(original: Callable[..., Any], nth: int, when: str, method: bool = Fals
     return hooked
 
 
-def arm(hook: dict[str, Any]) -> None:
-    """Install the fault hook ``{"target", "nth", "when"}``."""
+def _write_until(limit: int) -> Callable[..., Any]:
+    """``os.write`` that dies once ``limit`` bytes of data files are written (cut inside a buffer)."""
+    written = {"count": 0}
+    lock = threading.Lock()
+
+    def hooked(fd: int, data: Any) -> int:
+        with lock:  # several writer threads: one running total
+            room = limit - written["count"]
+            if len(data) < room:
+                written["count"] += len(data)
+        if len(data) < room:
+            return os.write(fd, data)
+        if room > 0:
+            os.write(fd, memoryview(data)[:room])
+        die()
+        return 0  # pragma: no cover
+
+    return hooked
+
+
+def _byte_position(spec: str, reference: pathlib.Path) -> int:
+    """Resolve ``"8"``, ``"header/2"``, ``"header+1"``, ``"0.5"``, ``"-1"``, ``"size"``.
+
+    Against the data files of checkpoint ``reference``: ``size`` is their total,
+    ``header`` the header length of the first.
+    """
+    files = sorted(reference.glob("*.safetensors"))
+    raw = files[0].read_bytes()
+    header, size = 8 + int.from_bytes(raw[:8], "little"), sum(f.stat().st_size for f in files)
+    named = {"header/2": header // 2, "header": header, "header+1": header + 1, "size": size}
+    if spec in named:
+        return named[spec]
+    number = float(spec)
+    if number < 0:
+        return size + int(number)
+    return int(number) if number >= 1 else int(size * number)
+
+
+def _inside(function: str | None) -> Callable[[], bool]:
+    """A flag that is up while the writer module's ``function`` runs (always up for ``None``)."""
+    if function is None:
+        return lambda: True
+    name = function[len("fs."):]
+    original = getattr(fw, name)
+    depth = {"now": 0}
+
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        depth["now"] += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            depth["now"] -= 1
+
+    setattr(fw, name, tracked)
+    return lambda: depth["now"] > 0
+
+
+def arm(hook: dict[str, Any], reference: pathlib.Path) -> None:
+    """Install the fault hook ``{"target", "nth", "when", "within"}`` or ``{"target": "fs.os.write", "at_byte"}``.
+
+    ``at_byte`` positions refer to ``reference``, a checkpoint of the same layout saved before;
+    ``within`` counts only the calls made while that writer-module function runs.
+    """
     target, nth, when = hook["target"], int(hook.get("nth", 1)), hook.get("when", "before")
-    if target.startswith("fs.os."):  # os functions as the writer module sees them
+    active = _inside(hook.get("within"))
+    if "at_byte" in hook:
+        fw.os = _Proxy(os, {"write": _write_until(_byte_position(hook["at_byte"], reference))})
+    elif target.startswith("fs.os."):  # os functions as the writer module sees them
         name = target[len("fs.os."):]
-        fw.os = _Proxy(os, {name: _wrap(getattr(os, name), nth, when)})
+        fw.os = _Proxy(os, {name: _wrap(getattr(os, name), nth, when, active)})
     elif target == "fs.open":  # the metadata's temporary file (write_atomically)
-        fw.open = _wrap(builtins.open, nth, when)
+        fw.open = _wrap(builtins.open, nth, when, active)
     elif target.startswith("fs."):
         name = target[len("fs."):]
-        setattr(fw, name, _wrap(getattr(fw, name), nth, when))
+        setattr(fw, name, _wrap(getattr(fw, name), nth, when, active))
     elif target.startswith(("FileSystemWriter.", "StandardSavePlanner.")):
         owner, name = target.split(".")
         cls = fw.FileSystemWriter if owner == "FileSystemWriter" else StandardSavePlanner
-        setattr(cls, name, _wrap(getattr(cls, name), nth, when))
+        setattr(cls, name, _wrap(getattr(cls, name), nth, when, active))
     elif target == "Path.unlink":
-        pathlib.Path.unlink = _wrap(pathlib.Path.unlink, nth, when)
+        pathlib.Path.unlink = _wrap(pathlib.Path.unlink, nth, when, active)
     elif target == "manager.os.rename":
-        manager_module.os = _Proxy(os, {"rename": _wrap(os.rename, nth, when)})
+        manager_module.os = _Proxy(os, {"rename": _wrap(os.rename, nth, when, active)})
     elif target == "os.unlink":  # shutil.rmtree looks it up at call time
-        os.unlink = _wrap(os.unlink, nth, when)
+        os.unlink = _wrap(os.unlink, nth, when, active)
     elif target not in ("save.return", "async.done"):
         raise ValueError(f"unknown hook target {target!r}")
 
@@ -154,17 +221,26 @@ def run_case(case: dict[str, Any]) -> None:
         mgr = dcp.CheckpointManager(root / "steps", max_to_keep=2)
         mgr.save(1, make_state(1))
         mgr.save(2, make_state(2))
-        arm(hook)
+        arm(hook, mgr.directory(2))
         mgr.save(3, make_state(3))
     elif scenario == "resave_same_writer":
         writer = dcp.FileSystemWriter(a_dir)
         dcp.save(make_state(1), storage_writer=writer, no_dist=True)
-        arm(hook)
+        arm(hook, a_dir)
         dcp.save(make_state(2), storage_writer=writer, no_dist=True)
+    elif scenario == "async_fork":  # the hook kills the forked writer process; this one must see it
+        dcp.save(make_state(1), checkpoint_id=a_dir, no_dist=True)
+        arm(hook, a_dir)
+        handle = dcp.async_save(make_state(2), checkpoint_id=b_dir, no_dist=True, staging="fork")
+        try:
+            handle.result(timeout=60)
+        except dcp.CheckpointError as exc:
+            (root / "error.json").write_text(json.dumps({"type": type(exc).__name__, "message": str(exc)}))
+        die()
     elif scenario.startswith("async"):
         dcp.save(make_state(1), checkpoint_id=a_dir, no_dist=True)
         target = a_dir if scenario == "async_resave" else b_dir
-        arm(hook)
+        arm(hook, a_dir)
         handle = dcp.async_save(make_state(2), checkpoint_id=target, no_dist=True)
         if hook["target"] == "async.done":
             while not handle.done():
@@ -174,8 +250,8 @@ def run_case(case: dict[str, Any]) -> None:
     else:
         dcp.save(states(1), checkpoint_id=a_dir, no_dist=True)
         target = a_dir if scenario == "resave" else b_dir
-        writer = dcp.FileSystemWriter(target, thread_count=2) if scenario == "threads" else None
-        arm(hook)
+        writer = dcp.FileSystemWriter(target, thread_count=4) if scenario == "threads" else None
+        arm(hook, a_dir)
         if writer is not None:
             dcp.save(states(2), storage_writer=writer, no_dist=True)
         else:
