@@ -90,8 +90,9 @@ class DTensor:
         layout = Layout.from_any(layout)
         rank = platform.get_rank() if rank is None else int(rank)
         global_shape = _shape_of(full)
-        offsets = layout.shard_offsets(global_shape, rank)
-        local_shape = layout.local_shape(global_shape)
+        name = getattr(full, "name", None) if isinstance(getattr(full, "name", None), str) else None
+        offsets = layout.shard_offsets(global_shape, rank, name=name)
+        local_shape = layout.local_shape(global_shape, name=name)
         window = tuple(slice(o, o + n) for o, n in zip(offsets, local_shape))
         piece = platform.to_numpy(full)[window]
         if isinstance(full, np.ndarray):

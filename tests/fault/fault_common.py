@@ -23,7 +23,6 @@ __all__ = [
     "SCRIPTS_DIR",
     "REPO_ROOT",
     "make_state",
-    "count_items",
     "blank_like",
     "assert_same_state",
     "same_state",
@@ -67,15 +66,6 @@ def make_state(seed: int) -> dict[str, Any]:
         "blob": bytes((seed + i) % 256 for i in range(200)),
         "flag": bool(seed % 2),
     }
-
-
-def count_items(state: Any) -> int:
-    """Number of stored items (leaves after flattening) of a state from :func:`make_state`."""
-    if isinstance(state, dict):
-        return sum(count_items(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(count_items(v) for v in state)
-    return 1
 
 
 def blank_like(state: Any) -> Any:

@@ -177,8 +177,6 @@ def test_async_result_timeout(tmp_path: Path) -> None:
     assert np.array_equal(dcp.read_metadata(tmp_path / "c").state_dict_metadata["a"].size, (3,))
 
 
-@pytest.mark.xfail(strict=True, reason="dtensor.py: DTensor.from_global does not pass the Parameter's name to "
-                   "Layout.local_shape, so an uneven split says 'tensor', not which one")
 def test_uneven_split_of_a_parameter_names_it() -> None:
     param = ms.Parameter(ms.Tensor(np.ones((5, 4), np.float32)), name="layer.w")
     with pytest.raises(dcp.LayoutError, match="layer.w"):

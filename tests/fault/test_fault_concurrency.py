@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
-from hyper_parallel.core.distributed_checkpoint.async_queue import AsyncCallsQueue
 
 from fault_common import assert_same_state, blank_like, load_into_blank, make_state
 
@@ -114,13 +113,9 @@ def test_save_while_an_async_save_writes(tmp_path: Path) -> None:
     assert_same_state(load_into_blank(tmp_path / "sync", make_state(2)), make_state(2))
 
 
-@pytest.mark.xfail(strict=True, reason="async_checkpoint.py: concurrent async_save calls stage into the shared "
-                   "StagingPool buffers (same keys, shapes, dtypes), so one checkpoint commits the other's values "
-                   "with matching checksums; async_save needs a lock from finalizing through scheduling")
-def test_two_async_saves_from_two_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Thread 1 stages while thread 2's whole async save (staged, not yet written) is in flight."""
-    staging, resume, scheduled = threading.Event(), threading.Event(), threading.Event()
-    first = threading.current_thread()
+def test_two_async_saves_from_two_threads(tmp_path: Path) -> None:
+    """A second thread's async save waits for the first one's staging; both commit their own values."""
+    staging, resume = threading.Event(), threading.Event()
 
     class SlowStaging(dcp.StandardSavePlanner):
         def get_data(self, item: Any) -> Any:
@@ -129,25 +124,19 @@ def test_two_async_saves_from_two_threads(tmp_path: Path, monkeypatch: pytest.Mo
                 assert resume.wait(WAIT)
             return super().get_data(item)
 
-    original = AsyncCallsQueue.schedule_async_request
-
-    def schedule(queue: AsyncCallsQueue, request: Any) -> Any:
-        if threading.current_thread() is not first:
-            scheduled.set()  # thread 1 finished staging
-        return original(queue, request)
-
-    monkeypatch.setattr(AsyncCallsQueue, "schedule_async_request", schedule)
-    held = GatedWriter(tmp_path / "B")
     handles: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: handles.update(a=dcp.async_save(
+    first = threading.Thread(target=lambda: handles.update(a=dcp.async_save(
         make_state(1), checkpoint_id=tmp_path / "A", no_dist=True, planner=SlowStaging())))
-    thread.start()
+    first.start()
     assert staging.wait(WAIT)
-    handles["b"] = dcp.async_save(make_state(2), storage_writer=held, no_dist=True)
+    second = threading.Thread(target=lambda: handles.update(b=dcp.async_save(
+        make_state(2), checkpoint_id=tmp_path / "B", no_dist=True)))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive(), "the second async save must wait while the first one stages"
     resume.set()
-    assert scheduled.wait(WAIT)
-    held.gate.set()
-    thread.join(WAIT)
+    first.join(WAIT)
+    second.join(WAIT)
     handles["b"].result(timeout=WAIT)
     handles["a"].result(timeout=WAIT)
     assert_same_state(load_into_blank(tmp_path / "A", make_state(1)), make_state(1))

@@ -31,6 +31,7 @@ from hyper_parallel.cli.verify_cmd import verify_checkpoint
 from fault_common import (
     assert_only_committed_files,
     assert_same_state,
+    blank_like,
     files_of,
     load_into_blank,
     make_state,
@@ -197,10 +198,9 @@ def _check_manager(root: Path, expect_steps: list[int]) -> None:
     assert manager.all_steps() == expect_steps
     for step in expect_steps:
         assert_same_state(load_into_blank(manager.directory(step), make_state(step)), make_state(step))
-    state = {k: v for k, v in make_state(0).items()}
-    target = {"model": state["model"], "emb": state["emb"]}
-    assert manager.load(target) == expect_steps[-1]
-    assert np.array_equal(target["emb"], make_state(expect_steps[-1])["emb"])
+    target = blank_like(make_state(0))
+    assert manager.load(target) == expect_steps[-1]  # the latest committed step
+    assert_same_state(target, make_state(expect_steps[-1]))
     # The next save completes, retention keeps two steps and sweeps every leftover.
     manager.save(4, make_state(4))
     assert manager.all_steps() == [expect_steps[-1], 4]
@@ -211,7 +211,7 @@ def _check_mindspore(root: Path) -> None:
     rng = np.random.default_rng(101)
     bf16 = rng.standard_normal((48, 40))
     f32 = rng.standard_normal((33, 7)).astype(np.float32)
-    target = dict(make_state(0))
+    target = blank_like(make_state(1))
     target["ms"] = {
         "bf16": mindspore.Parameter(mindspore.Tensor(np.zeros((48, 40)), mindspore.bfloat16), name="bf16"),
         "f32": mindspore.Tensor(np.zeros((33, 7), np.float32)),
@@ -221,7 +221,8 @@ def _check_mindspore(root: Path) -> None:
     assert target["ms"]["bf16"].dtype == mindspore.bfloat16
     assert target["ms"]["bf16"].asnumpy().tobytes() == want_bf16.tobytes()
     assert target["ms"]["f32"].asnumpy().tobytes() == f32.tobytes()
-    assert np.array_equal(target["model"]["big"], make_state(1)["model"]["big"])
+    del target["ms"]
+    assert_same_state(target, make_state(1))
     _check_interrupted_new(root / "B")
 
 

@@ -22,6 +22,7 @@ import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.core.distributed_checkpoint import filesystem_writer as fw
 
 from fault_common import (
+    SCRIPTS_DIR,
     ModuleProxy,
     assert_only_committed_files,
     assert_same_state,
@@ -235,3 +236,22 @@ def test_injected_io_error(
     dcp.save(make_state(3), checkpoint_id=path, no_dist=True)  # the next save works and sweeps leftovers
     assert_same_state(load_into_blank(path, make_state(3)), make_state(3))
     assert_only_committed_files(path)
+
+
+# ------------------------------------------------------------------ every rank, under msrun
+
+
+@pytest.mark.msrun
+def test_disk_full_under_msrun_fails_on_every_rank(tmp_path: Path) -> None:
+    from msrun_harness import scenario_values  # pylint: disable=import-outside-toplevel
+    from msrun_harness import run_workers  # pylint: disable=import-outside-toplevel
+
+    with _tmpfs_or_skip(tmp_path / "disk", "size=256k") as disk:
+        results = run_workers(SCRIPTS_DIR / "disk_full_worker.py", workers=2, tmp_path=tmp_path / "launch",
+                              args=[str(disk)], timeout=300)
+        values = scenario_values(results, "disk_full")
+    for rank, value in enumerate(values):
+        assert "CheckpointIOError" in value["classes"] and "CollectiveStepError" in value["classes"], (rank, value)
+        assert "No space left on device" in value["message"] and value["failed_ranks"], (rank, value)
+        assert not value["b_committed"] and value["a_intact"], (rank, value)
+    assert values[0]["message"] == values[1]["message"], "every rank raises the same error"

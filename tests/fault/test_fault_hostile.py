@@ -309,8 +309,6 @@ def test_declared_sizes_never_allocate(base: Path, tmp_path: Path) -> None:
     assert results["header_at_the_limit"]["type"] == "CorruptCheckpointError", results["header_at_the_limit"]
 
 
-@pytest.mark.xfail(strict=True, reason="one_line.load_checkpoint(path) allocates np.zeros(size) from the metadata "
-                   "before any check: MemoryError, not a CheckpointError (one_line.py is not this suite's file)")
 def test_one_line_without_target_refuses_declared_sizes(base: Path, tmp_path: Path) -> None:
     huge = Case(base, tmp_path / "huge")
     _declare_huge_tensor(huge)

@@ -202,17 +202,29 @@ def async_save(
         raise CheckpointValueError(f"staging must be 'copy' or 'fork', got {staging!r}")
     if staging == "fork" and not hasattr(os, "fork"):
         raise CheckpointValueError("staging='fork' needs a POSIX system; use staging='copy'")
+    with _ASYNC_LOCK:  # one async save at a time, whichever thread calls: the staging buffers are shared
+        return _async_save_locked(
+            state_dict,
+            checkpoint_id=checkpoint_id,
+            storage_writer=storage_writer,
+            planner=planner,
+            no_dist=no_dist,
+            use_collectives=use_collectives,
+            remove_redundancy=remove_redundancy,
+            save_to_minimum_rank=save_to_minimum_rank,
+            staging=staging,
+        )
+
+
+_ASYNC_LOCK = threading.RLock()
+
+
+def _async_save_locked(state_dict: dict[str, Any], *, staging: str, **kwargs: Any) -> AsyncSaveHandle:
     queue = default_queue()
     queue.maybe_finalize_async_calls(blocking=True)
     session = prepare_save(
         state_dict,
-        checkpoint_id=checkpoint_id,
-        storage_writer=storage_writer,
-        planner=planner,
-        no_dist=no_dist,
-        use_collectives=use_collectives,
-        remove_redundancy=remove_redundancy,
-        save_to_minimum_rank=save_to_minimum_rank,
+        **kwargs,
     )
     if hasattr(session.writer, "background_cleanup"):
         session.writer.background_cleanup = True  # the commit runs on the caller's thread

@@ -24,7 +24,6 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
-    MetadataIndex,
     StorageMeta,
     TensorProperties,
     TensorStorageMetadata,

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint import api
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, UnsafeCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import TensorStorageMetadata
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardLoadPlanner, StandardSavePlanner
 from hyper_parallel.platform.tensor import from_numpy, is_cell, numpy_dtype
@@ -71,7 +71,13 @@ def load_checkpoint(checkpoint_id: Any, net: Any = None, **kwargs: Any) -> dict[
     target: dict[str, Any] = {}
     for fqn, item in metadata.state_dict_metadata.items():
         if isinstance(item, TensorStorageMetadata):
-            target[fqn] = np.zeros(item.size, dtype=numpy_dtype(item.properties.dtype))
+            try:
+                target[fqn] = np.zeros(item.size, dtype=numpy_dtype(item.properties.dtype))
+            except (MemoryError, ValueError) as exc:  # sizes come from the checkpoint
+                raise UnsafeCheckpointError(
+                    f"key '{fqn}': the checkpoint declares shape {list(item.size)}, too large to allocate; "
+                    "load into an existing state dict instead"
+                ) from exc
         elif item.global_shape:
             continue  # per-rank ShardedObjects have no single value
         else:

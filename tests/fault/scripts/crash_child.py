@@ -10,9 +10,9 @@ next save, and the hook kills the child with SIGKILL at the chosen point: the
 the ``mid``dle (half of the bytes written), counting only calls made
 ``within`` a given writer function if asked; or once the data files of the
 save hold ``at_byte`` bytes (positions taken from A's data files: the states
-have the same layout). With ``--no-fork`` the single case
-runs in this process (used for the MindSpore case: MindSpore does not survive
-a fork). RESULTS_JSON maps each case name to how its process ended.
+have the same layout). With ``--no-fork`` the single case runs in this
+process (used for the MindSpore case: MindSpore does not survive a fork).
+RESULTS_JSON maps each case name to how its process ended.
 
 No library code is changed: hooks wrap functions the writer looks up at call
 time (module globals of ``filesystem_writer``, planner and writer methods).
