@@ -220,19 +220,27 @@ def phase_save(state: dict[str, Any], work: Path, args: argparse.Namespace) -> d
 
 
 def phase_async(state: dict[str, Any], work: Path, args: argparse.Namespace) -> dict[str, list[float]]:
-    """Time ``dcp.async_save`` until it returns; ``.result()`` runs untimed. First call, then steady state."""
+    """Time ``dcp.async_save`` until it returns; ``.result()`` runs untimed. First call, then steady state.
+
+    Both staging modes: ``copy`` (reused host buffers) and ``fork`` (copy-on-write child writer).
+    """
     path = work / "async"
-    times: list[float] = []
-    for _ in range(1 + args.runs):
-        remove(path)
-        pretouch(args.pretouch_gb)
-        start = time.perf_counter()
-        handle = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=args.threads),
-                                no_dist=True)
-        times.append(time.perf_counter() - start)
-        handle.result()
+    out: dict[str, list[float]] = {}
+    for staging in ("copy", "fork"):
+        times: list[float] = []
+        for _ in range(1 + args.runs):
+            remove(path)
+            pretouch(args.pretouch_gb)
+            start = time.perf_counter()
+            handle = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=args.threads),
+                                    no_dist=True, staging=staging)
+            times.append(time.perf_counter() - start)
+            handle.result()
+        suffix = "" if staging == "copy" else ", fork"
+        out[f"dcp.async_save blocking{suffix}, first call"] = times[:1]
+        out[f"dcp.async_save blocking{suffix}, steady"] = times[1:]
     remove(path)
-    return {"dcp.async_save blocking, first call": times[:1], "dcp.async_save blocking, steady": times[1:]}
+    return out
 
 
 def save_for_load(state: dict[str, Any], work: Path, threads: int) -> Path:
@@ -394,10 +402,12 @@ def ratios(t: dict[str, float], args: argparse.Namespace, reshard: dict[str, Any
     best_save = min(t["dcp.save (1 thread)"], t[f"dcp.save ({T} threads)"])
     add("best dcp.save / ms.save_checkpoint+fsync", best_save / t["ms.save_checkpoint+fsync"], 1.0, "<")
     add("best dcp.save / ms.save_checkpoint (no fsync)", best_save / t["ms.save_checkpoint (no fsync)"], None)
-    for when in ("steady", "first call"):
-        blocking = t[f"dcp.async_save blocking, {when}"]
-        add(f"async blocking ({when}) / memcpy", blocking / t["host memcpy"], 1.5 if when == "steady" else None)
-        add(f"async blocking ({when}) / sync save", blocking / best_save, 0.1 if when == "steady" else None)
+    for mode in ("", ", fork"):
+        for when in ("steady", "first call"):
+            blocking = t[f"dcp.async_save blocking{mode}, {when}"]
+            label = f"async{mode} blocking ({when})"
+            add(f"{label} / memcpy", blocking / t["host memcpy"], 1.5 if when == "steady" else None)
+            add(f"{label} / sync save", blocking / best_save, 0.1 if when == "steady" else None)
     if reshard is not None:
         for verify in ("on", "off"):
             for counter in ("reader bytes_read", "/proc read_bytes"):

@@ -240,14 +240,13 @@ def _header_entry(
     A whole tensor is named by its key, a shard ``key@o0,o1``; a stored value is a ``U8`` array.
     """
     stored = metadata.state_dict_metadata.get(index.fqn)
-    if info.compression:
-        return index.fqn if not index.offset else f"{index.fqn}@{','.join(str(o) for o in index.offset)}", "U8", (
-            info.length,)
     if isinstance(stored, TensorStorageMetadata):
         shape = chunk_sizes.get(MetadataIndex(index.fqn, tuple(index.offset)), ())
         whole, dtype = shape == tuple(stored.size), SAFETENSORS_DTYPES.get(stored.properties.dtype, "?")
     else:
         whole, dtype, shape = False, "U8", (info.length,)
+    if info.compression:  # compressed items are stored as U8 arrays of their compressed bytes
+        dtype, shape = "U8", (info.length,)
     if whole or not index.offset:
         return index.fqn, dtype, shape
     return f"{index.fqn}@{','.join(str(o) for o in index.offset)}", dtype, shape

@@ -75,7 +75,7 @@ POINTS: list[tuple[str, dict, bool]] = [
     ("commit.before_directory_sync", {"target": "fs.fsync_directory", "within": "fs.write_atomically",
                                       "when": "before"}, True),
     ("commit.before_cleanup", {"target": "fs.write_atomically", "when": "after"}, True),
-    ("cleanup.start", {"target": "FileSystemWriter._remove_stale_files", "when": "before"}, True),
+    ("cleanup.start", {"target": "FileSystemWriter._stale_files", "when": "before"}, True),
     ("save.returned", {"target": "save.return"}, True),
 ]
 # Only a re-save has old data files to remove after its commit.

@@ -56,32 +56,28 @@ def _expand(local: SavePlan, received: _PlanDelta | SavePlan) -> SavePlan:
     return SavePlan(items=items, storage_data=received.storage_data, planner_data=received.planner_data)
 
 
-def _writer_for(checkpoint_id: CheckpointId | None, storage_writer: StorageWriter | None) -> StorageWriter:
-    if storage_writer is not None:
+def _storage_for(checkpoint_id: CheckpointId | None, storage: Any, default: type, verb: str) -> Any:
+    """The caller's storage (reset to ``checkpoint_id``), or the filesystem one for the id."""
+    if storage is not None:
         if checkpoint_id is not None:
-            storage_writer.reset(checkpoint_id)
-        return storage_writer
+            storage.reset(checkpoint_id)
+        return storage
+    kind = "storage_writer" if verb == "save" else "storage_reader"
     if checkpoint_id is None:
-        raise CheckpointValueError("save needs a checkpoint_id (a directory path) or a storage_writer")
-    if not FileSystemWriter.validate_checkpoint_id(checkpoint_id):
+        raise CheckpointValueError(f"{verb} needs a checkpoint_id (a directory path) or a {kind}")
+    if not default.validate_checkpoint_id(checkpoint_id):
         raise CheckpointValueError(
-            f"checkpoint_id {checkpoint_id!r} is not a filesystem path; pass a directory path or a storage_writer"
+            f"checkpoint_id {checkpoint_id!r} is not a filesystem path; pass a directory path or a {kind}"
         )
-    return FileSystemWriter(checkpoint_id)
+    return default(checkpoint_id)
+
+
+def _writer_for(checkpoint_id: CheckpointId | None, storage_writer: StorageWriter | None) -> StorageWriter:
+    return _storage_for(checkpoint_id, storage_writer, FileSystemWriter, "save")
 
 
 def _reader_for(checkpoint_id: CheckpointId | None, storage_reader: StorageReader | None) -> StorageReader:
-    if storage_reader is not None:
-        if checkpoint_id is not None:
-            storage_reader.reset(checkpoint_id)
-        return storage_reader
-    if checkpoint_id is None:
-        raise CheckpointValueError("load needs a checkpoint_id (a directory path) or a storage_reader")
-    if not FileSystemReader.validate_checkpoint_id(checkpoint_id):
-        raise CheckpointValueError(
-            f"checkpoint_id {checkpoint_id!r} is not a filesystem path; pass a directory path or a storage_reader"
-        )
-    return FileSystemReader(checkpoint_id)
+    return _storage_for(checkpoint_id, storage_reader, FileSystemReader, "load")
 
 
 @dataclass

@@ -384,15 +384,15 @@ class FileSystemWriter(StorageWriter):
         except OSError as exc:
             raise CheckpointIOError(f"committing checkpoint {self.path} failed: {exc}") from exc
         # Files of older saves are garbage once the new metadata is durable.
-        # An async save's commit deletes them off the caller's path (unlinking
-        # large files takes time); see ``background_cleanup``.
+        # The list is taken now; an async save's commit deletes them off the
+        # caller's path (unlinking large files takes time), and files of a
+        # later save, created meanwhile, are never in the list.
         self.wait_cleanup()
+        stale = self._stale_files(name)
         if not self.background_cleanup:
-            self._remove_stale_files(name)
+            _unlink_all(stale)
             return committed
-        self._cleanup = threading.Thread(
-            target=self._remove_stale_files, args=(name,), name="hp-ckpt-cleanup", daemon=True
-        )
+        self._cleanup = threading.Thread(target=_unlink_all, args=(stale,), name="hp-ckpt-cleanup", daemon=True)
         self._cleanup.start()
         return committed
 
@@ -402,25 +402,27 @@ class FileSystemWriter(StorageWriter):
             self._cleanup.join()
             self._cleanup = None
 
-    def _remove_stale_files(self, committed_name: str) -> None:
-        """Delete data files of older saves that no committed metadata references.
+    def _stale_files(self, committed_name: str) -> list[Path]:
+        """Data files of older saves that no committed metadata references.
 
         With rank-local metadata only this rank's files are candidates. If any
         other metadata file cannot be parsed, nothing is deleted.
         """
         referenced = _files_referenced_by_others(self.path, committed_name)
         if referenced is None:
-            return
+            return []
+        stale = []
         for entry in os.scandir(self.path):
             if entry.name.startswith(".") and entry.name.endswith(".partial") and not self.rank_local:
-                Path(entry.path).unlink(missing_ok=True)
+                stale.append(Path(entry.path))
                 continue
             match = DATA_FILE_PATTERN.match(entry.name)
             if not match or match.group(3) == self.save_id or entry.name in referenced:
                 continue
             if self.rank_local and int(match.group(1)) != self.rank:
                 continue
-            Path(entry.path).unlink(missing_ok=True)
+            stale.append(Path(entry.path))
+        return stale
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: CheckpointId) -> bool:
@@ -428,6 +430,11 @@ class FileSystemWriter(StorageWriter):
         if isinstance(checkpoint_id, os.PathLike):
             return True
         return isinstance(checkpoint_id, str) and bool(checkpoint_id) and "://" not in checkpoint_id
+
+
+def _unlink_all(paths: list[Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
 
 
 def _files_referenced_by_others(path: Path, committed_name: str) -> set[str] | None:

@@ -267,6 +267,7 @@ def _entry_of(
             raise CorruptCheckpointError(f"{where}: unknown checksum algorithm {checksum.algorithm!r}")
         if checksum.block_shape and (
             sizes is None
+            or len(sizes) < 2
             or info.compression
             or len(checksum.block_shape) != len(sizes)
             or tuple(checksum.block_shape[1:-1]) != tuple(sizes[1:-1])
