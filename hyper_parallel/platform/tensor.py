@@ -138,8 +138,7 @@ def dtype_name(value: Any) -> str:
         TypeError: the dtype is not one the checkpoint stores.
     """
     if is_tensor(value):
-        dtype = value.asnumpy().dtype if str(value.dtype) == "BFloat16" else None
-        name = "bfloat16" if dtype is not None else _ms_dtype_name(value.dtype)
+        name = _ms_dtype_name(value.dtype)  # no asnumpy(): building a bf16 view parses a buffer format
     else:
         dtype = value.dtype if hasattr(value, "dtype") else np.dtype(value)
         name = np.dtype(dtype).name

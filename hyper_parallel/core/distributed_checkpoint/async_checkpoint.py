@@ -72,11 +72,20 @@ class StagingPool:
                 copies.append((target[start : start + _PIECE_BYTES], source[start : start + _PIECE_BYTES]))
             kept[key] = buffer
             staged[index] = buffer
-        if len(copies) > 1 and STAGING_THREADS > 1:
-            list(_copy_pool().map(lambda pair: np.copyto(pair[0], pair[1]), copies))
+        # One task per thread, each a balanced share of the pieces: a future per
+        # piece would cost more than copying thousands of small tensors.
+        shares: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(max(1, STAGING_THREADS))]
+        loads = [0] * len(shares)
+        for pair in sorted(copies, key=lambda p: -p[1].size):
+            lightest = loads.index(min(loads))
+            shares[lightest].append(pair)
+            loads[lightest] += pair[1].size
+        busy = [share for share in shares if share]
+        if len(busy) > 1:
+            list(_copy_pool().map(_copy_all, busy))
         else:
-            for target, source in copies:
-                np.copyto(target, source)
+            for share in busy:
+                _copy_all(share)
         self._buffers = kept
         return staged
 
@@ -85,6 +94,11 @@ class StagingPool:
 STAGING_THREADS = 2
 _PIECE_BYTES = 32 << 20
 _COPY_POOL: ThreadPoolExecutor | None = None
+
+
+def _copy_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    for target, source in pairs:
+        np.copyto(target, source)
 
 
 def _copy_pool() -> ThreadPoolExecutor:
