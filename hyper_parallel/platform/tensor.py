@@ -99,10 +99,13 @@ def writable_view(value: Any) -> np.ndarray | None:
     if not is_tensor(value):
         return None
     first = value.asnumpy()
-    second = value.asnumpy()
     if first.size == 0:
         return first
-    same = first.__array_interface__["data"][0] == second.__array_interface__["data"][0]
+    try:
+        own = int(value.data_ptr())  # the tensor's own memory (one cheap call)
+    except (AttributeError, RuntimeError, TypeError):
+        own = value.asnumpy().__array_interface__["data"][0]  # a second view: same memory if shared
+    same = first.__array_interface__["data"][0] == own
     return first if same and first.flags.writeable else None
 
 
