@@ -21,6 +21,8 @@ from hyper_parallel.core.distributed_checkpoint.metadata import ChunkStorageMeta
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 
+__all__ = ["make_plans", "main"]
+
 def make_plans(ranks: int, tensors: int) -> list[SavePlan]:
     """Local plans of ``ranks`` ranks, each with ``tensors`` items."""
     props = TensorProperties(dtype="float32")

@@ -20,6 +20,8 @@ import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel import DTensor, Layout
 
 
+__all__ = ["main"]
+
 def main() -> None:
     """Save, load, check and report."""
     parser = argparse.ArgumentParser(description=__doc__)
