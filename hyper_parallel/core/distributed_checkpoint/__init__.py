@@ -6,7 +6,7 @@
 
 Where things are: planning in :mod:`.planner` (types), :mod:`.standard_planner`
 and :mod:`.global_plan` (the coordinator's merge); bytes written in
-:mod:`.filesystem_writer`; bytes read in :mod:`.filesystem_reader`; layouts cut
+:mod:`.filesystem_writer`; bytes read in :mod:`.filesystem_reader` and :mod:`.run_reads`; layouts cut
 in :mod:`hyper_parallel.core.layout`; the steps in order in :mod:`.api`.
 """
 

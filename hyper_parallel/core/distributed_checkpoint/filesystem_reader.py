@@ -6,14 +6,14 @@ inside its stored chunk (:mod:`.byte_ranges`) and reads exactly those with
 allow. With checksum verification on (the default) it reads whole checksum
 blocks instead, verifies each, and copies the needed runs out; blocks are read
 in segments bounded by ``max_inflight_bytes``, so memory stays bounded
-whatever the file size.
+whatever the file size. The run-level reading and verifying is in
+:mod:`.run_reads`.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import threading
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint.byte_ranges import Runs, box_runs, split_box
-from hyper_parallel.core.distributed_checkpoint.checksum import ALGORITHM, digest, grid_shape
+from hyper_parallel.core.distributed_checkpoint.checksum import ALGORITHM, digest
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
     CheckpointIOError,
@@ -39,6 +39,14 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from hyper_parallel.core.distributed_checkpoint.metadata_json import check_consistency, metadata_from_json
+from hyper_parallel.core.distributed_checkpoint.run_reads import (
+    read_runs,
+    read_runs_verified,
+    read_tiles,
+    release_scratch,
+    run_rows,
+    scratch,
+)
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, StorageReader
 from hyper_parallel.platform.tensor import DTYPE_NAMES, numpy_dtype
@@ -191,7 +199,7 @@ class FileSystemReader(StorageReader):
                 with ThreadPoolExecutor(max_workers=len(work), thread_name_prefix="hp-ckpt-read") as pool:
                     counts = list(pool.map(lambda g: self._read_group(g, planner), work))
             self.bytes_read += sum(counts)
-            _SCRATCH.buffers = None  # do not keep the caller thread's scratch after the load
+            release_scratch()  # do not keep the caller thread's scratch after the load
             future.set_result(None)
         except OSError as exc:
             if isinstance(exc, CheckpointError):  # already says what went wrong (a CheckpointNotFoundError)
@@ -258,7 +266,7 @@ class FileSystemReader(StorageReader):
         dest = planner.acquire_tensor(item)
         stored_dtype = numpy_dtype(stored.properties.dtype)
         if self.verify_checksums and info.checksum is not None and info.checksum.block_shape:
-            count = self._read_tiles(fd, path, fqn, info, chunk_sizes, stored_dtype, item, dest)
+            count = read_tiles(fd, path, fqn, info, chunk_sizes, stored_dtype, item, dest)
             planner.apply_tensor(item, dest)
             return count
         count = 0
@@ -270,69 +278,14 @@ class FileSystemReader(StorageReader):
             if runs.total == 0:
                 continue
             region = dest[tuple(slice(o, o + n) for o, n in zip(sub_offsets, sub_lengths))] if dest.ndim else dest
-            rows = _run_rows(region, runs, stored_dtype)
+            rows = run_rows(region, runs, stored_dtype)
             if rows is not None:
                 count += self._fill(fd, path, fqn, info, runs, rows)
                 continue
-            staging = _scratch(runs.total).reshape(runs.starts.size, runs.length)
+            staging = scratch(runs.total).reshape(runs.starts.size, runs.length)
             count += self._fill(fd, path, fqn, info, runs, staging)
             np.copyto(region, staging.view(stored_dtype).reshape(sub_lengths), casting="unsafe")
         planner.apply_tensor(item, dest)
-        return count
-
-    def _read_tiles(
-        self,
-        fd: int,
-        path: Path,
-        fqn: str,
-        info: StorageInfo,
-        sizes: tuple[int, ...],
-        stored_dtype: np.dtype,
-        item: ReadItem,
-        dest: np.ndarray,
-    ) -> int:
-        """Read the checksum tiles the region touches, verify each, copy the region out.
-
-        One row slab of tiles at a time (bounded memory); only the column
-        groups the region needs are read.
-        """
-        block = info.checksum.block_shape
-        if len(block) != len(sizes) or tuple(block[1:-1]) != tuple(sizes[1:-1]):
-            raise CorruptCheckpointError(f"key '{fqn}' in {path}: checksum tiles {list(block)} do not fit the chunk")
-        itemsize = stored_dtype.itemsize
-        rows, width = block[0], block[-1]
-        grid_rows, grid_columns = grid_shape(sizes, block)
-        if len(info.checksum.digests) != grid_rows * grid_columns:
-            raise CorruptCheckpointError(f"key '{fqn}' in {path}: wrong number of tile checksums")
-        low, lengths = item.storage_offsets, item.lengths
-        first_column, last_column = low[-1] // width, (low[-1] + lengths[-1] - 1) // width
-        column_start = first_column * width
-        column_end = min((last_column + 1) * width, sizes[-1])
-        inner = math.prod(sizes[1:-1])
-        count = 0
-        for slab in range(low[0] // rows, (low[0] + lengths[0] - 1) // rows + 1):
-            row_start = slab * rows
-            box_offsets = (row_start,) + (0,) * (len(sizes) - 2) + (column_start,)
-            box_lengths = (min(rows, sizes[0] - row_start),) + tuple(sizes[1:-1]) + (column_end - column_start,)
-            runs = box_runs(sizes, itemsize, box_offsets, box_lengths)
-            buffer = _scratch(runs.total).reshape(runs.starts.size, runs.length)
-            count += self._fill(fd, path, fqn, info, runs, buffer, verify=False)
-            cube = buffer.reshape(box_lengths[0], inner, (column_end - column_start) * itemsize)
-            for column in range(first_column, last_column + 1):
-                start = (column * width - column_start) * itemsize
-                stop = (min((column + 1) * width, sizes[-1]) - column_start) * itemsize
-                tile = np.ascontiguousarray(cube[:, :, start:stop])
-                if digest(tile) != info.checksum.digests[slab * grid_columns + column]:
-                    raise CorruptCheckpointError(
-                        f"checksum mismatch in data file {path}, key '{fqn}' (tile {slab},{column} of the chunk "
-                        f"at offset {list(item.storage_index.offset)}): the checkpoint is corrupt"
-                    )
-            box = buffer.view(stored_dtype).reshape(box_lengths)
-            lo = [max(a, b) for a, b in zip(low, box_offsets)]
-            hi = [min(a + n, b + m) for a, n, b, m in zip(low, lengths, box_offsets, box_lengths)]
-            source = box[tuple(slice(a - b, c - b) for a, c, b in zip(lo, hi, box_offsets))]
-            target = dest[tuple(slice(a - b, c - b) for a, c, b in zip(lo, hi, low))]
-            np.copyto(target, source, casting="unsafe")
         return count
 
     def _read_compressed(
@@ -394,75 +347,8 @@ class FileSystemReader(StorageReader):
                     )
             return 0
         if verify and self.verify_checksums and info.checksum is not None and not info.checksum.block_shape:
-            return self._fill_verified(fd, path, fqn, info, runs, target)
-        length = runs.length
-        for position, start in enumerate(runs.starts.tolist()):
-            got = os.preadv(fd, [target[position]], info.offset + start)
-            if got != length:
-                raise CorruptCheckpointError(f"data file {path} is truncated while reading key '{fqn}'")
-        return runs.total
-
-    def _fill_verified(self, fd: int, path: Path, fqn: str, info: StorageInfo, runs: Runs, target: np.ndarray) -> int:
-        checksum = info.checksum
-        block = checksum.block_bytes
-        nblocks = max(1, -(-info.length // block))
-        if len(checksum.digests) != nblocks:
-            raise CorruptCheckpointError(
-                f"key '{fqn}' in {path}: metadata lists {len(checksum.digests)} checksums for {nblocks} blocks"
-            )
-        if runs.starts.size == 1 and runs.length == info.length and target[0].flags.c_contiguous:
-            # The whole item: read straight into the target, verify it in place.
-            got = os.preadv(fd, [target[0]], info.offset)
-            if got != info.length:
-                raise CorruptCheckpointError(f"data file {path} is truncated while reading key '{fqn}'")
-            view = memoryview(target[0]).cast("B")
-            for index in range(nblocks):
-                if digest(view[index * block : (index + 1) * block]) != checksum.digests[index]:
-                    raise CorruptCheckpointError(
-                        f"checksum mismatch in data file {path}, key '{fqn}' (bytes {info.offset + index * block}.."
-                        f"{info.offset + min((index + 1) * block, info.length)}): the checkpoint is corrupt"
-                    )
-            return info.length
-        starts = runs.starts
-        first = starts // block
-        last = (starts + runs.length - 1) // block
-        marks = np.zeros(nblocks + 1, dtype=np.int64)
-        np.add.at(marks, first, 1)
-        np.add.at(marks, last + 1, -1)
-        touched = np.flatnonzero(np.cumsum(marks)[:-1] > 0)
-        per_segment = max(1, self.max_inflight_bytes // block)
-        segments: list[tuple[int, int]] = []
-        for blk in touched.tolist():
-            if segments and segments[-1][1] == blk and blk - segments[-1][0] < per_segment:
-                segments[-1] = (segments[-1][0], blk + 1)
-            else:
-                segments.append((blk, blk + 1))
-        read = 0
-        length = runs.length
-        for first_block, end_block in segments:
-            seg_start = first_block * block
-            seg_end = min(end_block * block, info.length)
-            buffer = _scratch(seg_end - seg_start, slot=1)
-            got = os.preadv(fd, [buffer], info.offset + seg_start)
-            if got != buffer.size:
-                raise CorruptCheckpointError(f"data file {path} is truncated while reading key '{fqn}'")
-            read += got
-            for blk in range(first_block, end_block):
-                lo = blk * block - seg_start
-                if digest(memoryview(buffer[lo : lo + block])) != checksum.digests[blk]:
-                    raise CorruptCheckpointError(
-                        f"checksum mismatch in data file {path}, key '{fqn}' (bytes {info.offset + blk * block}.."
-                        f"{info.offset + min((blk + 1) * block, info.length)}): the checkpoint is corrupt"
-                    )
-            lo_run = int(np.searchsorted(starts, seg_start - length, side="right"))
-            hi_run = int(np.searchsorted(starts, seg_end, side="left"))
-            for position in range(lo_run, hi_run):
-                start = int(starts[position])
-                ov_start, ov_end = max(start, seg_start), min(start + length, seg_end)
-                if ov_start >= ov_end:
-                    continue
-                target[position, ov_start - start : ov_end - start] = buffer[ov_start - seg_start : ov_end - seg_start]
-        return read
+            return read_runs_verified(fd, path, fqn, info, runs, target, self.max_inflight_bytes)
+        return read_runs(fd, path, fqn, info, runs, target)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: CheckpointId) -> bool:
@@ -470,42 +356,3 @@ class FileSystemReader(StorageReader):
         if isinstance(checkpoint_id, os.PathLike):
             return True
         return isinstance(checkpoint_id, str) and bool(checkpoint_id) and "://" not in checkpoint_id
-
-
-def _run_rows(region: np.ndarray, runs: Runs, stored_dtype: np.dtype) -> np.ndarray | None:
-    """A ``uint8`` (runs, run bytes) view of ``region`` to read straight into, or ``None``.
-
-    Possible when the target has the stored dtype and each run is contiguous
-    in the target's memory (the rows may be strided).
-    """
-    if region.dtype != stored_dtype or runs.length % region.itemsize:
-        return None
-    view = region.view()
-    try:
-        view.shape = (runs.starts.size, runs.length // region.itemsize)
-    except AttributeError:
-        return None
-    if view.shape[1] > 1 and view.strides[1] != region.itemsize:
-        return None
-    if not view.flags.writeable:
-        return None
-    return view.view(np.uint8)
-
-
-_SCRATCH = threading.local()
-
-
-def _scratch(nbytes: int, slot: int = 0) -> np.ndarray:
-    """A per-thread reusable ``uint8`` buffer of ``nbytes`` (grown on demand).
-
-    Reusing it keeps the reader's extra memory at the in-flight bound instead
-    of leaving freed buffers to the allocator. ``slot`` separates buffers in
-    use at the same time.
-    """
-    buffers = getattr(_SCRATCH, "buffers", None)
-    if buffers is None:
-        buffers = _SCRATCH.buffers = {}
-    buffer = buffers.get(slot)
-    if buffer is None or buffer.size < nbytes:
-        buffer = buffers[slot] = np.empty(max(nbytes, 1), dtype=np.uint8)
-    return buffer[:nbytes]
