@@ -94,3 +94,17 @@ def test_many_small_tensors_are_packed_into_few_writes(tmp_path):
     target = {f"s{i}": np.zeros(10, np.int16) for i in range(300)}
     dcp.load(target, checkpoint_id=tmp_path / "c")
     assert all(target[f"s{i}"][0] == i for i in range(300))
+
+
+def test_automatic_thread_count_by_size(tmp_path):
+    from hyper_parallel.core.distributed_checkpoint.filesystem_writer import AUTO_THREAD_BYTES
+
+    small = {"a": np.ones(1000, np.float32)}
+    dcp.save(small, checkpoint_id=tmp_path / "small")
+    assert len(list((tmp_path / "small").glob("*.safetensors"))) == 1
+    big = {f"b{i}": np.full(AUTO_THREAD_BYTES // 16, i, np.float32) for i in range(5)}  # 1.25x the threshold
+    dcp.save(big, checkpoint_id=tmp_path / "big")
+    assert len(list((tmp_path / "big").glob("*.safetensors"))) == 2
+    target = {f"b{i}": np.zeros(AUTO_THREAD_BYTES // 16, np.float32) for i in range(5)}
+    dcp.load(target, checkpoint_id=tmp_path / "big")
+    assert all(np.all(target[f"b{i}"] == i) for i in range(5))

@@ -46,6 +46,7 @@ from hyper_parallel.platform.tensor import DTYPE_NAMES
 from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, StorageWriter, WriteResult
 
 __all__ = [
+    "AUTO_THREAD_BYTES",
     "METADATA_FILE",
     "DATA_FILE_PATTERN",
     "FileSystemWriter",
@@ -59,6 +60,8 @@ METADATA_FILE = "metadata.json"
 #: Data file names: ``r<rank>_<counter>.<save id>.safetensors``.
 DATA_FILE_PATTERN = re.compile(r"^r(\d{5})_(\d{3})\.([0-9a-f]{12})\.safetensors$")
 _WRITE_CHUNK = 1 << 30
+#: With ``thread_count=None`` a rank writing at least this many bytes uses 2 files and threads.
+AUTO_THREAD_BYTES = 64 << 20
 
 
 def rank_metadata_file(rank: int) -> str:
@@ -159,7 +162,9 @@ class FileSystemWriter(StorageWriter):
     Args:
         path: The checkpoint directory (created if missing).
         sync_files: fsync data files, metadata and directory (durability).
-        thread_count: Data files (and I/O threads) per rank.
+        thread_count: Data files (and I/O threads) per rank; ``None`` (default):
+            2 when the rank writes at least :data:`AUTO_THREAD_BYTES`, else 1
+            (two streams overlap hashing with writing; small saves stay one file).
         checksum_block_bytes: Block size of the stored checksums.
         rank_local: Write rank-local metadata (``use_collectives=False``).
         compression: ``None`` (default) or ``"zstd"``: each item compressed
@@ -180,7 +185,7 @@ class FileSystemWriter(StorageWriter):
         path: CheckpointId,
         *,
         sync_files: bool = True,
-        thread_count: int = 1,
+        thread_count: int | None = None,
         checksum_block_bytes: int = DEFAULT_BLOCK_BYTES,
         rank_local: bool = False,
         compression: str | None = None,
@@ -194,7 +199,7 @@ class FileSystemWriter(StorageWriter):
             _zstd()
         if checksum_block_bytes < 1:
             raise CheckpointValueError(f"checksum_block_bytes must be >= 1, got {checksum_block_bytes}")
-        if thread_count < 1:
+        if thread_count is not None and thread_count < 1:
             raise CheckpointValueError(f"thread_count must be >= 1, got {thread_count}")
         self.path = Path(os.fspath(path))
         self.sync_files = sync_files
@@ -255,8 +260,11 @@ class FileSystemWriter(StorageWriter):
     def _jobs(self, plan: SavePlan) -> list[_FileJob]:
         save_id = (plan.storage_data or {}).get("save_id", self.save_id)
         self.save_id = save_id
-        bins: list[list[WriteItem]] = [[] for _ in range(self.thread_count)]
-        loads = [0] * self.thread_count
+        threads = self.thread_count
+        if threads is None:
+            threads = 2 if sum(item.storage_size() for item in plan.items) >= AUTO_THREAD_BYTES else 1
+        bins: list[list[WriteItem]] = [[] for _ in range(threads)]
+        loads = [0] * threads
         for item in sorted(plan.items, key=lambda i: -i.storage_size()):
             target = loads.index(min(loads))
             bins[target].append(item)
