@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint.api import read_metadata
-from hyper_parallel.core.distributed_checkpoint.checksum import ALGORITHM, digest
+from hyper_parallel.core.distributed_checkpoint.checksum import ALGORITHM, bad_blocks
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import DATA_FILE_PATTERN
@@ -172,12 +172,8 @@ def read_stored_bytes(directory: Path, metadata: Metadata, index: MetadataIndex)
     if len(data) != info.length:
         raise CorruptCheckpointError(f"data file {path} is truncated while reading key '{index.fqn}'")
     checksum = info.checksum
-    if checksum is not None and checksum.algorithm == ALGORITHM:
-        block = checksum.block_bytes
-        starts = range(0, max(len(data), 1), block)
-        for position, start in enumerate(starts):
-            if position >= len(checksum.digests) or digest(data[start : start + block]) != checksum.digests[position]:
-                raise CorruptCheckpointError(f"checksum mismatch in data file {path}, key '{index.fqn}'")
+    if checksum is not None and checksum.algorithm == ALGORITHM and bad_blocks(data, checksum, None, 1):
+        raise CorruptCheckpointError(f"checksum mismatch in data file {path}, key '{index.fqn}'")
     return data
 
 

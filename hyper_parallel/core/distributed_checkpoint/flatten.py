@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
+from hyper_parallel.core.distributed_checkpoint.mapping import ShardedObject, ShardedTensor
 from hyper_parallel.platform.tensor import is_cell
 
 __all__ = ["PathElement", "FlatStateDict", "flatten_state_dict", "set_by_path", "structure_of", "unflatten"]
@@ -44,9 +45,7 @@ class FlatStateDict:
 
 
 def _own_key(value: Any) -> str | None:
-    from hyper_parallel.core.distributed_checkpoint import mapping  # pylint: disable=import-outside-toplevel
-
-    if isinstance(value, (mapping.ShardedTensor, mapping.ShardedObject)):
+    if isinstance(value, (ShardedTensor, ShardedObject)):
         return value.key
     return None
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint.byte_ranges import Runs, box_runs
-from hyper_parallel.core.distributed_checkpoint.checksum import digest, grid_shape
+from hyper_parallel.core.distributed_checkpoint.checksum import bad_blocks, digest, grid_shape
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import StorageInfo
 from hyper_parallel.core.distributed_checkpoint.planner import ReadItem
@@ -56,13 +56,12 @@ def read_runs_verified(
         got = os.preadv(fd, [target[0]], info.offset)
         if got != info.length:
             raise CorruptCheckpointError(f"data file {path} is truncated while reading key '{fqn}'")
-        view = memoryview(target[0]).cast("B")
-        for index in range(nblocks):
-            if digest(view[index * block : (index + 1) * block]) != checksum.digests[index]:
-                raise CorruptCheckpointError(
-                    f"checksum mismatch in data file {path}, key '{fqn}' (bytes {info.offset + index * block}.."
-                    f"{info.offset + min((index + 1) * block, info.length)}): the checkpoint is corrupt"
-                )
+        bad = bad_blocks(memoryview(target[0]), checksum, None, 1)
+        if bad:
+            raise CorruptCheckpointError(
+                f"checksum mismatch in data file {path}, key '{fqn}' (bytes {info.offset + bad[0] * block}.."
+                f"{info.offset + min((bad[0] + 1) * block, info.length)}): the checkpoint is corrupt"
+            )
         return info.length
     starts = runs.starts
     first = starts // block
