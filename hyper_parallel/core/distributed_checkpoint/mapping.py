@@ -11,7 +11,7 @@ describes a flat slice of the local shard, as a distributed optimizer holds.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Union
 
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
@@ -250,7 +250,6 @@ class ShardedTensorFactory:
     build_fn: Callable[..., Any]
     merge_fn: Callable[[Any], Any]
     replica_id: Any = 0
-    built: Any = field(default=None, repr=False)
 
     def build(self) -> Any:
         """Run ``build_fn`` and return its sharded state."""

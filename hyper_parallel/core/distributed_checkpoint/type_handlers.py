@@ -83,9 +83,6 @@ __all__ = [
 ]
 
 _PICKLE_HANDLER = PickleHandler()
-_REGISTER_HINT = REGISTER_HINT
-_qualified_name = qualified_name
-_pickle_refusal = pickle_refusal
 
 
 # ------------------------------------------------------------------ registry
@@ -135,7 +132,7 @@ class TypeHandlerRegistry:
             existing = self._by_type.get(type_)
             if existing is not None and existing is not handler and not override:
                 raise CheckpointValueError(
-                    f"type {_qualified_name(type_)} already has a type handler "
+                    f"type {qualified_name(type_)} already has a type handler "
                     f"({type(existing).__name__}, type string {existing.type_string!r}); "
                     "pass override=True to replace it"
                 )
@@ -189,7 +186,7 @@ class TypeHandlerRegistry:
                 known = ", ".join(repr(s) for s in sorted([*self._by_string, PICKLE_TYPE_STRING]))
                 raise UnsupportedFormatError(
                     f"unknown stored type {type_string!r}: no registered type handler has this "
-                    f"type string (known: {known}); {_REGISTER_HINT} to load it"
+                    f"type string (known: {known}); {REGISTER_HINT} to load it"
                 )
             return handler
 
@@ -253,7 +250,7 @@ class ContainerHandler(TypeHandler):
             return {"l" if isinstance(value, list) else "t": [self._encode(v, depth + 1) for v in value]}
         handler = _default.handler_for_value(value)
         if handler is None or isinstance(handler, ContainerHandler):
-            raise UnsupportedTypeError(f"no type handler for {_qualified_name(type(value))} inside the container")
+            raise UnsupportedTypeError(f"no type handler for {qualified_name(type(value))} inside the container")
         return {"v": [handler.type_string, base64.b64encode(handler.serialize(value)).decode("ascii")]}
 
     def _decode(self, node: Any) -> Any:
@@ -312,19 +309,21 @@ def default_registry() -> TypeHandlerRegistry:
     return _default
 
 
-def register_type_handler(type_: type, handler: TypeHandler, override: bool = False) -> None:
-    """Register ``handler`` for ``type_`` in the default registry.
+def register_type_handler(type: type, handler: TypeHandler, override: bool = False) -> None:  # noqa: A002
+    """Register ``handler`` for ``type`` in the default registry.
+
+    The first parameter is named ``type`` as the public contract spells it.
 
     Args:
-        type_: The type (its subclasses use the handler too, unless they have their own).
+        type: The type (its subclasses use the handler too, unless they have their own).
         handler: The handler.
         override: Replace an existing registration instead of raising.
 
     Raises:
-        CheckpointValueError: ``type_`` or the handler's type string is already
+        CheckpointValueError: ``type`` or the handler's type string is already
             registered and ``override`` is false.
     """
-    _default.register(type_, handler, override=override)
+    _default.register(type, handler, override=override)
 
 
 def get_type_handler(type_: type) -> TypeHandler | None:
@@ -341,8 +340,8 @@ def _with_key(exc: CheckpointError, key: str) -> CheckpointError:
 
 def _unsupported(key: str, value: Any, reason: str) -> str:
     return (
-        f"cannot save checkpoint item {key!r} of type {_qualified_name(type(value))}: {reason}. "
-        f"Either {_REGISTER_HINT}, or pass allow_pickle=True (the value is then pickled, and "
+        f"cannot save checkpoint item {key!r} of type {qualified_name(type(value))}: {reason}. "
+        f"Either {REGISTER_HINT}, or pass allow_pickle=True (the value is then pickled, and "
         "loading it will need allow_pickle=True too)."
     )
 
@@ -388,8 +387,8 @@ def serialize_value(
         return PICKLE_TYPE_STRING, _PICKLE_HANDLER.serialize(value)
     except Exception as exc:
         raise UnsupportedTypeError(
-            f"cannot save checkpoint item {key!r}: pickling type {_qualified_name(type(value))} "
-            f"failed ({type(exc).__name__}: {exc}); {_REGISTER_HINT} instead"
+            f"cannot save checkpoint item {key!r}: pickling type {qualified_name(type(value))} "
+            f"failed ({type(exc).__name__}: {exc}); {REGISTER_HINT} instead"
         ) from exc
 
 
@@ -422,7 +421,7 @@ def deserialize_value(
     registry = _default if registry is None else registry
     if type_string == PICKLE_TYPE_STRING:
         if not allow_pickle:
-            raise UnsafeCheckpointError(_pickle_refusal(key))
+            raise UnsafeCheckpointError(pickle_refusal(key))
         try:
             return PickleHandler._loads_trusted(data)  # pylint: disable=protected-access
         except Exception as exc:
