@@ -42,15 +42,12 @@ def read_runs_verified(
 
     Blocks are read in segments of at most ``max_inflight_bytes``; an item
     read whole goes straight into the target and is verified in place.
+    Expects metadata that passed ``check_consistency`` (the reader's set-up).
     Returns the bytes read from storage.
     """
     checksum = info.checksum
     block = checksum.block_bytes
-    nblocks = max(1, -(-info.length // block))
-    if len(checksum.digests) != nblocks:
-        raise CorruptCheckpointError(
-            f"key '{fqn}' in {path}: metadata lists {len(checksum.digests)} checksums for {nblocks} blocks"
-        )
+    nblocks = max(1, -(-info.length // block))  # digest count checked by metadata_json.check_consistency
     if runs.starts.size == 1 and runs.length == info.length and target[0].flags.c_contiguous:
         # The whole item: read straight into the target, verify it in place.
         got = os.preadv(fd, [target[0]], info.offset)
@@ -120,14 +117,11 @@ def read_tiles(
     One row slab of tiles at a time (bounded memory); only the column
     groups the region needs are read.
     """
+    # Tile shape and digest count were checked against the chunk by metadata_json.check_consistency.
     block = info.checksum.block_shape
-    if len(block) != len(sizes) or tuple(block[1:-1]) != tuple(sizes[1:-1]):
-        raise CorruptCheckpointError(f"key '{fqn}' in {path}: checksum tiles {list(block)} do not fit the chunk")
     itemsize = stored_dtype.itemsize
     rows, width = block[0], block[-1]
-    grid_rows, grid_columns = grid_shape(sizes, block)
-    if len(info.checksum.digests) != grid_rows * grid_columns:
-        raise CorruptCheckpointError(f"key '{fqn}' in {path}: wrong number of tile checksums")
+    grid_columns = grid_shape(sizes, block)[1]
     low, lengths = item.storage_offsets, item.lengths
     first_column, last_column = low[-1] // width, (low[-1] + lengths[-1] - 1) // width
     column_start = first_column * width
