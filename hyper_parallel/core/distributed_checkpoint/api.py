@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyper_parallel import platform
+from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
 from hyper_parallel.core.distributed_checkpoint.collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
@@ -158,6 +159,7 @@ def run_save_writes(session: SaveSession, step: str = "write") -> Metadata:
     return session.dist.reduce_scatter(step, write_step, commit_step)
 
 
+@gc_paused
 def save(
     state_dict: dict[str, Any],
     *,
@@ -200,6 +202,7 @@ def save(
     return run_save_writes(session)
 
 
+@gc_paused
 def load(
     state_dict: dict[str, Any],
     *,
