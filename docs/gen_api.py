@@ -40,7 +40,7 @@ END_MARKER = "<!-- END GENERATED -->"
 _GROUPS = (
     ("api", "Save, load, read metadata"),
     ("async_checkpoint", "Async save"),
-    ("one_line", "One-line forms"),
+    ("_one_line", "One-line forms"),
     ("manager", "CheckpointManager"),
     ("metadata", "Metadata (module `metadata`)"),
     ("planner", "Plans and abstract planners (module `planner`)"),
@@ -51,8 +51,9 @@ _GROUPS = (
     ("mapping", "Megatron-style mapping (module `mapping`)"),
     ("type_handlers", "Type handlers (module `type_handlers`)"),
     ("strategies", "Strategies (module `strategies`)"),
-    ("async_queue", "Async request queue (module `async_queue`)"),
+    ("_async_queue", "Async request queue (re-exported by module `strategies`)"),
     ("errors", "Errors (module `errors`)"),
+    ("_errors", "Errors (module `errors`)"),
 )
 _SECTION = re.compile(r"^(Args|Arguments|Returns|Raises|Yields|Attributes|Example|Examples|Note|Notes)\b.*:$")
 _ITEM_NAME = re.compile(r"^([A-Za-z_][\w.]*(?:\s*/\s*[A-Za-z_][\w.]*)*)( \([^)]*\))?: ")

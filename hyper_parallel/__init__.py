@@ -4,13 +4,35 @@ Public names: :class:`Layout`, :class:`DTensor`, :func:`save_checkpoint`,
 :func:`load_checkpoint`; the checkpoint API is
 ``hyper_parallel.core.distributed_checkpoint``. Importing does not import
 MindSpore or touch communication.
+
+The checkpoint names are loaded on first use (PEP 562), so ``import
+hyper_parallel.core.layout`` does not import the checkpoint package.
 """
 
-# The checkpoint package first: it imports the layout and DTensor modules in an
-# order that has no cycles.
-import hyper_parallel.core.distributed_checkpoint  # noqa: F401  pylint: disable=unused-import
-from hyper_parallel.core.distributed_checkpoint.one_line import load_checkpoint, save_checkpoint
+from typing import Any
+
 from hyper_parallel.core.dtensor import DTensor
 from hyper_parallel.core.layout import Layout
 
 __all__ = ["DTensor", "Layout", "load_checkpoint", "save_checkpoint"]
+
+#: Public names that live in the checkpoint package: name -> module.
+_LAZY = {
+    "load_checkpoint": "hyper_parallel.core.distributed_checkpoint._one_line",
+    "save_checkpoint": "hyper_parallel.core.distributed_checkpoint._one_line",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hyper_parallel' has no attribute {name!r}")
+    import importlib  # pylint: disable=import-outside-toplevel
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -16,7 +16,7 @@ import gc
 import json
 import time
 
-from hyper_parallel.core.distributed_checkpoint.global_plan import build_global_save_plan
+from hyper_parallel.core.distributed_checkpoint._global_plan import build_global_save_plan
 from hyper_parallel.core.distributed_checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 

@@ -12,7 +12,7 @@ import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel import DTensor, Layout
 from hyper_parallel.core.distributed_checkpoint._device_reads import _ranges, page_amplification
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import DATA_ALIGNMENT
-from hyper_parallel.core.distributed_checkpoint.safetensors_format import read_header
+from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import read_header
 
 
 def _read_bytes() -> int:

@@ -7,7 +7,7 @@ import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel import DTensor, Layout
-from hyper_parallel.core.distributed_checkpoint.global_plan import check_exact_cover
+from hyper_parallel.core.distributed_checkpoint._format.cover import check_exact_cover
 from hyper_parallel.core.distributed_checkpoint.metadata import ChunkStorageMetadata as Chunk
 from sim_ranks import plan_ranks, simulate_save
 

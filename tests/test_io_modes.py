@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
-from hyper_parallel.core.distributed_checkpoint.byte_ranges import split_box
+from hyper_parallel.core.distributed_checkpoint._format.byte_ranges import split_box
 
 
 @pytest.mark.parametrize("lengths,itemsize,bound", [((10, 7), 4, 60), ((3, 4, 5), 8, 100), ((1000,), 4, 64),

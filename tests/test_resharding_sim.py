@@ -8,7 +8,7 @@ import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel import DTensor, Layout
-from hyper_parallel.core.distributed_checkpoint.state_items import flat_range_boxes
+from hyper_parallel.core.distributed_checkpoint._state_items import flat_range_boxes
 from sim_ranks import simulate_save
 
 FULL = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)

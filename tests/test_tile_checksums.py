@@ -9,7 +9,7 @@ import pytest
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel import DTensor, Layout
 from hyper_parallel.cli import main as cli_main
-from hyper_parallel.core.distributed_checkpoint.checksum import bad_blocks, chunk_checksum, tile_shape
+from hyper_parallel.core.distributed_checkpoint._format.checksum import bad_blocks, chunk_checksum, tile_shape
 
 FULL = np.random.default_rng(7).standard_normal((512, 4096)).astype(np.float32)  # 16 KiB rows, 8 MiB
 

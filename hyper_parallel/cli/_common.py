@@ -16,11 +16,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint.api import read_metadata
-from hyper_parallel.core.distributed_checkpoint.checksum import ALGORITHM, bad_blocks
+from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, bad_blocks
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import DATA_FILE_PATTERN
-from hyper_parallel.core.distributed_checkpoint.global_plan import check_exact_cover
+from hyper_parallel.core.distributed_checkpoint._format.cover import check_exact_cover
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel.core.distributed_checkpoint.strategies import check_load_compatible

@@ -36,7 +36,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     MetadataIndex,
     TensorStorageMetadata,
 )
-from hyper_parallel.core.distributed_checkpoint.safetensors_format import HeaderEntry, build_header
+from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import HeaderEntry, build_header
 
 __all__ = ["ConvertResult", "INDEX_FILE", "convert_to_safetensors", "format_convert", "register"]
 

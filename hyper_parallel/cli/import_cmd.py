@@ -35,7 +35,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
 )
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import METADATA_FILE
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, TensorStorageMetadata
-from hyper_parallel.core.distributed_checkpoint.safetensors_format import DTYPE_FROM_SAFETENSORS, read_header
+from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import DTYPE_FROM_SAFETENSORS, read_header
 from hyper_parallel.platform.tensor import is_tensor, numpy_dtype, to_numpy
 
 __all__ = ["import_checkpoint", "safetensors_files", "read_safetensors", "read_mindspore_ckpt", "register"]

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from hyper_parallel.cli._common import format_bytes, open_checkpoint
-from hyper_parallel.core.distributed_checkpoint.checksum import ALGORITHM, bad_blocks, expected_blocks
+from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, bad_blocks, expected_blocks
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
-from hyper_parallel.core.distributed_checkpoint.global_plan import check_exact_cover
+from hyper_parallel.core.distributed_checkpoint._format.cover import check_exact_cover
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -32,7 +32,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     StorageInfo,
     TensorStorageMetadata,
 )
-from hyper_parallel.core.distributed_checkpoint.safetensors_format import SAFETENSORS_DTYPES, read_header
+from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import SAFETENSORS_DTYPES, read_header
 from hyper_parallel.platform.tensor import DTYPE_NAMES
 
 __all__ = ["VerifyProblem", "VerifyReport", "verify_checkpoint", "format_verify", "register"]

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from hyper_parallel import platform
-from hyper_parallel.core.distributed_checkpoint.errors import LayoutError
+from hyper_parallel.core._errors import LayoutError
 from hyper_parallel.core.layout import Layout
 
 __all__ = ["DTensor"]

@@ -21,7 +21,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence, Union
 
-from hyper_parallel.core.distributed_checkpoint.errors import LayoutError
+from hyper_parallel.core._errors import LayoutError
 
 __all__ = ["Layout", "TensorMapEntry"]
 

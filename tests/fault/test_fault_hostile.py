@@ -25,8 +25,8 @@ import pytest
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.cli.verify_cmd import verify_checkpoint
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import MAX_METADATA_BYTES
-from hyper_parallel.core.distributed_checkpoint.one_line import load_checkpoint
-from hyper_parallel.core.distributed_checkpoint.safetensors_format import read_header
+from hyper_parallel.core.distributed_checkpoint._one_line import load_checkpoint
+from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import read_header
 
 from fault_common import run_script, snapshot_tree
 

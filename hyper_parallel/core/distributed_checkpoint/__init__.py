@@ -5,12 +5,13 @@
 ``dcp.load(state_dict, checkpoint_id=path)`` on every rank. See docs/guide.md.
 
 Where things are: planning in :mod:`.planner` (types), :mod:`.standard_planner`
-and :mod:`.global_plan` (the coordinator's merge); bytes written in
-:mod:`.filesystem_writer`; bytes read in :mod:`.filesystem_reader` and :mod:`.run_reads`; layouts cut
+and :mod:`._global_plan` (the coordinator's merge); bytes written in
+:mod:`.filesystem_writer`; bytes read in :mod:`.filesystem_reader` and :mod:`._run_reads`;
+the on-disk format (spec: docs/format.md) in :mod:`._format`; layouts cut
 in :mod:`hyper_parallel.core.layout`; the steps in order in :mod:`.api`.
+Modules whose name starts with ``_`` are internal.
 """
 
-# errors first: hyper_parallel.core.layout imports it while this package loads.
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -71,8 +72,8 @@ from hyper_parallel.core.distributed_checkpoint.strategies import (
     register_default_strategy,
 )
 from hyper_parallel.core.distributed_checkpoint.api import load, read_metadata, save
-from hyper_parallel.core.distributed_checkpoint.one_line import load_checkpoint, save_checkpoint
-from hyper_parallel.core.distributed_checkpoint.async_queue import AsyncCallsQueue, AsyncRequest
+from hyper_parallel.core.distributed_checkpoint._one_line import load_checkpoint, save_checkpoint
+from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncCallsQueue, AsyncRequest
 from hyper_parallel.core.distributed_checkpoint.async_checkpoint import AsyncSaveHandle, async_save
 from hyper_parallel.core.distributed_checkpoint.manager import CheckpointManager
 

@@ -5,7 +5,7 @@ Save: every rank plans its items; the coordinator merges the plans
 every rank writes durably; the coordinator commits; every rank returns only
 after the commit. Load: every rank reads the metadata, plans the regions it
 needs, reads them into its tensors in place. Each step runs through
-:class:`.collectives.DistWrapper`, so a failure on any rank raises the same
+:class:`._collectives.DistWrapper`, so a failure on any rank raises the same
 error on every rank.
 """
 
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyper_parallel import platform
+from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
-from hyper_parallel.core.distributed_checkpoint.collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemWriter, rank_metadata_file

@@ -26,9 +26,9 @@ import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
 from hyper_parallel.core.distributed_checkpoint.api import SaveSession, prepare_save
-from hyper_parallel.core.distributed_checkpoint.async_queue import AsyncCall, AsyncCallsQueue, AsyncRequest
+from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncCall, AsyncCallsQueue, AsyncRequest
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
-from hyper_parallel.core.distributed_checkpoint.fork_writer import fork_write
+from hyper_parallel.core.distributed_checkpoint._fork_writer import fork_write
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, StorageWriter

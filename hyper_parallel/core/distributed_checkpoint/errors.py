@@ -4,11 +4,16 @@ All errors derive from :class:`CheckpointError`. Where a builtin exception fits
 as well, the error also derives from it, so callers can catch either: a missing
 checkpoint is a ``FileNotFoundError``, a bad argument a ``ValueError``.
 
-This module imports nothing from the package, so every other module (including
-``hyper_parallel.core.layout``) can import it without cycles.
+The three classes a layout needs (:class:`CheckpointError`,
+:class:`CheckpointValueError`, :class:`LayoutError`) are defined below this
+package, in :mod:`hyper_parallel.core._errors`, so ``hyper_parallel.core.layout``
+imports them without importing the checkpoint package; they are re-exported
+here unchanged (same classes). Every other module imports errors from here.
 """
 
 from __future__ import annotations
+
+from hyper_parallel.core._errors import CheckpointError, CheckpointValueError, LayoutError
 
 __all__ = [
     "CheckpointError",
@@ -27,10 +32,6 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointIOError",
 ]
-
-
-class CheckpointError(Exception):
-    """Base class of every error raised by the distributed checkpoint."""
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
@@ -59,12 +60,6 @@ class UnsafeCheckpointError(CheckpointError):
     """
 
 
-class CheckpointValueError(CheckpointError, ValueError):
-    """A bad argument or bad input value given by the caller."""
-
-
-class LayoutError(CheckpointValueError):
-    """A layout that cannot describe the given tensor or rank."""
 
 
 class MissingKeyError(CheckpointError, KeyError):

@@ -1,13 +1,13 @@
 """Reading a checkpoint directory: only the byte ranges a rank needs, verified.
 
 For each region of a load plan the reader computes the byte runs of the box
-inside its stored chunk (:mod:`.byte_ranges`) and reads exactly those with
+inside its stored chunk (:mod:`._format.byte_ranges`) and reads exactly those with
 ``preadv``, straight into the target tensor's memory when dtype and layout
 allow. With checksum verification on (the default) it reads whole checksum
 blocks instead, verifies each, and copies the needed runs out; blocks are read
 in segments bounded by ``max_inflight_bytes``, so memory stays bounded
 whatever the file size. The run-level reading and verifying is in
-:mod:`.run_reads`.
+:mod:`._run_reads`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hyper_parallel.core.distributed_checkpoint.byte_ranges import Runs, box_runs, split_box
-from hyper_parallel.core.distributed_checkpoint.checksum import ALGORITHM, digest
+from hyper_parallel.core.distributed_checkpoint._format.byte_ranges import Runs, box_runs, split_box
+from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, digest
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
     CheckpointIOError,
@@ -38,8 +38,8 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     StorageInfo,
     TensorStorageMetadata,
 )
-from hyper_parallel.core.distributed_checkpoint.metadata_json import check_consistency, metadata_from_json
-from hyper_parallel.core.distributed_checkpoint.run_reads import (
+from hyper_parallel.core.distributed_checkpoint._format.metadata_json import check_consistency, metadata_from_json
+from hyper_parallel.core.distributed_checkpoint._run_reads import (
     read_runs,
     read_runs_verified,
     read_tiles,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hyper_parallel.core.distributed_checkpoint.checksum import DEFAULT_BLOCK_BYTES, chunk_checksum
+from hyper_parallel.core.distributed_checkpoint._format.checksum import DEFAULT_BLOCK_BYTES, chunk_checksum
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -39,9 +39,9 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     MetadataIndex,
     StorageInfo,
 )
-from hyper_parallel.core.distributed_checkpoint.metadata_json import metadata_to_json
+from hyper_parallel.core.distributed_checkpoint._format.metadata_json import metadata_to_json
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
-from hyper_parallel.core.distributed_checkpoint.safetensors_format import HeaderEntry, build_header
+from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import HeaderEntry, build_header
 from hyper_parallel.platform.tensor import DTYPE_NAMES
 from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, StorageWriter, WriteResult
 

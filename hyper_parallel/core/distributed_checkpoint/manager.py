@@ -34,7 +34,7 @@ from hyper_parallel.core.distributed_checkpoint.api import read_metadata
 from hyper_parallel.core.distributed_checkpoint.api import save as dcp_save
 from hyper_parallel.core.distributed_checkpoint.async_checkpoint import AsyncSaveHandle
 from hyper_parallel.core.distributed_checkpoint.async_checkpoint import async_save as dcp_async_save
-from hyper_parallel.core.distributed_checkpoint.collectives import DistWrapper
+from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,

@@ -1,6 +1,6 @@
 """What a checkpoint holds: typed, frozen descriptions of every stored item.
 
-Only dataclasses live here; JSON encoding is in :mod:`.metadata_json`.
+Only dataclasses live here; JSON encoding is in :mod:`._format.metadata_json`.
 Coordinates follow one rule everywhere: an item is a box in its global tensor,
 given by ``offsets`` (first element of each dim) and ``sizes``.
 """

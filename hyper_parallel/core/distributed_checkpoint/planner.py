@@ -268,7 +268,7 @@ class LoadPlanner(abc.ABC):
         """Called on all ranks after every item was read (commit staged values)."""
 
     # Optional hooks for planners that share reads between ranks (see
-    # replicated_read.py). ``dcp.load`` reads ``read_rounds(plan)`` one after
+    # _replicated_read.py). ``dcp.load`` reads ``read_rounds(plan)`` one after
     # the other; after each, if ``shares_reads``, every rank's ``outgoing``
     # is gathered and handed to every rank's ``incoming``.
     shares_reads: bool = False

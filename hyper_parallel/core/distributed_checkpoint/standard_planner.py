@@ -3,7 +3,7 @@
 :class:`StandardSavePlanner` offers one write item per tensor piece (a whole
 tensor, a DTensor shard, a ShardedTensor box) and one bytes item per value;
 tensors stay in its cache, never in plans. The coordinator's merge is
-:func:`.global_plan.build_global_save_plan`.
+:func:`._global_plan.build_global_save_plan`.
 
 :class:`StandardLoadPlanner` reads, for every piece of every target tensor,
 the overlap with each stored chunk, straight into the target's memory when the
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from hyper_parallel.core.distributed_checkpoint.checksum import digest
+from hyper_parallel.core.distributed_checkpoint._format.checksum import digest
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointValueError,
     MissingKeyError,
@@ -27,8 +27,8 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     UnsafeCheckpointError,
     UnsupportedTypeError,
 )
-from hyper_parallel.core.distributed_checkpoint.flatten import FlatStateDict, flatten_state_dict, set_by_path, structure_of
-from hyper_parallel.core.distributed_checkpoint.global_plan import build_global_save_plan
+from hyper_parallel.core.distributed_checkpoint._flatten import FlatStateDict, flatten_state_dict, set_by_path, structure_of
+from hyper_parallel.core.distributed_checkpoint._global_plan import build_global_save_plan
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -49,12 +49,12 @@ from hyper_parallel.core.distributed_checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
-from hyper_parallel.core.distributed_checkpoint.replicated_read import (
+from hyper_parallel.core.distributed_checkpoint._replicated_read import (
     ReadExchange,
     plan_single_replica_reads,
     region_key,
 )
-from hyper_parallel.core.distributed_checkpoint.state_items import (
+from hyper_parallel.core.distributed_checkpoint._state_items import (
     SkipEntry,
     TensorEntry,
     TensorPiece,

@@ -13,7 +13,7 @@ import abc
 import enum
 from typing import Any
 
-from hyper_parallel.core.distributed_checkpoint.async_queue import AsyncCallsQueue, AsyncRequest
+from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncCallsQueue, AsyncRequest
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, UnsupportedFormatError
 from hyper_parallel.core.distributed_checkpoint.metadata import BACKEND_NAME, FORMAT_VERSION, Metadata
 

@@ -16,7 +16,7 @@ registered type, so ``True`` uses the ``bool`` handler although ``bool`` is a
 subclass of ``int``. A subclass without its own handler is stored (and loaded)
 as its registered base type.
 
-The built-in handlers live in :mod:`.builtin_handlers`; this module holds the
+The built-in handlers live in :mod:`._builtin_handlers`; this module holds the
 registry, the container handler and the two entry points.
 
 MindSpore is never imported here at module import time: its tensor handler is
@@ -42,7 +42,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     UnsupportedFormatError,
     UnsupportedTypeError,
 )
-from hyper_parallel.core.distributed_checkpoint.builtin_handlers import (
+from hyper_parallel.core.distributed_checkpoint._builtin_handlers import (
     PICKLE_TYPE_STRING,
     REGISTER_HINT,
     BoolHandler,

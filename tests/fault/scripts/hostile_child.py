@@ -24,8 +24,8 @@ from typing import Any
 import mindspore  # noqa: F401  (imported before the cap: one_line converts to MindSpore tensors)
 
 import hyper_parallel.core.distributed_checkpoint as dcp
-from hyper_parallel.core.distributed_checkpoint.one_line import load_checkpoint
-from hyper_parallel.core.distributed_checkpoint.safetensors_format import read_header
+from hyper_parallel.core.distributed_checkpoint._one_line import load_checkpoint
+from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import read_header
 
 CAP_HEADROOM = 2 << 30
 

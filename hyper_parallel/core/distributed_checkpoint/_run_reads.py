@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._device_reads import read_runs_exact
-from hyper_parallel.core.distributed_checkpoint.byte_ranges import Runs, box_runs
-from hyper_parallel.core.distributed_checkpoint.checksum import bad_blocks, digest, grid_shape
+from hyper_parallel.core.distributed_checkpoint._format.byte_ranges import Runs, box_runs
+from hyper_parallel.core.distributed_checkpoint._format.checksum import bad_blocks, digest, grid_shape
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import StorageInfo
 from hyper_parallel.core.distributed_checkpoint.planner import ReadItem
@@ -57,7 +57,7 @@ def read_runs_verified(
     """
     checksum = info.checksum
     block = checksum.block_bytes
-    nblocks = max(1, -(-info.length // block))  # digest count checked by metadata_json.check_consistency
+    nblocks = max(1, -(-info.length // block))  # digest count checked by _format.metadata_json.check_consistency
     if runs.starts.size == 1 and runs.length == info.length and target[0].flags.c_contiguous:
         # The whole item: read straight into the target, verify it in place.
         got = os.preadv(fd, [target[0]], info.offset)
@@ -129,7 +129,7 @@ def read_tiles(
     One row slab of tiles at a time (bounded memory); only the column
     groups the region needs are read.
     """
-    # Tile shape and digest count were checked against the chunk by metadata_json.check_consistency.
+    # Tile shape and digest count were checked against the chunk by _format.metadata_json.check_consistency.
     block = info.checksum.block_shape
     itemsize = stored_dtype.itemsize
     rows, width = block[0], block[-1]

@@ -14,9 +14,9 @@ import math
 import posixpath
 from typing import Any
 
-from hyper_parallel.core.distributed_checkpoint.checksum import ALGORITHM, expected_blocks
+from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, expected_blocks
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
-from hyper_parallel.core.distributed_checkpoint.global_plan import check_exact_cover
+from hyper_parallel.core.distributed_checkpoint._format.cover import check_exact_cover
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkChecksum,

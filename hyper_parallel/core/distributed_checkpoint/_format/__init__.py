@@ -1,0 +1,14 @@
+"""The on-disk format, all in one place; its specification is docs/format.md.
+
+- :mod:`.safetensors_file`: the data files (safetensors headers, dtype names);
+- :mod:`.metadata_json`: the committed metadata as JSON, and its consistency checks;
+- :mod:`.checksum`: xxh3 digests of blocks and tiles;
+- :mod:`.byte_ranges`: which byte runs of a stored chunk hold a region;
+- :mod:`.cover`: the rule that a tensor's chunks tile it exactly.
+
+Nothing here does I/O beyond reading or writing one given file, and nothing
+imports the planner, storage or API layers above it. Change the code and
+docs/format.md together (and the format version, by the rule written there).
+"""
+
+__all__: list[str] = []
