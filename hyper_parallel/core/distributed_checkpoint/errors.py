@@ -32,6 +32,7 @@ __all__ = [
     "CollectiveStepError",
     "CheckpointExistsError",
     "CheckpointIOError",
+    "ConcurrentSaveError",
 ]
 
 
@@ -131,3 +132,11 @@ class CheckpointIOError(CheckpointError, OSError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class ConcurrentSaveError(CheckpointError):
+    """Another save is writing the same checkpoint id (or committed it meanwhile).
+
+    The message names the other save (its save id, host and process) and the
+    lease file. The checkpoint committed before either save stays intact.
+    """
