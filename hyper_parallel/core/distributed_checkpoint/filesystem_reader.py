@@ -42,6 +42,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import check_consistency, metadata_from_json
+from hyper_parallel.core.distributed_checkpoint._options import check_option
 from hyper_parallel.core.distributed_checkpoint._run_reads import read_runs, release_scratch, run_rows, scratch
 from hyper_parallel.core.distributed_checkpoint._verify_reads import RegionCheck, read_verified_tiles, verify_regions
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -85,8 +86,8 @@ class FileSystemReader(StorageReader):
         metadata_file: str | None = None,
         no_readahead: bool | None = None,
     ) -> None:
-        if thread_count < 1 or max_inflight_bytes < 1:
-            raise CheckpointValueError("thread_count and max_inflight_bytes must be >= 1")
+        check_option("thread_count", thread_count, int, minimum=1)
+        check_option("max_inflight_bytes", max_inflight_bytes, int, minimum=1)
         self.path = Path(os.fspath(path))
         self.verify_checksums = verify_checksums
         self.thread_count = thread_count
@@ -132,10 +133,24 @@ class FileSystemReader(StorageReader):
         root = os.path.realpath(self.path)
         if os.path.commonpath([root, os.path.realpath(meta_path)]) != root:
             raise UnsafeCheckpointError(f"{meta_path} is a link leading outside checkpoint {self.path}; refused")
-        size = meta_path.stat().st_size
-        if size > MAX_METADATA_BYTES:
-            raise UnsafeCheckpointError(f"{meta_path}: metadata of {size} bytes is larger than allowed; refused")
-        return metadata_from_json(meta_path.read_bytes(), source=str(meta_path))
+        try:
+            fd = os.open(meta_path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(
+                f"{meta_path} was deleted while being opened (another process removed or replaced checkpoint "
+                f"{self.path}); load it again"
+            ) from None
+        try:
+            size = os.fstat(fd).st_size
+            if size > MAX_METADATA_BYTES:
+                raise UnsafeCheckpointError(f"{meta_path}: metadata of {size} bytes is larger than allowed; refused")
+            with os.fdopen(os.dup(fd), "rb") as handle:
+                raw = handle.read(MAX_METADATA_BYTES + 1)
+        finally:
+            os.close(fd)
+        if len(raw) > MAX_METADATA_BYTES:
+            raise UnsafeCheckpointError(f"{meta_path}: metadata grew past the size allowed while being read; refused")
+        return metadata_from_json(raw, source=str(meta_path))
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool) -> None:
         """Take the metadata, after checking its items and storage entries match. All ranks call it.
@@ -145,6 +160,9 @@ class FileSystemReader(StorageReader):
         """
         check_consistency(metadata, source=str(self.path / self.metadata_file))
         self.metadata = metadata
+        self._verified.clear()
+        self._kept.clear()
+        self._kept_bytes = 0
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """Nothing to adjust. All ranks call it."""
@@ -231,9 +249,6 @@ class FileSystemReader(StorageReader):
                     counts = list(pool.map(work_fn, work))
             if verb == "read":
                 self.bytes_read += sum(counts)
-                self._verified.clear()
-                self._kept.clear()
-                self._kept_bytes = 0
             else:
                 self.bytes_verified += sum(counts)
                 self.bytes_read += sum(counts)
@@ -249,11 +264,21 @@ class FileSystemReader(StorageReader):
             future.set_exception(exc)
         return future
 
+    def _open_data(self, relative_path: str, fqn: str) -> tuple[Path, int]:
+        """Resolve and open a data file; one deleted after the check is a :class:`CheckpointNotFoundError`."""
+        path = self.resolve(relative_path, fqn)
+        try:
+            return path, os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(
+                f"data file {relative_path} of key '{fqn}' was deleted while loading checkpoint {self.path} "
+                "(deleted or replaced by another save); load it again"
+            ) from None
+
     def _verify_group(self, files: list[tuple[str, list[ReadItem]]]) -> int:
         total = 0
         for relative_path, items in files:
-            path = self.resolve(relative_path, items[0].storage_index.fqn)
-            fd = os.open(path, os.O_RDONLY)
+            path, fd = self._open_data(relative_path, items[0].storage_index.fqn)
             try:
                 size = os.fstat(fd).st_size
                 exact = self._reads_in_part(items, size) and hasattr(os, "posix_fadvise")
@@ -326,8 +351,7 @@ class FileSystemReader(StorageReader):
     def _read_group(self, files: list[tuple[str, list[ReadItem]]], planner: LoadPlanner) -> int:
         total = 0
         for relative_path, items in files:
-            path = self.resolve(relative_path, items[0].storage_index.fqn)
-            fd = os.open(path, os.O_RDONLY)
+            path, fd = self._open_data(relative_path, items[0].storage_index.fqn)
             try:
                 size = os.fstat(fd).st_size
                 if self._reads_in_part(items, size) and hasattr(os, "posix_fadvise"):
@@ -372,7 +396,9 @@ class FileSystemReader(StorageReader):
             raise CorruptCheckpointError(f"key '{fqn}' is read as a tensor but stored as a value")
         chunk_sizes, itemsize = check.sizes, check.itemsize
         dest = planner.acquire_tensor(item)
-        kept = self._kept.pop(item, None)
+        with self._kept_lock:
+            kept = self._kept.pop(item, None)
+            self._kept_bytes -= kept.nbytes if kept is not None else 0
         if kept is not None:  # verified and read by the verify pass
             np.copyto(dest, kept, casting="unsafe")
             planner.apply_tensor(item, dest)
