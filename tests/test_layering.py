@@ -25,16 +25,13 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("plans and planners", frozenset({"planner", "mapping", "type_handlers", "_builtin_handlers", "_flatten",
                                       "_state_items", "_global_plan", "_replicated_read", "standard_planner"})),
     ("storage", frozenset({"storage", "filesystem_writer", "filesystem_reader", "_run_reads"})),
-    ("engine", frozenset({"_collectives", "_engine", "_fork_writer", "_async_queue"})),
+    ("engine", frozenset({"_collectives", "_engine", "_staging", "_fork_writer", "_async_queue"})),
     ("strategies", frozenset({"strategies"})),
     ("public API", frozenset({"api", "async_checkpoint", "_one_line", "manager", ""})),
 )
 
 #: Imports that break the rule today, each to be removed by the change that fixes it.
-KNOWN_VIOLATIONS: frozenset[tuple[str, str]] = frozenset({
-    ("strategies", "api"),
-    ("strategies", "async_checkpoint"),
-})
+KNOWN_VIOLATIONS: frozenset[tuple[str, str]] = frozenset()
 
 
 def _module_name(path: Path) -> str:
