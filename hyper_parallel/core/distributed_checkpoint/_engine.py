@@ -12,6 +12,8 @@ the background write of an async save):
    and async saves share this step; an async save runs it with the results
    its background write produced.
 
+When any step of a save fails, every rank calls the writer's ``abort``.
+
 Load (:func:`read_checkpoint_metadata`, then :func:`run_load`): every rank
 reads the metadata, plans the regions it needs, and reads them into its
 tensors in place, in rounds when the planner shares reads between ranks.
@@ -200,8 +202,12 @@ def plan_save(
         merged.append(metadata)
         return [_compress(local, final) for local, final in zip(all_plans, final_plans)]
 
-    received = dist.reduce_scatter("plan", local_step, global_step)
-    plan = planner.finalize_plan(_expand(local_plans[0], received))
+    try:
+        received = dist.reduce_scatter("plan", local_step, global_step)
+        plan = planner.finalize_plan(_expand(local_plans[0], received))
+    except BaseException:
+        writer.abort()
+        raise
     return SaveSession(dist=dist, writer=writer, planner=planner, plan=plan, metadata=merged[0] if merged else None)
 
 
@@ -232,7 +238,11 @@ def commit_save(
         committed = session.writer.finish(session.metadata, all_results, background_cleanup=background_cleanup)
         return [committed] * len(all_results)
 
-    return session.dist.reduce_scatter(step, local_results, commit_step)
+    try:
+        return session.dist.reduce_scatter(step, local_results, commit_step)
+    except BaseException:
+        session.writer.abort()
+        raise
 
 
 def run_save(
@@ -267,7 +277,11 @@ def plan_async_save(
             views = staged_views(session.plan.items, session.planner)
             background.append(fork_write(session.writer, session.plan, views, rank=session.dist.rank))
 
-    session.dist.all_gather("stage", stage_step)
+    try:
+        session.dist.all_gather("stage", stage_step)
+    except BaseException:
+        session.writer.abort()
+        raise
 
     def commit(results: list[WriteResult], error: BaseException | None) -> Metadata:
         def local_results() -> list[WriteResult]:
