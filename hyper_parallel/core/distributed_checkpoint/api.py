@@ -20,6 +20,7 @@ from hyper_parallel.core.distributed_checkpoint._engine import (
     reader_for,
     writer_for,
 )
+from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
 from hyper_parallel.core.distributed_checkpoint.errors import IncompleteCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlanner, SavePlanner
@@ -30,6 +31,7 @@ from hyper_parallel.core.distributed_checkpoint.strategies import check_load_com
 __all__ = ["save", "load", "read_metadata"]
 
 
+@gc_paused
 def save(
     state_dict: dict[str, Any],
     *,
@@ -72,6 +74,7 @@ def save(
     )
 
 
+@gc_paused
 def load(
     state_dict: dict[str, Any],
     *,

@@ -23,6 +23,7 @@ from typing import Any
 
 from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncCall, AsyncCallsQueue
 from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions, writer_for
+from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlanner
@@ -129,6 +130,7 @@ def async_save(
 _ASYNC_LOCK = threading.RLock()
 
 
+@gc_paused
 def _async_save_locked(
     state_dict: dict[str, Any],
     *,
