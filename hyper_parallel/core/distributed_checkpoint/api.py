@@ -17,6 +17,7 @@ from typing import Any
 
 from hyper_parallel import platform
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
+from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemWriter, rank_metadata_file
@@ -166,6 +167,7 @@ def run_save_writes(session: SaveSession, step: str = "write") -> Metadata:
         raise
 
 
+@gc_paused
 def save(
     state_dict: dict[str, Any],
     *,
@@ -208,6 +210,7 @@ def save(
     return run_save_writes(session)
 
 
+@gc_paused
 def load(
     state_dict: dict[str, Any],
     *,
