@@ -111,7 +111,7 @@ def test_writer_options_are_passed_through(tmp_path: Path) -> None:
     manager.save(1, {"z": np.zeros(4096, np.float32)})
     chunk = read_metadata(manager.directory(1)).state_dict_metadata["z"]
     stored = sum(p.stat().st_size for p in manager.directory(1).glob("*.safetensors"))
-    assert stored < 4096 * 4 // 4, "zstd compression reached the writer"
+    assert stored < 4096 * 4 // 2, "zstd compression reached the writer"
     assert chunk.size == (4096,)
     with pytest.raises(CheckpointValueError, match="compression"):
         CheckpointManager(tmp_path, writer_options={"compression": "lz4"})
