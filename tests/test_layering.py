@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                                   "_format.checksum", "_format.byte_ranges", "_format.cover"})),
     ("plans and planners", frozenset({"planner", "mapping", "type_handlers", "_builtin_handlers", "_flatten",
                                       "_state_items", "_global_plan", "_replicated_read", "standard_planner"})),
-    ("storage", frozenset({"storage", "filesystem_writer", "filesystem_reader", "_run_reads"})),
+    ("storage", frozenset({"storage", "_file_ops", "filesystem_writer", "filesystem_reader", "_run_reads"})),
     ("engine", frozenset({"_collectives", "_engine", "_fork_writer", "_async_queue"})),
     ("strategies", frozenset({"strategies"})),
     ("public API", frozenset({"api", "async_checkpoint", "_one_line", "manager", ""})),

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hyper_parallel.core.distributed_checkpoint._file_ops import OS_FILE_OPS, FileOps, make_directories
 from hyper_parallel.core.distributed_checkpoint._format.checksum import DEFAULT_BLOCK_BYTES, chunk_checksum
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
@@ -69,40 +70,42 @@ def rank_metadata_file(rank: int) -> str:
     return f"metadata.rank{rank:05d}.json"
 
 
-def fsync_directory(path: Path) -> None:
+def fsync_directory(path: Path, ops: FileOps = OS_FILE_OPS) -> None:
     """Make the entries of directory ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    ops.fsync_directory(path)
 
 
-def write_atomically(path: Path, data: bytes, *, sync: bool = True) -> None:
+def write_atomically(path: Path, data: bytes, *, sync: bool = True, ops: FileOps = OS_FILE_OPS) -> None:
     """Write ``data`` to ``path`` via a temporary file and a rename.
 
     Readers see either the old file or the whole new one. The temporary file
-    is removed on failure.
+    is removed on failure. With ``sync`` the file's bytes are durable before
+    the rename and the rename is durable (directory fsync) before returning.
     """
     partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
     try:
-        with open(partial, "wb") as handle:
-            handle.write(data)
-            handle.flush()
+        fd = ops.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, memoryview(data), ops)
             if sync:
-                os.fsync(handle.fileno())
-        os.replace(partial, path)
+                ops.fsync(fd)
+        finally:
+            ops.close(fd)
+        ops.replace(partial, path)
     except BaseException:
-        partial.unlink(missing_ok=True)
+        try:
+            ops.unlink(partial)
+        except OSError:
+            pass  # never created, or a later save sweeps it
         raise
     if sync:
-        fsync_directory(path.parent)
+        fsync_directory(path.parent, ops)
 
 
-def _write_all(fd: int, view: memoryview) -> None:
+def _write_all(fd: int, view: memoryview, ops: FileOps) -> None:
     position = 0
     while position < len(view):
-        written = os.write(fd, view[position : position + _WRITE_CHUNK])
+        written = ops.write(fd, view[position : position + _WRITE_CHUNK])
         if written <= 0:
             raise OSError("short write")
         position += written
@@ -114,8 +117,9 @@ class _CoalescingWriter:
     SMALL = 256 << 10
     FLUSH = 4 << 20
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, ops: FileOps) -> None:
         self.fd = fd
+        self.ops = ops
         self.pending = bytearray()
 
     def write(self, view: memoryview) -> None:
@@ -125,11 +129,11 @@ class _CoalescingWriter:
                 self.flush()
             return
         self.flush()
-        _write_all(self.fd, view)
+        _write_all(self.fd, view, self.ops)
 
     def flush(self) -> None:
         if self.pending:
-            _write_all(self.fd, memoryview(self.pending))
+            _write_all(self.fd, memoryview(self.pending), self.ops)
             self.pending = bytearray()
 
 
@@ -178,6 +182,12 @@ class FileSystemWriter(StorageWriter):
         drop_page_cache: After a data file is durable, tell the kernel its
             pages are not needed (``POSIX_FADV_DONTNEED``), so a large save
             does not push the training job's own files out of the page cache.
+        auto_thread_bytes: With ``thread_count=None``, a rank writing at least
+            this many bytes uses 2 files and threads (default
+            :data:`AUTO_THREAD_BYTES`).
+        file_ops: The file-system operations the writer performs (default:
+            the operating system's). Tests pass a recording one to replay
+            power cuts.
     """
 
     def __init__(
@@ -192,6 +202,8 @@ class FileSystemWriter(StorageWriter):
         compression_level: int = 3,
         tile_checksums: bool = True,
         drop_page_cache: bool = True,
+        auto_thread_bytes: int = AUTO_THREAD_BYTES,
+        file_ops: FileOps | None = None,
     ) -> None:
         if compression not in (None, "zstd"):
             raise CheckpointValueError(f"compression must be None or 'zstd', got {compression!r}")
@@ -210,6 +222,8 @@ class FileSystemWriter(StorageWriter):
         self.compression_level = compression_level
         self.tile_checksums = tile_checksums
         self.drop_page_cache = drop_page_cache
+        self.auto_thread_bytes = auto_thread_bytes
+        self.file_ops = file_ops or OS_FILE_OPS
         self._cleanup: threading.Thread | None = None
         #: Delete the files of older saves on a background thread after commit.
         self.background_cleanup = False
@@ -240,7 +254,10 @@ class FileSystemWriter(StorageWriter):
                 f"checkpoint path {self.path} exists and is not a directory; choose another checkpoint_id"
             )
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            created = make_directories(self.file_ops, self.path, sync=self.sync_files)
+            if self.sync_files and is_coordinator and not created:
+                # A directory left by an earlier (crashed) save may not be durable yet.
+                self.file_ops.fsync_directory(self.path.parent)
         except OSError as exc:
             raise CheckpointIOError(f"cannot create checkpoint directory {self.path}: {exc}") from exc
         if not os.access(self.path, os.W_OK):
@@ -262,7 +279,7 @@ class FileSystemWriter(StorageWriter):
         self.save_id = save_id
         threads = self.thread_count
         if threads is None:
-            threads = 2 if sum(item.storage_size() for item in plan.items) >= AUTO_THREAD_BYTES else 1
+            threads = 2 if sum(item.storage_size() for item in plan.items) >= self.auto_thread_bytes else 1
         bins: list[list[WriteItem]] = [[] for _ in range(threads)]
         loads = [0] * threads
         for item in sorted(plan.items, key=lambda i: -i.storage_size()):
@@ -306,9 +323,10 @@ class FileSystemWriter(StorageWriter):
                 entries.append(HeaderEntry(name, td.properties.dtype, td.chunk.sizes, len(view)))
         header, offsets = build_header(entries, {"format": "hyper_parallel", "save_id": self.save_id})
         results = []
-        fd = os.open(self.path / job.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        ops = self.file_ops
+        fd = ops.open(self.path / job.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            out = _CoalescingWriter(fd)
+            out = _CoalescingWriter(fd, ops)
             out.write(memoryview(header))
             for item, (view, raw_length), offset in zip(job.items, views, offsets):
                 info = StorageInfo(
@@ -329,12 +347,12 @@ class FileSystemWriter(StorageWriter):
                 results.append(WriteResult(index=item.index, size_in_bytes=len(view), storage_data=info))
             out.flush()
             if self.sync_files:
-                os.fsync(fd)
-                if self.drop_page_cache and hasattr(os, "posix_fadvise"):
+                ops.fsync(fd)
+                if self.drop_page_cache:
                     # The pages are clean now: let them go rather than evict the job's working set.
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    ops.drop_cache(fd)
         finally:
-            os.close(fd)
+            ops.close(fd)
         return results
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> "Future[list[WriteResult]]":
@@ -356,7 +374,7 @@ class FileSystemWriter(StorageWriter):
                 with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="hp-ckpt-write") as pool:
                     chunks = list(pool.map(lambda job: self._write_file(job, planner), jobs))
             if self.sync_files and jobs:
-                fsync_directory(self.path)
+                fsync_directory(self.path, self.file_ops)
             future.set_result([result for chunk in chunks for result in chunk])
         except OSError as exc:
             self._discard(jobs)
@@ -371,7 +389,7 @@ class FileSystemWriter(StorageWriter):
     def _discard(self, jobs: list[_FileJob]) -> None:
         for job in jobs:
             try:
-                (self.path / job.name).unlink(missing_ok=True)
+                self.file_ops.unlink(self.path / job.name)
             except OSError:
                 pass  # a later save of this directory removes it as stale
 
@@ -388,7 +406,7 @@ class FileSystemWriter(StorageWriter):
         )
         name = rank_metadata_file(self.rank) if self.rank_local else METADATA_FILE
         try:
-            write_atomically(self.path / name, metadata_to_json(committed), sync=self.sync_files)
+            write_atomically(self.path / name, metadata_to_json(committed), sync=self.sync_files, ops=self.file_ops)
         except OSError as exc:
             raise CheckpointIOError(f"committing checkpoint {self.path} failed: {exc}") from exc
         # Files of older saves are garbage once the new metadata is durable.
@@ -398,9 +416,11 @@ class FileSystemWriter(StorageWriter):
         self.wait_cleanup()
         stale = self._stale_files(name)
         if not self.background_cleanup:
-            _unlink_all(stale)
+            _unlink_all(stale, self.file_ops)
             return committed
-        self._cleanup = threading.Thread(target=_unlink_all, args=(stale,), name="hp-ckpt-cleanup", daemon=True)
+        self._cleanup = threading.Thread(
+            target=_unlink_all, args=(stale, self.file_ops), name="hp-ckpt-cleanup", daemon=True
+        )
         self._cleanup.start()
         return committed
 
@@ -440,9 +460,12 @@ class FileSystemWriter(StorageWriter):
         return isinstance(checkpoint_id, str) and bool(checkpoint_id) and "://" not in checkpoint_id
 
 
-def _unlink_all(paths: list[Path]) -> None:
+def _unlink_all(paths: list[Path], ops: FileOps) -> None:
     for path in paths:
-        path.unlink(missing_ok=True)
+        try:
+            ops.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def _files_referenced_by_others(path: Path, committed_name: str) -> set[str] | None:
