@@ -49,7 +49,8 @@ def _assert_state(loaded: dict, step: int) -> None:
 
 
 def _names(root: Path) -> list[str]:
-    return sorted(os.listdir(root))
+    """Entries of ``root`` except the manager's record and its lock."""
+    return sorted(n for n in os.listdir(root) if n not in ("manager.json", ".manager.lock"))
 
 
 def _uncommitted_dir(manager: CheckpointManager, step: int, data_from: int) -> Path:
@@ -84,7 +85,7 @@ def test_retention_keeps_newest_and_every_n(tmp_path: Path) -> None:
 
 def test_retention_max_to_keep_only_and_keep_all(tmp_path: Path) -> None:
     bounded = CheckpointManager(tmp_path / "a", max_to_keep=3)
-    unbounded = CheckpointManager(tmp_path / "b")
+    unbounded = CheckpointManager(tmp_path / "b", max_to_keep=None)
     for step in range(6):
         bounded.save(step, _state(step))
         unbounded.save(step, _state(step))
@@ -126,8 +127,8 @@ def test_crashed_save_stays_uncommitted_and_is_cleaned(tmp_path: Path) -> None:
     manager.save(1, _state(1))
     with pytest.raises(UnsupportedTypeError, match="x"):
         manager.save(2, {"w": _state(2)["w"], "x": object()})
-    assert manager.directory(2).is_dir()  # the failed save left its directory behind
-    assert not (manager.directory(2) / "metadata.json").exists()
+    assert not manager.directory(2).exists()  # the failed save removed the directory it created
+    manager.directory(2).mkdir()  # as a crashed save leaves it
     assert manager.latest_step() == 1
     loaded = _zeros()
     assert manager.load(loaded) == 1

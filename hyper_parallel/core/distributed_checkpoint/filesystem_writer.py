@@ -11,13 +11,20 @@ metadata to a temporary name, fsyncs it and renames it over ``metadata.json``:
 its presence is the commit. Data files of an earlier save to the same
 directory stay untouched until then, so a crash at any moment leaves either
 the old checkpoint or the new one, complete.
+
+Racing saves: the coordinator holds the directory's save lease
+(:mod:`._save_lease`) from its set-up to the end of its cleanup, so a second
+save to the same id fails at once with :class:`ConcurrentSaveError`. At the
+commit it checks, compare-and-swap style, that the committed metadata is
+still the one it saw at its set-up and that the lease still names it. After
+the commit it deletes only the files of the save it replaced
+(:mod:`._commit_cleanup`).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
+import stat
 import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,13 +33,22 @@ from pathlib import Path
 
 import numpy as np
 
+from hyper_parallel.core.distributed_checkpoint._commit_cleanup import (
+    DATA_FILE_PATTERN,
+    committed_save_id,
+    garbage_files,
+    remove_files,
+)
 from hyper_parallel.core.distributed_checkpoint._file_ops import OS_FILE_OPS, FileOps, make_directories
+from hyper_parallel.core.distributed_checkpoint._options import check_option
 from hyper_parallel.core.distributed_checkpoint._format.checksum import DEFAULT_BLOCK_BYTES, chunk_checksum
+from hyper_parallel.core.distributed_checkpoint._save_lease import DEFAULT_LEASE_TIMEOUT, LeaseHolder, SaveLease
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointIOError,
     CheckpointValueError,
+    ConcurrentSaveError,
 )
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BACKEND_NAME,
@@ -48,8 +64,10 @@ from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, Sto
 
 __all__ = [
     "AUTO_THREAD_BYTES",
+    "DATA_ALIGNMENT",
     "METADATA_FILE",
     "DATA_FILE_PATTERN",
+    "FileSystemPlanData",
     "FileSystemWriter",
     "rank_metadata_file",
     "write_atomically",
@@ -58,9 +76,9 @@ __all__ = [
 
 #: Name of the committed metadata of a collective save.
 METADATA_FILE = "metadata.json"
-#: Data file names: ``r<rank>_<counter>.<save id>.safetensors``.
-DATA_FILE_PATTERN = re.compile(r"^r(\d{5})_(\d{3})\.([0-9a-f]{12})\.safetensors$")
 _WRITE_CHUNK = 1 << 30
+#: The data region of every data file starts at a multiple of this (a page; see ``build_header``).
+DATA_ALIGNMENT = 4096
 #: With ``thread_count=None`` a rank writing at least this many bytes uses 2 files and threads.
 AUTO_THREAD_BYTES = 64 << 20
 
@@ -75,14 +93,17 @@ def fsync_directory(path: Path, ops: FileOps = OS_FILE_OPS) -> None:
     ops.fsync_directory(path)
 
 
-def write_atomically(path: Path, data: bytes, *, sync: bool = True, ops: FileOps = OS_FILE_OPS) -> None:
+def write_atomically(
+    path: Path, data: bytes, *, sync: bool = True, tag: str | None = None, ops: FileOps = OS_FILE_OPS
+) -> None:
     """Write ``data`` to ``path`` via a temporary file and a rename.
 
     Readers see either the old file or the whole new one. The temporary file
-    is removed on failure. With ``sync`` the file's bytes are durable before
-    the rename and the rename is durable (directory fsync) before returning.
+    (``.<name>.<tag>.partial``, a random tag by default) is removed on failure.
+    With ``sync`` the file's bytes are durable before the rename and the
+    rename is durable (directory fsync) before returning.
     """
-    partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
+    partial = path.with_name(f".{path.name}.{tag or uuid.uuid4().hex[:8]}.partial")
     try:
         fd = ops.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -160,6 +181,17 @@ class _FileJob:
     items: tuple[WriteItem, ...]
 
 
+@dataclass(frozen=True)
+class FileSystemPlanData:
+    """The storage data of a final save plan: what the coordinator tells every rank.
+
+    Attributes:
+        save_id: The coordinator's save id; every rank names its data files with it.
+    """
+
+    save_id: str
+
+
 class FileSystemWriter(StorageWriter):
     """Writes a checkpoint into a local or shared-filesystem directory.
 
@@ -170,7 +202,6 @@ class FileSystemWriter(StorageWriter):
             2 when the rank writes at least :data:`AUTO_THREAD_BYTES`, else 1
             (two streams overlap hashing with writing; small saves stay one file).
         checksum_block_bytes: Block size of the stored checksums.
-        rank_local: Write rank-local metadata (``use_collectives=False``).
         compression: ``None`` (default) or ``"zstd"``: each item compressed
             on its own. Compressed items are stored as ``U8`` arrays, so the
             files stay readable safetensors containers but hold compressed
@@ -182,12 +213,18 @@ class FileSystemWriter(StorageWriter):
         drop_page_cache: After a data file is durable, tell the kernel its
             pages are not needed (``POSIX_FADV_DONTNEED``), so a large save
             does not push the training job's own files out of the page cache.
+        lease_timeout: Seconds after its last heartbeat at which the save lease
+            of a process on another host counts as stale (see
+            :mod:`._save_lease`; a lease of this host is judged by its process).
         auto_thread_bytes: With ``thread_count=None``, a rank writing at least
             this many bytes uses 2 files and threads (default
             :data:`AUTO_THREAD_BYTES`).
         file_ops: The file-system operations the writer performs (default:
             the operating system's). Tests pass a recording one to replay
             power cuts.
+
+    Raises:
+        CheckpointValueError: an option of the wrong type or out of range (names it).
     """
 
     def __init__(
@@ -197,36 +234,39 @@ class FileSystemWriter(StorageWriter):
         sync_files: bool = True,
         thread_count: int | None = None,
         checksum_block_bytes: int = DEFAULT_BLOCK_BYTES,
-        rank_local: bool = False,
         compression: str | None = None,
         compression_level: int = 3,
         tile_checksums: bool = True,
         drop_page_cache: bool = True,
+        lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
         auto_thread_bytes: int = AUTO_THREAD_BYTES,
         file_ops: FileOps | None = None,
     ) -> None:
+        check_option("thread_count", thread_count, int, minimum=1, optional=True)
+        check_option("checksum_block_bytes", checksum_block_bytes, int, minimum=1)
+        check_option("compression_level", compression_level, int)
+        check_option("lease_timeout", lease_timeout, float, minimum=0.0)
         if compression not in (None, "zstd"):
             raise CheckpointValueError(f"compression must be None or 'zstd', got {compression!r}")
         if compression:
             _zstd()
-        if checksum_block_bytes < 1:
-            raise CheckpointValueError(f"checksum_block_bytes must be >= 1, got {checksum_block_bytes}")
-        if thread_count is not None and thread_count < 1:
-            raise CheckpointValueError(f"thread_count must be >= 1, got {thread_count}")
         self.path = Path(os.fspath(path))
         self.sync_files = sync_files
         self.thread_count = thread_count
         self.checksum_block_bytes = checksum_block_bytes
-        self.rank_local = rank_local
+        self.rank_local = False
         self.compression = compression
         self.compression_level = compression_level
         self.tile_checksums = tile_checksums
         self.drop_page_cache = drop_page_cache
+        self.lease_timeout = float(lease_timeout)
+        self._lease: SaveLease | None = None
+        self._base: tuple[int, ...] | None = None  # the committed metadata seen at set-up (lstat signature)
+        self._created_directory = False
+        self._committed = False
         self.auto_thread_bytes = auto_thread_bytes
         self.file_ops = file_ops or OS_FILE_OPS
         self._cleanup: threading.Thread | None = None
-        #: Delete the files of older saves on a background thread after commit.
-        self.background_cleanup = False
         self.rank = 0
         self.save_id = uuid.uuid4().hex[:12]
 
@@ -236,8 +276,14 @@ class FileSystemWriter(StorageWriter):
             self.path = Path(os.fspath(checkpoint_id))
         self.save_id = uuid.uuid4().hex[:12]
 
-    def set_up_storage_writer(self, is_coordinator: bool, *, rank: int = 0, world_size: int = 1) -> None:
+    def set_up_storage_writer(
+        self, is_coordinator: bool, *, rank: int = 0, world_size: int = 1, rank_local: bool = False
+    ) -> None:
         """Create the directory (every rank may; exist is fine). All ranks call it.
+
+        With ``rank_local`` (``save(..., use_collectives=False)`` in a job of
+        several ranks) this rank commits ``metadata.rank<rank>.json`` and its
+        after-commit cleanup touches only its own data files.
 
         Every save gets a new save id here (the coordinator's is handed to all
         ranks with the plan), so a writer used for several saves never writes
@@ -248,35 +294,58 @@ class FileSystemWriter(StorageWriter):
             CheckpointIOError: the directory cannot be created or written.
         """
         self.rank = rank
+        self.rank_local = rank_local
         self.save_id = uuid.uuid4().hex[:12]
+        self._committed = False
+        self._created_directory = False
         if self.path.exists() and not self.path.is_dir():
             raise CheckpointExistsError(
                 f"checkpoint path {self.path} exists and is not a directory; choose another checkpoint_id"
             )
         try:
-            created = make_directories(self.file_ops, self.path, sync=self.sync_files)
-            if self.sync_files and is_coordinator and not created:
+            self._created_directory = make_directories(self.file_ops, self.path, sync=self.sync_files)
+            if self.sync_files and is_coordinator and not self._created_directory:
                 # A directory left by an earlier (crashed) save may not be durable yet.
                 self.file_ops.fsync_directory(self.path.parent)
         except OSError as exc:
             raise CheckpointIOError(f"cannot create checkpoint directory {self.path}: {exc}") from exc
         if not os.access(self.path, os.W_OK):
             raise CheckpointIOError(f"checkpoint directory {self.path} is not writable (rank {rank})")
+        if is_coordinator:
+            self._take_lease()
+
+    def _metadata_name(self) -> str:
+        return rank_metadata_file(self.rank) if self.rank_local else METADATA_FILE
+
+    def _take_lease(self) -> None:
+        """Hold the directory's save lease; note the committed metadata; drop a dead save's files. Coordinator."""
+        if self._lease is not None and not self._lease.released.is_set():
+            self._lease.release()  # this writer's earlier save never finished nor aborted
+        name = self._metadata_name()
+        self._lease, broken = SaveLease.acquire(self.path, name, self.save_id, timeout=self.lease_timeout)
+        self._base = _signature(self.path / name)
+        if broken is not None:
+            self._drop_dead_save(broken, name)
+
+    def _drop_dead_save(self, dead: LeaseHolder, name: str) -> None:
+        """Delete the files of the dead save whose stale lease was broken, unless they are committed."""
+        committed = committed_save_id(self.path / name)
+        garbage = {dead.save_id, dead.base_save_id} - {committed or "", self.save_id}
+        remove_files(garbage_files(self.path, garbage, rank=self.rank if self.rank_local else None),
+                     unlink=self.file_ops.unlink)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """Record this rank in the plan's storage data. All ranks call it."""
-        return replace(plan, storage_data={"rank": self.rank})
+        """Return the plan unchanged: file names are given by the coordinator. All ranks call it."""
+        return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Give every plan the coordinator's save id. Coordinator only."""
-        return [
-            replace(plan, storage_data={"rank": (plan.storage_data or {}).get("rank", rank), "save_id": self.save_id})
-            for rank, plan in enumerate(plans)
-        ]
+        """Give every plan the coordinator's save id (:class:`FileSystemPlanData`). Coordinator only."""
+        return [replace(plan, storage_data=FileSystemPlanData(save_id=self.save_id)) for plan in plans]
 
     def _jobs(self, plan: SavePlan) -> list[_FileJob]:
-        save_id = (plan.storage_data or {}).get("save_id", self.save_id)
-        self.save_id = save_id
+        if isinstance(plan.storage_data, FileSystemPlanData):
+            self.save_id = plan.storage_data.save_id
+        save_id = self.save_id
         threads = self.thread_count
         if threads is None:
             threads = 2 if sum(item.storage_size() for item in plan.items) >= self.auto_thread_bytes else 1
@@ -321,7 +390,9 @@ class FileSystemWriter(StorageWriter):
             else:
                 td = item.tensor_data
                 entries.append(HeaderEntry(name, td.properties.dtype, td.chunk.sizes, len(view)))
-        header, offsets = build_header(entries, {"format": "hyper_parallel", "save_id": self.save_id})
+        header, offsets = build_header(
+            entries, {"format": "hyper_parallel", "save_id": self.save_id}, align=DATA_ALIGNMENT
+        )
         results = []
         ops = self.file_ops
         fd = ops.open(self.path / job.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -365,6 +436,7 @@ class FileSystemWriter(StorageWriter):
             CheckpointIOError: a write or fsync failed (disk full, I/O error).
         """
         future: Future[list[WriteResult]] = Future()
+        self._created_directory = False  # writing began: a failure leaves the directory to the next save
         jobs: list[_FileJob] = []
         try:
             jobs = self._jobs(plan)
@@ -393,8 +465,23 @@ class FileSystemWriter(StorageWriter):
             except OSError:
                 pass  # a later save of this directory removes it as stale
 
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
-        """Commit: write the metadata atomically, then drop files of older saves. Coordinator only."""
+    def finish(
+        self, metadata: Metadata, results: list[list[WriteResult]], *, background_cleanup: bool = False
+    ) -> Metadata:
+        """Commit: write the metadata atomically, then drop the files of the replaced save. Coordinator only.
+
+        Args:
+            metadata: The coordinator's metadata (without storage data).
+            results: Every rank's write results, in rank order.
+            background_cleanup: Delete the replaced save's files on a
+                background thread (an async save's commit runs on the
+                training thread); :meth:`wait_cleanup` waits for it.
+
+        Raises:
+            ConcurrentSaveError: another save took the lease or committed to this id since
+                :meth:`set_up_storage_writer` (names it); nothing of this save is committed.
+            CheckpointIOError: the metadata cannot be written.
+        """
         storage_data: dict[MetadataIndex, StorageInfo] = {}
         for rank_results in results:
             for result in rank_results:
@@ -404,25 +491,81 @@ class FileSystemWriter(StorageWriter):
             storage_data=storage_data,
             storage_meta=replace(metadata.storage_meta, backend=BACKEND_NAME, save_id=self.save_id),
         )
-        name = rank_metadata_file(self.rank) if self.rank_local else METADATA_FILE
+        name = self._metadata_name()
+        replaced = self._check_commit(name)
+        if self._lease is not None and replaced:
+            self._lease.record_base(replaced)
+        failure: CheckpointIOError | None = None
         try:
-            write_atomically(self.path / name, metadata_to_json(committed), sync=self.sync_files, ops=self.file_ops)
+            write_atomically(
+                self.path / name, metadata_to_json(committed), sync=self.sync_files, tag=self.save_id, ops=self.file_ops
+            )
         except OSError as exc:
-            raise CheckpointIOError(f"committing checkpoint {self.path} failed: {exc}") from exc
-        # Files of older saves are garbage once the new metadata is durable.
-        # The list is taken now; an async save's commit deletes them off the
-        # caller's path (unlinking large files takes time), and files of a
-        # later save, created meanwhile, are never in the list.
+            failure = CheckpointIOError(f"committing checkpoint {self.path} failed: {exc}")
+            failure.__cause__ = exc
+            if committed_save_id(self.path / name) != self.save_id:
+                raise failure from exc
+            # The rename happened (syncing its directory failed): committed, clean up, then report.
+        self._committed = True
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.committed = True
+        # The replaced save's files are garbage once the new metadata is durable.
+        # An async save's commit deletes them off the caller's path (unlinking
+        # large files takes time); the lease is held until they are gone.
         self.wait_cleanup()
-        stale = self._stale_files(name)
-        if not self.background_cleanup:
-            _unlink_all(stale, self.file_ops)
+        stale = self._stale_files(replaced)
+        if not background_cleanup or failure is not None:
+            _clean_up(stale, lease, self.file_ops)
+            if failure is not None:
+                raise failure
             return committed
         self._cleanup = threading.Thread(
-            target=_unlink_all, args=(stale, self.file_ops), name="hp-ckpt-cleanup", daemon=True
+            target=_clean_up, args=(stale, lease, self.file_ops), name="hp-ckpt-cleanup", daemon=True
         )
         self._cleanup.start()
         return committed
+
+    def _check_commit(self, name: str) -> str | None:
+        """Compare-and-swap check before the commit; return the save id of the metadata being replaced."""
+        if self._lease is not None and not self._lease.holds():
+            raise ConcurrentSaveError(
+                f"checkpoint {self.path}: the save lease {self._lease.path} of this save (save id {self.save_id}) "
+                "was removed or taken by another save while it ran (another process judged it stale, or a "
+                "CheckpointManager deleted the directory); nothing was committed: save again"
+            )
+        if _signature(self.path / name) != self._base:
+            replaced = committed_save_id(self.path / name)
+            raise ConcurrentSaveError(
+                f"checkpoint {self.path} was committed by another save (save id {replaced}) while this save "
+                f"(save id {self.save_id}) ran; nothing of this save was committed: save again, or to another id"
+            )
+        return committed_save_id(self.path / name)
+
+    def abort(self) -> None:
+        """Undo a failed save: delete its files, release its lease, remove the directory if planning failed.
+
+        A save that fails before writing (a refused value, a bad layout)
+        removes the directory it created, if still empty.
+
+        All ranks call it after a failed save (``save``, ``async_save`` and
+        ``CheckpointManager`` do); it never raises, and does nothing after a commit.
+        """
+        if self._committed:
+            return
+        lease, self._lease = self._lease, None
+        if lease is not None:  # coordinator: every rank's files of this save are written (or discarded) by now
+            remove_files(
+                garbage_files(self.path, {self.save_id}, rank=self.rank if self.rank_local else None),
+                unlink=self.file_ops.unlink,
+            )
+            lease.release()
+        if self._created_directory:
+            try:
+                self.path.rmdir()  # only if empty
+            except OSError:
+                pass
+            self._created_directory = False
 
     def wait_cleanup(self) -> None:
         """Wait until the files of older saves are deleted. Coordinator."""
@@ -430,27 +573,14 @@ class FileSystemWriter(StorageWriter):
             self._cleanup.join()
             self._cleanup = None
 
-    def _stale_files(self, committed_name: str) -> list[Path]:
-        """Data files of older saves that no committed metadata references.
+    def _stale_files(self, replaced: str | None) -> list[Path]:
+        """Files of the replaced save (``replaced`` is its save id): data files and temporary files.
 
-        With rank-local metadata only this rank's files are candidates. If any
-        other metadata file cannot be parsed, nothing is deleted.
+        With rank-local metadata only this rank's files are candidates.
         """
-        referenced = _files_referenced_by_others(self.path, committed_name)
-        if referenced is None:
+        if not replaced or replaced == self.save_id:
             return []
-        stale = []
-        for entry in os.scandir(self.path):
-            if entry.name.startswith(".") and entry.name.endswith(".partial") and not self.rank_local:
-                stale.append(Path(entry.path))
-                continue
-            match = DATA_FILE_PATTERN.match(entry.name)
-            if not match or match.group(3) == self.save_id or entry.name in referenced:
-                continue
-            if self.rank_local and int(match.group(1)) != self.rank:
-                continue
-            stale.append(Path(entry.path))
-        return stale
+        return garbage_files(self.path, {replaced}, rank=self.rank if self.rank_local else None)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: CheckpointId) -> bool:
@@ -460,29 +590,23 @@ class FileSystemWriter(StorageWriter):
         return isinstance(checkpoint_id, str) and bool(checkpoint_id) and "://" not in checkpoint_id
 
 
-def _unlink_all(paths: list[Path], ops: FileOps) -> None:
-    for path in paths:
-        try:
-            ops.unlink(path)
-        except FileNotFoundError:
-            pass
+def _clean_up(paths: list[Path], lease: SaveLease | None, ops: FileOps) -> None:
+    try:
+        remove_files(paths, unlink=ops.unlink)
+    finally:
+        if lease is not None:
+            lease.release()
 
 
-def _files_referenced_by_others(path: Path, committed_name: str) -> set[str] | None:
-    """Data files named by the other metadata files of the directory (``None``: one is unreadable)."""
-    names: set[str] = set()
-    for entry in os.scandir(path):
-        is_metadata = entry.name == METADATA_FILE or (
-            entry.name.startswith("metadata.rank") and entry.name.endswith(".json")
-        )
-        if not is_metadata or entry.name == committed_name:
-            continue
-        try:
-            document = json.loads(Path(entry.path).read_bytes())
-            names.update(str(item["file"]) for item in document["storage_data"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-    return names
+def _signature(path: Path) -> tuple[int, ...] | None:
+    """Identity of the file at ``path`` (device, inode, size, mtime) or ``None`` if absent: a commit replaces it."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return (-1,)
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, stat.S_IFMT(info.st_mode))
 
 
 def _tensor_name(index: MetadataIndex, whole: bool = False) -> str:
