@@ -31,7 +31,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     IncompleteCheckpointError,
     UnsafeCheckpointError,
 )
-from hyper_parallel.core.distributed_checkpoint.filesystem_writer import METADATA_FILE
+from hyper_parallel.core.distributed_checkpoint.filesystem_writer import METADATA_FILE, rank_metadata_file
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     Metadata,
     MetadataIndex,
@@ -99,6 +99,7 @@ class FileSystemReader(StorageReader):
         self.thread_count = thread_count
         self.max_inflight_bytes = max_inflight_bytes
         self.metadata_file = metadata_file or METADATA_FILE
+        self._configured_metadata_file = self.metadata_file
         self.no_readahead = no_readahead
         self.metadata: Metadata | None = None
         self.bytes_read = 0
@@ -108,11 +109,18 @@ class FileSystemReader(StorageReader):
         """Start a new load, optionally from another directory. All ranks."""
         if checkpoint_id is not None:
             self.path = Path(os.fspath(checkpoint_id))
+        self.metadata_file = self._configured_metadata_file
         self.metadata = None
         self.bytes_read = 0
 
-    def read_metadata(self) -> Metadata:
+    def read_metadata(self, *, rank: int | None = None) -> Metadata:
         """Read and check the committed metadata. Any rank; no collectives.
+
+        Args:
+            rank: Set when this rank loads on its own (``use_collectives=False``
+                in a job of several ranks): its rank-local metadata
+                ``metadata.rank<rank>.json`` is read if the directory holds
+                one, the shared metadata otherwise.
 
         Raises:
             CheckpointNotFoundError: the directory does not exist.
@@ -123,6 +131,8 @@ class FileSystemReader(StorageReader):
             raise CheckpointNotFoundError(f"checkpoint {self.path} does not exist")
         if not self.path.is_dir():
             raise CheckpointValueError(f"checkpoint {self.path} is not a directory")
+        if rank is not None and (self.path / rank_metadata_file(rank)).is_file():
+            self.metadata_file = rank_metadata_file(rank)
         meta_path = self.path / self.metadata_file
         if not meta_path.is_file():
             raise IncompleteCheckpointError(
