@@ -162,6 +162,9 @@ class _FailingOps(FileOps):
         self._maybe_fail("write")
         return super().write(fd, data)
 
+    def writev(self, fd: int, buffers: list) -> int:
+        return self.write(fd, b"".join(buffers))  # one write, as counted by ``where``
+
     def fsync(self, fd: int) -> None:
         self._maybe_fail("fsync")
         super().fsync(fd)

@@ -34,6 +34,12 @@ class FileOps:
         """``os.write`` at the current position: return the bytes written."""
         return os.write(fd, data)
 
+    def writev(self, fd: int, buffers: list[memoryview]) -> int:
+        """``os.writev`` (the buffers one after another) at the current position: return the bytes written."""
+        if not hasattr(os, "writev"):  # pragma: no cover - every POSIX system has it
+            return os.write(fd, b"".join(buffers))
+        return os.writev(fd, buffers)
+
     def pwrite(self, fd: int, data: memoryview | bytes, offset: int) -> int:
         """``os.pwrite`` at ``offset``: return the bytes written."""
         return os.pwrite(fd, data, offset)
@@ -134,6 +140,14 @@ class RecordingFileOps(FileOps):
             offset = os.lseek(fd, 0, os.SEEK_CUR)
             written = super().write(fd, data)
             self._record("write", self._paths[fd], offset=offset, data=bytes(memoryview(data)[:written]))
+            return written
+
+    def writev(self, fd: int, buffers: list[memoryview]) -> int:
+        with self._lock:
+            offset = os.lseek(fd, 0, os.SEEK_CUR)
+            written = super().writev(fd, buffers)
+            data = b"".join(bytes(b) for b in buffers)[:written]
+            self._record("write", self._paths[fd], offset=offset, data=data)
             return written
 
     def pwrite(self, fd: int, data: memoryview | bytes, offset: int) -> int:

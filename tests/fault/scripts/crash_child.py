@@ -156,6 +156,8 @@ def arm(hook: dict[str, Any], reference: pathlib.Path) -> None:
     ``within`` counts only the calls made while that writer-module function runs.
     """
     target, nth, when = hook["target"], int(hook.get("nth", 1)), hook.get("when", "before")
+    # Gathered writes count as one write of their bytes, so byte positions and write counts hold.
+    FileOps.writev = lambda ops, fd, buffers: FileOps.write(ops, fd, b"".join(buffers))
     active = _inside(hook.get("within"))
     if "at_byte" in hook:
         FileOps.write = _write_until(_byte_position(hook["at_byte"], reference))
