@@ -127,28 +127,44 @@ def _write_all(fd: int, view: memoryview) -> None:
 
 
 class _CoalescingWriter:
-    """Sequential writes to one file descriptor; small pieces are packed into one write."""
+    """Sequential writes to one file descriptor; small pieces go many per ``writev`` call, uncopied."""
 
     SMALL = 256 << 10
     FLUSH = 4 << 20
+    #: Most buffers in one ``writev`` (Linux ``IOV_MAX``).
+    MAX_BUFFERS = 1024
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        self.pending = bytearray()
+        self.pending: list[memoryview] = []
+        self.pending_bytes = 0
 
     def write(self, view: memoryview) -> None:
         if len(view) < self.SMALL:
-            self.pending += view
-            if len(self.pending) >= self.FLUSH:
+            if len(view):
+                self.pending.append(view)
+                self.pending_bytes += len(view)
+            if self.pending_bytes >= self.FLUSH or len(self.pending) >= self.MAX_BUFFERS:
                 self.flush()
             return
         self.flush()
         _write_all(self.fd, view)
 
     def flush(self) -> None:
-        if self.pending:
-            _write_all(self.fd, memoryview(self.pending))
-            self.pending = bytearray()
+        if not self.pending:
+            return
+        if not hasattr(os, "writev"):  # pragma: no cover - every POSIX system has it
+            _write_all(self.fd, memoryview(b"".join(self.pending)))
+        else:
+            written = os.writev(self.fd, self.pending)
+            if written != self.pending_bytes:  # a short write (rare): write the rest piece by piece
+                for view in self.pending:
+                    if written >= len(view):
+                        written -= len(view)
+                        continue
+                    _write_all(self.fd, view[written:])
+                    written = 0
+        self.pending, self.pending_bytes = [], 0
 
 
 def _zstd():
@@ -329,14 +345,15 @@ class FileSystemWriter(StorageWriter):
             self.save_id = plan.storage_data.save_id
         save_id = self.save_id
         threads = self.thread_count
+        sized = sorted(((item.storage_size(), item) for item in plan.items), key=lambda pair: -pair[0])
         if threads is None:
-            threads = 2 if sum(item.storage_size() for item in plan.items) >= AUTO_THREAD_BYTES else 1
+            threads = 2 if sum(size for size, _ in sized) >= AUTO_THREAD_BYTES else 1
         bins: list[list[WriteItem]] = [[] for _ in range(threads)]
         loads = [0] * threads
-        for item in sorted(plan.items, key=lambda i: -i.storage_size()):
-            target = loads.index(min(loads))
+        for size, item in sized:
+            target = loads.index(min(loads)) if threads > 1 else 0
             bins[target].append(item)
-            loads[target] += item.storage_size()
+            loads[target] += size
         jobs = []
         for counter, items in enumerate(b for b in bins if b):
             name = f"r{self.rank:05d}_{counter:03d}.{save_id}.safetensors"
