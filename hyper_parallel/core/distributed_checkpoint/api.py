@@ -17,6 +17,8 @@ from typing import Any
 
 from hyper_parallel import platform
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
+from hyper_parallel.core.distributed_checkpoint._flatten import flatten_state_dict, set_by_path
+from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutArgument, apply_mindspore_layouts
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemWriter, rank_metadata_file
@@ -109,10 +111,12 @@ def prepare_save(
     use_collectives: bool,
     remove_redundancy: bool,
     save_to_minimum_rank: bool,
+    strategy_file: LayoutArgument = None,
+    check_replicas: bool = True,
 ) -> SaveSession:
     """Plan a save on every rank (the collective part before writing). All ranks."""
     writer = _writer_for(checkpoint_id, storage_writer)
-    planner = planner or StandardSavePlanner()
+    planner = planner or StandardSavePlanner(check_replicas=check_replicas)
     dist = DistWrapper(use_dist=not no_dist and use_collectives)
     real_rank = platform.get_rank() if not no_dist else 0
     if not use_collectives and not no_dist and isinstance(writer, FileSystemWriter):
@@ -123,7 +127,7 @@ def prepare_save(
         writer.set_up_storage_writer(dist.is_coordinator, rank=dist.rank if dist.use_dist else real_rank,
                                      world_size=dist.world_size)
         planner.configure_planner(
-            state_dict,
+            apply_mindspore_layouts(state_dict, source=strategy_file, rank=platform.get_rank()),
             rank=dist.rank,
             world_size=dist.world_size,
             is_coordinator=dist.is_coordinator,
@@ -176,6 +180,8 @@ def save(
     use_collectives: bool = True,
     remove_redundancy: bool = True,
     save_to_minimum_rank: bool = False,
+    strategy_file: LayoutArgument = None,
+    check_replicas: bool = True,
 ) -> Metadata:
     """Save ``state_dict`` as a checkpoint. All ranks call it.
 
@@ -188,6 +194,14 @@ def save(
         use_collectives: ``False``: each rank saves alone, rank-local metadata.
         remove_redundancy: Write each replicated item once (balanced).
         save_to_minimum_rank: Give replicated items to their lowest rank.
+        strategy_file: Layouts of Parameters MindSpore sliced: its strategy
+            file, a list of per-stage files, or ``{name: Layout}``. A Cell
+            whose ``parameter_layout_dict`` is non-empty is used by itself.
+            A Parameter with ``sliced`` set and no known layout is refused.
+        check_replicas: Compare a digest of every replicated tensor across
+            the ranks holding it; a difference fails the save naming the key
+            and ranks. Applies to the default planner (a planner passed in
+            keeps its own setting).
 
     Returns:
         The committed metadata (on every rank).
@@ -204,6 +218,8 @@ def save(
         use_collectives=use_collectives,
         remove_redundancy=remove_redundancy,
         save_to_minimum_rank=save_to_minimum_rank,
+        strategy_file=strategy_file,
+        check_replicas=check_replicas,
     )
     return run_save_writes(session)
 
@@ -216,12 +232,15 @@ def load(
     planner: LoadPlanner | None = None,
     no_dist: bool = False,
     use_collectives: bool = True,
+    strategy_file: LayoutArgument = None,
 ) -> None:
     """Load a checkpoint into ``state_dict`` in place. All ranks call it.
 
     Tensors keep their identity and dtype and receive the values of their own
     region, whatever layout or world size saved them. Non-tensor values are
-    replaced in the dict.
+    replaced in the dict. Parameters MindSpore sliced receive their own slice:
+    their layouts come from ``strategy_file`` (as in :func:`save`) or from the
+    ``parameter_layout_dict`` of the Cell holding them.
 
     Raises:
         CheckpointNotFoundError: no such directory.
@@ -248,8 +267,9 @@ def load(
 
     def local_step() -> LoadPlan:
         reader.set_up_storage_reader(metadata, dist.is_coordinator)
+        holder["target"] = apply_mindspore_layouts(state_dict, source=strategy_file, rank=platform.get_rank())
         planner.configure_planner(
-            state_dict, metadata, rank=dist.rank, world_size=dist.world_size, is_coordinator=dist.is_coordinator
+            holder["target"], metadata, rank=dist.rank, world_size=dist.world_size, is_coordinator=dist.is_coordinator
         )
         local = reader.prepare_local_plan(planner.build_local_plan())
         holder["local"] = local
@@ -284,6 +304,17 @@ def load(
                     planner.finish_load()
 
             dist.all_gather("receive reads", receive_step)
+    if holder["target"] is not state_dict:
+        _copy_back_values(holder["target"], state_dict)
+
+
+def _copy_back_values(loaded: dict[str, Any], state_dict: dict[str, Any]) -> None:
+    """Put the non-tensor values a load replaced in ``loaded`` (a wrapped copy) into ``state_dict``."""
+    before = flatten_state_dict(state_dict).values
+    after = flatten_state_dict(loaded)
+    for name, value in after.values.items():
+        if name in before and before[name] is not value and not hasattr(value, "to_local"):
+            set_by_path(state_dict, after.paths[name], value)
 
 
 def read_metadata(checkpoint_id: CheckpointId) -> Metadata:

@@ -195,6 +195,8 @@ def async_save(
     remove_redundancy: bool = True,
     save_to_minimum_rank: bool = False,
     staging: str = "copy",
+    strategy_file: Any = None,
+    check_replicas: bool = True,
 ) -> AsyncSaveHandle:
     """Save ``state_dict`` in the background. All ranks call it.
 
@@ -227,6 +229,8 @@ def async_save(
             remove_redundancy=remove_redundancy,
             save_to_minimum_rank=save_to_minimum_rank,
             staging=staging,
+            strategy_file=strategy_file,
+            check_replicas=check_replicas,
         )
 
 
