@@ -17,13 +17,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Union
 
+from hyper_parallel.core.distributed_checkpoint._flatten import flatten_state_dict, set_by_path
 from hyper_parallel.core.distributed_checkpoint.errors import LayoutError, SlicedParameterError
 from hyper_parallel.core.dtensor import DTensor
 from hyper_parallel.core.layout import Layout
 from hyper_parallel.core.strategy_file import StrategySource, layout_for_state_key, layouts_from_strategy
 from hyper_parallel.platform.tensor import is_cell, is_parameter
 
-__all__ = ["LayoutSources", "LayoutArgument", "apply_mindspore_layouts", "cells_in", "resolve_layouts"]
+__all__ = [
+    "LayoutSources",
+    "LayoutArgument",
+    "apply_mindspore_layouts",
+    "cells_in",
+    "copy_back_values",
+    "resolve_layouts",
+]
 
 _SHOWN = 10
 
@@ -162,6 +170,19 @@ def apply_mindspore_layouts(state_dict: dict[str, Any], *, source: LayoutArgumen
     if wrapper.bad:
         raise SlicedParameterError(f"rank {rank}: " + "; ".join(wrapper.bad[:_SHOWN]))
     return result
+
+
+def copy_back_values(loaded: dict[str, Any], state_dict: dict[str, Any]) -> None:
+    """Put the non-tensor values a load replaced in ``loaded`` (a wrapped copy) into ``state_dict``.
+
+    The copy has the same paths as ``state_dict`` (Cells became dicts of the
+    same names), so every replaced plain value goes back to its place.
+    """
+    before = flatten_state_dict(state_dict).values
+    after = flatten_state_dict(loaded)
+    for name, value in after.values.items():
+        if name in before and before[name] is not value and not isinstance(value, DTensor):
+            set_by_path(state_dict, after.paths[name], value)
 
 
 def _parameters(obj: Any):

@@ -31,7 +31,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     IncompleteCheckpointError,
     UnsafeCheckpointError,
 )
-from hyper_parallel.core.distributed_checkpoint.filesystem_writer import METADATA_FILE
+from hyper_parallel.core.distributed_checkpoint.filesystem_writer import METADATA_FILE, rank_metadata_file
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     Metadata,
     MetadataIndex,
@@ -57,6 +57,8 @@ __all__ = ["FileSystemReader", "MAX_METADATA_BYTES", "DEFAULT_MAX_INFLIGHT_BYTES
 MAX_METADATA_BYTES = 1 << 30
 #: Default bound on bytes buffered at once per I/O thread while verifying.
 DEFAULT_MAX_INFLIGHT_BYTES = 64 << 20
+#: A file of which a rank needs at least this share is read with kernel readahead.
+_SEQUENTIAL_SHARE = 0.95
 
 
 class FileSystemReader(StorageReader):
@@ -68,9 +70,12 @@ class FileSystemReader(StorageReader):
         thread_count: I/O threads per rank.
         max_inflight_bytes: Bound on the bytes one thread buffers at once.
         metadata_file: Name of the metadata file (default ``metadata.json``).
-        no_readahead: Tell the kernel not to read ahead (``POSIX_FADV_RANDOM``):
-            a reshard then reads from the device only the bytes it needs, at
-            the cost of many small reads (measured 4x slower cold on a VM disk).
+        no_readahead: ``None`` (default): files this rank reads only in part
+            (a resharded load) are read without kernel readahead and with
+            scattered runs prefetched exactly, or read with ``O_DIRECT`` when
+            they are narrower than pages (:mod:`._device_reads`), so the device
+            reads about the bytes needed; files read (almost) whole keep
+            readahead. ``True``: every file so; ``False``: never.
     """
 
     def __init__(
@@ -81,7 +86,7 @@ class FileSystemReader(StorageReader):
         thread_count: int = 2,
         max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
         metadata_file: str | None = None,
-        no_readahead: bool = False,
+        no_readahead: bool | None = None,
     ) -> None:
         if thread_count < 1 or max_inflight_bytes < 1:
             raise CheckpointValueError("thread_count and max_inflight_bytes must be >= 1")
@@ -90,19 +95,28 @@ class FileSystemReader(StorageReader):
         self.thread_count = thread_count
         self.max_inflight_bytes = max_inflight_bytes
         self.metadata_file = metadata_file or METADATA_FILE
+        self._configured_metadata_file = self.metadata_file
         self.no_readahead = no_readahead
         self.metadata: Metadata | None = None
         self.bytes_read = 0
+        self._exact_fds: set[int] = set()
 
     def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
         """Start a new load, optionally from another directory. All ranks."""
         if checkpoint_id is not None:
             self.path = Path(os.fspath(checkpoint_id))
+        self.metadata_file = self._configured_metadata_file
         self.metadata = None
         self.bytes_read = 0
 
-    def read_metadata(self) -> Metadata:
+    def read_metadata(self, *, rank: int | None = None) -> Metadata:
         """Read and check the committed metadata. Any rank; no collectives.
+
+        Args:
+            rank: Set when this rank loads on its own (``use_collectives=False``
+                in a job of several ranks): its rank-local metadata
+                ``metadata.rank<rank>.json`` is read if the directory holds
+                one, the shared metadata otherwise.
 
         Raises:
             CheckpointNotFoundError: the directory does not exist.
@@ -113,6 +127,8 @@ class FileSystemReader(StorageReader):
             raise CheckpointNotFoundError(f"checkpoint {self.path} does not exist")
         if not self.path.is_dir():
             raise CheckpointValueError(f"checkpoint {self.path} is not a directory")
+        if rank is not None and (self.path / rank_metadata_file(rank)).is_file():
+            self.metadata_file = rank_metadata_file(rank)
         meta_path = self.path / self.metadata_file
         if not meta_path.is_file():
             raise IncompleteCheckpointError(
@@ -226,15 +242,30 @@ class FileSystemReader(StorageReader):
             fd = os.open(path, os.O_RDONLY)
             try:
                 size = os.fstat(fd).st_size
-                if self.no_readahead and hasattr(os, "posix_fadvise"):
-                    # Kernel readahead would also fetch the ranges a reshard skips; off, each
-                    # small run is its own device read (slower on disks with costly small I/O).
+                if self._reads_in_part(items, size) and hasattr(os, "posix_fadvise"):
+                    # Kernel readahead would also fetch the ranges a reshard skips.
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                    self._exact_fds.add(fd)
                 for item in items:
                     total += self._read_item(fd, path, size, item, planner)
             finally:
+                self._exact_fds.discard(fd)
                 os.close(fd)
         return total
+
+    def _reads_in_part(self, items: list[ReadItem], file_size: int) -> bool:
+        """Whether a file is read without readahead (see ``no_readahead``)."""
+        if self.no_readahead is not None:
+            return self.no_readahead
+        needed = 0
+        for item in items:
+            info = self._info(item.storage_index)
+            stored = self.metadata.state_dict_metadata.get(item.storage_index.fqn)
+            if item.type == LoadItemType.BYTE_IO or info.compression or not isinstance(stored, TensorStorageMetadata):
+                needed += info.length
+            else:
+                needed += math.prod(item.lengths) * DTYPE_NAMES.get(stored.properties.dtype, 1)
+        return needed < _SEQUENTIAL_SHARE * file_size
 
     def _read_item(self, fd: int, path: Path, file_size: int, item: ReadItem, planner: LoadPlanner) -> int:
         fqn = item.storage_index.fqn
@@ -266,7 +297,8 @@ class FileSystemReader(StorageReader):
         dest = planner.acquire_tensor(item)
         stored_dtype = numpy_dtype(stored.properties.dtype)
         if self.verify_checksums and info.checksum is not None and info.checksum.block_shape:
-            count = read_tiles(fd, path, fqn, info, chunk_sizes, stored_dtype, item, dest)
+            exact = fd in self._exact_fds
+            count = read_tiles(fd, path, fqn, info, chunk_sizes, stored_dtype, item, dest, exact=exact)
             planner.apply_tensor(item, dest)
             return count
         count = 0
@@ -348,7 +380,7 @@ class FileSystemReader(StorageReader):
             return 0
         if verify and self.verify_checksums and info.checksum is not None and not info.checksum.block_shape:
             return read_runs_verified(fd, path, fqn, info, runs, target, self.max_inflight_bytes)
-        return read_runs(fd, path, fqn, info, runs, target)
+        return read_runs(fd, path, fqn, info, runs, target, exact=fd in self._exact_fds)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: CheckpointId) -> bool:

@@ -63,8 +63,10 @@ from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, Sto
 
 __all__ = [
     "AUTO_THREAD_BYTES",
+    "DATA_ALIGNMENT",
     "METADATA_FILE",
     "DATA_FILE_PATTERN",
+    "FileSystemPlanData",
     "FileSystemWriter",
     "rank_metadata_file",
     "write_atomically",
@@ -74,6 +76,8 @@ __all__ = [
 #: Name of the committed metadata of a collective save.
 METADATA_FILE = "metadata.json"
 _WRITE_CHUNK = 1 << 30
+#: The data region of every data file starts at a multiple of this (a page; see ``build_header``).
+DATA_ALIGNMENT = 4096
 #: With ``thread_count=None`` a rank writing at least this many bytes uses 2 files and threads.
 AUTO_THREAD_BYTES = 64 << 20
 
@@ -170,6 +174,17 @@ class _FileJob:
     items: tuple[WriteItem, ...]
 
 
+@dataclass(frozen=True)
+class FileSystemPlanData:
+    """The storage data of a final save plan: what the coordinator tells every rank.
+
+    Attributes:
+        save_id: The coordinator's save id; every rank names its data files with it.
+    """
+
+    save_id: str
+
+
 class FileSystemWriter(StorageWriter):
     """Writes a checkpoint into a local or shared-filesystem directory.
 
@@ -180,7 +195,6 @@ class FileSystemWriter(StorageWriter):
             2 when the rank writes at least :data:`AUTO_THREAD_BYTES`, else 1
             (two streams overlap hashing with writing; small saves stay one file).
         checksum_block_bytes: Block size of the stored checksums.
-        rank_local: Write rank-local metadata (``use_collectives=False``).
         compression: ``None`` (default) or ``"zstd"``: each item compressed
             on its own. Compressed items are stored as ``U8`` arrays, so the
             files stay readable safetensors containers but hold compressed
@@ -207,7 +221,6 @@ class FileSystemWriter(StorageWriter):
         sync_files: bool = True,
         thread_count: int | None = None,
         checksum_block_bytes: int = DEFAULT_BLOCK_BYTES,
-        rank_local: bool = False,
         compression: str | None = None,
         compression_level: int = 3,
         tile_checksums: bool = True,
@@ -226,7 +239,7 @@ class FileSystemWriter(StorageWriter):
         self.sync_files = sync_files
         self.thread_count = thread_count
         self.checksum_block_bytes = checksum_block_bytes
-        self.rank_local = rank_local
+        self.rank_local = False
         self.compression = compression
         self.compression_level = compression_level
         self.tile_checksums = tile_checksums
@@ -237,8 +250,6 @@ class FileSystemWriter(StorageWriter):
         self._created_directory = False
         self._committed = False
         self._cleanup: threading.Thread | None = None
-        #: Delete the files of older saves on a background thread after commit.
-        self.background_cleanup = False
         self.rank = 0
         self.save_id = uuid.uuid4().hex[:12]
 
@@ -248,8 +259,14 @@ class FileSystemWriter(StorageWriter):
             self.path = Path(os.fspath(checkpoint_id))
         self.save_id = uuid.uuid4().hex[:12]
 
-    def set_up_storage_writer(self, is_coordinator: bool, *, rank: int = 0, world_size: int = 1) -> None:
+    def set_up_storage_writer(
+        self, is_coordinator: bool, *, rank: int = 0, world_size: int = 1, rank_local: bool = False
+    ) -> None:
         """Create the directory (every rank may; exist is fine). All ranks call it.
+
+        With ``rank_local`` (``save(..., use_collectives=False)`` in a job of
+        several ranks) this rank commits ``metadata.rank<rank>.json`` and its
+        after-commit cleanup touches only its own data files.
 
         Every save gets a new save id here (the coordinator's is handed to all
         ranks with the plan), so a writer used for several saves never writes
@@ -260,6 +277,7 @@ class FileSystemWriter(StorageWriter):
             CheckpointIOError: the directory cannot be created or written.
         """
         self.rank = rank
+        self.rank_local = rank_local
         self.save_id = uuid.uuid4().hex[:12]
         self._committed = False
         self._created_directory = False
@@ -299,19 +317,17 @@ class FileSystemWriter(StorageWriter):
         remove_files(garbage_files(self.path, garbage, rank=self.rank if self.rank_local else None))
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """Record this rank in the plan's storage data. All ranks call it."""
-        return replace(plan, storage_data={"rank": self.rank})
+        """Return the plan unchanged: file names are given by the coordinator. All ranks call it."""
+        return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Give every plan the coordinator's save id. Coordinator only."""
-        return [
-            replace(plan, storage_data={"rank": (plan.storage_data or {}).get("rank", rank), "save_id": self.save_id})
-            for rank, plan in enumerate(plans)
-        ]
+        """Give every plan the coordinator's save id (:class:`FileSystemPlanData`). Coordinator only."""
+        return [replace(plan, storage_data=FileSystemPlanData(save_id=self.save_id)) for plan in plans]
 
     def _jobs(self, plan: SavePlan) -> list[_FileJob]:
-        save_id = (plan.storage_data or {}).get("save_id", self.save_id)
-        self.save_id = save_id
+        if isinstance(plan.storage_data, FileSystemPlanData):
+            self.save_id = plan.storage_data.save_id
+        save_id = self.save_id
         threads = self.thread_count
         if threads is None:
             threads = 2 if sum(item.storage_size() for item in plan.items) >= AUTO_THREAD_BYTES else 1
@@ -356,7 +372,9 @@ class FileSystemWriter(StorageWriter):
             else:
                 td = item.tensor_data
                 entries.append(HeaderEntry(name, td.properties.dtype, td.chunk.sizes, len(view)))
-        header, offsets = build_header(entries, {"format": "hyper_parallel", "save_id": self.save_id})
+        header, offsets = build_header(
+            entries, {"format": "hyper_parallel", "save_id": self.save_id}, align=DATA_ALIGNMENT
+        )
         results = []
         fd = os.open(self.path / job.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -428,8 +446,17 @@ class FileSystemWriter(StorageWriter):
             except OSError:
                 pass  # a later save of this directory removes it as stale
 
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
+    def finish(
+        self, metadata: Metadata, results: list[list[WriteResult]], *, background_cleanup: bool = False
+    ) -> Metadata:
         """Commit: write the metadata atomically, then drop the files of the replaced save. Coordinator only.
+
+        Args:
+            metadata: The coordinator's metadata (without storage data).
+            results: Every rank's write results, in rank order.
+            background_cleanup: Delete the replaced save's files on a
+                background thread (an async save's commit runs on the
+                training thread); :meth:`wait_cleanup` waits for it.
 
         Raises:
             ConcurrentSaveError: another save took the lease or committed to this id since
@@ -467,7 +494,7 @@ class FileSystemWriter(StorageWriter):
         # large files takes time); the lease is held until they are gone.
         self.wait_cleanup()
         stale = self._stale_files(replaced)
-        if not self.background_cleanup or failure is not None:
+        if not background_cleanup or failure is not None:
             _clean_up(stale, lease)
             if failure is not None:
                 raise failure
