@@ -25,6 +25,7 @@ through the :class:`.StorageWriter` / :class:`.StorageReader` methods.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -38,7 +39,7 @@ from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import (
     copy_back_values,
 )
 from hyper_parallel.core.distributed_checkpoint._staging import StagedSavePlanner, StagingPool, staged_views
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, PlanValidationError
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
@@ -178,6 +179,25 @@ class SaveSession:
     metadata: Metadata | None
 
 
+#: Variables msrun (and other MindSpore launchers) set in every worker of a job.
+_JOB_SIZE_VARIABLES = ("MS_WORKER_NUM", "RANK_SIZE")
+
+
+def _uninitialised_communication(world_size: int) -> str | None:
+    """Explain a one-process save inside what looks like a distributed job, or ``None``."""
+    if world_size > 1:
+        return None
+    for name in _JOB_SIZE_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 1:
+            return (
+                f"MindSpore communication was not initialised, although this process runs in a job of {value} "
+                f"workers ({name}={value}): it saved alone, as rank 0 of 1, so sharded tensors miss the other "
+                "ranks' shards. Call mindspore.communication.init() on every rank before saving"
+            )
+    return None
+
+
 def plan_save(
     state_dict: dict[str, Any], *, writer: StorageWriter, planner: SavePlanner, options: SaveOptions
 ) -> SaveSession:
@@ -206,7 +226,13 @@ def plan_save(
         return local_plans[0]
 
     def global_step(all_plans: list[SavePlan]) -> list[Any]:
-        final_plans, metadata = planner.build_global_plan(all_plans)
+        try:
+            final_plans, metadata = planner.build_global_plan(all_plans)
+        except PlanValidationError as exc:
+            hint = _uninitialised_communication(dist.world_size)
+            if hint is None:
+                raise
+            raise PlanValidationError(f"{hint}. The plan check said: {exc}") from exc
         final_plans = writer.prepare_global_plan(final_plans)
         merged.append(metadata)
         return [_compress(local, final) for local, final in zip(all_plans, final_plans)]

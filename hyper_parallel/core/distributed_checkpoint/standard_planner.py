@@ -13,6 +13,7 @@ end. Non-tensor values are replaced in the caller's (nested) dict.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import replace
 from typing import Any
@@ -66,6 +67,13 @@ from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize
 from hyper_parallel.platform.tensor import DTYPE_NAMES, assign, numpy_dtype, to_numpy, writable_view
 
 __all__ = ["StandardSavePlanner", "StandardLoadPlanner"]
+
+_LOG = logging.getLogger(__name__)
+
+
+def _shown(keys: list[str], limit: int = 20) -> str:
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(f"'{k}'" for k in keys[:limit]) + more
 
 
 def _classify(fqn: str, value: Any) -> TensorEntry | ValueEntry | SkipEntry:
@@ -304,13 +312,29 @@ class StandardLoadPlanner(LoadPlanner):
             self._entries[name] = entry
         if problems:
             raise CheckpointValueError("; ".join(problems))
-        if self.missing_keys and not self.allow_partial_load:
-            shown = ", ".join(f"'{k}'" for k in self.missing_keys[:20])
-            more = f" and {len(self.missing_keys) - 20} more" if len(self.missing_keys) > 20 else ""
+        if self.missing_keys:
+            self._report_missing(metadata, rank)
+
+    def _report_missing(self, metadata: Metadata, rank: int) -> None:
+        """Say what matched and what did not; refuse a load that would load nothing, even partial."""
+        matched = sorted(e.fqn for e in self._entries.values() if not isinstance(e, SkipEntry))
+        stored = sorted(metadata.state_dict_metadata)
+        summary = (
+            f"rank {rank}: {len(self.missing_keys)} of {len(self.missing_keys) + len(matched)} requested key(s) are "
+            f"not in the checkpoint: {_shown(self.missing_keys)}; matched: {_shown(matched) or 'none'}; "
+            f"the checkpoint holds {len(stored)} key(s), e.g. {_shown(stored, 5) or 'none'}"
+        )
+        if not matched:
             raise MissingKeyError(
-                f"rank {rank}: key(s) {shown}{more} not in the checkpoint; pass "
-                "StandardLoadPlanner(allow_partial_load=True) to load the others"
+                f"{summary}. Nothing would load, even with allow_partial_load=True: this checkpoint is of "
+                "another model, or its keys carry another prefix (save and load the same structure, e.g. both "
+                "{'model': net}, or use hyper_parallel.load_checkpoint(path, net), which matches MindSpore names)"
             )
+        if not self.allow_partial_load:
+            raise MissingKeyError(
+                f"{summary}. Pass StandardLoadPlanner(allow_partial_load=True) to load only the matched keys"
+            )
+        _LOG.warning("%s; loading only the matched keys (allow_partial_load=True)", summary)
 
     def build_local_plan(self) -> LoadPlan:
         """Return the overlap of every target piece with every stored chunk. All ranks."""
