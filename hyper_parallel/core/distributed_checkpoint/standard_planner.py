@@ -108,10 +108,14 @@ class StandardSavePlanner(SavePlanner):
 
     Args:
         allow_pickle: Pickle values of types with no registered handler.
+        check_replicas: With more than one rank, put an xxh3 digest of every
+            possibly replicated tensor chunk into the plan; the coordinator
+            fails the save if replicas of one chunk differ (naming key and ranks).
     """
 
-    def __init__(self, *, allow_pickle: bool = False) -> None:
+    def __init__(self, *, allow_pickle: bool = False, check_replicas: bool = True) -> None:
         self.allow_pickle = allow_pickle
+        self.check_replicas = check_replicas
         self.flat: FlatStateDict | None = None
         self.rank = 0
         self.world_size = 1
@@ -161,9 +165,13 @@ class StandardSavePlanner(SavePlanner):
 
     def _tensor_items(self, entry: TensorEntry) -> list[WriteItem]:
         items = []
+        check = self.check_replicas and self.world_size > 1 and entry.may_be_replicated
         for piece in entry.pieces:
             index = MetadataIndex(entry.fqn, piece.offsets)
             whole = piece.sizes == entry.global_shape
+            replica_digest = None
+            if check:
+                replica_digest = digest(memoryview(self._piece_array(entry, piece).reshape(-1).view(np.uint8)))
             items.append(
                 WriteItem(
                     index=index,
@@ -172,6 +180,7 @@ class StandardSavePlanner(SavePlanner):
                         chunk=ChunkStorageMetadata(offsets=piece.offsets, sizes=piece.sizes),
                         properties=TensorProperties(dtype=entry.dtype),
                         size=entry.global_shape,
+                        replica_digest=replica_digest,
                     ),
                 )
             )
@@ -215,6 +224,10 @@ class StandardSavePlanner(SavePlanner):
         if item.type == WriteItemType.BYTE_IO:
             return self._bytes[key]
         entry, piece = self._tensors[key]
+        return self._piece_array(entry, piece)
+
+    @staticmethod
+    def _piece_array(entry: TensorEntry, piece: TensorPiece) -> np.ndarray:
         local = to_numpy(entry.local)
         if not local.dtype.isnative:  # stored little-endian, as safetensors requires
             local = local.astype(local.dtype.newbyteorder("="))
