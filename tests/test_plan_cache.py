@@ -76,3 +76,10 @@ def test_custom_planners_are_not_cached(tmp_path):
         dcp.save(_state(1.0), checkpoint_id=tmp_path, no_dist=True, planner=Planner())
     assert _counts() == before
     assert _plan_cache.plan_cache_for(dcp.FileSystemWriter(tmp_path), Planner(), None, rank=0, world_size=1) is None
+
+
+def test_unhashable_options_are_not_cached(tmp_path):
+    from hyper_parallel.core.distributed_checkpoint._plan_cache import plan_cache_for  # noqa: PLC0415
+
+    assert plan_cache_for(dcp.FileSystemWriter(tmp_path), dcp.StandardSavePlanner(), {"layouts": {}},
+                          rank=0, world_size=1) is None

@@ -158,6 +158,10 @@ def plan_cache_for(
     if type(planner) is not StandardSavePlanner:  # pylint: disable=unidiomatic-typecheck
         return None
     key = (rank, world_size, options, type(writer), planner.allow_pickle)
+    try:
+        hash(key)
+    except TypeError:  # an option given as a mutable object (a dict of layouts): not cached
+        return None
     return PlanCache(key)
 
 
