@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -30,12 +31,22 @@ __all__ = [
     "open_checkpoint",
     "tensor_nbytes",
     "read_full_tensor",
+    "read_region",
     "read_stored_bytes",
     "rank_of_file",
     "format_table",
     "format_bytes",
     "parse_size",
+    "progress",
+    "TEXT_VALUE_TYPES",
+    "plain_value",
+    "plain_value_text",
 ]
+
+#: Stored value types decoded for display (no code runs: built-in handlers only).
+TEXT_VALUE_TYPES = ("int", "float", "bool", "str", "none", "numpy.scalar")
+#: Largest stored payload decoded for display.
+MAX_SHOWN_VALUE_BYTES = 4096
 
 _UNITS = {
     "": 1, "b": 1,
@@ -69,15 +80,15 @@ def tensor_nbytes(stored: TensorStorageMetadata) -> int:
     return math.prod(stored.size) * DTYPE_NAMES[stored.properties.dtype]
 
 
-class _WholeTensorPlanner(LoadPlanner):
-    """Plans the read of every stored chunk of one tensor into one full array.
+class _RegionPlanner(LoadPlanner):
+    """Plans the read of one box of one tensor from every stored chunk it overlaps.
 
     Built directly from the metadata (no state-dict flattening), so nothing
     outlives the read but the returned array.
     """
 
-    def __init__(self, fqn: str, stored: TensorStorageMetadata, target: np.ndarray) -> None:
-        self.fqn, self.stored, self.target = fqn, stored, target
+    def __init__(self, fqn: str, stored: TensorStorageMetadata, offsets: tuple[int, ...], target: np.ndarray) -> None:
+        self.fqn, self.stored, self.offsets, self.target = fqn, stored, offsets, target
 
     def configure_planner(
         self, state_dict: dict[str, Any], metadata: Metadata, *, rank: int = 0, world_size: int = 1,
@@ -86,13 +97,21 @@ class _WholeTensorPlanner(LoadPlanner):
         """Nothing to configure: the target was given to the constructor. Single process."""
 
     def build_local_plan(self) -> LoadPlan:
-        """One read item per non-empty stored chunk, placed at its global offset. Single process."""
+        """One read item per stored chunk overlapping the box. Single process."""
         dest = MetadataIndex(self.fqn, ())
-        return LoadPlan(items=tuple(
-            ReadItem(LoadItemType.TENSOR, dest, tuple(chunk.offsets), MetadataIndex(self.fqn, tuple(chunk.offsets)),
-                     (0,) * len(chunk.sizes), tuple(chunk.sizes))
-            for chunk in self.stored.chunks if math.prod(chunk.sizes) > 0
-        ))
+        items = []
+        sizes = self.target.shape
+        for chunk in self.stored.chunks:
+            lo = tuple(max(a, b) for a, b in zip(self.offsets, chunk.offsets))
+            hi = tuple(min(a + n, b + m) for a, n, b, m in zip(self.offsets, sizes, chunk.offsets, chunk.sizes))
+            if math.prod(chunk.sizes) == 0 or any(h <= l for l, h in zip(lo, hi)):
+                continue
+            items.append(ReadItem(
+                LoadItemType.TENSOR, dest, tuple(l - o for l, o in zip(lo, self.offsets)),
+                MetadataIndex(self.fqn, tuple(chunk.offsets)), tuple(l - c for l, c in zip(lo, chunk.offsets)),
+                tuple(h - l for l, h in zip(lo, hi)),
+            ))
+        return LoadPlan(items=tuple(items))
 
     def build_global_plan(self, all_plans: list[LoadPlan]) -> list[LoadPlan]:
         """Keep the plan. Single process."""
@@ -103,7 +122,7 @@ class _WholeTensorPlanner(LoadPlanner):
         return plan
 
     def acquire_tensor(self, read_item: ReadItem) -> np.ndarray:
-        """Return the chunk's region of the full array. Called by the reader."""
+        """Return the item's region of the box. Called by the reader."""
         slices = tuple(slice(o, o + n) for o, n in zip(read_item.dest_offsets, read_item.lengths))
         return self.target[slices] if slices else self.target[...]
 
@@ -113,6 +132,47 @@ class _WholeTensorPlanner(LoadPlanner):
     def apply_bytes(self, read_item: ReadItem, value: bytes) -> None:
         """Never called: only tensor chunks are planned."""
         raise CheckpointValueError(f"key '{read_item.dest_index.fqn}' is not a tensor")
+
+
+def read_region(
+    directory: Path, metadata: Metadata, fqn: str, offsets: Sequence[int], sizes: Sequence[int], *,
+    verify_checksums: bool = True,
+) -> np.ndarray:
+    """Read one box of a stored tensor (the chunks it overlaps, nothing else).
+
+    Args:
+        directory: The checkpoint directory.
+        metadata: Its metadata (from :func:`open_checkpoint`).
+        fqn: The tensor's key.
+        offsets: Global offset of the box.
+        sizes: Extent of the box.
+        verify_checksums: Verify the checksum of every block read.
+
+    Returns:
+        A new array of the stored dtype and shape ``sizes``.
+
+    Raises:
+        CheckpointValueError: ``fqn`` is not a tensor, or the box leaves it.
+        CorruptCheckpointError: chunks that do not tile the tensor, a checksum
+            mismatch or a truncated file (names file and key).
+    """
+    stored = metadata.state_dict_metadata.get(fqn)
+    if not isinstance(stored, TensorStorageMetadata):
+        raise CheckpointValueError(f"key '{fqn}' is not a tensor of checkpoint {directory}")
+    offsets, sizes = tuple(int(o) for o in offsets), tuple(int(n) for n in sizes)
+    if len(offsets) != len(stored.size) or any(o < 0 or o + n > s for o, n, s in zip(offsets, sizes, stored.size)):
+        raise CheckpointValueError(
+            f"key '{fqn}': box at {list(offsets)} of {list(sizes)} leaves the global shape {list(stored.size)}"
+        )
+    problems = check_exact_cover(fqn, tuple(stored.size), stored.chunks)
+    if problems:
+        raise CorruptCheckpointError(f"checkpoint {directory}: {'; '.join(problems)}")
+    target = np.empty(sizes, dtype=numpy_dtype(stored.properties.dtype))
+    reader = FileSystemReader(directory, verify_checksums=verify_checksums)
+    reader.set_up_storage_reader(metadata, True)
+    planner = _RegionPlanner(fqn, stored, offsets, target)
+    reader.read_data(planner.build_local_plan(), planner).result()
+    return target
 
 
 def read_full_tensor(
@@ -142,15 +202,8 @@ def read_full_tensor(
     stored = metadata.state_dict_metadata.get(fqn)
     if not isinstance(stored, TensorStorageMetadata):
         raise CheckpointValueError(f"key '{fqn}' is not a tensor of checkpoint {directory}")
-    problems = check_exact_cover(fqn, tuple(stored.size), stored.chunks)
-    if problems:
-        raise CorruptCheckpointError(f"checkpoint {directory}: {'; '.join(problems)}")
-    target = np.empty(stored.size, dtype=numpy_dtype(stored.properties.dtype))
-    reader = FileSystemReader(directory, verify_checksums=verify_checksums)
-    reader.set_up_storage_reader(metadata, True)
-    planner = _WholeTensorPlanner(fqn, stored, target)
-    reader.read_data(planner.build_local_plan(), planner).result()
-    return target
+    return read_region(directory, metadata, fqn, (0,) * len(stored.size), stored.size,
+                       verify_checksums=verify_checksums)
 
 
 def read_stored_bytes(directory: Path, metadata: Metadata, index: MetadataIndex) -> bytes:
@@ -229,3 +282,62 @@ def parse_size(text: str | int) -> int:
     if value <= 0:
         raise CheckpointValueError(f"size must be positive, got {text!r}")
     return value
+
+
+def progress(
+    iterable: Iterable[Any] | None = None,
+    *,
+    desc: str,
+    unit: str = "it",
+    total: int | None = None,
+    enabled: bool | None = None,
+    unit_scale: bool = False,
+    leave: bool = False,
+) -> Any:
+    """A ``tqdm`` progress bar on stderr over ``iterable`` (or updated by hand with ``.update(n)``).
+
+    Args:
+        iterable: What to iterate; ``None`` for a bar advanced with ``update``.
+        desc: The label in front of the bar.
+        unit: What one step counts (``"B"`` with ``unit_scale`` shows kB, MB...).
+        total: The number of steps (taken from ``len(iterable)`` when it has one).
+        enabled: ``None`` (default): only when stderr is a terminal; ``True`` / ``False`` force it.
+        unit_scale: Scale counts with SI prefixes.
+        leave: Keep the finished bar on screen.
+    """
+    from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+
+    return tqdm(iterable, desc=desc, unit=unit, total=total, disable=None if enabled is None else not enabled,
+                leave=leave, unit_scale=unit_scale, file=sys.stderr)
+
+
+def plain_value(directory: Path, metadata: Metadata, fqn: str) -> tuple[bool, Any]:
+    """Decode a small plain value (int, float, bool, str, None, numpy scalar). Never unpickles.
+
+    Returns:
+        ``(True, value)``, or ``(False, None)`` when ``fqn`` is not such a value
+        (a tensor, a per-rank ShardedObject, another type, or too large).
+
+    Raises:
+        CorruptCheckpointError: As :func:`read_stored_bytes`.
+    """
+    from hyper_parallel.core.distributed_checkpoint.metadata import BytesStorageMetadata  # pylint: disable=import-outside-toplevel
+    from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value  # pylint: disable=import-outside-toplevel
+
+    stored = metadata.state_dict_metadata.get(fqn)
+    info = (metadata.storage_data or {}).get(MetadataIndex(fqn, ()))
+    if not isinstance(stored, BytesStorageMetadata) or stored.type_name not in TEXT_VALUE_TYPES or (
+        stored.global_shape or info is None or info.length > MAX_SHOWN_VALUE_BYTES
+    ):
+        return False, None
+    payload = read_stored_bytes(directory, metadata, MetadataIndex(fqn, ()))
+    return True, deserialize_value(stored.type_name, payload, key=fqn)
+
+
+def plain_value_text(directory: Path, metadata: Metadata, fqn: str, width: int = 60) -> str | None:
+    """``repr`` of :func:`plain_value` (cut to ``width`` characters), or ``None``."""
+    known, value = plain_value(directory, metadata, fqn)
+    if not known:
+        return None
+    text = repr(value.item() if isinstance(value, np.generic) else value)
+    return text if len(text) <= width else text[: width - 3] + "..."

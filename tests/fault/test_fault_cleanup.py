@@ -175,9 +175,9 @@ class _Interfering(dcp.FileSystemWriter):
         super().__init__(path)
         self.interfere = interfere
 
-    def finish(self, metadata: Any, results: Any) -> Any:
+    def finish(self, metadata: Any, results: Any, **kwargs: Any) -> Any:
         self.interfere(self.path)
-        return super().finish(metadata, results)
+        return super().finish(metadata, results, **kwargs)
 
 
 def _steal_lease(path: Path) -> None:

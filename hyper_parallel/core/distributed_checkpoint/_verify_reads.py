@@ -109,28 +109,47 @@ def _window(fd: int, start: int, end: int, ranges: list[tuple[int, int]]) -> Ite
             pass
 
 
-def _verify_flat(fd: int, path: Path, check: RegionCheck, blocks: list[int], window: int) -> int:
-    info = check.info
-    block = info.checksum.block_bytes
+@dataclass(frozen=True)
+class _Block:
+    """One flat checksum block to hash: absolute bytes ``[start, end)`` of the file."""
+
+    start: int
+    end: int
+    digest: str
+    check: RegionCheck
+    index: int
+
+
+#: Blocks closer than this in the file share one mapped window (thousands of small items: few maps).
+_GAP_BYTES = 1 << 20
+
+
+def _verify_flat(fd: int, path: Path, blocks: list[_Block], window: int) -> int:
+    """Hash ``blocks`` (sorted by position), several per mapped window; return the bytes hashed."""
     hashed = 0
-    per_window = max(1, window // block)
     position = 0
     while position < len(blocks):
         first = blocks[position]
         stop = position + 1
-        while stop < len(blocks) and blocks[stop] == blocks[stop - 1] + 1 and blocks[stop] - first < per_window:
+        while (stop < len(blocks) and blocks[stop].start - blocks[stop - 1].end <= _GAP_BYTES
+               and blocks[stop].end - first.start <= window):
             stop += 1
-        last = blocks[stop - 1]
-        low, high = info.offset + first * block, info.offset + min((last + 1) * block, info.length)
-        with _window(fd, low, high, [(low, high)]) as view:
-            for blk in blocks[position:stop]:
-                lo = blk * block - first * block
-                if digest(view[lo : lo + block]) != info.checksum.digests[blk]:
-                    raise CorruptCheckpointError(
-                        f"checksum mismatch in data file {path}, key '{check.fqn}' (bytes {info.offset + blk * block}"
-                        f"..{info.offset + min((blk + 1) * block, info.length)}): {_NO_TARGET_CHANGED}"
-                    )
-        hashed += high - low
+        group = blocks[position:stop]
+        ranges: list[tuple[int, int]] = []
+        for block in group:
+            if ranges and block.start <= ranges[-1][1]:
+                ranges[-1] = (ranges[-1][0], max(ranges[-1][1], block.end))
+            else:
+                ranges.append((block.start, block.end))
+        with _window(fd, first.start, group[-1].end, ranges) as view:
+            bad = next((b for b in group if digest(view[b.start - first.start : b.end - first.start]) != b.digest),
+                       None)
+        if bad is not None:
+            raise CorruptCheckpointError(
+                f"checksum mismatch in data file {path}, key '{bad.check.fqn}' (bytes {bad.start}..{bad.end}): "
+                f"{_NO_TARGET_CHANGED}"
+            )
+        hashed += sum(b.end - b.start for b in group)
         position = stop
     return hashed
 
@@ -200,7 +219,7 @@ def verify_regions(fd: int, path: Path, checks: list[RegionCheck], window: int) 
         CorruptCheckpointError: a mismatch (names the file, key and bytes or tile).
     """
     hashed = 0
-    flat_done: dict[int, set[int]] = {}
+    flat: dict[tuple[int, int], _Block] = {}  # (chunk, block index) -> block: each hashed once
     tiles_done: set[tuple[int, int, int]] = set()
     for check in checks:
         info = check.info
@@ -216,10 +235,13 @@ def verify_regions(fd: int, path: Path, checks: list[RegionCheck], window: int) 
         if info.checksum.block_shape and check.sizes is not None:
             hashed += _verify_tiles(fd, path, check, tiles_done)
             continue
-        done = flat_done.setdefault(id(info), set())  # per stored chunk (its own digests)
-        blocks = [int(b) for b in _flat_blocks(check) if int(b) not in done]
-        hashed += _verify_flat(fd, path, check, blocks, window)
-        done.update(blocks)
+        size = info.checksum.block_bytes
+        for blk in _flat_blocks(check):
+            blk = int(blk)
+            start = info.offset + blk * size
+            flat.setdefault((id(info), blk), _Block(start, min(start + size, info.offset + info.length),
+                                                    info.checksum.digests[blk], check, blk))
+    hashed += _verify_flat(fd, path, sorted(flat.values(), key=lambda b: b.start), window)
     return hashed
 
 

@@ -34,7 +34,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     IncompleteCheckpointError,
     UnsafeCheckpointError,
 )
-from hyper_parallel.core.distributed_checkpoint.filesystem_writer import METADATA_FILE
+from hyper_parallel.core.distributed_checkpoint.filesystem_writer import METADATA_FILE, rank_metadata_file
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     Metadata,
     MetadataIndex,
@@ -55,8 +55,32 @@ __all__ = ["FileSystemReader", "MAX_METADATA_BYTES", "DEFAULT_MAX_INFLIGHT_BYTES
 MAX_METADATA_BYTES = 1 << 30
 #: Default bound on bytes buffered at once per I/O thread while verifying.
 DEFAULT_MAX_INFLIGHT_BYTES = 64 << 20
+#: Whole chunks up to this size (one flat checksum block) are read many per system call.
+_SMALL_ITEM_BYTES = 1 << 20
+#: Most buffers in one ``preadv`` (Linux ``IOV_MAX``).
+_IOV_MAX = 1024
 #: A file of which a rank needs at least this share is read with kernel readahead.
 _SEQUENTIAL_SHARE = 0.95
+
+
+def _not_a_directory(path: Path) -> str:
+    """The message for a checkpoint_id that is a file: a MindSpore file names its converter."""
+    if path.suffix in (".ckpt", ".safetensors"):
+        return (
+            f"checkpoint {path} is a file, not a directory: a MindSpore {path.suffix} file? "
+            f"Convert it once with `hp-ckpt import {path} OUT_DIR` and load OUT_DIR, or read it with "
+            "mindspore.load_checkpoint"
+        )
+    return f"checkpoint {path} is a file, not a directory; pass the checkpoint directory (it holds metadata.json)"
+
+
+def _committed_subdirectories(path: Path, metadata_file: str) -> list[str]:
+    """Names of ``path``'s subdirectories that are committed checkpoints (a manager root), sorted."""
+    try:
+        entries = sorted(e.name for e in os.scandir(path) if e.is_dir() and not e.name.startswith("."))
+    except OSError:
+        return []
+    return [name for name in entries if (path / name / metadata_file).is_file()]
 
 
 class FileSystemReader(StorageReader):
@@ -93,6 +117,7 @@ class FileSystemReader(StorageReader):
         self.thread_count = thread_count
         self.max_inflight_bytes = max_inflight_bytes
         self.metadata_file = metadata_file or METADATA_FILE
+        self._configured_metadata_file = self.metadata_file
         self.no_readahead = no_readahead
         self.metadata: Metadata | None = None
         #: Bytes this reader took from storage (verified blocks, plus unverified reads).
@@ -109,11 +134,18 @@ class FileSystemReader(StorageReader):
         """Start a new load, optionally from another directory. All ranks."""
         if checkpoint_id is not None:
             self.path = Path(os.fspath(checkpoint_id))
+        self.metadata_file = self._configured_metadata_file
         self.metadata = None
         self.bytes_read = 0
 
-    def read_metadata(self) -> Metadata:
+    def read_metadata(self, *, rank: int | None = None) -> Metadata:
         """Read and check the committed metadata. Any rank; no collectives.
+
+        Args:
+            rank: Set when this rank loads on its own (``use_collectives=False``
+                in a job of several ranks): its rank-local metadata
+                ``metadata.rank<rank>.json`` is read if the directory holds
+                one, the shared metadata otherwise.
 
         Raises:
             CheckpointNotFoundError: the directory does not exist.
@@ -123,9 +155,18 @@ class FileSystemReader(StorageReader):
         if not self.path.exists():
             raise CheckpointNotFoundError(f"checkpoint {self.path} does not exist")
         if not self.path.is_dir():
-            raise CheckpointValueError(f"checkpoint {self.path} is not a directory")
+            raise CheckpointValueError(_not_a_directory(self.path))
+        if rank is not None and (self.path / rank_metadata_file(rank)).is_file():
+            self.metadata_file = rank_metadata_file(rank)
         meta_path = self.path / self.metadata_file
         if not meta_path.is_file():
+            steps = _committed_subdirectories(self.path, self.metadata_file)
+            if steps:
+                raise IncompleteCheckpointError(
+                    f"{self.path} is a CheckpointManager root (it holds the checkpoints {', '.join(steps[-3:])}), "
+                    f"not one checkpoint: pass a step directory such as {self.path / steps[-1]} (the newest), or "
+                    f"load with CheckpointManager({str(self.path)!r}).load(state_dict)"
+                )
             raise IncompleteCheckpointError(
                 f"checkpoint {self.path} has no {self.metadata_file}: the save did not commit (it crashed or "
                 "is still running); load an earlier checkpoint"
@@ -145,10 +186,10 @@ class FileSystemReader(StorageReader):
             if size > MAX_METADATA_BYTES:
                 raise UnsafeCheckpointError(f"{meta_path}: metadata of {size} bytes is larger than allowed; refused")
             with os.fdopen(os.dup(fd), "rb") as handle:
-                raw = handle.read(MAX_METADATA_BYTES + 1)
+                raw = handle.read(size + 1)  # one byte more tells a file that grew since the fstat
         finally:
             os.close(fd)
-        if len(raw) > MAX_METADATA_BYTES:
+        if len(raw) > size:
             raise UnsafeCheckpointError(f"{meta_path}: metadata grew past the size allowed while being read; refused")
         return metadata_from_json(raw, source=str(meta_path))
 
@@ -340,8 +381,9 @@ class FileSystemReader(StorageReader):
                            offsets=tuple(item.storage_offsets), lengths=tuple(item.lengths))
 
     def _info(self, index: MetadataIndex) -> StorageInfo:
-        key = MetadataIndex(index.fqn, index.offset)
-        info = self.metadata.storage_data.get(key)
+        info = self.metadata.storage_data.get(index)  # equality ignores the index hint
+        if info is None and not isinstance(index.offset, tuple):
+            info = self.metadata.storage_data.get(MetadataIndex(index.fqn, tuple(index.offset)))
         if info is None:
             raise CorruptCheckpointError(
                 f"key '{index.fqn}': chunk at offset {list(index.offset)} has no storage entry in the metadata"
@@ -358,8 +400,10 @@ class FileSystemReader(StorageReader):
                     # Kernel readahead would also fetch the ranges a reshard skips.
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
                     self._exact_fds.add(fd)
-                for item in items:
-                    total += self._read_item(fd, path, size, item, planner)
+                count, rest = self._read_small_whole_items(fd, path, size, items, planner)
+                total += count
+                for item, dest in rest:
+                    total += self._read_item(fd, path, size, item, planner, dest)
             finally:
                 self._exact_fds.discard(fd)
                 os.close(fd)
@@ -379,7 +423,70 @@ class FileSystemReader(StorageReader):
                 needed += math.prod(item.lengths) * DTYPE_NAMES.get(stored.properties.dtype, 1)
         return needed < _SEQUENTIAL_SHARE * file_size
 
-    def _read_item(self, fd: int, path: Path, file_size: int, item: ReadItem, planner: LoadPlanner) -> int:
+    def _read_small_whole_items(
+        self, fd: int, path: Path, file_size: int, items: list[ReadItem], planner: LoadPlanner
+    ) -> tuple[int, list[tuple[ReadItem, np.ndarray | None]]]:
+        """Read whole small chunks many per system call, straight into their targets (verified before).
+
+        A chunk qualifies when it is stored uncompressed with one flat checksum
+        block at most, is read whole, and its target region is contiguous,
+        writable and of the stored dtype. Chunks adjacent in the file are read
+        by one ``preadv`` (one buffer per target). Returns the bytes read and
+        the other items (with the target already acquired, or ``None``).
+        """
+        batch: list[tuple[int, int, ReadItem, np.ndarray, StorageInfo]] = []
+        rest: list[tuple[ReadItem, np.ndarray | None]] = []
+        entries = self.metadata.state_dict_metadata
+        for item in items:
+            info = self._info(item.storage_index)
+            checksum = info.checksum
+            stored = entries.get(item.storage_index.fqn)
+            if (
+                item.type != LoadItemType.TENSOR
+                or info.compression is not None
+                or info.length > _SMALL_ITEM_BYTES
+                or info.offset + info.length > file_size
+                or any(item.storage_offsets)
+                or not isinstance(stored, TensorStorageMetadata)
+                or (checksum is not None and (checksum.algorithm != ALGORITHM or checksum.block_shape))
+                or info.length != math.prod(item.lengths) * DTYPE_NAMES.get(stored.properties.dtype, 0)
+                or tuple(item.lengths) != self._chunk_sizes(stored, item.storage_index)
+            ):
+                rest.append((item, None))
+                continue
+            dest = planner.acquire_tensor(item)
+            if dest.dtype != numpy_dtype(stored.properties.dtype) or not (dest.flags.c_contiguous and dest.flags.writeable):
+                rest.append((item, dest))
+                continue
+            batch.append((info.offset, info.length, item, dest, info))
+        batch.sort(key=lambda entry: entry[0])
+        total = 0
+        start = 0
+        while start < len(batch):
+            end = start + 1
+            while (
+                end < len(batch)
+                and end - start < _IOV_MAX
+                and batch[end][0] == batch[end - 1][0] + batch[end - 1][1]
+            ):
+                end += 1
+            group = batch[start:end]
+            length = sum(entry[1] for entry in group)
+            if length:
+                views = [entry[3].reshape(-1).view(np.uint8) for entry in group if entry[1]]
+                if os.preadv(fd, views, group[0][0]) != length:
+                    fqn = group[0][2].storage_index.fqn
+                    raise CorruptCheckpointError(f"data file {path} is truncated while reading key '{fqn}'")
+            for offset, nbytes, item, dest, info in group:
+                if not (self.verify_checksums and info.checksum is not None):
+                    total += nbytes  # verified bytes were counted by the verify pass
+                planner.apply_tensor(item, dest)
+            start = end
+        return total, rest
+
+    def _read_item(
+        self, fd: int, path: Path, file_size: int, item: ReadItem, planner: LoadPlanner, dest: np.ndarray | None = None
+    ) -> int:
         fqn = item.storage_index.fqn
         check = self._region_check(path, file_size, item)
         info = check.info
@@ -395,7 +502,8 @@ class FileSystemReader(StorageReader):
         if check.sizes is None:
             raise CorruptCheckpointError(f"key '{fqn}' is read as a tensor but stored as a value")
         chunk_sizes, itemsize = check.sizes, check.itemsize
-        dest = planner.acquire_tensor(item)
+        if dest is None:
+            dest = planner.acquire_tensor(item)
         with self._kept_lock:
             kept = self._kept.pop(item, None)
             self._kept_bytes -= kept.nbytes if kept is not None else 0

@@ -39,6 +39,7 @@ from hyper_parallel.core.distributed_checkpoint._commit_cleanup import (
     garbage_files,
     remove_files,
 )
+from hyper_parallel.core.distributed_checkpoint._file_ops import OS_FILE_OPS, FileOps, make_directories
 from hyper_parallel.core.distributed_checkpoint._options import check_option
 from hyper_parallel.core.distributed_checkpoint._format.checksum import DEFAULT_BLOCK_BYTES, chunk_checksum
 from hyper_parallel.core.distributed_checkpoint._save_lease import DEFAULT_LEASE_TIMEOUT, LeaseHolder, SaveLease
@@ -66,6 +67,7 @@ __all__ = [
     "DATA_ALIGNMENT",
     "METADATA_FILE",
     "DATA_FILE_PATTERN",
+    "FileSystemPlanData",
     "FileSystemWriter",
     "rank_metadata_file",
     "write_atomically",
@@ -86,68 +88,87 @@ def rank_metadata_file(rank: int) -> str:
     return f"metadata.rank{rank:05d}.json"
 
 
-def fsync_directory(path: Path) -> None:
+def fsync_directory(path: Path, ops: FileOps = OS_FILE_OPS) -> None:
     """Make the entries of directory ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    ops.fsync_directory(path)
 
 
-def write_atomically(path: Path, data: bytes, *, sync: bool = True, tag: str | None = None) -> None:
+def write_atomically(
+    path: Path, data: bytes, *, sync: bool = True, tag: str | None = None, ops: FileOps = OS_FILE_OPS
+) -> None:
     """Write ``data`` to ``path`` via a temporary file and a rename.
 
     Readers see either the old file or the whole new one. The temporary file
     (``.<name>.<tag>.partial``, a random tag by default) is removed on failure.
+    With ``sync`` the file's bytes are durable before the rename and the
+    rename is durable (directory fsync) before returning.
     """
     partial = path.with_name(f".{path.name}.{tag or uuid.uuid4().hex[:8]}.partial")
     try:
-        with open(partial, "wb") as handle:
-            handle.write(data)
-            handle.flush()
+        fd = ops.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, memoryview(data), ops)
             if sync:
-                os.fsync(handle.fileno())
-        os.replace(partial, path)
+                ops.fsync(fd)
+        finally:
+            ops.close(fd)
+        ops.replace(partial, path)
     except BaseException:
-        partial.unlink(missing_ok=True)
+        try:
+            ops.unlink(partial)
+        except OSError:
+            pass  # never created, or a later save sweeps it
         raise
     if sync:
-        fsync_directory(path.parent)
+        fsync_directory(path.parent, ops)
 
 
-def _write_all(fd: int, view: memoryview) -> None:
+def _write_all(fd: int, view: memoryview, ops: FileOps) -> None:
     position = 0
     while position < len(view):
-        written = os.write(fd, view[position : position + _WRITE_CHUNK])
+        written = ops.write(fd, view[position : position + _WRITE_CHUNK])
         if written <= 0:
             raise OSError("short write")
         position += written
 
 
 class _CoalescingWriter:
-    """Sequential writes to one file descriptor; small pieces are packed into one write."""
+    """Sequential writes to one file descriptor; small pieces go many per ``writev`` call, uncopied."""
 
     SMALL = 256 << 10
     FLUSH = 4 << 20
+    #: Most buffers in one ``writev`` (Linux ``IOV_MAX``).
+    MAX_BUFFERS = 1024
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, ops: FileOps) -> None:
         self.fd = fd
-        self.pending = bytearray()
+        self.ops = ops
+        self.pending: list[memoryview] = []
+        self.pending_bytes = 0
 
     def write(self, view: memoryview) -> None:
         if len(view) < self.SMALL:
-            self.pending += view
-            if len(self.pending) >= self.FLUSH:
+            if len(view):
+                self.pending.append(view)
+                self.pending_bytes += len(view)
+            if self.pending_bytes >= self.FLUSH or len(self.pending) >= self.MAX_BUFFERS:
                 self.flush()
             return
         self.flush()
-        _write_all(self.fd, view)
+        _write_all(self.fd, view, self.ops)
 
     def flush(self) -> None:
-        if self.pending:
-            _write_all(self.fd, memoryview(self.pending))
-            self.pending = bytearray()
+        if not self.pending:
+            return
+        written = self.ops.writev(self.fd, self.pending)
+        if written != self.pending_bytes:  # a short write (rare): write the rest piece by piece
+            for view in self.pending:
+                if written >= len(view):
+                    written -= len(view)
+                    continue
+                _write_all(self.fd, view[written:], self.ops)
+                written = 0
+        self.pending, self.pending_bytes = [], 0
 
 
 def _zstd():
@@ -173,6 +194,17 @@ class _FileJob:
     items: tuple[WriteItem, ...]
 
 
+@dataclass(frozen=True)
+class FileSystemPlanData:
+    """The storage data of a final save plan: what the coordinator tells every rank.
+
+    Attributes:
+        save_id: The coordinator's save id; every rank names its data files with it.
+    """
+
+    save_id: str
+
+
 class FileSystemWriter(StorageWriter):
     """Writes a checkpoint into a local or shared-filesystem directory.
 
@@ -183,7 +215,6 @@ class FileSystemWriter(StorageWriter):
             2 when the rank writes at least :data:`AUTO_THREAD_BYTES`, else 1
             (two streams overlap hashing with writing; small saves stay one file).
         checksum_block_bytes: Block size of the stored checksums.
-        rank_local: Write rank-local metadata (``use_collectives=False``).
         compression: ``None`` (default) or ``"zstd"``: each item compressed
             on its own. Compressed items are stored as ``U8`` arrays, so the
             files stay readable safetensors containers but hold compressed
@@ -198,6 +229,12 @@ class FileSystemWriter(StorageWriter):
         lease_timeout: Seconds after its last heartbeat at which the save lease
             of a process on another host counts as stale (see
             :mod:`._save_lease`; a lease of this host is judged by its process).
+        auto_thread_bytes: With ``thread_count=None``, a rank writing at least
+            this many bytes uses 2 files and threads (default
+            :data:`AUTO_THREAD_BYTES`).
+        file_ops: The file-system operations the writer performs (default:
+            the operating system's). Tests pass a recording one to replay
+            power cuts.
 
     Raises:
         CheckpointValueError: an option of the wrong type or out of range (names it).
@@ -210,12 +247,13 @@ class FileSystemWriter(StorageWriter):
         sync_files: bool = True,
         thread_count: int | None = None,
         checksum_block_bytes: int = DEFAULT_BLOCK_BYTES,
-        rank_local: bool = False,
         compression: str | None = None,
         compression_level: int = 3,
         tile_checksums: bool = True,
         drop_page_cache: bool = True,
         lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
+        auto_thread_bytes: int = AUTO_THREAD_BYTES,
+        file_ops: FileOps | None = None,
     ) -> None:
         check_option("thread_count", thread_count, int, minimum=1, optional=True)
         check_option("checksum_block_bytes", checksum_block_bytes, int, minimum=1)
@@ -229,7 +267,7 @@ class FileSystemWriter(StorageWriter):
         self.sync_files = sync_files
         self.thread_count = thread_count
         self.checksum_block_bytes = checksum_block_bytes
-        self.rank_local = rank_local
+        self.rank_local = False
         self.compression = compression
         self.compression_level = compression_level
         self.tile_checksums = tile_checksums
@@ -239,9 +277,9 @@ class FileSystemWriter(StorageWriter):
         self._base: tuple[int, ...] | None = None  # the committed metadata seen at set-up (lstat signature)
         self._created_directory = False
         self._committed = False
+        self.auto_thread_bytes = auto_thread_bytes
+        self.file_ops = file_ops or OS_FILE_OPS
         self._cleanup: threading.Thread | None = None
-        #: Delete the files of older saves on a background thread after commit.
-        self.background_cleanup = False
         self.rank = 0
         self.save_id = uuid.uuid4().hex[:12]
 
@@ -251,8 +289,14 @@ class FileSystemWriter(StorageWriter):
             self.path = Path(os.fspath(checkpoint_id))
         self.save_id = uuid.uuid4().hex[:12]
 
-    def set_up_storage_writer(self, is_coordinator: bool, *, rank: int = 0, world_size: int = 1) -> None:
+    def set_up_storage_writer(
+        self, is_coordinator: bool, *, rank: int = 0, world_size: int = 1, rank_local: bool = False
+    ) -> None:
         """Create the directory (every rank may; exist is fine). All ranks call it.
+
+        With ``rank_local`` (``save(..., use_collectives=False)`` in a job of
+        several ranks) this rank commits ``metadata.rank<rank>.json`` and its
+        after-commit cleanup touches only its own data files.
 
         Every save gets a new save id here (the coordinator's is handed to all
         ranks with the plan), so a writer used for several saves never writes
@@ -263,6 +307,7 @@ class FileSystemWriter(StorageWriter):
             CheckpointIOError: the directory cannot be created or written.
         """
         self.rank = rank
+        self.rank_local = rank_local
         self.save_id = uuid.uuid4().hex[:12]
         self._committed = False
         self._created_directory = False
@@ -271,10 +316,10 @@ class FileSystemWriter(StorageWriter):
                 f"checkpoint path {self.path} exists and is not a directory; choose another checkpoint_id"
             )
         try:
-            self.path.mkdir(parents=True)
-            self._created_directory = True
-        except FileExistsError:
-            pass
+            self._created_directory = make_directories(self.file_ops, self.path, sync=self.sync_files)
+            if self.sync_files and is_coordinator and not self._created_directory:
+                # A directory left by an earlier (crashed) save may not be durable yet.
+                self.file_ops.fsync_directory(self.path.parent)
         except OSError as exc:
             raise CheckpointIOError(f"cannot create checkpoint directory {self.path}: {exc}") from exc
         if not os.access(self.path, os.W_OK):
@@ -299,31 +344,31 @@ class FileSystemWriter(StorageWriter):
         """Delete the files of the dead save whose stale lease was broken, unless they are committed."""
         committed = committed_save_id(self.path / name)
         garbage = {dead.save_id, dead.base_save_id} - {committed or "", self.save_id}
-        remove_files(garbage_files(self.path, garbage, rank=self.rank if self.rank_local else None))
+        remove_files(garbage_files(self.path, garbage, rank=self.rank if self.rank_local else None),
+                     unlink=self.file_ops.unlink)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """Record this rank in the plan's storage data. All ranks call it."""
-        return replace(plan, storage_data={"rank": self.rank})
+        """Return the plan unchanged: file names are given by the coordinator. All ranks call it."""
+        return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Give every plan the coordinator's save id. Coordinator only."""
-        return [
-            replace(plan, storage_data={"rank": (plan.storage_data or {}).get("rank", rank), "save_id": self.save_id})
-            for rank, plan in enumerate(plans)
-        ]
+        """Give every plan the coordinator's save id (:class:`FileSystemPlanData`). Coordinator only."""
+        return [replace(plan, storage_data=FileSystemPlanData(save_id=self.save_id)) for plan in plans]
 
     def _jobs(self, plan: SavePlan) -> list[_FileJob]:
-        save_id = (plan.storage_data or {}).get("save_id", self.save_id)
-        self.save_id = save_id
+        if isinstance(plan.storage_data, FileSystemPlanData):
+            self.save_id = plan.storage_data.save_id
+        save_id = self.save_id
         threads = self.thread_count
+        sized = sorted(((item.storage_size(), item) for item in plan.items), key=lambda pair: -pair[0])
         if threads is None:
-            threads = 2 if sum(item.storage_size() for item in plan.items) >= AUTO_THREAD_BYTES else 1
+            threads = 2 if sum(size for size, _ in sized) >= self.auto_thread_bytes else 1
         bins: list[list[WriteItem]] = [[] for _ in range(threads)]
         loads = [0] * threads
-        for item in sorted(plan.items, key=lambda i: -i.storage_size()):
-            target = loads.index(min(loads))
+        for size, item in sized:
+            target = loads.index(min(loads)) if threads > 1 else 0
             bins[target].append(item)
-            loads[target] += item.storage_size()
+            loads[target] += size
         jobs = []
         for counter, items in enumerate(b for b in bins if b):
             name = f"r{self.rank:05d}_{counter:03d}.{save_id}.safetensors"
@@ -363,9 +408,10 @@ class FileSystemWriter(StorageWriter):
             entries, {"format": "hyper_parallel", "save_id": self.save_id}, align=DATA_ALIGNMENT
         )
         results = []
-        fd = os.open(self.path / job.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        ops = self.file_ops
+        fd = ops.open(self.path / job.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            out = _CoalescingWriter(fd)
+            out = _CoalescingWriter(fd, ops)
             out.write(memoryview(header))
             for item, (view, raw_length), offset in zip(job.items, views, offsets):
                 info = StorageInfo(
@@ -386,12 +432,12 @@ class FileSystemWriter(StorageWriter):
                 results.append(WriteResult(index=item.index, size_in_bytes=len(view), storage_data=info))
             out.flush()
             if self.sync_files:
-                os.fsync(fd)
-                if self.drop_page_cache and hasattr(os, "posix_fadvise"):
+                ops.fsync(fd)
+                if self.drop_page_cache:
                     # The pages are clean now: let them go rather than evict the job's working set.
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    ops.drop_cache(fd)
         finally:
-            os.close(fd)
+            ops.close(fd)
         return results
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> "Future[list[WriteResult]]":
@@ -414,7 +460,7 @@ class FileSystemWriter(StorageWriter):
                 with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="hp-ckpt-write") as pool:
                     chunks = list(pool.map(lambda job: self._write_file(job, planner), jobs))
             if self.sync_files and jobs:
-                fsync_directory(self.path)
+                fsync_directory(self.path, self.file_ops)
             future.set_result([result for chunk in chunks for result in chunk])
         except OSError as exc:
             self._discard(jobs)
@@ -429,12 +475,21 @@ class FileSystemWriter(StorageWriter):
     def _discard(self, jobs: list[_FileJob]) -> None:
         for job in jobs:
             try:
-                (self.path / job.name).unlink(missing_ok=True)
+                self.file_ops.unlink(self.path / job.name)
             except OSError:
                 pass  # a later save of this directory removes it as stale
 
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
+    def finish(
+        self, metadata: Metadata, results: list[list[WriteResult]], *, background_cleanup: bool = False
+    ) -> Metadata:
         """Commit: write the metadata atomically, then drop the files of the replaced save. Coordinator only.
+
+        Args:
+            metadata: The coordinator's metadata (without storage data).
+            results: Every rank's write results, in rank order.
+            background_cleanup: Delete the replaced save's files on a
+                background thread (an async save's commit runs on the
+                training thread); :meth:`wait_cleanup` waits for it.
 
         Raises:
             ConcurrentSaveError: another save took the lease or committed to this id since
@@ -456,7 +511,9 @@ class FileSystemWriter(StorageWriter):
             self._lease.record_base(replaced)
         failure: CheckpointIOError | None = None
         try:
-            write_atomically(self.path / name, metadata_to_json(committed), sync=self.sync_files, tag=self.save_id)
+            write_atomically(
+                self.path / name, metadata_to_json(committed), sync=self.sync_files, tag=self.save_id, ops=self.file_ops
+            )
         except OSError as exc:
             failure = CheckpointIOError(f"committing checkpoint {self.path} failed: {exc}")
             failure.__cause__ = exc
@@ -472,12 +529,14 @@ class FileSystemWriter(StorageWriter):
         # large files takes time); the lease is held until they are gone.
         self.wait_cleanup()
         stale = self._stale_files(replaced)
-        if not self.background_cleanup or failure is not None:
-            _clean_up(stale, lease)
+        if not background_cleanup or failure is not None:
+            _clean_up(stale, lease, self.file_ops)
             if failure is not None:
                 raise failure
             return committed
-        self._cleanup = threading.Thread(target=_clean_up, args=(stale, lease), name="hp-ckpt-cleanup", daemon=True)
+        self._cleanup = threading.Thread(
+            target=_clean_up, args=(stale, lease, self.file_ops), name="hp-ckpt-cleanup", daemon=True
+        )
         self._cleanup.start()
         return committed
 
@@ -510,7 +569,10 @@ class FileSystemWriter(StorageWriter):
             return
         lease, self._lease = self._lease, None
         if lease is not None:  # coordinator: every rank's files of this save are written (or discarded) by now
-            remove_files(garbage_files(self.path, {self.save_id}, rank=self.rank if self.rank_local else None))
+            remove_files(
+                garbage_files(self.path, {self.save_id}, rank=self.rank if self.rank_local else None),
+                unlink=self.file_ops.unlink,
+            )
             lease.release()
         if self._created_directory:
             try:
@@ -542,9 +604,9 @@ class FileSystemWriter(StorageWriter):
         return isinstance(checkpoint_id, str) and bool(checkpoint_id) and "://" not in checkpoint_id
 
 
-def _clean_up(paths: list[Path], lease: SaveLease | None) -> None:
+def _clean_up(paths: list[Path], lease: SaveLease | None, ops: FileOps) -> None:
     try:
-        remove_files(paths)
+        remove_files(paths, unlink=ops.unlink)
     finally:
         if lease is not None:
             lease.release()

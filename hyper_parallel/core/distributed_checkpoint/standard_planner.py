@@ -13,8 +13,9 @@ end. Non-tensor values are replaced in the caller's (nested) dict.
 
 from __future__ import annotations
 
+import logging
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     UnsafeCheckpointError,
     UnsupportedTypeError,
 )
-from hyper_parallel.core.distributed_checkpoint._flatten import FlatStateDict, flatten_state_dict, set_by_path, structure_of
+from hyper_parallel.core.distributed_checkpoint._flatten import FlatStateDict, flatten_state_dict, set_by_path
 from hyper_parallel.core.distributed_checkpoint._global_plan import build_global_save_plan
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
@@ -65,7 +66,29 @@ from hyper_parallel.core.distributed_checkpoint._state_items import (
 from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value, serialize_value
 from hyper_parallel.platform.tensor import DTYPE_NAMES, assign, numpy_dtype, to_numpy, writable_view
 
-__all__ = ["StandardSavePlanner", "StandardLoadPlanner"]
+__all__ = ["AliasData", "StandardSavePlanner", "StandardLoadPlanner"]
+
+
+@dataclass(frozen=True)
+class AliasData:
+    """A local save plan's planner data: Parameters this rank reached under several paths.
+
+    The coordinator merges every rank's aliases into the metadata's
+    ``planner_data["aliases"]`` (docs/format.md 6.3); loads read them back to
+    find a Parameter stored once under its first path.
+
+    Attributes:
+        aliases: ``(dotted name, stored key)`` pairs, sorted.
+    """
+
+    aliases: tuple[tuple[str, str], ...]
+
+_LOG = logging.getLogger(__name__)
+
+
+def _shown(keys: list[str], limit: int = 20) -> str:
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(f"'{k}'" for k in keys[:limit]) + more
 
 
 def _classify(fqn: str, value: Any) -> TensorEntry | ValueEntry | SkipEntry:
@@ -85,10 +108,14 @@ class StandardSavePlanner(SavePlanner):
 
     Args:
         allow_pickle: Pickle values of types with no registered handler.
+        check_replicas: With more than one rank, put an xxh3 digest of every
+            possibly replicated tensor chunk into the plan; the coordinator
+            fails the save if replicas of one chunk differ (naming key and ranks).
     """
 
-    def __init__(self, *, allow_pickle: bool = False) -> None:
+    def __init__(self, *, allow_pickle: bool = False, check_replicas: bool = True) -> None:
         self.allow_pickle = allow_pickle
+        self.check_replicas = check_replicas
         self.flat: FlatStateDict | None = None
         self.rank = 0
         self.world_size = 1
@@ -133,13 +160,18 @@ class StandardSavePlanner(SavePlanner):
                 items.extend(self._tensor_items(entry))
             else:
                 items.append(self._bytes_item(entry))
-        return SavePlan(items=tuple(items), planner_data=structure_of(self.flat))
+        aliases = tuple(sorted(self.flat.aliases.items()))
+        return SavePlan(items=tuple(items), planner_data=AliasData(aliases) if aliases else None)
 
     def _tensor_items(self, entry: TensorEntry) -> list[WriteItem]:
         items = []
+        check = self.check_replicas and self.world_size > 1 and entry.may_be_replicated
         for piece in entry.pieces:
             index = MetadataIndex(entry.fqn, piece.offsets)
             whole = piece.sizes == entry.global_shape
+            replica_digest = None
+            if check:
+                replica_digest = digest(memoryview(self._piece_array(entry, piece).reshape(-1).view(np.uint8)))
             items.append(
                 WriteItem(
                     index=index,
@@ -148,6 +180,7 @@ class StandardSavePlanner(SavePlanner):
                         chunk=ChunkStorageMetadata(offsets=piece.offsets, sizes=piece.sizes),
                         properties=TensorProperties(dtype=entry.dtype),
                         size=entry.global_shape,
+                        replica_digest=replica_digest,
                     ),
                 )
             )
@@ -168,13 +201,17 @@ class StandardSavePlanner(SavePlanner):
 
     def build_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """Deduplicate, validate and describe. Coordinator only."""
-        structure = all_plans[0].planner_data if all_plans else None
+        aliases: dict[str, str] = {}
+        for plan in all_plans:
+            if isinstance(plan.planner_data, AliasData):
+                for name, key in plan.planner_data.aliases:
+                    aliases.setdefault(name, key)
         stripped = [replace(plan, planner_data=None) for plan in all_plans]
         return build_global_save_plan(
             stripped,
             remove_redundancy=self.remove_redundancy,
             save_to_minimum_rank=self.save_to_minimum_rank,
-            planner_data=structure,
+            planner_data={"aliases": dict(sorted(aliases.items()))} if aliases else None,
         )
 
     def finalize_plan(self, plan: SavePlan) -> SavePlan:
@@ -187,6 +224,10 @@ class StandardSavePlanner(SavePlanner):
         if item.type == WriteItemType.BYTE_IO:
             return self._bytes[key]
         entry, piece = self._tensors[key]
+        return self._piece_array(entry, piece)
+
+    @staticmethod
+    def _piece_array(entry: TensorEntry, piece: TensorPiece) -> np.ndarray:
         local = to_numpy(entry.local)
         if not local.dtype.isnative:  # stored little-endian, as safetensors requires
             local = local.astype(local.dtype.newbyteorder("="))
@@ -291,13 +332,29 @@ class StandardLoadPlanner(LoadPlanner):
             self._entries[name] = entry
         if problems:
             raise CheckpointValueError("; ".join(problems))
-        if self.missing_keys and not self.allow_partial_load:
-            shown = ", ".join(f"'{k}'" for k in self.missing_keys[:20])
-            more = f" and {len(self.missing_keys) - 20} more" if len(self.missing_keys) > 20 else ""
+        if self.missing_keys:
+            self._report_missing(metadata, rank)
+
+    def _report_missing(self, metadata: Metadata, rank: int) -> None:
+        """Say what matched and what did not; refuse a load that would load nothing, even partial."""
+        matched = sorted(e.fqn for e in self._entries.values() if not isinstance(e, SkipEntry))
+        stored = sorted(metadata.state_dict_metadata)
+        summary = (
+            f"rank {rank}: {len(self.missing_keys)} of {len(self.missing_keys) + len(matched)} requested key(s) are "
+            f"not in the checkpoint: {_shown(self.missing_keys)}; matched: {_shown(matched) or 'none'}; "
+            f"the checkpoint holds {len(stored)} key(s), e.g. {_shown(stored, 5) or 'none'}"
+        )
+        if not matched:
             raise MissingKeyError(
-                f"rank {rank}: key(s) {shown}{more} not in the checkpoint; pass "
-                "StandardLoadPlanner(allow_partial_load=True) to load the others"
+                f"{summary}. Nothing would load, even with allow_partial_load=True: this checkpoint is of "
+                "another model, or its keys carry another prefix (save and load the same structure, e.g. both "
+                "{'model': net}, or use hyper_parallel.load_checkpoint(path, net), which matches MindSpore names)"
             )
+        if not self.allow_partial_load:
+            raise MissingKeyError(
+                f"{summary}. Pass StandardLoadPlanner(allow_partial_load=True) to load only the matched keys"
+            )
+        _LOG.warning("%s; loading only the matched keys (allow_partial_load=True)", summary)
 
     def build_local_plan(self) -> LoadPlan:
         """Return the overlap of every target piece with every stored chunk. All ranks."""

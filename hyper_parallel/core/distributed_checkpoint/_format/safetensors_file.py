@@ -25,6 +25,7 @@ __all__ = [
     "HeaderEntry",
     "build_header",
     "read_header",
+    "read_header_and_metadata",
 ]
 
 #: Stored dtype name -> safetensors dtype code.
@@ -122,18 +123,46 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, dict], int]:
         CorruptCheckpointError: a header that is too large, not JSON, or whose
             entries do not tile the data region (names the file).
     """
-    size = os.path.getsize(path)
-    with open(path, "rb") as handle:
-        raw = handle.read(8)
-        if len(raw) < 8:
-            raise CorruptCheckpointError(f"{path}: file too short for a safetensors header ({size} bytes)")
-        (length,) = struct.unpack("<Q", raw)
-        if length > MAX_HEADER_BYTES or length + 8 > size:
-            raise CorruptCheckpointError(
-                f"{path}: safetensors header length {length} is larger than the file or the "
-                f"{MAX_HEADER_BYTES}-byte limit"
-            )
-        text = handle.read(length)
+    header, data_start, _ = read_header_and_metadata(path)
+    return header, data_start
+
+
+def _read_raw_header(path: str | os.PathLike, fd: int) -> bytes:
+    size = os.fstat(fd).st_size
+    raw = os.pread(fd, 8, 0)
+    if len(raw) < 8:
+        raise CorruptCheckpointError(f"{path}: file too short for a safetensors header ({size} bytes)")
+    (length,) = struct.unpack("<Q", raw)
+    if length > MAX_HEADER_BYTES or length + 8 > size:
+        raise CorruptCheckpointError(
+            f"{path}: safetensors header length {length} is larger than the file or the "
+            f"{MAX_HEADER_BYTES}-byte limit"
+        )
+    return os.pread(fd, length, 8)
+
+
+def read_header_and_metadata(
+    path: str | os.PathLike, *, fd: int | None = None
+) -> tuple[dict[str, dict], int, dict[str, str]]:
+    """Parse and check a safetensors header, keeping its ``__metadata__``.
+
+    Args:
+        path: The file (named in errors; opened when ``fd`` is ``None``).
+        fd: An open descriptor of the file to read instead of opening ``path``.
+
+    Returns:
+        The tensor entries, the absolute offset of the data region, and the
+        ``__metadata__`` strings (empty when absent).
+
+    Raises:
+        CorruptCheckpointError: as :func:`read_header`.
+    """
+    if fd is None:
+        with open(path, "rb") as handle:
+            return read_header_and_metadata(path, fd=handle.fileno())
+    size = os.fstat(fd).st_size
+    text = _read_raw_header(path, fd)
+    length = len(text)
     try:
         header = json.loads(text.decode("utf-8"))
     except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, too deep, an integer too long
@@ -175,4 +204,4 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, dict], int]:
         raise CorruptCheckpointError(
             f"{path}: data region holds {size - data_start} bytes but the header describes {position}"
         )
-    return header, data_start
+    return header, data_start, file_metadata
