@@ -93,7 +93,7 @@ def open_regular(path: str | os.PathLike) -> int:
         raise UnsupportedFormatError(f"{path} is a directory, not a checkpoint file") from exc
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise UnsupportedFormatError(f"{path} is not a regular file (a FIFO or device?); refused")
+        raise UnsupportedFormatError(f"{path} is not a regular file (a directory, FIFO or device); refused")
     return fd
 
 
