@@ -25,15 +25,22 @@ through the :class:`.StorageWriter` / :class:`.StorageReader` methods.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from hyper_parallel import platform
 from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncRequest
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._fork_writer import fork_write
+from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import (
+    LayoutArgument,
+    apply_mindspore_layouts,
+    copy_back_values,
+)
+from hyper_parallel.core.distributed_checkpoint._plan_cache import CachedPlan, plan_cache_for
 from hyper_parallel.core.distributed_checkpoint._staging import StagedSavePlanner, StagingPool, staged_views
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, PlanValidationError
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
@@ -69,12 +76,14 @@ class SaveOptions:
         use_collectives: ``False``: each rank saves alone, with rank-local metadata.
         remove_redundancy: Write each replicated item once (balanced over ranks).
         save_to_minimum_rank: Give each replicated item to its lowest rank.
+        strategy_file: Layouts of Parameters MindSpore sliced (``strategy_file=``).
     """
 
     no_dist: bool = False
     use_collectives: bool = True
     remove_redundancy: bool = True
     save_to_minimum_rank: bool = False
+    strategy_file: LayoutArgument = None
 
 
 @dataclass(frozen=True)
@@ -84,10 +93,12 @@ class LoadOptions:
     Attributes:
         no_dist: One process, no collectives.
         use_collectives: ``False``: each rank loads alone (rank-local metadata first).
+        strategy_file: Layouts of Parameters MindSpore sliced (``strategy_file=``).
     """
 
     no_dist: bool = False
     use_collectives: bool = True
+    strategy_file: LayoutArgument = None
 
 
 def _rank_alone(no_dist: bool, use_collectives: bool) -> int | None:
@@ -169,6 +180,25 @@ class SaveSession:
     metadata: Metadata | None
 
 
+#: Variables msrun (and other MindSpore launchers) set in every worker of a job.
+_JOB_SIZE_VARIABLES = ("MS_WORKER_NUM", "RANK_SIZE")
+
+
+def _uninitialised_communication(world_size: int) -> str | None:
+    """Explain a one-process save inside what looks like a distributed job, or ``None``."""
+    if world_size > 1:
+        return None
+    for name in _JOB_SIZE_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 1:
+            return (
+                f"MindSpore communication was not initialised, although this process runs in a job of {value} "
+                f"workers ({name}={value}): it saved alone, as rank 0 of 1, so sharded tensors miss the other "
+                "ranks' shards. Call mindspore.communication.init() on every rank before saving"
+            )
+    return None
+
+
 def plan_save(
     state_dict: dict[str, Any], *, writer: StorageWriter, planner: SavePlanner, options: SaveOptions
 ) -> SaveSession:
@@ -186,7 +216,7 @@ def plan_save(
             rank_local=alone is not None,
         )
         planner.configure_planner(
-            state_dict,
+            apply_mindspore_layouts(state_dict, source=options.strategy_file, rank=platform.get_rank()),
             rank=dist.rank,
             world_size=dist.world_size,
             is_coordinator=dist.is_coordinator,
@@ -196,19 +226,52 @@ def plan_save(
         local_plans.append(writer.prepare_local_plan(planner.build_local_plan()))
         return local_plans[0]
 
+    cache = plan_cache_for(writer, planner, options, rank=dist.rank, world_size=dist.world_size)
+    all_final: list[list[SavePlan]] = []
+
     def global_step(all_plans: list[SavePlan]) -> list[Any]:
-        final_plans, metadata = planner.build_global_plan(all_plans)
+        try:
+            final_plans, metadata = planner.build_global_plan(all_plans)
+        except PlanValidationError as exc:
+            hint = _uninitialised_communication(dist.world_size)
+            if hint is None:
+                raise
+            raise PlanValidationError(f"{hint}. The plan check said: {exc}") from exc
         final_plans = writer.prepare_global_plan(final_plans)
         merged.append(metadata)
+        all_final.append(final_plans)
         return [_compress(local, final) for local, final in zip(all_plans, final_plans)]
 
     try:
-        received = dist.reduce_scatter("plan", local_step, global_step)
-        plan = planner.finalize_plan(_expand(local_plans[0], received))
+        if cache is None:
+            received = dist.reduce_scatter("plan", local_step, global_step)
+            plan = _expand(local_plans[0], received)
+        else:
+            # A digest round first: a save repeating the last layout reuses its plans (see _plan_cache).
+            messages = dist.all_gather("plan digest", lambda: cache.message(local_step()))
+            cached = cache.lookup(messages)
+            if cached is not None:
+                plan = _reuse(dist, writer, cached, merged)
+            else:
+                received = dist.reduce_scatter("plan", lambda: local_plans[0], global_step)
+                plan = _expand(local_plans[0], received)
+                cache.store(messages, plan, all_final[0] if all_final else None, merged[0] if merged else None)
+        plan = planner.finalize_plan(plan)
     except BaseException:
         writer.abort()
         raise
     return SaveSession(dist=dist, writer=writer, planner=planner, plan=plan, metadata=merged[0] if merged else None)
+
+
+def _reuse(dist: DistWrapper, writer: StorageWriter, cached: CachedPlan, merged: list[Metadata]) -> SavePlan:
+    """This rank's cached final plan, with this save's storage data from the coordinator. All ranks."""
+
+    def stamp() -> list[Any]:
+        merged.append(cached.metadata)
+        return [plan.storage_data for plan in writer.prepare_global_plan(list(cached.all_final))]
+
+    storage_data = dist.broadcast("plan", stamp)
+    return replace(cached.final, storage_data=storage_data[dist.rank])
 
 
 def write_local(session: SaveSession, planner: SavePlanner | None = None) -> list[WriteResult]:
@@ -314,11 +377,13 @@ def run_load(
     """Plan and read a load into ``state_dict`` in place. All ranks call it."""
     dist = DistWrapper(use_dist=not options.no_dist and options.use_collectives)
     local_plans: list[LoadPlan] = []
+    targets: list[dict[str, Any]] = []
 
     def local_step() -> LoadPlan:
         reader.set_up_storage_reader(metadata, dist.is_coordinator)
+        targets.append(apply_mindspore_layouts(state_dict, source=options.strategy_file, rank=platform.get_rank()))
         planner.configure_planner(
-            state_dict, metadata, rank=dist.rank, world_size=dist.world_size, is_coordinator=dist.is_coordinator
+            targets[0], metadata, rank=dist.rank, world_size=dist.world_size, is_coordinator=dist.is_coordinator
         )
         local_plans.append(reader.prepare_local_plan(planner.build_local_plan()))
         return local_plans[0]
@@ -332,6 +397,8 @@ def run_load(
     rounds = planner.read_rounds(plan)
     for index, round_plan in enumerate(rounds):
         _read_round(dist, reader, planner, round_plan, index, last=index == len(rounds) - 1)
+    if targets[0] is not state_dict:
+        copy_back_values(targets[0], state_dict)
 
 
 def _read_round(

@@ -39,6 +39,7 @@ from hyper_parallel.core.distributed_checkpoint._commit_cleanup import (
     garbage_files,
     remove_files,
 )
+from hyper_parallel.core.distributed_checkpoint._file_ops import OS_FILE_OPS, FileOps, make_directories
 from hyper_parallel.core.distributed_checkpoint._options import check_option
 from hyper_parallel.core.distributed_checkpoint._format.checksum import DEFAULT_BLOCK_BYTES, chunk_checksum
 from hyper_parallel.core.distributed_checkpoint._save_lease import DEFAULT_LEASE_TIMEOUT, LeaseHolder, SaveLease
@@ -87,40 +88,45 @@ def rank_metadata_file(rank: int) -> str:
     return f"metadata.rank{rank:05d}.json"
 
 
-def fsync_directory(path: Path) -> None:
+def fsync_directory(path: Path, ops: FileOps = OS_FILE_OPS) -> None:
     """Make the entries of directory ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    ops.fsync_directory(path)
 
 
-def write_atomically(path: Path, data: bytes, *, sync: bool = True, tag: str | None = None) -> None:
+def write_atomically(
+    path: Path, data: bytes, *, sync: bool = True, tag: str | None = None, ops: FileOps = OS_FILE_OPS
+) -> None:
     """Write ``data`` to ``path`` via a temporary file and a rename.
 
     Readers see either the old file or the whole new one. The temporary file
     (``.<name>.<tag>.partial``, a random tag by default) is removed on failure.
+    With ``sync`` the file's bytes are durable before the rename and the
+    rename is durable (directory fsync) before returning.
     """
     partial = path.with_name(f".{path.name}.{tag or uuid.uuid4().hex[:8]}.partial")
     try:
-        with open(partial, "wb") as handle:
-            handle.write(data)
-            handle.flush()
+        fd = ops.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, memoryview(data), ops)
             if sync:
-                os.fsync(handle.fileno())
-        os.replace(partial, path)
+                ops.fsync(fd)
+        finally:
+            ops.close(fd)
+        ops.replace(partial, path)
     except BaseException:
-        partial.unlink(missing_ok=True)
+        try:
+            ops.unlink(partial)
+        except OSError:
+            pass  # never created, or a later save sweeps it
         raise
     if sync:
-        fsync_directory(path.parent)
+        fsync_directory(path.parent, ops)
 
 
-def _write_all(fd: int, view: memoryview) -> None:
+def _write_all(fd: int, view: memoryview, ops: FileOps) -> None:
     position = 0
     while position < len(view):
-        written = os.write(fd, view[position : position + _WRITE_CHUNK])
+        written = ops.write(fd, view[position : position + _WRITE_CHUNK])
         if written <= 0:
             raise OSError("short write")
         position += written
@@ -134,8 +140,9 @@ class _CoalescingWriter:
     #: Most buffers in one ``writev`` (Linux ``IOV_MAX``).
     MAX_BUFFERS = 1024
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, ops: FileOps) -> None:
         self.fd = fd
+        self.ops = ops
         self.pending: list[memoryview] = []
         self.pending_bytes = 0
 
@@ -148,22 +155,19 @@ class _CoalescingWriter:
                 self.flush()
             return
         self.flush()
-        _write_all(self.fd, view)
+        _write_all(self.fd, view, self.ops)
 
     def flush(self) -> None:
         if not self.pending:
             return
-        if not hasattr(os, "writev"):  # pragma: no cover - every POSIX system has it
-            _write_all(self.fd, memoryview(b"".join(self.pending)))
-        else:
-            written = os.writev(self.fd, self.pending)
-            if written != self.pending_bytes:  # a short write (rare): write the rest piece by piece
-                for view in self.pending:
-                    if written >= len(view):
-                        written -= len(view)
-                        continue
-                    _write_all(self.fd, view[written:])
-                    written = 0
+        written = self.ops.writev(self.fd, self.pending)
+        if written != self.pending_bytes:  # a short write (rare): write the rest piece by piece
+            for view in self.pending:
+                if written >= len(view):
+                    written -= len(view)
+                    continue
+                _write_all(self.fd, view[written:], self.ops)
+                written = 0
         self.pending, self.pending_bytes = [], 0
 
 
@@ -225,6 +229,12 @@ class FileSystemWriter(StorageWriter):
         lease_timeout: Seconds after its last heartbeat at which the save lease
             of a process on another host counts as stale (see
             :mod:`._save_lease`; a lease of this host is judged by its process).
+        auto_thread_bytes: With ``thread_count=None``, a rank writing at least
+            this many bytes uses 2 files and threads (default
+            :data:`AUTO_THREAD_BYTES`).
+        file_ops: The file-system operations the writer performs (default:
+            the operating system's). Tests pass a recording one to replay
+            power cuts.
 
     Raises:
         CheckpointValueError: an option of the wrong type or out of range (names it).
@@ -242,6 +252,8 @@ class FileSystemWriter(StorageWriter):
         tile_checksums: bool = True,
         drop_page_cache: bool = True,
         lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
+        auto_thread_bytes: int = AUTO_THREAD_BYTES,
+        file_ops: FileOps | None = None,
     ) -> None:
         check_option("thread_count", thread_count, int, minimum=1, optional=True)
         check_option("checksum_block_bytes", checksum_block_bytes, int, minimum=1)
@@ -265,6 +277,8 @@ class FileSystemWriter(StorageWriter):
         self._base: tuple[int, ...] | None = None  # the committed metadata seen at set-up (lstat signature)
         self._created_directory = False
         self._committed = False
+        self.auto_thread_bytes = auto_thread_bytes
+        self.file_ops = file_ops or OS_FILE_OPS
         self._cleanup: threading.Thread | None = None
         self.rank = 0
         self.save_id = uuid.uuid4().hex[:12]
@@ -302,10 +316,10 @@ class FileSystemWriter(StorageWriter):
                 f"checkpoint path {self.path} exists and is not a directory; choose another checkpoint_id"
             )
         try:
-            self.path.mkdir(parents=True)
-            self._created_directory = True
-        except FileExistsError:
-            pass
+            self._created_directory = make_directories(self.file_ops, self.path, sync=self.sync_files)
+            if self.sync_files and is_coordinator and not self._created_directory:
+                # A directory left by an earlier (crashed) save may not be durable yet.
+                self.file_ops.fsync_directory(self.path.parent)
         except OSError as exc:
             raise CheckpointIOError(f"cannot create checkpoint directory {self.path}: {exc}") from exc
         if not os.access(self.path, os.W_OK):
@@ -330,7 +344,8 @@ class FileSystemWriter(StorageWriter):
         """Delete the files of the dead save whose stale lease was broken, unless they are committed."""
         committed = committed_save_id(self.path / name)
         garbage = {dead.save_id, dead.base_save_id} - {committed or "", self.save_id}
-        remove_files(garbage_files(self.path, garbage, rank=self.rank if self.rank_local else None))
+        remove_files(garbage_files(self.path, garbage, rank=self.rank if self.rank_local else None),
+                     unlink=self.file_ops.unlink)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Return the plan unchanged: file names are given by the coordinator. All ranks call it."""
@@ -347,7 +362,7 @@ class FileSystemWriter(StorageWriter):
         threads = self.thread_count
         sized = sorted(((item.storage_size(), item) for item in plan.items), key=lambda pair: -pair[0])
         if threads is None:
-            threads = 2 if sum(size for size, _ in sized) >= AUTO_THREAD_BYTES else 1
+            threads = 2 if sum(size for size, _ in sized) >= self.auto_thread_bytes else 1
         bins: list[list[WriteItem]] = [[] for _ in range(threads)]
         loads = [0] * threads
         for size, item in sized:
@@ -393,9 +408,10 @@ class FileSystemWriter(StorageWriter):
             entries, {"format": "hyper_parallel", "save_id": self.save_id}, align=DATA_ALIGNMENT
         )
         results = []
-        fd = os.open(self.path / job.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        ops = self.file_ops
+        fd = ops.open(self.path / job.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            out = _CoalescingWriter(fd)
+            out = _CoalescingWriter(fd, ops)
             out.write(memoryview(header))
             for item, (view, raw_length), offset in zip(job.items, views, offsets):
                 info = StorageInfo(
@@ -416,12 +432,12 @@ class FileSystemWriter(StorageWriter):
                 results.append(WriteResult(index=item.index, size_in_bytes=len(view), storage_data=info))
             out.flush()
             if self.sync_files:
-                os.fsync(fd)
-                if self.drop_page_cache and hasattr(os, "posix_fadvise"):
+                ops.fsync(fd)
+                if self.drop_page_cache:
                     # The pages are clean now: let them go rather than evict the job's working set.
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    ops.drop_cache(fd)
         finally:
-            os.close(fd)
+            ops.close(fd)
         return results
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> "Future[list[WriteResult]]":
@@ -444,7 +460,7 @@ class FileSystemWriter(StorageWriter):
                 with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="hp-ckpt-write") as pool:
                     chunks = list(pool.map(lambda job: self._write_file(job, planner), jobs))
             if self.sync_files and jobs:
-                fsync_directory(self.path)
+                fsync_directory(self.path, self.file_ops)
             future.set_result([result for chunk in chunks for result in chunk])
         except OSError as exc:
             self._discard(jobs)
@@ -459,7 +475,7 @@ class FileSystemWriter(StorageWriter):
     def _discard(self, jobs: list[_FileJob]) -> None:
         for job in jobs:
             try:
-                (self.path / job.name).unlink(missing_ok=True)
+                self.file_ops.unlink(self.path / job.name)
             except OSError:
                 pass  # a later save of this directory removes it as stale
 
@@ -495,7 +511,9 @@ class FileSystemWriter(StorageWriter):
             self._lease.record_base(replaced)
         failure: CheckpointIOError | None = None
         try:
-            write_atomically(self.path / name, metadata_to_json(committed), sync=self.sync_files, tag=self.save_id)
+            write_atomically(
+                self.path / name, metadata_to_json(committed), sync=self.sync_files, tag=self.save_id, ops=self.file_ops
+            )
         except OSError as exc:
             failure = CheckpointIOError(f"committing checkpoint {self.path} failed: {exc}")
             failure.__cause__ = exc
@@ -512,11 +530,13 @@ class FileSystemWriter(StorageWriter):
         self.wait_cleanup()
         stale = self._stale_files(replaced)
         if not background_cleanup or failure is not None:
-            _clean_up(stale, lease)
+            _clean_up(stale, lease, self.file_ops)
             if failure is not None:
                 raise failure
             return committed
-        self._cleanup = threading.Thread(target=_clean_up, args=(stale, lease), name="hp-ckpt-cleanup", daemon=True)
+        self._cleanup = threading.Thread(
+            target=_clean_up, args=(stale, lease, self.file_ops), name="hp-ckpt-cleanup", daemon=True
+        )
         self._cleanup.start()
         return committed
 
@@ -549,7 +569,10 @@ class FileSystemWriter(StorageWriter):
             return
         lease, self._lease = self._lease, None
         if lease is not None:  # coordinator: every rank's files of this save are written (or discarded) by now
-            remove_files(garbage_files(self.path, {self.save_id}, rank=self.rank if self.rank_local else None))
+            remove_files(
+                garbage_files(self.path, {self.save_id}, rank=self.rank if self.rank_local else None),
+                unlink=self.file_ops.unlink,
+            )
             lease.release()
         if self._created_directory:
             try:
@@ -581,9 +604,9 @@ class FileSystemWriter(StorageWriter):
         return isinstance(checkpoint_id, str) and bool(checkpoint_id) and "://" not in checkpoint_id
 
 
-def _clean_up(paths: list[Path], lease: SaveLease | None) -> None:
+def _clean_up(paths: list[Path], lease: SaveLease | None, ops: FileOps) -> None:
     try:
-        remove_files(paths)
+        remove_files(paths, unlink=ops.unlink)
     finally:
         if lease is not None:
             lease.release()
