@@ -251,6 +251,21 @@ def phase_checksums(state: dict[str, Any], args: argparse.Namespace) -> dict[str
     return {"xxh3 checksums of the state (1 thread)": timed(hash_all, runs=args.runs, pretouch_gb=0)}
 
 
+def phase_replica_check(state: dict[str, Any], args: argparse.Namespace) -> dict[str, list[float]]:
+    """The replica-divergence protection: one rank's local plan in a job of 2 ranks where every tensor is a
+    replica (the worst case: each holder hashes all its bytes), ``check_replicas`` on and off."""
+    times = {}
+    for check in (True, False):
+        def plan(check: bool = check) -> None:
+            planner = dcp.StandardSavePlanner(check_replicas=check)
+            planner.configure_planner(state, rank=0, world_size=2, is_coordinator=True)
+            planner.build_local_plan()
+
+        times[f"local plan, 2 ranks all replicated, check_replicas={check}"] = timed(plan, runs=args.runs,
+                                                                                    pretouch_gb=0)
+    return times
+
+
 def phase_async(state: dict[str, Any], work: Path, args: argparse.Namespace) -> dict[str, list[float]]:
     """Time ``dcp.async_save`` until it returns (first call of the process, then steady state), the
     background writing until ``done()``, and ``result()`` called after that (what remains on the caller:
@@ -451,6 +466,9 @@ def ratios(t: dict[str, float], args: argparse.Namespace, memory: dict[str, Any]
     add("best dcp.save / ms.save_checkpoint (no fsync)", best_save / t["ms.save_checkpoint (no fsync)"], None)
     add("protection: xxh3 checksums (1 thread) / best dcp.save",
         t["xxh3 checksums of the state (1 thread)"] / best_save, None)
+    replica_cost = (t["local plan, 2 ranks all replicated, check_replicas=True"]
+                    - t["local plan, 2 ranks all replicated, check_replicas=False"])
+    add("protection: replica check (all bytes replicated) / best dcp.save", replica_cost / best_save, None)
     add("protection: fsync, save / save without fsync (1 thread)",
         t["dcp.save (thread_count=1)"] / t["dcp.save (thread_count=1, no fsync)"], None)
     for mode in ("", ", fork"):
@@ -544,6 +562,7 @@ def run_state(kind: str, work: Path, args: argparse.Namespace) -> dict[str, Any]
     times.update(phase_memcpy(nbytes, args))
     times.update(phase_save(state, work, args))
     times.update(phase_checksums(state, args))
+    times.update(phase_replica_check(state, args))
     times.update(phase_async(state, work, args))
     load_path = save_for_load(state, work, args.threads)
     times.update(phase_load(state, load_path, args))
