@@ -17,6 +17,8 @@ from typing import Any
 
 from hyper_parallel import platform
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
+from hyper_parallel.core.distributed_checkpoint._fsspec_reader import FsspecReader
+from hyper_parallel.core.distributed_checkpoint._fsspec_writer import FsspecWriter
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemWriter, rank_metadata_file
@@ -56,28 +58,48 @@ def _expand(local: SavePlan, received: _PlanDelta | SavePlan) -> SavePlan:
     return SavePlan(items=items, storage_data=received.storage_data, planner_data=received.planner_data)
 
 
-def _storage_for(checkpoint_id: CheckpointId | None, storage: Any, default: type, verb: str) -> Any:
-    """The caller's storage (reset to ``checkpoint_id``), or the filesystem one for the id."""
+#: Storage picked from the checkpoint id alone, in order: the first whose ``validate_checkpoint_id`` accepts it.
+_WRITERS: tuple[type[StorageWriter], ...] = (FileSystemWriter, FsspecWriter)
+_READERS: tuple[type[StorageReader], ...] = (FileSystemReader, FsspecReader)
+
+
+def _storage_for(checkpoint_id: CheckpointId | None, storage: Any, kinds: tuple[type, ...], verb: str) -> Any:
+    """The caller's storage (reset to ``checkpoint_id``), or the backend that accepts the id."""
     if storage is not None:
         if checkpoint_id is not None:
             storage.reset(checkpoint_id)
         return storage
     kind = "storage_writer" if verb == "save" else "storage_reader"
     if checkpoint_id is None:
-        raise CheckpointValueError(f"{verb} needs a checkpoint_id (a directory path) or a {kind}")
-    if not default.validate_checkpoint_id(checkpoint_id):
-        raise CheckpointValueError(
-            f"checkpoint_id {checkpoint_id!r} is not a filesystem path; pass a directory path or a {kind}"
-        )
-    return default(checkpoint_id)
+        raise CheckpointValueError(f"{verb} needs a checkpoint_id (a directory path or s3:// URL) or a {kind}")
+    for backend in kinds:
+        if backend.validate_checkpoint_id(checkpoint_id):
+            return backend(checkpoint_id)
+    raise CheckpointValueError(
+        f"checkpoint_id {checkpoint_id!r} is neither a filesystem path nor a URL; pass a directory path, an "
+        f"s3://bucket/prefix URL or a {kind}"
+    )
 
 
 def _writer_for(checkpoint_id: CheckpointId | None, storage_writer: StorageWriter | None) -> StorageWriter:
-    return _storage_for(checkpoint_id, storage_writer, FileSystemWriter, "save")
+    return _storage_for(checkpoint_id, storage_writer, _WRITERS, "save")
 
 
 def _reader_for(checkpoint_id: CheckpointId | None, storage_reader: StorageReader | None) -> StorageReader:
-    return _storage_for(checkpoint_id, storage_reader, FileSystemReader, "load")
+    return _storage_for(checkpoint_id, storage_reader, _READERS, "load")
+
+
+def _use_rank_metadata(reader: StorageReader) -> None:
+    """Read this rank's rank-local metadata when the checkpoint has it (``use_collectives=False`` saves)."""
+    local_name = rank_metadata_file(platform.get_rank())
+    if isinstance(reader, FsspecReader):
+        if not reader.has_object(reader.metadata_file) and reader.has_object(local_name):
+            reader.metadata_file = local_name
+    elif isinstance(reader, FileSystemReader):
+        if not os.path.isfile(os.path.join(reader.path, reader.metadata_file)) and os.path.isfile(
+            os.path.join(reader.path, local_name)
+        ):
+            reader.metadata_file = local_name
 
 
 @dataclass
@@ -173,8 +195,9 @@ def save(
 
     Args:
         state_dict: The (nested) state to save; see docs for accepted values.
-        checkpoint_id: The checkpoint directory.
-        storage_writer: Storage to use instead of a :class:`FileSystemWriter`.
+        checkpoint_id: The checkpoint directory, or ``s3://bucket/prefix``
+            (object storage through fsspec, see :class:`FsspecWriter`).
+        storage_writer: Storage to use instead of the one picked from ``checkpoint_id``.
         planner: Save planner (default :class:`StandardSavePlanner`).
         no_dist: One process, no collectives.
         use_collectives: ``False``: each rank saves alone, rank-local metadata.
@@ -224,10 +247,8 @@ def load(
     reader = _reader_for(checkpoint_id, storage_reader)
     planner = planner or StandardLoadPlanner()
     dist = DistWrapper(use_dist=not no_dist and use_collectives)
-    if not use_collectives and not no_dist and isinstance(reader, FileSystemReader):
-        local_name = rank_metadata_file(platform.get_rank())
-        if os.path.isfile(os.path.join(reader.path, local_name)):
-            reader.metadata_file = local_name
+    if not use_collectives and not no_dist:
+        _use_rank_metadata(reader)
 
     def metadata_step() -> None:
         metadata = reader.read_metadata()
@@ -284,12 +305,6 @@ def read_metadata(checkpoint_id: CheckpointId) -> Metadata:
     Raises:
         CheckpointNotFoundError / IncompleteCheckpointError / CorruptCheckpointError.
     """
-    if not FileSystemReader.validate_checkpoint_id(checkpoint_id):
-        raise CheckpointValueError(f"checkpoint_id {checkpoint_id!r} is not a filesystem path")
-    path = os.fspath(checkpoint_id)
-    reader = FileSystemReader(path)
-    if not os.path.isfile(os.path.join(path, reader.metadata_file)):
-        local = rank_metadata_file(platform.get_rank())
-        if os.path.isfile(os.path.join(path, local)):
-            reader.metadata_file = local
+    reader = _reader_for(checkpoint_id, None)
+    _use_rank_metadata(reader)
     return reader.read_metadata()

@@ -15,8 +15,10 @@ from __future__ import annotations
 import math
 import os
 from collections import defaultdict
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -40,6 +42,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
 )
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import check_consistency, metadata_from_json
 from hyper_parallel.core.distributed_checkpoint._run_reads import (
+    FileSource,
     read_runs,
     read_runs_verified,
     read_tiles,
@@ -133,7 +136,7 @@ class FileSystemReader(StorageReader):
         Raises:
             CorruptCheckpointError: a chunk without its storage entry, or the like (names the file and key).
         """
-        check_consistency(metadata, source=str(self.path / self.metadata_file))
+        check_consistency(metadata, source=f"{self.path}/{self.metadata_file}")
         self.metadata = metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -222,21 +225,26 @@ class FileSystemReader(StorageReader):
     def _read_group(self, files: list[tuple[str, list[ReadItem]]], planner: LoadPlanner) -> int:
         total = 0
         for relative_path, items in files:
-            path = self.resolve(relative_path, items[0].storage_index.fqn)
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                size = os.fstat(fd).st_size
-                if self.no_readahead and hasattr(os, "posix_fadvise"):
-                    # Kernel readahead would also fetch the ranges a reshard skips; off, each
-                    # small run is its own device read (slower on disks with costly small I/O).
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            with self._open_source(relative_path, items[0].storage_index.fqn) as (source, path, size):
                 for item in items:
-                    total += self._read_item(fd, path, size, item, planner)
-            finally:
-                os.close(fd)
+                    total += self._read_item(source, path, size, item, planner)
         return total
 
-    def _read_item(self, fd: int, path: Path, file_size: int, item: ReadItem, planner: LoadPlanner) -> int:
+    @contextmanager
+    def _open_source(self, relative_path: str, fqn: str) -> Iterator[tuple[FileSource, Path, int]]:
+        """Open data file ``relative_path``: its byte source, its name for messages, its size."""
+        path = self.resolve(relative_path, fqn)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if self.no_readahead and hasattr(os, "posix_fadvise"):
+                # Kernel readahead would also fetch the ranges a reshard skips; off, each
+                # small run is its own device read (slower on disks with costly small I/O).
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            yield FileSource(fd), path, os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+
+    def _read_item(self, source: FileSource, path: Path, file_size: int, item: ReadItem, planner: LoadPlanner) -> int:
         fqn = item.storage_index.fqn
         info = self._info(item.storage_index)
         if info.offset + info.length > file_size:
@@ -247,11 +255,11 @@ class FileSystemReader(StorageReader):
         if info.checksum is not None and info.checksum.algorithm != ALGORITHM:
             raise CorruptCheckpointError(f"key '{fqn}': unknown checksum algorithm {info.checksum.algorithm!r}")
         if info.compression is not None:
-            return self._read_compressed(fd, path, fqn, info, item, planner)
+            return self._read_compressed(source, path, fqn, info, item, planner)
         if item.type == LoadItemType.BYTE_IO:
             buffer = np.empty((1, info.length), dtype=np.uint8)
             runs = Runs(starts=np.zeros(1 if info.length else 0, dtype=np.int64), length=info.length)
-            count = self._fill(fd, path, fqn, info, runs, buffer)
+            count = self._fill(source, path, fqn, info, runs, buffer)
             planner.apply_bytes(item, buffer.tobytes())
             return count
         stored = self.metadata.state_dict_metadata.get(fqn)
@@ -266,7 +274,7 @@ class FileSystemReader(StorageReader):
         dest = planner.acquire_tensor(item)
         stored_dtype = numpy_dtype(stored.properties.dtype)
         if self.verify_checksums and info.checksum is not None and info.checksum.block_shape:
-            count = read_tiles(fd, path, fqn, info, chunk_sizes, stored_dtype, item, dest)
+            count = read_tiles(source, path, fqn, info, chunk_sizes, stored_dtype, item, dest)
             planner.apply_tensor(item, dest)
             return count
         count = 0
@@ -280,21 +288,21 @@ class FileSystemReader(StorageReader):
             region = dest[tuple(slice(o, o + n) for o, n in zip(sub_offsets, sub_lengths))] if dest.ndim else dest
             rows = run_rows(region, runs, stored_dtype)
             if rows is not None:
-                count += self._fill(fd, path, fqn, info, runs, rows)
+                count += self._fill(source, path, fqn, info, runs, rows)
                 continue
             staging = scratch(runs.total).reshape(runs.starts.size, runs.length)
-            count += self._fill(fd, path, fqn, info, runs, staging)
+            count += self._fill(source, path, fqn, info, runs, staging)
             np.copyto(region, staging.view(stored_dtype).reshape(sub_lengths), casting="unsafe")
         planner.apply_tensor(item, dest)
         return count
 
     def _read_compressed(
-        self, fd: int, path: Path, fqn: str, info: StorageInfo, item: ReadItem, planner: LoadPlanner
+        self, source: FileSource, path: Path, fqn: str, info: StorageInfo, item: ReadItem, planner: LoadPlanner
     ) -> int:
         """Read, verify and decompress a whole compressed item, then apply its region."""
         stored_bytes = np.empty((1, info.length), dtype=np.uint8)
         runs = Runs(starts=np.zeros(1 if info.length else 0, dtype=np.int64), length=info.length)
-        count = self._fill(fd, path, fqn, info, runs, stored_bytes)
+        count = self._fill(source, path, fqn, info, runs, stored_bytes)
         raw_length = info.raw_length or 0
         try:
             import zstandard  # pylint: disable=import-outside-toplevel
@@ -332,7 +340,7 @@ class FileSystemReader(StorageReader):
         raise CorruptCheckpointError(f"key '{index.fqn}': no chunk at offset {list(index.offset)}")
 
     def _fill(
-        self, fd: int, path: Path, fqn: str, info: StorageInfo, runs: Runs, target: np.ndarray, verify: bool = True
+        self, source: FileSource, path: Path, fqn: str, info: StorageInfo, runs: Runs, target: np.ndarray, verify: bool = True
     ) -> int:
         """Fill ``target`` (``uint8``, one row per run) with the runs; return bytes read from storage.
 
@@ -347,8 +355,8 @@ class FileSystemReader(StorageReader):
                     )
             return 0
         if verify and self.verify_checksums and info.checksum is not None and not info.checksum.block_shape:
-            return read_runs_verified(fd, path, fqn, info, runs, target, self.max_inflight_bytes)
-        return read_runs(fd, path, fqn, info, runs, target)
+            return read_runs_verified(source, path, fqn, info, runs, target, self.max_inflight_bytes)
+        return read_runs(source, path, fqn, info, runs, target)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: CheckpointId) -> bool:

@@ -108,14 +108,41 @@ def _write_all(fd: int, view: memoryview) -> None:
         position += written
 
 
+class _LocalDataFile:
+    """Destination of one data file on disk: ``write`` in order, then ``commit`` (durable) or ``abort``."""
+
+    def __init__(self, path: Path, *, sync: bool, drop_page_cache: bool) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.sync, self.drop_page_cache = sync, drop_page_cache
+
+    def write(self, view: memoryview) -> None:
+        """Append ``view``."""
+        _write_all(self.fd, view)
+
+    def commit(self) -> None:
+        """fsync (when asked), then close."""
+        try:
+            if self.sync:
+                os.fsync(self.fd)
+                if self.drop_page_cache and hasattr(os, "posix_fadvise"):
+                    # The pages are clean now: let them go rather than evict the job's working set.
+                    os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(self.fd)
+
+    def abort(self) -> None:
+        """Close; the writer removes the file."""
+        os.close(self.fd)
+
+
 class _CoalescingWriter:
-    """Sequential writes to one file descriptor; small pieces are packed into one write."""
+    """Sequential writes to one destination; small pieces are packed into one write."""
 
     SMALL = 256 << 10
     FLUSH = 4 << 20
 
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
+    def __init__(self, sink: "_LocalDataFile") -> None:
+        self.sink = sink
         self.pending = bytearray()
 
     def write(self, view: memoryview) -> None:
@@ -125,11 +152,11 @@ class _CoalescingWriter:
                 self.flush()
             return
         self.flush()
-        _write_all(self.fd, view)
+        self.sink.write(view)
 
     def flush(self) -> None:
         if self.pending:
-            _write_all(self.fd, memoryview(self.pending))
+            self.sink.write(memoryview(self.pending))
             self.pending = bytearray()
 
 
@@ -306,9 +333,9 @@ class FileSystemWriter(StorageWriter):
                 entries.append(HeaderEntry(name, td.properties.dtype, td.chunk.sizes, len(view)))
         header, offsets = build_header(entries, {"format": "hyper_parallel", "save_id": self.save_id})
         results = []
-        fd = os.open(self.path / job.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        sink = self._open_data_file(job.name)
         try:
-            out = _CoalescingWriter(fd)
+            out = _CoalescingWriter(sink)
             out.write(memoryview(header))
             for item, (view, raw_length), offset in zip(job.items, views, offsets):
                 info = StorageInfo(
@@ -328,14 +355,20 @@ class FileSystemWriter(StorageWriter):
                 out.write(view)
                 results.append(WriteResult(index=item.index, size_in_bytes=len(view), storage_data=info))
             out.flush()
-            if self.sync_files:
-                os.fsync(fd)
-                if self.drop_page_cache and hasattr(os, "posix_fadvise"):
-                    # The pages are clean now: let them go rather than evict the job's working set.
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        except BaseException:
+            sink.abort()
+            raise
+        sink.commit()
         return results
+
+    def _open_data_file(self, name: str) -> _LocalDataFile:
+        """Open data file ``name`` of this save for streaming (the object backend opens an upload)."""
+        return _LocalDataFile(self.path / name, sync=self.sync_files, drop_page_cache=self.drop_page_cache)
+
+    def _data_durable(self) -> None:
+        """Make the names of the data files just written durable (fsync the directory)."""
+        if self.sync_files:
+            fsync_directory(self.path)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> "Future[list[WriteResult]]":
         """Write this rank's items durably; the returned future is already done. All ranks.
@@ -355,8 +388,8 @@ class FileSystemWriter(StorageWriter):
             else:
                 with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="hp-ckpt-write") as pool:
                     chunks = list(pool.map(lambda job: self._write_file(job, planner), jobs))
-            if self.sync_files and jobs:
-                fsync_directory(self.path)
+            if jobs:
+                self._data_durable()
             future.set_result([result for chunk in chunks for result in chunk])
         except OSError as exc:
             self._discard(jobs)
@@ -369,6 +402,7 @@ class FileSystemWriter(StorageWriter):
         return future
 
     def _discard(self, jobs: list[_FileJob]) -> None:
+        """Remove this rank's data files of the failed save (best effort)."""
         for job in jobs:
             try:
                 (self.path / job.name).unlink(missing_ok=True)
@@ -377,16 +411,8 @@ class FileSystemWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
         """Commit: write the metadata atomically, then drop files of older saves. Coordinator only."""
-        storage_data: dict[MetadataIndex, StorageInfo] = {}
-        for rank_results in results:
-            for result in rank_results:
-                key = MetadataIndex(result.index.fqn, result.index.offset)
-                storage_data.setdefault(key, result.storage_data)
-        committed = metadata.replace(
-            storage_data=storage_data,
-            storage_meta=replace(metadata.storage_meta, backend=BACKEND_NAME, save_id=self.save_id),
-        )
-        name = rank_metadata_file(self.rank) if self.rank_local else METADATA_FILE
+        committed = self._committed_metadata(metadata, results)
+        name = self._metadata_name()
         try:
             write_atomically(self.path / name, metadata_to_json(committed), sync=self.sync_files)
         except OSError as exc:
@@ -403,6 +429,22 @@ class FileSystemWriter(StorageWriter):
         self._cleanup = threading.Thread(target=_unlink_all, args=(stale,), name="hp-ckpt-cleanup", daemon=True)
         self._cleanup.start()
         return committed
+
+    def _committed_metadata(self, metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
+        """The metadata to commit: every rank's storage entries, this save's id."""
+        storage_data: dict[MetadataIndex, StorageInfo] = {}
+        for rank_results in results:
+            for result in rank_results:
+                key = MetadataIndex(result.index.fqn, result.index.offset)
+                storage_data.setdefault(key, result.storage_data)
+        return metadata.replace(
+            storage_data=storage_data,
+            storage_meta=replace(metadata.storage_meta, backend=BACKEND_NAME, save_id=self.save_id),
+        )
+
+    def _metadata_name(self) -> str:
+        """Name of the metadata this writer commits."""
+        return rank_metadata_file(self.rank) if self.rank_local else METADATA_FILE
 
     def wait_cleanup(self) -> None:
         """Wait until the files of older saves are deleted. Coordinator."""
