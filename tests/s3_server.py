@@ -9,6 +9,7 @@ its own empty bucket.
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ def s3_endpoint() -> Iterator[S3Endpoint]:
     """Start moto's S3 server on 127.0.0.1 for the session and point AWS clients at it."""
     from moto.server import ThreadedMotoServer  # pylint: disable=import-outside-toplevel
 
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
