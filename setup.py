@@ -18,7 +18,8 @@ setup(
     ],
     extras_require={
         "zstd": ["zstandard>=0.22"],
-        "test": ["pytest>=7", "pytest-cov>=5", "coverage>=7.10", "zstandard>=0.22", "psutil>=5"],
+        "test": ["pytest>=7", "pytest-cov>=5", "coverage>=7.10", "zstandard>=0.22", "psutil>=5",
+                 "pytest-timeout>=2.1"],
     },
     entry_points={"console_scripts": ["hp-ckpt=hyper_parallel.cli.main:main"]},
 )

@@ -1,6 +1,6 @@
 """hyper_parallel: parallel training helpers for MindSpore, and its distributed checkpoint.
 
-Public names: :class:`Layout`, :class:`DTensor`, :func:`save_checkpoint`,
+Public names: :class:`Layout`, :class:`DTensor`, :func:`layouts_from_strategy`, :func:`save_checkpoint`,
 :func:`load_checkpoint`; the checkpoint API is
 ``hyper_parallel.core.distributed_checkpoint``. Importing does not import
 MindSpore or touch communication.
@@ -13,8 +13,9 @@ from typing import Any
 
 from hyper_parallel.core.dtensor import DTensor
 from hyper_parallel.core.layout import Layout
+from hyper_parallel.core.strategy_file import layouts_from_strategy
 
-__all__ = ["DTensor", "Layout", "load_checkpoint", "save_checkpoint"]
+__all__ = ["DTensor", "Layout", "layouts_from_strategy", "load_checkpoint", "save_checkpoint"]
 
 #: Public names that live in the checkpoint package: name -> module.
 _LAZY = {

@@ -19,12 +19,13 @@ PACKAGE = "hyper_parallel.core.distributed_checkpoint"
 #: Layers of the checkpoint package, bottom first. A module may import its own
 #: layer or a lower one. Names are module paths relative to PACKAGE.
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
-    ("errors and metadata", frozenset({"errors", "metadata"})),
+    ("errors and metadata", frozenset({"errors", "metadata", "_options"})),
     ("on-disk format", frozenset({"_format", "_format.safetensors_file", "_format.metadata_json",
                                   "_format.checksum", "_format.byte_ranges", "_format.cover"})),
     ("plans and planners", frozenset({"planner", "mapping", "type_handlers", "_builtin_handlers", "_flatten",
                                       "_state_items", "_global_plan", "_replicated_read", "standard_planner"})),
     ("storage", frozenset({"storage", "filesystem_writer", "filesystem_reader", "_run_reads",
+                            "_safe_files", "_save_lease", "_commit_cleanup",
                             "_object_io", "_fsspec_writer", "_fsspec_reader"})),
     ("engine", frozenset({"_collectives", "_engine", "_fork_writer", "_async_queue"})),
     ("strategies", frozenset({"strategies"})),

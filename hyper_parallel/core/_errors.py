@@ -8,7 +8,7 @@ re-exports these very classes, so ``except dcp.LayoutError`` catches them.
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "CheckpointValueError", "LayoutError"]
+__all__ = ["CheckpointError", "CheckpointValueError", "LayoutError", "StrategyFileError"]
 
 
 class CheckpointError(Exception):
@@ -21,3 +21,7 @@ class CheckpointValueError(CheckpointError, ValueError):
 
 class LayoutError(CheckpointValueError):
     """A layout that cannot describe the given tensor or rank."""
+
+
+class StrategyFileError(CheckpointValueError):
+    """A MindSpore strategy file that is missing, empty, unreadable or self-contradicting."""

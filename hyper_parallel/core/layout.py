@@ -150,6 +150,35 @@ class Layout:
             raise LayoutError("interleaved_parallel layouts are not supported")
         return cls(data["device_matrix"], data["tensor_map"], data.get("alias_name"), data.get("rank_list"))
 
+    @classmethod
+    def from_mindspore_layout(cls, entry: Sequence[Any], *, name: str = "parameter", rank: int | None = None) -> Layout:
+        """Build the Layout of one ``Cell.parameter_layout_dict`` value.
+
+        The value is MindSpore's ``[dev_matrix, tensor_map, slice_shape,
+        field_size, uniform_split, opt_shard_group, full_shape, ...]``. An
+        optimizer-parallel group splits dim 0 further over the replica mesh
+        dims (its size read from ``full_shape`` and ``slice_shape``); with
+        pipeline stages the layout's ``rank_list`` is ``rank``'s stage.
+        Called by any rank, no communication.
+
+        Args:
+            entry: The ``parameter_layout_dict`` value.
+            name: Parameter name used in error messages.
+            rank: Global rank choosing the pipeline stage (default: current rank).
+
+        Raises:
+            LayoutError: An uneven split, a ``field`` > 1 or an entry that does
+                not determine the split, naming the parameter and the field.
+        """
+        # pylint: disable=import-outside-toplevel
+        from hyper_parallel.core._mindspore_layout import record_from_parameter_layout
+
+        if rank is None:
+            from hyper_parallel.platform.comm import get_rank
+
+            rank = get_rank()
+        return record_from_parameter_layout(entry, name=name, rank=rank).to_layout()
+
     def to_dict(self) -> dict[str, Any]:
         """Return the layout with the keys of MindSpore's ``Layout.to_dict()``."""
         return {

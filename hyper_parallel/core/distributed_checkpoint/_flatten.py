@@ -6,6 +6,10 @@ with its path. ``ShardedTensor`` and ``ShardedObject`` leaves are stored under
 their own global ``key`` whatever their path. Each flat key remembers its path
 so a load can put new non-tensor values back where they were (rebuilding
 tuples, which cannot change in place).
+
+A ``mindspore.Parameter`` reached twice (a network's weight is also in its
+optimizer's ``parameters_dict()``) is one leaf: the first path keeps it, the
+later paths become *aliases* of its key, so it is stored and loaded once.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any, Union
 
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.mapping import ShardedObject, ShardedTensor
-from hyper_parallel.platform.tensor import is_cell
+from hyper_parallel.platform.tensor import is_cell, is_parameter
 
 __all__ = ["PathElement", "FlatStateDict", "flatten_state_dict", "set_by_path", "structure_of", "unflatten"]
 
@@ -35,6 +39,8 @@ class FlatStateDict:
         storage_keys: Checkpoint key of every dotted name (its own ``key``
             for a ShardedTensor/ShardedObject, else the dotted name).
         key_users: The dotted names stored under each checkpoint key.
+        aliases: Dotted name of every later path to a Parameter already
+            reached -> the checkpoint key of its first path.
     """
 
     values: dict[str, Any]
@@ -42,6 +48,7 @@ class FlatStateDict:
     containers: dict[tuple[PathElement, ...], str]
     storage_keys: dict[str, str] = field(default_factory=dict)
     key_users: dict[str, list[str]] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
 
 
 def _own_key(value: Any) -> str | None:
@@ -50,8 +57,15 @@ def _own_key(value: Any) -> str | None:
     return None
 
 
-def _add_leaf(flat: "FlatStateDict", path: tuple[PathElement, ...], value: Any) -> None:
+def _add_leaf(flat: "FlatStateDict", path: tuple[PathElement, ...], value: Any, seen: dict[int, str]) -> None:
     name = ".".join(str(p) for p in path)
+    if is_parameter(value):
+        first = seen.get(id(value))
+        if first is not None:
+            if name != first:
+                flat.aliases[name] = flat.storage_keys[first]
+            return
+        seen[id(value)] = name
     own = _own_key(value)
     key = own or name
     if name in flat.values:
@@ -87,6 +101,7 @@ def flatten_state_dict(state_dict: dict[str, Any]) -> FlatStateDict:
     # reference cycle holding every tensor of the state dict until the next
     # cyclic garbage collection.
     stack: list[tuple[tuple[PathElement, ...], Any]] = []
+    seen: dict[int, str] = {}  # id of every Parameter reached -> its first dotted name
     for key in reversed(list(state_dict)):
         if not isinstance(key, str):
             raise CheckpointValueError(f"state_dict key {key!r} is a {type(key).__name__}; only str keys can be saved")
@@ -108,9 +123,9 @@ def flatten_state_dict(state_dict: dict[str, Any]) -> FlatStateDict:
         elif is_cell(value):
             containers[path] = "cell"
             for name, param in value.parameters_dict().items():
-                _add_leaf(flat, path + (name,), param)
+                _add_leaf(flat, path + (name,), param, seen)
         else:
-            _add_leaf(flat, path, value)
+            _add_leaf(flat, path, value, seen)
     return flat
 
 
@@ -146,12 +161,16 @@ def structure_of(flat: FlatStateDict) -> dict[str, Any]:
     """Return a JSON-compatible description of the nesting (for metadata).
 
     Returns:
-        ``{"paths": {key: [elements]}, "containers": [[path, kind], ...]}``.
+        ``{"paths": {key: [elements]}, "containers": [[path, kind], ...]}``,
+        plus ``"aliases": {dotted name: key}`` when a Parameter was reached twice.
     """
-    return {
+    structure: dict[str, Any] = {
         "paths": {flat.storage_keys[name]: list(path) for name, path in flat.paths.items()},
         "containers": [[list(path), kind] for path, kind in flat.containers.items() if path],
     }
+    if flat.aliases:
+        structure["aliases"] = dict(flat.aliases)
+    return structure
 
 
 def unflatten(values: dict[str, Any], structure: dict[str, Any] | None) -> dict[str, Any]:

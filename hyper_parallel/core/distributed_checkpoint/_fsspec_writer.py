@@ -40,7 +40,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointValueError,
     ConcurrentSaveError,
 )
-from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemWriter, _FileJob
+from hyper_parallel.core.distributed_checkpoint.filesystem_writer import DATA_FILE_PATTERN, FileSystemWriter, _FileJob
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner
 from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, WriteResult
@@ -134,6 +134,8 @@ class FsspecWriter(FileSystemWriter):
         self.rank = rank
         self.save_id = uuid.uuid4().hex[:12]
         self._seen = None
+        self._committed = False
+        self._is_coordinator = is_coordinator
         if is_coordinator:
             try:
                 self.fs.invalidate_cache(self.root)
@@ -196,6 +198,7 @@ class FsspecWriter(FileSystemWriter):
         except CheckpointError:
             remove_objects(self.fs, [self._object(n) for n in ours])
             raise
+        self._committed = True
         stale = [self._object(n) for n in sorted(self._superseded_files() - set(ours))]
         self.wait_cleanup()
         if not self.background_cleanup:
@@ -205,6 +208,27 @@ class FsspecWriter(FileSystemWriter):
                                          daemon=True)
         self._cleanup.start()
         return committed
+
+    def abort(self) -> None:
+        """Undo a failed save: the coordinator deletes every data object named with this save's id.
+
+        All ranks call it after a failed save; it never raises, and does
+        nothing after a commit or on other ranks (each rank already removed
+        its own objects of a failed write).
+        """
+        if self._committed or not getattr(self, "_is_coordinator", False):
+            return
+        try:
+            self.fs.invalidate_cache(self.root)
+            names = [path.rsplit("/", 1)[-1] for path in self.fs.ls(self.root, detail=False)]
+        except Exception:  # pylint: disable=broad-except
+            return  # nothing listed (or the store is unreachable): leftovers are unreferenced objects
+        doomed = []
+        for name in names:
+            match = DATA_FILE_PATTERN.match(name)
+            if match and match.group(3) == self.save_id and (not self.rank_local or int(match.group(1)) == self.rank):
+                doomed.append(self._object(name))
+        remove_objects(self.fs, doomed)
 
     def _superseded_files(self) -> set[str]:
         """Data objects listed by the metadata this commit replaced (empty if it is unreadable)."""

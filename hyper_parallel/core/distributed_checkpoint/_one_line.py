@@ -1,75 +1,181 @@
-"""``save_checkpoint`` / ``load_checkpoint``: the one-line forms for MindSpore scripts.
+"""``save_checkpoint`` / ``load_checkpoint``: the one-line forms, with MindSpore's conventions.
 
-``save_checkpoint(net, path)`` saves a Cell's parameters (or any state dict);
-``load_checkpoint(path, net)`` loads into a Cell or state dict in place, and
-``load_checkpoint(path)`` returns the full, unsharded tensors as a flat
-``{name: mindspore.Tensor}`` dict plus the non-tensor values.
+Names are MindSpore's: a Cell stands for its Parameters under their own
+names (``param.name``, as ``mindspore.save_checkpoint(net)`` stores them),
+also when it is a top-level value of a dict (``{"model": net, "optimizer":
+opt}``), and a Parameter reached twice (a network's weight is also in its
+optimizer) is stored once. ``load_checkpoint`` returns what
+``mindspore.load_checkpoint`` returns, ``{name: mindspore.Parameter}`` plus
+the non-tensor values, with ``strict_load`` / ``filter_prefix`` /
+``specify_prefix`` / ``choice_func`` as MindSpore defines them; with a
+``net`` it loads in place (resharding like :func:`load`) and reports what was
+not loaded as ``mindspore.load_param_into_net`` does.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint import api
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, UnsafeCheckpointError
-from hyper_parallel.core.distributed_checkpoint.metadata import TensorStorageMetadata
+from hyper_parallel.core.distributed_checkpoint._flatten import flatten_state_dict, set_by_path
+from hyper_parallel.core.distributed_checkpoint.errors import (
+    CheckpointValueError,
+    MissingKeyError,
+    UnsafeCheckpointError,
+)
+from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, TensorStorageMetadata
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardLoadPlanner, StandardSavePlanner
-from hyper_parallel.platform.tensor import from_numpy, is_cell, numpy_dtype
+from hyper_parallel.platform.tensor import dtype_name, from_numpy, is_cell, is_parameter, is_tensor, numpy_dtype
 
-__all__ = ["save_checkpoint", "load_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "LoadedParameters", "mindspore_state_dict"]
+
+_LOG = logging.getLogger(__name__)
+_SHOWN = 10
 
 
-def _as_state_dict(obj: Any, what: str) -> dict[str, Any]:
+class LoadedParameters(dict):
+    """What :func:`load_checkpoint` returns: ``{name: mindspore.Parameter}`` plus non-tensor values.
+
+    A plain ``dict`` (``mindspore.load_param_into_net`` accepts it) that also
+    says what was not loaded, as ``load_param_into_net`` returns it.
+
+    Attributes:
+        param_not_load: Names of ``net`` entries that received nothing (not in
+            the checkpoint, or left out by ``filter_prefix`` / ``specify_prefix``
+            / ``choice_func``). Empty without a ``net``.
+        ckpt_not_load: Checkpoint keys that were not loaded (not in ``net``, or
+            left out by the selection).
+    """
+
+    def __init__(self, values: dict[str, Any], param_not_load: list[str], ckpt_not_load: list[str]) -> None:
+        super().__init__(values)
+        self.param_not_load = param_not_load
+        self.ckpt_not_load = ckpt_not_load
+
+
+def mindspore_state_dict(obj: Any, what: str = "save_obj") -> dict[str, Any]:
+    """Return ``obj`` as a state dict under MindSpore's names. Any rank; no communication.
+
+    A Cell gives ``{param.name: Parameter}``; in a dict, every top-level Cell
+    is replaced by its Parameters the same way and other entries keep their
+    key. A Parameter reached twice (same object) appears once.
+
+    Raises:
+        CheckpointValueError: ``obj`` is neither a Cell nor a dict, or two
+            different objects end up under one name.
+    """
     if is_cell(obj):
-        return dict(obj.parameters_dict())
-    if isinstance(obj, dict):
-        return obj
-    raise CheckpointValueError(f"{what} must be a mindspore.nn.Cell or a state dict, got {type(obj).__name__}")
+        obj = {"": obj}
+    elif not isinstance(obj, dict):
+        raise CheckpointValueError(f"{what} must be a mindspore.nn.Cell or a state dict, got {type(obj).__name__}")
+    out: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for key, value in obj.items():
+        entries = value.parameters_dict().items() if is_cell(value) else [(key, value)]
+        for name, item in entries:
+            if name in out:
+                if out[name] is item:
+                    continue
+                raise CheckpointValueError(
+                    f"{what}: '{name}' is both a Parameter of {origin[name]!r} and of {key!r} (different objects); "
+                    "rename one Parameter or save them separately"
+                )
+            out[name] = item
+            origin[name] = key
+    return out
 
 
-def save_checkpoint(save_obj: Any, checkpoint_id: Any, **kwargs: Any) -> Any:
-    """Save a Cell's parameters or a state dict. All ranks call it.
+def save_checkpoint(save_obj: Any, checkpoint_id: Any, *, append_dict: dict[str, Any] | None = None,
+                    **kwargs: Any) -> Any:
+    """Save a Cell's parameters or a state dict under MindSpore's names. All ranks call it.
+
+    ``save_checkpoint(net, path)`` stores the keys ``mindspore.save_checkpoint(net)``
+    stores; ``save_checkpoint({"model": net, "optimizer": opt}, path)`` stores
+    each Parameter once, the keys ``mindspore.save_checkpoint`` gives the
+    ``TrainOneStepCell`` holding both.
 
     Args:
-        save_obj: A ``mindspore.nn.Cell`` or a state dict.
+        save_obj: A ``mindspore.nn.Cell`` or a state dict (top-level Cells stand
+            for their Parameters under their own names).
         checkpoint_id: The checkpoint directory.
+        append_dict: Extra plain values to store beside the Parameters (as
+            MindSpore's ``append_dict``).
         **kwargs: ``allow_pickle`` and any argument of ``dcp.save``.
 
     Returns:
         The committed metadata.
+
+    Raises:
+        CheckpointValueError: ``save_obj`` is not a Cell or dict, or an
+            ``append_dict`` key clashes with a Parameter name.
     """
+    state = mindspore_state_dict(save_obj)
+    for key, value in (append_dict or {}).items():
+        if key in state:
+            raise CheckpointValueError(f"append_dict key '{key}' is also a Parameter name; rename it")
+        state[key] = value
     allow_pickle = kwargs.pop("allow_pickle", False)
     if "planner" not in kwargs:
         kwargs["planner"] = StandardSavePlanner(allow_pickle=allow_pickle)
-    return api.save(_as_state_dict(save_obj, "save_obj"), checkpoint_id=checkpoint_id, **kwargs)
+    return api.save(state, checkpoint_id=checkpoint_id, **kwargs)
 
 
-def load_checkpoint(checkpoint_id: Any, net: Any = None, **kwargs: Any) -> dict[str, Any]:
-    """Load a checkpoint. All ranks call it.
+def _prefixes(name: str, prefix: str | Sequence[str] | None) -> tuple[str, ...] | None:
+    if prefix is None:
+        return None
+    prefixes = (prefix,) if isinstance(prefix, str) else prefix
+    if not isinstance(prefixes, (list, tuple)) or not prefixes or not all(
+        isinstance(p, str) and p for p in prefixes
+    ):
+        raise CheckpointValueError(f"{name} must be a non-empty str or a non-empty list of non-empty str, got {prefix!r}")
+    return tuple(prefixes)
 
-    Args:
-        checkpoint_id: The checkpoint directory.
-        net: A Cell or state dict to load into in place; ``None`` to get the
-            whole checkpoint back.
-        **kwargs: ``allow_pickle``, ``allow_partial_load`` and any argument of ``dcp.load``.
 
-    Returns:
-        The loaded state dict: ``net``'s (with ``net``), otherwise
-        ``{name: mindspore.Tensor}`` of full tensors plus non-tensor values.
-    """
-    allow_pickle = kwargs.pop("allow_pickle", False)
-    allow_partial = kwargs.pop("allow_partial_load", False)
-    if "planner" not in kwargs:
-        kwargs["planner"] = StandardLoadPlanner(allow_partial_load=allow_partial, allow_pickle=allow_pickle)
-    if net is not None:
-        state_dict = _as_state_dict(net, "net")
-        api.load(state_dict, checkpoint_id=checkpoint_id, **kwargs)
-        return state_dict
-    metadata = api.read_metadata(checkpoint_id)
+def _selector(
+    filter_prefix: Any, specify_prefix: Any, choice_func: Callable[[str], bool] | None
+) -> Callable[[str], bool]:
+    """MindSpore's rule: ``specify_prefix`` / ``filter_prefix`` when given (they override ``choice_func``)."""
+    specify = _prefixes("specify_prefix", specify_prefix)
+    exclude = _prefixes("filter_prefix", filter_prefix)
+    if specify is None and exclude is None:
+        if choice_func is None:
+            return lambda name: True
+        if not callable(choice_func):
+            raise CheckpointValueError(f"choice_func must be callable (name -> bool), got {type(choice_func).__name__}")
+        return lambda name: bool(choice_func(name))
+    return lambda name: (specify is None or name.startswith(specify)) and not (exclude and name.startswith(exclude))
+
+
+def _stored_names(metadata: Metadata) -> set[str]:
+    """Checkpoint keys, plus the paths saved as aliases of them (a Parameter saved once)."""
+    names = set(metadata.state_dict_metadata)
+    data = metadata.planner_data
+    if isinstance(data, dict):
+        names.update(alias for alias, key in data.get("aliases", {}).items() if key in names)
+    return names
+
+
+def _as_parameter(name: str, value: Any) -> Any:
+    import mindspore as ms  # pylint: disable=import-outside-toplevel
+
+    if is_parameter(value):
+        return value
+    if hasattr(value, "to_local") and hasattr(value, "layout"):  # a DTensor: this rank's shard
+        value = value.to_local()
+    if isinstance(value, np.ndarray):
+        value = from_numpy(value)
+    if is_tensor(value):
+        return ms.Parameter(value, name=name, requires_grad=False)
+    return value
+
+
+def _whole_targets(metadata: Metadata, keys: list[str]) -> dict[str, Any]:
     target: dict[str, Any] = {}
-    for fqn, item in metadata.state_dict_metadata.items():
+    for fqn in keys:
+        item = metadata.state_dict_metadata[fqn]
         if isinstance(item, TensorStorageMetadata):
             try:
                 target[fqn] = np.zeros(item.size, dtype=numpy_dtype(item.properties.dtype))
@@ -78,9 +184,160 @@ def load_checkpoint(checkpoint_id: Any, net: Any = None, **kwargs: Any) -> dict[
                     f"key '{fqn}': the checkpoint declares shape {list(item.size)}, too large to allocate; "
                     "load into an existing state dict instead"
                 ) from exc
-        elif item.global_shape:
-            continue  # per-rank ShardedObjects have no single value
-        else:
+        elif not item.global_shape:  # per-rank ShardedObjects have no single value
             target[fqn] = None
-    api.load(target, checkpoint_id=checkpoint_id, **kwargs)
-    return {key: from_numpy(value) if isinstance(value, np.ndarray) else value for key, value in target.items()}
+    return target
+
+
+def _shown(names: list[str]) -> str:
+    more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+    return ", ".join(f"'{n}'" for n in names[:_SHOWN]) + more
+
+
+def _match(wanted: list[str], stored: set[str], strict_load: bool) -> dict[str, str]:
+    """Target name -> checkpoint key: exact, else (not strict) one shared prefix, as MindSpore does."""
+    matched = {name: name for name in wanted if name in stored}
+    missing = [name for name in wanted if name not in stored]
+    if strict_load or not missing:
+        return matched
+    for name in missing:
+        candidates = sorted(key for key in stored if key.endswith("." + name))
+        if candidates:
+            prefix = candidates[0][: -len(name)]
+            _LOG.warning("load_checkpoint: checkpoint keys carry the prefix '%s'; loading by name without it", prefix)
+            matched.update({n: prefix + n for n in missing if prefix + n in stored})
+            break
+    return matched
+
+
+def _check_dtypes(pairs: dict[str, str], flat_values: dict[str, Any], metadata: Metadata) -> None:
+    for name, key in pairs.items():
+        stored = metadata.state_dict_metadata.get(key)
+        value = flat_values[name]
+        if isinstance(stored, TensorStorageMetadata) and (is_tensor(value) or isinstance(value, np.ndarray)):
+            if dtype_name(value) != stored.properties.dtype:
+                raise CheckpointValueError(
+                    f"key '{key}': stored as {stored.properties.dtype}, the target '{name}' is {dtype_name(value)}; "
+                    "strict_load=True refuses the cast (pass strict_load=False to convert)"
+                )
+
+
+def load_checkpoint(
+    checkpoint_id: Any,
+    net: Any = None,
+    *,
+    strict_load: bool = False,
+    filter_prefix: str | Sequence[str] | None = None,
+    specify_prefix: str | Sequence[str] | None = None,
+    choice_func: Callable[[str], bool] | None = None,
+    allow_partial_load: bool = False,
+    allow_pickle: bool = False,
+    **kwargs: Any,
+) -> LoadedParameters:
+    """Load a checkpoint the way ``mindspore.load_checkpoint`` does. All ranks call it.
+
+    Args:
+        checkpoint_id: The checkpoint directory.
+        net: A Cell or state dict to load into in place (resharded to its
+            layout); ``None`` to get the whole checkpoint back.
+        strict_load: Match names exactly and refuse dtype casts. Otherwise a
+            ``net`` name missing from the checkpoint is also looked up with the
+            one prefix the checkpoint adds (``model.`` of a ``{"model": net}``
+            save), and stored values are cast to the target's dtype.
+        filter_prefix: Checkpoint keys starting with it (a str or list) are not loaded.
+        specify_prefix: Only checkpoint keys starting with it are loaded.
+        choice_func: ``name -> bool``: load the keys it accepts. Ignored when
+            ``filter_prefix`` or ``specify_prefix`` is given (as in MindSpore).
+        allow_partial_load: With ``net``: load what matches and only warn
+            about ``net`` entries the checkpoint lacks (listed in
+            ``param_not_load``), instead of raising.
+        allow_pickle: Unpickle stored pickled values (trusted checkpoints only).
+        **kwargs: Any argument of ``dcp.load`` (``storage_reader``, ``planner``, ...).
+
+    Returns:
+        ``{name: mindspore.Parameter}`` plus the non-tensor values: with ``net``
+        its own loaded Parameters (each rank its shards), otherwise full values
+        under the checkpoint's keys. ``.param_not_load`` / ``.ckpt_not_load``
+        list what was not loaded (both are also logged).
+
+    Raises:
+        CheckpointValueError: Nothing left to load after the selection, or no
+            ``net`` entry matches any checkpoint key (both lists shown).
+        MissingKeyError: Some ``net`` entries are not in the checkpoint (unless
+            ``allow_partial_load``).
+        CheckpointError: As :func:`load`.
+    """
+    select = _selector(filter_prefix, specify_prefix, choice_func)
+    if "planner" not in kwargs:
+        kwargs["planner"] = StandardLoadPlanner(allow_pickle=allow_pickle)
+    metadata = api.read_metadata(checkpoint_id)
+    if net is None:
+        keys = [key for key in metadata.state_dict_metadata if select(key)]
+        if not keys:
+            raise CheckpointValueError(
+                f"checkpoint {checkpoint_id}: no key is left after filter_prefix / specify_prefix / choice_func "
+                f"(keys: {_shown(sorted(metadata.state_dict_metadata))}); check the prefixes"
+            )
+        target = _whole_targets(metadata, keys)
+        api.load(target, checkpoint_id=checkpoint_id, **kwargs)
+        skipped = sorted(set(metadata.state_dict_metadata) - set(target))
+        return LoadedParameters({k: _as_parameter(k, v) for k, v in target.items()}, [], skipped)
+    return _load_into(checkpoint_id, net, metadata, select, strict_load, allow_partial_load, kwargs)
+
+
+def _load_into(
+    checkpoint_id: Any,
+    net: Any,
+    metadata: Metadata,
+    select: Callable[[str], bool],
+    strict_load: bool,
+    allow_partial_load: bool,
+    kwargs: dict[str, Any],
+) -> LoadedParameters:
+    state = mindspore_state_dict(net, "net")
+    flat = flatten_state_dict(state)
+    stored = _stored_names(metadata)
+    wanted = [flat.storage_keys[name] for name in flat.values]
+    by_key = {flat.storage_keys[name]: name for name in flat.values}
+    matched = _match(wanted, stored, strict_load)
+    if not matched:
+        raise CheckpointValueError(
+            f"checkpoint {checkpoint_id}: no entry of net matches a checkpoint key, nothing would load. "
+            f"net has {_shown(sorted(wanted))}; the checkpoint has {_shown(sorted(metadata.state_dict_metadata))}. "
+            "Load the checkpoint of this network, or map the names (strict_load=False strips one common prefix)"
+        )
+    chosen = {key: ck for key, ck in matched.items() if select(ck)}
+    if not chosen:
+        raise CheckpointValueError(
+            f"checkpoint {checkpoint_id}: filter_prefix / specify_prefix / choice_func left out every matching key "
+            f"({_shown(sorted(matched.values()))}); check the prefixes"
+        )
+    absent = [key for key in wanted if key not in matched]
+    if absent and not allow_partial_load:
+        raise MissingKeyError(
+            f"checkpoint {checkpoint_id}: net entries {_shown(absent)} are not in the checkpoint "
+            f"({len(matched)} of {len(wanted)} matched, e.g. {_shown(sorted(matched)[:3])}); pass "
+            "allow_partial_load=True to load the matching ones, or filter_prefix to leave some out"
+        )
+    if strict_load:
+        _check_dtypes({by_key[k]: ck for k, ck in chosen.items()}, flat.values, metadata)
+    targets = {ck: flat.values[by_key[key]] for key, ck in chosen.items()}
+    api.load(targets, checkpoint_id=checkpoint_id, **kwargs)
+    loaded: dict[str, Any] = {}
+    for key, ck in chosen.items():
+        name = by_key[key]
+        value = targets[ck]
+        if not (is_tensor(value) or isinstance(value, np.ndarray) or hasattr(value, "to_local")):
+            set_by_path(state, flat.paths[name], value)  # a plain value: replaced, not filled in
+            if isinstance(net, dict) and flat.paths[name][0] in net:
+                net[flat.paths[name][0]] = state[flat.paths[name][0]]
+        loaded[key] = _as_parameter(key, value)
+    param_not_load = [key for key in wanted if key not in chosen]
+    aliases = metadata.planner_data.get("aliases", {}) if isinstance(metadata.planner_data, dict) else {}
+    used = {aliases.get(ck, ck) for ck in chosen.values()}
+    ckpt_not_load = sorted(k for k in metadata.state_dict_metadata if k not in used)
+    if param_not_load:
+        _LOG.warning("load_checkpoint: %d entries of net are not loaded: %s", len(param_not_load), _shown(param_not_load))
+    if ckpt_not_load:
+        _LOG.info("load_checkpoint: %d checkpoint keys are not loaded: %s", len(ckpt_not_load), _shown(ckpt_not_load))
+    return LoadedParameters(loaded, param_not_load, ckpt_not_load)

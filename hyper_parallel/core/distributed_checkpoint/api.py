@@ -162,8 +162,12 @@ def prepare_save(
         holder["metadata"] = metadata
         return [_compress(local, final) for local, final in zip(all_plans, final_plans)]
 
-    received = dist.reduce_scatter("plan", local_step, global_step)
-    plan = planner.finalize_plan(_expand(holder["local"], received))
+    try:
+        received = dist.reduce_scatter("plan", local_step, global_step)
+        plan = planner.finalize_plan(_expand(holder["local"], received))
+    except BaseException:
+        writer.abort()
+        raise
     return SaveSession(dist=dist, writer=writer, planner=planner, plan=plan, metadata=holder.get("metadata"))
 
 
@@ -177,7 +181,11 @@ def run_save_writes(session: SaveSession, step: str = "write") -> Metadata:
         committed = session.writer.finish(session.metadata, all_results)
         return [committed] * len(all_results)
 
-    return session.dist.reduce_scatter(step, write_step, commit_step)
+    try:
+        return session.dist.reduce_scatter(step, write_step, commit_step)
+    except BaseException:
+        session.writer.abort()
+        raise
 
 
 def save(

@@ -254,7 +254,11 @@ def _async_save_locked(state_dict: dict[str, Any], *, staging: str, **kwargs: An
             planner = StagedSavePlanner(session.planner, views)
             holder["background"] = fork_write(session.writer, session.plan, planner, rank=session.dist.rank)
 
-    session.dist.all_gather("stage", stage_step)
+    try:
+        session.dist.all_gather("stage", stage_step)
+    except BaseException:
+        session.writer.abort()
+        raise
     background = holder["background"]
 
     def commit(results: Any, error: BaseException | None) -> Metadata:
@@ -267,7 +271,11 @@ def _async_save_locked(state_dict: dict[str, Any], *, staging: str, **kwargs: An
             committed = session.writer.finish(session.metadata, all_results)
             return [committed] * len(all_results)
 
-        return session.dist.reduce_scatter("async write and commit", local_results, finish)
+        try:
+            return session.dist.reduce_scatter("async write and commit", local_results, finish)
+        except BaseException:
+            session.writer.abort()
+            raise
 
     call = queue.schedule_async_request(AsyncRequest(async_fn=background, finalize_fns=(commit,)))
     return AsyncSaveHandle(call, session)

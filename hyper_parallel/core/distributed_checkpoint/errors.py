@@ -4,7 +4,7 @@ All errors derive from :class:`CheckpointError`. Where a builtin exception fits
 as well, the error also derives from it, so callers can catch either: a missing
 checkpoint is a ``FileNotFoundError``, a bad argument a ``ValueError``.
 
-The three classes a layout needs (:class:`CheckpointError`,
+The classes a layout needs (:class:`CheckpointError`, :class:`StrategyFileError`,
 :class:`CheckpointValueError`, :class:`LayoutError`) are defined below this
 package, in :mod:`hyper_parallel.core._errors`, so ``hyper_parallel.core.layout``
 imports them without importing the checkpoint package; they are re-exported
@@ -13,7 +13,7 @@ here unchanged (same classes). Every other module imports errors from here.
 
 from __future__ import annotations
 
-from hyper_parallel.core._errors import CheckpointError, CheckpointValueError, LayoutError
+from hyper_parallel.core._errors import CheckpointError, CheckpointValueError, LayoutError, StrategyFileError
 
 __all__ = [
     "CheckpointError",
@@ -23,6 +23,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "CheckpointValueError",
     "LayoutError",
+    "StrategyFileError",
     "MissingKeyError",
     "ShapeMismatchError",
     "PlanValidationError",
@@ -139,3 +140,11 @@ class CheckpointIOError(CheckpointError, OSError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class ConcurrentSaveError(CheckpointError):
+    """Another save is writing the same checkpoint id (or committed it meanwhile).
+
+    The message names the other save (its save id, host and process) and the
+    lease file. The checkpoint committed before either save stays intact.
+    """

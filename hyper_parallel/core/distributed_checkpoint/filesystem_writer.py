@@ -11,13 +11,20 @@ metadata to a temporary name, fsyncs it and renames it over ``metadata.json``:
 its presence is the commit. Data files of an earlier save to the same
 directory stay untouched until then, so a crash at any moment leaves either
 the old checkpoint or the new one, complete.
+
+Racing saves: the coordinator holds the directory's save lease
+(:mod:`._save_lease`) from its set-up to the end of its cleanup, so a second
+save to the same id fails at once with :class:`ConcurrentSaveError`. At the
+commit it checks, compare-and-swap style, that the committed metadata is
+still the one it saw at its set-up and that the lease still names it. After
+the commit it deletes only the files of the save it replaced
+(:mod:`._commit_cleanup`).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
+import stat
 import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,12 +33,21 @@ from pathlib import Path
 
 import numpy as np
 
+from hyper_parallel.core.distributed_checkpoint._commit_cleanup import (
+    DATA_FILE_PATTERN,
+    committed_save_id,
+    garbage_files,
+    remove_files,
+)
+from hyper_parallel.core.distributed_checkpoint._options import check_option
 from hyper_parallel.core.distributed_checkpoint._format.checksum import DEFAULT_BLOCK_BYTES, chunk_checksum
+from hyper_parallel.core.distributed_checkpoint._save_lease import DEFAULT_LEASE_TIMEOUT, LeaseHolder, SaveLease
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointIOError,
     CheckpointValueError,
+    ConcurrentSaveError,
 )
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BACKEND_NAME,
@@ -57,8 +73,6 @@ __all__ = [
 
 #: Name of the committed metadata of a collective save.
 METADATA_FILE = "metadata.json"
-#: Data file names: ``r<rank>_<counter>.<save id>.safetensors``.
-DATA_FILE_PATTERN = re.compile(r"^r(\d{5})_(\d{3})\.([0-9a-f]{12})\.safetensors$")
 _WRITE_CHUNK = 1 << 30
 #: With ``thread_count=None`` a rank writing at least this many bytes uses 2 files and threads.
 AUTO_THREAD_BYTES = 64 << 20
@@ -78,13 +92,13 @@ def fsync_directory(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomically(path: Path, data: bytes, *, sync: bool = True) -> None:
+def write_atomically(path: Path, data: bytes, *, sync: bool = True, tag: str | None = None) -> None:
     """Write ``data`` to ``path`` via a temporary file and a rename.
 
     Readers see either the old file or the whole new one. The temporary file
-    is removed on failure.
+    (``.<name>.<tag>.partial``, a random tag by default) is removed on failure.
     """
-    partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
+    partial = path.with_name(f".{path.name}.{tag or uuid.uuid4().hex[:8]}.partial")
     try:
         with open(partial, "wb") as handle:
             handle.write(data)
@@ -205,6 +219,12 @@ class FileSystemWriter(StorageWriter):
         drop_page_cache: After a data file is durable, tell the kernel its
             pages are not needed (``POSIX_FADV_DONTNEED``), so a large save
             does not push the training job's own files out of the page cache.
+        lease_timeout: Seconds after its last heartbeat at which the save lease
+            of a process on another host counts as stale (see
+            :mod:`._save_lease`; a lease of this host is judged by its process).
+
+    Raises:
+        CheckpointValueError: an option of the wrong type or out of range (names it).
     """
 
     def __init__(
@@ -219,15 +239,16 @@ class FileSystemWriter(StorageWriter):
         compression_level: int = 3,
         tile_checksums: bool = True,
         drop_page_cache: bool = True,
+        lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
     ) -> None:
+        check_option("thread_count", thread_count, int, minimum=1, optional=True)
+        check_option("checksum_block_bytes", checksum_block_bytes, int, minimum=1)
+        check_option("compression_level", compression_level, int)
+        check_option("lease_timeout", lease_timeout, float, minimum=0.0)
         if compression not in (None, "zstd"):
             raise CheckpointValueError(f"compression must be None or 'zstd', got {compression!r}")
         if compression:
             _zstd()
-        if checksum_block_bytes < 1:
-            raise CheckpointValueError(f"checksum_block_bytes must be >= 1, got {checksum_block_bytes}")
-        if thread_count is not None and thread_count < 1:
-            raise CheckpointValueError(f"thread_count must be >= 1, got {thread_count}")
         self.path = Path(os.fspath(path))
         self.sync_files = sync_files
         self.thread_count = thread_count
@@ -237,6 +258,11 @@ class FileSystemWriter(StorageWriter):
         self.compression_level = compression_level
         self.tile_checksums = tile_checksums
         self.drop_page_cache = drop_page_cache
+        self.lease_timeout = float(lease_timeout)
+        self._lease: SaveLease | None = None
+        self._base: tuple[int, ...] | None = None  # the committed metadata seen at set-up (lstat signature)
+        self._created_directory = False
+        self._committed = False
         self._cleanup: threading.Thread | None = None
         #: Delete the files of older saves on a background thread after commit.
         self.background_cleanup = False
@@ -262,16 +288,42 @@ class FileSystemWriter(StorageWriter):
         """
         self.rank = rank
         self.save_id = uuid.uuid4().hex[:12]
+        self._committed = False
+        self._created_directory = False
         if self.path.exists() and not self.path.is_dir():
             raise CheckpointExistsError(
                 f"checkpoint path {self.path} exists and is not a directory; choose another checkpoint_id"
             )
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            self.path.mkdir(parents=True)
+            self._created_directory = True
+        except FileExistsError:
+            pass
         except OSError as exc:
             raise CheckpointIOError(f"cannot create checkpoint directory {self.path}: {exc}") from exc
         if not os.access(self.path, os.W_OK):
             raise CheckpointIOError(f"checkpoint directory {self.path} is not writable (rank {rank})")
+        if is_coordinator:
+            self._take_lease()
+
+    def _metadata_name(self) -> str:
+        return rank_metadata_file(self.rank) if self.rank_local else METADATA_FILE
+
+    def _take_lease(self) -> None:
+        """Hold the directory's save lease; note the committed metadata; drop a dead save's files. Coordinator."""
+        if self._lease is not None and not self._lease.released.is_set():
+            self._lease.release()  # this writer's earlier save never finished nor aborted
+        name = self._metadata_name()
+        self._lease, broken = SaveLease.acquire(self.path, name, self.save_id, timeout=self.lease_timeout)
+        self._base = _signature(self.path / name)
+        if broken is not None:
+            self._drop_dead_save(broken, name)
+
+    def _drop_dead_save(self, dead: LeaseHolder, name: str) -> None:
+        """Delete the files of the dead save whose stale lease was broken, unless they are committed."""
+        committed = committed_save_id(self.path / name)
+        garbage = {dead.save_id, dead.base_save_id} - {committed or "", self.save_id}
+        remove_files(garbage_files(self.path, garbage, rank=self.rank if self.rank_local else None))
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Record this rank in the plan's storage data. All ranks call it."""
@@ -380,6 +432,7 @@ class FileSystemWriter(StorageWriter):
             CheckpointIOError: a write or fsync failed (disk full, I/O error).
         """
         future: Future[list[WriteResult]] = Future()
+        self._created_directory = False  # writing began: a failure leaves the directory to the next save
         jobs: list[_FileJob] = []
         try:
             jobs = self._jobs(plan)
@@ -410,23 +463,42 @@ class FileSystemWriter(StorageWriter):
                 pass  # a later save of this directory removes it as stale
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
-        """Commit: write the metadata atomically, then drop files of older saves. Coordinator only."""
+        """Commit: write the metadata atomically, then drop the files of the replaced save. Coordinator only.
+
+        Raises:
+            ConcurrentSaveError: another save took the lease or committed to this id since
+                :meth:`set_up_storage_writer` (names it); nothing of this save is committed.
+            CheckpointIOError: the metadata cannot be written.
+        """
         committed = self._committed_metadata(metadata, results)
         name = self._metadata_name()
+        replaced = self._check_commit(name)
+        if self._lease is not None and replaced:
+            self._lease.record_base(replaced)
+        failure: CheckpointIOError | None = None
         try:
-            write_atomically(self.path / name, metadata_to_json(committed), sync=self.sync_files)
+            write_atomically(self.path / name, metadata_to_json(committed), sync=self.sync_files, tag=self.save_id)
         except OSError as exc:
-            raise CheckpointIOError(f"committing checkpoint {self.path} failed: {exc}") from exc
-        # Files of older saves are garbage once the new metadata is durable.
-        # The list is taken now; an async save's commit deletes them off the
-        # caller's path (unlinking large files takes time), and files of a
-        # later save, created meanwhile, are never in the list.
+            failure = CheckpointIOError(f"committing checkpoint {self.path} failed: {exc}")
+            failure.__cause__ = exc
+            if committed_save_id(self.path / name) != self.save_id:
+                raise failure from exc
+            # The rename happened (syncing its directory failed): committed, clean up, then report.
+        self._committed = True
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.committed = True
+        # The replaced save's files are garbage once the new metadata is durable.
+        # An async save's commit deletes them off the caller's path (unlinking
+        # large files takes time); the lease is held until they are gone.
         self.wait_cleanup()
-        stale = self._stale_files(name)
-        if not self.background_cleanup:
-            _unlink_all(stale)
+        stale = self._stale_files(replaced)
+        if not self.background_cleanup or failure is not None:
+            _clean_up(stale, lease)
+            if failure is not None:
+                raise failure
             return committed
-        self._cleanup = threading.Thread(target=_unlink_all, args=(stale,), name="hp-ckpt-cleanup", daemon=True)
+        self._cleanup = threading.Thread(target=_clean_up, args=(stale, lease), name="hp-ckpt-cleanup", daemon=True)
         self._cleanup.start()
         return committed
 
@@ -442,9 +514,43 @@ class FileSystemWriter(StorageWriter):
             storage_meta=replace(metadata.storage_meta, backend=BACKEND_NAME, save_id=self.save_id),
         )
 
-    def _metadata_name(self) -> str:
-        """Name of the metadata this writer commits."""
-        return rank_metadata_file(self.rank) if self.rank_local else METADATA_FILE
+    def _check_commit(self, name: str) -> str | None:
+        """Compare-and-swap check before the commit; return the save id of the metadata being replaced."""
+        if self._lease is not None and not self._lease.holds():
+            raise ConcurrentSaveError(
+                f"checkpoint {self.path}: the save lease {self._lease.path} of this save (save id {self.save_id}) "
+                "was removed or taken by another save while it ran (another process judged it stale, or a "
+                "CheckpointManager deleted the directory); nothing was committed: save again"
+            )
+        if _signature(self.path / name) != self._base:
+            replaced = committed_save_id(self.path / name)
+            raise ConcurrentSaveError(
+                f"checkpoint {self.path} was committed by another save (save id {replaced}) while this save "
+                f"(save id {self.save_id}) ran; nothing of this save was committed: save again, or to another id"
+            )
+        return committed_save_id(self.path / name)
+
+    def abort(self) -> None:
+        """Undo a failed save: delete its files, release its lease, remove the directory if planning failed.
+
+        A save that fails before writing (a refused value, a bad layout)
+        removes the directory it created, if still empty.
+
+        All ranks call it after a failed save (``save``, ``async_save`` and
+        ``CheckpointManager`` do); it never raises, and does nothing after a commit.
+        """
+        if self._committed:
+            return
+        lease, self._lease = self._lease, None
+        if lease is not None:  # coordinator: every rank's files of this save are written (or discarded) by now
+            remove_files(garbage_files(self.path, {self.save_id}, rank=self.rank if self.rank_local else None))
+            lease.release()
+        if self._created_directory:
+            try:
+                self.path.rmdir()  # only if empty
+            except OSError:
+                pass
+            self._created_directory = False
 
     def wait_cleanup(self) -> None:
         """Wait until the files of older saves are deleted. Coordinator."""
@@ -452,27 +558,14 @@ class FileSystemWriter(StorageWriter):
             self._cleanup.join()
             self._cleanup = None
 
-    def _stale_files(self, committed_name: str) -> list[Path]:
-        """Data files of older saves that no committed metadata references.
+    def _stale_files(self, replaced: str | None) -> list[Path]:
+        """Files of the replaced save (``replaced`` is its save id): data files and temporary files.
 
-        With rank-local metadata only this rank's files are candidates. If any
-        other metadata file cannot be parsed, nothing is deleted.
+        With rank-local metadata only this rank's files are candidates.
         """
-        referenced = _files_referenced_by_others(self.path, committed_name)
-        if referenced is None:
+        if not replaced or replaced == self.save_id:
             return []
-        stale = []
-        for entry in os.scandir(self.path):
-            if entry.name.startswith(".") and entry.name.endswith(".partial") and not self.rank_local:
-                stale.append(Path(entry.path))
-                continue
-            match = DATA_FILE_PATTERN.match(entry.name)
-            if not match or match.group(3) == self.save_id or entry.name in referenced:
-                continue
-            if self.rank_local and int(match.group(1)) != self.rank:
-                continue
-            stale.append(Path(entry.path))
-        return stale
+        return garbage_files(self.path, {replaced}, rank=self.rank if self.rank_local else None)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: CheckpointId) -> bool:
@@ -482,26 +575,23 @@ class FileSystemWriter(StorageWriter):
         return isinstance(checkpoint_id, str) and bool(checkpoint_id) and "://" not in checkpoint_id
 
 
-def _unlink_all(paths: list[Path]) -> None:
-    for path in paths:
-        path.unlink(missing_ok=True)
+def _clean_up(paths: list[Path], lease: SaveLease | None) -> None:
+    try:
+        remove_files(paths)
+    finally:
+        if lease is not None:
+            lease.release()
 
 
-def _files_referenced_by_others(path: Path, committed_name: str) -> set[str] | None:
-    """Data files named by the other metadata files of the directory (``None``: one is unreadable)."""
-    names: set[str] = set()
-    for entry in os.scandir(path):
-        is_metadata = entry.name == METADATA_FILE or (
-            entry.name.startswith("metadata.rank") and entry.name.endswith(".json")
-        )
-        if not is_metadata or entry.name == committed_name:
-            continue
-        try:
-            document = json.loads(Path(entry.path).read_bytes())
-            names.update(str(item["file"]) for item in document["storage_data"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-    return names
+def _signature(path: Path) -> tuple[int, ...] | None:
+    """Identity of the file at ``path`` (device, inode, size, mtime) or ``None`` if absent: a commit replaces it."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return (-1,)
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, stat.S_IFMT(info.st_mode))
 
 
 def _tensor_name(index: MetadataIndex, whole: bool = False) -> str:

@@ -15,7 +15,8 @@ same answer and the same errors. Retention runs only after a new step is
 committed: it keeps the newest ``max_to_keep`` committed steps (by step
 number) plus every step divisible by ``keep_every_n_steps``, and removes
 uncommitted step directories older than the newest committed step, except
-the one this manager is writing.
+the one this manager is writing. A step directory whose save lease is live
+(another manager or process saving it right now) is never deleted.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointValueError,
 )
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import METADATA_FILE
+from hyper_parallel.core.distributed_checkpoint._save_lease import live_lease_in
 
 __all__ = ["CheckpointManager"]
 
@@ -263,6 +265,10 @@ class CheckpointManager:
             keep.update(s for s in committed if s % self.keep_every_n_steps == 0)
         doomed = [s for s in committed if s not in keep] + [s for s in uncommitted if s < committed[-1]]
         for step in doomed:
+            holder = live_lease_in(self.directory(step))
+            if holder is not None:  # another manager or process is saving this step right now
+                _LOG.info("rank 0: keeping %s: a save holds it (%s)", self.directory(step), holder.describe())
+                continue
             self._delete(self.directory(step))
             self._verified.pop(step, None)
         for entry in os.scandir(self.root):  # leftovers of deletions interrupted earlier

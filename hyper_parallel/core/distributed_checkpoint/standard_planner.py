@@ -263,8 +263,11 @@ class StandardLoadPlanner(LoadPlanner):
         self._value_names.clear()
         self._values.clear()
         problems = []
+        stored_aliases = metadata.planner_data.get("aliases", {}) if isinstance(metadata.planner_data, dict) else {}
         for name, value in self.flat.values.items():
             fqn = self.flat.storage_keys[name]
+            if fqn not in metadata.state_dict_metadata and stored_aliases.get(fqn) in metadata.state_dict_metadata:
+                fqn = stored_aliases[fqn]  # a Parameter saved once under another path (e.g. the model's)
             entry = _classify(fqn, value)
             if isinstance(entry, SkipEntry):
                 self._entries[name] = entry

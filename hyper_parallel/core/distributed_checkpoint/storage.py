@@ -72,6 +72,13 @@ class StorageWriter(abc.ABC):
             The committed metadata (with storage data).
         """
 
+    def abort(self) -> None:  # noqa: B027 - optional hook, nothing to undo by default
+        """Undo a save that failed before its commit (its files, its lease). All ranks call it.
+
+        ``save``, ``async_save`` and ``CheckpointManager`` call it on every rank
+        when any step failed; it must not raise. The default does nothing.
+        """
+
     @classmethod
     @abc.abstractmethod
     def validate_checkpoint_id(cls, checkpoint_id: CheckpointId) -> bool:

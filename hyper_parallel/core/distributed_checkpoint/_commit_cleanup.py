@@ -1,0 +1,93 @@
+"""What a commit may delete: the files of the saves it replaced, nothing else.
+
+After a save commits, the files of the committed save it superseded are
+garbage, and so are those of a dead save whose stale lease it broke (see
+:mod:`._save_lease`). Files are picked by the save id in their names (data
+files ``r<rank>_<counter>.<save id>.safetensors``, temporary files
+``.<name>.<save id>.partial``), never by "not referenced": a save still
+writing next door (another rank's rank-local save) is never touched.
+
+Nothing in the directory is trusted: metadata is read only from a regular
+file (no FIFO, symlink or device), at most :data:`MAX_CLEANUP_METADATA_BYTES`,
+and a malformed one only means its files are not deleted (logged). Only
+regular files are removed; nothing here raises, since the commit already
+happened.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+
+from hyper_parallel.core.distributed_checkpoint._safe_files import open_regular, remove_regular
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
+
+__all__ = ["DATA_FILE_PATTERN", "MAX_CLEANUP_METADATA_BYTES", "committed_save_id", "garbage_files", "remove_files"]
+
+#: Data file names: ``r<rank>_<counter>.<save id>.safetensors``.
+DATA_FILE_PATTERN = re.compile(r"^r(\d{5})_(\d{3})\.([0-9a-f]{12})\.safetensors$")
+#: Metadata larger than this is not read by the cleanup (its files are then left alone).
+MAX_CLEANUP_METADATA_BYTES = 1 << 30
+_SAVE_ID = re.compile(r"^[0-9a-f]{12}$")
+# The writer puts the save id in the first fields of the document; this avoids parsing it all.
+_HEAD = re.compile(rb'^\{"format":"[^"\\]{0,64}","version":\d{1,9},"backend":"[^"\\]{0,64}","save_id":"([0-9a-f]{12})"')
+_LOG = logging.getLogger(__name__)
+
+
+def committed_save_id(path: Path) -> str | None:
+    """The save id of the committed metadata ``path``; ``None`` if absent or unreadable (logged)."""
+    try:
+        fd = open_regular(path, limit=MAX_CLEANUP_METADATA_BYTES)
+    except FileNotFoundError:
+        return None
+    except (OSError, CheckpointError) as exc:
+        _LOG.warning("checkpoint cleanup: cannot read %s (%s); the files it references are left alone", path, exc)
+        return None
+    try:
+        head = os.pread(fd, 4096, 0)
+        match = _HEAD.match(head)
+        if match:
+            return match.group(1).decode("ascii")
+        size = os.fstat(fd).st_size
+        document = json.loads(os.pread(fd, size, 0)) if size > len(head) else json.loads(head)
+        save_id = document.get("save_id") if isinstance(document, dict) else None
+        if isinstance(save_id, str) and _SAVE_ID.match(save_id):
+            return save_id
+        _LOG.warning("checkpoint cleanup: %s names no save id; the files it references are left alone", path)
+    except (OSError, ValueError, RecursionError, MemoryError) as exc:
+        _LOG.warning("checkpoint cleanup: %s is not readable metadata (%s); its files are left alone",
+                     path, type(exc).__name__)
+    finally:
+        os.close(fd)
+    return None
+
+
+def garbage_files(directory: Path, save_ids: set[str], *, rank: int | None = None) -> list[Path]:
+    """Data and temporary files of ``save_ids`` in ``directory`` (of ``rank`` only, if given)."""
+    wanted = {i for i in save_ids if i}
+    if not wanted:
+        return []
+    found = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError as exc:
+        _LOG.warning("checkpoint cleanup: cannot list %s: %s", directory, exc)
+        return []
+    for entry in entries:
+        name = entry.name
+        match = DATA_FILE_PATTERN.match(name)
+        if match:
+            if match.group(3) in wanted and (rank is None or int(match.group(1)) == rank):
+                found.append(Path(entry.path))
+        elif name.startswith(".") and name.endswith(".partial") and name.split(".")[-2] in wanted:
+            found.append(Path(entry.path))
+    return found
+
+
+def remove_files(paths: list[Path]) -> None:
+    """Delete the regular files among ``paths``; log the rest. Never raises."""
+    for path in paths:
+        remove_regular(path)

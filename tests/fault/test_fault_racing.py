@@ -1,0 +1,155 @@
+"""Saves racing for one checkpoint id: one wins whole, the other fails naming the clash.
+
+Races across processes (two Python processes started on one signal file),
+threads, an async and a sync save in one process, and two
+``CheckpointManager`` objects on one root. After every race the directory
+loads bit-exact as the state of a save that reported success, passes
+``hp-ckpt verify``, and keeps no file of the losing save; a checkpoint
+committed before the race is never lost.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel.cli.verify_cmd import verify_checkpoint
+
+from fault_common import assert_only_committed_files, assert_same_state, load_into_blank, make_state, same_state, start_script
+
+WAIT = 120
+ROUNDS = 6
+
+
+def _loads_as_one_of(path: Path, seeds: list[int]) -> int:
+    """The seed whose state ``path`` loads as (bit-exact), after checking the directory."""
+    loaded = load_into_blank(path, make_state(seeds[0]))
+    matching = [seed for seed in seeds if same_state(loaded, make_state(seed))]
+    assert matching, f"{path} loads as none of the states of seeds {seeds}"
+    assert verify_checkpoint(path).ok
+    assert_only_committed_files(path)
+    return matching[0]
+
+
+def _assert_clash(error: BaseException | dict[str, Any], path: Path) -> None:
+    """``error`` is the clash error: a ConcurrentSaveError naming the directory."""
+    if isinstance(error, dict):
+        kind, message, is_checkpoint_error = error["type"], error["message"], error["checkpoint_error"]
+    else:
+        kind, message, is_checkpoint_error = type(error).__name__, str(error), isinstance(error, dcp.CheckpointError)
+    assert is_checkpoint_error and kind == "ConcurrentSaveError", f"{kind}: {message}"
+    assert str(path) in message and "another save" in message, message
+
+
+@pytest.mark.parametrize("over_committed", [False, True], ids=["fresh", "over_committed"])
+def test_two_processes_race_for_one_id(tmp_path: Path, over_committed: bool) -> None:
+    if over_committed:
+        for rnd in range(ROUNDS):
+            dcp.save(make_state(7), checkpoint_id=tmp_path / f"round{rnd}", no_dist=True)
+    children = [start_script("race_child.py", str(tmp_path), str(seed), str(ROUNDS)) for seed in (1, 2)]
+    try:
+        for rnd in range(ROUNDS):
+            deadline = time.monotonic() + WAIT
+            while not all((tmp_path / f"ready.{rnd}.{seed}").exists() for seed in (1, 2)):
+                assert time.monotonic() < deadline and all(c.poll() is None for c in children), "a child died"
+                time.sleep(0.005)
+            (tmp_path / f"go.{rnd}").touch()
+        for child in children:
+            _, err = child.communicate(timeout=WAIT)
+            assert child.returncode == 0, err[-3000:]
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    clashes = 0
+    for rnd in range(ROUNDS):
+        path = tmp_path / f"round{rnd}"
+        outcomes = {seed: json.loads((tmp_path / f"result.{rnd}.{seed}.json").read_text()) for seed in (1, 2)}
+        winners = [seed for seed, outcome in outcomes.items() if outcome["ok"]]
+        assert winners, f"round {rnd}: both saves failed: {outcomes}"
+        for seed, outcome in outcomes.items():
+            if not outcome["ok"]:
+                _assert_clash(outcome, path)
+                clashes += 1
+        _loads_as_one_of(path, winners)
+    assert clashes, "the saves never overlapped: the race was not tested"
+
+
+def _run_threads(*functions: Callable[[], Any]) -> list[Any]:
+    """Run ``functions`` at once; return each one's result or the exception it raised."""
+    outcomes: list[Any] = [None] * len(functions)
+    start = threading.Barrier(len(functions))
+
+    def run(position: int, function: Callable[[], Any]) -> None:
+        try:
+            start.wait(WAIT)
+            outcomes[position] = function()
+        except BaseException as exc:  # pylint: disable=broad-except
+            outcomes[position] = exc
+
+    threads = [threading.Thread(target=run, args=pair) for pair in enumerate(functions)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(WAIT)
+        assert not thread.is_alive(), "a thread is stuck"
+    return outcomes
+
+
+@pytest.mark.parametrize("over_committed", [False, True], ids=["fresh", "over_committed"])
+def test_two_threads_race_for_one_id(tmp_path: Path, over_committed: bool) -> None:
+    clashes = 0
+    for rnd in range(ROUNDS):
+        path = tmp_path / f"round{rnd}"
+        if over_committed:
+            dcp.save(make_state(7), checkpoint_id=path, no_dist=True)
+        outcomes = _run_threads(*(lambda seed=seed: dcp.save(make_state(seed), checkpoint_id=path, no_dist=True)
+                                  for seed in (1, 2)))
+        winners = [seed for seed, outcome in zip((1, 2), outcomes) if isinstance(outcome, dcp.Metadata)]
+        assert winners, outcomes
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                _assert_clash(outcome, path)
+                clashes += 1
+        _loads_as_one_of(path, winners)
+    assert clashes
+
+
+def test_sync_save_while_an_async_save_to_the_same_id_is_pending(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    dcp.save(make_state(7), checkpoint_id=path, no_dist=True)
+    handle = dcp.async_save(make_state(1), checkpoint_id=path, no_dist=True)
+    with pytest.raises(dcp.CheckpointError) as caught:
+        dcp.save(make_state(2), checkpoint_id=path, no_dist=True)
+    _assert_clash(caught.value, path)
+    assert "result()" in str(caught.value)
+    assert_same_state(load_into_blank(path, make_state(7)), make_state(7))  # the old one, whole, meanwhile
+    handle.result(timeout=WAIT)
+    assert _loads_as_one_of(path, [1]) == 1
+    dcp.save(make_state(2), checkpoint_id=path, no_dist=True)  # the id is free again
+    assert _loads_as_one_of(path, [2]) == 2
+
+
+def test_two_managers_on_one_root_save_the_same_step(tmp_path: Path) -> None:
+    managers = [dcp.CheckpointManager(tmp_path / "run", max_to_keep=2) for _ in range(2)]
+    managers[0].save(1, make_state(7))
+    clashes = 0
+    for step in range(2, 2 + ROUNDS):
+        outcomes = _run_threads(*(lambda m=m, seed=seed, step=step: m.save(step, make_state(seed), force=True)
+                                  for m, seed in zip(managers, (1, 2))))
+        winners = [seed for seed, outcome in zip((1, 2), outcomes) if outcome is True]
+        assert winners, outcomes
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                _assert_clash(outcome, managers[0].directory(step))
+                clashes += 1
+        _loads_as_one_of(managers[0].directory(step), winners)
+    assert managers[1].all_steps() == [2 + ROUNDS - 2, 2 + ROUNDS - 1]
+    assert clashes

@@ -1,0 +1,156 @@
+"""The one-liners behave like MindSpore's: names, filters, load_param_into_net, one copy per Parameter."""
+
+import logging
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import nn
+
+import hyper_parallel
+import hyper_parallel.core.distributed_checkpoint as dcp
+
+ms.set_device("CPU")
+
+
+class _Net(nn.Cell):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense = nn.Dense(4, 3)
+        self.head = nn.Dense(3, 2)
+
+    def construct(self, x):
+        return self.head(self.dense(x))
+
+
+def _net_and_opt(seed: int) -> tuple[nn.Cell, nn.Optimizer]:
+    ms.set_seed(seed)
+    net = _Net()
+    opt = nn.Adam(net.trainable_params(), learning_rate=0.01)
+    for param in opt.parameters_dict().values():  # distinct values everywhere, moments included
+        param.set_data(ms.Tensor(np.random.default_rng(seed).standard_normal(param.shape).astype(np.float32)))
+    return net, opt
+
+
+def _train_cell(net: nn.Cell, opt: nn.Optimizer) -> nn.Cell:
+    return nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), opt)
+
+
+def test_keys_and_bytes_match_mindspore_save_checkpoint(tmp_path):
+    net, opt = _net_and_opt(1)
+    ms.save_checkpoint(_train_cell(net, opt), str(tmp_path / "ms.ckpt"))
+    ms_keys = set(ms.load_checkpoint(str(tmp_path / "ms.ckpt")))
+    meta = hyper_parallel.save_checkpoint({"model": net, "optimizer": opt}, tmp_path / "ours")
+    assert set(meta.state_dict_metadata) == ms_keys
+    ms.save_checkpoint(net, str(tmp_path / "net.ckpt"))
+    meta = hyper_parallel.save_checkpoint(net, tmp_path / "net")
+    assert set(meta.state_dict_metadata) == set(ms.load_checkpoint(str(tmp_path / "net.ckpt")))
+    # Each Parameter once: the stored bytes are exactly the parameters' bytes.
+    stored = sum(np.prod(m.size) * 4 for m in dcp.read_metadata(tmp_path / "ours").state_dict_metadata.values())
+    assert stored == sum(p.asnumpy().nbytes for p in _train_cell(net, opt).parameters_dict().values())
+
+
+def test_dcp_save_of_model_and_optimizer_stores_each_parameter_once(tmp_path):
+    net, opt = _net_and_opt(2)
+    meta = dcp.save({"model": net, "optimizer": opt, "step": 7}, checkpoint_id=tmp_path / "c")
+    keys = set(meta.state_dict_metadata)
+    assert "model.dense.weight" in keys and "optimizer.dense.weight" not in keys
+    assert "optimizer.moment1.dense.weight" in keys
+    net2, opt2 = _net_and_opt(3)
+    dcp.load({"optimizer": opt2}, checkpoint_id=tmp_path / "c")  # the alias resolves to the model's copy
+    assert np.array_equal(net2.dense.weight.asnumpy(), net.dense.weight.asnumpy())
+    assert np.array_equal(opt2.moment1[0].asnumpy(), opt.moment1[0].asnumpy())
+
+
+def test_load_param_into_net_accepts_what_load_checkpoint_returns(tmp_path):
+    net, opt = _net_and_opt(4)
+    hyper_parallel.save_checkpoint({"model": net, "optimizer": opt}, tmp_path / "c", append_dict={"epoch": 3})
+    params = hyper_parallel.load_checkpoint(tmp_path / "c")
+    assert isinstance(params["dense.weight"], ms.Parameter) and params["dense.weight"].name == "dense.weight"
+    assert params["epoch"] == 3
+    del params["epoch"]
+    net2, opt2 = _net_and_opt(5)
+    param_not_load, ckpt_not_load = ms.load_param_into_net(_train_cell(net2, opt2), params)
+    assert param_not_load == [] and ckpt_not_load == []
+    for name, param in _train_cell(net, opt).parameters_dict().items():
+        assert np.array_equal(_train_cell(net2, opt2).parameters_dict()[name].asnumpy(), param.asnumpy()), name
+
+
+def test_load_into_net_and_optimizer_in_place(tmp_path):
+    net, opt = _net_and_opt(6)
+    hyper_parallel.save_checkpoint({"model": net, "optimizer": opt, "step": 9}, tmp_path / "c")
+    net2, opt2 = _net_and_opt(7)
+    target = {"model": net2, "optimizer": opt2, "step": 0}
+    loaded = hyper_parallel.load_checkpoint(tmp_path / "c", target)
+    assert target["step"] == 9 and loaded["step"] == 9
+    assert loaded["dense.weight"] is net2.dense.weight
+    assert np.array_equal(opt2.moment2[1].asnumpy(), opt.moment2[1].asnumpy())
+    assert loaded.param_not_load == [] and loaded.ckpt_not_load == []
+
+
+def test_filter_specify_choice_func_as_mindspore(tmp_path):
+    net, opt = _net_and_opt(8)
+    ms.save_checkpoint(_train_cell(net, opt), str(tmp_path / "ms.ckpt"))
+    hyper_parallel.save_checkpoint({"model": net, "optimizer": opt}, tmp_path / "c")
+    cases = [dict(filter_prefix="moment"), dict(specify_prefix=["dense", "head.bias"]),
+             dict(choice_func=lambda n: n.startswith("head")),
+             dict(specify_prefix="dense", filter_prefix="dense.bias", choice_func=lambda n: False)]
+    for case in cases:
+        ours = hyper_parallel.load_checkpoint(tmp_path / "c", **case)
+        theirs = ms.load_checkpoint(str(tmp_path / "ms.ckpt"), **case)
+        assert set(ours) == set(theirs), case
+    with pytest.raises(dcp.CheckpointValueError, match="no key is left"):
+        hyper_parallel.load_checkpoint(tmp_path / "c", specify_prefix="nothing")
+    with pytest.raises(dcp.CheckpointValueError, match="specify_prefix"):
+        hyper_parallel.load_checkpoint(tmp_path / "c", specify_prefix=[""])
+    # With a net: filtered-out entries are reported, as load_param_into_net's lists.
+    net2, _ = _net_and_opt(9)
+    before = net2.head.weight.asnumpy().copy()
+    loaded = hyper_parallel.load_checkpoint(tmp_path / "c", net2, filter_prefix="head")
+    assert np.array_equal(net2.head.weight.asnumpy(), before)
+    assert np.array_equal(net2.dense.weight.asnumpy(), net.dense.weight.asnumpy())
+    assert loaded.param_not_load == ["head.weight", "head.bias"]
+    assert "head.weight" in loaded.ckpt_not_load and "moment1.dense.weight" in loaded.ckpt_not_load
+
+
+def test_strict_load_and_prefix_matching(tmp_path):
+    net, _ = _net_and_opt(10)
+    dcp.save({"model": net}, checkpoint_id=tmp_path / "c")  # keys 'model.dense.weight', ...
+    net2, _ = _net_and_opt(11)
+    hyper_parallel.load_checkpoint(tmp_path / "c", net2)  # not strict: the 'model.' prefix is found
+    assert np.array_equal(net2.head.bias.asnumpy(), net.head.bias.asnumpy())
+    with pytest.raises(dcp.CheckpointValueError, match="no entry of net matches") as caught:
+        hyper_parallel.load_checkpoint(tmp_path / "c", net2, strict_load=True)
+    assert "'dense.weight'" in str(caught.value) and "'model.dense.weight'" in str(caught.value)
+    hyper_parallel.save_checkpoint({"w": ms.Parameter(ms.Tensor(np.ones(2, np.float32)), name="w")}, tmp_path / "f")
+    half = {"w": ms.Parameter(ms.Tensor(np.zeros(2, np.float16)), name="w")}
+    with pytest.raises(dcp.CheckpointValueError, match="strict_load"):
+        hyper_parallel.load_checkpoint(tmp_path / "f", half, strict_load=True)
+    hyper_parallel.load_checkpoint(tmp_path / "f", half)
+    assert half["w"].asnumpy().tolist() == [1.0, 1.0] and half["w"].dtype == ms.float16
+
+
+def test_partial_load_reports_what_matched(tmp_path, caplog):
+    net, _ = _net_and_opt(12)
+    hyper_parallel.save_checkpoint(net.dense, tmp_path / "c")  # only 'dense.weight', 'dense.bias'
+    bigger = {"dense.weight": ms.Parameter(ms.Tensor(np.zeros((3, 4), np.float32)), name="dense.weight"),
+              "extra": ms.Parameter(ms.Tensor(np.zeros(2, np.float32)), name="extra")}
+    with pytest.raises(dcp.MissingKeyError) as caught:
+        hyper_parallel.load_checkpoint(tmp_path / "c", bigger)
+    text = str(caught.value)
+    assert "'extra'" in text and "1 of 2 matched" in text and "'dense.weight'" in text and "allow_partial_load" in text
+    with caplog.at_level(logging.WARNING):
+        loaded = hyper_parallel.load_checkpoint(tmp_path / "c", bigger, allow_partial_load=True)
+    assert loaded.param_not_load == ["extra"] and loaded.ckpt_not_load == ["dense.bias"]
+    assert "'extra'" in caplog.text
+    assert np.array_equal(bigger["dense.weight"].asnumpy(), net.dense.weight.asnumpy())
+    with pytest.raises(dcp.CheckpointValueError, match="nothing would load"):
+        hyper_parallel.load_checkpoint(tmp_path / "c", {"other": np.zeros(2)}, allow_partial_load=True)
+
+
+def test_name_clash_between_cells_is_refused(tmp_path):
+    a, b = nn.Dense(2, 2), nn.Dense(2, 2)  # both name their Parameters 'weight' / 'bias'
+    with pytest.raises(dcp.CheckpointValueError, match="'weight' is both a Parameter of 'a' and of 'b'"):
+        hyper_parallel.save_checkpoint({"a": a, "b": b}, tmp_path / "c")
+    with pytest.raises(dcp.CheckpointValueError, match="append_dict key 'weight'"):
+        hyper_parallel.save_checkpoint(a, tmp_path / "c", append_dict={"weight": 1})
