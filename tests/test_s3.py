@@ -268,3 +268,97 @@ def test_killed_save_leaves_no_committed_checkpoint(s3_url: str, s3_endpoint, tm
     loaded = _blank()
     dcp.load(loaded, checkpoint_id=s3_url, no_dist=True)
     _assert_same(loaded, _state(12))
+
+
+def test_two_ranks_under_msrun_save_and_load_resharded(s3_url: str, s3_endpoint, tmp_path: Path) -> None:  # noqa: F811
+    from msrun_harness import check_scenarios, run_workers, scenario_values  # pylint: disable=import-outside-toplevel
+    from workers.s3_worker import full_value  # pylint: disable=import-outside-toplevel
+
+    results = run_workers(REPO / "tests" / "workers" / "s3_worker.py", workers=2, tmp_path=tmp_path, timeout=600,
+                          args=[s3_url], env=s3_endpoint.env)
+    save_ids = scenario_values(results, "save")
+    assert save_ids[0] == save_ids[1] == dcp.read_metadata(f"{s3_url}/sharded").storage_meta.save_id
+    for rank, value in enumerate(scenario_values(results, "load_columns")):
+        np.testing.assert_array_equal(value["w"], full_value(1)[:, rank * 6 : (rank + 1) * 6])
+        np.testing.assert_array_equal(value["bias"], np.full(3, 1, np.float32))
+        assert value["step"] == 1
+    for value in scenario_values(results, "load_full"):
+        np.testing.assert_array_equal(value, full_value(1))
+    for rank, value in enumerate(scenario_values(results, "async_save")):
+        np.testing.assert_array_equal(value, full_value(2)[rank * 4 : (rank + 1) * 4])
+    for rank, value in enumerate(scenario_values(results, "rank_local")):
+        np.testing.assert_array_equal(value, np.full(4, rank + 100, np.float32))
+    local = _objects(f"{s3_url}/local")
+    assert "metadata.rank00000.json" in local and "metadata.rank00001.json" in local
+    check_scenarios(results)
+    for rank, value in enumerate(scenario_values(results, "manager")):
+        assert value["steps"] == [2, 3] and value["loaded"] == 3
+        np.testing.assert_array_equal(value["w"], full_value(3)[:, rank * 6 : (rank + 1) * 6])
+    # Both ranks wrote data objects; retention removed step 1 entirely.
+    names = _objects(f"{s3_url}/sharded")
+    assert {n[:6] for n in names if n.endswith(".safetensors")} == {"r00000", "r00001"}
+    assert _objects(f"{s3_url}/steps") == ["step_00000002", "step_00000003"]
+
+
+def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hyper_parallel.cli.main", *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **env, "PYTHONPATH": str(REPO)})
+
+
+def test_cli_inspect_verify_convert_diff_on_s3(s3_url: str, s3_endpoint, tmp_path: Path) -> None:  # noqa: F811
+    from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
+
+    state = {"w": mindspore.Tensor(np.arange(12, dtype=np.float32).reshape(3, 4)), "step": 3}
+    committed = dcp.save(state, checkpoint_id=s3_url, no_dist=True)
+    done = _cli("inspect", s3_url, "--json", env=s3_endpoint.env)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["path"] == s3_url and report["save_id"] == committed.storage_meta.save_id
+    assert [t["key"] for t in report["tensors"]] == ["w"] and report["tensors"][0]["shape"] == [3, 4]
+    done = _cli("verify", s3_url, "--no-progress", env=s3_endpoint.env)
+    assert done.returncode == 0 and done.stdout.startswith(f"OK: {s3_url}"), done.stdout + done.stderr
+    done = _cli("convert", s3_url, str(tmp_path / "hf"), env=s3_endpoint.env)
+    assert done.returncode == 0, done.stderr
+    np.testing.assert_array_equal(load_file(tmp_path / "hf" / "model.safetensors")["w"], state["w"].asnumpy())
+    done = _cli("diff", s3_url, s3_url, env=s3_endpoint.env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    info = next(iter(committed.storage_data.values()))
+    fs = new_filesystem()
+    path = f"{s3_url[5:]}/{info.relative_path}"
+    blob = bytearray(fs.cat_file(path))
+    blob[-1] ^= 0xFF
+    fs.pipe_file(path, bytes(blob))
+    done = _cli("verify", s3_url, "--no-progress", env=s3_endpoint.env)
+    assert done.returncode == 1 and "checksum mismatch" in done.stdout, done.stdout + done.stderr
+    fs.rm_file(path)
+    done = _cli("verify", s3_url, "--no-progress", env=s3_endpoint.env)
+    assert done.returncode == 1 and info.relative_path in done.stdout, done.stdout + done.stderr
+    done = _cli("inspect", f"{s3_url}-missing", env=s3_endpoint.env)
+    assert done.returncode == 2 and "does not exist" in done.stderr, done.stderr
+
+
+def test_other_fsspec_filesystems_use_the_same_backend() -> None:
+    """A non-S3 fsspec filesystem (memory://): streamed writes, ranged reads, check-then-write commit."""
+    import fsspec  # pylint: disable=import-outside-toplevel
+
+    url = f"memory://hp-ckpt-{os.getpid()}/ckpt"
+    fs = fsspec.filesystem("memory")
+    state = _state(20)
+    dcp.save(state, storage_writer=dcp.FsspecWriter(url, filesystem=fs), no_dist=True)
+    loaded = _blank()
+    dcp.load(loaded, storage_reader=dcp.FsspecReader(url, filesystem=fs), no_dist=True)
+    _assert_same(loaded, state)
+    first, second = (_prepared_with(dcp.FsspecWriter(url, filesystem=fs), _state(s)) for s in (21, 22))
+    run_save_writes(first)
+    with pytest.raises(dcp.ConcurrentSaveError, match="another save"):
+        run_save_writes(second)
+    dcp.load(loaded, storage_reader=dcp.FsspecReader(url, filesystem=fs), no_dist=True)
+    _assert_same(loaded, _state(21))
+    with pytest.raises(dcp.UnsafeCheckpointError, match="not a plain name"):
+        dcp.FsspecReader(url, filesystem=fs).resolve("../escape.safetensors", "w")
+    fs.rm(f"/hp-ckpt-{os.getpid()}", recursive=True)
+
+
+def _prepared_with(writer, state: dict):
+    return prepare_save(state, checkpoint_id=None, storage_writer=writer, planner=None, no_dist=True,
+                        use_collectives=True, remove_redundancy=True, save_to_minimum_rank=False)

@@ -17,6 +17,9 @@ number) plus every step divisible by ``keep_every_n_steps``, and removes
 uncommitted step directories older than the newest committed step, except
 the one this manager is writing. A step directory whose save lease is live
 (another manager or process saving it right now) is never deleted.
+
+With an object-store root (``s3://bucket/prefix``) each step is a prefix;
+see :mod:`._object_steps` for how steps are listed and deleted there.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
 )
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import METADATA_FILE
 from hyper_parallel.core.distributed_checkpoint._save_lease import live_lease_in
+from hyper_parallel.core.distributed_checkpoint._fsspec_writer import is_object_url
+from hyper_parallel.core.distributed_checkpoint._object_steps import ObjectStepRoot
 
 __all__ = ["CheckpointManager"]
 
@@ -61,7 +66,8 @@ class CheckpointManager:
     """Saves numbered steps under ``root`` and keeps only the ones asked for.
 
     Args:
-        root: Directory holding one checkpoint directory per step (created on first save).
+        root: Directory holding one checkpoint directory per step (created on first save), or
+            an object-store URL (``s3://bucket/prefix``) holding one prefix per step.
         max_to_keep: Keep the newest this many committed steps; ``None`` keeps all.
         save_interval_steps: ``save`` writes only steps divisible by it (unless forced).
         keep_every_n_steps: Also keep forever every step divisible by it.
@@ -86,7 +92,12 @@ class CheckpointManager:
             "/" in step_prefix or os.sep in step_prefix
         ):
             raise CheckpointValueError(f"step_prefix must be a plain name not starting with '.', got {step_prefix!r}")
-        self.root = Path(os.fspath(root))
+        self._objects: ObjectStepRoot | None = None
+        if is_object_url(root):
+            self._objects = ObjectStepRoot(str(root), METADATA_FILE)
+            self.root: Path | str = self._objects.url
+        else:
+            self.root = Path(os.fspath(root))
         self.max_to_keep = _positive_or_none("max_to_keep", max_to_keep)
         self.save_interval_steps = _positive_or_none("save_interval_steps", save_interval_steps) or 1
         self.keep_every_n_steps = _positive_or_none("keep_every_n_steps", keep_every_n_steps)
@@ -95,20 +106,27 @@ class CheckpointManager:
         self._pattern = re.compile(re.escape(step_prefix) + r"(\d+)")
         self._handle: AsyncSaveHandle | None = None
         self._writing: int | None = None  # the step this manager is saving, hidden from listings
-        self._verified: dict[int, tuple[int, int, int]] = {}  # step -> stat of its checked metadata.json
+        self._verified: dict[int, object] = {}  # step -> stat (or object tag) of its checked metadata
 
-    def directory(self, step: int) -> Path:
-        """Return the checkpoint directory of ``step`` (no file access). Any rank."""
-        return self.root / f"{self.step_prefix}{step:0{_STEP_DIGITS}d}"
+    def directory(self, step: int) -> Path | str:
+        """Return the checkpoint directory (or ``s3://`` id) of ``step`` (no file access). Any rank."""
+        if self._objects is not None:
+            return self._objects.location(self._name(step))
+        return self.root / self._name(step)
+
+    def _name(self, step: int) -> str:
+        return f"{self.step_prefix}{step:0{_STEP_DIGITS}d}"
 
     def _step_of(self, name: str) -> int | None:
         match = self._pattern.fullmatch(name)
-        if match is None or self.directory(int(match.group(1))).name != name:
+        if match is None or self._name(int(match.group(1))) != name:
             return None
         return int(match.group(1))
 
     def _scan(self) -> tuple[list[int], list[int]]:
         """Return (committed, uncommitted) steps, sorted, without the step being written. Coordinator."""
+        if self._objects is not None:
+            return self._scan_objects()
         committed: list[int] = []
         uncommitted: list[int] = []
         try:
@@ -132,6 +150,29 @@ class CheckpointManager:
                     _LOG.warning("rank 0: ignoring step directory %s: %s", entry.path, exc)
                     continue
                 self._verified[step] = signature
+            committed.append(step)
+        self._verified = {s: sig for s, sig in self._verified.items() if s in committed}
+        return sorted(committed), sorted(uncommitted)
+
+    def _scan_objects(self) -> tuple[list[int], list[int]]:
+        """:meth:`_scan` for an object-store root; uncommitted steps only once abandoned. Coordinator."""
+        committed: list[int] = []
+        uncommitted: list[int] = []
+        for entry in self._objects.entries():
+            step = self._step_of(entry.name)
+            if step is None or step == self._writing:
+                continue
+            if entry.tag is None:
+                if self._objects.is_abandoned(entry):
+                    uncommitted.append(step)
+                continue
+            if self._verified.get(step) != entry.tag:
+                try:
+                    read_metadata(self.directory(step))
+                except CheckpointError as exc:
+                    _LOG.warning("rank 0: ignoring step %s: %s", self.directory(step), exc)
+                    continue
+                self._verified[step] = entry.tag
             committed.append(step)
         self._verified = {s: sig for s, sig in self._verified.items() if s in committed}
         return sorted(committed), sorted(uncommitted)
@@ -264,6 +305,11 @@ class CheckpointManager:
         if self.keep_every_n_steps is not None:
             keep.update(s for s in committed if s % self.keep_every_n_steps == 0)
         doomed = [s for s in committed if s not in keep] + [s for s in uncommitted if s < committed[-1]]
+        if self._objects is not None:  # no leases on object storage: the scan skipped steps that may be in flight
+            for step in doomed:
+                self._objects.delete(self._name(step))
+                self._verified.pop(step, None)
+            return
         for step in doomed:
             holder = live_lease_in(self.directory(step))
             if holder is not None:  # another manager or process is saving this step right now

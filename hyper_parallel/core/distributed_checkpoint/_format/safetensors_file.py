@@ -15,6 +15,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass
+from typing import BinaryIO
 
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 
@@ -25,6 +26,7 @@ __all__ = [
     "HeaderEntry",
     "build_header",
     "read_header",
+    "read_header_from",
 ]
 
 #: Stored dtype name -> safetensors dtype code.
@@ -111,16 +113,27 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, dict], int]:
     """
     size = os.path.getsize(path)
     with open(path, "rb") as handle:
-        raw = handle.read(8)
-        if len(raw) < 8:
-            raise CorruptCheckpointError(f"{path}: file too short for a safetensors header ({size} bytes)")
-        (length,) = struct.unpack("<Q", raw)
-        if length > MAX_HEADER_BYTES or length + 8 > size:
-            raise CorruptCheckpointError(
-                f"{path}: safetensors header length {length} is larger than the file or the "
-                f"{MAX_HEADER_BYTES}-byte limit"
-            )
-        text = handle.read(length)
+        return read_header_from(handle, size, str(path))
+
+
+def read_header_from(handle: BinaryIO, size: int, path: str) -> tuple[dict[str, dict], int]:
+    """:func:`read_header` of an open file (any seekable binary stream, such as an fsspec object).
+
+    Args:
+        handle: The data file, positioned at its start.
+        size: Its size in bytes.
+        path: Its name, for messages.
+    """
+    raw = handle.read(8)
+    if len(raw) < 8:
+        raise CorruptCheckpointError(f"{path}: file too short for a safetensors header ({size} bytes)")
+    (length,) = struct.unpack("<Q", raw)
+    if length > MAX_HEADER_BYTES or length + 8 > size:
+        raise CorruptCheckpointError(
+            f"{path}: safetensors header length {length} is larger than the file or the "
+            f"{MAX_HEADER_BYTES}-byte limit"
+        )
+    text = handle.read(length)
     try:
         header = json.loads(text.decode("utf-8"))
     except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, too deep, an integer too long
