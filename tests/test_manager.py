@@ -49,7 +49,8 @@ def _assert_state(loaded: dict, step: int) -> None:
 
 
 def _names(root: Path) -> list[str]:
-    return sorted(os.listdir(root))
+    """Entries of ``root`` except the manager's record and its lock."""
+    return sorted(n for n in os.listdir(root) if n not in ("manager.json", ".manager.lock"))
 
 
 def _uncommitted_dir(manager: CheckpointManager, step: int, data_from: int) -> Path:
@@ -84,7 +85,7 @@ def test_retention_keeps_newest_and_every_n(tmp_path: Path) -> None:
 
 def test_retention_max_to_keep_only_and_keep_all(tmp_path: Path) -> None:
     bounded = CheckpointManager(tmp_path / "a", max_to_keep=3)
-    unbounded = CheckpointManager(tmp_path / "b")
+    unbounded = CheckpointManager(tmp_path / "b", max_to_keep=None)
     for step in range(6):
         bounded.save(step, _state(step))
         unbounded.save(step, _state(step))

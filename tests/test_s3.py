@@ -170,24 +170,25 @@ def test_partial_loads_fetch_only_the_needed_bytes(s3_url: str) -> None:
     """A region of a stored tensor (a reshard's view) is fetched by ranged GETs of about its size."""
     import hyper_parallel  # pylint: disable=import-outside-toplevel
 
-    full = np.arange(1024 * 1024, dtype=np.float32).reshape(1024, 1024)
-    dcp.save({"w": mindspore.Tensor(full)}, checkpoint_id=s3_url, no_dist=True)
+    full = np.arange(4096 * 1024, dtype=np.float32).reshape(4096, 1024)  # tiles of 1024 rows x 256 columns
+    small = np.arange(256 * 1024, dtype=np.float32).reshape(256, 1024)
+    dcp.save({"w": mindspore.Tensor(full), "c": mindspore.Tensor(small)}, checkpoint_id=s3_url, no_dist=True)
     for verify, bound in ((False, 1.0), (True, 1.05)):
         layout = hyper_parallel.Layout((4,), (0, -1))
-        target = {"w": hyper_parallel.DTensor(mindspore.Tensor(np.zeros((256, 1024), np.float32)), layout,
-                                              (1024, 1024), rank=1)}
+        target = {"w": hyper_parallel.DTensor(mindspore.Tensor(np.zeros((1024, 1024), np.float32)), layout,
+                                              (4096, 1024), rank=1)}
         reader = dcp.FsspecReader(s3_url, verify_checksums=verify)
         dcp.load(target, storage_reader=reader, no_dist=True)
-        np.testing.assert_array_equal(target["w"].to_local().asnumpy(), full[256:512])
-        needed = 256 * 1024 * 4
+        np.testing.assert_array_equal(target["w"].to_local().asnumpy(), full[1024:2048])
+        needed = 1024 * 1024 * 4
         assert needed <= reader.bytes_fetched <= bound * needed, (verify, reader.bytes_fetched)
-    layout = hyper_parallel.Layout((4,), (-1, 0))  # columns: 1024 runs of 1 KiB each
-    target = {"w": hyper_parallel.DTensor(mindspore.Tensor(np.zeros((1024, 256), np.float32)), layout,
-                                          (1024, 1024), rank=2)}
+    layout = hyper_parallel.Layout((4,), (-1, 0))  # columns: 256 runs of 1 KiB each
+    target = {"c": hyper_parallel.DTensor(mindspore.Tensor(np.zeros((256, 256), np.float32)), layout,
+                                          (256, 1024), rank=2)}
     reader = dcp.FsspecReader(s3_url, verify_checksums=False)
     dcp.load(target, storage_reader=reader, no_dist=True)
-    np.testing.assert_array_equal(target["w"].to_local().asnumpy(), full[:, 512:768])
-    assert reader.bytes_fetched == 1024 * 256 * 4
+    np.testing.assert_array_equal(target["c"].to_local().asnumpy(), small[:, 512:768])
+    assert reader.bytes_fetched == 256 * 256 * 4
 
 
 def test_corruption_is_detected_naming_key_and_object(s3_url: str) -> None:

@@ -15,18 +15,21 @@ FULL = np.random.default_rng(7).standard_normal((512, 4096)).astype(np.float32) 
 
 
 def test_tile_layout_policy():
-    # 16 KiB rows: 4 column groups of 4 KiB (the narrowest allowed), 256 rows make 1 MiB
-    assert tile_shape((512, 4096), 4, 1 << 20) == (256, 1024)
+    # 16 KiB rows: 8 column groups (the most) of 2 KiB, 512 rows make 1 MiB
+    assert tile_shape((512, 4096), 4, 1 << 20) == (512, 512)
+    # 4 KiB rows of float32: 4 groups of 1 KiB (the narrowest allowed)
+    assert tile_shape((2048, 1024), 4, 1 << 20) == (1024, 256)
     assert tile_shape((1024,), 4, 1 << 20) == ()
     assert tile_shape((64, 100), 4, 1 << 20) == ()  # rows too narrow to split
-    assert tile_shape((8, 3, 2048), 2, 1 << 20) == ()  # 4 KiB rows: one group
-    assert tile_shape((8, 3, 4096), 2, 1 << 20) == (8, 3, 2048)
+    assert tile_shape((8, 3, 2048), 2, 1 << 20) == (8, 3, 512)  # 4 KiB rows: 4 groups of 1 KiB
+    assert tile_shape((8, 256), 4, 1 << 20) == ()  # 1 KiB rows: one group
+    assert tile_shape((8, 3, 4096), 2, 1 << 20) == (8, 3, 512)
 
 
 def test_tiles_detect_any_flip_and_ignore_none():
     data = memoryview(FULL.tobytes())
     checksum = chunk_checksum(data, 1 << 20, sizes=FULL.shape, itemsize=4)
-    assert checksum.block_shape == (256, 1024) and len(checksum.digests) == 8
+    assert checksum.block_shape == (512, 512) and len(checksum.digests) == 8
     assert bad_blocks(data, checksum, FULL.shape, 4) == []
     flipped = bytearray(data)
     flipped[3 * 16384 + 9000] ^= 1  # row 3, column byte 9000: first slab, column group of byte 9000

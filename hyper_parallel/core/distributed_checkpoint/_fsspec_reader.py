@@ -36,6 +36,7 @@ from hyper_parallel.core.distributed_checkpoint.filesystem_reader import (
     FileSystemReader,
 )
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
+from hyper_parallel.core.distributed_checkpoint.planner import ReadItem
 from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId
 
 __all__ = ["FsspecReader"]
@@ -162,8 +163,9 @@ class FsspecReader(FileSystemReader):
         return current.storage_meta.save_id != self.metadata.storage_meta.save_id
 
     @contextmanager
-    def _open_source(self, relative_path: str, fqn: str) -> Iterator[tuple[RangedSource, str, int]]:
+    def _open_source(self, relative_path: str, items: list[ReadItem]) -> Iterator[tuple[RangedSource, str, int]]:
         """The data object's ranged reader, its URL for messages, its size."""
+        fqn = items[0].storage_index.fqn
         path = self.resolve(relative_path, fqn)
         url = f"{self.path}/{relative_path}"
         try:

@@ -14,11 +14,11 @@ sort of the replicated items by size):
 
 from __future__ import annotations
 
-import gc
 from collections import defaultdict
 from typing import Any
 
 from hyper_parallel.core.distributed_checkpoint._format.cover import MAX_REPORTED_PROBLEMS, check_exact_cover
+from hyper_parallel.core.distributed_checkpoint._gc_pause import paused_gc
 from hyper_parallel.core.distributed_checkpoint.errors import PlanValidationError
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
@@ -94,13 +94,8 @@ def build_global_save_plan(
     """
     # Millions of small objects: pause the cyclic GC, whose full passes would
     # otherwise make the merge superlinear in the number of items.
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with paused_gc():
         return _build_global_save_plan(all_plans, remove_redundancy, save_to_minimum_rank, planner_data)
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _build_global_save_plan(

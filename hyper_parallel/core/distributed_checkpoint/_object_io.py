@@ -233,6 +233,7 @@ class RangedSource:
         self.fs, self.path, self.size = fs, path, size
         self.part_bytes, self.connections = part_bytes, connections
         self.bytes_fetched = 0
+        self.exact = False  # no kernel readahead to avoid: ranged GETs fetch only what is asked
         self._lock = threading.Lock()
 
     def _fetch(self, starts: list[int], ends: list[int]) -> list[bytes]:

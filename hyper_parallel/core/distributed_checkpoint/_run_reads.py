@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hyper_parallel.core.distributed_checkpoint._device_reads import read_runs_exact
 from hyper_parallel.core.distributed_checkpoint._format.byte_ranges import Runs, box_runs
 from hyper_parallel.core.distributed_checkpoint._format.checksum import bad_blocks, digest, grid_shape
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
@@ -28,12 +29,18 @@ __all__ = ["FileSource", "read_runs", "read_runs_verified", "read_tiles", "run_r
 class FileSource:
     """Byte source of one open data file: positioned reads with ``preadv``.
 
-    The object backend's :class:`._object_io.RangedSource` has the same two
+    The object backend's :class:`._object_io.RangedSource` has the same
     methods (ranged GETs), so every read below works on either.
+
+    Attributes:
+        fd: The open file.
+        exact: The file is read without readahead; scattered runs go through
+            :func:`._device_reads.read_runs_exact` (set by the reader).
     """
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
+        self.exact = False
 
     def readinto(self, buffer: np.ndarray, offset: int) -> int:
         """Fill ``buffer`` from byte ``offset``; return the bytes got (short at the end of the file)."""
@@ -47,8 +54,18 @@ class FileSource:
         return got
 
 
-def read_runs(source: FileSource, path: Path, fqn: str, info: StorageInfo, runs: Runs, target: np.ndarray) -> int:
-    """Fill ``target`` (``uint8``, one row per run) with the runs as stored; return the bytes read."""
+def read_runs(
+    source: FileSource, path: Path, fqn: str, info: StorageInfo, runs: Runs, target: np.ndarray, *,
+    exact: bool = False,
+) -> int:
+    """Fill ``target`` (``uint8``, one row per run) with the runs as stored; return the bytes read.
+
+    ``exact`` (a :class:`FileSource` read without readahead): scattered runs go through
+    :func:`._device_reads.read_runs_exact` (the device reads about the runs' bytes only).
+    """
+    if exact and runs.starts.size > 1:
+        read_runs_exact(source.fd, path, fqn, info.offset + runs.starts, runs.length, target)
+        return runs.total
     starts = runs.starts.tolist()
     got = source.read_rows([target[position] for position in range(len(starts))],
                            [info.offset + start for start in starts])
@@ -133,6 +150,8 @@ def read_tiles(
     stored_dtype: np.dtype,
     item: ReadItem,
     dest: np.ndarray,
+    *,
+    exact: bool = False,
 ) -> int:
     """Read the checksum tiles the region touches, verify each, copy the region out.
 
@@ -156,12 +175,14 @@ def read_tiles(
         box_lengths = (min(rows, sizes[0] - row_start),) + tuple(sizes[1:-1]) + (column_end - column_start,)
         runs = box_runs(sizes, itemsize, box_offsets, box_lengths)
         buffer = scratch(runs.total).reshape(runs.starts.size, runs.length)
-        count += read_runs(source, path, fqn, info, runs, buffer)
+        count += read_runs(source, path, fqn, info, runs, buffer, exact=exact)
         cube = buffer.reshape(box_lengths[0], inner, (column_end - column_start) * itemsize)
         for column in range(first_column, last_column + 1):
             start = (column * width - column_start) * itemsize
             stop = (min((column + 1) * width, sizes[-1]) - column_start) * itemsize
-            tile = np.ascontiguousarray(cube[:, :, start:stop])
+            part = cube[:, :, start:stop]
+            tile = scratch(part.size, slot=2)  # reused: no allocation per tile
+            np.copyto(tile.reshape(part.shape), part)
             if digest(tile) != info.checksum.digests[slab * grid_columns + column]:
                 raise CorruptCheckpointError(
                     f"checksum mismatch in data file {path}, key '{fqn}' (tile {slab},{column} of the chunk "

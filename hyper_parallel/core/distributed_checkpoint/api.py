@@ -19,6 +19,7 @@ from hyper_parallel import platform
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._fsspec_reader import FsspecReader
 from hyper_parallel.core.distributed_checkpoint._fsspec_writer import FsspecWriter
+from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemWriter, rank_metadata_file
@@ -188,6 +189,7 @@ def run_save_writes(session: SaveSession, step: str = "write") -> Metadata:
         raise
 
 
+@gc_paused
 def save(
     state_dict: dict[str, Any],
     *,
@@ -231,6 +233,7 @@ def save(
     return run_save_writes(session)
 
 
+@gc_paused
 def load(
     state_dict: dict[str, Any],
     *,

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
 from hyper_parallel.core.distributed_checkpoint.api import SaveSession, prepare_save
 from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncCall, AsyncCallsQueue, AsyncRequest
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
@@ -233,6 +234,7 @@ def async_save(
 _ASYNC_LOCK = threading.RLock()
 
 
+@gc_paused
 def _async_save_locked(state_dict: dict[str, Any], *, staging: str, **kwargs: Any) -> AsyncSaveHandle:
     queue = default_queue()
     queue.maybe_finalize_async_calls(blocking=True)

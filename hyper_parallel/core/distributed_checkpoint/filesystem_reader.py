@@ -60,6 +60,8 @@ __all__ = ["FileSystemReader", "MAX_METADATA_BYTES", "DEFAULT_MAX_INFLIGHT_BYTES
 MAX_METADATA_BYTES = 1 << 30
 #: Default bound on bytes buffered at once per I/O thread while verifying.
 DEFAULT_MAX_INFLIGHT_BYTES = 64 << 20
+#: A file of which a rank needs at least this share is read with kernel readahead.
+_SEQUENTIAL_SHARE = 0.95
 
 
 class FileSystemReader(StorageReader):
@@ -71,9 +73,12 @@ class FileSystemReader(StorageReader):
         thread_count: I/O threads per rank.
         max_inflight_bytes: Bound on the bytes one thread buffers at once.
         metadata_file: Name of the metadata file (default ``metadata.json``).
-        no_readahead: Tell the kernel not to read ahead (``POSIX_FADV_RANDOM``):
-            a reshard then reads from the device only the bytes it needs, at
-            the cost of many small reads (measured 4x slower cold on a VM disk).
+        no_readahead: ``None`` (default): files this rank reads only in part
+            (a resharded load) are read without kernel readahead and with
+            scattered runs prefetched exactly, or read with ``O_DIRECT`` when
+            they are narrower than pages (:mod:`._device_reads`), so the device
+            reads about the bytes needed; files read (almost) whole keep
+            readahead. ``True``: every file so; ``False``: never.
     """
 
     def __init__(
@@ -84,7 +89,7 @@ class FileSystemReader(StorageReader):
         thread_count: int = 2,
         max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
         metadata_file: str | None = None,
-        no_readahead: bool = False,
+        no_readahead: bool | None = None,
     ) -> None:
         if thread_count < 1 or max_inflight_bytes < 1:
             raise CheckpointValueError("thread_count and max_inflight_bytes must be >= 1")
@@ -225,24 +230,40 @@ class FileSystemReader(StorageReader):
     def _read_group(self, files: list[tuple[str, list[ReadItem]]], planner: LoadPlanner) -> int:
         total = 0
         for relative_path, items in files:
-            with self._open_source(relative_path, items[0].storage_index.fqn) as (source, path, size):
+            with self._open_source(relative_path, items) as (source, path, size):
                 for item in items:
                     total += self._read_item(source, path, size, item, planner)
         return total
 
     @contextmanager
-    def _open_source(self, relative_path: str, fqn: str) -> Iterator[tuple[FileSource, Path, int]]:
-        """Open data file ``relative_path``: its byte source, its name for messages, its size."""
-        path = self.resolve(relative_path, fqn)
+    def _open_source(self, relative_path: str, items: list[ReadItem]) -> Iterator[tuple[FileSource, Path, int]]:
+        """Open data file ``relative_path`` for ``items``: its byte source, its name for messages, its size."""
+        path = self.resolve(relative_path, items[0].storage_index.fqn)
         fd = os.open(path, os.O_RDONLY)
         try:
-            if self.no_readahead and hasattr(os, "posix_fadvise"):
-                # Kernel readahead would also fetch the ranges a reshard skips; off, each
-                # small run is its own device read (slower on disks with costly small I/O).
+            source = FileSource(fd)
+            size = os.fstat(fd).st_size
+            if self._reads_in_part(items, size) and hasattr(os, "posix_fadvise"):
+                # Kernel readahead would also fetch the ranges a reshard skips.
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            yield FileSource(fd), path, os.fstat(fd).st_size
+                source.exact = True
+            yield source, path, size
         finally:
             os.close(fd)
+
+    def _reads_in_part(self, items: list[ReadItem], file_size: int) -> bool:
+        """Whether a file is read without readahead (see ``no_readahead``)."""
+        if self.no_readahead is not None:
+            return self.no_readahead
+        needed = 0
+        for item in items:
+            info = self._info(item.storage_index)
+            stored = self.metadata.state_dict_metadata.get(item.storage_index.fqn)
+            if item.type == LoadItemType.BYTE_IO or info.compression or not isinstance(stored, TensorStorageMetadata):
+                needed += info.length
+            else:
+                needed += math.prod(item.lengths) * DTYPE_NAMES.get(stored.properties.dtype, 1)
+        return needed < _SEQUENTIAL_SHARE * file_size
 
     def _read_item(self, source: FileSource, path: Path, file_size: int, item: ReadItem, planner: LoadPlanner) -> int:
         fqn = item.storage_index.fqn
@@ -274,7 +295,8 @@ class FileSystemReader(StorageReader):
         dest = planner.acquire_tensor(item)
         stored_dtype = numpy_dtype(stored.properties.dtype)
         if self.verify_checksums and info.checksum is not None and info.checksum.block_shape:
-            count = read_tiles(source, path, fqn, info, chunk_sizes, stored_dtype, item, dest)
+            exact = source.exact
+            count = read_tiles(source, path, fqn, info, chunk_sizes, stored_dtype, item, dest, exact=exact)
             planner.apply_tensor(item, dest)
             return count
         count = 0
@@ -356,7 +378,7 @@ class FileSystemReader(StorageReader):
             return 0
         if verify and self.verify_checksums and info.checksum is not None and not info.checksum.block_shape:
             return read_runs_verified(source, path, fqn, info, runs, target, self.max_inflight_bytes)
-        return read_runs(source, path, fqn, info, runs, target)
+        return read_runs(source, path, fqn, info, runs, target, exact=source.exact)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: CheckpointId) -> bool:

@@ -63,6 +63,7 @@ from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, Sto
 
 __all__ = [
     "AUTO_THREAD_BYTES",
+    "DATA_ALIGNMENT",
     "METADATA_FILE",
     "DATA_FILE_PATTERN",
     "FileSystemWriter",
@@ -74,6 +75,8 @@ __all__ = [
 #: Name of the committed metadata of a collective save.
 METADATA_FILE = "metadata.json"
 _WRITE_CHUNK = 1 << 30
+#: The data region of every data file starts at a multiple of this (a page; see ``build_header``).
+DATA_ALIGNMENT = 4096
 #: With ``thread_count=None`` a rank writing at least this many bytes uses 2 files and threads.
 AUTO_THREAD_BYTES = 64 << 20
 
@@ -383,7 +386,9 @@ class FileSystemWriter(StorageWriter):
             else:
                 td = item.tensor_data
                 entries.append(HeaderEntry(name, td.properties.dtype, td.chunk.sizes, len(view)))
-        header, offsets = build_header(entries, {"format": "hyper_parallel", "save_id": self.save_id})
+        header, offsets = build_header(
+            entries, {"format": "hyper_parallel", "save_id": self.save_id}, align=DATA_ALIGNMENT
+        )
         results = []
         sink = self._open_data_file(job.name)
         try:

@@ -68,10 +68,16 @@ class HeaderEntry:
     nbytes: int
 
 
-def build_header(entries: list[HeaderEntry], file_metadata: dict[str, str]) -> tuple[bytes, list[int]]:
+def build_header(
+    entries: list[HeaderEntry], file_metadata: dict[str, str], *, align: int = 8
+) -> tuple[bytes, list[int]]:
     """Return the header bytes (length prefix included) and each entry's absolute offset.
 
     Entries are laid out in the given order with no gaps, as safetensors requires.
+    The JSON is padded with spaces so that the data region starts at a
+    multiple of ``align`` (a multiple of 8): with 4096, chunks whose sizes are
+    multiples of pages start on page boundaries, so a partial read of them
+    costs the device no partly needed pages.
     """
     header: dict[str, object] = {"__metadata__": dict(file_metadata)}
     position = 0
@@ -85,7 +91,7 @@ def build_header(entries: list[HeaderEntry], file_metadata: dict[str, str]) -> t
         relative.append(position)
         position += entry.nbytes
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    text += b" " * (-len(text) % 8)
+    text += b" " * (-(len(text) + 8) % align)
     prefix = struct.pack("<Q", len(text))
     base = len(prefix) + len(text)
     return prefix + text, [base + r for r in relative]

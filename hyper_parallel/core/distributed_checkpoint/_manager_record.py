@@ -1,0 +1,149 @@
+"""What a ``CheckpointManager`` promised about its steps, persisted in its root.
+
+``<root>/manager.json`` (JSON, no pickle) holds the policy of the last
+manager that saved there and, per committed step, when it was saved, its
+metrics and whether it is kept forever. A manager re-created with another
+policy reads it back, so a step once promised "keep forever" (by
+``keep_every_n_steps`` or ``keep_time_interval_seconds``) is never deleted,
+and best-k retention still knows the metrics of earlier steps. The file is
+replaced atomically (write, fsync, rename) under an advisory lock held by the
+coordinator for the whole read-retain-write, so two managers on one root do
+not lose each other's entries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import os
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
+
+__all__ = ["RECORD_FILE", "ManagerPolicy", "StepRecord", "ManagerRecord", "locked_record", "read_record"]
+
+#: File name of the record in a manager's root.
+RECORD_FILE = "manager.json"
+_LOCK_FILE = ".manager.lock"
+_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ManagerPolicy:
+    """The retention policy of one manager (recorded to tell a changed policy apart).
+
+    Attributes:
+        max_to_keep: Newest (or best) committed steps kept; ``None`` keeps all.
+        keep_every_n_steps: Steps divisible by it are kept forever.
+        keep_time_interval_seconds: One step per this many seconds is kept forever.
+        best_mode: ``"max"`` / ``"min"`` when steps are ranked by a metric, else ``None``.
+    """
+
+    max_to_keep: int | None = None
+    keep_every_n_steps: int | None = None
+    keep_time_interval_seconds: float | None = None
+    best_mode: str | None = None
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What is known about one committed step.
+
+    Attributes:
+        saved_at: Commit time (seconds since the epoch, coordinator's clock).
+        keep_forever: Retention never deletes it, whatever the policy.
+        metrics: The metrics given to ``save`` (JSON values), or ``None``.
+    """
+
+    saved_at: float
+    keep_forever: bool = False
+    metrics: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class ManagerRecord:
+    """The whole record: the last policy and every known step."""
+
+    policy: ManagerPolicy | None = None
+    steps: dict[int, StepRecord] = field(default_factory=dict)
+
+
+def _decode(path: Path, text: str) -> ManagerRecord:
+    try:
+        document = json.loads(text)
+        policy = document.get("policy")
+        steps = {
+            int(step): StepRecord(saved_at=float(entry["saved_at"]), keep_forever=bool(entry["keep_forever"]),
+                                  metrics=entry.get("metrics"))
+            for step, entry in document["steps"].items()
+        }
+        return ManagerRecord(policy=ManagerPolicy(**policy) if policy is not None else None, steps=steps)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptCheckpointError(
+            f"{path}: not a valid manager record ({exc}); it lists the steps kept forever and the metrics of "
+            "best-k retention: restore it, or delete it to start a fresh record (no step data is in it)"
+        ) from exc
+
+
+def read_record(root: Path) -> ManagerRecord:
+    """Return the record of ``root`` (empty if there is none). Coordinator; no lock.
+
+    Raises:
+        CorruptCheckpointError: The file exists but is not a record (names it and the fix).
+    """
+    path = root / RECORD_FILE
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return ManagerRecord()
+    return _decode(path, text)
+
+
+def _write(root: Path, record: ManagerRecord) -> None:
+    document = {
+        "version": _VERSION,
+        "policy": dataclasses.asdict(record.policy) if record.policy is not None else None,
+        "steps": {str(step): dataclasses.asdict(entry) for step, entry in sorted(record.steps.items())},
+    }
+    target = root / RECORD_FILE
+    partial = root / f".{RECORD_FILE}.{uuid.uuid4().hex[:8]}.partial"
+    try:
+        with open(partial, "w", encoding="utf-8") as handle:
+            json.dump(document, handle, indent=1, sort_keys=True)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(partial, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
+
+
+class _Session:
+    """The record while the lock is held: read once, changed, written at the end."""
+
+    def __init__(self, record: ManagerRecord) -> None:
+        self.record = record
+
+    def update(self, **changes: Any) -> None:
+        self.record = dataclasses.replace(self.record, **changes)
+
+
+@contextlib.contextmanager
+def locked_record(root: Path) -> Iterator[_Session]:
+    """Hold ``root``'s record lock; yield the record; write it back if it changed. Coordinator only."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / _LOCK_FILE, "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            before = read_record(root)
+            session = _Session(before)
+            yield session
+            if session.record != before:
+                _write(root, session.record)
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
