@@ -15,6 +15,7 @@ setup(
         "numpy<2",
         "safetensors>=0.4",
         "xxhash>=3.0",
+        "tqdm>=4.60",
     ],
     extras_require={
         "zstd": ["zstandard>=0.22"],

@@ -1,7 +1,7 @@
 """hyper_parallel: parallel training helpers for MindSpore, and its distributed checkpoint.
 
 Public names: :class:`Layout`, :class:`DTensor`, :func:`layouts_from_strategy`, :func:`save_checkpoint`,
-:func:`load_checkpoint`; the checkpoint API is
+:func:`load_checkpoint`, :class:`CheckpointCallback` (for ``Model.train``); the checkpoint API is
 ``hyper_parallel.core.distributed_checkpoint``. Importing does not import
 MindSpore or touch communication.
 
@@ -19,6 +19,7 @@ __all__ = ["DTensor", "Layout", "layouts_from_strategy", "load_checkpoint", "sav
 
 #: Public names that live in the checkpoint package: name -> module.
 _LAZY = {
+    "CheckpointCallback": "hyper_parallel.core.distributed_checkpoint.callback",
     "load_checkpoint": "hyper_parallel.core.distributed_checkpoint._one_line",
     "save_checkpoint": "hyper_parallel.core.distributed_checkpoint._one_line",
 }

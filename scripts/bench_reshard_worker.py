@@ -32,8 +32,10 @@ from benchmark import GIB, data_files, drop_page_cache, pretouch, read_io_bytes 
 
 __all__ = ["main"]
 
-#: (name, columns, dtype) of the matrices; rows follow from the size. Row shards of up to 4 ranks are whole pages.
-_MATRICES = (("w_f32_4096", 4096, "float32"), ("w_bf16_8192", 8192, "bfloat16"), ("w_f32_16384", 16384, "float32"))
+#: (name, columns, dtype) of the matrices; rows follow from the size. Rows of 16 to 64 KiB, and narrow
+#: rows of 4 KiB and 2 KiB (column halves narrower than a page).
+_MATRICES = (("w_f32_4096", 4096, "float32"), ("w_bf16_8192", 8192, "bfloat16"), ("w_f32_16384", 16384, "float32"),
+             ("w_f32_1024", 1024, "float32"), ("w_bf16_1024", 1024, "bfloat16"))
 
 
 def _shapes(size_bytes: int, world: int) -> dict[str, tuple[tuple[int, int], str]]:

@@ -1,8 +1,9 @@
 """Measure the "Performance contract" of DESIGN.md in one run; print a table, write JSON.
 
-Run: ``python scripts/benchmark.py [--size-gb 1] [--threads 2] [--runs 3] [--out DIR]``.
-On a state of MindSpore Parameters (a few large and many small tensors, float32
-and bfloat16) it times the machine's limits (fsynced plain write, cold and warm
+Run: ``python scripts/benchmark.py [--size-gb 1] [--state many large] [--threads 2] [--runs 3] [--out DIR]``.
+For each state of MindSpore Parameters (``many``: 1,799 Parameters at 1 GiB, a
+few large, 48 medium and many small, as a model with its optimizer holds;
+``large``: 16 large matrices), float32 and bfloat16, it times the machine's limits (fsynced plain write, cold and warm
 sequential read, memcpy), MindSpore's own save/load, this project's save, async
 save and load, a resharded load on msrun ranks (``bench_reshard_worker.py``) and
 the extra memory of a load. This VM returns freed memory to its host, so every
@@ -34,7 +35,7 @@ import psutil
 
 import hyper_parallel.core.distributed_checkpoint as dcp
 
-__all__ = ["drop_page_cache", "main", "pretouch", "read_io_bytes"]
+__all__ = ["STATES", "build_state", "drop_page_cache", "main", "pretouch", "read_io_bytes"]
 
 GIB = 1 << 30
 CHUNK = 64 << 20
@@ -108,19 +109,26 @@ def remove(path: Path) -> None:
     path.unlink(missing_ok=True)  # a file
 
 
-def build_state(size_bytes: int, seed: int = 0) -> dict[str, Any]:
+#: The states ``--state`` chooses from.
+STATES = ("many", "large")
+
+
+def build_state(size_bytes: int, seed: int = 0, kind: str = "many") -> dict[str, Any]:
     """A dict of named Parameters of about ``size_bytes``.
 
-    80 % in four large matrices (4096 columns), 18 % in 48 medium matrices
-    (1024 columns), 2 % (at least 200) small vectors; float32 and bfloat16 alternate.
+    ``many``: 80 % in four large matrices (4096 columns), 18 % in 48 medium
+    matrices (1024 columns), 2 % (at least 200) small vectors. ``large``: 16
+    matrices of 4096 columns. float32 and bfloat16 alternate.
     """
     rng = np.random.default_rng(seed)
     specs = []
-    for count, name, cols, share in ((4, "layer{}_weight", 4096, 0.8), (48, "block{}_proj", 1024, 0.18)):
+    shares = ((16, "layer{}_weight", 4096, 1.0),) if kind == "large" else (
+        (4, "layer{}_weight", 4096, 0.8), (48, "block{}_proj", 1024, 0.18))
+    for count, name, cols, share in shares:
         for i in range(count):
             rows = max(1, int(size_bytes * share / count) // (cols * (2 if i % 2 else 4)))
             specs.append((name.format(i), (rows, cols), i % 2))
-    small = max(200, int(size_bytes * 0.02) // (4096 * 3))
+    small = 0 if kind == "large" else max(200, int(size_bytes * 0.02) // (4096 * 3))
     specs += [(f"norm{i}_bias", (4096,), i % 2) for i in range(small)]
     state = {}
     for name, shape, is_bf16 in specs:
@@ -208,37 +216,70 @@ def phase_mindspore(state: dict[str, Any], work: Path, args: argparse.Namespace)
 
 
 def phase_save(state: dict[str, Any], work: Path, args: argparse.Namespace) -> dict[str, list[float]]:
-    """``dcp.save`` with fsync: default writer and ``FileSystemWriter(thread_count=T)``."""
+    """``dcp.save`` with fsync, every protection on: ``FileSystemWriter(thread_count=1)`` (one file, one
+    thread) and ``thread_count=T``; the default writer (``None``) picks 2 from 64 MiB on. The first save of
+    a layout plans it; later saves of the same layout reuse the plan (timed: the runs after the first)."""
     path = work / "save"
-    times = {"dcp.save (1 thread)": timed(lambda: dcp.save(state, checkpoint_id=path, no_dist=True),
-                                          runs=args.runs, pretouch_gb=args.pretouch_gb, setup=lambda: remove(path))}
-    times[f"dcp.save ({args.threads} threads)"] = timed(
-        lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=args.threads), no_dist=True),
-        runs=args.runs, pretouch_gb=args.pretouch_gb, setup=lambda: remove(path))
+    times = {}
+    for threads in (1, args.threads):
+        def save(threads: int = threads) -> None:
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=threads), no_dist=True)
+
+        times[f"dcp.save (thread_count={threads})"] = timed(save, runs=args.runs, pretouch_gb=args.pretouch_gb,
+                                                            setup=lambda: remove(path))
+    times["dcp.save (thread_count=1, no fsync)"] = timed(
+        lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=1, sync_files=False),
+                         no_dist=True), runs=args.runs, pretouch_gb=args.pretouch_gb, setup=lambda: remove(path))
     remove(path)
     return times
 
 
+def phase_checksums(state: dict[str, Any], args: argparse.Namespace) -> dict[str, list[float]]:
+    """The checksum protection alone: xxh3 of every Parameter's bytes as the writer stores them, one thread."""
+    from hyper_parallel.core.distributed_checkpoint._format.checksum import chunk_checksum  # noqa: PLC0415
+    from hyper_parallel.platform.tensor import DTYPE_NAMES, dtype_name  # noqa: PLC0415
+
+    arrays = [(param.asnumpy(), DTYPE_NAMES[dtype_name(param)]) for param in state.values()]
+
+    def hash_all() -> None:
+        for array, itemsize in arrays:
+            chunk_checksum(memoryview(array.reshape(-1).view(np.uint8)), sizes=array.shape, itemsize=itemsize)
+
+    return {"xxh3 checksums of the state (1 thread)": timed(hash_all, runs=args.runs, pretouch_gb=0)}
+
+
 def phase_async(state: dict[str, Any], work: Path, args: argparse.Namespace) -> dict[str, list[float]]:
-    """Time ``dcp.async_save`` until it returns; ``.result()`` runs untimed. First call, then steady state.
+    """Time ``dcp.async_save`` until it returns (first call of the process, then steady state), the
+    background writing until ``done()``, and ``result()`` called after that (what remains on the caller:
+    the commit, if it is not already done in the background).
 
     Both staging modes: ``copy`` (reused host buffers) and ``fork`` (copy-on-write child writer).
     """
     path = work / "async"
     out: dict[str, list[float]] = {}
     for staging in ("copy", "fork"):
-        times: list[float] = []
+        blocking: list[float] = []
+        background: list[float] = []
+        result: list[float] = []
         for _ in range(1 + args.runs):
             remove(path)
             pretouch(args.pretouch_gb)
             start = time.perf_counter()
             handle = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=args.threads),
                                     no_dist=True, staging=staging)
-            times.append(time.perf_counter() - start)
+            returned = time.perf_counter()
+            blocking.append(returned - start)
+            while not handle.done():
+                time.sleep(0.0005)
+            background.append(time.perf_counter() - returned)
+            start = time.perf_counter()
             handle.result()
+            result.append(time.perf_counter() - start)
         suffix = "" if staging == "copy" else ", fork"
-        out[f"dcp.async_save blocking{suffix}, first call"] = times[:1]
-        out[f"dcp.async_save blocking{suffix}, steady"] = times[1:]
+        out[f"dcp.async_save blocking{suffix}, first call"] = blocking[:1]
+        out[f"dcp.async_save blocking{suffix}, steady"] = blocking[1:]
+        out[f"dcp.async_save background until done(){suffix}"] = background
+        out[f"dcp.async_save result() after done(){suffix}"] = result
     remove(path)
     return out
 
@@ -371,7 +412,8 @@ def phase_profile(state: dict[str, Any], work: Path, path: Path) -> list[str]:
     """cProfile a save, an async save's blocking part and a cold and a warm load, each with 1 I/O thread
     (cProfile sees only the calling thread)."""
     target = work / "profile_ckpt"
-    texts = [profile("dcp.save (1 thread)", lambda: dcp.save(state, checkpoint_id=target, no_dist=True))]
+    texts = [profile("dcp.save (thread_count=1)", lambda: dcp.save(
+        state, storage_writer=dcp.FileSystemWriter(target, thread_count=1), no_dist=True))]
     remove(target)
     handles = []
     texts.append(profile("dcp.async_save blocking part, steady state",
@@ -379,17 +421,17 @@ def phase_profile(state: dict[str, Any], work: Path, path: Path) -> list[str]:
     handles[0].result()
     remove(target)
     drop_page_cache(data_files(path))
-    texts.append(profile("dcp.load cold, verify on (1 thread)",
-                         lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)))
+    texts.append(profile("dcp.load cold, verify on (1 thread)", lambda: dcp.load(
+        state, storage_reader=dcp.FileSystemReader(path, thread_count=1), no_dist=True)))
     warm_cache(data_files(path))
     texts.append(profile("dcp.load warm, verify off (1 thread)", lambda: dcp.load(
-        state, storage_reader=dcp.FileSystemReader(path, verify_checksums=False), no_dist=True)))
+        state, storage_reader=dcp.FileSystemReader(path, verify_checksums=False, thread_count=1), no_dist=True)))
     return texts
 
 
-def ratios(t: dict[str, float], args: argparse.Namespace, reshard: dict[str, Any] | None,
-           memory: dict[str, Any]) -> list[tuple[str, float, str, bool | None]]:
-    """The contract's ratios: (figure, value, target text, met or None when there is no target)."""
+def ratios(t: dict[str, float], args: argparse.Namespace, memory: dict[str, Any]
+           ) -> list[tuple[str, float, str, bool | None]]:
+    """One state's contract ratios: (figure, value, target text, met or None when there is no target)."""
     T = args.threads
     out: list[tuple[str, float, str, bool | None]] = []
 
@@ -397,60 +439,85 @@ def ratios(t: dict[str, float], args: argparse.Namespace, reshard: dict[str, Any
         met = None if limit is None else (value <= limit if op == "<=" else value < limit)
         out.append((name, value, "" if limit is None else f"{op} {limit:g}", met))
 
-    for threads in ("1 thread", f"{T} threads"):
-        add(f"dcp.save ({threads}) / plain write", t[f"dcp.save ({threads})"] / t["plain write+fsync"], 1.0)
-    best_save = min(t["dcp.save (1 thread)"], t[f"dcp.save ({T} threads)"])
+    saves = [f"dcp.save (thread_count={n})" for n in dict.fromkeys((1, T))]
+    for label in saves:
+        add(f"{label} / plain write", t[label] / t["plain write+fsync"], 1.0)
+    best_save = min(t[label] for label in saves)
+    add("best dcp.save / plain write", best_save / t["plain write+fsync"], 1.0)
     add("best dcp.save / ms.save_checkpoint+fsync", best_save / t["ms.save_checkpoint+fsync"], 1.0, "<")
     add("best dcp.save / ms.save_checkpoint (no fsync)", best_save / t["ms.save_checkpoint (no fsync)"], None)
+    add("protection: xxh3 checksums (1 thread) / best dcp.save",
+        t["xxh3 checksums of the state (1 thread)"] / best_save, None)
+    add("protection: fsync, save / save without fsync (1 thread)",
+        t["dcp.save (thread_count=1)"] / t["dcp.save (thread_count=1, no fsync)"], None)
     for mode in ("", ", fork"):
-        for when in ("steady", "first call"):
-            blocking = t[f"dcp.async_save blocking{mode}, {when}"]
-            label = f"async{mode} blocking ({when})"
-            add(f"{label} / memcpy", blocking / t["host memcpy"], 1.5 if when == "steady" else None)
-            add(f"{label} / sync save", blocking / best_save, 0.1 if when == "steady" else None)
-    if reshard is not None:
-        for verify in ("on", "off"):
-            for counter in ("reader bytes_read", "/proc read_bytes"):
-                worst = max(r[f"verify {verify}"][counter] / r["needed_bytes"] for r in reshard["ranks"])
-                add(f"reshard {counter.split('_')[0]} / needed, verify {verify}, worst rank", worst, 1.05)
+        for when in ("first call", "steady"):
+            add(f"async{mode} blocking ({when}) / memcpy", t[f"dcp.async_save blocking{mode}, {when}"]
+                / t["host memcpy"], 1.0)
+        add(f"async{mode} result() after done() / memcpy", t[f"dcp.async_save result() after done(){mode}"]
+            / t["host memcpy"], None)
+        add(f"async{mode} background until done() / best dcp.save",
+            t[f"dcp.async_save background until done(){mode}"] / best_save, None)
     for verify in ("on", "off"):
         add(f"cold load / cold read, verify {verify}",
-            t[f"dcp.load cold, verify {verify} ({T} threads)"] / t["cold sequential read"], 1.5)
+            t[f"dcp.load cold, verify {verify} ({T} threads)"] / t["cold sequential read"], 1.2)
         add(f"warm load / memcpy, verify {verify}",
-            t[f"dcp.load warm, verify {verify} ({T} threads)"] / t["host memcpy"], 2.0)
+            t[f"dcp.load warm, verify {verify} ({T} threads)"] / t["host memcpy"], 1.5)
+    add("protection: verify, warm load on / off", t[f"dcp.load warm, verify on ({T} threads)"]
+        / t[f"dcp.load warm, verify off ({T} threads)"], None)
     for name, mem in memory.items():
         add(f"load extra memory / bound, {name.split(',')[0]}, {mem['bound_bytes'] >> 20} MiB",
             mem["extra_bytes"] / mem["bound_bytes"], 1.0)
     return out
 
 
-def print_report(times: dict[str, list[float]], nbytes: int, table: list[tuple[str, float, str, bool | None]],
-                 reshard: dict[str, Any] | None, memory: dict[str, Any]) -> None:
-    """Print the timing table, the reshard and memory figures and the ratio table."""
-    print(f"\n{'phase':<48} {'median s':>9} {'GB/s':>7}  runs (s)")
+def reshard_ratios(reshard: dict[str, Any]) -> list[tuple[str, float, str, bool | None]]:
+    """Device and reader bytes over needed bytes of the resharded load, worst rank."""
+    out = []
+    for verify in ("on", "off"):
+        for counter in ("reader bytes_read", "/proc read_bytes"):
+            worst = max(r[f"verify {verify}"][counter] / r["needed_bytes"] for r in reshard["ranks"])
+            out.append((f"reshard {counter.split('_')[0]} / needed, verify {verify}, worst rank", worst, "<= 1.05",
+                        worst <= 1.05))
+        slowest = max(r[f"verify {verify}"]["median_s"] for r in reshard["ranks"])
+        out.append((f"reshard load seconds, verify {verify}, slowest rank", slowest, "", None))
+    return out
+
+
+def print_times(title: str, times: dict[str, list[float]], nbytes: int) -> None:
+    """Print one state's timing table."""
+    print(f"\n{title}\n{'phase':<52} {'median s':>9} {'GB/s':>7}  runs (s)")
     for name, runs in times.items():
         med = statistics.median(runs)
-        print(f"{name:<48} {med:>9.3f} {nbytes / med / 1e9:>7.2f}  {' '.join(f'{r:.3f}' for r in runs)}")
-    if reshard is not None:
-        print(f"\nresharded load on {len(reshard['ranks'])} ranks, {reshard['description']}")
-        print(f"{'rank':<5} {'verify':<7} {'needed MiB':>10} {'reader MiB':>10} {'/proc MiB':>10} {'median s':>9}")
-        for r in reshard["ranks"]:
-            for verify in ("on", "off"):
-                fig = r[f"verify {verify}"]
-                print(f"{r['rank']:<5} {verify:<7} {r['needed_bytes'] / 2**20:>10.1f} "
-                      f"{fig['reader bytes_read'] / 2**20:>10.1f} {fig['/proc read_bytes'] / 2**20:>10.1f} "
-                      f"{fig['median_s']:>9.3f}")
-    for name, mem in memory.items():
-        print(f"load extra memory, {name}: {mem['extra_bytes'] / 2**20:.1f} MiB ({mem['method']})")
-    print(f"\n{'ratio':<58} {'value':>7}  {'target':<7} result")
+        rate = f"{nbytes / med / 1e9:>7.2f}" if med > 0 else f"{'-':>7}"
+        print(f"{name:<52} {med:>9.3f} {rate}  {' '.join(f'{r:.3f}' for r in runs)}")
+
+
+def print_reshard(reshard: dict[str, Any]) -> None:
+    """Print the per-rank figures of the resharded load."""
+    print(f"\nresharded load on {len(reshard['ranks'])} ranks, {reshard['description']}")
+    print(f"{'rank':<5} {'verify':<7} {'needed MiB':>10} {'reader MiB':>10} {'/proc MiB':>10} {'median s':>9}")
+    for r in reshard["ranks"]:
+        for verify in ("on", "off"):
+            fig = r[f"verify {verify}"]
+            print(f"{r['rank']:<5} {verify:<7} {r['needed_bytes'] / 2**20:>10.1f} "
+                  f"{fig['reader bytes_read'] / 2**20:>10.1f} {fig['/proc read_bytes'] / 2**20:>10.1f} "
+                  f"{fig['median_s']:>9.3f}")
+
+
+def print_ratios(title: str, table: list[tuple[str, float, str, bool | None]]) -> None:
+    """Print a ratio table."""
+    print(f"\n{title}\n{'ratio':<64} {'value':>7}  {'target':<7} result")
     for name, value, target, met in table:
-        print(f"{name:<58} {value:>7.3f}  {target:<7} {'' if met is None else 'ok' if met else 'MISS'}")
+        print(f"{name:<64} {value:>7.3f}  {target:<7} {'' if met is None else 'ok' if met else 'MISS'}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-gb", type=float, default=1.0, help="state size in GiB (default 1)")
+    parser.add_argument("--state", nargs="+", choices=STATES, default=list(STATES),
+                        help="states to measure (default: many large)")
     parser.add_argument("--ranks", type=int, default=2, help="msrun processes of the reshard phase (default 2)")
     parser.add_argument("--threads", type=int, default=2, help="writer/reader thread_count T (default 2)")
     parser.add_argument("--runs", type=int, default=3, help="timed runs per figure; medians reported (default 3)")
@@ -463,21 +530,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Build the state, run every phase, print and write the results."""
-    args = parse_args(argv)
-    ms.set_device("CPU")
-    work = args.out or Path(tempfile.mkdtemp(prefix="hp_bench_", dir="/tmp"))
-    work.mkdir(parents=True, exist_ok=True)
-    state = build_state(int(args.size_gb * GIB))
+def run_state(kind: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Every single-process phase on one state; returns its times, ratios, memory and profiles."""
+    state = build_state(int(args.size_gb * GIB), kind=kind)
     nbytes = sum(param.asnumpy().nbytes for param in state.values())
-    print(f"state: {len(state)} Parameters, {nbytes / GIB:.3f} GiB; work dir {work}; "
-          f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f}; pretouch {args.pretouch_gb} GiB before "
-          f"each of {args.runs} runs", flush=True)
-    started = time.perf_counter()
+    print(f"state '{kind}': {len(state)} Parameters, {nbytes / GIB:.3f} GiB", flush=True)
     times, cold_method = phase_baseline(work, nbytes, args)
     times.update(phase_memcpy(nbytes, args))
     times.update(phase_save(state, work, args))
+    times.update(phase_checksums(state, args))
     times.update(phase_async(state, work, args))
     load_path = save_for_load(state, work, args.threads)
     times.update(phase_load(state, load_path, args))
@@ -485,20 +546,44 @@ def main(argv: list[str] | None = None) -> None:
     profiles = phase_profile(state, work, load_path) if args.profile else []
     remove(load_path)
     times.update(phase_mindspore(state, work, args))
-    reshard = None if args.skip_msrun else phase_reshard(work, args)
     medians = {name: statistics.median(runs) for name, runs in times.items()}
-    table = ratios(medians, args, reshard, memory)
-    print(f"cold cache by: {cold_method}; total {time.perf_counter() - started:.0f} s; load average now "
-          f"{os.getloadavg()[0]:.1f} (other processes on these {os.cpu_count()} cpus disturb the figures)")
-    print_report(times, nbytes, table, reshard, memory)
-    for text in profiles:
-        print("\n" + text)
+    table = ratios(medians, args, memory)
+    return {"tensors": len(state), "state_bytes": nbytes, "cold_cache_method": cold_method, "times_s": times,
+            "median_s": medians, "memory": memory, "profiles": profiles,
+            "ratios": [{"figure": n, "value": v, "target": tg, "met": m} for n, v, tg, m in table]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Build each state, run every phase, print and write the results."""
+    args = parse_args(argv)
+    ms.set_device("CPU")
+    work = args.out or Path(tempfile.mkdtemp(prefix="hp_bench_", dir="/tmp"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"work dir {work}; {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f}; pretouch "
+          f"{args.pretouch_gb} GiB before each of {args.runs} runs", flush=True)
+    started = time.perf_counter()
+    states = {kind: run_state(kind, work, args) for kind in args.state}
+    reshard = None if args.skip_msrun else phase_reshard(work, args)
+    print(f"total {time.perf_counter() - started:.0f} s; load average now {os.getloadavg()[0]:.1f} "
+          f"(other processes on these {os.cpu_count()} cpus disturb the figures)")
+    for kind, figures in states.items():
+        print(f"\n===== state '{kind}': {figures['tensors']} Parameters, {figures['state_bytes'] / GIB:.3f} GiB; "
+              f"cold cache by {figures['cold_cache_method']}")
+        print_times("times", figures["times_s"], figures["state_bytes"])
+        for name, mem in figures["memory"].items():
+            print(f"load extra memory, {name}: {mem['extra_bytes'] / 2**20:.1f} MiB ({mem['method']})")
+        print_ratios(f"ratios, state '{kind}'", [(r["figure"], r["value"], r["target"], r["met"])
+                                                 for r in figures["ratios"]])
+        for text in figures["profiles"]:
+            print("\n" + text)
+    reshard_table = []
+    if reshard is not None:
+        print_reshard(reshard)
+        reshard_table = reshard_ratios(reshard)
+        print_ratios("ratios, resharded load", reshard_table)
     result = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "state_bytes": nbytes, "tensors": len(state), "cold_cache_method": cold_method,
-              "load_average_at_end": os.getloadavg(),
-              "times_s": times, "median_s": medians, "reshard": reshard, "memory": memory,
-              "ratios": [{"figure": n, "value": v, "target": tg, "met": m} for n, v, tg, m in table],
-              "profiles": profiles}
+              "load_average_at_end": os.getloadavg(), "states": states, "reshard": reshard,
+              "reshard_ratios": [{"figure": n, "value": v, "target": tg, "met": m} for n, v, tg, m in reshard_table]}
     json_path = args.json or work / "benchmark.json"
     json_path.write_text(json.dumps(result, indent=2))
     print(f"\nJSON written to {json_path}")

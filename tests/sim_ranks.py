@@ -40,8 +40,13 @@ def plan_ranks(
     return planners, plans
 
 
-def simulate_save(states: list[dict[str, Any]], path: Path, **kwargs: Any) -> tuple[Metadata, list[int]]:
+def simulate_save(
+    states: list[dict[str, Any]], path: Path, *, writer_options: dict[str, Any] | None = None, **kwargs: Any
+) -> tuple[Metadata, list[int]]:
     """Save the per-rank ``states`` as one checkpoint at ``path``.
+
+    ``writer_options`` go to every rank's :class:`FileSystemWriter`; the other
+    keyword arguments to the planners.
 
     Returns:
         The committed metadata and the bytes each rank wrote.
@@ -50,7 +55,7 @@ def simulate_save(states: list[dict[str, Any]], path: Path, **kwargs: Any) -> tu
     writers = []
     plans = []
     for rank, planner in enumerate(planners):
-        writer = FileSystemWriter(path)
+        writer = FileSystemWriter(path, **(writer_options or {}))
         writer.set_up_storage_writer(rank == 0, rank=rank, world_size=len(states))
         writers.append(writer)
         plans.append(writer.prepare_local_plan(planner.build_local_plan()))

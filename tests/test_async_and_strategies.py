@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -12,9 +13,15 @@ import numpy as np
 import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
-from hyper_parallel.core.distributed_checkpoint import async_checkpoint as async_module
+from hyper_parallel.core.distributed_checkpoint import _engine
+from hyper_parallel.core.distributed_checkpoint.metadata import FORMAT_VERSION
 from hyper_parallel.core.distributed_checkpoint.strategies import (
     FileSystemLoadStrategy,
+    FileSystemSaveStrategy,
+    LoadOptions,
+    LoadStrategyBase,
+    SaveOptions,
+    SaveStrategyBase,
     StrategyAction,
     check_load_compatible,
     get_default_strategy,
@@ -30,11 +37,11 @@ def test_async_save_keeps_values_at_call_time_and_reuses_staging(tmp_path):
     array[...] = -1
     metadata = handle.result()
     assert handle.done() and metadata.storage_meta.world_size == 1
-    reused_before = async_module._POOL.reused  # pylint: disable=protected-access
+    reused_before = _engine._POOL.reused  # pylint: disable=protected-access
     handle2 = dcp.async_save({"p": param, "a": array, "step": 2}, checkpoint_id=tmp_path / "s2")
     param.asnumpy()[...] = 9.0
     handle2.result()
-    assert async_module._POOL.reused - reused_before == 2, "same shapes: both staging buffers reused"
+    assert _engine._POOL.reused - reused_before == 2, "same shapes: both staging buffers reused"
     for path, p_value, a_value, step in ((tmp_path / "s1", 1.0, list(range(10)), 1),
                                          (tmp_path / "s2", 5.0, [-1] * 10, 2)):
         target = {"p": np.zeros((32, 32), np.float32), "a": np.zeros(10, np.int64), "step": 0}
@@ -88,18 +95,30 @@ def test_process_exit_with_async_save_in_flight_leaves_it_uncommitted(tmp_path):
 
 def test_filesystem_backend_is_registered_and_recorded(tmp_path):
     metadata = dcp.save({"a": np.ones(2)}, checkpoint_id=tmp_path / "c")
-    assert (metadata.storage_meta.backend, metadata.version) == ("filesystem", "1.0")
-    strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, "filesystem", "1.0")
+    assert (metadata.storage_meta.backend, metadata.version) == ("filesystem", "2.0") == ("filesystem", FORMAT_VERSION)
+    strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, "filesystem", "2.0")
     assert isinstance(strategy, FileSystemLoadStrategy)
     assert check_load_compatible(metadata) is strategy
-    assert get_default_strategy(StrategyAction.LOAD_SHARDED, "filesystem", "1.0").backend == "filesystem"
-    save_strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, "filesystem", "1.0")
-    save_strategy.save({"a": np.full(2, 3.0)}, tmp_path / "via_strategy")
+    older = get_default_strategy(StrategyAction.LOAD_SHARDED, "filesystem", "1.0")
+    assert isinstance(older, FileSystemLoadStrategy) and older.version == "1.0" and older is not strategy
+    save_strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, "filesystem", "2.0")
+    committed = save_strategy.save({"a": np.full(2, 3.0)}, storage_writer=dcp.FileSystemWriter(tmp_path / "via"),
+                                   planner=dcp.StandardSavePlanner(), options=SaveOptions(no_dist=True))
     target = {"a": np.zeros(2)}
-    strategy.load(target, tmp_path / "via_strategy")
-    assert target["a"].tolist() == [3.0, 3.0]
-    handle = save_strategy.save({"a": np.full(2, 4.0)}, tmp_path / "via_async", async_save=True)
-    assert handle.result().storage_meta.backend == "filesystem"
+    reader = dcp.FileSystemReader(tmp_path / "via")
+    strategy.load(target, storage_reader=reader, planner=dcp.StandardLoadPlanner(), metadata=reader.read_metadata(),
+                  options=LoadOptions(no_dist=True))
+    assert target["a"].tolist() == [3.0, 3.0] and committed.storage_meta.backend == "filesystem"
+    request = save_strategy.async_save({"a": np.full(2, 4.0)}, storage_writer=dcp.FileSystemWriter(tmp_path / "via_async"),
+                                       planner=dcp.StandardSavePlanner(), options=SaveOptions(), staging="copy")
+    assert isinstance(request, dcp.AsyncRequest)
+    queue = dcp.AsyncCallsQueue()
+    call = queue.schedule_async_request(request)
+    assert call.wait(60) and not (tmp_path / "via_async" / "metadata.json").exists()  # written, not committed
+    assert call.finalize().storage_meta.backend == "filesystem"
+    dcp.load(target, checkpoint_id=tmp_path / "via_async")
+    assert target["a"].tolist() == [4.0, 4.0]
+    queue.close()
 
 
 def _rewrite(path, **fields):
@@ -109,8 +128,9 @@ def _rewrite(path, **fields):
 
 
 @pytest.mark.parametrize("fields,expected", [
-    ({"backend": "zarr"}, "backend 'zarr' version '1.0'"),
-    ({"version": "2.0"}, "backend 'filesystem' version '2.0'"),
+    ({"backend": "zarr"}, "backend 'zarr' version '2.0'"),
+    ({"version": "3.0"}, "backend 'filesystem' version '3.0'"),
+    ({"version": "2.7"}, "backend 'filesystem' version '2.7'"),
     ({"version": "1.7"}, "backend 'filesystem' version '1.7'"),
 ])
 def test_unknown_backend_or_future_version_is_refused(tmp_path, fields, expected):
@@ -118,17 +138,17 @@ def test_unknown_backend_or_future_version_is_refused(tmp_path, fields, expected
     _rewrite(tmp_path / "c", **fields)
     with pytest.raises(dcp.UnsupportedFormatError) as caught:
         dcp.load({"a": np.zeros(2)}, checkpoint_id=tmp_path / "c")
-    assert expected in str(caught.value) and "supported: filesystem 1.0" in str(caught.value)
+    assert expected in str(caught.value) and "supported: filesystem 1.0, filesystem 2.0" in str(caught.value)
 
 
 def test_registering_a_strategy_for_a_new_version(tmp_path):
     dcp.save({"a": np.ones(2)}, checkpoint_id=tmp_path / "c")
-    _rewrite(tmp_path / "c", version="1.5")
+    _rewrite(tmp_path / "c", version="2.5")
 
-    class Reader15(FileSystemLoadStrategy):
+    class Reader25(FileSystemLoadStrategy):
         pass
 
-    register_default_strategy(StrategyAction.LOAD_SHARDED, "filesystem", "1.5", Reader15("filesystem", "1.5"))
+    register_default_strategy(StrategyAction.LOAD_SHARDED, "filesystem", "2.5", Reader25("filesystem", "2.5"))
     try:
         target = {"a": np.zeros(2)}
         dcp.load(target, checkpoint_id=tmp_path / "c")
@@ -136,9 +156,74 @@ def test_registering_a_strategy_for_a_new_version(tmp_path):
     finally:
         from hyper_parallel.core.distributed_checkpoint import strategies  # pylint: disable=import-outside-toplevel
 
-        strategies._REGISTRY.pop((StrategyAction.LOAD_SHARDED, "filesystem", "1.5"))  # pylint: disable=protected-access
+        strategies._REGISTRY.pop((StrategyAction.LOAD_SHARDED, "filesystem", "2.5"))  # pylint: disable=protected-access
     with pytest.raises(dcp.CheckpointValueError):
-        register_default_strategy("load", "filesystem", "1.0", Reader15("filesystem", "1.0"))
+        register_default_strategy("load", "filesystem", "2.0", Reader25("filesystem", "2.0"))
+    with pytest.raises(dcp.CheckpointValueError, match="must be a SaveStrategyBase"):
+        register_default_strategy(StrategyAction.SAVE_SHARDED, "filesystem", "2.0", Reader25("filesystem", "2.0"))
+
+
+@contextlib.contextmanager
+def _registered(action, strategy):
+    previous = get_default_strategy(action, "filesystem", FORMAT_VERSION)
+    register_default_strategy(action, "filesystem", FORMAT_VERSION, strategy)
+    try:
+        yield
+    finally:
+        register_default_strategy(action, "filesystem", FORMAT_VERSION, previous)
+
+
+def test_save_async_save_and_load_call_the_registered_strategies(tmp_path):
+    calls = []
+
+    class RecordingSave(FileSystemSaveStrategy):
+        def save(self, state_dict, *, storage_writer, planner, options):
+            calls.append(("save", type(storage_writer).__name__, options.remove_redundancy))
+            return super().save(state_dict, storage_writer=storage_writer, planner=planner, options=options)
+
+        def async_save(self, state_dict, *, storage_writer, planner, options, staging):
+            calls.append(("async_save", staging))
+            return super().async_save(state_dict, storage_writer=storage_writer, planner=planner, options=options,
+                                      staging=staging)
+
+    class RecordingLoad(FileSystemLoadStrategy):
+        def load(self, state_dict, *, storage_reader, planner, metadata, options):
+            calls.append(("load", metadata.version, sorted(metadata.state_dict_metadata), options.use_collectives))
+            super().load(state_dict, storage_reader=storage_reader, planner=planner, metadata=metadata,
+                         options=options)
+
+    with _registered(StrategyAction.SAVE_SHARDED, RecordingSave("filesystem", FORMAT_VERSION)), \
+            _registered(StrategyAction.LOAD_SHARDED, RecordingLoad("filesystem", FORMAT_VERSION)):
+        dcp.save({"a": np.ones(2)}, checkpoint_id=tmp_path / "s", remove_redundancy=False)
+        dcp.async_save({"a": np.full(2, 2.0)}, checkpoint_id=tmp_path / "t").result()
+        target = {"a": np.zeros(2)}
+        dcp.load(target, checkpoint_id=tmp_path / "t", use_collectives=False)
+    assert calls == [("save", "FileSystemWriter", False), ("async_save", "copy"), ("load", "2.0", ["a"], False)]
+    assert target["a"].tolist() == [2.0, 2.0]
+    dcp.load(target, checkpoint_id=tmp_path / "s")
+    assert target["a"].tolist() == [1.0, 1.0] and len(calls) == 3, "the default strategies are back"
+
+
+def test_the_registered_strategy_is_what_runs(tmp_path):
+    class Constant(LoadStrategyBase):
+        def load(self, state_dict, *, storage_reader, planner, metadata, options):
+            state_dict["a"][...] = metadata.storage_meta.world_size * 42
+
+    class SyncOnly(SaveStrategyBase):
+        def save(self, state_dict, *, storage_writer, planner, options):
+            raise dcp.CheckpointValueError("saving is switched off here")
+
+    dcp.save({"a": np.ones(2)}, checkpoint_id=tmp_path / "c")
+    target = {"a": np.zeros(2)}
+    with _registered(StrategyAction.LOAD_SHARDED, Constant("filesystem", FORMAT_VERSION)):
+        dcp.load(target, checkpoint_id=tmp_path / "c")
+    assert target["a"].tolist() == [42.0, 42.0]
+    with _registered(StrategyAction.SAVE_SHARDED, SyncOnly("filesystem", FORMAT_VERSION)):
+        with pytest.raises(dcp.CheckpointValueError, match="switched off"):
+            dcp.save({"a": np.ones(2)}, checkpoint_id=tmp_path / "d")
+        with pytest.raises(dcp.UnsupportedFormatError, match="cannot save asynchronously"):
+            dcp.async_save({"a": np.ones(2)}, checkpoint_id=tmp_path / "d")
+    assert not (tmp_path / "d").exists()
 
 
 def test_fork_staging_snapshots_at_call_time_and_reports_child_errors(tmp_path):

@@ -25,7 +25,8 @@ from safetensors import deserialize
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import metadata_from_json
 from hyper_parallel.core.distributed_checkpoint._object_io import ObjectSink, RangedSource
-from hyper_parallel.core.distributed_checkpoint.api import prepare_save, run_save_writes
+from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions, commit_save, plan_save, write_local
+from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
 from s3_server import new_filesystem, s3_endpoint, s3_url  # noqa: F401  (fixtures)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -208,8 +209,16 @@ def test_corruption_is_detected_naming_key_and_object(s3_url: str) -> None:
 
 
 def _prepared(state: dict, url: str):
-    return prepare_save(state, checkpoint_id=url, storage_writer=None, planner=None, no_dist=True,
-                        use_collectives=True, remove_redundancy=True, save_to_minimum_rank=False)
+    return _prepared_with(dcp.FsspecWriter(url), state)
+
+
+def _prepared_with(writer, state: dict):
+    """A save planned (the writer noted the committed metadata) but not yet written."""
+    return plan_save(state, writer=writer, planner=StandardSavePlanner(), options=SaveOptions(no_dist=True))
+
+
+def run_save_writes(session) -> dcp.Metadata:
+    return commit_save(session, lambda: write_local(session))
 
 
 @pytest.mark.parametrize("over_committed", [False, True])
@@ -358,8 +367,3 @@ def test_other_fsspec_filesystems_use_the_same_backend() -> None:
     with pytest.raises(dcp.UnsafeCheckpointError, match="not a plain name"):
         dcp.FsspecReader(url, filesystem=fs).resolve("../escape.safetensors", "w")
     fs.rm(f"/hp-ckpt-{os.getpid()}", recursive=True)
-
-
-def _prepared_with(writer, state: dict):
-    return prepare_save(state, checkpoint_id=None, storage_writer=writer, planner=None, no_dist=True,
-                        use_collectives=True, remove_redundancy=True, save_to_minimum_rank=False)

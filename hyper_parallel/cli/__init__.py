@@ -6,8 +6,11 @@
   checks checksums, safetensors headers and coverage.
 - :func:`convert_to_safetensors` (``hp-ckpt convert DIR OUT --to safetensors``):
   full tensors in Hugging Face safetensors shards plus an index json.
-- :func:`import_checkpoint` (``hp-ckpt import FILE_OR_DIR OUT``): from a
-  MindSpore ``.ckpt``/``.safetensors`` file or a Hugging Face directory.
+- :func:`import_checkpoint` (``hp-ckpt import SRC OUT [--strategy FILE ...]``):
+  from a MindSpore ``.ckpt``/``.safetensors`` file, a MindSpore parallel job's
+  per-rank files (with its strategy files) or a Hugging Face directory.
+- :func:`export_mindspore` (``hp-ckpt export-mindspore CKPT OUT [--strategy
+  FILE ...]``): MindSpore files per rank of a strategy, or one unified file.
 - :func:`diff_checkpoints` (``hp-ckpt diff A B``): differing keys, shapes,
   dtypes and values.
 
@@ -16,6 +19,7 @@ Importing this package does not import MindSpore.
 
 from hyper_parallel.cli.convert_cmd import ConvertResult, convert_to_safetensors
 from hyper_parallel.cli.diff_cmd import DiffReport, KeyDifference, diff_checkpoints
+from hyper_parallel.cli.export_ms_cmd import ExportResult, export_mindspore
 from hyper_parallel.cli.import_cmd import import_checkpoint
 from hyper_parallel.cli.inspect_cmd import inspect_checkpoint
 from hyper_parallel.cli.main import main
@@ -24,11 +28,13 @@ from hyper_parallel.cli.verify_cmd import VerifyProblem, VerifyReport, verify_ch
 __all__ = [
     "ConvertResult",
     "DiffReport",
+    "ExportResult",
     "KeyDifference",
     "VerifyProblem",
     "VerifyReport",
     "convert_to_safetensors",
     "diff_checkpoints",
+    "export_mindspore",
     "import_checkpoint",
     "inspect_checkpoint",
     "main",

@@ -12,7 +12,7 @@ import os
 import re
 from pathlib import Path
 from contextlib import contextmanager
-from typing import Any, BinaryIO, Iterator, Sequence
+from typing import Any, BinaryIO, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -35,11 +35,13 @@ __all__ = [
     "open_data_file",
     "tensor_nbytes",
     "read_full_tensor",
+    "read_region",
     "read_stored_bytes",
     "rank_of_file",
     "format_table",
     "format_bytes",
     "parse_size",
+    "progress",
 ]
 
 _UNITS = {
@@ -97,15 +99,15 @@ def tensor_nbytes(stored: TensorStorageMetadata) -> int:
     return math.prod(stored.size) * DTYPE_NAMES[stored.properties.dtype]
 
 
-class _WholeTensorPlanner(LoadPlanner):
-    """Plans the read of every stored chunk of one tensor into one full array.
+class _RegionPlanner(LoadPlanner):
+    """Plans the read of one box of one tensor from every stored chunk it overlaps.
 
     Built directly from the metadata (no state-dict flattening), so nothing
     outlives the read but the returned array.
     """
 
-    def __init__(self, fqn: str, stored: TensorStorageMetadata, target: np.ndarray) -> None:
-        self.fqn, self.stored, self.target = fqn, stored, target
+    def __init__(self, fqn: str, stored: TensorStorageMetadata, offsets: tuple[int, ...], target: np.ndarray) -> None:
+        self.fqn, self.stored, self.offsets, self.target = fqn, stored, offsets, target
 
     def configure_planner(
         self, state_dict: dict[str, Any], metadata: Metadata, *, rank: int = 0, world_size: int = 1,
@@ -114,13 +116,21 @@ class _WholeTensorPlanner(LoadPlanner):
         """Nothing to configure: the target was given to the constructor. Single process."""
 
     def build_local_plan(self) -> LoadPlan:
-        """One read item per non-empty stored chunk, placed at its global offset. Single process."""
+        """One read item per stored chunk overlapping the box. Single process."""
         dest = MetadataIndex(self.fqn, ())
-        return LoadPlan(items=tuple(
-            ReadItem(LoadItemType.TENSOR, dest, tuple(chunk.offsets), MetadataIndex(self.fqn, tuple(chunk.offsets)),
-                     (0,) * len(chunk.sizes), tuple(chunk.sizes))
-            for chunk in self.stored.chunks if math.prod(chunk.sizes) > 0
-        ))
+        items = []
+        sizes = self.target.shape
+        for chunk in self.stored.chunks:
+            lo = tuple(max(a, b) for a, b in zip(self.offsets, chunk.offsets))
+            hi = tuple(min(a + n, b + m) for a, n, b, m in zip(self.offsets, sizes, chunk.offsets, chunk.sizes))
+            if math.prod(chunk.sizes) == 0 or any(h <= l for l, h in zip(lo, hi)):
+                continue
+            items.append(ReadItem(
+                LoadItemType.TENSOR, dest, tuple(l - o for l, o in zip(lo, self.offsets)),
+                MetadataIndex(self.fqn, tuple(chunk.offsets)), tuple(l - c for l, c in zip(lo, chunk.offsets)),
+                tuple(h - l for l, h in zip(lo, hi)),
+            ))
+        return LoadPlan(items=tuple(items))
 
     def build_global_plan(self, all_plans: list[LoadPlan]) -> list[LoadPlan]:
         """Keep the plan. Single process."""
@@ -131,7 +141,7 @@ class _WholeTensorPlanner(LoadPlanner):
         return plan
 
     def acquire_tensor(self, read_item: ReadItem) -> np.ndarray:
-        """Return the chunk's region of the full array. Called by the reader."""
+        """Return the item's region of the box. Called by the reader."""
         slices = tuple(slice(o, o + n) for o, n in zip(read_item.dest_offsets, read_item.lengths))
         return self.target[slices] if slices else self.target[...]
 
@@ -141,6 +151,47 @@ class _WholeTensorPlanner(LoadPlanner):
     def apply_bytes(self, read_item: ReadItem, value: bytes) -> None:
         """Never called: only tensor chunks are planned."""
         raise CheckpointValueError(f"key '{read_item.dest_index.fqn}' is not a tensor")
+
+
+def read_region(
+    directory: Path | str, metadata: Metadata, fqn: str, offsets: Sequence[int], sizes: Sequence[int], *,
+    verify_checksums: bool = True,
+) -> np.ndarray:
+    """Read one box of a stored tensor (the chunks it overlaps, nothing else).
+
+    Args:
+        directory: The checkpoint directory.
+        metadata: Its metadata (from :func:`open_checkpoint`).
+        fqn: The tensor's key.
+        offsets: Global offset of the box.
+        sizes: Extent of the box.
+        verify_checksums: Verify the checksum of every block read.
+
+    Returns:
+        A new array of the stored dtype and shape ``sizes``.
+
+    Raises:
+        CheckpointValueError: ``fqn`` is not a tensor, or the box leaves it.
+        CorruptCheckpointError: chunks that do not tile the tensor, a checksum
+            mismatch or a truncated file (names file and key).
+    """
+    stored = metadata.state_dict_metadata.get(fqn)
+    if not isinstance(stored, TensorStorageMetadata):
+        raise CheckpointValueError(f"key '{fqn}' is not a tensor of checkpoint {directory}")
+    offsets, sizes = tuple(int(o) for o in offsets), tuple(int(n) for n in sizes)
+    if len(offsets) != len(stored.size) or any(o < 0 or o + n > s for o, n, s in zip(offsets, sizes, stored.size)):
+        raise CheckpointValueError(
+            f"key '{fqn}': box at {list(offsets)} of {list(sizes)} leaves the global shape {list(stored.size)}"
+        )
+    problems = check_exact_cover(fqn, tuple(stored.size), stored.chunks)
+    if problems:
+        raise CorruptCheckpointError(f"checkpoint {directory}: {'; '.join(problems)}")
+    target = np.empty(sizes, dtype=numpy_dtype(stored.properties.dtype))
+    reader = checkpoint_reader(directory, verify_checksums=verify_checksums)
+    reader.set_up_storage_reader(metadata, True)
+    planner = _RegionPlanner(fqn, stored, offsets, target)
+    reader.read_data(planner.build_local_plan(), planner).result()
+    return target
 
 
 def read_full_tensor(
@@ -170,15 +221,8 @@ def read_full_tensor(
     stored = metadata.state_dict_metadata.get(fqn)
     if not isinstance(stored, TensorStorageMetadata):
         raise CheckpointValueError(f"key '{fqn}' is not a tensor of checkpoint {directory}")
-    problems = check_exact_cover(fqn, tuple(stored.size), stored.chunks)
-    if problems:
-        raise CorruptCheckpointError(f"checkpoint {directory}: {'; '.join(problems)}")
-    target = np.empty(stored.size, dtype=numpy_dtype(stored.properties.dtype))
-    reader = checkpoint_reader(directory, verify_checksums=verify_checksums)
-    reader.set_up_storage_reader(metadata, True)
-    planner = _WholeTensorPlanner(fqn, stored, target)
-    reader.read_data(planner.build_local_plan(), planner).result()
-    return target
+    return read_region(directory, metadata, fqn, (0,) * len(stored.size), stored.size,
+                       verify_checksums=verify_checksums)
 
 
 def read_stored_bytes(directory: Path | str, metadata: Metadata, index: MetadataIndex) -> bytes:
@@ -256,3 +300,10 @@ def parse_size(text: str | int) -> int:
     if value <= 0:
         raise CheckpointValueError(f"size must be positive, got {text!r}")
     return value
+
+
+def progress(iterable: Iterable[Any], *, desc: str, unit: str = "it", total: int | None = None) -> Iterable[Any]:
+    """Wrap ``iterable`` in a ``tqdm`` progress bar on stderr (shown only on a terminal)."""
+    from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+
+    return tqdm(iterable, desc=desc, unit=unit, total=total, disable=None, leave=False)

@@ -38,10 +38,13 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
 )
 from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import HeaderEntry, build_header
 
-__all__ = ["ConvertResult", "INDEX_FILE", "convert_to_safetensors", "format_convert", "register"]
+__all__ = ["ConvertResult", "INDEX_FILE", "VALUE_TYPES_KEY", "convert_to_safetensors", "format_convert", "register"]
 
 #: Name of the Hugging Face index written next to the shards.
 INDEX_FILE = "model.safetensors.index.json"
+#: ``__metadata__`` key listing the plain values stored as text, as JSON ``{key: type name}``
+#: (a ``"str"`` value is its raw text, any other type is JSON), so ``hp-ckpt import`` restores them.
+VALUE_TYPES_KEY = "hyper_parallel.value_types"
 #: Plain values whose stored payload is at most this long go into ``__metadata__``.
 _MAX_METADATA_VALUE_BYTES = 4096
 #: Value types shown as text in ``__metadata__`` (decoded without running code).
@@ -85,6 +88,7 @@ def _value_texts(directory: Path, metadata: Metadata) -> tuple[dict[str, str], l
     from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value  # pylint: disable=import-outside-toplevel
 
     texts: dict[str, str] = {}
+    types: dict[str, str] = {}
     skipped: list[tuple[str, str]] = []
     for fqn in sorted(metadata.state_dict_metadata):
         stored = metadata.state_dict_metadata[fqn]
@@ -100,7 +104,10 @@ def _value_texts(directory: Path, metadata: Metadata) -> tuple[dict[str, str], l
         value = deserialize_value(stored.type_name, read_stored_bytes(directory, metadata, MetadataIndex(fqn, ())),
                                   key=fqn)
         texts[fqn] = value if isinstance(value, str) else json.dumps(value)
+        types[fqn] = stored.type_name
         skipped.append((fqn, "non-tensor value stored as text in __metadata__ of the first file"))
+    if types:
+        texts[VALUE_TYPES_KEY] = json.dumps(types, sort_keys=True)
     return texts, skipped
 
 

@@ -1,33 +1,39 @@
-"""``hp-ckpt import FILE_OR_DIR OUT``: bring MindSpore or Hugging Face weights into this format.
+"""``hp-ckpt import SRC OUT [--strategy FILE ...]``: bring MindSpore or Hugging Face weights into this format.
 
 Sources:
 
-- a MindSpore ``.ckpt`` file (``mindspore.save_checkpoint``), read with
-  ``mindspore.load_checkpoint``;
-- a ``.safetensors`` file (MindSpore's ``format="safetensors"`` or any other
-  writer);
+- a MindSpore ``.ckpt`` file (``mindspore.save_checkpoint``) or a
+  ``.safetensors`` file (MindSpore's ``format="safetensors"`` or any writer);
 - a Hugging Face directory: ``*.safetensors.index.json`` plus its shards, or a
-  single ``model.safetensors``, or else every ``*.safetensors`` file in it.
+  single ``model.safetensors``, or else every ``*.safetensors`` file in it;
+- a directory of a MindSpore parallel job's per-rank files (``rank_<i>/``
+  holding one ``.ckpt`` or ``.safetensors`` each) with the job's strategy
+  file(s): the slices become chunks of the global tensors (see
+  :mod:`hyper_parallel.cli._ms_import`). Without a strategy such a directory
+  is refused: its tensors are slices, never full tensors.
 
-Safetensors tensors are memory-mapped from their header offsets (bfloat16
-viewed with MindSpore's numpy ``bfloat16``), so the import streams from the
-page cache instead of holding the model in memory.
+Every tensor is mapped from its file and written once (no MindSpore import,
+no unpickling, memory holds no tensor). Plain values that ``hp-ckpt convert``
+stored in a safetensors ``__metadata__`` come back as values. Only regular
+files are opened, and an output directory that is not empty (a committed
+checkpoint) is refused, never replaced.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
-import numpy as np
-
-from hyper_parallel.cli._common import format_bytes
+from hyper_parallel.cli._common import format_bytes, progress
+from hyper_parallel.cli.convert_cmd import VALUE_TYPES_KEY
+from hyper_parallel.cli._ms_files import MsFile, open_ms_file
+from hyper_parallel.cli._ms_import import PieceSavePlanner, SourcePiece, find_rank_files, plan_rank_import, whole_pieces
 from hyper_parallel.core.distributed_checkpoint.api import save
 from hyper_parallel.core.distributed_checkpoint.errors import (
+    CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointValueError,
     CorruptCheckpointError,
@@ -35,10 +41,9 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
 )
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import METADATA_FILE
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, TensorStorageMetadata
-from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import DTYPE_FROM_SAFETENSORS, read_header
-from hyper_parallel.platform.tensor import is_tensor, numpy_dtype, to_numpy
+from hyper_parallel.core.strategy_file import read_strategy_records
 
-__all__ = ["import_checkpoint", "safetensors_files", "read_safetensors", "read_mindspore_ckpt", "register"]
+__all__ = ["import_checkpoint", "restored_values", "safetensors_files", "register"]
 
 
 def safetensors_files(directory: Path) -> list[Path]:
@@ -81,82 +86,113 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Map every tensor of a safetensors file as a read-only numpy array (no copy).
+def restored_values(file: MsFile) -> dict[str, Any]:
+    """The plain values ``hp-ckpt convert`` stored as text in a safetensors ``__metadata__``.
+
+    Convert lists them, with their types, under :data:`VALUE_TYPES_KEY`; other
+    metadata (``"format"``...) is not a value and is not restored.
 
     Raises:
-        CorruptCheckpointError: a malformed header or an unsupported dtype (names the file).
+        CorruptCheckpointError: a malformed list or value text (names the file and key).
     """
-    header, data_start = read_header(path)
-    tensors: dict[str, np.ndarray] = {}
-    for name, entry in header.items():
-        dtype = numpy_dtype(DTYPE_FROM_SAFETENSORS[entry["dtype"]])
-        shape = tuple(int(s) for s in entry["shape"])
-        begin = data_start + int(entry["data_offsets"][0])
-        count = math.prod(shape)
-        if count == 0:
-            tensors[name] = np.zeros(shape, dtype=dtype)
-            continue
-        mapped = np.memmap(path, dtype=dtype, mode="r", offset=begin, shape=(count,))
-        tensors[name] = mapped.reshape(shape)
-    return tensors
-
-
-def read_mindspore_ckpt(path: Path) -> dict[str, Any]:
-    """Read a MindSpore ``.ckpt`` file into ``{name: numpy array or plain value}``."""
-    import mindspore  # pylint: disable=import-outside-toplevel
-
+    listing = file.file_metadata.get(VALUE_TYPES_KEY)
+    if listing is None:
+        return {}
     try:
-        loaded = mindspore.load_checkpoint(str(path))
-    except (ValueError, RuntimeError, TypeError) as exc:
-        raise CorruptCheckpointError(f"{path}: mindspore cannot read this .ckpt file ({exc})") from exc
-    return {name: np.array(to_numpy(value), copy=True) if is_tensor(value) else value
-            for name, value in loaded.items()}
+        types = json.loads(listing)
+        values = {}
+        for key, type_name in types.items():
+            text = file.file_metadata[key]
+            values[key] = text if type_name == "str" else json.loads(text)
+    except (ValueError, KeyError, AttributeError) as exc:
+        raise CorruptCheckpointError(f"{file.path}: __metadata__ {VALUE_TYPES_KEY!r} is malformed ({exc})") from exc
+    return values
 
 
-def _read_source(src: Path) -> dict[str, Any]:
+def _prepare_out(src: Path, out: Path) -> None:
+    if out.exists() and out.resolve() == src.resolve():
+        raise CheckpointValueError(f"import source and output are the same path {src}")
+    if out.exists() and not out.is_dir():
+        raise CheckpointExistsError(f"output {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        what = "a committed checkpoint" if (out / METADATA_FILE).exists() else "not empty"
+        raise CheckpointExistsError(
+            f"output directory {out} is {what}; import into a new or empty directory (nothing was replaced)"
+        )
+
+
+def _plan_source(
+    src: Path, strategy_files: Sequence[str | os.PathLike] | None
+) -> tuple[list[SourcePiece], dict[str, Any]]:
     if not src.exists():
         raise CheckpointNotFoundError(f"{src} does not exist")
     if src.is_dir():
-        state: dict[str, Any] = {}
-        for path in safetensors_files(src):
-            for name, tensor in read_safetensors(path).items():
-                if name in state:
-                    raise CorruptCheckpointError(f"tensor '{name}' appears in more than one file of {src}")
-                state[name] = tensor
-        return state
-    if src.suffix == ".ckpt":
-        return read_mindspore_ckpt(src)
-    if src.suffix == ".safetensors":
-        return read_safetensors(src)
-    raise UnsupportedFormatError(
-        f"cannot import {src}: expected a MindSpore .ckpt file, a .safetensors file or a Hugging Face directory"
-    )
+        rank_files = find_rank_files(src)
+        if rank_files:
+            if not strategy_files:
+                raise CheckpointValueError(
+                    f"{src} holds MindSpore per-rank files (rank_{min(rank_files)}/...) whose tensors are slices: "
+                    "pass the job's strategy file with --strategy FILE (once per pipeline stage)"
+                )
+            records = read_strategy_records(list(strategy_files))
+            files = {rank: open_ms_file(path) for rank, path in
+                     progress(sorted(rank_files.items()), desc="index rank files", unit="file")}
+            return plan_rank_import(files, records)
+    if strategy_files:
+        raise CheckpointValueError(
+            f"--strategy applies to a directory of MindSpore per-rank files (rank_<i>/...); {src} is not one"
+        )
+    if src.is_dir():
+        files = [open_ms_file(path) for path in safetensors_files(src)]
+    elif src.suffix in (".ckpt", ".safetensors"):
+        files = [open_ms_file(src)]
+    else:
+        raise UnsupportedFormatError(
+            f"cannot import {src}: expected a MindSpore .ckpt file, a .safetensors file, a Hugging Face "
+            "directory or a directory of MindSpore per-rank files (rank_<i>/)"
+        )
+    pieces, values = whole_pieces(files)
+    for file in files:
+        for key, value in restored_values(file).items():
+            values.setdefault(key, value)
+    return pieces, values
 
 
-def import_checkpoint(src: str | os.PathLike, out: str | os.PathLike) -> Metadata:
-    """Save the weights of a MindSpore or Hugging Face file/directory as a checkpoint.
+def import_checkpoint(
+    src: str | os.PathLike, out: str | os.PathLike, *, strategy_files: Sequence[str | os.PathLike] | None = None
+) -> Metadata:
+    """Save MindSpore or Hugging Face weights as a checkpoint. Single process.
+
+    Every tensor is mapped from its source file and written once; memory
+    holds no tensor. Per-rank slices are stored as chunks of the global
+    tensors (each distinct slice once, replicas skipped).
 
     Args:
-        src: A ``.ckpt`` file, a ``.safetensors`` file, or a directory of
-            safetensors shards (with or without an index json).
-        out: The checkpoint directory to write (``dcp.save(..., no_dist=True)``).
+        src: A ``.ckpt`` file, a ``.safetensors`` file, a directory of
+            safetensors shards (with or without an index json), or a directory
+            of MindSpore per-rank files (``rank_<i>/`` holding one ``.ckpt`` or
+            ``.safetensors`` each, which needs ``strategy_files``).
+        out: The checkpoint directory to write (new or empty).
+        strategy_files: The strategy file(s) of the job that wrote per-rank
+            files (one per pipeline stage, or one merged file).
 
     Returns:
         The committed metadata of the new checkpoint.
 
     Raises:
-        CheckpointError: the source is missing, unsupported or malformed.
+        CheckpointExistsError: ``out`` is not empty (a committed checkpoint is never replaced).
+        CheckpointValueError: per-rank files without a strategy, or a strategy without them.
+        CheckpointError: the source is missing, unsupported, malformed, or
+            contradicts the strategy (names the parameter, rank and file).
     """
     src_path, out_path = Path(os.fspath(src)), Path(os.fspath(out))
-    if src_path.exists() and out_path.resolve() == src_path.resolve():
-        raise CheckpointValueError(f"import source and output are the same path {src_path}")
-    state = _read_source(src_path)
-    return save(state, checkpoint_id=out_path, no_dist=True)
+    _prepare_out(src_path, out_path)
+    pieces, values = _plan_source(src_path, strategy_files)
+    return save({}, checkpoint_id=out_path, planner=PieceSavePlanner(pieces, values), no_dist=True)
 
 
 def _run(args: argparse.Namespace) -> int:
-    metadata = import_checkpoint(args.src, args.out)
+    metadata = import_checkpoint(args.src, args.out, strategy_files=args.strategy)
     stored = metadata.state_dict_metadata.values()
     tensors = [s for s in stored if isinstance(s, TensorStorageMetadata)]
     total = sum(info.length for info in (metadata.storage_data or {}).values())
@@ -170,10 +206,13 @@ def _run(args: argparse.Namespace) -> int:
 def register(subparsers: Any) -> None:
     """Add the ``import`` subcommand to the ``hp-ckpt`` parser."""
     parser = subparsers.add_parser(
-        "import", help="import a MindSpore .ckpt/.safetensors file or a Hugging Face directory",
-        description="Save the weights of a MindSpore checkpoint file or a Hugging Face safetensors model "
-                    "as a hyper_parallel checkpoint.",
+        "import", help="import MindSpore .ckpt/.safetensors files (one, or one per rank) or a Hugging Face directory",
+        description="Save the weights of a MindSpore checkpoint file, of a MindSpore parallel job's per-rank "
+                    "files (with --strategy) or of a Hugging Face safetensors model as a hyper_parallel checkpoint.",
     )
-    parser.add_argument("src", metavar="FILE_OR_DIR", help=".ckpt file, .safetensors file or model directory")
-    parser.add_argument("out", help="the checkpoint directory to write")
+    parser.add_argument("src", metavar="SRC",
+                        help=".ckpt file, .safetensors file, model directory, or directory of rank_<i>/ files")
+    parser.add_argument("out", help="the checkpoint directory to write (new or empty)")
+    parser.add_argument("--strategy", action="append", metavar="FILE",
+                        help="strategy file of the job that wrote rank_<i>/ files (repeat once per pipeline stage)")
     parser.set_defaults(func=_run)

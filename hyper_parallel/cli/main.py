@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from hyper_parallel.cli import convert_cmd, diff_cmd, import_cmd, inspect_cmd, verify_cmd
+from hyper_parallel.cli import convert_cmd, diff_cmd, export_ms_cmd, import_cmd, inspect_cmd, verify_cmd
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 
 __all__ = ["build_parser", "main", "EXIT_OK", "EXIT_FINDING", "EXIT_ERROR"]
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
-    for module in (inspect_cmd, verify_cmd, convert_cmd, import_cmd, diff_cmd):
+    for module in (inspect_cmd, verify_cmd, convert_cmd, import_cmd, export_ms_cmd, diff_cmd):
         module.register(subparsers)
     return parser
 

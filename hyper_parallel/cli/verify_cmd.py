@@ -32,7 +32,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     StorageInfo,
     TensorStorageMetadata,
 )
-from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import SAFETENSORS_DTYPES, read_header_from
+from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import SAFETENSORS_DTYPES, read_header_at
 from hyper_parallel.platform.tensor import DTYPE_NAMES
 
 __all__ = ["VerifyProblem", "VerifyReport", "verify_checkpoint", "format_verify", "register"]
@@ -213,8 +213,7 @@ def _check_header(
     chunk_sizes: dict[MetadataIndex, tuple[int, ...]],
 ) -> list[VerifyProblem]:
     try:
-        handle.seek(0)
-        header, data_start = read_header_from(handle, size, full)
+        header, data_start, _ = read_header_at(full, size, lambda count, offset: _pread(handle, count, offset))
     except CheckpointError as exc:
         keys = ", ".join(sorted({f"'{index.fqn}'" for index, _ in items}))
         return [VerifyProblem(name, None, f"invalid safetensors header: {exc} (file holds key(s) {keys})")]
@@ -232,6 +231,11 @@ def _check_header(
                 f"{info.length} bytes at byte {info.offset} (chunk at offset {list(index.offset)})",
             ))
     return problems
+
+
+def _pread(handle: Any, count: int, offset: int) -> bytes:
+    handle.seek(offset)
+    return handle.read(count)
 
 
 def _header_entry(

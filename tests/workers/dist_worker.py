@@ -80,7 +80,7 @@ class FailingWriter(dcp.FileSystemWriter):
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
         return super().write_data(plan, planner)
 
-    def finish(self, metadata, results):
+    def finish(self, metadata, results, *, background_cleanup=False):
         if self.fail_commit:
             raise OSError(errno.EIO, "I/O error during commit (injected)")
         return super().finish(metadata, results)

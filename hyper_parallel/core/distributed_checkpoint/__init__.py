@@ -9,8 +9,12 @@ and :mod:`._global_plan` (the coordinator's merge); bytes written in
 :mod:`.filesystem_writer`; bytes read in :mod:`.filesystem_reader` and :mod:`._run_reads`;
 the on-disk format (spec: docs/format.md) in :mod:`._format`; layouts cut
 in :mod:`hyper_parallel.core.layout`; the steps in order in :mod:`.api`.
-Modules whose name starts with ``_`` are internal.
+Modules whose name starts with ``_`` are internal. ``CheckpointCallback``
+(a ``mindspore.train.Callback``, so it imports MindSpore) is loaded on first
+use.
 """
+
+from typing import Any
 
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
@@ -88,6 +92,7 @@ __all__ = [
     "AsyncSaveHandle",
     "async_save",
     "BytesStorageMetadata",
+    "CheckpointCallback",
     "CheckpointManager",
     "CheckpointError",
     "CheckpointExistsError",
@@ -149,3 +154,12 @@ __all__ = [
     "save",
     "save_checkpoint",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name != "CheckpointCallback":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from hyper_parallel.core.distributed_checkpoint.callback import CheckpointCallback  # pylint: disable=import-outside-toplevel
+
+    globals()[name] = CheckpointCallback
+    return CheckpointCallback

@@ -35,6 +35,7 @@ from hyper_parallel.core.distributed_checkpoint.filesystem_reader import (
     MAX_METADATA_BYTES,
     FileSystemReader,
 )
+from hyper_parallel.core.distributed_checkpoint.filesystem_writer import rank_metadata_file
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import ReadItem
 from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId
@@ -97,6 +98,7 @@ class FsspecReader(FileSystemReader):
         if checkpoint_id is not None:
             self.path = str(checkpoint_id).rstrip("/")
             self.fs, self.root = filesystem_for(self.path, self._given_filesystem, self.storage_options)
+        self.metadata_file = self._configured_metadata_file
         self.metadata = None
         self.bytes_read = 0
         self.bytes_fetched = 0
@@ -108,8 +110,12 @@ class FsspecReader(FileSystemReader):
         except Exception as exc:  # pylint: disable=broad-except
             raise CheckpointIOError(f"cannot reach checkpoint {self.path}: {exc}") from exc
 
-    def read_metadata(self) -> Metadata:
+    def read_metadata(self, *, rank: int | None = None) -> Metadata:
         """Read and check the committed metadata object. Any rank; no collectives.
+
+        Args:
+            rank: Set when this rank loads on its own: its rank-local
+                ``metadata.rank<rank>.json`` is read if there is one.
 
         Raises:
             CheckpointNotFoundError: nothing is stored under the prefix.
@@ -117,6 +123,11 @@ class FsspecReader(FileSystemReader):
             CorruptCheckpointError / UnsafeCheckpointError: malformed or hostile metadata.
             CheckpointIOError: the store cannot be reached.
         """
+        try:
+            if rank is not None and self.has_object(rank_metadata_file(rank)):
+                self.metadata_file = rank_metadata_file(rank)
+        except CheckpointIOError:
+            pass  # reported below, when the metadata itself is read
         location = f"{self.path}/{self.metadata_file}"
         try:
             self.fs.invalidate_cache(self.root)

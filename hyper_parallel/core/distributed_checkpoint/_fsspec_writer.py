@@ -122,16 +122,20 @@ class FsspecWriter(FileSystemWriter):
         self.save_id = uuid.uuid4().hex[:12]
         self._seen = None
 
-    def set_up_storage_writer(self, is_coordinator: bool, *, rank: int = 0, world_size: int = 1) -> None:
+    def set_up_storage_writer(
+        self, is_coordinator: bool, *, rank: int = 0, world_size: int = 1, rank_local: bool = False
+    ) -> None:
         """New save id; the committing rank notes the metadata object as it is now. All ranks call it.
 
         What the coordinator sees here (absent, or its ETag) is what the
-        commit's conditional write requires to be still true.
+        commit's conditional write requires to be still true. With
+        ``rank_local`` each rank commits ``metadata.rank<rank>.json`` of its own.
 
         Raises:
             CheckpointIOError: the store cannot be reached or read.
         """
         self.rank = rank
+        self.rank_local = rank_local
         self.save_id = uuid.uuid4().hex[:12]
         self._seen = None
         self._committed = False
@@ -174,8 +178,13 @@ class FsspecWriter(FileSystemWriter):
             future.set_exception(wrapped)
         return future
 
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
+    def finish(
+        self, metadata: Metadata, results: list[list[WriteResult]], *, background_cleanup: bool = False
+    ) -> Metadata:
         """Commit: conditionally write the metadata object, then drop the superseded data. Coordinator only.
+
+        ``background_cleanup``: the superseded data objects are deleted on a
+        background thread (an async save's commit).
 
         Raises:
             ConcurrentSaveError: another save committed this location since
@@ -201,7 +210,7 @@ class FsspecWriter(FileSystemWriter):
         self._committed = True
         stale = [self._object(n) for n in sorted(self._superseded_files() - set(ours))]
         self.wait_cleanup()
-        if not self.background_cleanup:
+        if not background_cleanup:
             remove_objects(self.fs, stale)
             return committed
         self._cleanup = threading.Thread(target=remove_objects, args=(self.fs, stale), name="hp-ckpt-cleanup",

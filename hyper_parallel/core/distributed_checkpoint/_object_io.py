@@ -155,6 +155,12 @@ class ObjectSink:
             if self._filled == self.part_bytes:
                 self._ship()
 
+    def write_many(self, views: list[memoryview], nbytes: int) -> None:
+        """Append ``views`` in order (``nbytes`` in all)."""
+        del nbytes
+        for view in views:
+            self.write(view)
+
     def _ship(self) -> None:
         """Hand the full part to an upload thread; block while ``connections`` parts are in flight."""
         bucket, key, _ = self.fs.split_path(self.path)
@@ -252,6 +258,17 @@ class RangedSource:
     def readinto(self, buffer: np.ndarray, offset: int) -> int:
         """Fill ``buffer`` (``uint8``, contiguous) from byte ``offset``; return the bytes got (short at the end)."""
         return self.read_rows([buffer], [offset])
+
+    def readinto_many(self, buffers: list[np.ndarray], offset: int) -> int:
+        """Fill ``buffers`` one after the other from consecutive bytes at ``offset`` (one ranged read)."""
+        total = sum(b.size for b in buffers)
+        span = np.empty(total, dtype=np.uint8)
+        got = self.readinto(span, offset)
+        position = 0
+        for buffer in buffers:
+            buffer.reshape(-1)[...] = span[position : position + buffer.size]
+            position += buffer.size
+        return got
 
     def read_rows(self, rows: list[np.ndarray], offsets: list[int]) -> int:
         """Fill each ``rows[i]`` from byte ``offsets[i]``, all at once; return the bytes got."""

@@ -53,6 +53,10 @@ class FileSource:
             got += os.preadv(self.fd, [row], offset)
         return got
 
+    def readinto_many(self, buffers: list[np.ndarray], offset: int) -> int:
+        """Fill ``buffers`` one after the other from consecutive bytes at ``offset``; return the bytes got."""
+        return os.preadv(self.fd, buffers, offset)
+
 
 def read_runs(
     source: FileSource, path: Path, fqn: str, info: StorageInfo, runs: Runs, target: np.ndarray, *,

@@ -23,7 +23,7 @@ from typing import Iterator
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._format.byte_ranges import Runs, box_runs, split_box
-from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, digest
+from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, bad_blocks, digest
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
     CheckpointIOError,
@@ -33,7 +33,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     IncompleteCheckpointError,
     UnsafeCheckpointError,
 )
-from hyper_parallel.core.distributed_checkpoint.filesystem_writer import METADATA_FILE
+from hyper_parallel.core.distributed_checkpoint.filesystem_writer import METADATA_FILE, rank_metadata_file
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     Metadata,
     MetadataIndex,
@@ -60,6 +60,10 @@ __all__ = ["FileSystemReader", "MAX_METADATA_BYTES", "DEFAULT_MAX_INFLIGHT_BYTES
 MAX_METADATA_BYTES = 1 << 30
 #: Default bound on bytes buffered at once per I/O thread while verifying.
 DEFAULT_MAX_INFLIGHT_BYTES = 64 << 20
+#: Whole chunks up to this size (one flat checksum block) are read many per system call.
+_SMALL_ITEM_BYTES = 1 << 20
+#: Most buffers in one ``preadv`` (Linux ``IOV_MAX``).
+_IOV_MAX = 1024
 #: A file of which a rank needs at least this share is read with kernel readahead.
 _SEQUENTIAL_SHARE = 0.95
 
@@ -98,6 +102,7 @@ class FileSystemReader(StorageReader):
         self.thread_count = thread_count
         self.max_inflight_bytes = max_inflight_bytes
         self.metadata_file = metadata_file or METADATA_FILE
+        self._configured_metadata_file = self.metadata_file
         self.no_readahead = no_readahead
         self.metadata: Metadata | None = None
         self.bytes_read = 0
@@ -106,11 +111,18 @@ class FileSystemReader(StorageReader):
         """Start a new load, optionally from another directory. All ranks."""
         if checkpoint_id is not None:
             self.path = Path(os.fspath(checkpoint_id))
+        self.metadata_file = self._configured_metadata_file
         self.metadata = None
         self.bytes_read = 0
 
-    def read_metadata(self) -> Metadata:
+    def read_metadata(self, *, rank: int | None = None) -> Metadata:
         """Read and check the committed metadata. Any rank; no collectives.
+
+        Args:
+            rank: Set when this rank loads on its own (``use_collectives=False``
+                in a job of several ranks): its rank-local metadata
+                ``metadata.rank<rank>.json`` is read if the directory holds
+                one, the shared metadata otherwise.
 
         Raises:
             CheckpointNotFoundError: the directory does not exist.
@@ -121,6 +133,8 @@ class FileSystemReader(StorageReader):
             raise CheckpointNotFoundError(f"checkpoint {self.path} does not exist")
         if not self.path.is_dir():
             raise CheckpointValueError(f"checkpoint {self.path} is not a directory")
+        if rank is not None and (self.path / rank_metadata_file(rank)).is_file():
+            self.metadata_file = rank_metadata_file(rank)
         meta_path = self.path / self.metadata_file
         if not meta_path.is_file():
             raise IncompleteCheckpointError(
@@ -219,8 +233,9 @@ class FileSystemReader(StorageReader):
         return future
 
     def _info(self, index: MetadataIndex) -> StorageInfo:
-        key = MetadataIndex(index.fqn, index.offset)
-        info = self.metadata.storage_data.get(key)
+        info = self.metadata.storage_data.get(index)  # equality ignores the index hint
+        if info is None and not isinstance(index.offset, tuple):
+            info = self.metadata.storage_data.get(MetadataIndex(index.fqn, tuple(index.offset)))
         if info is None:
             raise CorruptCheckpointError(
                 f"key '{index.fqn}': chunk at offset {list(index.offset)} has no storage entry in the metadata"
@@ -231,8 +246,10 @@ class FileSystemReader(StorageReader):
         total = 0
         for relative_path, items in files:
             with self._open_source(relative_path, items) as (source, path, size):
-                for item in items:
-                    total += self._read_item(source, path, size, item, planner)
+                count, rest = self._read_small_whole_items(source, path, size, items, planner)
+                total += count
+                for item, dest in rest:
+                    total += self._read_item(source, path, size, item, planner, dest)
         return total
 
     @contextmanager
@@ -265,7 +282,79 @@ class FileSystemReader(StorageReader):
                 needed += math.prod(item.lengths) * DTYPE_NAMES.get(stored.properties.dtype, 1)
         return needed < _SEQUENTIAL_SHARE * file_size
 
-    def _read_item(self, source: FileSource, path: Path, file_size: int, item: ReadItem, planner: LoadPlanner) -> int:
+    def _read_small_whole_items(
+        self, source: FileSource, path: Path, file_size: int, items: list[ReadItem], planner: LoadPlanner
+    ) -> tuple[int, list[tuple[ReadItem, np.ndarray | None]]]:
+        """Read whole small chunks many per system call, straight into their targets, and verify them.
+
+        A chunk qualifies when it is stored uncompressed with one flat checksum
+        block at most, is read whole, and its target region is contiguous,
+        writable and of the stored dtype. Chunks adjacent in the file are read
+        by one ``preadv`` (one buffer per target). Returns the bytes read and
+        the other items (with the target already acquired, or ``None``).
+        """
+        batch: list[tuple[int, int, ReadItem, np.ndarray, StorageInfo]] = []
+        rest: list[tuple[ReadItem, np.ndarray | None]] = []
+        entries = self.metadata.state_dict_metadata
+        for item in items:
+            info = self._info(item.storage_index)
+            checksum = info.checksum
+            stored = entries.get(item.storage_index.fqn)
+            if (
+                item.type != LoadItemType.TENSOR
+                or info.compression is not None
+                or info.length > _SMALL_ITEM_BYTES
+                or info.offset + info.length > file_size
+                or any(item.storage_offsets)
+                or not isinstance(stored, TensorStorageMetadata)
+                or (checksum is not None and (checksum.algorithm != ALGORITHM or checksum.block_shape))
+                or info.length != math.prod(item.lengths) * DTYPE_NAMES.get(stored.properties.dtype, 0)
+                or tuple(item.lengths) != self._chunk_sizes(stored, item.storage_index)
+            ):
+                rest.append((item, None))
+                continue
+            dest = planner.acquire_tensor(item)
+            if dest.dtype != numpy_dtype(stored.properties.dtype) or not (dest.flags.c_contiguous and dest.flags.writeable):
+                rest.append((item, dest))
+                continue
+            batch.append((info.offset, info.length, item, dest, info))
+        batch.sort(key=lambda entry: entry[0])
+        total = 0
+        start = 0
+        while start < len(batch):
+            end = start + 1
+            while (
+                end < len(batch)
+                and end - start < _IOV_MAX
+                and batch[end][0] == batch[end - 1][0] + batch[end - 1][1]
+            ):
+                end += 1
+            group = batch[start:end]
+            length = sum(entry[1] for entry in group)
+            if length:
+                views = [entry[3].reshape(-1).view(np.uint8) for entry in group if entry[1]]
+                if source.readinto_many(views, group[0][0]) != length:
+                    fqn = group[0][2].storage_index.fqn
+                    raise CorruptCheckpointError(f"data file {path} is truncated while reading key '{fqn}'")
+            total += length
+            for offset, nbytes, item, dest, info in group:
+                if self.verify_checksums and info.checksum is not None:
+                    self._check_whole(path, item.storage_index.fqn, info, dest)
+                planner.apply_tensor(item, dest)
+            start = end
+        return total, rest
+
+    def _check_whole(self, path: Path, fqn: str, info: StorageInfo, dest: np.ndarray) -> None:
+        """Verify a whole chunk stored with flat checksum blocks, read into ``dest``."""
+        if bad_blocks(memoryview(dest.reshape(-1).view(np.uint8)), info.checksum, None, 1):
+            raise CorruptCheckpointError(
+                f"checksum mismatch in data file {path}, key '{fqn}' (bytes {info.offset}..{info.offset + info.length}):"
+                " the checkpoint is corrupt"
+            )
+
+    def _read_item(
+        self, source: FileSource, path: Path, file_size: int, item: ReadItem, planner: LoadPlanner, dest: np.ndarray | None = None
+    ) -> int:
         fqn = item.storage_index.fqn
         info = self._info(item.storage_index)
         if info.offset + info.length > file_size:
@@ -292,7 +381,8 @@ class FileSystemReader(StorageReader):
             raise CorruptCheckpointError(
                 f"key '{fqn}': stored length {info.length} does not match chunk sizes {list(chunk_sizes)}"
             )
-        dest = planner.acquire_tensor(item)
+        if dest is None:
+            dest = planner.acquire_tensor(item)
         stored_dtype = numpy_dtype(stored.properties.dtype)
         if self.verify_checksums and info.checksum is not None and info.checksum.block_shape:
             exact = source.exact

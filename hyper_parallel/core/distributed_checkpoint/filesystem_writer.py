@@ -66,6 +66,7 @@ __all__ = [
     "DATA_ALIGNMENT",
     "METADATA_FILE",
     "DATA_FILE_PATTERN",
+    "FileSystemPlanData",
     "FileSystemWriter",
     "rank_metadata_file",
     "write_atomically",
@@ -136,6 +137,20 @@ class _LocalDataFile:
         """Append ``view``."""
         _write_all(self.fd, view)
 
+    def write_many(self, views: list[memoryview], nbytes: int) -> None:
+        """Append ``views`` (``nbytes`` in all) with one ``writev``, uncopied."""
+        if not hasattr(os, "writev"):  # pragma: no cover - every POSIX system has it
+            _write_all(self.fd, memoryview(b"".join(views)))
+            return
+        written = os.writev(self.fd, views)
+        if written != nbytes:  # a short write (rare): write the rest piece by piece
+            for view in views:
+                if written >= len(view):
+                    written -= len(view)
+                    continue
+                _write_all(self.fd, view[written:])
+                written = 0
+
     def commit(self) -> None:
         """fsync (when asked), then close."""
         try:
@@ -153,28 +168,34 @@ class _LocalDataFile:
 
 
 class _CoalescingWriter:
-    """Sequential writes to one destination; small pieces are packed into one write."""
+    """Sequential writes to one destination; small pieces go many per ``write_many`` call, uncopied."""
 
     SMALL = 256 << 10
     FLUSH = 4 << 20
+    #: Most buffers in one ``writev`` (Linux ``IOV_MAX``).
+    MAX_BUFFERS = 1024
 
-    def __init__(self, sink: "_LocalDataFile") -> None:
+    def __init__(self, sink: _LocalDataFile) -> None:
         self.sink = sink
-        self.pending = bytearray()
+        self.pending: list[memoryview] = []
+        self.pending_bytes = 0
 
     def write(self, view: memoryview) -> None:
         if len(view) < self.SMALL:
-            self.pending += view
-            if len(self.pending) >= self.FLUSH:
+            if len(view):
+                self.pending.append(view)
+                self.pending_bytes += len(view)
+            if self.pending_bytes >= self.FLUSH or len(self.pending) >= self.MAX_BUFFERS:
                 self.flush()
             return
         self.flush()
         self.sink.write(view)
 
     def flush(self) -> None:
-        if self.pending:
-            self.sink.write(memoryview(self.pending))
-            self.pending = bytearray()
+        if not self.pending:
+            return
+        self.sink.write_many(self.pending, self.pending_bytes)
+        self.pending, self.pending_bytes = [], 0
 
 
 def _zstd():
@@ -200,6 +221,17 @@ class _FileJob:
     items: tuple[WriteItem, ...]
 
 
+@dataclass(frozen=True)
+class FileSystemPlanData:
+    """The storage data of a final save plan: what the coordinator tells every rank.
+
+    Attributes:
+        save_id: The coordinator's save id; every rank names its data files with it.
+    """
+
+    save_id: str
+
+
 class FileSystemWriter(StorageWriter):
     """Writes a checkpoint into a local or shared-filesystem directory.
 
@@ -210,7 +242,6 @@ class FileSystemWriter(StorageWriter):
             2 when the rank writes at least :data:`AUTO_THREAD_BYTES`, else 1
             (two streams overlap hashing with writing; small saves stay one file).
         checksum_block_bytes: Block size of the stored checksums.
-        rank_local: Write rank-local metadata (``use_collectives=False``).
         compression: ``None`` (default) or ``"zstd"``: each item compressed
             on its own. Compressed items are stored as ``U8`` arrays, so the
             files stay readable safetensors containers but hold compressed
@@ -237,7 +268,6 @@ class FileSystemWriter(StorageWriter):
         sync_files: bool = True,
         thread_count: int | None = None,
         checksum_block_bytes: int = DEFAULT_BLOCK_BYTES,
-        rank_local: bool = False,
         compression: str | None = None,
         compression_level: int = 3,
         tile_checksums: bool = True,
@@ -256,7 +286,7 @@ class FileSystemWriter(StorageWriter):
         self.sync_files = sync_files
         self.thread_count = thread_count
         self.checksum_block_bytes = checksum_block_bytes
-        self.rank_local = rank_local
+        self.rank_local = False
         self.compression = compression
         self.compression_level = compression_level
         self.tile_checksums = tile_checksums
@@ -267,8 +297,6 @@ class FileSystemWriter(StorageWriter):
         self._created_directory = False
         self._committed = False
         self._cleanup: threading.Thread | None = None
-        #: Delete the files of older saves on a background thread after commit.
-        self.background_cleanup = False
         self.rank = 0
         self.save_id = uuid.uuid4().hex[:12]
 
@@ -278,8 +306,14 @@ class FileSystemWriter(StorageWriter):
             self.path = Path(os.fspath(checkpoint_id))
         self.save_id = uuid.uuid4().hex[:12]
 
-    def set_up_storage_writer(self, is_coordinator: bool, *, rank: int = 0, world_size: int = 1) -> None:
+    def set_up_storage_writer(
+        self, is_coordinator: bool, *, rank: int = 0, world_size: int = 1, rank_local: bool = False
+    ) -> None:
         """Create the directory (every rank may; exist is fine). All ranks call it.
+
+        With ``rank_local`` (``save(..., use_collectives=False)`` in a job of
+        several ranks) this rank commits ``metadata.rank<rank>.json`` and its
+        after-commit cleanup touches only its own data files.
 
         Every save gets a new save id here (the coordinator's is handed to all
         ranks with the plan), so a writer used for several saves never writes
@@ -290,6 +324,7 @@ class FileSystemWriter(StorageWriter):
             CheckpointIOError: the directory cannot be created or written.
         """
         self.rank = rank
+        self.rank_local = rank_local
         self.save_id = uuid.uuid4().hex[:12]
         self._committed = False
         self._created_directory = False
@@ -329,28 +364,27 @@ class FileSystemWriter(StorageWriter):
         remove_files(garbage_files(self.path, garbage, rank=self.rank if self.rank_local else None))
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """Record this rank in the plan's storage data. All ranks call it."""
-        return replace(plan, storage_data={"rank": self.rank})
+        """Return the plan unchanged: file names are given by the coordinator. All ranks call it."""
+        return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Give every plan the coordinator's save id. Coordinator only."""
-        return [
-            replace(plan, storage_data={"rank": (plan.storage_data or {}).get("rank", rank), "save_id": self.save_id})
-            for rank, plan in enumerate(plans)
-        ]
+        """Give every plan the coordinator's save id (:class:`FileSystemPlanData`). Coordinator only."""
+        return [replace(plan, storage_data=FileSystemPlanData(save_id=self.save_id)) for plan in plans]
 
     def _jobs(self, plan: SavePlan) -> list[_FileJob]:
-        save_id = (plan.storage_data or {}).get("save_id", self.save_id)
-        self.save_id = save_id
+        if isinstance(plan.storage_data, FileSystemPlanData):
+            self.save_id = plan.storage_data.save_id
+        save_id = self.save_id
         threads = self.thread_count
+        sized = sorted(((item.storage_size(), item) for item in plan.items), key=lambda pair: -pair[0])
         if threads is None:
-            threads = 2 if sum(item.storage_size() for item in plan.items) >= AUTO_THREAD_BYTES else 1
+            threads = 2 if sum(size for size, _ in sized) >= AUTO_THREAD_BYTES else 1
         bins: list[list[WriteItem]] = [[] for _ in range(threads)]
         loads = [0] * threads
-        for item in sorted(plan.items, key=lambda i: -i.storage_size()):
-            target = loads.index(min(loads))
+        for size, item in sized:
+            target = loads.index(min(loads)) if threads > 1 else 0
             bins[target].append(item)
-            loads[target] += item.storage_size()
+            loads[target] += size
         jobs = []
         for counter, items in enumerate(b for b in bins if b):
             name = f"r{self.rank:05d}_{counter:03d}.{save_id}.safetensors"
@@ -460,15 +494,23 @@ class FileSystemWriter(StorageWriter):
         return future
 
     def _discard(self, jobs: list[_FileJob]) -> None:
-        """Remove this rank's data files of the failed save (best effort)."""
         for job in jobs:
             try:
                 (self.path / job.name).unlink(missing_ok=True)
             except OSError:
                 pass  # a later save of this directory removes it as stale
 
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
+    def finish(
+        self, metadata: Metadata, results: list[list[WriteResult]], *, background_cleanup: bool = False
+    ) -> Metadata:
         """Commit: write the metadata atomically, then drop the files of the replaced save. Coordinator only.
+
+        Args:
+            metadata: The coordinator's metadata (without storage data).
+            results: Every rank's write results, in rank order.
+            background_cleanup: Delete the replaced save's files on a
+                background thread (an async save's commit runs on the
+                training thread); :meth:`wait_cleanup` waits for it.
 
         Raises:
             ConcurrentSaveError: another save took the lease or committed to this id since
@@ -498,7 +540,7 @@ class FileSystemWriter(StorageWriter):
         # large files takes time); the lease is held until they are gone.
         self.wait_cleanup()
         stale = self._stale_files(replaced)
-        if not self.background_cleanup or failure is not None:
+        if not background_cleanup or failure is not None:
             _clean_up(stale, lease)
             if failure is not None:
                 raise failure

@@ -26,8 +26,10 @@ __all__ = [
     "STATE_DICT_TYPE",
 ]
 
-#: Version of the on-disk format written by this code (see docs/format.md).
-FORMAT_VERSION = "1.0"
+#: Version of the on-disk format written by this code (docs/format.md section 12).
+#: 2.0 added tile checksums (``checksum.block_shape``) and zstd compression,
+#: which a 1.0 reader would misread; 1.0 checkpoints still load.
+FORMAT_VERSION = "2.0"
 #: Name of the storage backend of the filesystem format.
 BACKEND_NAME = "filesystem"
 

@@ -49,8 +49,20 @@ class StorageWriter(abc.ABC):
         """Start a new save, optionally to a new location. All ranks call it."""
 
     @abc.abstractmethod
-    def set_up_storage_writer(self, is_coordinator: bool, *, rank: int = 0, world_size: int = 1) -> None:
-        """Prepare the destination (the coordinator creates it). All ranks call it."""
+    def set_up_storage_writer(
+        self, is_coordinator: bool, *, rank: int = 0, world_size: int = 1, rank_local: bool = False
+    ) -> None:
+        """Prepare the destination for a new save. All ranks call it.
+
+        Args:
+            is_coordinator: Whether this rank commits.
+            rank: This rank.
+            world_size: Number of ranks saving together.
+            rank_local: This rank saves on its own in a job of several ranks
+                (``use_collectives=False``): its commit must record only its
+                own items, under a name of its own, and must not disturb
+                other ranks' checkpoints in the same place.
+        """
 
     @abc.abstractmethod
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -65,8 +77,20 @@ class StorageWriter(abc.ABC):
         """Write every item of this rank's final plan durably. All ranks call it."""
 
     @abc.abstractmethod
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
+    def finish(
+        self, metadata: Metadata, results: list[list[WriteResult]], *, background_cleanup: bool = False
+    ) -> Metadata:
         """Commit: record where everything is, atomically. Coordinator only.
+
+        Until this returns, a reader must not see the new checkpoint; once it
+        returns, the checkpoint is complete and durable.
+
+        Args:
+            metadata: The metadata built by the planner (no storage data yet).
+            results: Every rank's write results, in rank order.
+            background_cleanup: Work after the commit (e.g. deleting what an
+                older save at the same id left) may run off the caller's
+                thread; an async save's commit asks for it.
 
         Returns:
             The committed metadata (with storage data).
@@ -93,8 +117,18 @@ class StorageReader(abc.ABC):
         """Start a new load, optionally from a new location. All ranks call it."""
 
     @abc.abstractmethod
-    def read_metadata(self) -> Metadata:
-        """Read and check the committed metadata. Any rank; no collectives."""
+    def read_metadata(self, *, rank: int | None = None) -> Metadata:
+        """Read and check the committed metadata. Any rank; no collectives.
+
+        Args:
+            rank: Set when this rank loads on its own (``use_collectives=False``
+                in a job of several ranks): read the metadata this rank
+                committed on its own, if there is one, else the shared one.
+
+        Raises:
+            CheckpointNotFoundError: nothing at the checkpoint id.
+            IncompleteCheckpointError: no committed metadata.
+        """
 
     @abc.abstractmethod
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool) -> None:

@@ -1,10 +1,13 @@
 """Save and load strategies by backend and format version (Megatron-style).
 
 The metadata of every checkpoint records the backend that wrote it and its
-format version. Loading looks up the registered load strategy for them and
-refuses, with a clear error, a backend or version nobody registered. The
-filesystem format is registered here as backend ``"filesystem"``, version
-:data:`FORMAT_VERSION`.
+format version. ``dcp.load`` reads the metadata and calls the load strategy
+registered for them (refusing, with a clear error, a backend or version
+nobody registered); ``dcp.save`` and ``dcp.async_save`` call the save
+strategy registered for this package's backend and :data:`FORMAT_VERSION`.
+The built-in strategies run the steps of :mod:`._engine` with whatever
+storage writer or reader the caller chose; they are registered here as
+backend ``"filesystem"``.
 """
 
 from __future__ import annotations
@@ -14,12 +17,23 @@ import enum
 from typing import Any
 
 from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncCallsQueue, AsyncRequest
+from hyper_parallel.core.distributed_checkpoint._engine import (
+    LoadOptions,
+    SaveOptions,
+    plan_async_save,
+    run_load,
+    run_save,
+)
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, UnsupportedFormatError
 from hyper_parallel.core.distributed_checkpoint.metadata import BACKEND_NAME, FORMAT_VERSION, Metadata
+from hyper_parallel.core.distributed_checkpoint.planner import LoadPlanner, SavePlanner
+from hyper_parallel.core.distributed_checkpoint.storage import StorageReader, StorageWriter
 
 __all__ = [
     "AsyncCallsQueue",
     "AsyncRequest",
+    "SaveOptions",
+    "LoadOptions",
     "StrategyAction",
     "SaveStrategyBase",
     "LoadStrategyBase",
@@ -28,6 +42,8 @@ __all__ = [
     "register_default_strategy",
     "get_default_strategy",
     "registered_strategies",
+    "READABLE_OLDER_VERSIONS",
+    "save_strategy",
     "check_load_compatible",
 ]
 
@@ -73,45 +89,111 @@ class _StrategyBase(abc.ABC):
 
 
 class SaveStrategyBase(_StrategyBase):
-    """Writes a state dict. ``async_capable`` strategies return an ``AsyncRequest``."""
+    """Runs a save. ``dcp.save`` calls :meth:`save`; ``dcp.async_save`` calls
+    :meth:`async_save` of an ``async_capable`` strategy."""
 
+    #: Whether :meth:`async_save` is implemented.
     async_capable = False
 
     @abc.abstractmethod
-    def save(self, state_dict: dict[str, Any], checkpoint_id: Any, **kwargs: Any) -> Any:
-        """Save ``state_dict``. All ranks call it."""
+    def save(
+        self, state_dict: dict[str, Any], *, storage_writer: StorageWriter, planner: SavePlanner, options: SaveOptions
+    ) -> Metadata:
+        """Save ``state_dict`` and return the committed metadata. All ranks call it.
+
+        Args:
+            state_dict: The state to save.
+            storage_writer: Where to write (already reset to the checkpoint id).
+            planner: The save planner.
+            options: The save's options (``no_dist``, ``use_collectives``, ...).
+        """
+
+    def async_save(
+        self,
+        state_dict: dict[str, Any],
+        *,
+        storage_writer: StorageWriter,
+        planner: SavePlanner,
+        options: SaveOptions,
+        staging: str,
+    ) -> AsyncRequest:
+        """Plan and stage a save; return the request that writes and commits it. All ranks call it.
+
+        The returned :class:`AsyncRequest` is run by an :class:`AsyncCallsQueue`:
+        its function in the background, its finalize functions (the commit, a
+        collective step) on the caller's thread.
+
+        Raises:
+            UnsupportedFormatError: the strategy is not ``async_capable``.
+        """
+        raise UnsupportedFormatError(
+            f"the save strategy of backend {self.backend!r} version {self.version} cannot save asynchronously; "
+            "use dcp.save"
+        )
 
 
 class LoadStrategyBase(_StrategyBase):
-    """Reads a checkpoint into a state dict."""
+    """Runs a load of a checkpoint whose backend and version it accepts. ``dcp.load`` calls it."""
 
     @abc.abstractmethod
-    def load(self, state_dict: dict[str, Any], checkpoint_id: Any, **kwargs: Any) -> None:
-        """Load into ``state_dict`` in place. All ranks call it."""
+    def load(
+        self,
+        state_dict: dict[str, Any],
+        *,
+        storage_reader: StorageReader,
+        planner: LoadPlanner,
+        metadata: Metadata,
+        options: LoadOptions,
+    ) -> None:
+        """Load into ``state_dict`` in place. All ranks call it.
+
+        Args:
+            state_dict: The targets.
+            storage_reader: Where to read (its metadata already read).
+            planner: The load planner.
+            metadata: The checkpoint's committed metadata (same on every rank).
+            options: The load's options (``no_dist``, ``use_collectives``).
+        """
 
 
 class FileSystemSaveStrategy(SaveStrategyBase):
-    """The filesystem format: ``dcp.save`` (sync) or ``dcp.async_save``."""
+    """This package's format: plan, write and commit through the storage writer."""
 
     async_capable = True
 
-    def save(self, state_dict: dict[str, Any], checkpoint_id: Any, **kwargs: Any) -> Any:
-        """Save with ``dcp.save``; with ``async_save=True`` return an ``AsyncSaveHandle``."""
-        from hyper_parallel.core.distributed_checkpoint import api, async_checkpoint  # pylint: disable=import-outside-toplevel
+    def save(
+        self, state_dict: dict[str, Any], *, storage_writer: StorageWriter, planner: SavePlanner, options: SaveOptions
+    ) -> Metadata:
+        """Run the save steps (:func:`._engine.run_save`). All ranks call it."""
+        return run_save(state_dict, writer=storage_writer, planner=planner, options=options)
 
-        if kwargs.pop("async_save", False):
-            return async_checkpoint.async_save(state_dict, checkpoint_id=checkpoint_id, **kwargs)
-        return api.save(state_dict, checkpoint_id=checkpoint_id, **kwargs)
+    def async_save(
+        self,
+        state_dict: dict[str, Any],
+        *,
+        storage_writer: StorageWriter,
+        planner: SavePlanner,
+        options: SaveOptions,
+        staging: str,
+    ) -> AsyncRequest:
+        """Plan and stage (:func:`._engine.plan_async_save`). All ranks call it."""
+        return plan_async_save(state_dict, writer=storage_writer, planner=planner, options=options, staging=staging)
 
 
 class FileSystemLoadStrategy(LoadStrategyBase):
-    """The filesystem format: ``dcp.load``."""
+    """This package's format: plan and read through the storage reader."""
 
-    def load(self, state_dict: dict[str, Any], checkpoint_id: Any, **kwargs: Any) -> None:
-        """Load with ``dcp.load``."""
-        from hyper_parallel.core.distributed_checkpoint import api  # pylint: disable=import-outside-toplevel
-
-        api.load(state_dict, checkpoint_id=checkpoint_id, **kwargs)
+    def load(
+        self,
+        state_dict: dict[str, Any],
+        *,
+        storage_reader: StorageReader,
+        planner: LoadPlanner,
+        metadata: Metadata,
+        options: LoadOptions,
+    ) -> None:
+        """Run the load steps (:func:`._engine.run_load`). All ranks call it."""
+        run_load(state_dict, reader=storage_reader, planner=planner, metadata=metadata, options=options)
 
 
 _REGISTRY: dict[tuple[StrategyAction, str, str], _StrategyBase] = {}
@@ -121,6 +203,11 @@ def register_default_strategy(action: StrategyAction, backend: str, version: str
     """Register ``strategy`` for ``action`` on ``backend`` at format ``version``."""
     if not isinstance(action, StrategyAction):
         raise CheckpointValueError(f"action must be a StrategyAction, got {action!r}")
+    wanted = SaveStrategyBase if action in (StrategyAction.SAVE_SHARDED, StrategyAction.SAVE_COMMON) else LoadStrategyBase
+    if not isinstance(strategy, wanted):
+        raise CheckpointValueError(
+            f"a {action.value} strategy must be a {wanted.__name__}, got {type(strategy).__name__}"
+        )
     _REGISTRY[(action, backend, str(version))] = strategy
 
 
@@ -155,10 +242,18 @@ def get_default_strategy(action: StrategyAction, backend: str, version: str) -> 
     )
 
 
-def check_load_compatible(metadata: Metadata) -> _StrategyBase:
+def save_strategy() -> SaveStrategyBase:
+    """The registered save strategy of this package's backend and format version."""
+    return get_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND_NAME, FORMAT_VERSION)
+
+
+def check_load_compatible(metadata: Metadata) -> LoadStrategyBase:
     """Return the load strategy for a checkpoint's backend and version, or raise."""
     return get_default_strategy(StrategyAction.LOAD_SHARDED, metadata.storage_meta.backend, metadata.version)
 
+
+#: Older format versions the built-in load strategy still reads (docs/format.md section 12).
+READABLE_OLDER_VERSIONS = ("1.0",)
 
 for _action, _cls in (
     (StrategyAction.SAVE_SHARDED, FileSystemSaveStrategy),
@@ -167,3 +262,6 @@ for _action, _cls in (
     (StrategyAction.LOAD_COMMON, FileSystemLoadStrategy),
 ):
     register_default_strategy(_action, BACKEND_NAME, FORMAT_VERSION, _cls(BACKEND_NAME, FORMAT_VERSION))
+for _version in READABLE_OLDER_VERSIONS:
+    for _action in (StrategyAction.LOAD_SHARDED, StrategyAction.LOAD_COMMON):
+        register_default_strategy(_action, BACKEND_NAME, _version, FileSystemLoadStrategy(BACKEND_NAME, _version))

@@ -15,7 +15,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Callable
 
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 
@@ -26,7 +26,8 @@ __all__ = [
     "HeaderEntry",
     "build_header",
     "read_header",
-    "read_header_from",
+    "read_header_and_metadata",
+    "read_header_at",
 ]
 
 #: Stored dtype name -> safetensors dtype code.
@@ -117,20 +118,12 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, dict], int]:
         CorruptCheckpointError: a header that is too large, not JSON, or whose
             entries do not tile the data region (names the file).
     """
-    size = os.path.getsize(path)
-    with open(path, "rb") as handle:
-        return read_header_from(handle, size, str(path))
+    header, data_start, _ = read_header_and_metadata(path)
+    return header, data_start
 
 
-def read_header_from(handle: BinaryIO, size: int, path: str) -> tuple[dict[str, dict], int]:
-    """:func:`read_header` of an open file (any seekable binary stream, such as an fsspec object).
-
-    Args:
-        handle: The data file, positioned at its start.
-        size: Its size in bytes.
-        path: Its name, for messages.
-    """
-    raw = handle.read(8)
+def _read_raw_header(path: str | os.PathLike, size: int, pread: Callable[[int, int], bytes]) -> bytes:
+    raw = pread(8, 0)
     if len(raw) < 8:
         raise CorruptCheckpointError(f"{path}: file too short for a safetensors header ({size} bytes)")
     (length,) = struct.unpack("<Q", raw)
@@ -139,7 +132,43 @@ def read_header_from(handle: BinaryIO, size: int, path: str) -> tuple[dict[str, 
             f"{path}: safetensors header length {length} is larger than the file or the "
             f"{MAX_HEADER_BYTES}-byte limit"
         )
-    text = handle.read(length)
+    return pread(length, 8)
+
+
+def read_header_and_metadata(
+    path: str | os.PathLike, *, fd: int | None = None
+) -> tuple[dict[str, dict], int, dict[str, str]]:
+    """Parse and check a safetensors header, keeping its ``__metadata__``.
+
+    Args:
+        path: The file (named in errors; opened when ``fd`` is ``None``).
+        fd: An open descriptor of the file to read instead of opening ``path``.
+
+    Returns:
+        The tensor entries, the absolute offset of the data region, and the
+        ``__metadata__`` strings (empty when absent).
+
+    Raises:
+        CorruptCheckpointError: as :func:`read_header`.
+    """
+    if fd is None:
+        with open(path, "rb") as handle:
+            return read_header_and_metadata(path, fd=handle.fileno())
+    return read_header_at(path, os.fstat(fd).st_size, lambda count, offset: os.pread(fd, count, offset))
+
+
+def read_header_at(
+    path: str | os.PathLike, size: int, pread: Callable[[int, int], bytes]
+) -> tuple[dict[str, dict], int, dict[str, str]]:
+    """:func:`read_header_and_metadata` of a file read through ``pread(count, offset)`` (an object, a stream).
+
+    Args:
+        path: The file's name, for messages.
+        size: The file's size in bytes.
+        pread: Returns up to ``count`` bytes from byte ``offset``.
+    """
+    text = _read_raw_header(path, size, pread)
+    length = len(text)
     try:
         header = json.loads(text.decode("utf-8"))
     except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, too deep, an integer too long
@@ -181,4 +210,4 @@ def read_header_from(handle: BinaryIO, size: int, path: str) -> tuple[dict[str, 
         raise CorruptCheckpointError(
             f"{path}: data region holds {size - data_start} bytes but the header describes {position}"
         )
-    return header, data_start
+    return header, data_start, file_metadata

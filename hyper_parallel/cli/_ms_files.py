@@ -1,0 +1,452 @@
+"""MindSpore's own checkpoint files, read and written without MindSpore.
+
+Two formats, both as ``mindspore.save_checkpoint`` writes them:
+
+- ``.ckpt``: serialized protobuf ``Checkpoint`` messages
+  (``mindspore/train/checkpoint.proto``) written one after the other, each
+  holding one ``Value`` (``tag`` = parameter name, ``tensor`` = ``TensorProto``
+  with ``dims``, ``tensor_type`` such as ``"Float32"`` and the raw
+  little-endian ``tensor_content``). A tensor above 512 MiB is split into
+  several consecutive values with the same tag whose contents concatenate. A
+  file saved with ``crc_check=True`` ends with ``b"crc_num"`` and 10 bytes.
+  A string is a value of type ``"str"`` holding numpy UTF-32 text.
+- ``.safetensors``: a safetensors file with ``{"format": "ms"}`` metadata.
+
+The ``.ckpt`` reader walks the protobuf wire format itself: it reads the
+small field headers and skips every ``tensor_content``, recording where it
+lies, so indexing a file reads a few bytes per tensor. Tensors are then
+mapped from the file (no copy, no MindSpore, no unpickling). Only regular
+files are opened (a FIFO or device is refused instead of blocking).
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import stat
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+
+from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import (
+    DTYPE_FROM_SAFETENSORS,
+    HeaderEntry,
+    build_header,
+    read_header_and_metadata,
+)
+from hyper_parallel.core.distributed_checkpoint.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsupportedFormatError,
+)
+from hyper_parallel.platform.tensor import DTYPE_NAMES
+
+__all__ = [
+    "MS_DTYPE_NAMES",
+    "STRING_DTYPE",
+    "CKPT_CHUNK_BYTES",
+    "MsEntry",
+    "MsFile",
+    "open_regular",
+    "open_ms_file",
+    "ckpt_value_bytes",
+    "MsItem",
+    "string_item",
+    "write_ms_file",
+]
+
+#: MindSpore ``tensor_type`` string -> stored dtype name of this library.
+MS_DTYPE_NAMES: dict[str, str] = {
+    "Bool": "bool", "Int8": "int8", "UInt8": "uint8", "Int16": "int16", "UInt16": "uint16",
+    "Int32": "int32", "UInt32": "uint32", "Int64": "int64", "UInt64": "uint64",
+    "Float16": "float16", "BFloat16": "bfloat16", "Float32": "float32", "Float64": "float64",
+}
+_MS_TYPE_OF = {name: ms for ms, name in MS_DTYPE_NAMES.items()}
+#: dtype of an entry holding a string (MindSpore ``tensor_type`` ``"str"``).
+STRING_DTYPE = "str"
+#: MindSpore splits a tensor's content into values of at most this many bytes.
+CKPT_CHUNK_BYTES = 512 * 1024 * 1024
+_CRC_TRAILER = b"crc_num"
+_CRC_TRAILER_BYTES = 17
+_WINDOW = 512
+
+
+def open_regular(path: str | os.PathLike) -> int:
+    """Open ``path`` read-only, refusing anything but a regular file.
+
+    The file is opened non-blocking and checked on the open descriptor, so a
+    FIFO never blocks and a file swapped after a check is still caught.
+
+    Raises:
+        CheckpointNotFoundError: the file does not exist.
+        UnsupportedFormatError: not a regular file (FIFO, device, directory).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError as exc:
+        raise CheckpointNotFoundError(f"{path} does not exist") from exc
+    except IsADirectoryError as exc:
+        raise UnsupportedFormatError(f"{path} is a directory, not a checkpoint file") from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UnsupportedFormatError(f"{path} is not a regular file (a FIFO or device?); refused")
+    return fd
+
+
+@dataclass(frozen=True)
+class MsEntry:
+    """One tensor (or string) of a MindSpore file.
+
+    Attributes:
+        name: Parameter name (the ``.ckpt`` tag / safetensors key).
+        dtype: Stored dtype name (``"float32"``...), or :data:`STRING_DTYPE`.
+        shape: Shape of the tensor as stored in this file (a slice on a rank).
+        segments: ``(absolute offset, length)`` of the content, in order.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    segments: tuple[tuple[int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the content."""
+        return sum(length for _, length in self.segments)
+
+
+class MsFile:
+    """An indexed MindSpore ``.ckpt`` or ``.safetensors`` file; tensors mapped on demand.
+
+    Build it with :func:`open_ms_file`. Single process.
+
+    Attributes:
+        path: The file.
+        entries: Name -> :class:`MsEntry`, in file order.
+        file_metadata: The safetensors ``__metadata__`` (empty for ``.ckpt``).
+    """
+
+    def __init__(self, path: Path, fd: int, entries: dict[str, MsEntry], file_metadata: dict[str, str]) -> None:
+        self.path = path
+        self.entries = entries
+        self.file_metadata = file_metadata
+        size = os.fstat(fd).st_size
+        self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else None
+        os.close(fd)
+
+    def raw(self, name: str) -> np.ndarray:
+        """Return the content bytes of ``name`` as a read-only uint8 array.
+
+        A single-segment entry is a view of the mapped file (no copy); a
+        ``.ckpt`` tensor split into several values is joined into a new array.
+        """
+        entry = self.entries[name]
+        if not entry.segments or entry.nbytes == 0:
+            return np.empty(0, dtype=np.uint8)
+        parts = [np.frombuffer(self._map, dtype=np.uint8, count=length, offset=offset)
+                 for offset, length in entry.segments]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def text(self, name: str) -> str:
+        """Return the string held by a ``"str"`` entry (numpy UTF-32 text)."""
+        data = self.raw(name).tobytes()
+        if len(data) % 4:
+            raise CorruptCheckpointError(f"{self.path}: string value '{name}' is not UTF-32 text")
+        return data.decode("utf-32-le").rstrip("\0")
+
+    def __repr__(self) -> str:
+        return f"MsFile({str(self.path)!r}, {len(self.entries)} entries)"
+
+
+class _Cursor:
+    """Reads the small protobuf fields of a file by ``pread`` into a small window."""
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self.fd, self.path = fd, path
+        self.base, self.data = 0, b""
+
+    def take(self, position: int, count: int) -> bytes:
+        end = position + count
+        if not (self.base <= position and end <= self.base + len(self.data)):
+            self.data = os.pread(self.fd, max(count, _WINDOW), position)
+            self.base = position
+        start = position - self.base
+        chunk = self.data[start:start + count]
+        if len(chunk) != count:
+            raise CorruptCheckpointError(f"{self.path}: truncated .ckpt file (field at byte {position})")
+        return chunk
+
+    def varint(self, position: int, end: int) -> tuple[int, int]:
+        value, shift = 0, 0
+        while True:
+            if position >= end or shift > 63:
+                raise CorruptCheckpointError(f"{self.path}: malformed protobuf varint at byte {position}")
+            byte = self.take(position, 1)[0]
+            position += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if not byte & 0x80:
+                return value, position
+
+    def field(self, position: int, end: int) -> tuple[int, int, int, int]:
+        """Return ``(field number, wire type, value or length, position after the header)``."""
+        key, position = self.varint(position, end)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, position = self.varint(position, end)
+            return number, wire, value, position
+        if wire == 2:
+            length, position = self.varint(position, end)
+            if position + length > end:
+                raise CorruptCheckpointError(f"{self.path}: protobuf field at byte {position} overruns its message")
+            return number, wire, length, position
+        if wire in (1, 5):
+            return number, wire, 8 if wire == 1 else 4, position
+        raise CorruptCheckpointError(
+            f"{self.path}: protobuf wire type {wire} at byte {position} is not used by MindSpore checkpoints; "
+            "not a .ckpt file (or an encrypted one: decrypt it with mindspore.load_checkpoint(dec_key=...) first)"
+        )
+
+
+def _skip(wire: int, value: int, position: int) -> int:
+    return position if wire == 0 else position + value
+
+
+def _parse_tensor(cursor: _Cursor, start: int, end: int, name: str) -> tuple[list[int], str, tuple[int, int]]:
+    dims: list[int] = []
+    tensor_type, content = None, (start, 0)
+    position = start
+    while position < end:
+        number, wire, value, position = cursor.field(position, end)
+        if number == 1 and wire == 0:
+            dims.append(value)
+        elif number == 1 and wire == 2:  # packed dims
+            inner, stop = position, position + value
+            while inner < stop:
+                dim, inner = cursor.varint(inner, stop)
+                dims.append(dim)
+        elif number == 2 and wire == 2:
+            tensor_type = cursor.take(position, value).decode("utf-8", "replace")
+        elif number == 3 and wire == 2:
+            content = (position, value)
+        position = _skip(wire, value, position)
+    if tensor_type is None:
+        raise CorruptCheckpointError(f"{cursor.path}: value '{name}' has no tensor_type")
+    return dims, tensor_type, content
+
+
+def _parse_value(cursor: _Cursor, start: int, end: int) -> tuple[str, list[int], str, tuple[int, int]]:
+    name, tensor = None, None
+    position = start
+    while position < end:
+        number, wire, value, position = cursor.field(position, end)
+        if number == 1 and wire == 2:
+            name = cursor.take(position, value).decode("utf-8", "replace")
+        elif number == 2 and wire == 2:
+            tensor = (position, position + value)
+        elif number == 3 and wire == 2:
+            raise UnsupportedFormatError(
+                f"{cursor.path}: value '{name}' is a MapParameter (maptensor), which cannot be imported"
+            )
+        position = _skip(wire, value, position)
+    if name is None or tensor is None:
+        raise CorruptCheckpointError(f"{cursor.path}: a value at byte {start} lacks its tag or tensor")
+    dims, tensor_type, content = _parse_tensor(cursor, tensor[0], tensor[1], name)
+    return name, dims, tensor_type, content
+
+
+def _entry_shape(path: Path, name: str, dims: list[int], dtype: str, nbytes: int) -> tuple[int, ...]:
+    if dtype == STRING_DTYPE:
+        return ()
+    itemsize = DTYPE_NAMES[dtype]
+    shape = tuple(dims)
+    if shape == (0,) and nbytes == itemsize:  # MindSpore writes a scalar's dims as [0]
+        shape = ()
+    if math.prod(shape) * itemsize != nbytes:
+        raise CorruptCheckpointError(
+            f"{path}: value '{name}' holds {nbytes} bytes but dims {list(dims)} of {dtype} need "
+            f"{math.prod(shape) * itemsize}"
+        )
+    return shape
+
+
+def _index_ckpt(fd: int, path: Path) -> dict[str, MsEntry]:
+    size = os.fstat(fd).st_size
+    cursor = _Cursor(fd, path)
+    end = size
+    if size >= _CRC_TRAILER_BYTES and os.pread(fd, len(_CRC_TRAILER), size - _CRC_TRAILER_BYTES) == _CRC_TRAILER:
+        end = size - _CRC_TRAILER_BYTES
+    found: dict[str, tuple[list[int], str, list[tuple[int, int]]]] = {}
+    last = None
+    position = 0
+    while position < end:
+        number, wire, value, position = cursor.field(position, end)
+        if number == 1 and wire == 2:
+            name, dims, tensor_type, content = _parse_value(cursor, position, position + value)
+            if name == last and found[name][:2] == (dims, tensor_type):
+                found[name][2].append(content)
+            elif name in found:
+                raise CorruptCheckpointError(f"{path}: parameter '{name}' appears twice")
+            else:
+                found[name] = (dims, tensor_type, [content])
+            last = name
+        position = _skip(wire, value, position)
+    entries = {}
+    for name, (dims, tensor_type, segments) in found.items():
+        if tensor_type != STRING_DTYPE and tensor_type not in MS_DTYPE_NAMES:
+            raise UnsupportedFormatError(
+                f"{path}: parameter '{name}' has MindSpore type {tensor_type!r}, which cannot be imported "
+                f"(supported: {', '.join(sorted(MS_DTYPE_NAMES))}, str)"
+            )
+        dtype = MS_DTYPE_NAMES.get(tensor_type, STRING_DTYPE)
+        nbytes = sum(length for _, length in segments)
+        entries[name] = MsEntry(name, dtype, _entry_shape(path, name, dims, dtype, nbytes), tuple(segments))
+    return entries
+
+
+def _index_safetensors(fd: int, path: Path) -> tuple[dict[str, MsEntry], dict[str, str]]:
+    header, data_start, file_metadata = read_header_and_metadata(path, fd=fd)
+    quantized = sorted(name for name, value in file_metadata.items() if value == "Int4" and name in header)
+    if quantized:
+        raise UnsupportedFormatError(f"{path}: parameter '{quantized[0]}' is MindSpore Int4 (qint4x2); not supported")
+    entries = {}
+    for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+        begin, end = info["data_offsets"]
+        entries[name] = MsEntry(name, DTYPE_FROM_SAFETENSORS[info["dtype"]], tuple(info["shape"]),
+                                ((data_start + begin, end - begin),))
+    return entries, file_metadata
+
+
+def open_ms_file(path: str | os.PathLike) -> MsFile:
+    """Index a MindSpore ``.ckpt`` or ``.safetensors`` file (its tensors stay on disk).
+
+    Raises:
+        CheckpointNotFoundError: the file does not exist.
+        UnsupportedFormatError: not a regular file, another suffix, or an
+            unsupported entry (MapParameter, Int4).
+        CorruptCheckpointError: a malformed file (names the file and byte).
+    """
+    file_path = Path(os.fspath(path))
+    if file_path.suffix not in (".ckpt", ".safetensors"):
+        raise UnsupportedFormatError(f"{file_path}: expected a MindSpore .ckpt or .safetensors file")
+    fd = open_regular(file_path)
+    try:
+        if file_path.suffix == ".ckpt":
+            entries, file_metadata = _index_ckpt(fd, file_path), {}
+        else:
+            entries, file_metadata = _index_safetensors(fd, file_path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return MsFile(file_path, fd, entries, file_metadata)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _length_field(number: int, length: int) -> bytes:
+    return _varint(number << 3 | 2) + _varint(length)
+
+
+def ckpt_value_bytes(name: str, dtype: str, shape: tuple[int, ...], content: memoryview) -> Iterable[memoryview | bytes]:
+    """Yield the bytes of one ``.ckpt`` value (several for content above 512 MiB).
+
+    Args:
+        name: Parameter name.
+        dtype: Stored dtype name or :data:`STRING_DTYPE`.
+        shape: The tensor's shape (``()`` for a scalar or string).
+        content: Raw little-endian content (UTF-32 text for a string).
+    """
+    tag = name.encode("utf-8")
+    tensor_type = (STRING_DTYPE if dtype == STRING_DTYPE else _MS_TYPE_OF[dtype]).encode("ascii")
+    dims = b"".join(_varint(1 << 3) + _varint(d) for d in (shape if shape or dtype != STRING_DTYPE else (0,)))
+    starts = range(0, len(content), CKPT_CHUNK_BYTES) if len(content) else [0]
+    for start in starts:
+        piece = content[start:start + CKPT_CHUNK_BYTES]
+        tensor = dims + _length_field(2, len(tensor_type)) + tensor_type + _length_field(3, len(piece))
+        value = _length_field(1, len(tag)) + tag + _length_field(2, len(tensor) + len(piece)) + tensor
+        yield _length_field(1, len(value) + len(piece)) + value
+        yield piece
+
+
+@dataclass(frozen=True)
+class MsItem:
+    """One tensor (or string) to write into a MindSpore file.
+
+    Attributes:
+        name: Parameter name.
+        dtype: Stored dtype name or :data:`STRING_DTYPE`.
+        shape: Shape (``()`` for a scalar or a string).
+        nbytes: Bytes of the content.
+        content: Returns the raw little-endian content (UTF-32 text for a
+            string); called once, when the item is written.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    content: Callable[[], np.ndarray | bytes]
+
+
+def string_item(name: str, value: str) -> MsItem:
+    """Return the :class:`MsItem` of a string value (as numpy stores ``np.array(value)``)."""
+    data = np.array(value).tobytes()
+    return MsItem(name, STRING_DTYPE, (), len(data), lambda: data)
+
+
+def _content_view(item: MsItem) -> memoryview:
+    data = item.content()
+    view = memoryview(data).cast("B") if isinstance(data, (bytes, bytearray, memoryview)) else memoryview(
+        np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    if len(view) != item.nbytes:
+        raise CorruptCheckpointError(f"'{item.name}': {len(view)} bytes to write, {item.nbytes} expected")
+    return view
+
+
+def write_ms_file(path: Path, items: list[MsItem], *, fmt: str) -> None:
+    """Write a MindSpore ``.ckpt`` or ``.safetensors`` file atomically. Single process.
+
+    Each item's content is produced, written and dropped before the next
+    (memory holds one tensor). A string item is a ``"str"`` value in
+    ``.ckpt``; safetensors files hold no strings (the caller leaves them
+    out). The file is written as ``.<name>.<random>.partial``, fsynced and
+    renamed.
+
+    Args:
+        path: The file to write.
+        items: What to write, in order.
+        fmt: ``"ckpt"`` or ``"safetensors"``.
+    """
+    partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
+    try:
+        with open(partial, "wb") as handle:
+            if fmt == "safetensors":
+                header, _ = build_header([HeaderEntry(i.name, i.dtype, i.shape, i.nbytes) for i in items],
+                                         {"format": "ms"})
+                handle.write(header)
+            for item in items:
+                view = _content_view(item)
+                if fmt == "ckpt":
+                    for part in ckpt_value_bytes(item.name, item.dtype, item.shape, view):
+                        handle.write(part)
+                else:
+                    handle.write(view)
+                del view
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise

@@ -1,0 +1,362 @@
+"""The steps of a save and of a load, in order: the one place they run.
+
+Save (:func:`run_save`, or :func:`plan_save` + :func:`commit_save` around
+the background write of an async save):
+
+1. plan, all ranks: every rank plans its items, the coordinator merges the
+   plans (deduplication, validation, metadata) and hands each rank its final
+   plan (:func:`plan_save`);
+2. write, all ranks: the storage writer writes this rank's plan durably;
+3. commit, coordinator: the storage writer's ``finish`` records every rank's
+   write results; every rank returns after it (:func:`commit_save`). Sync
+   and async saves share this step; an async save runs it with the results
+   its background write produced.
+
+When any step of a save fails, every rank calls the writer's ``abort``.
+
+Load (:func:`read_checkpoint_metadata`, then :func:`run_load`): every rank
+reads the metadata, plans the regions it needs, and reads them into its
+tensors in place, in rounds when the planner shares reads between ranks.
+
+Every step runs through :class:`._collectives.DistWrapper`, so a failure on
+any rank raises the same error on every rank. This module knows storage only
+through the :class:`.StorageWriter` / :class:`.StorageReader` methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from hyper_parallel import platform
+from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncRequest
+from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
+from hyper_parallel.core.distributed_checkpoint._fork_writer import fork_write
+from hyper_parallel.core.distributed_checkpoint._staging import StagedSavePlanner, StagingPool, staged_views
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
+from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
+from hyper_parallel.core.distributed_checkpoint._fsspec_reader import FsspecReader
+from hyper_parallel.core.distributed_checkpoint._fsspec_writer import FsspecWriter
+from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemWriter
+from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
+from hyper_parallel.core.distributed_checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, StorageReader, StorageWriter, WriteResult
+
+__all__ = [
+    "SaveOptions",
+    "LoadOptions",
+    "SaveSession",
+    "writer_for",
+    "reader_for",
+    "plan_save",
+    "write_local",
+    "commit_save",
+    "run_save",
+    "plan_async_save",
+    "read_checkpoint_metadata",
+    "run_load",
+]
+
+#: Storage classes tried in order when only a ``checkpoint_id`` is given.
+WRITER_CLASSES: list[type[StorageWriter]] = [FsspecWriter, FileSystemWriter]
+READER_CLASSES: list[type[StorageReader]] = [FsspecReader, FileSystemReader]
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """How a save runs (the arguments of ``dcp.save`` besides state and storage).
+
+    Attributes:
+        no_dist: One process, no collectives.
+        use_collectives: ``False``: each rank saves alone, with rank-local metadata.
+        remove_redundancy: Write each replicated item once (balanced over ranks).
+        save_to_minimum_rank: Give each replicated item to its lowest rank.
+    """
+
+    no_dist: bool = False
+    use_collectives: bool = True
+    remove_redundancy: bool = True
+    save_to_minimum_rank: bool = False
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How a load runs (the arguments of ``dcp.load`` besides state and storage).
+
+    Attributes:
+        no_dist: One process, no collectives.
+        use_collectives: ``False``: each rank loads alone (rank-local metadata first).
+    """
+
+    no_dist: bool = False
+    use_collectives: bool = True
+
+
+def _rank_alone(no_dist: bool, use_collectives: bool) -> int | None:
+    """This rank's number when it saves or loads on its own in a job of several ranks."""
+    if no_dist or use_collectives or platform.get_world_size() <= 1:
+        return None
+    return platform.get_rank()
+
+
+def _pick(checkpoint_id: CheckpointId | None, storage: Any, classes: list[type], kind: str, verb: str) -> Any:
+    if storage is not None:
+        if checkpoint_id is not None:
+            storage.reset(checkpoint_id)
+        return storage
+    if checkpoint_id is None:
+        raise CheckpointValueError(f"{verb} needs a checkpoint_id (a directory path) or a {kind}")
+    for cls in classes:
+        if cls.validate_checkpoint_id(checkpoint_id):
+            return cls(checkpoint_id)
+    raise CheckpointValueError(
+        f"checkpoint_id {checkpoint_id!r} is not a filesystem path nor a storage URL this installation "
+        f"handles; pass a directory path or a {kind}"
+    )
+
+
+def writer_for(checkpoint_id: CheckpointId | None, storage_writer: StorageWriter | None) -> StorageWriter:
+    """The caller's writer (reset to ``checkpoint_id``), or the first storage that takes the id."""
+    return _pick(checkpoint_id, storage_writer, WRITER_CLASSES, "storage_writer", "save")
+
+
+def reader_for(checkpoint_id: CheckpointId | None, storage_reader: StorageReader | None) -> StorageReader:
+    """The caller's reader (reset to ``checkpoint_id``), or the first storage that takes the id."""
+    return _pick(checkpoint_id, storage_reader, READER_CLASSES, "storage_reader", "load")
+
+
+@dataclass(frozen=True)
+class _PlanDelta:
+    """A rank's final plan as positions in its own local plan (small to send)."""
+
+    keep: bytes
+    storage_data: Any
+    planner_data: Any
+
+
+def _compress(local: SavePlan, final: SavePlan) -> _PlanDelta | SavePlan:
+    positions = {item: position for position, item in enumerate(local.items)}
+    mask = bytearray((len(local.items) + 7) // 8)
+    for item in final.items:
+        position = positions.get(item)
+        if position is None:
+            return final
+        mask[position // 8] |= 1 << (position % 8)
+    return _PlanDelta(keep=bytes(mask), storage_data=final.storage_data, planner_data=final.planner_data)
+
+
+def _expand(local: SavePlan, received: _PlanDelta | SavePlan) -> SavePlan:
+    if isinstance(received, SavePlan):
+        return received
+    items = tuple(item for position, item in enumerate(local.items) if received.keep[position // 8] >> (position % 8) & 1)
+    return SavePlan(items=items, storage_data=received.storage_data, planner_data=received.planner_data)
+
+
+@dataclass(frozen=True)
+class SaveSession:
+    """A save between planning and commit.
+
+    Attributes:
+        dist: The step runner.
+        writer: The storage writer.
+        planner: The save planner (its cache holds the tensors to write).
+        plan: This rank's final plan.
+        metadata: The metadata built by the coordinator (``None`` elsewhere).
+    """
+
+    dist: DistWrapper
+    writer: StorageWriter
+    planner: SavePlanner
+    plan: SavePlan
+    metadata: Metadata | None
+
+
+def plan_save(
+    state_dict: dict[str, Any], *, writer: StorageWriter, planner: SavePlanner, options: SaveOptions
+) -> SaveSession:
+    """Plan a save: local plans, the coordinator's merge, final plans. All ranks call it."""
+    dist = DistWrapper(use_dist=not options.no_dist and options.use_collectives)
+    alone = _rank_alone(options.no_dist, options.use_collectives)
+    local_plans: list[SavePlan] = []
+    merged: list[Metadata] = []
+
+    def local_step() -> SavePlan:
+        writer.set_up_storage_writer(
+            dist.is_coordinator,
+            rank=dist.rank if alone is None else alone,
+            world_size=dist.world_size,
+            rank_local=alone is not None,
+        )
+        planner.configure_planner(
+            state_dict,
+            rank=dist.rank,
+            world_size=dist.world_size,
+            is_coordinator=dist.is_coordinator,
+            remove_redundancy=options.remove_redundancy,
+            save_to_minimum_rank=options.save_to_minimum_rank,
+        )
+        local_plans.append(writer.prepare_local_plan(planner.build_local_plan()))
+        return local_plans[0]
+
+    def global_step(all_plans: list[SavePlan]) -> list[Any]:
+        final_plans, metadata = planner.build_global_plan(all_plans)
+        final_plans = writer.prepare_global_plan(final_plans)
+        merged.append(metadata)
+        return [_compress(local, final) for local, final in zip(all_plans, final_plans)]
+
+    try:
+        received = dist.reduce_scatter("plan", local_step, global_step)
+        plan = planner.finalize_plan(_expand(local_plans[0], received))
+    except BaseException:
+        writer.abort()
+        raise
+    return SaveSession(dist=dist, writer=writer, planner=planner, plan=plan, metadata=merged[0] if merged else None)
+
+
+def write_local(session: SaveSession, planner: SavePlanner | None = None) -> list[WriteResult]:
+    """Write this rank's plan (data from ``planner``, default the session's). All ranks."""
+    return session.writer.write_data(session.plan, planner or session.planner).result()
+
+
+def commit_save(
+    session: SaveSession,
+    local_results: Callable[[], list[WriteResult]],
+    *,
+    step: str = "write and commit",
+    background_cleanup: bool = False,
+) -> Metadata:
+    """Gather every rank's write results, commit on the coordinator, return the metadata. All ranks.
+
+    Args:
+        session: The planned save.
+        local_results: Returns this rank's write results (writing now, or
+            handing over what a background write produced), or raises.
+        step: Name of the step in errors.
+        background_cleanup: Let the writer finish its after-commit work
+            (deleting files of older saves) off the caller's thread.
+    """
+
+    def commit_step(all_results: list[list[WriteResult]]) -> list[Metadata]:
+        committed = session.writer.finish(session.metadata, all_results, background_cleanup=background_cleanup)
+        return [committed] * len(all_results)
+
+    try:
+        return session.dist.reduce_scatter(step, local_results, commit_step)
+    except BaseException:
+        session.writer.abort()
+        raise
+
+
+def run_save(
+    state_dict: dict[str, Any], *, writer: StorageWriter, planner: SavePlanner, options: SaveOptions
+) -> Metadata:
+    """Plan, write and commit a save. All ranks call it; returns after the commit."""
+    session = plan_save(state_dict, writer=writer, planner=planner, options=options)
+    return commit_save(session, lambda: write_local(session), step="write")
+
+
+#: Host buffers of ``staging="copy"``, kept for the next async save.
+_POOL = StagingPool()
+
+
+def plan_async_save(
+    state_dict: dict[str, Any], *, writer: StorageWriter, planner: SavePlanner, options: SaveOptions, staging: str
+) -> AsyncRequest:
+    """Plan and stage a save; return the request that writes and then commits it. All ranks.
+
+    The request's background function writes this rank's data (from staged
+    copies, or in a forked process whose memory is the snapshot); its
+    finalize function is :func:`commit_save`, run on the caller's thread.
+    """
+    session = plan_save(state_dict, writer=writer, planner=planner, options=options)
+    background: list[Callable[[], list[WriteResult]]] = []
+
+    def stage_step() -> None:
+        if staging == "copy":
+            staged = StagedSavePlanner(session.planner, _POOL.stage(session.plan.items, session.planner))
+            background.append(lambda: write_local(session, staged))
+        else:
+            views = staged_views(session.plan.items, session.planner)
+            background.append(fork_write(session.writer, session.plan, views, rank=session.dist.rank))
+
+    try:
+        session.dist.all_gather("stage", stage_step)
+    except BaseException:
+        session.writer.abort()
+        raise
+
+    def commit(results: list[WriteResult], error: BaseException | None) -> Metadata:
+        def local_results() -> list[WriteResult]:
+            if error is not None:
+                raise error
+            return results
+
+        return commit_save(session, local_results, step="async write and commit", background_cleanup=True)
+
+    return AsyncRequest(async_fn=background[0], finalize_fns=(commit,))
+
+
+def read_checkpoint_metadata(reader: StorageReader, options: LoadOptions) -> Metadata:
+    """Read the committed metadata on every rank (a step: one rank's failure fails all). All ranks."""
+    dist = DistWrapper(use_dist=not options.no_dist and options.use_collectives)
+    rank = _rank_alone(options.no_dist, options.use_collectives)
+    found: list[Metadata] = []
+    dist.all_gather("read metadata", lambda: found.append(reader.read_metadata(rank=rank)))
+    return found[0]
+
+
+def run_load(
+    state_dict: dict[str, Any],
+    *,
+    reader: StorageReader,
+    planner: LoadPlanner,
+    metadata: Metadata,
+    options: LoadOptions,
+) -> None:
+    """Plan and read a load into ``state_dict`` in place. All ranks call it."""
+    dist = DistWrapper(use_dist=not options.no_dist and options.use_collectives)
+    local_plans: list[LoadPlan] = []
+
+    def local_step() -> LoadPlan:
+        reader.set_up_storage_reader(metadata, dist.is_coordinator)
+        planner.configure_planner(
+            state_dict, metadata, rank=dist.rank, world_size=dist.world_size, is_coordinator=dist.is_coordinator
+        )
+        local_plans.append(reader.prepare_local_plan(planner.build_local_plan()))
+        return local_plans[0]
+
+    def global_step(all_plans: list[LoadPlan]) -> list[Any]:
+        final = reader.prepare_global_plan(planner.build_global_plan(all_plans))
+        return [None if f is p else f for f, p in zip(final, all_plans)]
+
+    received = dist.reduce_scatter("load plan", local_step, global_step)
+    plan = planner.finalize_plan(received if received is not None else local_plans[0])
+    rounds = planner.read_rounds(plan)
+    for index, round_plan in enumerate(rounds):
+        _read_round(dist, reader, planner, round_plan, index, last=index == len(rounds) - 1)
+
+
+def _read_round(
+    dist: DistWrapper, reader: StorageReader, planner: LoadPlanner, plan: LoadPlan, index: int, *, last: bool
+) -> None:
+    """Read one round; a planner that shares reads then hands regions between ranks. All ranks."""
+
+    def read_step() -> None:
+        reader.read_data(plan, planner).result()
+        if last and not planner.shares_reads:
+            planner.finish_load()
+
+    dist.all_gather("read", read_step)
+    if not planner.shares_reads:
+        return
+    shared = dist.all_gather("share reads", lambda: planner.outgoing(index))
+
+    def receive_step() -> None:
+        merged: dict[int, Any] = {}
+        for payload in shared:
+            merged.update(payload)
+        planner.incoming(index, merged)
+        if last:
+            planner.finish_load()
+
+    dist.all_gather("receive reads", receive_step)

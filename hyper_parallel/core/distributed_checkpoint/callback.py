@@ -1,0 +1,239 @@
+"""``CheckpointCallback``: sharded, async checkpoints for ``mindspore.train.Model.train``.
+
+The knobs are those of MindSpore's ``CheckpointConfig`` / ``ModelCheckpoint``;
+the steps are saved by a :class:`CheckpointManager` under ``directory``
+(``step_<n:08d>`` directories, the manager's retention). What is saved is the
+train network of ``Model`` (the network and its optimizer, each Parameter
+once, under MindSpore's names, as ``ModelCheckpoint`` saves them), plus the
+``append_info`` values. Everything comes through the public
+``run_context.original_args()`` fields (``train_network``, ``network``,
+``optimizer``, ``cur_step_num``, ``batch_num``), never ``Model`` internals.
+
+This module imports MindSpore when it is imported (the class derives from
+``mindspore.train.Callback``); ``hyper_parallel.CheckpointCallback`` loads it
+on first use only.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from types import TracebackType
+from typing import Any
+
+from mindspore.train import Callback, RunContext
+
+from hyper_parallel.core.distributed_checkpoint import api
+from hyper_parallel.core.distributed_checkpoint._one_line import mindspore_state_dict
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
+from hyper_parallel.core.distributed_checkpoint.manager import CheckpointManager
+
+__all__ = ["CheckpointCallback"]
+
+_LOG = logging.getLogger(__name__)
+_APPEND_NAMES = ("epoch_num", "step_num")
+
+
+def _non_negative(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CheckpointValueError(f"{name} must be a non-negative int, got {value!r}")
+    return value
+
+
+def _append_values(append_info: list[Any] | None) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """Split MindSpore's ``append_info`` into the counters asked for and the constant values."""
+    if append_info is None:
+        return (), {}
+    if not isinstance(append_info, list):
+        raise CheckpointValueError(f"append_info must be a list (as in CheckpointConfig), got {type(append_info).__name__}")
+    counters: list[str] = []
+    values: dict[str, Any] = {}
+    for element in append_info:
+        if isinstance(element, str) and element in _APPEND_NAMES:
+            counters.append(element)
+        elif isinstance(element, dict) and not values and all(isinstance(k, str) for k in element):
+            values = dict(element)
+        else:
+            raise CheckpointValueError(
+                f"append_info element {element!r}: expected 'epoch_num', 'step_num' or one dict of str keys"
+            )
+    return tuple(counters), values
+
+
+class CheckpointCallback(Callback):
+    """Save ``Model.train``'s network and optimizer every few steps; resume from the newest step.
+
+    Every rank of an ``msrun`` job passes the same callback arguments. With
+    ``resume=True`` training begins by loading the newest committed step of
+    ``directory`` into the network and the optimizer (resharded to this job's
+    layout) and step numbers continue after it. ``Model.train`` restarts the
+    data at the start of ``initial_epoch``: pass
+    ``initial_epoch=callback.initial_epoch(steps_per_epoch)`` and save at epoch
+    ends (``save_checkpoint_steps`` a multiple of the steps per epoch) for a
+    resumed run that repeats an uninterrupted one exactly.
+
+    Args:
+        directory: The manager root holding one ``step_<n>`` checkpoint per saved step.
+        save_checkpoint_steps: Save every this many steps (0: not by steps).
+        save_checkpoint_seconds: Save when this many seconds passed since the
+            last save; used only when ``save_checkpoint_steps`` is 0.
+        keep_checkpoint_max: Keep the newest this many steps (0: see the next).
+        keep_checkpoint_per_n_minutes: Used only when ``keep_checkpoint_max``
+            is 0: keep the newest step plus one step per this many minutes.
+            With both 0, only the newest step is kept (as MindSpore does).
+        async_save: Return to training once the state is staged; writing and
+            commit run in the background.
+        exception_save: When training raises, save the last completed step
+            before the exception propagates.
+        append_info: MindSpore's list: ``"epoch_num"`` / ``"step_num"`` store
+            the current counters, one dict stores its (plain) values.
+        resume: Load the newest committed step when training begins.
+        strategy_file: MindSpore strategy file(s) describing how Parameters
+            are sliced, passed to every save and load.
+
+    Raises:
+        CheckpointValueError: A knob out of range, or all four save/keep knobs 0.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        save_checkpoint_steps: int = 1,
+        save_checkpoint_seconds: int = 0,
+        keep_checkpoint_max: int = 5,
+        keep_checkpoint_per_n_minutes: int = 0,
+        async_save: bool = True,
+        exception_save: bool = False,
+        append_info: list[Any] | None = None,
+        resume: bool = True,
+        strategy_file: Any = None,
+    ) -> None:
+        super().__init__()
+        steps = _non_negative("save_checkpoint_steps", save_checkpoint_steps)
+        seconds = _non_negative("save_checkpoint_seconds", save_checkpoint_seconds)
+        keep_max = _non_negative("keep_checkpoint_max", keep_checkpoint_max)
+        per_minutes = _non_negative("keep_checkpoint_per_n_minutes", keep_checkpoint_per_n_minutes)
+        if not (steps or seconds or keep_max or per_minutes):
+            raise CheckpointValueError(
+                "save_checkpoint_steps, save_checkpoint_seconds, keep_checkpoint_max and "
+                "keep_checkpoint_per_n_minutes are all 0; set at least one (as CheckpointConfig requires)"
+            )
+        self.save_checkpoint_steps = steps
+        self.save_checkpoint_seconds = 0 if steps else seconds
+        self.exception_save = bool(exception_save)
+        self.resume = bool(resume)
+        self._counters, self._append = _append_values(append_info)
+        self._io_kwargs: dict[str, Any] = {}
+        if strategy_file is not None:
+            if "strategy_file" not in inspect.signature(api.save).parameters:
+                raise CheckpointValueError(
+                    "strategy_file: this build of hyper_parallel cannot read MindSpore strategy files in save/load yet"
+                )
+            self._io_kwargs["strategy_file"] = strategy_file
+        self.manager = CheckpointManager(
+            directory,
+            max_to_keep=keep_max or 1,
+            save_interval_steps=steps or None,
+            save_interval_seconds=self.save_checkpoint_seconds or None,
+            keep_time_interval_seconds=per_minutes * 60 if (per_minutes and not keep_max) else None,
+            async_save=bool(async_save),
+        )
+        self.resumed_step: int | None = None
+        self._last_saved: int | None = None
+        self._completed = 0
+        self._epoch = 0
+        self._state: dict[str, Any] | None = None
+
+    def initial_epoch(self, steps_per_epoch: int) -> int:
+        """The ``initial_epoch`` for ``Model.train`` that resumes at the newest committed step. All ranks.
+
+        Returns:
+            ``latest_step // steps_per_epoch``; 0 without a committed step or with ``resume=False``.
+        """
+        if not self.resume:
+            return 0
+        latest = self.manager.latest_step()
+        return 0 if latest is None else latest // max(1, int(steps_per_epoch))
+
+    def _state_of(self, cb_params: Any) -> dict[str, Any]:
+        """The train network and the optimizer as ``{MindSpore name: Parameter}`` (each once)."""
+        cells = {}
+        train_network = getattr(cb_params, "train_network", None)
+        if train_network is not None:
+            cells["train_network"] = train_network  # Model's train network holds the network and the optimizer
+        elif getattr(cb_params, "network", None) is not None:
+            cells["network"] = cb_params.network
+        if getattr(cb_params, "optimizer", None) is not None:
+            cells["optimizer"] = cb_params.optimizer  # its network Parameters are the same objects: stored once
+        if not cells:
+            raise CheckpointValueError("run_context.original_args() has no train_network, network or optimizer")
+        return mindspore_state_dict(cells, "the training state")
+
+    def on_train_begin(self, run_context: RunContext) -> None:
+        """Load the newest committed step (``resume``) and continue its step numbering. All ranks."""
+        cb_params = run_context.original_args()
+        self._state = self._state_of(cb_params)
+        self._completed = int(cb_params.cur_step_num)
+        if not self.resume:
+            return
+        latest = self.manager.latest_step()
+        if latest is None:
+            return
+        target = dict(self._state)
+        target.update({key: None for key in (*self._counters, *self._append)})
+        self.manager.load(target, step=latest, **self._io_kwargs)
+        cb_params.cur_step_num = latest
+        self._completed = self._last_saved = self.resumed_step = latest
+        batch_num = int(getattr(cb_params, "batch_num", 0) or 0)
+        if batch_num and latest % batch_num:
+            _LOG.warning(
+                "resumed from step %d, inside epoch %d of %d steps: Model.train restarts that epoch's data from its "
+                "start; save at epoch ends (save_checkpoint_steps a multiple of %d) for an exact replay",
+                latest, latest // batch_num + 1, batch_num, batch_num,
+            )
+        _LOG.info("resumed from %s", self.manager.directory(latest))
+
+    def _save(self, cb_params: Any, step: int, *, force: bool) -> None:
+        if self._state is None:
+            self._state = self._state_of(cb_params)
+        state = dict(self._state)
+        state.update(self._append)
+        if "epoch_num" in self._counters:
+            state["epoch_num"] = int(getattr(cb_params, "cur_epoch_num", self._epoch) or 0)
+        if "step_num" in self._counters:
+            state["step_num"] = step
+        if self.manager.save(step, state, force=force, **self._io_kwargs):
+            self._last_saved = step
+
+    def on_train_step_end(self, run_context: RunContext) -> None:
+        """Save this step if the interval says so. All ranks."""
+        cb_params = run_context.original_args()
+        step = int(cb_params.cur_step_num)
+        self._completed = step
+        self._epoch = int(getattr(cb_params, "cur_epoch_num", 0) or 0)
+        if (self.save_checkpoint_steps or self.save_checkpoint_seconds) and step != self._last_saved:
+            self._save(cb_params, step, force=False)
+
+    def on_train_end(self, run_context: RunContext) -> None:
+        """Save the last step (if not saved yet) and wait until every save is committed. All ranks."""
+        cb_params = run_context.original_args()
+        step = int(cb_params.cur_step_num)
+        if step != self._last_saved and step > 0:
+            self._save(cb_params, step, force=True)
+        self.manager.close()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        """Leaving ``Model.train``: with ``exception_save``, save the last completed step on an exception."""
+        try:
+            if exc_type is not None and self.exception_save and self._state is not None and (
+                self._completed != self._last_saved and self._completed > 0
+            ):
+                _LOG.warning("training raised %s: saving step %d (exception_save)", exc_type.__name__, self._completed)
+                self.manager.wait()
+                self.manager.save(self._completed, {**self._state, **self._append}, force=True, **self._io_kwargs)
+        finally:
+            self.manager.close()

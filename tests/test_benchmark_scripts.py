@@ -1,0 +1,90 @@
+"""The benchmark scripts run end to end at a tiny size and report every figure (so they cannot drift)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "scripts"
+
+#: Every contract figure benchmark.py must report for each state.
+STATE_FIGURES = (
+    "dcp.save (thread_count=1) / plain write",
+    "dcp.save (thread_count=2) / plain write",
+    "best dcp.save / plain write",
+    "best dcp.save / ms.save_checkpoint+fsync",
+    "protection: xxh3 checksums (1 thread) / best dcp.save",
+    "protection: fsync, save / save without fsync (1 thread)",
+    "async blocking (first call) / memcpy",
+    "async blocking (steady) / memcpy",
+    "async result() after done() / memcpy",
+    "async, fork blocking (first call) / memcpy",
+    "async, fork blocking (steady) / memcpy",
+    "cold load / cold read, verify on",
+    "cold load / cold read, verify off",
+    "warm load / memcpy, verify on",
+    "warm load / memcpy, verify off",
+    "protection: verify, warm load on / off",
+)
+RESHARD_FIGURES = (
+    "reshard reader bytes / needed, verify on, worst rank",
+    "reshard /proc read / needed, verify on, worst rank",
+    "reshard /proc read / needed, verify off, worst rank",
+)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
+    return env
+
+
+@pytest.mark.timeout(600)
+def test_benchmark_reports_every_figure_for_both_states(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "benchmark.py"), "--size-gb", "0.004", "--runs", "1", "--pretouch-gb", "0",
+         "--out", str(tmp_path / "work"), "--json", str(out), "--msrun-timeout", "400"],
+        env=_env(), capture_output=True, text=True, timeout=560, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["states"]) == {"many", "large"}
+    assert result["states"]["many"]["tensors"] >= 200 and result["states"]["large"]["tensors"] == 16
+    for kind, state in result["states"].items():
+        figures = {row["figure"]: row for row in state["ratios"]}
+        for name in STATE_FIGURES:
+            assert name in figures, (kind, name)
+            assert math.isfinite(figures[name]["value"]) and figures[name]["value"] > 0, (kind, name)
+        assert figures["async blocking (first call) / memcpy"]["target"] == "<= 1"  # the first call is rated
+        assert f"ratios, state '{kind}'" in proc.stdout
+    reshard = {row["figure"]: row for row in result["reshard_ratios"]}
+    for name in RESHARD_FIGURES:
+        assert math.isfinite(reshard[name]["value"]) and reshard[name]["value"] >= 0.99, name
+    assert "w_bf16_1024" in result["reshard"]["description"]  # narrow rows are measured
+
+
+def test_bench_planning_reports_time_and_bytes_per_rank(tmp_path):
+    out = tmp_path / "plan.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_planning.py"), "--ranks", "4", "16", "--tensors", "20",
+         "--json", str(out)], env=_env(), capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [row["ranks"] for row in rows] == [4, 16]
+    for row in rows:
+        assert row["items"] == row["ranks"] * 20 and row["seconds"] > 0 and row["unpickle_seconds"] > 0
+        assert row["tensors"] == 20 and row["written_items"] == 10 + 10 * row["ranks"]
+        assert 0 < row["bytes_received_per_noncoordinator_rank_scatter"] < row["bytes_sent_per_rank"]
+    # With an all-gather a rank receives every rank's plan: it grows with the world, the scatter does not.
+    assert rows[1]["bytes_received_per_noncoordinator_rank_allgather"] > 3 * rows[0][
+        "bytes_received_per_noncoordinator_rank_allgather"]
+    assert rows[1]["bytes_received_per_noncoordinator_rank_scatter"] <= rows[0][
+        "bytes_received_per_noncoordinator_rank_scatter"] + 8

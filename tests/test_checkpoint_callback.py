@@ -1,0 +1,159 @@
+"""CheckpointCallback with Model.train: saves, retention, resume into network and optimizer, kill + resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import dataset as ds
+from mindspore import nn
+from mindspore.train import Callback, Model
+
+import hyper_parallel
+import hyper_parallel.core.distributed_checkpoint as dcp
+
+ms.set_device("CPU")
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "scripts" / "train_model_example.py"
+
+
+def _data(steps: int = 3) -> ds.Dataset:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4 * steps, 3)).astype(np.float32)
+    return ds.NumpySlicesDataset({"x": x, "y": x[:, :2].copy()}, shuffle=False).batch(4)
+
+
+def _model(seed: int = 1) -> tuple[Model, nn.Cell, nn.Optimizer]:
+    ms.set_seed(seed)
+    net = nn.Dense(3, 2)
+    opt = nn.Adam(net.trainable_params(), learning_rate=0.05)
+    return Model(net, loss_fn=nn.MSELoss(), optimizer=opt), net, opt
+
+
+class _Steps(Callback):
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[int] = []
+
+    def on_train_step_end(self, run_context):
+        self.steps.append(int(run_context.original_args().cur_step_num))
+
+
+def _steps_on_disk(root: Path) -> list[int]:
+    return sorted(int(n.split("_")[1]) for n in os.listdir(root) if n.startswith("step_"))
+
+
+def test_saves_train_network_like_model_checkpoint_and_resumes(tmp_path: Path) -> None:
+    model, net, opt = _model()
+    callback = hyper_parallel.CheckpointCallback(tmp_path / "run", save_checkpoint_steps=2, keep_checkpoint_max=2,
+                                                 append_info=["epoch_num", "step_num", {"tag": "v1"}])
+    model.train(2, _data(), callbacks=[callback], dataset_sink_mode=False)  # 6 steps: saves 2, 4, 6
+    assert _steps_on_disk(tmp_path / "run") == [4, 6]
+    stored = set(dcp.read_metadata(tmp_path / "run" / "step_00000006").state_dict_metadata)
+    train_net = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), opt)
+    ms.save_checkpoint(train_net, str(tmp_path / "ms.ckpt"))
+    assert stored == set(ms.load_checkpoint(str(tmp_path / "ms.ckpt"))) | {"epoch_num", "step_num", "tag"}
+    values = hyper_parallel.load_checkpoint(tmp_path / "run" / "step_00000006", specify_prefix=["epoch", "step", "tag"])
+    assert values == {"epoch_num": 2, "step_num": 6, "tag": "v1"}
+    # A new job: fresh (other) initial values, resumed into network AND optimizer, numbering continues.
+    model2, net2, opt2 = _model(seed=2)
+    resumed = hyper_parallel.CheckpointCallback(tmp_path / "run", save_checkpoint_steps=2, keep_checkpoint_max=2)
+    steps = _Steps()
+    assert resumed.initial_epoch(3) == 2
+    model2.train(3, _data(), callbacks=[resumed, steps], dataset_sink_mode=False, initial_epoch=2)
+    assert resumed.resumed_step == 6 and steps.steps == [7, 8, 9]
+    assert _steps_on_disk(tmp_path / "run") == [8, 9]  # 9: the last step is always saved at the end
+    # The same 3 steps continued in the first job give the same weights and moments.
+    model.train(3, _data(), callbacks=[], dataset_sink_mode=False, initial_epoch=2)
+    for mine, theirs in zip(list(net2.trainable_params()) + list(opt2.moment1), list(net.trainable_params())
+                            + list(opt.moment1)):
+        np.testing.assert_array_equal(mine.asnumpy(), theirs.asnumpy())
+
+
+def test_resume_false_and_no_checkpoint_start_fresh(tmp_path: Path) -> None:
+    model, net, _ = _model()
+    before = net.weight.asnumpy().copy()
+    callback = hyper_parallel.CheckpointCallback(tmp_path, resume=True, async_save=False, save_checkpoint_steps=3)
+    assert callback.initial_epoch(3) == 0
+    model.train(1, _data(), callbacks=[callback], dataset_sink_mode=False)
+    assert callback.resumed_step is None and _steps_on_disk(tmp_path) == [3]
+    model2, net2, _ = _model()
+    fresh = hyper_parallel.CheckpointCallback(tmp_path, resume=False, save_checkpoint_steps=3)
+    assert fresh.initial_epoch(3) == 0
+    with pytest.raises(dcp.CheckpointValueError, match="already has a committed checkpoint"):
+        model2.train(1, _data(), callbacks=[fresh], dataset_sink_mode=False)  # step 3 exists: never overwritten
+    assert not np.array_equal(net2.weight.asnumpy(), before)  # it trained from its own start
+
+
+def test_save_by_seconds_only_saves_the_end(tmp_path: Path) -> None:
+    model, _, _ = _model()
+    callback = hyper_parallel.CheckpointCallback(tmp_path, save_checkpoint_steps=0, save_checkpoint_seconds=3600)
+    model.train(2, _data(), callbacks=[callback], dataset_sink_mode=False)
+    assert _steps_on_disk(tmp_path) == [6]
+
+
+def test_exception_save_keeps_the_last_completed_step(tmp_path: Path) -> None:
+    class _Boom(Callback):
+        def on_train_step_end(self, run_context):
+            if run_context.original_args().cur_step_num == 2:
+                raise RuntimeError("boom")
+
+    model, net, _ = _model()
+    callback = hyper_parallel.CheckpointCallback(tmp_path, save_checkpoint_steps=5, exception_save=True)
+    with pytest.raises(RuntimeError, match="boom"):
+        model.train(1, _data(), callbacks=[callback, _Boom()], dataset_sink_mode=False)
+    assert _steps_on_disk(tmp_path) == [2]
+    loaded = hyper_parallel.load_checkpoint(tmp_path / "step_00000002")
+    np.testing.assert_array_equal(loaded["weight"].asnumpy(), net.weight.asnumpy())
+    model2, _, _ = _model()
+    plain = hyper_parallel.CheckpointCallback(tmp_path / "b", save_checkpoint_steps=5)
+    with pytest.raises(RuntimeError, match="boom"):
+        model2.train(1, _data(), callbacks=[plain, _Boom()], dataset_sink_mode=False)
+    assert not (tmp_path / "b").exists() or _steps_on_disk(tmp_path / "b") == []
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(save_checkpoint_steps=0, keep_checkpoint_max=0), "all 0"),
+    (dict(save_checkpoint_steps=-1), "save_checkpoint_steps"),
+    (dict(append_info=["loss"]), "append_info"),
+    (dict(append_info="epoch_num"), "append_info"),
+])
+def test_bad_knobs_are_refused(tmp_path: Path, kwargs: dict, match: str) -> None:
+    with pytest.raises(dcp.CheckpointValueError, match=match):
+        hyper_parallel.CheckpointCallback(tmp_path, **kwargs)
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, str(EXAMPLE), *args], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+
+
+def _losses(path: Path) -> list[tuple[int, float]]:
+    return [(e["step"], e["loss"]) for e in map(json.loads, path.read_text().splitlines())]
+
+
+def test_example_killed_and_resumed_repeats_the_uninterrupted_losses(tmp_path: Path) -> None:
+    reference = _run(["--ckpt", str(tmp_path / "ref"), "--epochs", "5", "--log", str(tmp_path / "ref.jsonl")])
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    expected = dict(_losses(tmp_path / "ref.jsonl"))
+    assert sorted(expected) == list(range(1, 21))
+    killed = _run(["--ckpt", str(tmp_path / "run"), "--epochs", "5", "--crash-at", "10",
+                   "--log", str(tmp_path / "killed.jsonl")])
+    assert killed.returncode == 17, killed.stderr[-3000:]
+    assert [s for s, _ in _losses(tmp_path / "killed.jsonl")] == list(range(1, 11))
+    resumed = _run(["--ckpt", str(tmp_path / "run"), "--epochs", "5", "--log", str(tmp_path / "resumed.jsonl")])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    logged = _losses(tmp_path / "resumed.jsonl")
+    first = logged[0][0]
+    assert first in (5, 9), "resumed after the newest committed epoch-end step (4 or 8)"
+    assert [s for s, _ in logged] == list(range(first, 21))
+    assert logged == [(s, expected[s]) for s in range(first, 21)], "same losses, bit for bit"
+    assert f"resumed from step {first - 1}; newest step 20" in resumed.stdout
+    assert _steps_on_disk(tmp_path / "run") == [12, 16, 20]

@@ -1,0 +1,314 @@
+"""``hp-ckpt import`` / ``export-mindspore`` of MindSpore's own per-rank checkpoints.
+
+The per-rank files are made by MindSpore's ``transform_checkpoints`` from a
+full checkpoint, with strategy files built by ``tests/strategy_files.py``;
+every result is compared bit for bit with the full tensors and with
+MindSpore's own tools (``transform_checkpoints``, ``merge_sliced_parameter``),
+and the exported files are loaded with ``load_checkpoint`` +
+``load_param_into_net``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import mindspore
+import numpy as np
+import pytest
+
+import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel.cli import export_mindspore, import_checkpoint, main
+from hyper_parallel.core.distributed_checkpoint.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CheckpointValueError,
+    LayoutError,
+    UnsupportedFormatError,
+)
+from tests.strategy_files import CASES, write_case
+
+BF16 = mindspore.bfloat16
+#: Tensors of every case that no strategy lists (replicated on every rank).
+EXTRAS = {"global_step": np.array([42], dtype=np.int32), "learning_rate": np.array(0.125, dtype=np.float32)}
+
+
+def _full_tensors(case_name: str) -> dict[str, mindspore.Tensor]:
+    rng = np.random.default_rng(len(case_name))
+    tensors = {}
+    for position, (name, shape) in enumerate(sorted(CASES[case_name].shapes.items())):
+        data = rng.standard_normal(shape).astype(np.float32)
+        tensor = mindspore.Tensor(data)
+        if position == 0:
+            tensor = tensor.astype(BF16)  # one bfloat16 parameter per case
+        elif position == 1:
+            tensor = mindspore.Tensor(data.astype(np.float16))
+        tensors[name] = tensor
+    tensors.update({name: mindspore.Tensor(value) for name, value in EXTRAS.items()})
+    return tensors
+
+
+def _save(tensors: dict[str, mindspore.Tensor], path: Path, fmt: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mindspore.save_checkpoint([{"name": k, "data": v} for k, v in tensors.items()], str(path), format=fmt)
+
+
+def _strategy_for_mindspore(directory: Path, paths: list[str]) -> str:
+    """MindSpore's tools take one file: a stage file, or the stages merged by merge_pipeline_strategys."""
+    if len(paths) == 1:
+        return paths[0]
+    merged = str(directory / "merged.ckpt")
+    mindspore.parallel.merge_pipeline_strategys(str(Path(paths[0]).parent), merged)
+    return merged
+
+
+class Job:
+    """One case: strategy files, the full tensors and the per-rank files MindSpore made from them.
+
+    The rank files are ``transform_checkpoints``'s ``.ckpt`` output; for ``fmt="safetensors"`` each is then
+    re-saved by ``mindspore.save_checkpoint(..., format="safetensors")``. (MindSpore 2.10's own safetensors
+    transform writes a slice that is not contiguous in the full tensor, e.g. a column split, from the full
+    tensor's buffer, ignoring strides, so its safetensors output is not a reference.)
+    """
+
+    def __init__(self, root: Path, case_name: str, fmt: str = "ckpt") -> None:
+        self.root, self.fmt, self.case = root, fmt, CASES[case_name]
+        self.full = _full_tensors(case_name)
+        self.stage_files = write_case(root / "strategy", self.case)
+        self.ms_strategy = _strategy_for_mindspore(root, self.stage_files)
+        _save(self.full, root / "full" / "rank_0" / "full.ckpt", "ckpt")
+        self.ranks = root / "ranks"
+        mindspore.parallel.transform_checkpoints(str(root / "full"), str(self.ranks), "checkpoint_", None,
+                                                 self.ms_strategy)
+        if fmt == "safetensors":
+            for path in sorted(self.ranks.glob("rank_*/*.ckpt")):
+                loaded = mindspore.load_checkpoint(str(path))
+                _save(dict(loaded), path.with_suffix(".safetensors"), "safetensors")
+                path.unlink()
+
+
+@pytest.fixture(name="jobs", scope="module")
+def fixture_jobs(tmp_path_factory):
+    cache: dict[tuple[str, str], Job] = {}
+
+    def get(case_name: str, fmt: str = "ckpt") -> Job:
+        if (case_name, fmt) not in cache:
+            cache[(case_name, fmt)] = Job(tmp_path_factory.mktemp(f"{case_name}_{fmt}"), case_name, fmt)
+        return cache[(case_name, fmt)]
+
+    return get
+
+
+def _load_file(path: Path) -> dict[str, np.ndarray]:
+    fmt = "safetensors" if path.suffix == ".safetensors" else "ckpt"
+    return {k: v.asnumpy() for k, v in mindspore.load_checkpoint(str(path), format=fmt).items()}
+
+
+def _assert_same(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray], where: str) -> None:
+    assert sorted(actual) == sorted(expected), where
+    for name, value in expected.items():
+        got = actual[name]
+        assert (got.dtype, got.shape) == (value.dtype, value.shape), f"{where}: {name}"
+        assert got.tobytes() == value.tobytes(), f"{where}: {name} differs"
+
+
+def _load_ours(path: Path) -> dict[str, np.ndarray]:
+    metadata = dcp.read_metadata(path)
+    targets = {name: None for name in metadata.state_dict_metadata}
+    dcp.load(targets, checkpoint_id=path, no_dist=True)
+    return targets
+
+
+def _rank_dirs(directory: Path) -> dict[str, dict[str, np.ndarray]]:
+    return {d.name: _load_file(next(d.iterdir())) for d in sorted(directory.iterdir())}
+
+
+# ---------------------------------------------------------------- import
+
+
+@pytest.mark.parametrize("case_name", ["tp2d_8", "dp_replicas_4", "opt_parallel_8", "pipeline_2x2"])
+def test_import_gives_the_full_tensors_as_mindspore_merges_them(jobs, tmp_path, case_name):
+    job = jobs(case_name)
+    metadata = import_checkpoint(job.ranks, tmp_path / "ours", strategy_files=job.stage_files)
+    expected = {k: v.asnumpy() for k, v in job.full.items()}
+    _assert_same(_load_ours(tmp_path / "ours"), expected, "import")
+    # Each distinct slice stored once: the data written is the full tensors' size, replicas skipped.
+    assert sum(info.length for info in metadata.storage_data.values()) == sum(v.nbytes for v in expected.values())
+    # MindSpore's own merge of the same rank files gives the same tensors.
+    mindspore.parallel.transform_checkpoints(str(job.ranks), str(tmp_path / "ms_full"), "full_", job.ms_strategy,
+                                             None)
+    _assert_same(_load_file(tmp_path / "ms_full" / "rank_0" / "full_0.ckpt"), expected, "transform_checkpoints")
+
+
+def test_import_matches_merge_sliced_parameter(jobs, tmp_path):
+    job = jobs("tp2d_8")
+    import_checkpoint(job.ranks, tmp_path / "ours", strategy_files=job.stage_files)
+    ours = _load_ours(tmp_path / "ours")
+    strategy = mindspore.parallel.build_searched_strategy(job.ms_strategy)
+    per_rank = [mindspore.load_checkpoint(str(next((job.ranks / f"rank_{r}").iterdir()))) for r in range(8)]
+    # merge_sliced_parameter reads only the first TensorMap of a layout, so it cannot merge a tensor
+    # dim split over several mesh dims (proj.weight); transform_checkpoints can (the test above).
+    for name in ("dense.weight", "dense.bias"):
+        slices = [files[name] for files in per_rank]
+        merged = mindspore.parallel.merge_sliced_parameter(slices, strategy)
+        merged = merged.astype(slices[0].dtype)  # it widens bfloat16 to float32 (exactly)
+        assert merged.asnumpy().tobytes() == ours[name].tobytes(), name
+
+
+def test_import_with_merged_pipeline_strategy_and_cli(jobs, tmp_path, capsys):
+    job = jobs("pipeline_2x2")
+    code = main(["import", str(job.ranks), str(tmp_path / "ours"), "--strategy", job.ms_strategy])
+    assert code == 0 and "imported 5 tensor(s)" in capsys.readouterr().out
+    _assert_same(_load_ours(tmp_path / "ours"), {k: v.asnumpy() for k, v in job.full.items()}, "merged strategy")
+
+
+def test_import_safetensors_rank_files(jobs, tmp_path):
+    job = jobs("opt_parallel_8", "safetensors")
+    import_checkpoint(job.ranks, tmp_path / "ours", strategy_files=job.stage_files)
+    _assert_same(_load_ours(tmp_path / "ours"), {k: v.asnumpy() for k, v in job.full.items()}, "safetensors")
+
+
+# ---------------------------------------------------------------- export
+
+
+def _transform(job: Job, dst_strategy: str | None, out: Path) -> Path:
+    """MindSpore's reshard of the job's rank files (``.ckpt`` ones: see :class:`Job`)."""
+    source = job.ranks if job.fmt == "ckpt" else job.root / "ranks_ckpt"
+    if job.fmt != "ckpt" and not source.exists():
+        for path in sorted(job.ranks.glob("rank_*/*.safetensors")):
+            _save(dict(mindspore.load_checkpoint(str(path), format="safetensors")),
+                  source / path.parent.name / path.with_suffix(".ckpt").name, "ckpt")
+    mindspore.parallel.transform_checkpoints(str(source), str(out), "checkpoint_", job.ms_strategy, dst_strategy)
+    return out
+
+
+@pytest.mark.parametrize("case_name", ["tp2d_8", "dp_replicas_4", "opt_parallel_8", "pipeline_2x2"])
+def test_export_to_the_source_strategy_gives_mindspore_rank_files_back(jobs, tmp_path, case_name):
+    job = jobs(case_name)
+    import_checkpoint(job.ranks, tmp_path / "ours", strategy_files=job.stage_files)
+    result = export_mindspore(tmp_path / "ours", tmp_path / "out", strategy_files=job.stage_files)
+    assert len(result.files) == job.case.world_size
+    assert [Path(f).relative_to(tmp_path / "out").as_posix() for f in result.files] == [
+        f"rank_{r}/checkpoint_{r}.ckpt" for r in range(job.case.world_size)]
+    exported, original = _rank_dirs(tmp_path / "out"), _rank_dirs(job.ranks)
+    for rank_dir, tensors in original.items():
+        _assert_same(exported[rank_dir], tensors, f"{case_name} {rank_dir}")
+
+
+def _net_of(tensors: dict[str, np.ndarray]) -> mindspore.nn.Cell:
+    net = mindspore.nn.Cell()
+    for position, (name, value) in enumerate(sorted(tensors.items())):
+        setattr(net, f"p{position}", mindspore.Parameter(mindspore.Tensor(np.zeros_like(value)), name=name))
+    return net
+
+
+@pytest.mark.parametrize("fmt", ["ckpt", "safetensors"])
+def test_export_reshard_8_to_4_equals_transform_checkpoints(jobs, tmp_path, fmt):
+    job = jobs("tp2d_8", fmt)
+    dst = write_case(tmp_path / "dst", CASES["reshard_dst_4"])
+    import_checkpoint(job.ranks, tmp_path / "ours", strategy_files=job.stage_files)
+    export_mindspore(tmp_path / "ours", tmp_path / "out", strategy_files=dst, fmt=fmt)
+    reference = _rank_dirs(_transform(job, dst[0], tmp_path / "ms"))
+    exported = _rank_dirs(tmp_path / "out")
+    assert sorted(exported) == sorted(reference) == [f"rank_{r}" for r in range(4)]
+    for rank_dir, tensors in reference.items():
+        _assert_same(exported[rank_dir], tensors, f"8->4 {rank_dir}")
+        # Each rank of the destination job loads its file into its (sliced) network.
+        net = _net_of(tensors)
+        path = next((tmp_path / "out" / rank_dir).iterdir())
+        not_loaded, _ = mindspore.load_param_into_net(
+            net, mindspore.load_checkpoint(str(path), format=fmt), strict_load=True)
+        assert not not_loaded
+        _assert_same({p.name: p.asnumpy() for p in net.get_parameters()}, tensors, f"net {rank_dir}")
+
+
+def test_export_pipeline_stages_from_a_flat_job(jobs, tmp_path):
+    """2 pipeline stages as destination: each rank's file holds its stage's parameters only."""
+    job = jobs("pipeline_2x2")
+    import_checkpoint(job.ranks, tmp_path / "ours", strategy_files=job.stage_files)
+    export_mindspore(tmp_path / "ours", tmp_path / "one", strategy_files=None)
+    unified = _load_file(tmp_path / "one" / "checkpoint.ckpt")
+    _assert_same(unified, {k: v.asnumpy() for k, v in job.full.items()}, "unified")
+    export_mindspore(tmp_path / "ours", tmp_path / "out", strategy_files=[job.ms_strategy])
+    reference = _rank_dirs(_transform(job, job.ms_strategy, tmp_path / "ms"))
+    exported = _rank_dirs(tmp_path / "out")
+    assert "layer1.weight" not in exported["rank_0"] and "layer0.weight" not in exported["rank_3"]
+    for rank_dir, tensors in reference.items():
+        _assert_same(exported[rank_dir], tensors, rank_dir)
+
+
+def test_export_strings_and_safetensors_unified(tmp_path, capsys):
+    state = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "note": "héllo", "step": 3}
+    dcp.save(state, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    code = main(["export-mindspore", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--name", "model"])
+    out = capsys.readouterr().out
+    assert code == 0 and "note: 'step'" in out
+    loaded = mindspore.load_checkpoint(str(tmp_path / "out" / "model.ckpt"))
+    assert loaded["note"] == "héllo" and loaded["w"].asnumpy().tobytes() == state["w"].tobytes()
+    result = export_mindspore(tmp_path / "ckpt", tmp_path / "st", fmt="safetensors")
+    assert [n for n, _ in result.skipped] == ["note", "step"]
+    _assert_same(_load_file(tmp_path / "st" / "checkpoint.safetensors"), {"w": state["w"]}, "safetensors")
+    with pytest.raises(CheckpointExistsError):
+        export_mindspore(tmp_path / "ckpt", tmp_path / "st")
+    with pytest.raises(CheckpointValueError, match="format"):
+        export_mindspore(tmp_path / "ckpt", tmp_path / "x", fmt="npz")
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def test_rank_files_without_strategy_are_refused(jobs, tmp_path, capsys):
+    job = jobs("dp_replicas_4")
+    code = main(["import", str(job.ranks), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "slices" in err and "--strategy" in err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(CheckpointValueError, match="per-rank"):
+        import_checkpoint(job.ranks / "rank_0" / "checkpoint_0.ckpt", tmp_path / "out",
+                          strategy_files=job.stage_files)
+
+
+def test_committed_output_is_never_replaced(jobs, tmp_path):
+    job = jobs("dp_replicas_4")
+    first = import_checkpoint(job.ranks, tmp_path / "ours", strategy_files=job.stage_files)
+    before = (tmp_path / "ours" / "metadata.json").read_bytes()
+    with pytest.raises(CheckpointExistsError, match="committed checkpoint"):
+        import_checkpoint(job.ranks, tmp_path / "ours", strategy_files=job.stage_files)
+    assert (tmp_path / "ours" / "metadata.json").read_bytes() == before and first.storage_data
+
+
+def test_fifo_source_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "weights.ckpt"
+    os.mkfifo(fifo)
+    outcome: list[BaseException] = []
+    worker = threading.Thread(target=lambda: _capture(outcome, fifo, tmp_path / "out"), daemon=True)
+    worker.start()
+    worker.join(20)
+    assert not worker.is_alive(), "import blocked on a FIFO"
+    assert isinstance(outcome[0], UnsupportedFormatError) and "regular file" in str(outcome[0])
+
+
+def _capture(outcome: list[BaseException], src: Path, out: Path) -> None:
+    try:
+        import_checkpoint(src, out)
+    except BaseException as exc:  # pylint: disable=broad-except
+        outcome.append(exc)
+
+
+def test_missing_and_contradicting_rank_files(jobs, tmp_path):
+    job = jobs("tp2d_8")
+    partial = tmp_path / "partial"
+    shutil.copytree(job.ranks, partial)
+    shutil.rmtree(partial / "rank_5")
+    with pytest.raises(CheckpointNotFoundError, match="rank_5"):
+        import_checkpoint(partial, tmp_path / "a", strategy_files=job.stage_files)
+    shutil.copy(next((partial / "rank_4").iterdir()), partial / "rank_4" / "older.ckpt")
+    with pytest.raises(UnsupportedFormatError, match="rank_4"):
+        import_checkpoint(partial, tmp_path / "b", strategy_files=job.stage_files)
+    other = write_case(tmp_path / "other", CASES["dp_replicas_4"])  # another job's strategy
+    with pytest.raises((LayoutError, CheckpointValueError)):
+        import_checkpoint(job.ranks, tmp_path / "c", strategy_files=other)
+    assert not any((tmp_path / name / "metadata.json").exists() for name in "abc")
