@@ -49,8 +49,8 @@ def _entry_dims(entry: Any, mesh_ndim: int) -> list[int]:
 def _refuse(name: str, field: str, value: Any, why: str) -> LayoutError:
     return LayoutError(
         f"parameter {name!r}: {field}={value!r} cannot be mapped exactly to a Layout ({why}); "
-        f"re-shard it with MindSpore's own tools (mindspore.parallel.transform_checkpoints) "
-        f"to an even split first"
+        f"check the strategy file, or re-shard the job's checkpoint with MindSpore's own tools "
+        f"(mindspore.parallel.transform_checkpoints) to a layout that splits evenly"
     )
 
 

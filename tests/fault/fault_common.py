@@ -30,7 +30,6 @@ __all__ = [
     "files_of",
     "assert_only_committed_files",
     "snapshot_tree",
-    "ModuleProxy",
     "mounted_tmpfs",
     "start_script",
     "run_script",
@@ -167,17 +166,6 @@ def run_script(name: str, *args: str, timeout: float = 120.0) -> subprocess.Comp
         [sys.executable, str(SCRIPTS_DIR / name), *args],
         capture_output=True, text=True, timeout=timeout, env=_script_env(), check=False,
     )
-
-
-class ModuleProxy:
-    """Stands for a module (``filesystem_writer.os``...); the given attributes are replaced."""
-
-    def __init__(self, module: Any, **overrides: Callable[..., Any]) -> None:
-        self._module = module
-        self._overrides = overrides
-
-    def __getattr__(self, name: str) -> Any:
-        return self._overrides.get(name) or getattr(self._module, name)
 
 
 @contextlib.contextmanager

@@ -66,8 +66,9 @@ POINTS: list[tuple[str, dict, bool]] = [
     ("data.directory_synced", {"target": "fs.fsync_directory", "nth": 1, "when": "after"}, False),
     ("commit.start", {"target": "FileSystemWriter.finish", "when": "before"}, False),
     ("commit.metadata_encoded", {"target": "fs.metadata_to_json", "when": "after"}, False),
-    ("commit.temp_file_created", {"target": "fs.open", "nth": 1, "when": "after"}, False),
-    ("commit.temp_file_half_written", {"target": "fs.open", "nth": 1, "when": "mid"}, False),
+    ("commit.temp_file_created", {"target": "fs.os.open", "within": "fs.write_atomically", "when": "after"}, False),
+    ("commit.temp_file_half_written", {"target": "fs.os.write", "within": "fs.write_atomically", "when": "mid"},
+     False),
     ("commit.before_temp_fsync", {"target": "fs.os.fsync", "within": "fs.write_atomically", "when": "before"},
      False),
     ("commit.before_rename", {"target": "fs.os.replace", "when": "before"}, False),
@@ -80,8 +81,8 @@ POINTS: list[tuple[str, dict, bool]] = [
 ]
 # Only a re-save has old data files to remove after its commit.
 RESAVE_POINTS = POINTS + [
-    ("cleanup.before_old_file_removed", {"target": "Path.unlink", "nth": 1, "when": "before"}, True),
-    ("cleanup.after_old_file_removed", {"target": "Path.unlink", "nth": 1, "when": "after"}, True),
+    ("cleanup.before_old_file_removed", {"target": "fs.os.unlink", "nth": 1, "when": "before"}, True),
+    ("cleanup.after_old_file_removed", {"target": "fs.os.unlink", "nth": 1, "when": "after"}, True),
 ]
 OTHER_CASES: list[tuple[str, str, dict, object]] = [
     ("threads", "two_files_half_written", {"target": "fs.os.write", "at_byte": "0.5"}, False),
@@ -95,6 +96,16 @@ OTHER_CASES: list[tuple[str, str, dict, object]] = [
     ("async_fork", "writer_process_killed", {"target": "fs.os.write", "at_byte": "0.5"}, False),
     ("async_resave", "background_half_written", {"target": "fs.os.write", "at_byte": "0.5"}, False),
     ("async_resave", "after_rename", {"target": "fs.os.replace", "when": "after"}, True),
+    # Saves large enough for the writer's automatic choice of 2 files and 2 threads (threshold lowered to 1 MiB).
+    ("auto_threads", "half_written", {"target": "fs.os.write", "at_byte": "0.5"}, False),
+    ("auto_threads", "first_file_synced", {"target": "fs.os.fsync", "nth": 1, "when": "after"}, False),
+    ("auto_threads", "second_file_synced", {"target": "fs.os.fsync", "nth": 2, "when": "after"}, False),
+    ("auto_threads", "data_directory_synced", {"target": "fs.fsync_directory", "nth": 1, "when": "after"}, False),
+    ("auto_threads", "after_rename", {"target": "fs.os.replace", "when": "after"}, True),
+    ("auto_threads_resave", "three_quarters_written", {"target": "fs.os.write", "at_byte": "0.75"}, False),
+    ("auto_threads_resave", "before_rename", {"target": "fs.os.replace", "when": "before"}, False),
+    ("auto_threads_resave", "after_rename", {"target": "fs.os.replace", "when": "after"}, True),
+    ("auto_threads_resave", "first_old_file_removed", {"target": "fs.os.unlink", "nth": 1, "when": "after"}, True),
     ("manager", "step3_half_written", {"target": "fs.os.write", "at_byte": "0.5"}, [1, 2]),
     ("manager", "retention_before_rename", {"target": "manager.os.rename", "when": "before"}, [1, 2, 3]),
     ("manager", "retention_mid_delete", {"target": "os.unlink", "nth": 1, "when": "after"}, [2, 3]),
@@ -175,7 +186,11 @@ def test_kill_point(crashed: dict[str, dict], name: str) -> None:
         _check_mindspore(root)
         return
     old, new = make_state(1), make_state(2)
-    if scenario in ("resave", "resave_same_writer", "async_resave"):
+    if scenario.startswith("auto_threads") and expect:  # the committed save really used two files
+        committed = root / ("A" if scenario.endswith("resave") else "B")
+        save_id = dcp.read_metadata(committed).storage_meta.save_id
+        assert len([n for n in files_of(committed) if f".{save_id}.safetensors" in n]) == 2
+    if scenario in ("resave", "resave_same_writer", "async_resave", "auto_threads_resave"):
         loaded = load_into_blank(root / "A", old)
         assert same_state(loaded, new if expect else old), "the re-saved directory holds neither whole state"
         assert verify_checkpoint(root / "A").ok
@@ -204,7 +219,8 @@ def _check_manager(root: Path, expect_steps: list[int]) -> None:
     # The next save completes, retention keeps two steps and sweeps every leftover.
     manager.save(4, make_state(4))
     assert manager.all_steps() == [expect_steps[-1], 4]
-    assert files_of(root) == [manager.directory(s).name for s in (expect_steps[-1], 4)]
+    steps = [name for name in files_of(root) if name not in (".manager.lock", "manager.json")]  # the manager's own
+    assert steps == [manager.directory(s).name for s in (expect_steps[-1], 4)]
 
 
 def _check_mindspore(root: Path) -> None:

@@ -7,7 +7,6 @@ mounted for the test; skipped with the reason otherwise), and injected
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import errno
 import os
@@ -19,11 +18,10 @@ import numpy as np
 import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
-from hyper_parallel.core.distributed_checkpoint import filesystem_writer as fw
+from hyper_parallel.core.distributed_checkpoint._file_ops import FileOps
 
 from fault_common import (
     SCRIPTS_DIR,
-    ModuleProxy,
     assert_only_committed_files,
     assert_same_state,
     files_of,
@@ -132,63 +130,52 @@ def test_read_only_directory(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ injected errors
 
 
-def _fail_at(nth: int, err: int, original: Callable[..., Any]) -> Callable[..., Any]:
-    calls = {"count": 0}
+class _FailingOps(FileOps):
+    """The writer's file operations, except that one call fails with ``err``.
 
-    def failing(*args: Any, **kwargs: Any) -> Any:
-        calls["count"] += 1
-        if calls["count"] == nth:
-            raise OSError(err, os.strerror(err))
-        return original(*args, **kwargs)
+    ``where`` is ``"<op>#<n>"`` (the n-th call of a data-phase operation),
+    ``"commit:<op>"`` (the first call of ``op`` while writing the metadata's
+    temporary file), ``"metadata.write"`` (same as ``commit:write``) or
+    ``"fsync_directory#<n>"`` (the n-th fsync of the checkpoint directory).
+    """
 
-    return failing
+    def __init__(self, where: str, err: int, directory: Path) -> None:
+        self.err, self.directory = err, directory
+        name, _, nth = where.replace("metadata.write", "commit:write").partition("#")
+        self.commit_only = name.startswith("commit:")
+        self.name = name.split(":")[-1].removeprefix("os.")
+        self.nth, self.calls, self.in_commit = int(nth or 1), 0, False
 
+    def _maybe_fail(self, name: str, counted: bool = True) -> None:
+        if name != self.name or not counted or (self.commit_only and not self.in_commit):
+            return
+        self.calls += 1
+        if self.calls == self.nth:
+            raise OSError(self.err, os.strerror(self.err))
 
-class _FailingFile:
-    """The metadata's temporary file: ``write`` fails with ``err``."""
+    def open(self, path: Path, flags: int, mode: int = 0o644) -> int:
+        self.in_commit = str(Path(path).name).endswith(".partial")
+        self._maybe_fail("open")
+        return super().open(path, flags, mode)
 
-    def __init__(self, handle: Any, err: int) -> None:
-        self._handle, self._err = handle, err
+    def write(self, fd: int, data: Any) -> int:
+        self._maybe_fail("write")
+        return super().write(fd, data)
 
-    def __enter__(self) -> "_FailingFile":
-        return self
+    def writev(self, fd: int, buffers: list) -> int:
+        return self.write(fd, b"".join(buffers))  # one write, as counted by ``where``
 
-    def __exit__(self, *exc: Any) -> None:
-        self._handle.close()
+    def fsync(self, fd: int) -> None:
+        self._maybe_fail("fsync")
+        super().fsync(fd)
 
-    def write(self, data: bytes) -> int:
-        raise OSError(self._err, os.strerror(self._err))
+    def replace(self, source: Path, target: Path) -> None:
+        self._maybe_fail("replace")
+        super().replace(source, target)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._handle, name)
-
-
-def _during_commit(monkeypatch: pytest.MonkeyPatch, name: str, err: int) -> None:
-    """``os.<name>`` fails inside ``write_atomically`` (the commit) only."""
-    original = fw.write_atomically
-    failing = ModuleProxy(os, **{name: _fail_at(1, err, getattr(os, name))})
-
-    def commit(*args: Any, **kwargs: Any) -> Any:
-        fw.os = failing
-        try:
-            return original(*args, **kwargs)
-        finally:
-            fw.os = os
-
-    monkeypatch.setattr(fw, "write_atomically", commit)
-
-
-def _inject(monkeypatch: pytest.MonkeyPatch, where: str, err: int) -> None:
-    if where.startswith("commit:os."):
-        _during_commit(monkeypatch, where[len("commit:os."):], err)
-    elif where.startswith("os."):
-        name, _, nth = where[3:].partition("#")
-        monkeypatch.setattr(fw, "os", ModuleProxy(os, **{name: _fail_at(int(nth or 1), err, getattr(os, name))}))
-    elif where.startswith("fsync_directory#"):
-        monkeypatch.setattr(fw, "fsync_directory", _fail_at(int(where[-1]), err, fw.fsync_directory))
-    else:
-        assert where == "metadata.write"
-        monkeypatch.setattr(fw, "open", lambda *a, **k: _FailingFile(builtins.open(*a, **k), err), raising=False)
+    def fsync_directory(self, path: Path) -> None:
+        self._maybe_fail("fsync_directory", counted=Path(path) == self.directory)
+        super().fsync_directory(path)
 
 
 # (where, errno, phase): a data-phase failure removes the save's data files; after the
@@ -208,20 +195,17 @@ INJECTED = [
 
 @pytest.mark.parametrize("target", ["new", "resave", "async"])
 @pytest.mark.parametrize("where,err,phase", INJECTED, ids=[f"{w}-{errno.errorcode[e]}" for w, e, _ in INJECTED])
-def test_injected_io_error(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str, err: int, phase: str, target: str
-) -> None:
+def test_injected_io_error(tmp_path: Path, where: str, err: int, phase: str, target: str) -> None:
     old, new = make_state(1), make_state(2)
     dcp.save(old, checkpoint_id=tmp_path / "A", no_dist=True)
     files_a = files_of(tmp_path / "A")
     path = tmp_path / ("A" if target == "resave" else "B")
-    _inject(monkeypatch, where, err)
+    writer = dcp.FileSystemWriter(path, file_ops=_FailingOps(where, err, path))
     with pytest.raises(dcp.CheckpointError) as caught:
         if target == "async":
-            dcp.async_save(new, checkpoint_id=path, no_dist=True).result(timeout=60)
+            dcp.async_save(new, storage_writer=writer, no_dist=True).result(timeout=60)
         else:
-            dcp.save(new, checkpoint_id=path, no_dist=True)
-    monkeypatch.undo()
+            dcp.save(new, storage_writer=writer, no_dist=True)
     _assert_io_error(caught, path, os.strerror(err))
     assert not [n for n in os.listdir(path) if n.endswith(".partial")]
     if phase == "committed":

@@ -21,6 +21,7 @@ import logging
 import os
 import re
 from pathlib import Path
+from typing import Callable
 
 from hyper_parallel.core.distributed_checkpoint._safe_files import open_regular, remove_regular
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
@@ -87,7 +88,7 @@ def garbage_files(directory: Path, save_ids: set[str], *, rank: int | None = Non
     return found
 
 
-def remove_files(paths: list[Path]) -> None:
-    """Delete the regular files among ``paths``; log the rest. Never raises."""
+def remove_files(paths: list[Path], *, unlink: Callable[[Path], None] = os.unlink) -> None:
+    """Delete the regular files among ``paths`` with ``unlink``; log the rest. Never raises."""
     for path in paths:
-        remove_regular(path)
+        remove_regular(path, unlink=unlink)

@@ -25,6 +25,7 @@ through the :class:`.StorageWriter` / :class:`.StorageReader` methods.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -32,8 +33,13 @@ from hyper_parallel import platform
 from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncRequest
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._fork_writer import fork_write
+from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import (
+    LayoutArgument,
+    apply_mindspore_layouts,
+    copy_back_values,
+)
 from hyper_parallel.core.distributed_checkpoint._staging import StagedSavePlanner, StagingPool, staged_views
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, PlanValidationError
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint._fsspec_reader import FsspecReader
 from hyper_parallel.core.distributed_checkpoint._fsspec_writer import FsspecWriter
@@ -71,12 +77,14 @@ class SaveOptions:
         use_collectives: ``False``: each rank saves alone, with rank-local metadata.
         remove_redundancy: Write each replicated item once (balanced over ranks).
         save_to_minimum_rank: Give each replicated item to its lowest rank.
+        strategy_file: Layouts of Parameters MindSpore sliced (``strategy_file=``).
     """
 
     no_dist: bool = False
     use_collectives: bool = True
     remove_redundancy: bool = True
     save_to_minimum_rank: bool = False
+    strategy_file: LayoutArgument = None
 
 
 @dataclass(frozen=True)
@@ -86,10 +94,12 @@ class LoadOptions:
     Attributes:
         no_dist: One process, no collectives.
         use_collectives: ``False``: each rank loads alone (rank-local metadata first).
+        strategy_file: Layouts of Parameters MindSpore sliced (``strategy_file=``).
     """
 
     no_dist: bool = False
     use_collectives: bool = True
+    strategy_file: LayoutArgument = None
 
 
 def _rank_alone(no_dist: bool, use_collectives: bool) -> int | None:
@@ -171,6 +181,25 @@ class SaveSession:
     metadata: Metadata | None
 
 
+#: Variables msrun (and other MindSpore launchers) set in every worker of a job.
+_JOB_SIZE_VARIABLES = ("MS_WORKER_NUM", "RANK_SIZE")
+
+
+def _uninitialised_communication(world_size: int) -> str | None:
+    """Explain a one-process save inside what looks like a distributed job, or ``None``."""
+    if world_size > 1:
+        return None
+    for name in _JOB_SIZE_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 1:
+            return (
+                f"MindSpore communication was not initialised, although this process runs in a job of {value} "
+                f"workers ({name}={value}): it saved alone, as rank 0 of 1, so sharded tensors miss the other "
+                "ranks' shards. Call mindspore.communication.init() on every rank before saving"
+            )
+    return None
+
+
 def plan_save(
     state_dict: dict[str, Any], *, writer: StorageWriter, planner: SavePlanner, options: SaveOptions
 ) -> SaveSession:
@@ -188,7 +217,7 @@ def plan_save(
             rank_local=alone is not None,
         )
         planner.configure_planner(
-            state_dict,
+            apply_mindspore_layouts(state_dict, source=options.strategy_file, rank=platform.get_rank()),
             rank=dist.rank,
             world_size=dist.world_size,
             is_coordinator=dist.is_coordinator,
@@ -199,7 +228,13 @@ def plan_save(
         return local_plans[0]
 
     def global_step(all_plans: list[SavePlan]) -> list[Any]:
-        final_plans, metadata = planner.build_global_plan(all_plans)
+        try:
+            final_plans, metadata = planner.build_global_plan(all_plans)
+        except PlanValidationError as exc:
+            hint = _uninitialised_communication(dist.world_size)
+            if hint is None:
+                raise
+            raise PlanValidationError(f"{hint}. The plan check said: {exc}") from exc
         final_plans = writer.prepare_global_plan(final_plans)
         merged.append(metadata)
         return [_compress(local, final) for local, final in zip(all_plans, final_plans)]
@@ -316,11 +351,13 @@ def run_load(
     """Plan and read a load into ``state_dict`` in place. All ranks call it."""
     dist = DistWrapper(use_dist=not options.no_dist and options.use_collectives)
     local_plans: list[LoadPlan] = []
+    targets: list[dict[str, Any]] = []
 
     def local_step() -> LoadPlan:
         reader.set_up_storage_reader(metadata, dist.is_coordinator)
+        targets.append(apply_mindspore_layouts(state_dict, source=options.strategy_file, rank=platform.get_rank()))
         planner.configure_planner(
-            state_dict, metadata, rank=dist.rank, world_size=dist.world_size, is_coordinator=dist.is_coordinator
+            targets[0], metadata, rank=dist.rank, world_size=dist.world_size, is_coordinator=dist.is_coordinator
         )
         local_plans.append(reader.prepare_local_plan(planner.build_local_plan()))
         return local_plans[0]
@@ -334,6 +371,8 @@ def run_load(
     rounds = planner.read_rounds(plan)
     for index, round_plan in enumerate(rounds):
         _read_round(dist, reader, planner, round_plan, index, last=index == len(rounds) - 1)
+    if targets[0] is not state_dict:
+        copy_back_values(targets[0], state_dict)
 
 
 def _read_round(

@@ -7,7 +7,7 @@ their own global ``key`` whatever their path. Each flat key remembers its path
 so a load can put new non-tensor values back where they were (rebuilding
 tuples, which cannot change in place).
 
-A ``mindspore.Parameter`` reached twice (a network's weight is also in its
+A ``mindspore.Parameter`` (or the DTensor wrapping one) reached twice (a network's weight is also in its
 optimizer's ``parameters_dict()``) is one leaf: the first path keeps it, the
 later paths become *aliases* of its key, so it is stored and loaded once.
 """
@@ -19,6 +19,7 @@ from typing import Any, Union
 
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.mapping import ShardedObject, ShardedTensor
+from hyper_parallel.core.dtensor import DTensor
 from hyper_parallel.platform.tensor import is_cell, is_parameter
 
 __all__ = ["PathElement", "FlatStateDict", "flatten_state_dict", "set_by_path", "structure_of", "unflatten"]
@@ -59,7 +60,7 @@ def _own_key(value: Any) -> str | None:
 
 def _add_leaf(flat: "FlatStateDict", path: tuple[PathElement, ...], value: Any, seen: dict[int, str]) -> None:
     name = ".".join(str(p) for p in path)
-    if is_parameter(value):
+    if is_parameter(value) or isinstance(value, DTensor):
         first = seen.get(id(value))
         if first is not None:
             if name != first:

@@ -21,6 +21,7 @@ import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint import api
 from hyper_parallel.core.distributed_checkpoint._flatten import flatten_state_dict, set_by_path
+from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutSources, cells_in
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointValueError,
     MissingKeyError,
@@ -103,7 +104,9 @@ def save_checkpoint(save_obj: Any, checkpoint_id: Any, *, append_dict: dict[str,
         checkpoint_id: The checkpoint directory.
         append_dict: Extra plain values to store beside the Parameters (as
             MindSpore's ``append_dict``).
-        **kwargs: ``allow_pickle`` and any argument of ``dcp.save``.
+        **kwargs: ``allow_pickle`` and any argument of ``dcp.save``
+            (``strategy_file=`` gives the layouts of Parameters MindSpore
+            sliced; the Cells' own ``parameter_layout_dict`` is used too).
 
     Returns:
         The committed metadata.
@@ -119,7 +122,10 @@ def save_checkpoint(save_obj: Any, checkpoint_id: Any, *, append_dict: dict[str,
         state[key] = value
     allow_pickle = kwargs.pop("allow_pickle", False)
     if "planner" not in kwargs:
-        kwargs["planner"] = StandardSavePlanner(allow_pickle=allow_pickle)
+        kwargs["planner"] = StandardSavePlanner(allow_pickle=allow_pickle,
+                                                check_replicas=kwargs.get("check_replicas", True))
+    # The Cells are flattened away here: hand their parameter_layout_dict on.
+    kwargs["strategy_file"] = LayoutSources(kwargs.get("strategy_file"), cells=cells_in(save_obj))
     return api.save(state, checkpoint_id=checkpoint_id, **kwargs)
 
 
@@ -252,7 +258,8 @@ def load_checkpoint(
             about ``net`` entries the checkpoint lacks (listed in
             ``param_not_load``), instead of raising.
         allow_pickle: Unpickle stored pickled values (trusted checkpoints only).
-        **kwargs: Any argument of ``dcp.load`` (``storage_reader``, ``planner``, ...).
+        **kwargs: Any argument of ``dcp.load`` (``storage_reader``, ``planner``,
+            ``strategy_file`` for Parameters MindSpore sliced, ...).
 
     Returns:
         ``{name: mindspore.Parameter}`` plus the non-tensor values: with ``net``
@@ -322,6 +329,7 @@ def _load_into(
     if strict_load:
         _check_dtypes({by_key[k]: ck for k, ck in chosen.items()}, flat.values, metadata)
     targets = {ck: flat.values[by_key[key]] for key, ck in chosen.items()}
+    kwargs["strategy_file"] = LayoutSources(kwargs.get("strategy_file"), cells=cells_in(net))
     api.load(targets, checkpoint_id=checkpoint_id, **kwargs)
     loaded: dict[str, Any] = {}
     for key, ck in chosen.items():

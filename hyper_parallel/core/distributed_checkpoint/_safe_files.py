@@ -14,6 +14,7 @@ import logging
 import os
 import stat
 from pathlib import Path
+from typing import Callable
 
 from hyper_parallel.core.distributed_checkpoint.errors import UnsafeCheckpointError
 
@@ -76,8 +77,8 @@ def read_regular(path: Path, *, limit: int) -> bytes:
         os.close(fd)
 
 
-def remove_regular(path: Path) -> bool:
-    """Delete ``path`` if it is a regular file (a symlink is not followed); log anything else.
+def remove_regular(path: Path, *, unlink: Callable[[Path], None] = os.unlink) -> bool:
+    """Delete ``path`` with ``unlink`` if it is a regular file (a symlink is not followed); log anything else.
 
     Returns:
         Whether a file was removed. Never raises: the caller's commit already happened.
@@ -87,7 +88,7 @@ def remove_regular(path: Path) -> bool:
         if not stat.S_ISREG(mode):
             _LOG.warning("checkpoint cleanup: %s is %s; left alone", path, describe_mode(mode))
             return False
-        path.unlink()
+        unlink(path)
         return True
     except FileNotFoundError:
         return False

@@ -90,6 +90,8 @@ def async_save(
     remove_redundancy: bool = True,
     save_to_minimum_rank: bool = False,
     staging: str = "copy",
+    strategy_file: Any = None,
+    check_replicas: bool = True,
 ) -> AsyncSaveHandle:
     """Save ``state_dict`` in the background. All ranks call it.
 
@@ -122,8 +124,10 @@ def async_save(
                 use_collectives=use_collectives,
                 remove_redundancy=remove_redundancy,
                 save_to_minimum_rank=save_to_minimum_rank,
+                strategy_file=strategy_file,
             ),
             staging=staging,
+            check_replicas=check_replicas,
         )
 
 
@@ -139,13 +143,14 @@ def _async_save_locked(
     planner: SavePlanner | None,
     options: SaveOptions,
     staging: str,
+    check_replicas: bool,
 ) -> AsyncSaveHandle:
     queue = default_queue()
     queue.maybe_finalize_async_calls(blocking=True)
     request = save_strategy().async_save(
         state_dict,
         storage_writer=writer_for(checkpoint_id, storage_writer),
-        planner=planner or StandardSavePlanner(),
+        planner=planner or StandardSavePlanner(check_replicas=check_replicas),
         options=options,
         staging=staging,
     )

@@ -24,6 +24,7 @@ __all__ = [
     "CheckpointValueError",
     "LayoutError",
     "StrategyFileError",
+    "SlicedParameterError",
     "MissingKeyError",
     "ShapeMismatchError",
     "PlanValidationError",
@@ -69,6 +70,10 @@ class MissingKeyError(CheckpointError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else ""
+
+
+class SlicedParameterError(CheckpointValueError):
+    """A Parameter MindSpore sliced (``Parameter.sliced``) whose layout is unknown or does not fit it."""
 
 
 class ShapeMismatchError(CheckpointValueError):

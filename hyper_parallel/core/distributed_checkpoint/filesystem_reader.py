@@ -68,6 +68,26 @@ _IOV_MAX = 1024
 _SEQUENTIAL_SHARE = 0.95
 
 
+def _not_a_directory(path: Path) -> str:
+    """The message for a checkpoint_id that is a file: a MindSpore file names its converter."""
+    if path.suffix in (".ckpt", ".safetensors"):
+        return (
+            f"checkpoint {path} is a file, not a directory: a MindSpore {path.suffix} file? "
+            f"Convert it once with `hp-ckpt import {path} OUT_DIR` and load OUT_DIR, or read it with "
+            "mindspore.load_checkpoint"
+        )
+    return f"checkpoint {path} is a file, not a directory; pass the checkpoint directory (it holds metadata.json)"
+
+
+def _committed_subdirectories(path: Path, metadata_file: str) -> list[str]:
+    """Names of ``path``'s subdirectories that are committed checkpoints (a manager root), sorted."""
+    try:
+        entries = sorted(e.name for e in os.scandir(path) if e.is_dir() and not e.name.startswith("."))
+    except OSError:
+        return []
+    return [name for name in entries if (path / name / metadata_file).is_file()]
+
+
 class FileSystemReader(StorageReader):
     """Reads a checkpoint from a local or shared-filesystem directory.
 
@@ -132,11 +152,18 @@ class FileSystemReader(StorageReader):
         if not self.path.exists():
             raise CheckpointNotFoundError(f"checkpoint {self.path} does not exist")
         if not self.path.is_dir():
-            raise CheckpointValueError(f"checkpoint {self.path} is not a directory")
+            raise CheckpointValueError(_not_a_directory(self.path))
         if rank is not None and (self.path / rank_metadata_file(rank)).is_file():
             self.metadata_file = rank_metadata_file(rank)
         meta_path = self.path / self.metadata_file
         if not meta_path.is_file():
+            steps = _committed_subdirectories(self.path, self.metadata_file)
+            if steps:
+                raise IncompleteCheckpointError(
+                    f"{self.path} is a CheckpointManager root (it holds the checkpoints {', '.join(steps[-3:])}), "
+                    f"not one checkpoint: pass a step directory such as {self.path / steps[-1]} (the newest), or "
+                    f"load with CheckpointManager({str(self.path)!r}).load(state_dict)"
+                )
             raise IncompleteCheckpointError(
                 f"checkpoint {self.path} has no {self.metadata_file}: the save did not commit (it crashed or "
                 "is still running); load an earlier checkpoint"

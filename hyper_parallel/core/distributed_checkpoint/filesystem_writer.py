@@ -39,6 +39,7 @@ from hyper_parallel.core.distributed_checkpoint._commit_cleanup import (
     garbage_files,
     remove_files,
 )
+from hyper_parallel.core.distributed_checkpoint._file_ops import OS_FILE_OPS, FileOps, make_directories
 from hyper_parallel.core.distributed_checkpoint._options import check_option
 from hyper_parallel.core.distributed_checkpoint._format.checksum import DEFAULT_BLOCK_BYTES, chunk_checksum
 from hyper_parallel.core.distributed_checkpoint._save_lease import DEFAULT_LEASE_TIMEOUT, LeaseHolder, SaveLease
@@ -87,84 +88,90 @@ def rank_metadata_file(rank: int) -> str:
     return f"metadata.rank{rank:05d}.json"
 
 
-def fsync_directory(path: Path) -> None:
+def fsync_directory(path: Path, ops: FileOps = OS_FILE_OPS) -> None:
     """Make the entries of directory ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    ops.fsync_directory(path)
 
 
-def write_atomically(path: Path, data: bytes, *, sync: bool = True, tag: str | None = None) -> None:
+def write_atomically(
+    path: Path, data: bytes, *, sync: bool = True, tag: str | None = None, ops: FileOps = OS_FILE_OPS
+) -> None:
     """Write ``data`` to ``path`` via a temporary file and a rename.
 
     Readers see either the old file or the whole new one. The temporary file
     (``.<name>.<tag>.partial``, a random tag by default) is removed on failure.
+    With ``sync`` the file's bytes are durable before the rename and the
+    rename is durable (directory fsync) before returning.
     """
     partial = path.with_name(f".{path.name}.{tag or uuid.uuid4().hex[:8]}.partial")
     try:
-        with open(partial, "wb") as handle:
-            handle.write(data)
-            handle.flush()
+        fd = ops.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _write_all(fd, memoryview(data), ops)
             if sync:
-                os.fsync(handle.fileno())
-        os.replace(partial, path)
+                ops.fsync(fd)
+        finally:
+            ops.close(fd)
+        ops.replace(partial, path)
     except BaseException:
-        partial.unlink(missing_ok=True)
+        try:
+            ops.unlink(partial)
+        except OSError:
+            pass  # never created, or a later save sweeps it
         raise
     if sync:
-        fsync_directory(path.parent)
+        fsync_directory(path.parent, ops)
 
 
-def _write_all(fd: int, view: memoryview) -> None:
+def _write_all(fd: int, view: memoryview, ops: FileOps) -> None:
     position = 0
     while position < len(view):
-        written = os.write(fd, view[position : position + _WRITE_CHUNK])
+        written = ops.write(fd, view[position : position + _WRITE_CHUNK])
         if written <= 0:
             raise OSError("short write")
         position += written
 
 
 class _LocalDataFile:
-    """Destination of one data file on disk: ``write`` in order, then ``commit`` (durable) or ``abort``."""
+    """Destination of one data file on disk: ``write`` in order, then ``commit`` (durable) or ``abort``.
 
-    def __init__(self, path: Path, *, sync: bool, drop_page_cache: bool) -> None:
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    Every call goes through the writer's :class:`._file_ops.FileOps`.
+    """
+
+    def __init__(self, path: Path, ops: FileOps, *, sync: bool, drop_page_cache: bool) -> None:
+        self.ops = ops
+        self.fd = ops.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.sync, self.drop_page_cache = sync, drop_page_cache
 
     def write(self, view: memoryview) -> None:
         """Append ``view``."""
-        _write_all(self.fd, view)
+        _write_all(self.fd, view, self.ops)
 
     def write_many(self, views: list[memoryview], nbytes: int) -> None:
         """Append ``views`` (``nbytes`` in all) with one ``writev``, uncopied."""
-        if not hasattr(os, "writev"):  # pragma: no cover - every POSIX system has it
-            _write_all(self.fd, memoryview(b"".join(views)))
-            return
-        written = os.writev(self.fd, views)
+        written = self.ops.writev(self.fd, views)
         if written != nbytes:  # a short write (rare): write the rest piece by piece
             for view in views:
                 if written >= len(view):
                     written -= len(view)
                     continue
-                _write_all(self.fd, view[written:])
+                _write_all(self.fd, view[written:], self.ops)
                 written = 0
 
     def commit(self) -> None:
         """fsync (when asked), then close."""
         try:
             if self.sync:
-                os.fsync(self.fd)
-                if self.drop_page_cache and hasattr(os, "posix_fadvise"):
+                self.ops.fsync(self.fd)
+                if self.drop_page_cache:
                     # The pages are clean now: let them go rather than evict the job's working set.
-                    os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    self.ops.drop_cache(self.fd)
         finally:
-            os.close(self.fd)
+            self.ops.close(self.fd)
 
     def abort(self) -> None:
         """Close; the writer removes the file."""
-        os.close(self.fd)
+        self.ops.close(self.fd)
 
 
 class _CoalescingWriter:
@@ -256,6 +263,12 @@ class FileSystemWriter(StorageWriter):
         lease_timeout: Seconds after its last heartbeat at which the save lease
             of a process on another host counts as stale (see
             :mod:`._save_lease`; a lease of this host is judged by its process).
+        auto_thread_bytes: With ``thread_count=None``, a rank writing at least
+            this many bytes uses 2 files and threads (default
+            :data:`AUTO_THREAD_BYTES`).
+        file_ops: The file-system operations the writer performs (default:
+            the operating system's). Tests pass a recording one to replay
+            power cuts.
 
     Raises:
         CheckpointValueError: an option of the wrong type or out of range (names it).
@@ -273,6 +286,8 @@ class FileSystemWriter(StorageWriter):
         tile_checksums: bool = True,
         drop_page_cache: bool = True,
         lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
+        auto_thread_bytes: int = AUTO_THREAD_BYTES,
+        file_ops: FileOps | None = None,
     ) -> None:
         check_option("thread_count", thread_count, int, minimum=1, optional=True)
         check_option("checksum_block_bytes", checksum_block_bytes, int, minimum=1)
@@ -296,6 +311,8 @@ class FileSystemWriter(StorageWriter):
         self._base: tuple[int, ...] | None = None  # the committed metadata seen at set-up (lstat signature)
         self._created_directory = False
         self._committed = False
+        self.auto_thread_bytes = auto_thread_bytes
+        self.file_ops = file_ops or OS_FILE_OPS
         self._cleanup: threading.Thread | None = None
         self.rank = 0
         self.save_id = uuid.uuid4().hex[:12]
@@ -333,10 +350,10 @@ class FileSystemWriter(StorageWriter):
                 f"checkpoint path {self.path} exists and is not a directory; choose another checkpoint_id"
             )
         try:
-            self.path.mkdir(parents=True)
-            self._created_directory = True
-        except FileExistsError:
-            pass
+            self._created_directory = make_directories(self.file_ops, self.path, sync=self.sync_files)
+            if self.sync_files and is_coordinator and not self._created_directory:
+                # A directory left by an earlier (crashed) save may not be durable yet.
+                self.file_ops.fsync_directory(self.path.parent)
         except OSError as exc:
             raise CheckpointIOError(f"cannot create checkpoint directory {self.path}: {exc}") from exc
         if not os.access(self.path, os.W_OK):
@@ -361,7 +378,8 @@ class FileSystemWriter(StorageWriter):
         """Delete the files of the dead save whose stale lease was broken, unless they are committed."""
         committed = committed_save_id(self.path / name)
         garbage = {dead.save_id, dead.base_save_id} - {committed or "", self.save_id}
-        remove_files(garbage_files(self.path, garbage, rank=self.rank if self.rank_local else None))
+        remove_files(garbage_files(self.path, garbage, rank=self.rank if self.rank_local else None),
+                     unlink=self.file_ops.unlink)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Return the plan unchanged: file names are given by the coordinator. All ranks call it."""
@@ -378,7 +396,7 @@ class FileSystemWriter(StorageWriter):
         threads = self.thread_count
         sized = sorted(((item.storage_size(), item) for item in plan.items), key=lambda pair: -pair[0])
         if threads is None:
-            threads = 2 if sum(size for size, _ in sized) >= AUTO_THREAD_BYTES else 1
+            threads = 2 if sum(size for size, _ in sized) >= self.auto_thread_bytes else 1
         bins: list[list[WriteItem]] = [[] for _ in range(threads)]
         loads = [0] * threads
         for size, item in sized:
@@ -454,12 +472,13 @@ class FileSystemWriter(StorageWriter):
 
     def _open_data_file(self, name: str) -> _LocalDataFile:
         """Open data file ``name`` of this save for streaming (the object backend opens an upload)."""
-        return _LocalDataFile(self.path / name, sync=self.sync_files, drop_page_cache=self.drop_page_cache)
+        return _LocalDataFile(self.path / name, self.file_ops, sync=self.sync_files,
+                              drop_page_cache=self.drop_page_cache)
 
     def _data_durable(self) -> None:
         """Make the names of the data files just written durable (fsync the directory)."""
         if self.sync_files:
-            fsync_directory(self.path)
+            fsync_directory(self.path, self.file_ops)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> "Future[list[WriteResult]]":
         """Write this rank's items durably; the returned future is already done. All ranks.
@@ -496,7 +515,7 @@ class FileSystemWriter(StorageWriter):
     def _discard(self, jobs: list[_FileJob]) -> None:
         for job in jobs:
             try:
-                (self.path / job.name).unlink(missing_ok=True)
+                self.file_ops.unlink(self.path / job.name)
             except OSError:
                 pass  # a later save of this directory removes it as stale
 
@@ -524,7 +543,9 @@ class FileSystemWriter(StorageWriter):
             self._lease.record_base(replaced)
         failure: CheckpointIOError | None = None
         try:
-            write_atomically(self.path / name, metadata_to_json(committed), sync=self.sync_files, tag=self.save_id)
+            write_atomically(
+                self.path / name, metadata_to_json(committed), sync=self.sync_files, tag=self.save_id, ops=self.file_ops
+            )
         except OSError as exc:
             failure = CheckpointIOError(f"committing checkpoint {self.path} failed: {exc}")
             failure.__cause__ = exc
@@ -541,11 +562,13 @@ class FileSystemWriter(StorageWriter):
         self.wait_cleanup()
         stale = self._stale_files(replaced)
         if not background_cleanup or failure is not None:
-            _clean_up(stale, lease)
+            _clean_up(stale, lease, self.file_ops)
             if failure is not None:
                 raise failure
             return committed
-        self._cleanup = threading.Thread(target=_clean_up, args=(stale, lease), name="hp-ckpt-cleanup", daemon=True)
+        self._cleanup = threading.Thread(
+            target=_clean_up, args=(stale, lease, self.file_ops), name="hp-ckpt-cleanup", daemon=True
+        )
         self._cleanup.start()
         return committed
 
@@ -590,7 +613,10 @@ class FileSystemWriter(StorageWriter):
             return
         lease, self._lease = self._lease, None
         if lease is not None:  # coordinator: every rank's files of this save are written (or discarded) by now
-            remove_files(garbage_files(self.path, {self.save_id}, rank=self.rank if self.rank_local else None))
+            remove_files(
+                garbage_files(self.path, {self.save_id}, rank=self.rank if self.rank_local else None),
+                unlink=self.file_ops.unlink,
+            )
             lease.release()
         if self._created_directory:
             try:
@@ -622,9 +648,9 @@ class FileSystemWriter(StorageWriter):
         return isinstance(checkpoint_id, str) and bool(checkpoint_id) and "://" not in checkpoint_id
 
 
-def _clean_up(paths: list[Path], lease: SaveLease | None) -> None:
+def _clean_up(paths: list[Path], lease: SaveLease | None, ops: FileOps) -> None:
     try:
-        remove_files(paths)
+        remove_files(paths, unlink=ops.unlink)
     finally:
         if lease is not None:
             lease.release()

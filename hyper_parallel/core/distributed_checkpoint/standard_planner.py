@@ -13,6 +13,7 @@ end. Non-tensor values are replaced in the caller's (nested) dict.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import replace
 from typing import Any
@@ -67,6 +68,13 @@ from hyper_parallel.platform.tensor import DTYPE_NAMES, assign, numpy_dtype, to_
 
 __all__ = ["StandardSavePlanner", "StandardLoadPlanner"]
 
+_LOG = logging.getLogger(__name__)
+
+
+def _shown(keys: list[str], limit: int = 20) -> str:
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(f"'{k}'" for k in keys[:limit]) + more
+
 
 def _classify(fqn: str, value: Any) -> TensorEntry | ValueEntry | SkipEntry:
     """:func:`make_entry`, with a tensor of a dtype no checkpoint stores reported against its key."""
@@ -85,10 +93,14 @@ class StandardSavePlanner(SavePlanner):
 
     Args:
         allow_pickle: Pickle values of types with no registered handler.
+        check_replicas: With more than one rank, put an xxh3 digest of every
+            possibly replicated tensor chunk into the plan; the coordinator
+            fails the save if replicas of one chunk differ (naming key and ranks).
     """
 
-    def __init__(self, *, allow_pickle: bool = False) -> None:
+    def __init__(self, *, allow_pickle: bool = False, check_replicas: bool = True) -> None:
         self.allow_pickle = allow_pickle
+        self.check_replicas = check_replicas
         self.flat: FlatStateDict | None = None
         self.rank = 0
         self.world_size = 1
@@ -137,9 +149,13 @@ class StandardSavePlanner(SavePlanner):
 
     def _tensor_items(self, entry: TensorEntry) -> list[WriteItem]:
         items = []
+        check = self.check_replicas and self.world_size > 1 and entry.may_be_replicated
         for piece in entry.pieces:
             index = MetadataIndex(entry.fqn, piece.offsets)
             whole = piece.sizes == entry.global_shape
+            replica_digest = None
+            if check:
+                replica_digest = digest(memoryview(self._piece_array(entry, piece).reshape(-1).view(np.uint8)))
             items.append(
                 WriteItem(
                     index=index,
@@ -148,6 +164,7 @@ class StandardSavePlanner(SavePlanner):
                         chunk=ChunkStorageMetadata(offsets=piece.offsets, sizes=piece.sizes),
                         properties=TensorProperties(dtype=entry.dtype),
                         size=entry.global_shape,
+                        replica_digest=replica_digest,
                     ),
                 )
             )
@@ -187,6 +204,10 @@ class StandardSavePlanner(SavePlanner):
         if item.type == WriteItemType.BYTE_IO:
             return self._bytes[key]
         entry, piece = self._tensors[key]
+        return self._piece_array(entry, piece)
+
+    @staticmethod
+    def _piece_array(entry: TensorEntry, piece: TensorPiece) -> np.ndarray:
         local = to_numpy(entry.local)
         if not local.dtype.isnative:  # stored little-endian, as safetensors requires
             local = local.astype(local.dtype.newbyteorder("="))
@@ -291,13 +312,29 @@ class StandardLoadPlanner(LoadPlanner):
             self._entries[name] = entry
         if problems:
             raise CheckpointValueError("; ".join(problems))
-        if self.missing_keys and not self.allow_partial_load:
-            shown = ", ".join(f"'{k}'" for k in self.missing_keys[:20])
-            more = f" and {len(self.missing_keys) - 20} more" if len(self.missing_keys) > 20 else ""
+        if self.missing_keys:
+            self._report_missing(metadata, rank)
+
+    def _report_missing(self, metadata: Metadata, rank: int) -> None:
+        """Say what matched and what did not; refuse a load that would load nothing, even partial."""
+        matched = sorted(e.fqn for e in self._entries.values() if not isinstance(e, SkipEntry))
+        stored = sorted(metadata.state_dict_metadata)
+        summary = (
+            f"rank {rank}: {len(self.missing_keys)} of {len(self.missing_keys) + len(matched)} requested key(s) are "
+            f"not in the checkpoint: {_shown(self.missing_keys)}; matched: {_shown(matched) or 'none'}; "
+            f"the checkpoint holds {len(stored)} key(s), e.g. {_shown(stored, 5) or 'none'}"
+        )
+        if not matched:
             raise MissingKeyError(
-                f"rank {rank}: key(s) {shown}{more} not in the checkpoint; pass "
-                "StandardLoadPlanner(allow_partial_load=True) to load the others"
+                f"{summary}. Nothing would load, even with allow_partial_load=True: this checkpoint is of "
+                "another model, or its keys carry another prefix (save and load the same structure, e.g. both "
+                "{'model': net}, or use hyper_parallel.load_checkpoint(path, net), which matches MindSpore names)"
             )
+        if not self.allow_partial_load:
+            raise MissingKeyError(
+                f"{summary}. Pass StandardLoadPlanner(allow_partial_load=True) to load only the matched keys"
+            )
+        _LOG.warning("%s; loading only the matched keys (allow_partial_load=True)", summary)
 
     def build_local_plan(self) -> LoadPlan:
         """Return the overlap of every target piece with every stored chunk. All ranks."""

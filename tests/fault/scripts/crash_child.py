@@ -15,12 +15,13 @@ process (used for the MindSpore case: MindSpore does not survive a fork).
 RESULTS_JSON maps each case name to how its process ended.
 
 No library code is changed: hooks wrap functions the writer looks up at call
-time (module globals of ``filesystem_writer``, planner and writer methods).
+time (module globals of ``filesystem_writer``, the methods of the file
+operations class the writer changes the disk through, planner and writer
+methods).
 """
 
 from __future__ import annotations
 
-import builtins
 import json
 import os
 import pathlib
@@ -33,9 +34,13 @@ from typing import Any, Callable
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.core.distributed_checkpoint import filesystem_writer as fw
 from hyper_parallel.core.distributed_checkpoint import manager as manager_module
+from hyper_parallel.core.distributed_checkpoint._file_ops import FileOps
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
 
 from fault_common import make_state
+
+
+_ORIGINAL_WRITE = FileOps.write
 
 
 def die() -> None:
@@ -55,33 +60,13 @@ class _Proxy:
         return self._overrides.get(name) or getattr(self._module, name)
 
 
-class _HalfWriter:
-    """A file whose first ``write`` writes half of the bytes, flushes, then dies."""
-
-    def __init__(self, handle: Any) -> None:
-        self._handle = handle
-
-    def __enter__(self) -> "_HalfWriter":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._handle.close()
-
-    def write(self, data: bytes) -> int:
-        self._handle.write(data[: len(data) // 2])
-        self._handle.flush()
-        die()
-        return 0  # pragma: no cover
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._handle, name)
-
-
 def _mid(original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """Open the metadata's temporary file so that its write stops halfway."""
-    if original is not builtins.open:
-        raise ValueError(f"no 'mid' hook for {original}")
-    return _HalfWriter(original(*args, **kwargs))
+    """Write half of the bytes of this call, then die."""
+    if original is _ORIGINAL_WRITE:
+        ops, fd, data = args
+        original(ops, fd, memoryview(data)[: len(data) // 2])
+        die()
+    raise ValueError(f"no 'mid' hook for {original}")
 
 
 def _wrap(original: Callable[..., Any], nth: int, when: str, active: Callable[[], bool]) -> Callable[..., Any]:
@@ -112,15 +97,15 @@ def _write_until(limit: int) -> Callable[..., Any]:
     written = {"count": 0}
     lock = threading.Lock()
 
-    def hooked(fd: int, data: Any) -> int:
+    def hooked(ops: FileOps, fd: int, data: Any) -> int:
         with lock:  # several writer threads: one running total
             room = limit - written["count"]
             if len(data) < room:
                 written["count"] += len(data)
         if len(data) < room:
-            return os.write(fd, data)
+            return _ORIGINAL_WRITE(ops, fd, data)
         if room > 0:
-            os.write(fd, memoryview(data)[:room])
+            _ORIGINAL_WRITE(ops, fd, memoryview(data)[:room])
         die()
         return 0  # pragma: no cover
 
@@ -171,14 +156,14 @@ def arm(hook: dict[str, Any], reference: pathlib.Path) -> None:
     ``within`` counts only the calls made while that writer-module function runs.
     """
     target, nth, when = hook["target"], int(hook.get("nth", 1)), hook.get("when", "before")
+    # Gathered writes count as one write of their bytes, so byte positions and write counts hold.
+    FileOps.writev = lambda ops, fd, buffers: FileOps.write(ops, fd, b"".join(buffers))
     active = _inside(hook.get("within"))
     if "at_byte" in hook:
-        fw.os = _Proxy(os, {"write": _write_until(_byte_position(hook["at_byte"], reference))})
-    elif target.startswith("fs.os."):  # os functions as the writer module sees them
+        FileOps.write = _write_until(_byte_position(hook["at_byte"], reference))
+    elif target.startswith("fs.os."):  # the file operations the writer changes the disk with
         name = target[len("fs.os."):]
-        fw.os = _Proxy(os, {name: _wrap(getattr(os, name), nth, when, active)})
-    elif target == "fs.open":  # the metadata's temporary file (write_atomically)
-        fw.open = _wrap(builtins.open, nth, when, active)
+        setattr(FileOps, name, _wrap(getattr(FileOps, name), nth, when, active))
     elif target.startswith("fs."):
         name = target[len("fs."):]
         setattr(fw, name, _wrap(getattr(fw, name), nth, when, active))
@@ -186,8 +171,6 @@ def arm(hook: dict[str, Any], reference: pathlib.Path) -> None:
         owner, name = target.split(".")
         cls = fw.FileSystemWriter if owner == "FileSystemWriter" else StandardSavePlanner
         setattr(cls, name, _wrap(getattr(cls, name), nth, when, active))
-    elif target == "Path.unlink":
-        pathlib.Path.unlink = _wrap(pathlib.Path.unlink, nth, when, active)
     elif target == "manager.os.rename":
         manager_module.os = _Proxy(os, {"rename": _wrap(os.rename, nth, when, active)})
     elif target == "os.unlink":  # shutil.rmtree looks it up at call time
@@ -249,8 +232,12 @@ def run_case(case: dict[str, Any]) -> None:
         handle.result(timeout=60)
     else:
         dcp.save(states(1), checkpoint_id=a_dir, no_dist=True)
-        target = a_dir if scenario == "resave" else b_dir
-        writer = dcp.FileSystemWriter(target, thread_count=4) if scenario == "threads" else None
+        target = a_dir if scenario.endswith("resave") else b_dir
+        writer = None
+        if scenario == "threads":
+            writer = dcp.FileSystemWriter(target, thread_count=4)
+        elif scenario.startswith("auto_threads"):  # the automatic 2-file, 2-thread choice, at 1 MiB
+            writer = dcp.FileSystemWriter(target, auto_thread_bytes=1 << 20)
         arm(hook, a_dir)
         if writer is not None:
             dcp.save(states(2), storage_writer=writer, no_dist=True)
