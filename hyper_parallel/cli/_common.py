@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 from pathlib import Path
 from contextlib import contextmanager
 from typing import Any, BinaryIO, Iterable, Iterator, Sequence
@@ -42,7 +43,15 @@ __all__ = [
     "format_bytes",
     "parse_size",
     "progress",
+    "TEXT_VALUE_TYPES",
+    "plain_value",
+    "plain_value_text",
 ]
+
+#: Stored value types decoded for display (no code runs: built-in handlers only).
+TEXT_VALUE_TYPES = ("int", "float", "bool", "str", "none", "numpy.scalar")
+#: Largest stored payload decoded for display.
+MAX_SHOWN_VALUE_BYTES = 4096
 
 _UNITS = {
     "": 1, "b": 1,
@@ -302,8 +311,60 @@ def parse_size(text: str | int) -> int:
     return value
 
 
-def progress(iterable: Iterable[Any], *, desc: str, unit: str = "it", total: int | None = None) -> Iterable[Any]:
-    """Wrap ``iterable`` in a ``tqdm`` progress bar on stderr (shown only on a terminal)."""
+def progress(
+    iterable: Iterable[Any] | None = None,
+    *,
+    desc: str,
+    unit: str = "it",
+    total: int | None = None,
+    enabled: bool | None = None,
+    unit_scale: bool = False,
+    leave: bool = False,
+) -> Any:
+    """A ``tqdm`` progress bar on stderr over ``iterable`` (or updated by hand with ``.update(n)``).
+
+    Args:
+        iterable: What to iterate; ``None`` for a bar advanced with ``update``.
+        desc: The label in front of the bar.
+        unit: What one step counts (``"B"`` with ``unit_scale`` shows kB, MB...).
+        total: The number of steps (taken from ``len(iterable)`` when it has one).
+        enabled: ``None`` (default): only when stderr is a terminal; ``True`` / ``False`` force it.
+        unit_scale: Scale counts with SI prefixes.
+        leave: Keep the finished bar on screen.
+    """
     from tqdm import tqdm  # pylint: disable=import-outside-toplevel
 
-    return tqdm(iterable, desc=desc, unit=unit, total=total, disable=None, leave=False)
+    return tqdm(iterable, desc=desc, unit=unit, total=total, disable=None if enabled is None else not enabled,
+                leave=leave, unit_scale=unit_scale, file=sys.stderr)
+
+
+def plain_value(directory: Path, metadata: Metadata, fqn: str) -> tuple[bool, Any]:
+    """Decode a small plain value (int, float, bool, str, None, numpy scalar). Never unpickles.
+
+    Returns:
+        ``(True, value)``, or ``(False, None)`` when ``fqn`` is not such a value
+        (a tensor, a per-rank ShardedObject, another type, or too large).
+
+    Raises:
+        CorruptCheckpointError: As :func:`read_stored_bytes`.
+    """
+    from hyper_parallel.core.distributed_checkpoint.metadata import BytesStorageMetadata  # pylint: disable=import-outside-toplevel
+    from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value  # pylint: disable=import-outside-toplevel
+
+    stored = metadata.state_dict_metadata.get(fqn)
+    info = (metadata.storage_data or {}).get(MetadataIndex(fqn, ()))
+    if not isinstance(stored, BytesStorageMetadata) or stored.type_name not in TEXT_VALUE_TYPES or (
+        stored.global_shape or info is None or info.length > MAX_SHOWN_VALUE_BYTES
+    ):
+        return False, None
+    payload = read_stored_bytes(directory, metadata, MetadataIndex(fqn, ()))
+    return True, deserialize_value(stored.type_name, payload, key=fqn)
+
+
+def plain_value_text(directory: Path, metadata: Metadata, fqn: str, width: int = 60) -> str | None:
+    """``repr`` of :func:`plain_value` (cut to ``width`` characters), or ``None``."""
+    known, value = plain_value(directory, metadata, fqn)
+    if not known:
+        return None
+    text = repr(value.item() if isinstance(value, np.generic) else value)
+    return text if len(text) <= width else text[: width - 3] + "..."

@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 from collections import defaultdict
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any
 
 from hyper_parallel.cli._common import checkpoint_reader, format_bytes, open_checkpoint, open_data_file
+from hyper_parallel.cli._common import progress as show_progress
 from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, bad_blocks, expected_blocks
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint._format.cover import check_exact_cover
@@ -84,29 +84,6 @@ class VerifyReport:
         return not self.problems
 
 
-class _Progress:
-    """A one-line progress bar redrawn on a terminal; silent otherwise."""
-
-    def __init__(self, total: int, stream: TextIO | None) -> None:
-        self.total, self.done, self.stream, self._shown = max(total, 1), 0, stream, -1
-
-    def advance(self, count: int) -> None:
-        self.done += count
-        if self.stream is None:
-            return
-        percent = min(100, self.done * 100 // self.total)
-        if percent != self._shown:
-            self._shown = percent
-            bar = "#" * (percent // 4) + "-" * (25 - percent // 4)
-            self.stream.write(f"\rverify [{bar}] {percent:3d}% {format_bytes(self.done)}")
-            self.stream.flush()
-
-    def close(self) -> None:
-        if self.stream is not None:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
 def verify_checkpoint(path: str | os.PathLike, progress: bool | None = None) -> VerifyReport:
     """Re-read and check every data file, chunk checksum and tensor coverage.
 
@@ -127,8 +104,8 @@ def verify_checkpoint(path: str | os.PathLike, progress: bool | None = None) -> 
     by_file: dict[str, list[tuple[MetadataIndex, StorageInfo]]] = defaultdict(list)
     for index, info in storage.items():
         by_file[info.relative_path].append((index, info))
-    show = sys.stderr.isatty() if progress is None else progress
-    bar = _Progress(sum(info.length for info in storage.values()), sys.stderr if show else None)
+    bar = show_progress(desc="verify", total=sum(info.length for info in storage.values()), unit="B",
+                        unit_scale=True, enabled=progress, leave=True)
     chunk_sizes = {
         MetadataIndex(fqn, tuple(chunk.offsets)): tuple(chunk.sizes)
         for fqn, stored in metadata.state_dict_metadata.items()
@@ -146,7 +123,7 @@ def verify_checkpoint(path: str | os.PathLike, progress: bool | None = None) -> 
                 except (CheckpointError, FileNotFoundError) as exc:
                     keys = ", ".join(sorted({f"'{index.fqn}'" for index, _ in items}))
                     problems.append(VerifyProblem(name, None, f"{exc} (holds key(s) {keys})"))
-                    bar.advance(sum(info.length for _, info in items))
+                    bar.update(sum(info.length for _, info in items))
                     continue
                 files_checked += 1
                 problems.extend(_check_header(name, handle, size, full, items, metadata, chunk_sizes))
@@ -156,7 +133,7 @@ def verify_checkpoint(path: str | os.PathLike, progress: bool | None = None) -> 
                     chunks_checked += hashed is not None
                     unchecked += info.checksum is None
                     bytes_checked += hashed or 0
-                    bar.advance(info.length)
+                    bar.update(info.length)
     finally:
         bar.close()
     return VerifyReport(str(directory), tuple(problems), files_checked, chunks_checked, bytes_checked, unchecked)

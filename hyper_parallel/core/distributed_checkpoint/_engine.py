@@ -26,7 +26,7 @@ through the :class:`.StorageWriter` / :class:`.StorageReader` methods.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from hyper_parallel import platform
@@ -38,6 +38,7 @@ from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import (
     apply_mindspore_layouts,
     copy_back_values,
 )
+from hyper_parallel.core.distributed_checkpoint._plan_cache import CachedPlan, plan_cache_for
 from hyper_parallel.core.distributed_checkpoint._staging import StagedSavePlanner, StagingPool, staged_views
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, PlanValidationError
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
@@ -227,6 +228,9 @@ def plan_save(
         local_plans.append(writer.prepare_local_plan(planner.build_local_plan()))
         return local_plans[0]
 
+    cache = plan_cache_for(writer, planner, options, rank=dist.rank, world_size=dist.world_size)
+    all_final: list[list[SavePlan]] = []
+
     def global_step(all_plans: list[SavePlan]) -> list[Any]:
         try:
             final_plans, metadata = planner.build_global_plan(all_plans)
@@ -237,15 +241,39 @@ def plan_save(
             raise PlanValidationError(f"{hint}. The plan check said: {exc}") from exc
         final_plans = writer.prepare_global_plan(final_plans)
         merged.append(metadata)
+        all_final.append(final_plans)
         return [_compress(local, final) for local, final in zip(all_plans, final_plans)]
 
     try:
-        received = dist.reduce_scatter("plan", local_step, global_step)
-        plan = planner.finalize_plan(_expand(local_plans[0], received))
+        if cache is None:
+            received = dist.reduce_scatter("plan", local_step, global_step)
+            plan = _expand(local_plans[0], received)
+        else:
+            # A digest round first: a save repeating the last layout reuses its plans (see _plan_cache).
+            messages = dist.all_gather("plan digest", lambda: cache.message(local_step()))
+            cached = cache.lookup(messages)
+            if cached is not None:
+                plan = _reuse(dist, writer, cached, merged)
+            else:
+                received = dist.reduce_scatter("plan", lambda: local_plans[0], global_step)
+                plan = _expand(local_plans[0], received)
+                cache.store(messages, plan, all_final[0] if all_final else None, merged[0] if merged else None)
+        plan = planner.finalize_plan(plan)
     except BaseException:
         writer.abort()
         raise
     return SaveSession(dist=dist, writer=writer, planner=planner, plan=plan, metadata=merged[0] if merged else None)
+
+
+def _reuse(dist: DistWrapper, writer: StorageWriter, cached: CachedPlan, merged: list[Metadata]) -> SavePlan:
+    """This rank's cached final plan, with this save's storage data from the coordinator. All ranks."""
+
+    def stamp() -> list[Any]:
+        merged.append(cached.metadata)
+        return [plan.storage_data for plan in writer.prepare_global_plan(list(cached.all_final))]
+
+    storage_data = dist.broadcast("plan", stamp)
+    return replace(cached.final, storage_data=storage_data[dist.rank])
 
 
 def write_local(session: SaveSession, planner: SavePlanner | None = None) -> list[WriteResult]:

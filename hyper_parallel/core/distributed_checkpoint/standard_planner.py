@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     UnsafeCheckpointError,
     UnsupportedTypeError,
 )
-from hyper_parallel.core.distributed_checkpoint._flatten import FlatStateDict, flatten_state_dict, set_by_path, structure_of
+from hyper_parallel.core.distributed_checkpoint._flatten import FlatStateDict, flatten_state_dict, set_by_path
 from hyper_parallel.core.distributed_checkpoint._global_plan import build_global_save_plan
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
@@ -66,7 +66,22 @@ from hyper_parallel.core.distributed_checkpoint._state_items import (
 from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value, serialize_value
 from hyper_parallel.platform.tensor import DTYPE_NAMES, assign, numpy_dtype, to_numpy, writable_view
 
-__all__ = ["StandardSavePlanner", "StandardLoadPlanner"]
+__all__ = ["AliasData", "StandardSavePlanner", "StandardLoadPlanner"]
+
+
+@dataclass(frozen=True)
+class AliasData:
+    """A local save plan's planner data: Parameters this rank reached under several paths.
+
+    The coordinator merges every rank's aliases into the metadata's
+    ``planner_data["aliases"]`` (docs/format.md 6.3); loads read them back to
+    find a Parameter stored once under its first path.
+
+    Attributes:
+        aliases: ``(dotted name, stored key)`` pairs, sorted.
+    """
+
+    aliases: tuple[tuple[str, str], ...]
 
 _LOG = logging.getLogger(__name__)
 
@@ -145,7 +160,8 @@ class StandardSavePlanner(SavePlanner):
                 items.extend(self._tensor_items(entry))
             else:
                 items.append(self._bytes_item(entry))
-        return SavePlan(items=tuple(items), planner_data=structure_of(self.flat))
+        aliases = tuple(sorted(self.flat.aliases.items()))
+        return SavePlan(items=tuple(items), planner_data=AliasData(aliases) if aliases else None)
 
     def _tensor_items(self, entry: TensorEntry) -> list[WriteItem]:
         items = []
@@ -185,13 +201,17 @@ class StandardSavePlanner(SavePlanner):
 
     def build_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """Deduplicate, validate and describe. Coordinator only."""
-        structure = all_plans[0].planner_data if all_plans else None
+        aliases: dict[str, str] = {}
+        for plan in all_plans:
+            if isinstance(plan.planner_data, AliasData):
+                for name, key in plan.planner_data.aliases:
+                    aliases.setdefault(name, key)
         stripped = [replace(plan, planner_data=None) for plan in all_plans]
         return build_global_save_plan(
             stripped,
             remove_redundancy=self.remove_redundancy,
             save_to_minimum_rank=self.save_to_minimum_rank,
-            planner_data=structure,
+            planner_data={"aliases": dict(sorted(aliases.items()))} if aliases else None,
         )
 
     def finalize_plan(self, plan: SavePlan) -> SavePlan:
