@@ -6,7 +6,9 @@ few large, 48 medium and many small, as a model with its optimizer holds;
 ``large``: 16 large matrices), float32 and bfloat16, it times the machine's limits (fsynced plain write, cold and warm
 sequential read, memcpy), MindSpore's own save/load, this project's save, async
 save and load, a resharded load on msrun ranks (``bench_reshard_worker.py``) and
-the extra memory of a load. This VM returns freed memory to its host, so every
+the extra memory of a load, and ``hp-ckpt import`` of a 4-rank MindSpore
+checkpoint against ``transform_checkpoints`` on the same files
+(``bench_ms_import.py``, also runnable alone with ``--size``). This VM returns freed memory to its host, so every
 timed run is preceded by touching ``--pretouch-gb`` GiB of fresh memory."""
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import mindspore as ms
 import numpy as np
 import psutil
 
+import bench_ms_import
 import hyper_parallel.core.distributed_checkpoint as dcp
 
 __all__ = ["STATES", "build_state", "drop_page_cache", "main", "pretouch", "read_io_bytes"]
@@ -543,6 +546,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None, help="working directory (default: new one under /tmp)")
     parser.add_argument("--json", type=Path, default=None, help="JSON result path (default OUT/benchmark.json)")
     parser.add_argument("--skip-msrun", action="store_true", help="skip the resharded load on msrun")
+    parser.add_argument("--skip-ms-import", action="store_true",
+                        help="skip hp-ckpt import of a 4-rank MindSpore checkpoint vs transform_checkpoints")
     parser.add_argument("--profile", action="store_true", help="print cProfile top 10 of a save and a load")
     parser.add_argument("--msrun-timeout", type=float, default=300.0, help="seconds before msrun is killed")
     return parser.parse_args(argv)
@@ -583,6 +588,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     states = {kind: run_state(kind, work, args) for kind in args.state}
     reshard = None if args.skip_msrun else phase_reshard(work, args)
+    ms_import = None if args.skip_ms_import else bench_ms_import.measure(work / "ms_import", args.size_gb, args.runs)
     print(f"total {time.perf_counter() - started:.0f} s; load average now {os.getloadavg()[0]:.1f} "
           f"(other processes on these {os.cpu_count()} cpus disturb the figures)")
     for kind, figures in states.items():
@@ -600,8 +606,10 @@ def main(argv: list[str] | None = None) -> None:
         print_reshard(reshard)
         reshard_table = reshard_ratios(reshard)
         print_ratios("ratios, resharded load", reshard_table)
+    if ms_import is not None:
+        print("\n" + bench_ms_import.report(ms_import))
     result = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "load_average_at_end": os.getloadavg(), "states": states, "reshard": reshard,
+              "load_average_at_end": os.getloadavg(), "states": states, "reshard": reshard, "ms_import": ms_import,
               "reshard_ratios": [{"figure": n, "value": v, "target": tg, "met": m} for n, v, tg, m in reshard_table]}
     json_path = args.json or work / "benchmark.json"
     json_path.write_text(json.dumps(result, indent=2))
