@@ -11,7 +11,8 @@ setup(
     python_requires=">=3.9",
     packages=find_packages(include=["hyper_parallel", "hyper_parallel.*"]),
     install_requires=[
-        "mindspore==2.10.0",
+        # A range, so that a cluster's matched Ascend build is kept; tested with 2.10.0 (CPU).
+        "mindspore>=2.6,<2.11",
         "numpy<2",
         "safetensors>=0.4",
         "xxhash>=3.0",
