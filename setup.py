@@ -20,8 +20,9 @@ setup(
     ],
     extras_require={
         "zstd": ["zstandard>=0.22"],
+        "s3": ["s3fs", "fsspec"],
         "test": ["pytest>=7", "pytest-cov>=5", "coverage>=7.10", "zstandard>=0.22", "psutil>=5",
-                 "pytest-timeout>=2.1"],
+                 "pytest-timeout>=2.1", "s3fs", "fsspec", "moto[server]"],
     },
     entry_points={"console_scripts": ["hp-ckpt=hyper_parallel.cli.main:main"]},
 )

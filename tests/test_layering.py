@@ -26,6 +26,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                                       "_state_items", "_global_plan", "_replicated_read", "standard_planner"})),
     ("storage", frozenset({"storage", "filesystem_writer", "filesystem_reader", "_run_reads",
                            "_safe_files", "_save_lease", "_file_ops", "_commit_cleanup", "_device_reads"})),
+    ("object storage", frozenset({"_object_io", "_fsspec_writer", "_fsspec_reader", "_object_steps"})),
     ("engine", frozenset({"_collectives", "_engine", "_staging", "_fork_writer", "_async_queue", "_plan_cache"})),
     ("strategies", frozenset({"strategies"})),
     ("public API", frozenset({"api", "async_checkpoint", "_one_line", "manager", "_manager_record", "callback", ""})),
