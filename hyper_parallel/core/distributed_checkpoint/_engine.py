@@ -42,6 +42,8 @@ from hyper_parallel.core.distributed_checkpoint._plan_cache import CachedPlan, p
 from hyper_parallel.core.distributed_checkpoint._staging import StagedSavePlanner, StagingPool, staged_views
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, PlanValidationError
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
+from hyper_parallel.core.distributed_checkpoint._fsspec_reader import FsspecReader
+from hyper_parallel.core.distributed_checkpoint._fsspec_writer import FsspecWriter
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
@@ -63,8 +65,8 @@ __all__ = [
 ]
 
 #: Storage classes tried in order when only a ``checkpoint_id`` is given.
-WRITER_CLASSES: list[type[StorageWriter]] = [FileSystemWriter]
-READER_CLASSES: list[type[StorageReader]] = [FileSystemReader]
+WRITER_CLASSES: list[type[StorageWriter]] = [FsspecWriter, FileSystemWriter]
+READER_CLASSES: list[type[StorageReader]] = [FsspecReader, FileSystemReader]
 
 
 @dataclass(frozen=True)
