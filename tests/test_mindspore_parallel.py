@@ -93,6 +93,11 @@ def test_load_into_another_split_and_world_size(four):
         assert all(value.values()), value
 
 
+def test_device_path_with_shared_reads_under_msrun(four):
+    for value in scenario_values(four, "device_copies_with_shared_reads"):
+        assert value == {"w": True, "b": True}
+
+
 def test_load_into_pipeline_stages_with_optimizer_parallel(four):
     for value in scenario_values(four, "load_into_pipeline_stages"):
         assert value and all(value.values()), value

@@ -10,6 +10,7 @@ hand with numpy slicing (not with the code under test).
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -137,6 +138,21 @@ def load_other_split_and_size() -> dict:
             "returned_is_param": loaded["w"] is state["model"].w}
 
 
+def device_copies_with_shared_reads() -> dict:
+    """The device path (forced on CPU) under real collectives, regions read once and sent to the others."""
+    row, col = RANK // 2, RANK % 2
+    net = Net(np.zeros((4, 2), np.float32), np.zeros(2, np.float32))
+    os.environ["HYPER_PARALLEL_DEVICE_COPIES"] = "1"
+    try:
+        planner = dcp.StandardLoadPlanner(single_replica_read=True, device_region_bytes=16, allow_partial_load=True)
+        hyper_parallel.load_checkpoint(str(BASE / "a"), net, strategy_file=str(STRATEGIES / "b.ckpt"),
+                                       planner=planner, allow_partial_load=True)
+    finally:
+        del os.environ["HYPER_PARALLEL_DEVICE_COPIES"]
+    return {"w": np.array_equal(net.w.asnumpy(), W[row * 4:row * 4 + 4, col * 2:col * 2 + 2]),
+            "b": np.array_equal(net.b.asnumpy(), B[row * 2:row * 2 + 2])}
+
+
 def _stage_state() -> dict:
     if RANK < 2:  # stage 0: w split by optimizer parallel: rank 0 rows 0:4, rank 1 rows 4:8
         return _with_adam(Net(np.zeros((4, 4), np.float32), None),
@@ -187,6 +203,7 @@ PHASES = {
     },
     "four": {
         "load_other_split_and_size": load_other_split_and_size,
+        "device_copies_with_shared_reads": device_copies_with_shared_reads,
         "load_into_pipeline_stages": load_into_pipeline_stages,
         "save_from_pipeline_then_load_elsewhere": save_from_pipeline_then_load_elsewhere,
     },
