@@ -328,8 +328,13 @@ def plan_async_save(
     """Plan and stage a save; return the request that writes and then commits it. All ranks.
 
     The request's background function writes this rank's data (from staged
-    copies, or in a forked process whose memory is the snapshot); its
-    finalize function is :func:`commit_save`, run on the caller's thread.
+    copies, or in a forked process whose memory is the snapshot). With
+    several ranks its finalize function is :func:`commit_save`, a collective
+    step run on the caller's thread (``result()`` or the next async save):
+    the background thread never runs a collective, which could interleave
+    with the training job's own. A save without collectives (one process,
+    or ``use_collectives=False``) commits in the background right after
+    writing.
     """
     session = plan_save(state_dict, writer=writer, planner=planner, options=options)
     background: list[Callable[[], list[WriteResult]]] = []
@@ -348,6 +353,17 @@ def plan_async_save(
         session.writer.abort()
         raise
 
+    if not session.dist.use_dist:
+        # No other rank takes part in the commit: the background thread commits right after writing,
+        # so the step is durable as soon as done() is true, whether or not result() is ever called.
+        write = background[0]
+
+        def write_and_commit() -> Metadata:
+            results = write()
+            return commit_save(session, lambda: results, step="async write and commit")
+
+        return AsyncRequest(async_fn=write_and_commit, finalize_fns=(_committed,))
+
     def commit(results: list[WriteResult], error: BaseException | None) -> Metadata:
         def local_results() -> list[WriteResult]:
             if error is not None:
@@ -357,6 +373,13 @@ def plan_async_save(
         return commit_save(session, local_results, step="async write and commit", background_cleanup=True)
 
     return AsyncRequest(async_fn=background[0], finalize_fns=(commit,))
+
+
+def _committed(metadata: Metadata, error: BaseException | None) -> Metadata:
+    """Finalize of an async save committed in the background: hand over its metadata or its error."""
+    if error is not None:
+        raise error
+    return metadata
 
 
 def read_checkpoint_metadata(reader: StorageReader, options: LoadOptions) -> Metadata:
