@@ -11,16 +11,24 @@ import math
 import os
 import re
 import sys
+import uuid
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from contextlib import contextmanager
+from typing import Any, BinaryIO, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint.api import read_metadata
 from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, bad_blocks
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, CorruptCheckpointError
+from hyper_parallel.core.distributed_checkpoint.errors import (
+    CheckpointExistsError,
+    CheckpointValueError,
+    CorruptCheckpointError,
+)
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
-from hyper_parallel.core.distributed_checkpoint.filesystem_writer import DATA_FILE_PATTERN
+from hyper_parallel.core.distributed_checkpoint._fsspec_reader import FsspecReader
+from hyper_parallel.core.distributed_checkpoint._fsspec_writer import is_object_url
+from hyper_parallel.core.distributed_checkpoint.filesystem_writer import DATA_FILE_PATTERN, METADATA_FILE
 from hyper_parallel.core.distributed_checkpoint._format.cover import check_exact_cover
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -29,6 +37,8 @@ from hyper_parallel.platform.tensor import DTYPE_NAMES, numpy_dtype
 
 __all__ = [
     "open_checkpoint",
+    "checkpoint_reader",
+    "open_data_file",
     "tensor_nbytes",
     "read_full_tensor",
     "read_region",
@@ -38,6 +48,8 @@ __all__ = [
     "format_bytes",
     "parse_size",
     "progress",
+    "prepare_output_dir",
+    "atomic_output",
     "TEXT_VALUE_TYPES",
     "plain_value",
     "plain_value_text",
@@ -56,23 +68,46 @@ _UNITS = {
 _SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def open_checkpoint(path: str | os.PathLike) -> tuple[Path, Metadata]:
+def open_checkpoint(path: str | os.PathLike) -> tuple[Path | str, Metadata]:
     """Read and check a checkpoint's metadata (no data is read).
 
     Args:
-        path: The checkpoint directory.
+        path: The checkpoint directory, or an ``s3://bucket/prefix`` URL.
 
     Returns:
-        The directory as a ``Path`` and its committed metadata.
+        The directory as a ``Path`` (a URL stays a ``str``) and its committed metadata.
 
     Raises:
         CheckpointError: not a directory, no committed metadata, malformed
             metadata, or an unsupported backend / format version.
     """
-    directory = Path(os.fspath(path))
-    metadata = read_metadata(directory)
+    location: Path | str = str(path) if is_object_url(path) else Path(os.fspath(path))
+    metadata = read_metadata(location)
     check_load_compatible(metadata)
-    return directory, metadata
+    return location, metadata
+
+
+def checkpoint_reader(location: Path | str, *, verify_checksums: bool = True) -> FileSystemReader:
+    """The reader of a checkpoint location: :class:`FsspecReader` for a URL, else :class:`FileSystemReader`."""
+    if isinstance(location, str) and is_object_url(location):
+        return FsspecReader(location, verify_checksums=verify_checksums)
+    return FileSystemReader(location, verify_checksums=verify_checksums)
+
+
+@contextmanager
+def open_data_file(reader: FileSystemReader, name: str, fqn: str) -> Iterator[tuple[BinaryIO, int, str]]:
+    """Open data file ``name`` of the reader's checkpoint for reading: handle, size, full name.
+
+    Raises:
+        CheckpointError: a name leaving the checkpoint, or a missing file (as the reader reports them).
+    """
+    full = reader.resolve(name, fqn)
+    if isinstance(reader, FsspecReader):
+        with reader.fs.open(full, "rb", cache_type="none") as handle:
+            yield handle, int(handle.size), f"{reader.path}/{name}"
+        return
+    with open(full, "rb") as handle:
+        yield handle, os.fstat(handle.fileno()).st_size, str(full)
 
 
 def tensor_nbytes(stored: TensorStorageMetadata) -> int:
@@ -135,7 +170,7 @@ class _RegionPlanner(LoadPlanner):
 
 
 def read_region(
-    directory: Path, metadata: Metadata, fqn: str, offsets: Sequence[int], sizes: Sequence[int], *,
+    directory: Path | str, metadata: Metadata, fqn: str, offsets: Sequence[int], sizes: Sequence[int], *,
     verify_checksums: bool = True,
 ) -> np.ndarray:
     """Read one box of a stored tensor (the chunks it overlaps, nothing else).
@@ -168,7 +203,7 @@ def read_region(
     if problems:
         raise CorruptCheckpointError(f"checkpoint {directory}: {'; '.join(problems)}")
     target = np.empty(sizes, dtype=numpy_dtype(stored.properties.dtype))
-    reader = FileSystemReader(directory, verify_checksums=verify_checksums)
+    reader = checkpoint_reader(directory, verify_checksums=verify_checksums)
     reader.set_up_storage_reader(metadata, True)
     planner = _RegionPlanner(fqn, stored, offsets, target)
     reader.read_data(planner.build_local_plan(), planner).result()
@@ -176,7 +211,7 @@ def read_region(
 
 
 def read_full_tensor(
-    directory: Path, metadata: Metadata, fqn: str, *, verify_checksums: bool = True
+    directory: Path | str, metadata: Metadata, fqn: str, *, verify_checksums: bool = True
 ) -> np.ndarray:
     """Assemble one full tensor from its stored chunks.
 
@@ -206,7 +241,7 @@ def read_full_tensor(
                        verify_checksums=verify_checksums)
 
 
-def read_stored_bytes(directory: Path, metadata: Metadata, index: MetadataIndex) -> bytes:
+def read_stored_bytes(directory: Path | str, metadata: Metadata, index: MetadataIndex) -> bytes:
     """Return the raw stored bytes of one item, checksum verified.
 
     Used for non-tensor values, whose payload is compared or shown without
@@ -218,8 +253,7 @@ def read_stored_bytes(directory: Path, metadata: Metadata, index: MetadataIndex)
     info = (metadata.storage_data or {}).get(MetadataIndex(index.fqn, index.offset))
     if info is None:
         raise CorruptCheckpointError(f"key '{index.fqn}': no storage entry in the metadata of {directory}")
-    path = FileSystemReader(directory).resolve(info.relative_path, index.fqn)
-    with open(path, "rb") as handle:
+    with open_data_file(checkpoint_reader(directory), info.relative_path, index.fqn) as (handle, _, path):
         handle.seek(info.offset)
         data = handle.read(info.length)
     if len(data) != info.length:
@@ -341,3 +375,40 @@ def plain_value_text(directory: Path, metadata: Metadata, fqn: str, width: int =
         return None
     text = repr(value.item() if isinstance(value, np.generic) else value)
     return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def prepare_output_dir(out: Path) -> None:
+    """Create ``out`` for a command's output, refusing anything but a new or empty directory.
+
+    Raises:
+        CheckpointExistsError: ``out`` is a file, a committed checkpoint, or a
+            directory that is not empty (nothing is replaced).
+    """
+    if out.exists() and not out.is_dir():
+        raise CheckpointExistsError(f"output {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if (out / METADATA_FILE).exists():
+            raise CheckpointExistsError(
+                f"output directory {out} is a committed checkpoint; write into a new or empty directory "
+                "(nothing was replaced)"
+            )
+        raise CheckpointExistsError(f"output directory {out} is not empty; choose a new or empty directory")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+@contextmanager
+def atomic_output(path: Path) -> Iterator[BinaryIO]:
+    """Write ``path`` atomically: a ``.<name>.<random>.partial`` file, fsynced, then renamed.
+
+    On any exception the partial file is removed and ``path`` is untouched.
+    """
+    partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
+    try:
+        with open(partial, "wb") as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise

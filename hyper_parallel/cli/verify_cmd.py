@@ -16,14 +16,14 @@ import argparse
 import math
 import os
 from collections import defaultdict
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from hyper_parallel.cli._common import format_bytes, open_checkpoint
+from hyper_parallel.cli._common import checkpoint_reader, format_bytes, open_checkpoint, open_data_file
 from hyper_parallel.cli._common import progress as show_progress
 from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, bad_blocks, expected_blocks
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
-from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint._format.cover import check_exact_cover
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
@@ -32,7 +32,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     StorageInfo,
     TensorStorageMetadata,
 )
-from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import SAFETENSORS_DTYPES, read_header
+from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import SAFETENSORS_DTYPES, read_header_at
 from hyper_parallel.platform.tensor import DTYPE_NAMES
 
 __all__ = ["VerifyProblem", "VerifyReport", "verify_checkpoint", "format_verify", "register"]
@@ -112,22 +112,21 @@ def verify_checkpoint(path: str | os.PathLike, progress: bool | None = None) -> 
         if isinstance(stored, TensorStorageMetadata)
         for chunk in stored.chunks
     }
-    reader = FileSystemReader(directory)
+    reader = checkpoint_reader(directory)
     files_checked = chunks_checked = bytes_checked = unchecked = 0
     try:
         for name in sorted(by_file):
             items = sorted(by_file[name], key=lambda pair: pair[1].offset)
-            try:
-                full = reader.resolve(name, items[0][0].fqn)
-            except CheckpointError as exc:
-                keys = ", ".join(sorted({f"'{index.fqn}'" for index, _ in items}))
-                problems.append(VerifyProblem(name, None, f"{exc} (holds key(s) {keys})"))
-                bar.update(sum(info.length for _, info in items))
-                continue
-            files_checked += 1
-            problems.extend(_check_header(name, full, items, metadata, chunk_sizes))
-            with open(full, "rb") as handle:
-                size = os.fstat(handle.fileno()).st_size
+            with ExitStack() as stack:
+                try:
+                    handle, size, full = stack.enter_context(open_data_file(reader, name, items[0][0].fqn))
+                except (CheckpointError, FileNotFoundError) as exc:
+                    keys = ", ".join(sorted({f"'{index.fqn}'" for index, _ in items}))
+                    problems.append(VerifyProblem(name, None, f"{exc} (holds key(s) {keys})"))
+                    bar.update(sum(info.length for _, info in items))
+                    continue
+                files_checked += 1
+                problems.extend(_check_header(name, handle, size, full, items, metadata, chunk_sizes))
                 for index, info in items:
                     found, hashed = _check_chunk(name, handle, size, index, info, metadata, chunk_sizes)
                     problems.extend(found)
@@ -183,13 +182,15 @@ def _check_coverage(metadata: Metadata) -> list[VerifyProblem]:
 
 def _check_header(
     name: str,
-    full: Any,
+    handle: Any,
+    size: int,
+    full: str,
     items: list[tuple[MetadataIndex, StorageInfo]],
     metadata: Metadata,
     chunk_sizes: dict[MetadataIndex, tuple[int, ...]],
 ) -> list[VerifyProblem]:
     try:
-        header, data_start = read_header(full)
+        header, data_start, _ = read_header_at(full, size, lambda count, offset: _pread(handle, count, offset))
     except CheckpointError as exc:
         keys = ", ".join(sorted({f"'{index.fqn}'" for index, _ in items}))
         return [VerifyProblem(name, None, f"invalid safetensors header: {exc} (file holds key(s) {keys})")]
@@ -207,6 +208,11 @@ def _check_header(
                 f"{info.length} bytes at byte {info.offset} (chunk at offset {list(index.offset)})",
             ))
     return problems
+
+
+def _pread(handle: Any, count: int, offset: int) -> bytes:
+    handle.seek(offset)
+    return handle.read(count)
 
 
 def _header_entry(

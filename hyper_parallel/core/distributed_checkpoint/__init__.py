@@ -24,6 +24,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointNotFoundError,
     CheckpointValueError,
     CollectiveStepError,
+    ConcurrentSaveError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     LayoutError,
@@ -58,6 +59,8 @@ from hyper_parallel.core.distributed_checkpoint.planner import (
 from hyper_parallel.core.distributed_checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
+from hyper_parallel.core.distributed_checkpoint._fsspec_writer import FsspecWriter
+from hyper_parallel.core.distributed_checkpoint._fsspec_reader import FsspecReader
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardLoadPlanner, StandardSavePlanner
 from hyper_parallel.core.distributed_checkpoint.mapping import (
     LocalNonpersistentObject,
@@ -100,9 +103,12 @@ __all__ = [
     "CheckpointValueError",
     "ChunkStorageMetadata",
     "CollectiveStepError",
+    "ConcurrentSaveError",
     "CorruptCheckpointError",
     "FileSystemReader",
     "FileSystemWriter",
+    "FsspecReader",
+    "FsspecWriter",
     "IncompleteCheckpointError",
     "LayoutError",
     "LoadItemType",

@@ -6,7 +6,8 @@ also when it is a top-level value of a dict (``{"model": net, "optimizer":
 opt}``), and a Parameter reached twice (a network's weight is also in its
 optimizer) is stored once. ``load_checkpoint`` returns what
 ``mindspore.load_checkpoint`` returns, ``{name: mindspore.Parameter}`` plus
-the non-tensor values, with ``strict_load`` / ``filter_prefix`` /
+the other values (numbers as 0-d Parameters, strings as ``str``, as MindSpore
+returns them), with ``strict_load`` / ``filter_prefix`` /
 ``specify_prefix`` / ``choice_func`` as MindSpore defines them; with a
 ``net`` it loads in place (resharding like :func:`load`) and reports what was
 not loaded as ``mindspore.load_param_into_net`` does.
@@ -171,6 +172,8 @@ def _as_parameter(name: str, value: Any) -> Any:
         return value
     if hasattr(value, "to_local") and hasattr(value, "layout"):  # a DTensor: this rank's shard
         value = value.to_local()
+    if isinstance(value, (bool, int, float, np.generic)):
+        value = np.asarray(value)  # a number comes back as a 0-d Parameter, as mindspore.load_checkpoint returns it
     if isinstance(value, np.ndarray):
         value = from_numpy(value)
     if is_tensor(value):
@@ -262,8 +265,11 @@ def load_checkpoint(
             ``strategy_file`` for Parameters MindSpore sliced, ...).
 
     Returns:
-        ``{name: mindspore.Parameter}`` plus the non-tensor values: with ``net``
-        its own loaded Parameters (each rank its shards), otherwise full values
+        ``{name: mindspore.Parameter}`` plus the other values, as
+        ``mindspore.load_checkpoint`` returns them (an int / float / bool as a
+        0-d Parameter, a str as ``str``, other values as they are): with
+        ``net`` its own loaded Parameters (each rank its shards; plain values
+        of a dict ``net`` are also put back into it), otherwise full values
         under the checkpoint's keys. ``.param_not_load`` / ``.ckpt_not_load``
         list what was not loaded (both are also logged).
 

@@ -1,12 +1,15 @@
-"""Reading byte runs of a stored chunk into a target (verified beforehand by :mod:`._verify_reads`).
+"""Reading byte runs of a stored chunk: as stored, or verified by their checksums.
 
 The reader (:mod:`.filesystem_reader`) decides what to read; these functions
-do the reading. Buffers come from a per-thread scratch pool, so the extra
-memory stays at the in-flight bound.
+do the reading. Flat block checksums are verified by reading every block a
+run touches; tile checksums (see :mod:`.checksum`) by reading the tiles a
+region touches, one row slab at a time. Buffers come from a per-thread
+scratch pool, so the extra memory stays at the in-flight bound.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from pathlib import Path
@@ -14,30 +17,188 @@ from pathlib import Path
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._device_reads import read_runs_exact
-from hyper_parallel.core.distributed_checkpoint._format.byte_ranges import Runs
+from hyper_parallel.core.distributed_checkpoint._format.byte_ranges import Runs, box_runs
+from hyper_parallel.core.distributed_checkpoint._format.checksum import bad_blocks, digest, grid_shape
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import StorageInfo
+from hyper_parallel.core.distributed_checkpoint.planner import ReadItem
 
-__all__ = ["read_runs", "run_rows", "scratch", "release_scratch"]
+__all__ = ["FileSource", "read_runs", "read_runs_verified", "read_tiles", "run_rows", "scratch", "release_scratch"]
+
+
+class FileSource:
+    """Byte source of one open data file: positioned reads with ``preadv``.
+
+    The object backend's :class:`._object_io.RangedSource` has the same
+    methods (ranged GETs), so every read below works on either.
+
+    Attributes:
+        fd: The open file.
+        exact: The file is read without readahead; scattered runs go through
+            :func:`._device_reads.read_runs_exact` (set by the reader).
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.exact = False
+
+    def readinto(self, buffer: np.ndarray, offset: int) -> int:
+        """Fill ``buffer`` from byte ``offset``; return the bytes got (short at the end of the file)."""
+        return os.preadv(self.fd, [buffer], offset)
+
+    def read_rows(self, rows: list[np.ndarray], offsets: list[int]) -> int:
+        """Fill each ``rows[i]`` from byte ``offsets[i]``; return the bytes got."""
+        got = 0
+        for row, offset in zip(rows, offsets):
+            got += os.preadv(self.fd, [row], offset)
+        return got
+
+    def readinto_many(self, buffers: list[np.ndarray], offset: int) -> int:
+        """Fill ``buffers`` one after the other from consecutive bytes at ``offset``; return the bytes got."""
+        return os.preadv(self.fd, buffers, offset)
 
 
 def read_runs(
-    fd: int, path: Path, fqn: str, info: StorageInfo, runs: Runs, target: np.ndarray, *, exact: bool = False
+    source: FileSource, path: Path, fqn: str, info: StorageInfo, runs: Runs, target: np.ndarray, *,
+    exact: bool = False,
 ) -> int:
     """Fill ``target`` (``uint8``, one row per run) with the runs as stored; return the bytes read.
 
-    ``exact``: ``fd`` reads without readahead; scattered runs then go through
+    ``exact`` (a :class:`FileSource` read without readahead): scattered runs go through
     :func:`._device_reads.read_runs_exact` (the device reads about the runs' bytes only).
     """
-    length = runs.length
     if exact and runs.starts.size > 1:
-        read_runs_exact(fd, path, fqn, info.offset + runs.starts, length, target)
+        read_runs_exact(source.fd, path, fqn, info.offset + runs.starts, runs.length, target)
         return runs.total
-    for position, start in enumerate(runs.starts.tolist()):
-        got = os.preadv(fd, [target[position]], info.offset + start)
-        if got != length:
-            raise CorruptCheckpointError(f"data file {path} is truncated while reading key '{fqn}'")
+    starts = runs.starts.tolist()
+    got = source.read_rows([target[position] for position in range(len(starts))],
+                           [info.offset + start for start in starts])
+    if got != runs.total:
+        raise CorruptCheckpointError(f"data file {path} is truncated while reading key '{fqn}'")
     return runs.total
+
+
+def read_runs_verified(
+    source: FileSource, path: Path, fqn: str, info: StorageInfo, runs: Runs, target: np.ndarray, max_inflight_bytes: int
+) -> int:
+    """Fill ``target`` with the runs, reading and verifying the whole flat checksum blocks they touch.
+
+    Blocks are read in segments of at most ``max_inflight_bytes``; an item
+    read whole goes straight into the target and is verified in place.
+    Expects metadata that passed ``check_consistency`` (the reader's set-up).
+    Returns the bytes read from storage.
+    """
+    checksum = info.checksum
+    block = checksum.block_bytes
+    nblocks = max(1, -(-info.length // block))  # digest count checked by _format.metadata_json.check_consistency
+    if runs.starts.size == 1 and runs.length == info.length and target[0].flags.c_contiguous:
+        # The whole item: read straight into the target, verify it in place.
+        got = source.readinto(target[0], info.offset)
+        if got != info.length:
+            raise CorruptCheckpointError(f"data file {path} is truncated while reading key '{fqn}'")
+        bad = bad_blocks(memoryview(target[0]), checksum, None, 1)
+        if bad:
+            raise CorruptCheckpointError(
+                f"checksum mismatch in data file {path}, key '{fqn}' (bytes {info.offset + bad[0] * block}.."
+                f"{info.offset + min((bad[0] + 1) * block, info.length)}): the checkpoint is corrupt"
+            )
+        return info.length
+    starts = runs.starts
+    first = starts // block
+    last = (starts + runs.length - 1) // block
+    marks = np.zeros(nblocks + 1, dtype=np.int64)
+    np.add.at(marks, first, 1)
+    np.add.at(marks, last + 1, -1)
+    touched = np.flatnonzero(np.cumsum(marks)[:-1] > 0)
+    per_segment = max(1, max_inflight_bytes // block)
+    segments: list[tuple[int, int]] = []
+    for blk in touched.tolist():
+        if segments and segments[-1][1] == blk and blk - segments[-1][0] < per_segment:
+            segments[-1] = (segments[-1][0], blk + 1)
+        else:
+            segments.append((blk, blk + 1))
+    read = 0
+    length = runs.length
+    for first_block, end_block in segments:
+        seg_start = first_block * block
+        seg_end = min(end_block * block, info.length)
+        buffer = scratch(seg_end - seg_start, slot=1)
+        got = source.readinto(buffer, info.offset + seg_start)
+        if got != buffer.size:
+            raise CorruptCheckpointError(f"data file {path} is truncated while reading key '{fqn}'")
+        read += got
+        for blk in range(first_block, end_block):
+            lo = blk * block - seg_start
+            if digest(memoryview(buffer[lo : lo + block])) != checksum.digests[blk]:
+                raise CorruptCheckpointError(
+                    f"checksum mismatch in data file {path}, key '{fqn}' (bytes {info.offset + blk * block}.."
+                    f"{info.offset + min((blk + 1) * block, info.length)}): the checkpoint is corrupt"
+                )
+        lo_run = int(np.searchsorted(starts, seg_start - length, side="right"))
+        hi_run = int(np.searchsorted(starts, seg_end, side="left"))
+        for position in range(lo_run, hi_run):
+            start = int(starts[position])
+            ov_start, ov_end = max(start, seg_start), min(start + length, seg_end)
+            if ov_start >= ov_end:
+                continue
+            target[position, ov_start - start : ov_end - start] = buffer[ov_start - seg_start : ov_end - seg_start]
+    return read
+
+
+def read_tiles(
+    source: FileSource,
+    path: Path,
+    fqn: str,
+    info: StorageInfo,
+    sizes: tuple[int, ...],
+    stored_dtype: np.dtype,
+    item: ReadItem,
+    dest: np.ndarray,
+    *,
+    exact: bool = False,
+) -> int:
+    """Read the checksum tiles the region touches, verify each, copy the region out.
+
+    One row slab of tiles at a time (bounded memory); only the column
+    groups the region needs are read.
+    """
+    # Tile shape and digest count were checked against the chunk by _format.metadata_json.check_consistency.
+    block = info.checksum.block_shape
+    itemsize = stored_dtype.itemsize
+    rows, width = block[0], block[-1]
+    grid_columns = grid_shape(sizes, block)[1]
+    low, lengths = item.storage_offsets, item.lengths
+    first_column, last_column = low[-1] // width, (low[-1] + lengths[-1] - 1) // width
+    column_start = first_column * width
+    column_end = min((last_column + 1) * width, sizes[-1])
+    inner = math.prod(sizes[1:-1])
+    count = 0
+    for slab in range(low[0] // rows, (low[0] + lengths[0] - 1) // rows + 1):
+        row_start = slab * rows
+        box_offsets = (row_start,) + (0,) * (len(sizes) - 2) + (column_start,)
+        box_lengths = (min(rows, sizes[0] - row_start),) + tuple(sizes[1:-1]) + (column_end - column_start,)
+        runs = box_runs(sizes, itemsize, box_offsets, box_lengths)
+        buffer = scratch(runs.total).reshape(runs.starts.size, runs.length)
+        count += read_runs(source, path, fqn, info, runs, buffer, exact=exact)
+        cube = buffer.reshape(box_lengths[0], inner, (column_end - column_start) * itemsize)
+        for column in range(first_column, last_column + 1):
+            start = (column * width - column_start) * itemsize
+            stop = (min((column + 1) * width, sizes[-1]) - column_start) * itemsize
+            part = cube[:, :, start:stop]
+            tile = scratch(part.size, slot=2)  # reused: no allocation per tile
+            np.copyto(tile.reshape(part.shape), part)
+            if digest(tile) != info.checksum.digests[slab * grid_columns + column]:
+                raise CorruptCheckpointError(
+                    f"checksum mismatch in data file {path}, key '{fqn}' (tile {slab},{column} of the chunk "
+                    f"at offset {list(item.storage_index.offset)}): the checkpoint is corrupt"
+                )
+        box = buffer.view(stored_dtype).reshape(box_lengths)
+        lo = [max(a, b) for a, b in zip(low, box_offsets)]
+        hi = [min(a + n, b + m) for a, n, b, m in zip(low, lengths, box_offsets, box_lengths)]
+        stored = box[tuple(slice(a - b, c - b) for a, c, b in zip(lo, hi, box_offsets))]
+        target = dest[tuple(slice(a - b, c - b) for a, c, b in zip(lo, hi, low))]
+        np.copyto(target, stored, casting="unsafe")
+    return count
 
 
 def run_rows(region: np.ndarray, runs: Runs, stored_dtype: np.dtype) -> np.ndarray | None:

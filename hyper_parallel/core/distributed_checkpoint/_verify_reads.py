@@ -12,11 +12,11 @@ for exactly the ranges hashed, so the device reads what is verified and no
 readahead). Hashing copies nothing; the pages stay in the page cache, where
 the reading pass then finds them: the load costs one hash pass and one copy
 into the targets, as reading into the target and verifying it there did.
-Where a file cannot be mapped (some network filesystems) the window is read
-into a scratch buffer instead. Regions of files read with exact device reads
-(a reshard of narrow rows, see :mod:`._device_reads`) are read once into a
-private buffer, verified there and kept for the read pass, up to the
-reader's ``max_inflight_bytes``; beyond that they are hashed like the rest.
+Where a file cannot be mapped (some network filesystems), or the source is
+object storage, the window is read into a scratch buffer instead. The reader
+keeps some regions instead of hashing them here (see
+``FileSystemReader._keep_buffer``): read once, verified in a private buffer,
+copied into the target by the read pass.
 """
 
 from __future__ import annotations
@@ -33,12 +33,11 @@ import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._format.byte_ranges import box_runs
 from hyper_parallel.core.distributed_checkpoint._format.checksum import digest, grid_shape
-from hyper_parallel.core.distributed_checkpoint._run_reads import read_runs, scratch
+from hyper_parallel.core.distributed_checkpoint._run_reads import FileSource, scratch
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import StorageInfo
-from hyper_parallel.core.distributed_checkpoint.planner import ReadItem
 
-__all__ = ["RegionCheck", "read_verified_tiles", "verify_regions"]
+__all__ = ["RegionCheck", "verify_regions"]
 
 _NO_TARGET_CHANGED = "the checkpoint is corrupt; no target was changed (a load verifies every byte before it copies any)"
 
@@ -80,18 +79,28 @@ def _flat_blocks(check: RegionCheck) -> range | np.ndarray:
 
 
 @contextlib.contextmanager
-def _window(fd: int, start: int, end: int, ranges: list[tuple[int, int]]) -> Iterator[memoryview]:
-    """Bytes ``[start, end)`` of the file, mapped read-only (``ranges``: the parts actually hashed)."""
-    if hasattr(os, "posix_fadvise"):
-        for low, high in ranges:
-            os.posix_fadvise(fd, low, high - low, os.POSIX_FADV_WILLNEED)
-    aligned = start - start % mmap.ALLOCATIONGRANULARITY
-    try:
-        mapped = mmap.mmap(fd, end - aligned, access=mmap.ACCESS_READ, offset=aligned)
-    except (OSError, ValueError):  # not mappable: read the window instead
+def _window(source: FileSource, path: Path, start: int, end: int,
+            ranges: list[tuple[int, int]]) -> Iterator[memoryview]:
+    """Bytes ``[start, end)`` of the source, mapped read-only (``ranges``: the parts actually hashed).
+
+    A source without a file descriptor (object storage), or a file that
+    cannot be mapped, is read into a scratch buffer instead.
+    """
+    fd = getattr(source, "fd", None)
+    mapped = None
+    if fd is not None:
+        if hasattr(os, "posix_fadvise"):
+            for low, high in ranges:
+                os.posix_fadvise(fd, low, high - low, os.POSIX_FADV_WILLNEED)
+        aligned = start - start % mmap.ALLOCATIONGRANULARITY
+        try:
+            mapped = mmap.mmap(fd, end - aligned, access=mmap.ACCESS_READ, offset=aligned)
+        except (OSError, ValueError):
+            mapped = None
+    if mapped is None:
         buffer = scratch(end - start, slot=2)
-        if os.preadv(fd, [buffer], start) != end - start:
-            raise CorruptCheckpointError(f"data file (fd {fd}) is truncated while verifying") from None
+        if source.readinto(buffer, start) != end - start:
+            raise CorruptCheckpointError(f"data file {path} is truncated (bytes {start}..{end} are verified)")
         yield memoryview(buffer)
         return
     if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_RANDOM"):
@@ -124,7 +133,7 @@ class _Block:
 _GAP_BYTES = 1 << 20
 
 
-def _verify_flat(fd: int, path: Path, blocks: list[_Block], window: int) -> int:
+def _verify_flat(source: FileSource, path: Path, blocks: list[_Block], window: int) -> int:
     """Hash ``blocks`` (sorted by position), several per mapped window; return the bytes hashed."""
     hashed = 0
     position = 0
@@ -141,7 +150,7 @@ def _verify_flat(fd: int, path: Path, blocks: list[_Block], window: int) -> int:
                 ranges[-1] = (ranges[-1][0], max(ranges[-1][1], block.end))
             else:
                 ranges.append((block.start, block.end))
-        with _window(fd, first.start, group[-1].end, ranges) as view:
+        with _window(source, path, first.start, group[-1].end, ranges) as view:
             bad = next((b for b in group if digest(view[b.start - first.start : b.end - first.start]) != b.digest),
                        None)
         if bad is not None:
@@ -154,7 +163,7 @@ def _verify_flat(fd: int, path: Path, blocks: list[_Block], window: int) -> int:
     return hashed
 
 
-def _verify_tiles(fd: int, path: Path, check: RegionCheck, done: set[tuple[int, int, int]]) -> int:
+def _verify_tiles(source: FileSource, path: Path, check: RegionCheck, done: set[tuple[int, int, int]]) -> int:
     """Verify the tiles the region touches, one row slab at a time."""
     info, sizes, itemsize = check.info, check.sizes, check.itemsize
     block = info.checksum.block_shape
@@ -179,7 +188,7 @@ def _verify_tiles(fd: int, path: Path, check: RegionCheck, done: set[tuple[int, 
         else:  # only some columns of few rows: exactly their bytes
             ranges = [(start + r * sizes[-1] * itemsize + col_lo, start + r * sizes[-1] * itemsize + col_hi)
                       for r in range((row_end - row_start) * inner)]
-        with _window(fd, start, end, ranges) as view:
+        with _window(source, path, start, end, ranges) as view:
             bad = _bad_tile(view, check, slab, columns, row_end - row_start, grid_columns)
         if bad is not None:
             raise CorruptCheckpointError(
@@ -208,8 +217,8 @@ def _bad_tile(view: memoryview, check: RegionCheck, slab: int, columns: list[int
     return None
 
 
-def verify_regions(fd: int, path: Path, checks: list[RegionCheck], window: int) -> int:
-    """Verify the checksum blocks of every region in ``checks`` (all in the file ``fd``); return bytes hashed.
+def verify_regions(source: FileSource, path: Path, checks: list[RegionCheck], window: int) -> int:
+    """Verify the checksum blocks of every region in ``checks`` (all in ``source``); return bytes hashed.
 
     Each block or tile of a chunk is hashed once, however many regions of it are read.
     Expects offsets, lengths and digest counts already checked against the
@@ -233,7 +242,7 @@ def verify_regions(fd: int, path: Path, checks: list[RegionCheck], window: int) 
                 )
             continue
         if info.checksum.block_shape and check.sizes is not None:
-            hashed += _verify_tiles(fd, path, check, tiles_done)
+            hashed += _verify_tiles(source, path, check, tiles_done)
             continue
         size = info.checksum.block_bytes
         for blk in _flat_blocks(check):
@@ -241,63 +250,5 @@ def verify_regions(fd: int, path: Path, checks: list[RegionCheck], window: int) 
             start = info.offset + blk * size
             flat.setdefault((id(info), blk), _Block(start, min(start + size, info.offset + info.length),
                                                     info.checksum.digests[blk], check, blk))
-    hashed += _verify_flat(fd, path, sorted(flat.values(), key=lambda b: b.start), window)
+    hashed += _verify_flat(source, path, sorted(flat.values(), key=lambda b: b.start), window)
     return hashed
-
-
-def read_verified_tiles(
-    fd: int,
-    path: Path,
-    fqn: str,
-    info: StorageInfo,
-    sizes: tuple[int, ...],
-    stored_dtype: np.dtype,
-    item: ReadItem,
-    dest: np.ndarray,
-    *,
-    exact: bool = False,
-) -> int:
-    """Read the checksum tiles the region touches, verify each, copy the region into ``dest``.
-
-    ``dest`` is the load's private buffer, never a target: the verify pass
-    keeps it for regions read with ``exact`` device reads (``O_DIRECT``
-    bypasses the page cache, so the read pass could not find them there).
-    One row slab of tiles at a time; only the column groups needed are read.
-    """
-    # Tile shape and digest count were checked against the chunk by _format.metadata_json.check_consistency.
-    block = info.checksum.block_shape
-    itemsize = stored_dtype.itemsize
-    rows, width = block[0], block[-1]
-    grid_columns = grid_shape(sizes, block)[1]
-    low, lengths = item.storage_offsets, item.lengths
-    first_column, last_column = low[-1] // width, (low[-1] + lengths[-1] - 1) // width
-    column_start = first_column * width
-    column_end = min((last_column + 1) * width, sizes[-1])
-    inner = math.prod(sizes[1:-1])
-    count = 0
-    for slab in range(low[0] // rows, (low[0] + lengths[0] - 1) // rows + 1):
-        row_start = slab * rows
-        box_offsets = (row_start,) + (0,) * (len(sizes) - 2) + (column_start,)
-        box_lengths = (min(rows, sizes[0] - row_start),) + tuple(sizes[1:-1]) + (column_end - column_start,)
-        runs = box_runs(sizes, itemsize, box_offsets, box_lengths)
-        buffer = scratch(runs.total).reshape(runs.starts.size, runs.length)
-        count += read_runs(fd, path, fqn, info, runs, buffer, exact=exact)
-        cube = buffer.reshape(box_lengths[0], inner, (column_end - column_start) * itemsize)
-        for column in range(first_column, last_column + 1):
-            start = (column * width - column_start) * itemsize
-            stop = (min((column + 1) * width, sizes[-1]) - column_start) * itemsize
-            part = cube[:, :, start:stop]
-            tile = scratch(part.size, slot=3)  # reused: no allocation per tile
-            np.copyto(tile.reshape(part.shape), part)
-            if digest(tile) != info.checksum.digests[slab * grid_columns + column]:
-                raise CorruptCheckpointError(
-                    f"checksum mismatch in data file {path}, key '{fqn}' (tile {slab},{column} of the chunk "
-                    f"at offset {list(item.storage_index.offset)}): {_NO_TARGET_CHANGED}"
-                )
-        box = buffer.view(stored_dtype).reshape(box_lengths)
-        lo = [max(a, b) for a, b in zip(low, box_offsets)]
-        hi = [min(a + n, b + m) for a, n, b, m in zip(low, lengths, box_offsets, box_lengths)]
-        source = box[tuple(slice(a - b, c - b) for a, c, b in zip(lo, hi, box_offsets))]
-        target = dest[tuple(slice(a - b, c - b) for a, c, b in zip(lo, hi, low))]
-        np.copyto(target, source, casting="unsafe")
-    return count

@@ -99,6 +99,14 @@ class CheckpointExistsError(CheckpointValueError, FileExistsError):
         return str(self.args[0]) if self.args else ""
 
 
+class ConcurrentSaveError(CheckpointError):
+    """Another save committed the same checkpoint id while this save was running.
+
+    The other save's checkpoint is whole; this save's data was removed. Raised
+    by the committing rank (on every rank under collectives).
+    """
+
+
 class CollectiveStepError(CheckpointError):
     """One or more ranks failed during a collective step.
 

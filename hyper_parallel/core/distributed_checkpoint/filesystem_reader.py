@@ -17,9 +17,10 @@ import math
 import os
 import threading
 from collections import defaultdict
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -43,8 +44,16 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
 )
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import check_consistency, metadata_from_json
 from hyper_parallel.core.distributed_checkpoint._options import check_option
-from hyper_parallel.core.distributed_checkpoint._run_reads import read_runs, release_scratch, run_rows, scratch
-from hyper_parallel.core.distributed_checkpoint._verify_reads import RegionCheck, read_verified_tiles, verify_regions
+from hyper_parallel.core.distributed_checkpoint._run_reads import (
+    FileSource,
+    read_runs,
+    read_runs_verified,
+    read_tiles,
+    release_scratch,
+    run_rows,
+    scratch,
+)
+from hyper_parallel.core.distributed_checkpoint._verify_reads import RegionCheck, verify_regions
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, StorageReader
 from hyper_parallel.platform.tensor import DTYPE_NAMES, numpy_dtype
@@ -124,9 +133,8 @@ class FileSystemReader(StorageReader):
         self.bytes_read = 0
         #: Bytes hashed by the verify passes.
         self.bytes_verified = 0
-        self._exact_fds: set[int] = set()
         self._verified: set[ReadItem] = set()
-        self._kept: dict[ReadItem, np.ndarray] = {}  # verified regions read with exact device reads
+        self._kept: dict[ReadItem, np.ndarray] = {}  # verified regions kept for the read pass
         self._kept_bytes = 0
         self._kept_lock = threading.Lock()
 
@@ -199,7 +207,7 @@ class FileSystemReader(StorageReader):
         Raises:
             CorruptCheckpointError: a chunk without its storage entry, or the like (names the file and key).
         """
-        check_consistency(metadata, source=str(self.path / self.metadata_file))
+        check_consistency(metadata, source=f"{self.path}/{self.metadata_file}")
         self.metadata = metadata
         self._verified.clear()
         self._kept.clear()
@@ -305,49 +313,46 @@ class FileSystemReader(StorageReader):
             future.set_exception(exc)
         return future
 
-    def _open_data(self, relative_path: str, fqn: str) -> tuple[Path, int]:
-        """Resolve and open a data file; one deleted after the check is a :class:`CheckpointNotFoundError`."""
-        path = self.resolve(relative_path, fqn)
-        try:
-            return path, os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(
-                f"data file {relative_path} of key '{fqn}' was deleted while loading checkpoint {self.path} "
-                "(deleted or replaced by another save); load it again"
-            ) from None
-
     def _verify_group(self, files: list[tuple[str, list[ReadItem]]]) -> int:
         total = 0
         for relative_path, items in files:
-            path, fd = self._open_data(relative_path, items[0].storage_index.fqn)
-            try:
-                size = os.fstat(fd).st_size
-                exact = self._reads_in_part(items, size) and hasattr(os, "posix_fadvise")
-                if exact:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            with self._open_source(relative_path, items) as (source, path, size):
                 checks = []
                 for item in items:
                     check = self._region_check(path, size, item)
-                    kept = self._keep_buffer(check, item) if exact else None
+                    kept = self._keep_buffer(check, item, source)
                     if kept is None:
                         checks.append(check)
                         continue
-                    total += read_verified_tiles(fd, path, check.fqn, check.info, check.sizes, kept.dtype, item, kept,
-                                                 exact=True)
+                    total += self._read_kept(source, path, check, item, kept)
                     with self._kept_lock:
                         self._kept[item] = kept
-                total += verify_regions(fd, path, checks, self.max_inflight_bytes)
-            finally:
-                os.close(fd)
+                total += verify_regions(source, path, checks, self.max_inflight_bytes)
         return total
 
-    def _keep_buffer(self, check: RegionCheck, item: ReadItem) -> np.ndarray | None:
-        """A private buffer for a tiled region read exactly (``O_DIRECT`` skips the page cache), within budget."""
+    def _read_kept(self, source: FileSource, path: Path, check: RegionCheck, item: ReadItem, kept: np.ndarray) -> int:
+        """Read ``item``'s region into the private buffer ``kept``, verifying every block or tile it touches."""
+        if check.info.checksum.block_shape:
+            return read_tiles(source, path, check.fqn, check.info, check.sizes, kept.dtype, item, kept,
+                              exact=source.exact)
+        runs = box_runs(check.sizes, check.itemsize, tuple(item.storage_offsets), tuple(item.lengths))
+        rows = kept.reshape(-1).view(np.uint8).reshape(runs.starts.size, runs.length)
+        return read_runs_verified(source, path, check.fqn, check.info, runs, rows, self.max_inflight_bytes)
+
+    def _keep_buffer(self, check: RegionCheck, item: ReadItem, source: FileSource) -> np.ndarray | None:
+        """A private buffer for a region whose verified bytes would not stay in the page cache, within budget.
+
+        Such regions: narrow tiled regions of a file read with exact device
+        reads (``O_DIRECT`` skips the page cache), and every tensor region of
+        a source without a page cache (object storage). They are read once,
+        verified, and kept until the read pass copies them into the target.
+        """
         info = check.info
-        if check.sizes is None or info.checksum is None or not info.checksum.block_shape:
+        if check.sizes is None or info.checksum is None or not math.prod(item.lengths):
             return None
-        if item.lengths[-1] == check.sizes[-1]:  # whole rows: contiguous pages, the page cache wastes nothing
-            return None
+        if isinstance(source, FileSource):
+            if not source.exact or not info.checksum.block_shape or item.lengths[-1] == check.sizes[-1]:
+                return None  # whole rows: contiguous pages, the page cache wastes nothing
         nbytes = math.prod(item.lengths) * check.itemsize
         with self._kept_lock:
             if self._kept_bytes + nbytes > self.max_inflight_bytes:
@@ -393,21 +398,28 @@ class FileSystemReader(StorageReader):
     def _read_group(self, files: list[tuple[str, list[ReadItem]]], planner: LoadPlanner) -> int:
         total = 0
         for relative_path, items in files:
-            path, fd = self._open_data(relative_path, items[0].storage_index.fqn)
-            try:
-                size = os.fstat(fd).st_size
-                if self._reads_in_part(items, size) and hasattr(os, "posix_fadvise"):
-                    # Kernel readahead would also fetch the ranges a reshard skips.
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-                    self._exact_fds.add(fd)
-                count, rest = self._read_small_whole_items(fd, path, size, items, planner)
+            with self._open_source(relative_path, items) as (source, path, size):
+                count, rest = self._read_small_whole_items(source, path, size, items, planner)
                 total += count
                 for item, dest in rest:
-                    total += self._read_item(fd, path, size, item, planner, dest)
-            finally:
-                self._exact_fds.discard(fd)
-                os.close(fd)
+                    total += self._read_item(source, path, size, item, planner, dest)
         return total
+
+    @contextmanager
+    def _open_source(self, relative_path: str, items: list[ReadItem]) -> Iterator[tuple[FileSource, Path, int]]:
+        """Open data file ``relative_path`` for ``items``: its byte source, its name for messages, its size."""
+        path = self.resolve(relative_path, items[0].storage_index.fqn)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            source = FileSource(fd)
+            size = os.fstat(fd).st_size
+            if self._reads_in_part(items, size) and hasattr(os, "posix_fadvise"):
+                # Kernel readahead would also fetch the ranges a reshard skips.
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                source.exact = True
+            yield source, path, size
+        finally:
+            os.close(fd)
 
     def _reads_in_part(self, items: list[ReadItem], file_size: int) -> bool:
         """Whether a file is read without readahead (see ``no_readahead``)."""
@@ -424,7 +436,7 @@ class FileSystemReader(StorageReader):
         return needed < _SEQUENTIAL_SHARE * file_size
 
     def _read_small_whole_items(
-        self, fd: int, path: Path, file_size: int, items: list[ReadItem], planner: LoadPlanner
+        self, source: FileSource, path: Path, file_size: int, items: list[ReadItem], planner: LoadPlanner
     ) -> tuple[int, list[tuple[ReadItem, np.ndarray | None]]]:
         """Read whole small chunks many per system call, straight into their targets (verified before).
 
@@ -474,7 +486,7 @@ class FileSystemReader(StorageReader):
             length = sum(entry[1] for entry in group)
             if length:
                 views = [entry[3].reshape(-1).view(np.uint8) for entry in group if entry[1]]
-                if os.preadv(fd, views, group[0][0]) != length:
+                if source.readinto_many(views, group[0][0]) != length:
                     fqn = group[0][2].storage_index.fqn
                     raise CorruptCheckpointError(f"data file {path} is truncated while reading key '{fqn}'")
             for offset, nbytes, item, dest, info in group:
@@ -485,17 +497,17 @@ class FileSystemReader(StorageReader):
         return total, rest
 
     def _read_item(
-        self, fd: int, path: Path, file_size: int, item: ReadItem, planner: LoadPlanner, dest: np.ndarray | None = None
+        self, source: FileSource, path: Path, file_size: int, item: ReadItem, planner: LoadPlanner, dest: np.ndarray | None = None
     ) -> int:
         fqn = item.storage_index.fqn
         check = self._region_check(path, file_size, item)
         info = check.info
         if info.compression is not None:
-            return self._read_compressed(fd, path, fqn, info, item, planner)
+            return self._read_compressed(source, path, fqn, info, item, planner)
         if item.type == LoadItemType.BYTE_IO:
             buffer = np.empty((1, info.length), dtype=np.uint8)
             runs = Runs(starts=np.zeros(1 if info.length else 0, dtype=np.int64), length=info.length)
-            count = self._fill(fd, path, fqn, info, runs, buffer)
+            count = self._fill(source, path, fqn, info, runs, buffer)
             planner.apply_bytes(item, buffer.tobytes())
             return count
         stored = self.metadata.state_dict_metadata.get(fqn)
@@ -523,21 +535,21 @@ class FileSystemReader(StorageReader):
             region = dest[tuple(slice(o, o + n) for o, n in zip(sub_offsets, sub_lengths))] if dest.ndim else dest
             rows = run_rows(region, runs, stored_dtype)
             if rows is not None:
-                count += self._fill(fd, path, fqn, info, runs, rows)
+                count += self._fill(source, path, fqn, info, runs, rows)
                 continue
             staging = scratch(runs.total).reshape(runs.starts.size, runs.length)
-            count += self._fill(fd, path, fqn, info, runs, staging)
+            count += self._fill(source, path, fqn, info, runs, staging)
             np.copyto(region, staging.view(stored_dtype).reshape(sub_lengths), casting="unsafe")
         planner.apply_tensor(item, dest)
         return count
 
     def _read_compressed(
-        self, fd: int, path: Path, fqn: str, info: StorageInfo, item: ReadItem, planner: LoadPlanner
+        self, source: FileSource, path: Path, fqn: str, info: StorageInfo, item: ReadItem, planner: LoadPlanner
     ) -> int:
         """Read, verify and decompress a whole compressed item, then apply its region."""
         stored_bytes = np.empty((1, info.length), dtype=np.uint8)
         runs = Runs(starts=np.zeros(1 if info.length else 0, dtype=np.int64), length=info.length)
-        count = self._fill(fd, path, fqn, info, runs, stored_bytes)
+        count = self._fill(source, path, fqn, info, runs, stored_bytes)
         raw_length = info.raw_length or 0
         try:
             import zstandard  # pylint: disable=import-outside-toplevel
@@ -574,7 +586,7 @@ class FileSystemReader(StorageReader):
                 return chunk.sizes
         raise CorruptCheckpointError(f"key '{index.fqn}': no chunk at offset {list(index.offset)}")
 
-    def _fill(self, fd: int, path: Path, fqn: str, info: StorageInfo, runs: Runs, target: np.ndarray) -> int:
+    def _fill(self, source: FileSource, path: Path, fqn: str, info: StorageInfo, runs: Runs, target: np.ndarray) -> int:
         """Fill ``target`` (``uint8``, one row per run) with the runs (verified before); return bytes read.
 
         Verified bytes are in the page cache already (the verify pass put
@@ -583,7 +595,7 @@ class FileSystemReader(StorageReader):
         if runs.total == 0:
             return 0
         verified = self.verify_checksums and info.checksum is not None
-        count = read_runs(fd, path, fqn, info, runs, target, exact=fd in self._exact_fds and not verified)
+        count = read_runs(source, path, fqn, info, runs, target, exact=source.exact and not verified)
         return 0 if verified else count  # verified bytes were counted by the verify pass
 
     @classmethod

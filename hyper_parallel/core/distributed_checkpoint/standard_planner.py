@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from hyper_parallel.core.distributed_checkpoint._device_targets import DeviceRegions
 from hyper_parallel.core.distributed_checkpoint._format.checksum import digest
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointValueError,
@@ -247,6 +248,11 @@ class StandardLoadPlanner(LoadPlanner):
             by one of them and sent to the others over the collective.
         exchange_round_bytes: Most bytes a rank sends per exchange round
             (bounds the extra memory of ``single_replica_read``).
+        device_region_bytes: For a target tensor in device memory (not
+            shared with host memory, e.g. on Ascend): reads are cut into regions
+            of at most this many bytes, each read into a host buffer and
+            copied into its region of the tensor, so the host memory a load
+            needs stays bounded whatever the tensor size.
     """
 
     def __init__(
@@ -256,8 +262,13 @@ class StandardLoadPlanner(LoadPlanner):
         allow_pickle: bool = False,
         single_replica_read: bool = False,
         exchange_round_bytes: int = 256 << 20,
+        device_region_bytes: int = 16 << 20,
     ) -> None:
+        if device_region_bytes < 1:
+            raise CheckpointValueError(f"device_region_bytes must be >= 1, got {device_region_bytes}")
         self.allow_partial_load = allow_partial_load
+        self.device_region_bytes = device_region_bytes
+        self._device = DeviceRegions()
         self.allow_pickle = allow_pickle
         self.shares_reads = single_replica_read
         self.exchange_round_bytes = exchange_round_bytes
@@ -300,6 +311,7 @@ class StandardLoadPlanner(LoadPlanner):
         self._entries.clear()
         self._targets.clear()
         self._staged.clear()
+        self._device = DeviceRegions()
         self._pieces.clear()
         self._value_names.clear()
         self._values.clear()
@@ -363,7 +375,8 @@ class StandardLoadPlanner(LoadPlanner):
             fqn = entry.fqn
             stored = self.metadata.state_dict_metadata[fqn] if not isinstance(entry, SkipEntry) else None
             if isinstance(entry, TensorEntry) and isinstance(stored, TensorStorageMetadata):
-                items.extend(self._tensor_reads(name, entry, stored))
+                reads = self._tensor_reads(name, entry, stored)
+                items.extend(self._device.plan(name, entry, reads, self.device_region_bytes))
             elif isinstance(entry, ValueEntry) and isinstance(stored, BytesStorageMetadata):
                 if entry.offset not in stored.shard_offsets:
                     raise MissingKeyError(
@@ -467,8 +480,7 @@ class StandardLoadPlanner(LoadPlanner):
             if item.type == LoadItemType.BYTE_IO:
                 self.apply_bytes(item, value)
             else:
-                dest = self.acquire_tensor(item, shared=False)
-                np.copyto(dest, value, casting="unsafe")
+                self._fill(item, value)
 
     def _target(self, name: str, entry: TensorEntry) -> np.ndarray:
         array = self._targets.get(name)
@@ -492,19 +504,32 @@ class StandardLoadPlanner(LoadPlanner):
             stored = self.metadata.state_dict_metadata[read_item.storage_index.fqn]
             return np.empty(read_item.lengths, dtype=numpy_dtype(stored.properties.dtype))
         name, entry, piece = self._pieces[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
+        if name in self._device:
+            return self._device.buffer(read_item, entry)
         region = piece_view(self._target(name, entry), entry, piece)
         slices = tuple(slice(o, o + n) for o, n in zip(read_item.dest_offsets, read_item.lengths))
         return region[slices] if slices else region
 
     def apply_tensor(self, read_item: ReadItem, tensor: np.ndarray) -> None:
-        """Keep a region read for others; otherwise it was filled in place. Called by the reader."""
-        if self._exchange is None:
-            return
-        key = region_key(read_item)
-        if key in self._exchange.send:
-            np.copyto(self.acquire_tensor(read_item, shared=False), tensor, casting="unsafe")
+        """Keep a region read for others, copy a device target's region in; else it was filled in place.
+
+        Called by the reader after the region is read (and verified).
+        """
+        key = region_key(read_item) if self._exchange is not None else None
+        if key is not None and key in self._exchange.send:
+            self._fill(read_item, tensor)
             slot, round_index = self._exchange.send[key]
             self._outbox[slot] = (round_index, tensor)
+        elif self._device.holds(read_item):
+            self._device.write(read_item, self._pieces[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))][1])
+
+    def _fill(self, read_item: ReadItem, value: np.ndarray) -> None:
+        """Copy ``value`` into the target region of ``read_item`` (a device target: copied in)."""
+        name, entry, _ = self._pieces[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
+        if name in self._device:
+            self._device.write(read_item, entry, value)
+        else:
+            np.copyto(self.acquire_tensor(read_item, shared=False), value, casting="unsafe")
 
     def apply_bytes(self, read_item: ReadItem, value: bytes) -> None:
         """Decode a stored value with its type handler. Called by the reader."""
