@@ -48,6 +48,8 @@ _GROUPS = (
     ("storage", "Abstract storage (module `storage`)"),
     ("filesystem_writer", "Filesystem storage"),
     ("filesystem_reader", "Filesystem storage"),
+    ("_fsspec_writer", "Object storage (s3:// through fsspec)"),
+    ("_fsspec_reader", "Object storage (s3:// through fsspec)"),
     ("mapping", "Megatron-style mapping (module `mapping`)"),
     ("type_handlers", "Type handlers (module `type_handlers`)"),
     ("strategies", "Strategies (module `strategies`)"),

@@ -6,7 +6,9 @@ few large, 48 medium and many small, as a model with its optimizer holds;
 ``large``: 16 large matrices), float32 and bfloat16, it times the machine's limits (fsynced plain write, cold and warm
 sequential read, memcpy), MindSpore's own save/load, this project's save, async
 save and load, a resharded load on msrun ranks (``bench_reshard_worker.py``) and
-the extra memory of a load. This VM returns freed memory to its host, so every
+the extra memory of a load, and ``hp-ckpt import`` of a 4-rank MindSpore
+checkpoint against ``transform_checkpoints`` on the same files
+(``bench_ms_import.py``, also runnable alone with ``--size``). This VM returns freed memory to its host, so every
 timed run is preceded by touching ``--pretouch-gb`` GiB of fresh memory."""
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import mindspore as ms
 import numpy as np
 import psutil
 
+import bench_ms_import
 import hyper_parallel.core.distributed_checkpoint as dcp
 
 __all__ = ["STATES", "build_state", "drop_page_cache", "main", "pretouch", "read_io_bytes"]
@@ -248,6 +251,21 @@ def phase_checksums(state: dict[str, Any], args: argparse.Namespace) -> dict[str
     return {"xxh3 checksums of the state (1 thread)": timed(hash_all, runs=args.runs, pretouch_gb=0)}
 
 
+def phase_replica_check(state: dict[str, Any], args: argparse.Namespace) -> dict[str, list[float]]:
+    """The replica-divergence protection: one rank's local plan in a job of 2 ranks where every tensor is a
+    replica (the worst case: each holder hashes all its bytes), ``check_replicas`` on and off."""
+    times = {}
+    for check in (True, False):
+        def plan(check: bool = check) -> None:
+            planner = dcp.StandardSavePlanner(check_replicas=check)
+            planner.configure_planner(state, rank=0, world_size=2, is_coordinator=True)
+            planner.build_local_plan()
+
+        times[f"local plan, 2 ranks all replicated, check_replicas={check}"] = timed(plan, runs=args.runs,
+                                                                                    pretouch_gb=0)
+    return times
+
+
 def phase_async(state: dict[str, Any], work: Path, args: argparse.Namespace) -> dict[str, list[float]]:
     """Time ``dcp.async_save`` until it returns (first call of the process, then steady state), the
     background writing until ``done()``, and ``result()`` called after that (what remains on the caller:
@@ -448,6 +466,9 @@ def ratios(t: dict[str, float], args: argparse.Namespace, memory: dict[str, Any]
     add("best dcp.save / ms.save_checkpoint (no fsync)", best_save / t["ms.save_checkpoint (no fsync)"], None)
     add("protection: xxh3 checksums (1 thread) / best dcp.save",
         t["xxh3 checksums of the state (1 thread)"] / best_save, None)
+    replica_cost = (t["local plan, 2 ranks all replicated, check_replicas=True"]
+                    - t["local plan, 2 ranks all replicated, check_replicas=False"])
+    add("protection: replica check (all bytes replicated) / best dcp.save", replica_cost / best_save, None)
     add("protection: fsync, save / save without fsync (1 thread)",
         t["dcp.save (thread_count=1)"] / t["dcp.save (thread_count=1, no fsync)"], None)
     for mode in ("", ", fork"):
@@ -525,6 +546,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None, help="working directory (default: new one under /tmp)")
     parser.add_argument("--json", type=Path, default=None, help="JSON result path (default OUT/benchmark.json)")
     parser.add_argument("--skip-msrun", action="store_true", help="skip the resharded load on msrun")
+    parser.add_argument("--skip-ms-import", action="store_true",
+                        help="skip hp-ckpt import of a 4-rank MindSpore checkpoint vs transform_checkpoints")
     parser.add_argument("--profile", action="store_true", help="print cProfile top 10 of a save and a load")
     parser.add_argument("--msrun-timeout", type=float, default=300.0, help="seconds before msrun is killed")
     return parser.parse_args(argv)
@@ -539,6 +562,7 @@ def run_state(kind: str, work: Path, args: argparse.Namespace) -> dict[str, Any]
     times.update(phase_memcpy(nbytes, args))
     times.update(phase_save(state, work, args))
     times.update(phase_checksums(state, args))
+    times.update(phase_replica_check(state, args))
     times.update(phase_async(state, work, args))
     load_path = save_for_load(state, work, args.threads)
     times.update(phase_load(state, load_path, args))
@@ -564,6 +588,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     states = {kind: run_state(kind, work, args) for kind in args.state}
     reshard = None if args.skip_msrun else phase_reshard(work, args)
+    ms_import = None if args.skip_ms_import else bench_ms_import.measure(work / "ms_import", args.size_gb, args.runs)
     print(f"total {time.perf_counter() - started:.0f} s; load average now {os.getloadavg()[0]:.1f} "
           f"(other processes on these {os.cpu_count()} cpus disturb the figures)")
     for kind, figures in states.items():
@@ -581,8 +606,10 @@ def main(argv: list[str] | None = None) -> None:
         print_reshard(reshard)
         reshard_table = reshard_ratios(reshard)
         print_ratios("ratios, resharded load", reshard_table)
+    if ms_import is not None:
+        print("\n" + bench_ms_import.report(ms_import))
     result = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "load_average_at_end": os.getloadavg(), "states": states, "reshard": reshard,
+              "load_average_at_end": os.getloadavg(), "states": states, "reshard": reshard, "ms_import": ms_import,
               "reshard_ratios": [{"figure": n, "value": v, "target": tg, "met": m} for n, v, tg, m in reshard_table]}
     json_path = args.json or work / "benchmark.json"
     json_path.write_text(json.dumps(result, indent=2))

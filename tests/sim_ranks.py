@@ -21,12 +21,16 @@ __all__ = ["simulate_save", "plan_ranks"]
 
 
 def plan_ranks(
-    states: list[dict[str, Any]], *, remove_redundancy: bool = True, save_to_minimum_rank: bool = False
+    states: list[dict[str, Any]],
+    *,
+    remove_redundancy: bool = True,
+    save_to_minimum_rank: bool = False,
+    check_replicas: bool = True,
 ) -> tuple[list[StandardSavePlanner], list[SavePlan]]:
     """Configure one planner per simulated rank and return them with their local plans."""
     planners, plans = [], []
     for rank, state in enumerate(states):
-        planner = StandardSavePlanner()
+        planner = StandardSavePlanner(check_replicas=check_replicas)
         planner.configure_planner(
             state,
             rank=rank,

@@ -52,6 +52,15 @@ def test_two_rank_save_commits_before_return(two_first):
         assert sum(value["bytes_per_rank"]) == 8 * 12 * 4 + 8 * 4 * 2 + 8 * 4 + 1
 
 
+def test_repeated_layout_reuses_the_plan_on_every_rank(two_first):
+    check_scenarios(two_first, ["plan_cache"])
+    for rank, value in enumerate(scenario_values(two_first, "plan_cache")):
+        # saves 2 and 3 reuse; rank 1's change re-plans on both ranks; the async save then reuses that plan
+        assert value["counts"] == [[0, 0], [1, 0], [2, 0], [2, 1], [3, 1]]
+        assert [list(pair) for pair in value["loaded"]] == [[[float(step * 10 + rank)], True] for step in (0, 1, 2)] + [
+            [[float(20 + rank)], True]] * 2
+
+
 def test_async_saves_in_a_loop_keep_their_own_step(two_first):
     check_scenarios(two_first, ["async_loop", "async_deleted_tensors"])
     for rank, value in enumerate(scenario_values(two_first, "async_loop")):

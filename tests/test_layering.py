@@ -22,11 +22,12 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("errors and metadata", frozenset({"errors", "metadata", "_options", "_gc_pause"})),
     ("on-disk format", frozenset({"_format", "_format.safetensors_file", "_format.metadata_json",
                                   "_format.checksum", "_format.byte_ranges", "_format.cover"})),
-    ("plans and planners", frozenset({"planner", "mapping", "type_handlers", "_builtin_handlers", "_flatten",
+    ("plans and planners", frozenset({"planner", "mapping", "type_handlers", "_builtin_handlers", "_flatten", "_mindspore_sliced", "_device_targets",
                                       "_state_items", "_global_plan", "_replicated_read", "standard_planner"})),
     ("storage", frozenset({"storage", "filesystem_writer", "filesystem_reader", "_run_reads",
                            "_safe_files", "_save_lease", "_file_ops", "_commit_cleanup", "_device_reads"})),
-    ("engine", frozenset({"_collectives", "_engine", "_staging", "_fork_writer", "_async_queue"})),
+    ("object storage", frozenset({"_object_io", "_fsspec_writer", "_fsspec_reader", "_object_steps"})),
+    ("engine", frozenset({"_collectives", "_engine", "_staging", "_fork_writer", "_async_queue", "_plan_cache"})),
     ("strategies", frozenset({"strategies"})),
     ("public API", frozenset({"api", "async_checkpoint", "_one_line", "manager", "_manager_record", "callback", ""})),
 )
@@ -169,3 +170,15 @@ def test_layout_errors_are_the_checkpoint_errors():
     assert dcp.LayoutError is _errors.LayoutError is dcp.errors.LayoutError
     assert dcp.CheckpointError is _errors.CheckpointError
     assert issubclass(dcp.LayoutError, dcp.CheckpointValueError) and issubclass(dcp.LayoutError, ValueError)
+
+
+def test_the_platform_and_the_core_never_import_upward():
+    graph = _graph()
+    upward = sorted(
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        for target in targets
+        if (module.startswith("hyper_parallel.platform") and target.startswith(("hyper_parallel.core", "hyper_parallel.cli")))
+        or (module.startswith("hyper_parallel.core") and target.startswith("hyper_parallel.cli"))
+    )
+    assert not upward, upward

@@ -2,10 +2,14 @@
 
 - :func:`inspect_checkpoint` (``hp-ckpt inspect DIR [--json]``): keys, dtypes,
   shapes, chunks, files and who wrote them, from the metadata alone.
+- :func:`list_steps` (``hp-ckpt list ROOT [--json]``): a manager root's steps,
+  committed or in progress, their size, kept-forever flags and metrics.
 - :func:`verify_checkpoint` (``hp-ckpt verify DIR``): re-reads every chunk,
   checks checksums, safetensors headers and coverage.
 - :func:`convert_to_safetensors` (``hp-ckpt convert DIR OUT --to safetensors``):
-  full tensors in Hugging Face safetensors shards plus an index json.
+  full tensors in Hugging Face safetensors shards plus an index json; the
+  model only unless ``--all``, with ``--include`` / ``--exclude`` /
+  ``--strip-prefix`` / ``--rename`` (a :class:`KeySelection`).
 - :func:`import_checkpoint` (``hp-ckpt import SRC OUT [--strategy FILE ...]``):
   from a MindSpore ``.ckpt``/``.safetensors`` file, a MindSpore parallel job's
   per-rank files (with its strategy files) or a Hugging Face directory.
@@ -22,6 +26,8 @@ from hyper_parallel.cli.diff_cmd import DiffReport, KeyDifference, diff_checkpoi
 from hyper_parallel.cli.export_ms_cmd import ExportResult, export_mindspore
 from hyper_parallel.cli.import_cmd import import_checkpoint
 from hyper_parallel.cli.inspect_cmd import inspect_checkpoint
+from hyper_parallel.cli.list_cmd import StepEntry, list_steps
+from hyper_parallel.cli._key_select import KeySelection
 from hyper_parallel.cli.main import main
 from hyper_parallel.cli.verify_cmd import VerifyProblem, VerifyReport, verify_checkpoint
 
@@ -30,6 +36,8 @@ __all__ = [
     "DiffReport",
     "ExportResult",
     "KeyDifference",
+    "KeySelection",
+    "StepEntry",
     "VerifyProblem",
     "VerifyReport",
     "convert_to_safetensors",
@@ -37,6 +45,7 @@ __all__ = [
     "export_mindspore",
     "import_checkpoint",
     "inspect_checkpoint",
+    "list_steps",
     "main",
     "verify_checkpoint",
 ]

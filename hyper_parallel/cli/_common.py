@@ -10,16 +10,25 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
+import uuid
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from contextlib import contextmanager
+from typing import Any, BinaryIO, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint.api import read_metadata
 from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, bad_blocks
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, CorruptCheckpointError
+from hyper_parallel.core.distributed_checkpoint.errors import (
+    CheckpointExistsError,
+    CheckpointValueError,
+    CorruptCheckpointError,
+)
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
-from hyper_parallel.core.distributed_checkpoint.filesystem_writer import DATA_FILE_PATTERN
+from hyper_parallel.core.distributed_checkpoint._fsspec_reader import FsspecReader
+from hyper_parallel.core.distributed_checkpoint._fsspec_writer import is_object_url
+from hyper_parallel.core.distributed_checkpoint.filesystem_writer import DATA_FILE_PATTERN, METADATA_FILE
 from hyper_parallel.core.distributed_checkpoint._format.cover import check_exact_cover
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -28,6 +37,8 @@ from hyper_parallel.platform.tensor import DTYPE_NAMES, numpy_dtype
 
 __all__ = [
     "open_checkpoint",
+    "checkpoint_reader",
+    "open_data_file",
     "tensor_nbytes",
     "read_full_tensor",
     "read_region",
@@ -37,7 +48,17 @@ __all__ = [
     "format_bytes",
     "parse_size",
     "progress",
+    "prepare_output_dir",
+    "atomic_output",
+    "TEXT_VALUE_TYPES",
+    "plain_value",
+    "plain_value_text",
 ]
+
+#: Stored value types decoded for display (no code runs: built-in handlers only).
+TEXT_VALUE_TYPES = ("int", "float", "bool", "str", "none", "numpy.scalar")
+#: Largest stored payload decoded for display.
+MAX_SHOWN_VALUE_BYTES = 4096
 
 _UNITS = {
     "": 1, "b": 1,
@@ -47,23 +68,46 @@ _UNITS = {
 _SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def open_checkpoint(path: str | os.PathLike) -> tuple[Path, Metadata]:
+def open_checkpoint(path: str | os.PathLike) -> tuple[Path | str, Metadata]:
     """Read and check a checkpoint's metadata (no data is read).
 
     Args:
-        path: The checkpoint directory.
+        path: The checkpoint directory, or an ``s3://bucket/prefix`` URL.
 
     Returns:
-        The directory as a ``Path`` and its committed metadata.
+        The directory as a ``Path`` (a URL stays a ``str``) and its committed metadata.
 
     Raises:
         CheckpointError: not a directory, no committed metadata, malformed
             metadata, or an unsupported backend / format version.
     """
-    directory = Path(os.fspath(path))
-    metadata = read_metadata(directory)
+    location: Path | str = str(path) if is_object_url(path) else Path(os.fspath(path))
+    metadata = read_metadata(location)
     check_load_compatible(metadata)
-    return directory, metadata
+    return location, metadata
+
+
+def checkpoint_reader(location: Path | str, *, verify_checksums: bool = True) -> FileSystemReader:
+    """The reader of a checkpoint location: :class:`FsspecReader` for a URL, else :class:`FileSystemReader`."""
+    if isinstance(location, str) and is_object_url(location):
+        return FsspecReader(location, verify_checksums=verify_checksums)
+    return FileSystemReader(location, verify_checksums=verify_checksums)
+
+
+@contextmanager
+def open_data_file(reader: FileSystemReader, name: str, fqn: str) -> Iterator[tuple[BinaryIO, int, str]]:
+    """Open data file ``name`` of the reader's checkpoint for reading: handle, size, full name.
+
+    Raises:
+        CheckpointError: a name leaving the checkpoint, or a missing file (as the reader reports them).
+    """
+    full = reader.resolve(name, fqn)
+    if isinstance(reader, FsspecReader):
+        with reader.fs.open(full, "rb", cache_type="none") as handle:
+            yield handle, int(handle.size), f"{reader.path}/{name}"
+        return
+    with open(full, "rb") as handle:
+        yield handle, os.fstat(handle.fileno()).st_size, str(full)
 
 
 def tensor_nbytes(stored: TensorStorageMetadata) -> int:
@@ -126,7 +170,7 @@ class _RegionPlanner(LoadPlanner):
 
 
 def read_region(
-    directory: Path, metadata: Metadata, fqn: str, offsets: Sequence[int], sizes: Sequence[int], *,
+    directory: Path | str, metadata: Metadata, fqn: str, offsets: Sequence[int], sizes: Sequence[int], *,
     verify_checksums: bool = True,
 ) -> np.ndarray:
     """Read one box of a stored tensor (the chunks it overlaps, nothing else).
@@ -159,7 +203,7 @@ def read_region(
     if problems:
         raise CorruptCheckpointError(f"checkpoint {directory}: {'; '.join(problems)}")
     target = np.empty(sizes, dtype=numpy_dtype(stored.properties.dtype))
-    reader = FileSystemReader(directory, verify_checksums=verify_checksums)
+    reader = checkpoint_reader(directory, verify_checksums=verify_checksums)
     reader.set_up_storage_reader(metadata, True)
     planner = _RegionPlanner(fqn, stored, offsets, target)
     reader.read_data(planner.build_local_plan(), planner).result()
@@ -167,7 +211,7 @@ def read_region(
 
 
 def read_full_tensor(
-    directory: Path, metadata: Metadata, fqn: str, *, verify_checksums: bool = True
+    directory: Path | str, metadata: Metadata, fqn: str, *, verify_checksums: bool = True
 ) -> np.ndarray:
     """Assemble one full tensor from its stored chunks.
 
@@ -197,7 +241,7 @@ def read_full_tensor(
                        verify_checksums=verify_checksums)
 
 
-def read_stored_bytes(directory: Path, metadata: Metadata, index: MetadataIndex) -> bytes:
+def read_stored_bytes(directory: Path | str, metadata: Metadata, index: MetadataIndex) -> bytes:
     """Return the raw stored bytes of one item, checksum verified.
 
     Used for non-tensor values, whose payload is compared or shown without
@@ -209,8 +253,7 @@ def read_stored_bytes(directory: Path, metadata: Metadata, index: MetadataIndex)
     info = (metadata.storage_data or {}).get(MetadataIndex(index.fqn, index.offset))
     if info is None:
         raise CorruptCheckpointError(f"key '{index.fqn}': no storage entry in the metadata of {directory}")
-    path = FileSystemReader(directory).resolve(info.relative_path, index.fqn)
-    with open(path, "rb") as handle:
+    with open_data_file(checkpoint_reader(directory), info.relative_path, index.fqn) as (handle, _, path):
         handle.seek(info.offset)
         data = handle.read(info.length)
     if len(data) != info.length:
@@ -275,8 +318,97 @@ def parse_size(text: str | int) -> int:
     return value
 
 
-def progress(iterable: Iterable[Any], *, desc: str, unit: str = "it", total: int | None = None) -> Iterable[Any]:
-    """Wrap ``iterable`` in a ``tqdm`` progress bar on stderr (shown only on a terminal)."""
+def progress(
+    iterable: Iterable[Any] | None = None,
+    *,
+    desc: str,
+    unit: str = "it",
+    total: int | None = None,
+    enabled: bool | None = None,
+    unit_scale: bool = False,
+    leave: bool = False,
+) -> Any:
+    """A ``tqdm`` progress bar on stderr over ``iterable`` (or updated by hand with ``.update(n)``).
+
+    Args:
+        iterable: What to iterate; ``None`` for a bar advanced with ``update``.
+        desc: The label in front of the bar.
+        unit: What one step counts (``"B"`` with ``unit_scale`` shows kB, MB...).
+        total: The number of steps (taken from ``len(iterable)`` when it has one).
+        enabled: ``None`` (default): only when stderr is a terminal; ``True`` / ``False`` force it.
+        unit_scale: Scale counts with SI prefixes.
+        leave: Keep the finished bar on screen.
+    """
     from tqdm import tqdm  # pylint: disable=import-outside-toplevel
 
-    return tqdm(iterable, desc=desc, unit=unit, total=total, disable=None, leave=False)
+    return tqdm(iterable, desc=desc, unit=unit, total=total, disable=None if enabled is None else not enabled,
+                leave=leave, unit_scale=unit_scale, file=sys.stderr)
+
+
+def plain_value(directory: Path, metadata: Metadata, fqn: str) -> tuple[bool, Any]:
+    """Decode a small plain value (int, float, bool, str, None, numpy scalar). Never unpickles.
+
+    Returns:
+        ``(True, value)``, or ``(False, None)`` when ``fqn`` is not such a value
+        (a tensor, a per-rank ShardedObject, another type, or too large).
+
+    Raises:
+        CorruptCheckpointError: As :func:`read_stored_bytes`.
+    """
+    from hyper_parallel.core.distributed_checkpoint.metadata import BytesStorageMetadata  # pylint: disable=import-outside-toplevel
+    from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value  # pylint: disable=import-outside-toplevel
+
+    stored = metadata.state_dict_metadata.get(fqn)
+    info = (metadata.storage_data or {}).get(MetadataIndex(fqn, ()))
+    if not isinstance(stored, BytesStorageMetadata) or stored.type_name not in TEXT_VALUE_TYPES or (
+        stored.global_shape or info is None or info.length > MAX_SHOWN_VALUE_BYTES
+    ):
+        return False, None
+    payload = read_stored_bytes(directory, metadata, MetadataIndex(fqn, ()))
+    return True, deserialize_value(stored.type_name, payload, key=fqn)
+
+
+def plain_value_text(directory: Path, metadata: Metadata, fqn: str, width: int = 60) -> str | None:
+    """``repr`` of :func:`plain_value` (cut to ``width`` characters), or ``None``."""
+    known, value = plain_value(directory, metadata, fqn)
+    if not known:
+        return None
+    text = repr(value.item() if isinstance(value, np.generic) else value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def prepare_output_dir(out: Path) -> None:
+    """Create ``out`` for a command's output, refusing anything but a new or empty directory.
+
+    Raises:
+        CheckpointExistsError: ``out`` is a file, a committed checkpoint, or a
+            directory that is not empty (nothing is replaced).
+    """
+    if out.exists() and not out.is_dir():
+        raise CheckpointExistsError(f"output {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if (out / METADATA_FILE).exists():
+            raise CheckpointExistsError(
+                f"output directory {out} is a committed checkpoint; write into a new or empty directory "
+                "(nothing was replaced)"
+            )
+        raise CheckpointExistsError(f"output directory {out} is not empty; choose a new or empty directory")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+@contextmanager
+def atomic_output(path: Path) -> Iterator[BinaryIO]:
+    """Write ``path`` atomically: a ``.<name>.<random>.partial`` file, fsynced, then renamed.
+
+    On any exception the partial file is removed and ``path`` is untouched.
+    """
+    partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
+    try:
+        with open(partial, "wb") as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise

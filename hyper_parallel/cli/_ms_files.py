@@ -25,13 +25,13 @@ import math
 import mmap
 import os
 import stat
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
 import numpy as np
 
+from hyper_parallel.cli._common import atomic_output
 from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import (
     DTYPE_FROM_SAFETENSORS,
     HeaderEntry,
@@ -93,7 +93,7 @@ def open_regular(path: str | os.PathLike) -> int:
         raise UnsupportedFormatError(f"{path} is a directory, not a checkpoint file") from exc
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise UnsupportedFormatError(f"{path} is not a regular file (a FIFO or device?); refused")
+        raise UnsupportedFormatError(f"{path} is not a regular file (a directory, FIFO or device); refused")
     return fd
 
 
@@ -137,16 +137,25 @@ class MsFile:
         size = os.fstat(fd).st_size
         self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else None
         os.close(fd)
+        if self._map is not None and hasattr(mmap, "MADV_RANDOM"):
+            # No read-around past what is asked: the bytes of skipped replicas are never read.
+            self._map.madvise(mmap.MADV_RANDOM)
 
     def raw(self, name: str) -> np.ndarray:
         """Return the content bytes of ``name`` as a read-only uint8 array.
 
         A single-segment entry is a view of the mapped file (no copy); a
         ``.ckpt`` tensor split into several values is joined into a new array.
+        Exactly the content's pages are read ahead (the map reads no more
+        around a fault), so the bytes of entries never asked for are not read.
         """
         entry = self.entries[name]
         if not entry.segments or entry.nbytes == 0:
             return np.empty(0, dtype=np.uint8)
+        if hasattr(mmap, "MADV_WILLNEED"):
+            for offset, length in entry.segments:  # read ahead exactly this content
+                start = offset - offset % mmap.PAGESIZE
+                self._map.madvise(mmap.MADV_WILLNEED, start, length + offset - start)
         parts = [np.frombuffer(self._map, dtype=np.uint8, count=length, offset=offset)
                  for offset, length in entry.segments]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
@@ -334,6 +343,8 @@ def open_ms_file(path: str | os.PathLike) -> MsFile:
     if file_path.suffix not in (".ckpt", ".safetensors"):
         raise UnsupportedFormatError(f"{file_path}: expected a MindSpore .ckpt or .safetensors file")
     fd = open_regular(file_path)
+    if hasattr(os, "posix_fadvise"):  # headers are read by small preads: no read-ahead into tensor content
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     try:
         if file_path.suffix == ".ckpt":
             entries, file_metadata = _index_ckpt(fd, file_path), {}
@@ -429,24 +440,15 @@ def write_ms_file(path: Path, items: list[MsItem], *, fmt: str) -> None:
         items: What to write, in order.
         fmt: ``"ckpt"`` or ``"safetensors"``.
     """
-    partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
-    try:
-        with open(partial, "wb") as handle:
-            if fmt == "safetensors":
-                header, _ = build_header([HeaderEntry(i.name, i.dtype, i.shape, i.nbytes) for i in items],
-                                         {"format": "ms"})
-                handle.write(header)
-            for item in items:
-                view = _content_view(item)
-                if fmt == "ckpt":
-                    for part in ckpt_value_bytes(item.name, item.dtype, item.shape, view):
-                        handle.write(part)
-                else:
-                    handle.write(view)
-                del view
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(partial, path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
+    with atomic_output(path) as handle:
+        if fmt == "safetensors":
+            header, _ = build_header([HeaderEntry(i.name, i.dtype, i.shape, i.nbytes) for i in items], {"format": "ms"})
+            handle.write(header)
+        for item in items:
+            view = _content_view(item)
+            if fmt == "ckpt":
+                for part in ckpt_value_bytes(item.name, item.dtype, item.shape, view):
+                    handle.write(part)
+            else:
+                handle.write(view)
+            del view

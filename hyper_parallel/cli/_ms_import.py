@@ -25,7 +25,6 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from hyper_parallel.cli._ms_files import STRING_DTYPE, MsEntry, MsFile
-from hyper_parallel.core.distributed_checkpoint._flatten import flatten_state_dict, structure_of
 from hyper_parallel.core.distributed_checkpoint._format.checksum import digest
 from hyper_parallel.core.distributed_checkpoint._format.cover import check_exact_cover
 from hyper_parallel.core.distributed_checkpoint._global_plan import build_global_save_plan
@@ -255,8 +254,6 @@ class PieceSavePlanner(SavePlanner):
         self._pieces = {MetadataIndex(p.fqn, p.offsets): p for p in pieces}
         self._values = dict(values)
         self._bytes: dict[MetadataIndex, bytes] = {}
-        keys = {p.fqn: None for p in pieces} | {k: None for k in values}
-        self._structure = structure_of(flatten_state_dict(keys))
 
     def configure_planner(self, state_dict: dict[str, Any], *, rank: int = 0, world_size: int = 1,
                           is_coordinator: bool = True, remove_redundancy: bool = True,
@@ -280,12 +277,11 @@ class PieceSavePlanner(SavePlanner):
             self._bytes[index] = payload
             items.append(WriteItem(index=index, type=WriteItemType.BYTE_IO,
                                    bytes_io_data=BytesWriteData(type_name, len(payload), digest(payload))))
-        return SavePlan(items=tuple(items), planner_data=self._structure)
+        return SavePlan(items=tuple(items))
 
     def build_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """Validate and describe (exact cover, sizes). Single process."""
-        return build_global_save_plan([SavePlan(p.items, p.storage_data) for p in all_plans],
-                                      planner_data=self._structure)
+        return build_global_save_plan([SavePlan(p.items, p.storage_data) for p in all_plans])
 
     def finalize_plan(self, plan: SavePlan) -> SavePlan:
         """Keep the plan. Single process."""

@@ -3,7 +3,9 @@
 Tensors are compared one at a time (each assembled whole from its chunks,
 whatever layout or world size saved it), in slices, so memory stays bounded
 by two copies of the largest tensor. Non-tensor values are compared by type
-and stored bytes, never decoded (a pickled value is never unpickled).
+and stored bytes; a differing small int / float / bool / str / None / numpy
+scalar is shown decoded (``10 vs 11``); nothing else is decoded (a pickled
+value is never unpickled). A progress bar (tqdm, on a terminal) counts keys.
 """
 
 from __future__ import annotations
@@ -15,7 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from hyper_parallel.cli._common import format_table, open_checkpoint, read_full_tensor, read_stored_bytes
+from hyper_parallel.cli._common import (
+    format_table,
+    open_checkpoint,
+    plain_value_text,
+    progress,
+    read_full_tensor,
+    read_stored_bytes,
+)
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
@@ -130,7 +139,8 @@ def diff_checkpoints(
     keys_a, keys_b = meta_a.state_dict_metadata, meta_b.state_dict_metadata
     found: list[KeyDifference] = []
     compared = 0
-    for key in sorted(set(keys_a) | set(keys_b)):
+    all_keys = sorted(set(keys_a) | set(keys_b))
+    for key in progress(all_keys, desc="diff", unit="key"):
         if key not in keys_b:
             found.append(KeyDifference(key, "presence", _describe(keys_a[key]), "missing"))
             continue
@@ -173,6 +183,10 @@ def _diff_values(key, dir_a, meta_a, sa: BytesStorageMetadata, dir_b, meta_b, sb
     ]
     if not changed:
         return []
+    if changed == [()]:
+        text_a, text_b = plain_value_text(dir_a, meta_a, key), plain_value_text(dir_b, meta_b, key)
+        if text_a is not None and text_b is not None:
+            return [KeyDifference(key, "values", text_a, text_b, f"{_describe(sa)}: {text_a} vs {text_b}")]
     where = "" if changed == [()] else f" at grid position(s) {[list(o) for o in changed]}"
     return [KeyDifference(key, "values", _describe(sa), _describe(sb), f"stored value differs{where}")]
 

@@ -8,14 +8,30 @@ import os
 from collections import defaultdict
 from typing import Any
 
-from hyper_parallel.cli._common import format_bytes, format_table, open_checkpoint, rank_of_file, tensor_nbytes
+from hyper_parallel.cli._common import (
+    format_bytes,
+    format_table,
+    open_checkpoint,
+    plain_value_text,
+    rank_of_file,
+    tensor_nbytes,
+)
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 __all__ = ["inspect_checkpoint", "format_inspect", "register"]
 
 
+def _shown_value(directory: Any, metadata: Any, key: str) -> str | None:
+    """The value's text, or ``None`` when it is not a small plain value or its file cannot be read."""
+    try:
+        return plain_value_text(directory, metadata, key)
+    except (CheckpointError, OSError):  # inspect reports the metadata even when data files are damaged
+        return None
+
+
 def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Describe a checkpoint from its metadata alone (no data file is read).
+    """Describe a checkpoint from its metadata (data files are read only for small plain values).
 
     Args:
         path: The checkpoint directory.
@@ -25,7 +41,8 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         ``save_id``, ``world_size``, ``total_bytes``, ``tensors`` (one dict per
         tensor: ``key``, ``dtype``, ``shape``, ``chunks``, ``bytes``),
         ``values`` (non-tensor items: ``key``, ``type``, ``entries``,
-        ``bytes``), ``files`` (``file``, ``rank``, ``items``, ``bytes``) and
+        ``bytes``, ``value``: the ``repr`` of a small int / float / bool / str /
+        None / numpy scalar, read and checksum-verified, else ``None``), ``files`` (``file``, ``rank``, ``items``, ``bytes``) and
         ``ranks`` (``rank``, ``files``, ``bytes``, ``bytes_planned``): bytes
         and files per rank, the rank taken from each data file's name.
 
@@ -61,6 +78,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
                 "type": stored.type_name,
                 "entries": len(stored.shard_offsets),
                 "bytes": stored_bytes.get(key, 0),
+                "value": _shown_value(directory, metadata, key),
             })
     planned = metadata.storage_meta.bytes_per_rank
     ranks: dict[Any, dict[str, Any]] = {}
@@ -106,8 +124,9 @@ def format_inspect(info: dict[str, Any]) -> str:
         ]
         lines += [format_table(["key", "dtype", "shape", "chunks", "bytes"], rows), ""]
     if info["values"]:
-        rows = [[v["key"], v["type"], v["entries"], v["bytes"]] for v in info["values"]]
-        lines += [format_table(["key", "type", "entries", "bytes"], rows), ""]
+        rows = [[v["key"], v["type"], v["entries"], v["bytes"], "-" if v["value"] is None else v["value"]]
+                for v in info["values"]]
+        lines += [format_table(["key", "type", "entries", "bytes", "value"], rows), ""]
     rank_rows = [
         ["?" if r["rank"] is None else r["rank"], r["files"], r["bytes"],
          "-" if r["bytes_planned"] is None else r["bytes_planned"]]

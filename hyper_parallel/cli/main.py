@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from hyper_parallel.cli import convert_cmd, diff_cmd, export_ms_cmd, import_cmd, inspect_cmd, verify_cmd
+from hyper_parallel.cli import convert_cmd, diff_cmd, export_ms_cmd, import_cmd, inspect_cmd, list_cmd, verify_cmd
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 
 __all__ = ["build_parser", "main", "EXIT_OK", "EXIT_FINDING", "EXIT_ERROR"]
@@ -28,12 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
     """Return the ``hp-ckpt`` argument parser with every subcommand."""
     parser = argparse.ArgumentParser(
         prog="hp-ckpt",
-        description="Inspect, verify, convert, import and compare hyper_parallel distributed checkpoints.",
+        description="Inspect, list, verify, convert, import and compare hyper_parallel distributed checkpoints.",
         epilog="Exit status: 0 ok/equal, 1 problems or differences found, 2 usage error or not a checkpoint.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
-    for module in (inspect_cmd, verify_cmd, convert_cmd, import_cmd, export_ms_cmd, diff_cmd):
+    for module in (inspect_cmd, list_cmd, verify_cmd, convert_cmd, import_cmd, export_ms_cmd, diff_cmd):
         module.register(subparsers)
     return parser
 

@@ -15,15 +15,15 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 from collections import defaultdict
+from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any
 
-from hyper_parallel.cli._common import format_bytes, open_checkpoint
+from hyper_parallel.cli._common import checkpoint_reader, format_bytes, open_checkpoint, open_data_file
+from hyper_parallel.cli._common import progress as show_progress
 from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, bad_blocks, expected_blocks
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
-from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint._format.cover import check_exact_cover
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
@@ -32,7 +32,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     StorageInfo,
     TensorStorageMetadata,
 )
-from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import SAFETENSORS_DTYPES, read_header
+from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import SAFETENSORS_DTYPES, read_header_at
 from hyper_parallel.platform.tensor import DTYPE_NAMES
 
 __all__ = ["VerifyProblem", "VerifyReport", "verify_checkpoint", "format_verify", "register"]
@@ -84,29 +84,6 @@ class VerifyReport:
         return not self.problems
 
 
-class _Progress:
-    """A one-line progress bar redrawn on a terminal; silent otherwise."""
-
-    def __init__(self, total: int, stream: TextIO | None) -> None:
-        self.total, self.done, self.stream, self._shown = max(total, 1), 0, stream, -1
-
-    def advance(self, count: int) -> None:
-        self.done += count
-        if self.stream is None:
-            return
-        percent = min(100, self.done * 100 // self.total)
-        if percent != self._shown:
-            self._shown = percent
-            bar = "#" * (percent // 4) + "-" * (25 - percent // 4)
-            self.stream.write(f"\rverify [{bar}] {percent:3d}% {format_bytes(self.done)}")
-            self.stream.flush()
-
-    def close(self) -> None:
-        if self.stream is not None:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
 def verify_checkpoint(path: str | os.PathLike, progress: bool | None = None) -> VerifyReport:
     """Re-read and check every data file, chunk checksum and tensor coverage.
 
@@ -127,37 +104,36 @@ def verify_checkpoint(path: str | os.PathLike, progress: bool | None = None) -> 
     by_file: dict[str, list[tuple[MetadataIndex, StorageInfo]]] = defaultdict(list)
     for index, info in storage.items():
         by_file[info.relative_path].append((index, info))
-    show = sys.stderr.isatty() if progress is None else progress
-    bar = _Progress(sum(info.length for info in storage.values()), sys.stderr if show else None)
+    bar = show_progress(desc="verify", total=sum(info.length for info in storage.values()), unit="B",
+                        unit_scale=True, enabled=progress, leave=True)
     chunk_sizes = {
         MetadataIndex(fqn, tuple(chunk.offsets)): tuple(chunk.sizes)
         for fqn, stored in metadata.state_dict_metadata.items()
         if isinstance(stored, TensorStorageMetadata)
         for chunk in stored.chunks
     }
-    reader = FileSystemReader(directory)
+    reader = checkpoint_reader(directory)
     files_checked = chunks_checked = bytes_checked = unchecked = 0
     try:
         for name in sorted(by_file):
             items = sorted(by_file[name], key=lambda pair: pair[1].offset)
-            try:
-                full = reader.resolve(name, items[0][0].fqn)
-            except CheckpointError as exc:
-                keys = ", ".join(sorted({f"'{index.fqn}'" for index, _ in items}))
-                problems.append(VerifyProblem(name, None, f"{exc} (holds key(s) {keys})"))
-                bar.advance(sum(info.length for _, info in items))
-                continue
-            files_checked += 1
-            problems.extend(_check_header(name, full, items, metadata, chunk_sizes))
-            with open(full, "rb") as handle:
-                size = os.fstat(handle.fileno()).st_size
+            with ExitStack() as stack:
+                try:
+                    handle, size, full = stack.enter_context(open_data_file(reader, name, items[0][0].fqn))
+                except (CheckpointError, FileNotFoundError) as exc:
+                    keys = ", ".join(sorted({f"'{index.fqn}'" for index, _ in items}))
+                    problems.append(VerifyProblem(name, None, f"{exc} (holds key(s) {keys})"))
+                    bar.update(sum(info.length for _, info in items))
+                    continue
+                files_checked += 1
+                problems.extend(_check_header(name, handle, size, full, items, metadata, chunk_sizes))
                 for index, info in items:
                     found, hashed = _check_chunk(name, handle, size, index, info, metadata, chunk_sizes)
                     problems.extend(found)
                     chunks_checked += hashed is not None
                     unchecked += info.checksum is None
                     bytes_checked += hashed or 0
-                    bar.advance(info.length)
+                    bar.update(info.length)
     finally:
         bar.close()
     return VerifyReport(str(directory), tuple(problems), files_checked, chunks_checked, bytes_checked, unchecked)
@@ -206,13 +182,15 @@ def _check_coverage(metadata: Metadata) -> list[VerifyProblem]:
 
 def _check_header(
     name: str,
-    full: Any,
+    handle: Any,
+    size: int,
+    full: str,
     items: list[tuple[MetadataIndex, StorageInfo]],
     metadata: Metadata,
     chunk_sizes: dict[MetadataIndex, tuple[int, ...]],
 ) -> list[VerifyProblem]:
     try:
-        header, data_start = read_header(full)
+        header, data_start, _ = read_header_at(full, size, lambda count, offset: _pread(handle, count, offset))
     except CheckpointError as exc:
         keys = ", ".join(sorted({f"'{index.fqn}'" for index, _ in items}))
         return [VerifyProblem(name, None, f"invalid safetensors header: {exc} (file holds key(s) {keys})")]
@@ -230,6 +208,11 @@ def _check_header(
                 f"{info.length} bytes at byte {info.offset} (chunk at offset {list(index.offset)})",
             ))
     return problems
+
+
+def _pread(handle: Any, count: int, offset: int) -> bytes:
+    handle.seek(offset)
+    return handle.read(count)
 
 
 def _header_entry(

@@ -14,10 +14,13 @@ from hyper_parallel.platform.comm import (
     is_initialized,
 )
 from hyper_parallel.platform.tensor import (
+    DEVICE_COPIES_ENV,
     DTYPE_NAMES,
     assign,
+    assign_region,
     dtype_name,
     from_numpy,
+    host_memory_shared,
     is_cell,
     is_parameter,
     is_tensor,
@@ -28,15 +31,18 @@ from hyper_parallel.platform.tensor import (
 )
 
 __all__ = [
+    "DEVICE_COPIES_ENV",
     "DTYPE_NAMES",
     "all_gather_object",
     "assign",
+    "assign_region",
     "barrier",
     "broadcast_object",
     "dtype_name",
     "from_numpy",
     "get_rank",
     "get_world_size",
+    "host_memory_shared",
     "is_cell",
     "is_initialized",
     "is_parameter",

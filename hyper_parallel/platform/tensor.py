@@ -3,8 +3,14 @@
 The checkpoint works on numpy views of tensors: on CPU ``Tensor.asnumpy()``
 shares memory with the tensor, so saving reads the tensor's own bytes and
 loading can write straight into a Parameter. Where the framework hands back a
-copy (a device tensor), :func:`writable_view` says so by returning ``None`` and
-the caller assigns the new value instead.
+copy (a tensor in device memory, e.g. on Ascend), :func:`host_memory_shared`
+is false, :func:`to_numpy` copies the tensor out, :func:`writable_view`
+returns ``None`` and the caller writes regions with :func:`assign_region`
+(or the whole tensor with :func:`assign`) instead.
+
+Setting the environment variable ``HYPER_PARALLEL_DEVICE_COPIES=1`` makes
+every MindSpore tensor take that device path on CPU too (read at each call),
+so tests exercise it without an NPU.
 
 MindSpore is imported lazily: a job that saves only numpy arrays never pays for
 importing it.
@@ -12,7 +18,9 @@ importing it.
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 import weakref
 from typing import Any
 
@@ -26,6 +34,10 @@ __all__ = [
     "to_numpy",
     "writable_view",
     "shared_view",
+    "host_memory_shared",
+    "assign_region",
+    "to_numpy_dtype",
+    "DEVICE_COPIES_ENV",
     "from_numpy",
     "assign",
     "dtype_name",
@@ -51,8 +63,28 @@ DTYPE_NAMES: dict[str, int] = {
 }
 
 
+#: Environment variable forcing the device (copy out / copy in) path for every tensor.
+DEVICE_COPIES_ENV = "HYPER_PARALLEL_DEVICE_COPIES"
+
+_REGION_LOCK = threading.Lock()
+
+
 def _mindspore() -> Any | None:
     return sys.modules.get("mindspore")
+
+
+def host_memory_shared(value: Any) -> bool:
+    """Tell whether numpy can alias ``value``'s memory (a numpy array, or a tensor in host memory).
+
+    False for a MindSpore tensor whose ``device`` is not the CPU, and for every
+    tensor while ``HYPER_PARALLEL_DEVICE_COPIES=1`` is set. Cheap: no copy.
+    """
+    if isinstance(value, np.ndarray):
+        return True
+    if os.environ.get(DEVICE_COPIES_ENV) == "1":
+        return False
+    device = getattr(value, "device", None)
+    return not (isinstance(device, str) and device and not device.upper().startswith("CPU"))
 
 
 def is_tensor(value: Any) -> bool:
@@ -83,6 +115,10 @@ def to_numpy(value: Any) -> np.ndarray:
     if isinstance(value, np.ndarray):
         return value
     if is_tensor(value):
+        if not host_memory_shared(value):
+            # A device tensor: asnumpy() copies it out. Forced on CPU, copy too (asnumpy would alias).
+            out = value.asnumpy()
+            return np.array(out, copy=True) if os.environ.get(DEVICE_COPIES_ENV) == "1" else out
         view = shared_view(value)
         return view if view is not None else value.asnumpy()
     if isinstance(value, np.generic):
@@ -102,6 +138,8 @@ def shared_view(value: Any) -> np.ndarray | None:
     unchanged. The cache holds the tensor only weakly and drops the view when
     the tensor dies.
     """
+    if not host_memory_shared(value):
+        return None
     try:
         pointer = int(value.data_ptr())
     except (AttributeError, RuntimeError, TypeError, ValueError):
@@ -130,7 +168,7 @@ def writable_view(value: Any) -> np.ndarray | None:
     """
     if isinstance(value, np.ndarray):
         return value if value.flags.writeable else None
-    if not is_tensor(value):
+    if not is_tensor(value) or not host_memory_shared(value):
         return None
     view = shared_view(value)
     if view is not None:
@@ -161,11 +199,41 @@ def assign(target: Any, array: np.ndarray) -> None:
     ms = _mindspore()
     if ms is None or not isinstance(target, ms.Tensor):
         raise TypeError(f"cannot assign into {type(target).__name__}")
-    new = from_numpy(np.asarray(array, dtype=to_numpy(target).dtype), copy=True)
+    new = from_numpy(np.asarray(array, dtype=to_numpy_dtype(target)), copy=True)
     if isinstance(target, ms.Parameter):
         target.set_data(new)
     else:
         target.assign_value(new)
+
+
+def assign_region(target: Any, region: tuple[slice, ...], array: np.ndarray) -> None:
+    """Write ``array`` into ``target[region]`` in place (same object): copy in of one region.
+
+    For a tensor whose memory numpy cannot alias (device memory). Uses the
+    framework's region write (``target[region] = value``); where the
+    framework refuses it for this dtype (MindSpore's CPU kernel has no
+    bfloat16 region copy), copies the whole tensor out, patches the region
+    and assigns the whole tensor back. Serialised by a lock (reader threads
+    call it concurrently).
+    """
+    if isinstance(target, np.ndarray):
+        np.copyto(target[region], array, casting="unsafe")
+        return
+    value = from_numpy(np.asarray(array, dtype=to_numpy_dtype(target)), copy=True)
+    with _REGION_LOCK:
+        try:
+            target[region] = value
+        except (RuntimeError, TypeError, ValueError):
+            whole = np.array(to_numpy(target), copy=True)
+            whole[region] = array
+            assign(target, whole)
+
+
+def to_numpy_dtype(value: Any) -> np.dtype:
+    """Return the numpy dtype of a tensor or array without copying its data."""
+    if isinstance(value, np.ndarray):
+        return value.dtype
+    return numpy_dtype(dtype_name(value))
 
 
 def dtype_name(value: Any) -> str:

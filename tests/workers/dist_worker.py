@@ -130,6 +130,32 @@ def async_loop() -> dict:
     return {"loaded": loaded}
 
 
+def plan_cache() -> dict:
+    """Repeated saves of one layout reuse the plan on both ranks; a change on one rank re-plans on both."""
+    from hyper_parallel.core.distributed_checkpoint._plan_cache import STATS  # noqa: PLC0415
+
+    layout = Layout((2,), (0, -1))
+    param = _dtensor(FULL_Y, layout, "w")
+    counts = []
+    for step in range(3):
+        param.to_local().asnumpy()[...] = step * 10.0 + RANK
+        dcp.save({"w": param, "rep": ms.Tensor(BIAS)}, checkpoint_id=BASE / "plan_cache" / f"s{step}")
+        counts.append((STATS.reused, STATS.exchanged))
+    extra = {"extra": ms.Tensor(np.ones(3, np.float32))} if RANK == 1 else {}  # only rank 1's plan changes
+    dcp.save({"w": param, "rep": ms.Tensor(BIAS), **extra}, checkpoint_id=BASE / "plan_cache" / "changed")
+    counts.append((STATS.reused, STATS.exchanged))
+    handle = dcp.async_save({"w": param, "rep": ms.Tensor(BIAS), **extra}, checkpoint_id=BASE / "plan_cache" / "a")
+    handle.result()
+    counts.append((STATS.reused, STATS.exchanged))
+    loaded = []
+    for name in ("s0", "s1", "s2", "changed", "a"):
+        target = {"w": _zero_dtensor(FULL_Y, layout, "w"), "rep": ms.Tensor(np.zeros(8, np.float32))}
+        dcp.load(target, checkpoint_id=BASE / "plan_cache" / name)
+        loaded.append((np.unique(target["w"].to_local().asnumpy()).tolist(),
+                       bool(np.array_equal(target["rep"].asnumpy(), BIAS))))
+    return {"counts": [[r - counts[0][0], e - counts[0][1]] for r, e in counts], "loaded": loaded}
+
+
 def async_deleted_tensors() -> dict:
     state = {"a": ms.Tensor(np.full((64, 64), 3.0, np.float32)), "b": np.full(10, 5, np.int64)}
     handle = dcp.async_save(state, checkpoint_id=BASE / "async_del")
@@ -317,7 +343,8 @@ def load_mapping_on_two() -> dict:
 
 
 PHASES = {
-    "two_first": [save_y, async_loop, async_deleted_tensors, async_write_failure, no_collectives, one_liners],
+    "two_first": [save_y, async_loop, async_deleted_tensors, async_write_failure, no_collectives, one_liners,
+                  plan_cache],
     "four": [load_y_on_four, replicated_bytes, dedup_modes, save_x, save_failure_planning, save_failure_write,
              save_failure_commit, load_failure_missing_key, load_failure_read, differing_value, save_mapping,
              single_replica_read],

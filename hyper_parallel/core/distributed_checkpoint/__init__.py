@@ -24,12 +24,14 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointNotFoundError,
     CheckpointValueError,
     CollectiveStepError,
+    ConcurrentSaveError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     LayoutError,
     MissingKeyError,
     PlanValidationError,
     ShapeMismatchError,
+    SlicedParameterError,
     StrategyFileError,
     UnsafeCheckpointError,
     UnsupportedFormatError,
@@ -57,6 +59,8 @@ from hyper_parallel.core.distributed_checkpoint.planner import (
 from hyper_parallel.core.distributed_checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
+from hyper_parallel.core.distributed_checkpoint._fsspec_writer import FsspecWriter
+from hyper_parallel.core.distributed_checkpoint._fsspec_reader import FsspecReader
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardLoadPlanner, StandardSavePlanner
 from hyper_parallel.core.distributed_checkpoint.mapping import (
     LocalNonpersistentObject,
@@ -99,9 +103,12 @@ __all__ = [
     "CheckpointValueError",
     "ChunkStorageMetadata",
     "CollectiveStepError",
+    "ConcurrentSaveError",
     "CorruptCheckpointError",
     "FileSystemReader",
     "FileSystemWriter",
+    "FsspecReader",
+    "FsspecWriter",
     "IncompleteCheckpointError",
     "LayoutError",
     "LoadItemType",
@@ -116,6 +123,7 @@ __all__ = [
     "SavePlan",
     "SavePlanner",
     "ShapeMismatchError",
+    "SlicedParameterError",
     "StrategyFileError",
     "ShardedObject",
     "ShardedTensor",

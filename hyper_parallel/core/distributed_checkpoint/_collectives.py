@@ -44,6 +44,14 @@ class RankFailure:
     traceback: str
 
 
+@dataclass(frozen=True)
+class _Outcome:
+    """What one rank contributes to a step: its value, or its failure."""
+
+    value: Any = None
+    failure: RankFailure | None = None
+
+
 def _failure(rank: int, exc: BaseException) -> RankFailure:
     return RankFailure(
         rank=rank,
@@ -99,14 +107,14 @@ class DistWrapper:
 
     def _gather_outcomes(self, step: str, fn: Callable[[], T]) -> list[Any]:
         try:
-            outcome: Any = ("ok", fn())
+            outcome = _Outcome(value=fn())
         except BaseException as exc:  # pylint: disable=broad-except
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            outcome = ("error", _failure(self.rank, exc))
-        gathered = platform.all_gather_object(outcome)
-        raise_failures(step, [payload for status, payload in gathered if status == "error"])
-        return [payload for _, payload in gathered]
+            outcome = _Outcome(failure=_failure(self.rank, exc))
+        gathered: list[_Outcome] = platform.all_gather_object(outcome)
+        raise_failures(step, [o.failure for o in gathered if o.failure is not None])
+        return [o.value for o in gathered]
 
     def all_gather(self, step: str, fn: Callable[[], T]) -> list[T]:
         """Run ``fn`` on every rank and return every rank's result. All ranks call it."""

@@ -26,16 +26,29 @@ through the :class:`.StorageWriter` / :class:`.StorageReader` methods.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from hyper_parallel import platform
 from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncRequest
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._fork_writer import fork_write
+from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import (
+    LayoutArgument,
+    apply_mindspore_layouts,
+    copy_back_values,
+)
+from hyper_parallel.core.distributed_checkpoint._plan_cache import (
+    CachedPlan,
+    PlanMessage,
+    check_cached_replicas,
+    plan_cache_for,
+)
 from hyper_parallel.core.distributed_checkpoint._staging import StagedSavePlanner, StagingPool, staged_views
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, PlanValidationError
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
+from hyper_parallel.core.distributed_checkpoint._fsspec_reader import FsspecReader
+from hyper_parallel.core.distributed_checkpoint._fsspec_writer import FsspecWriter
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
@@ -57,8 +70,8 @@ __all__ = [
 ]
 
 #: Storage classes tried in order when only a ``checkpoint_id`` is given.
-WRITER_CLASSES: list[type[StorageWriter]] = [FileSystemWriter]
-READER_CLASSES: list[type[StorageReader]] = [FileSystemReader]
+WRITER_CLASSES: list[type[StorageWriter]] = [FsspecWriter, FileSystemWriter]
+READER_CLASSES: list[type[StorageReader]] = [FsspecReader, FileSystemReader]
 
 
 @dataclass(frozen=True)
@@ -70,12 +83,14 @@ class SaveOptions:
         use_collectives: ``False``: each rank saves alone, with rank-local metadata.
         remove_redundancy: Write each replicated item once (balanced over ranks).
         save_to_minimum_rank: Give each replicated item to its lowest rank.
+        strategy_file: Layouts of Parameters MindSpore sliced (``strategy_file=``).
     """
 
     no_dist: bool = False
     use_collectives: bool = True
     remove_redundancy: bool = True
     save_to_minimum_rank: bool = False
+    strategy_file: LayoutArgument = None
 
 
 @dataclass(frozen=True)
@@ -85,10 +100,12 @@ class LoadOptions:
     Attributes:
         no_dist: One process, no collectives.
         use_collectives: ``False``: each rank loads alone (rank-local metadata first).
+        strategy_file: Layouts of Parameters MindSpore sliced (``strategy_file=``).
     """
 
     no_dist: bool = False
     use_collectives: bool = True
+    strategy_file: LayoutArgument = None
 
 
 def _rank_alone(no_dist: bool, use_collectives: bool) -> int | None:
@@ -206,7 +223,7 @@ def plan_save(
             rank_local=alone is not None,
         )
         planner.configure_planner(
-            state_dict,
+            apply_mindspore_layouts(state_dict, source=options.strategy_file, rank=platform.get_rank()),
             rank=dist.rank,
             world_size=dist.world_size,
             is_coordinator=dist.is_coordinator,
@@ -215,6 +232,10 @@ def plan_save(
         )
         local_plans.append(writer.prepare_local_plan(planner.build_local_plan()))
         return local_plans[0]
+
+    cache = plan_cache_for(writer, planner, options, rank=dist.rank, world_size=dist.world_size)
+    all_final: list[list[SavePlan]] = []
+    all_local: list[list[SavePlan]] = []
 
     def global_step(all_plans: list[SavePlan]) -> list[Any]:
         try:
@@ -226,15 +247,47 @@ def plan_save(
             raise PlanValidationError(f"{hint}. The plan check said: {exc}") from exc
         final_plans = writer.prepare_global_plan(final_plans)
         merged.append(metadata)
+        all_final.append(final_plans)
+        all_local.append(all_plans)
         return [_compress(local, final) for local, final in zip(all_plans, final_plans)]
 
     try:
-        received = dist.reduce_scatter("plan", local_step, global_step)
-        plan = planner.finalize_plan(_expand(local_plans[0], received))
+        if cache is None:
+            received = dist.reduce_scatter("plan", local_step, global_step)
+            plan = _expand(local_plans[0], received)
+        else:
+            # A digest round first: a save repeating the last layout reuses its plans (see _plan_cache).
+            messages = dist.all_gather("plan digest", lambda: cache.message(local_step()))
+            cached = cache.lookup(messages)
+            if cached is not None:
+                plan = _reuse(dist, writer, cached, merged, messages)
+            else:
+                received = dist.reduce_scatter("plan", lambda: local_plans[0], global_step)
+                plan = _expand(local_plans[0], received)
+                cache.store(messages, plan, all_final[0] if all_final else None, merged[0] if merged else None,
+                            all_local[0] if all_local else None)
+        plan = planner.finalize_plan(plan)
     except BaseException:
         writer.abort()
         raise
     return SaveSession(dist=dist, writer=writer, planner=planner, plan=plan, metadata=merged[0] if merged else None)
+
+
+def _reuse(
+    dist: DistWrapper, writer: StorageWriter, cached: CachedPlan, merged: list[Metadata], messages: list[PlanMessage]
+) -> SavePlan:
+    """This rank's cached final plan, with this save's storage data from the coordinator. All ranks.
+
+    The coordinator first compares this save's replica digests (a reused plan is checked as a new one).
+    """
+
+    def stamp() -> list[Any]:
+        check_cached_replicas(cached, messages)
+        merged.append(cached.metadata)
+        return [plan.storage_data for plan in writer.prepare_global_plan(list(cached.all_final))]
+
+    storage_data = dist.broadcast("plan", stamp)
+    return replace(cached.final, storage_data=storage_data[dist.rank])
 
 
 def write_local(session: SaveSession, planner: SavePlanner | None = None) -> list[WriteResult]:
@@ -289,8 +342,13 @@ def plan_async_save(
     """Plan and stage a save; return the request that writes and then commits it. All ranks.
 
     The request's background function writes this rank's data (from staged
-    copies, or in a forked process whose memory is the snapshot); its
-    finalize function is :func:`commit_save`, run on the caller's thread.
+    copies, or in a forked process whose memory is the snapshot). With
+    several ranks its finalize function is :func:`commit_save`, a collective
+    step run on the caller's thread (``result()`` or the next async save):
+    the background thread never runs a collective, which could interleave
+    with the training job's own. A save without collectives (one process,
+    or ``use_collectives=False``) commits in the background right after
+    writing.
     """
     session = plan_save(state_dict, writer=writer, planner=planner, options=options)
     background: list[Callable[[], list[WriteResult]]] = []
@@ -309,6 +367,17 @@ def plan_async_save(
         session.writer.abort()
         raise
 
+    if not session.dist.use_dist:
+        # No other rank takes part in the commit: the background thread commits right after writing,
+        # so the step is durable as soon as done() is true, whether or not result() is ever called.
+        write = background[0]
+
+        def write_and_commit() -> Metadata:
+            results = write()
+            return commit_save(session, lambda: results, step="async write and commit")
+
+        return AsyncRequest(async_fn=write_and_commit, finalize_fns=(_committed,))
+
     def commit(results: list[WriteResult], error: BaseException | None) -> Metadata:
         def local_results() -> list[WriteResult]:
             if error is not None:
@@ -318,6 +387,13 @@ def plan_async_save(
         return commit_save(session, local_results, step="async write and commit", background_cleanup=True)
 
     return AsyncRequest(async_fn=background[0], finalize_fns=(commit,))
+
+
+def _committed(metadata: Metadata, error: BaseException | None) -> Metadata:
+    """Finalize of an async save committed in the background: hand over its metadata or its error."""
+    if error is not None:
+        raise error
+    return metadata
 
 
 def read_checkpoint_metadata(reader: StorageReader, options: LoadOptions) -> Metadata:
@@ -340,11 +416,13 @@ def run_load(
     """Plan and read a load into ``state_dict`` in place. All ranks call it."""
     dist = DistWrapper(use_dist=not options.no_dist and options.use_collectives)
     local_plans: list[LoadPlan] = []
+    targets: list[dict[str, Any]] = []
 
     def local_step() -> LoadPlan:
         reader.set_up_storage_reader(metadata, dist.is_coordinator)
+        targets.append(apply_mindspore_layouts(state_dict, source=options.strategy_file, rank=platform.get_rank()))
         planner.configure_planner(
-            state_dict, metadata, rank=dist.rank, world_size=dist.world_size, is_coordinator=dist.is_coordinator
+            targets[0], metadata, rank=dist.rank, world_size=dist.world_size, is_coordinator=dist.is_coordinator
         )
         local_plans.append(reader.prepare_local_plan(planner.build_local_plan()))
         return local_plans[0]
@@ -358,6 +436,8 @@ def run_load(
     rounds = planner.read_rounds(plan)
     for index, round_plan in enumerate(rounds):
         _read_round(dist, reader, planner, round_plan, index, last=index == len(rounds) - 1)
+    if targets[0] is not state_dict:
+        copy_back_values(targets[0], state_dict)
 
 
 def _read_round(

@@ -7,7 +7,7 @@ their own global ``key`` whatever their path. Each flat key remembers its path
 so a load can put new non-tensor values back where they were (rebuilding
 tuples, which cannot change in place).
 
-A ``mindspore.Parameter`` reached twice (a network's weight is also in its
+A ``mindspore.Parameter`` (or the DTensor wrapping one) reached twice (a network's weight is also in its
 optimizer's ``parameters_dict()``) is one leaf: the first path keeps it, the
 later paths become *aliases* of its key, so it is stored and loaded once.
 """
@@ -19,9 +19,10 @@ from typing import Any, Union
 
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.mapping import ShardedObject, ShardedTensor
+from hyper_parallel.core.dtensor import DTensor
 from hyper_parallel.platform.tensor import is_cell, is_parameter
 
-__all__ = ["PathElement", "FlatStateDict", "flatten_state_dict", "set_by_path", "structure_of", "unflatten"]
+__all__ = ["PathElement", "FlatStateDict", "flatten_state_dict", "set_by_path"]
 
 #: One step of a path: a dict key, a list/tuple index, or a Cell parameter name.
 PathElement = Union[str, int]
@@ -59,7 +60,7 @@ def _own_key(value: Any) -> str | None:
 
 def _add_leaf(flat: "FlatStateDict", path: tuple[PathElement, ...], value: Any, seen: dict[int, str]) -> None:
     name = ".".join(str(p) for p in path)
-    if is_parameter(value):
+    if is_parameter(value) or isinstance(value, DTensor):
         first = seen.get(id(value))
         if first is not None:
             if name != first:
@@ -155,49 +156,3 @@ def set_by_path(root: dict[str, Any], path: tuple[PathElement, ...], value: Any)
             return  # Cell parameters are loaded in place, never replaced
         container[step] = new_value
         return
-
-
-def structure_of(flat: FlatStateDict) -> dict[str, Any]:
-    """Return a JSON-compatible description of the nesting (for metadata).
-
-    Returns:
-        ``{"paths": {key: [elements]}, "containers": [[path, kind], ...]}``,
-        plus ``"aliases": {dotted name: key}`` when a Parameter was reached twice.
-    """
-    structure: dict[str, Any] = {
-        "paths": {flat.storage_keys[name]: list(path) for name, path in flat.paths.items()},
-        "containers": [[list(path), kind] for path, kind in flat.containers.items() if path],
-    }
-    if flat.aliases:
-        structure["aliases"] = dict(flat.aliases)
-    return structure
-
-
-def unflatten(values: dict[str, Any], structure: dict[str, Any] | None) -> dict[str, Any]:
-    """Rebuild a nested state dict from flat ``values`` and a :func:`structure_of` record.
-
-    Keys without a recorded path stay at the top level under their flat name.
-    Cells come back as dicts of their parameters.
-    """
-    if not structure:
-        return dict(values)
-    kinds = {tuple(path): kind for path, kind in structure.get("containers", [])}
-    tree: dict[str, Any] = {}
-    for key, value in values.items():
-        path = tuple(structure.get("paths", {}).get(key, [key]))
-        node: Any = tree
-        for depth, step in enumerate(path[:-1]):
-            kind = kinds.get(path[: depth + 1], "dict")
-            node = node.setdefault(step, {"__kind__": kind})
-        node[path[-1]] = value
-
-    def finish(node: Any) -> Any:
-        if not isinstance(node, dict) or "__kind__" not in node:
-            return node
-        kind = node.pop("__kind__")
-        if kind in ("list", "tuple"):
-            items = [finish(node[i]) for i in sorted(node)]
-            return items if kind == "list" else tuple(items)
-        return {k: finish(v) for k, v in node.items()}
-
-    return {k: finish(v) for k, v in tree.items()}

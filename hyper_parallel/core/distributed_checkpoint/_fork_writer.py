@@ -19,21 +19,39 @@ from __future__ import annotations
 import os
 import pickle
 import traceback
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError, CheckpointIOError
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner
-from hyper_parallel.core.distributed_checkpoint.storage import StorageWriter
+from hyper_parallel.core.distributed_checkpoint.storage import StorageWriter, WriteResult
 
 __all__ = ["fork_write"]
 
 
+@dataclass(frozen=True)
+class _ChildOutcome:
+    """What the writer process reports through its pipe.
+
+    Attributes:
+        results: The write results (``None`` when the write failed).
+        error: ``"<type>: <message>"`` of the failure, else ``""``.
+        traceback: The failure's formatted traceback, else ``""``.
+        io_error: The failure was an ``OSError`` (disk full, I/O error).
+    """
+
+    results: list[WriteResult] | None = None
+    error: str = ""
+    traceback: str = ""
+    io_error: bool = False
+
+
 def _child(writer: StorageWriter, plan: SavePlan, planner: SavePlanner, out_fd: int) -> None:
     try:
-        payload = pickle.dumps(("ok", writer.write_data(plan, planner).result()))
+        payload = pickle.dumps(_ChildOutcome(results=writer.write_data(plan, planner).result()))
     except BaseException as exc:  # pylint: disable=broad-except
-        kind = "io" if isinstance(exc, OSError) else "error"
-        payload = pickle.dumps((kind, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        payload = pickle.dumps(_ChildOutcome(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(),
+                                             io_error=isinstance(exc, OSError)))
     view = memoryview(payload)
     while view:
         view = view[os.write(out_fd, view):]
@@ -72,10 +90,10 @@ def fork_write(writer: StorageWriter, plan: SavePlan, planner: SavePlanner, *, r
             _, status = os.waitpid(pid, 0)
         if not chunks:
             raise CheckpointIOError(f"rank {rank}: the async save writer process {pid} died (wait status {status})")
-        outcome = pickle.loads(b"".join(chunks))  # from our own child process
-        if outcome[0] == "ok":
-            return outcome[1]
-        cls = CheckpointIOError if outcome[0] == "io" else CheckpointError
-        raise cls(f"rank {rank}: async save writer process failed: {outcome[1]}\n{outcome[2]}")
+        outcome: _ChildOutcome = pickle.loads(b"".join(chunks))  # from our own child process
+        if outcome.results is not None:
+            return outcome.results
+        cls = CheckpointIOError if outcome.io_error else CheckpointError
+        raise cls(f"rank {rank}: async save writer process failed: {outcome.error}\n{outcome.traceback}")
 
     return wait

@@ -30,7 +30,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
 )
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, WriteItem
 
-__all__ = ["build_global_save_plan", "assign_writers"]
+__all__ = ["build_global_save_plan", "assign_writers", "replica_problems"]
 
 Holder = tuple[int, int]  # (rank, position of the item in that rank's plan)
 ItemKey = tuple[str, tuple[int, ...]]  # (fqn, global offset): plain tuples hash fast
@@ -186,7 +186,8 @@ def _check_replicas(key: ItemKey, holders: list[Holder], all_plans: list[SavePla
         if len(shapes) > 1:
             detail = "; ".join(f"ranks {ranks} hold sizes {sizes}" for sizes, ranks in shapes.items())
             return [f"'{key[0]}': shards at offset {key[1]} differ in size ({detail}); they overlap"]
-        return []
+        return _check_replica_digests(key, items)
+
     digests = defaultdict(list)
     for rank, item in items:
         digest = item.bytes_io_data.digest if item.bytes_io_data is not None else None
@@ -199,6 +200,32 @@ def _check_replicas(key: ItemKey, holders: list[Holder], all_plans: list[SavePla
             "equal on every rank: put per-rank values in a ShardedObject"
         ]
     return []
+
+
+def _check_replica_digests(key: ItemKey, items: list[tuple[int, WriteItem]]) -> list[str]:
+    """Replicas of one tensor chunk must hold the same bytes (when every holder sent a digest)."""
+    if len({item.tensor_data.properties.dtype for _, item in items}) > 1:
+        return []  # reported as a dtype difference
+    found = [(rank, item.tensor_data.replica_digest) for rank, item in items]
+    if any(d is None for _, d in found):
+        return []
+    return replica_problems(key, found)
+
+
+def replica_problems(key: ItemKey, found: list[tuple[int, str]]) -> list[str]:
+    """The problem (if any) of one chunk whose holders sent ``(rank, digest)``."""
+    digests: dict[str, list[int]] = defaultdict(list)
+    for rank, value in found:
+        digests[value].append(rank)
+    if len(digests) < 2:
+        return []
+    groups = "; ".join(f"ranks {ranks}" for ranks in sorted(digests.values()))
+    where = f" (chunk at offset {list(key[1])})" if any(key[1]) else ""
+    return [
+        f"'{key[0]}'{where}: replicas differ between ranks ({groups} each agree); a tensor saved as replicated "
+        "must be equal on every rank holding it: synchronise it, give it its layout (a DTensor or strategy_file=) "
+        "if each rank holds a different part, or pass check_replicas=False to skip this check"
+    ]
 
 
 def _describe_tensor(fqn, keys, groups, all_plans, out) -> list[str]:

@@ -6,7 +6,8 @@ also when it is a top-level value of a dict (``{"model": net, "optimizer":
 opt}``), and a Parameter reached twice (a network's weight is also in its
 optimizer) is stored once. ``load_checkpoint`` returns what
 ``mindspore.load_checkpoint`` returns, ``{name: mindspore.Parameter}`` plus
-the non-tensor values, with ``strict_load`` / ``filter_prefix`` /
+the other values (numbers as 0-d Parameters, strings as ``str``, as MindSpore
+returns them), with ``strict_load`` / ``filter_prefix`` /
 ``specify_prefix`` / ``choice_func`` as MindSpore defines them; with a
 ``net`` it loads in place (resharding like :func:`load`) and reports what was
 not loaded as ``mindspore.load_param_into_net`` does.
@@ -21,6 +22,7 @@ import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint import api
 from hyper_parallel.core.distributed_checkpoint._flatten import flatten_state_dict, set_by_path
+from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutSources, cells_in
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointValueError,
     MissingKeyError,
@@ -103,7 +105,9 @@ def save_checkpoint(save_obj: Any, checkpoint_id: Any, *, append_dict: dict[str,
         checkpoint_id: The checkpoint directory.
         append_dict: Extra plain values to store beside the Parameters (as
             MindSpore's ``append_dict``).
-        **kwargs: ``allow_pickle`` and any argument of ``dcp.save``.
+        **kwargs: ``allow_pickle`` and any argument of ``dcp.save``
+            (``strategy_file=`` gives the layouts of Parameters MindSpore
+            sliced; the Cells' own ``parameter_layout_dict`` is used too).
 
     Returns:
         The committed metadata.
@@ -119,7 +123,10 @@ def save_checkpoint(save_obj: Any, checkpoint_id: Any, *, append_dict: dict[str,
         state[key] = value
     allow_pickle = kwargs.pop("allow_pickle", False)
     if "planner" not in kwargs:
-        kwargs["planner"] = StandardSavePlanner(allow_pickle=allow_pickle)
+        kwargs["planner"] = StandardSavePlanner(allow_pickle=allow_pickle,
+                                                check_replicas=kwargs.get("check_replicas", True))
+    # The Cells are flattened away here: hand their parameter_layout_dict on.
+    kwargs["strategy_file"] = LayoutSources(kwargs.get("strategy_file"), cells=cells_in(save_obj))
     return api.save(state, checkpoint_id=checkpoint_id, **kwargs)
 
 
@@ -165,6 +172,8 @@ def _as_parameter(name: str, value: Any) -> Any:
         return value
     if hasattr(value, "to_local") and hasattr(value, "layout"):  # a DTensor: this rank's shard
         value = value.to_local()
+    if isinstance(value, (bool, int, float, np.generic)):
+        value = np.asarray(value)  # a number comes back as a 0-d Parameter, as mindspore.load_checkpoint returns it
     if isinstance(value, np.ndarray):
         value = from_numpy(value)
     if is_tensor(value):
@@ -252,11 +261,15 @@ def load_checkpoint(
             about ``net`` entries the checkpoint lacks (listed in
             ``param_not_load``), instead of raising.
         allow_pickle: Unpickle stored pickled values (trusted checkpoints only).
-        **kwargs: Any argument of ``dcp.load`` (``storage_reader``, ``planner``, ...).
+        **kwargs: Any argument of ``dcp.load`` (``storage_reader``, ``planner``,
+            ``strategy_file`` for Parameters MindSpore sliced, ...).
 
     Returns:
-        ``{name: mindspore.Parameter}`` plus the non-tensor values: with ``net``
-        its own loaded Parameters (each rank its shards), otherwise full values
+        ``{name: mindspore.Parameter}`` plus the other values, as
+        ``mindspore.load_checkpoint`` returns them (an int / float / bool as a
+        0-d Parameter, a str as ``str``, other values as they are): with
+        ``net`` its own loaded Parameters (each rank its shards; plain values
+        of a dict ``net`` are also put back into it), otherwise full values
         under the checkpoint's keys. ``.param_not_load`` / ``.ckpt_not_load``
         list what was not loaded (both are also logged).
 
@@ -322,6 +335,7 @@ def _load_into(
     if strict_load:
         _check_dtypes({by_key[k]: ck for k, ck in chosen.items()}, flat.values, metadata)
     targets = {ck: flat.values[by_key[key]] for key, ck in chosen.items()}
+    kwargs["strategy_file"] = LayoutSources(kwargs.get("strategy_file"), cells=cells_in(net))
     api.load(targets, checkpoint_id=checkpoint_id, **kwargs)
     loaded: dict[str, Any] = {}
     for key, ck in chosen.items():

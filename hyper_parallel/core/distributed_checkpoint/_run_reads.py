@@ -23,30 +23,63 @@ from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointE
 from hyper_parallel.core.distributed_checkpoint.metadata import StorageInfo
 from hyper_parallel.core.distributed_checkpoint.planner import ReadItem
 
-__all__ = ["read_runs", "read_runs_verified", "read_tiles", "run_rows", "scratch", "release_scratch"]
+__all__ = ["FileSource", "read_runs", "read_runs_verified", "read_tiles", "run_rows", "scratch", "release_scratch"]
+
+
+class FileSource:
+    """Byte source of one open data file: positioned reads with ``preadv``.
+
+    The object backend's :class:`._object_io.RangedSource` has the same
+    methods (ranged GETs), so every read below works on either.
+
+    Attributes:
+        fd: The open file.
+        exact: The file is read without readahead; scattered runs go through
+            :func:`._device_reads.read_runs_exact` (set by the reader).
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.exact = False
+
+    def readinto(self, buffer: np.ndarray, offset: int) -> int:
+        """Fill ``buffer`` from byte ``offset``; return the bytes got (short at the end of the file)."""
+        return os.preadv(self.fd, [buffer], offset)
+
+    def read_rows(self, rows: list[np.ndarray], offsets: list[int]) -> int:
+        """Fill each ``rows[i]`` from byte ``offsets[i]``; return the bytes got."""
+        got = 0
+        for row, offset in zip(rows, offsets):
+            got += os.preadv(self.fd, [row], offset)
+        return got
+
+    def readinto_many(self, buffers: list[np.ndarray], offset: int) -> int:
+        """Fill ``buffers`` one after the other from consecutive bytes at ``offset``; return the bytes got."""
+        return os.preadv(self.fd, buffers, offset)
 
 
 def read_runs(
-    fd: int, path: Path, fqn: str, info: StorageInfo, runs: Runs, target: np.ndarray, *, exact: bool = False
+    source: FileSource, path: Path, fqn: str, info: StorageInfo, runs: Runs, target: np.ndarray, *,
+    exact: bool = False,
 ) -> int:
     """Fill ``target`` (``uint8``, one row per run) with the runs as stored; return the bytes read.
 
-    ``exact``: ``fd`` reads without readahead; scattered runs then go through
+    ``exact`` (a :class:`FileSource` read without readahead): scattered runs go through
     :func:`._device_reads.read_runs_exact` (the device reads about the runs' bytes only).
     """
-    length = runs.length
     if exact and runs.starts.size > 1:
-        read_runs_exact(fd, path, fqn, info.offset + runs.starts, length, target)
+        read_runs_exact(source.fd, path, fqn, info.offset + runs.starts, runs.length, target)
         return runs.total
-    for position, start in enumerate(runs.starts.tolist()):
-        got = os.preadv(fd, [target[position]], info.offset + start)
-        if got != length:
-            raise CorruptCheckpointError(f"data file {path} is truncated while reading key '{fqn}'")
+    starts = runs.starts.tolist()
+    got = source.read_rows([target[position] for position in range(len(starts))],
+                           [info.offset + start for start in starts])
+    if got != runs.total:
+        raise CorruptCheckpointError(f"data file {path} is truncated while reading key '{fqn}'")
     return runs.total
 
 
 def read_runs_verified(
-    fd: int, path: Path, fqn: str, info: StorageInfo, runs: Runs, target: np.ndarray, max_inflight_bytes: int
+    source: FileSource, path: Path, fqn: str, info: StorageInfo, runs: Runs, target: np.ndarray, max_inflight_bytes: int
 ) -> int:
     """Fill ``target`` with the runs, reading and verifying the whole flat checksum blocks they touch.
 
@@ -60,7 +93,7 @@ def read_runs_verified(
     nblocks = max(1, -(-info.length // block))  # digest count checked by _format.metadata_json.check_consistency
     if runs.starts.size == 1 and runs.length == info.length and target[0].flags.c_contiguous:
         # The whole item: read straight into the target, verify it in place.
-        got = os.preadv(fd, [target[0]], info.offset)
+        got = source.readinto(target[0], info.offset)
         if got != info.length:
             raise CorruptCheckpointError(f"data file {path} is truncated while reading key '{fqn}'")
         bad = bad_blocks(memoryview(target[0]), checksum, None, 1)
@@ -90,7 +123,7 @@ def read_runs_verified(
         seg_start = first_block * block
         seg_end = min(end_block * block, info.length)
         buffer = scratch(seg_end - seg_start, slot=1)
-        got = os.preadv(fd, [buffer], info.offset + seg_start)
+        got = source.readinto(buffer, info.offset + seg_start)
         if got != buffer.size:
             raise CorruptCheckpointError(f"data file {path} is truncated while reading key '{fqn}'")
         read += got
@@ -113,7 +146,7 @@ def read_runs_verified(
 
 
 def read_tiles(
-    fd: int,
+    source: FileSource,
     path: Path,
     fqn: str,
     info: StorageInfo,
@@ -146,7 +179,7 @@ def read_tiles(
         box_lengths = (min(rows, sizes[0] - row_start),) + tuple(sizes[1:-1]) + (column_end - column_start,)
         runs = box_runs(sizes, itemsize, box_offsets, box_lengths)
         buffer = scratch(runs.total).reshape(runs.starts.size, runs.length)
-        count += read_runs(fd, path, fqn, info, runs, buffer, exact=exact)
+        count += read_runs(source, path, fqn, info, runs, buffer, exact=exact)
         cube = buffer.reshape(box_lengths[0], inner, (column_end - column_start) * itemsize)
         for column in range(first_column, last_column + 1):
             start = (column * width - column_start) * itemsize
@@ -162,9 +195,9 @@ def read_tiles(
         box = buffer.view(stored_dtype).reshape(box_lengths)
         lo = [max(a, b) for a, b in zip(low, box_offsets)]
         hi = [min(a + n, b + m) for a, n, b, m in zip(low, lengths, box_offsets, box_lengths)]
-        source = box[tuple(slice(a - b, c - b) for a, c, b in zip(lo, hi, box_offsets))]
+        stored = box[tuple(slice(a - b, c - b) for a, c, b in zip(lo, hi, box_offsets))]
         target = dest[tuple(slice(a - b, c - b) for a, c, b in zip(lo, hi, low))]
-        np.copyto(target, source, casting="unsafe")
+        np.copyto(target, stored, casting="unsafe")
     return count
 
 

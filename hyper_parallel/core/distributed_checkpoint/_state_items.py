@@ -69,6 +69,8 @@ class TensorEntry:
         local_shape: Shape of the local box (before any flattening).
         write: Whether this rank offers the pieces for writing (main replica).
         allow_shape_mismatch: On load, accept a different stored global shape.
+        may_be_replicated: Another rank may hold the same box (a whole
+            tensor, or a DTensor whose layout has replica positions).
     """
 
     fqn: str
@@ -79,6 +81,7 @@ class TensorEntry:
     local_shape: tuple[int, ...]
     write: bool = True
     allow_shape_mismatch: bool = False
+    may_be_replicated: bool = False
 
 
 @dataclass(frozen=True)
@@ -191,6 +194,7 @@ def _make_entry(fqn: str, value: Any) -> TensorEntry | ValueEntry | SkipEntry:
             pieces=(TensorPiece(offsets=tuple(value.global_offset), sizes=tuple(value.local_shape)),),
             local=local,
             local_shape=tuple(value.local_shape),
+            may_be_replicated=value.layout.num_shards() < len(value.layout.rank_list),
         )
     if isinstance(value, ShardedTensor):
         return _sharded_tensor_entry(fqn, value)
@@ -205,6 +209,7 @@ def _make_entry(fqn: str, value: Any) -> TensorEntry | ValueEntry | SkipEntry:
             pieces=(TensorPiece(offsets=(0,) * len(shape), sizes=shape),),
             local=value,
             local_shape=shape,
+            may_be_replicated=True,
         )
     if isinstance(value, ShardedObject):
         return ValueEntry(

@@ -21,6 +21,7 @@ from hyper_parallel.core.distributed_checkpoint._engine import (
     writer_for,
 )
 from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
+from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutArgument
 from hyper_parallel.core.distributed_checkpoint.errors import IncompleteCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlanner, SavePlanner
@@ -42,6 +43,8 @@ def save(
     use_collectives: bool = True,
     remove_redundancy: bool = True,
     save_to_minimum_rank: bool = False,
+    strategy_file: LayoutArgument = None,
+    check_replicas: bool = True,
 ) -> Metadata:
     """Save ``state_dict`` as a checkpoint. All ranks call it.
 
@@ -54,6 +57,15 @@ def save(
         use_collectives: ``False``: each rank saves alone, rank-local metadata.
         remove_redundancy: Write each replicated item once (balanced).
         save_to_minimum_rank: Give replicated items to their lowest rank.
+        strategy_file: Layouts of Parameters MindSpore sliced: its strategy
+            file, a list of per-stage files (or their directory), or
+            ``{name: Layout}``. A Cell whose ``parameter_layout_dict`` is
+            non-empty is used by itself. A Parameter with ``sliced`` set and no
+            known layout is refused (:class:`SlicedParameterError`).
+        check_replicas: Compare a digest of every replicated tensor across
+            the ranks holding it; a difference fails the save naming the key
+            and ranks. Applies to the default planner (a planner passed in
+            keeps its own setting).
 
     Returns:
         The committed metadata (on every rank).
@@ -64,12 +76,13 @@ def save(
     return save_strategy().save(
         state_dict,
         storage_writer=writer_for(checkpoint_id, storage_writer),
-        planner=planner or StandardSavePlanner(),
+        planner=planner or StandardSavePlanner(check_replicas=check_replicas),
         options=SaveOptions(
             no_dist=no_dist,
             use_collectives=use_collectives,
             remove_redundancy=remove_redundancy,
             save_to_minimum_rank=save_to_minimum_rank,
+            strategy_file=strategy_file,
         ),
     )
 
@@ -83,12 +96,15 @@ def load(
     planner: LoadPlanner | None = None,
     no_dist: bool = False,
     use_collectives: bool = True,
+    strategy_file: LayoutArgument = None,
 ) -> None:
     """Load a checkpoint into ``state_dict`` in place. All ranks call it.
 
     Tensors keep their identity and dtype and receive the values of their own
     region, whatever layout or world size saved them. Non-tensor values are
-    replaced in the dict.
+    replaced in the dict. Parameters MindSpore sliced receive their own slice:
+    their layouts come from ``strategy_file`` (as in :func:`save`) or from the
+    ``parameter_layout_dict`` of the Cell holding them.
 
     Raises:
         CheckpointNotFoundError: no such directory.
@@ -97,7 +113,7 @@ def load(
         CorruptCheckpointError: a checksum mismatch (names file and key).
     """
     reader = reader_for(checkpoint_id, storage_reader)
-    options = LoadOptions(no_dist=no_dist, use_collectives=use_collectives)
+    options = LoadOptions(no_dist=no_dist, use_collectives=use_collectives, strategy_file=strategy_file)
     metadata = read_checkpoint_metadata(reader, options)
     strategy = check_load_compatible(metadata)
     strategy.load(

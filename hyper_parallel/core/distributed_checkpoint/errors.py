@@ -24,6 +24,7 @@ __all__ = [
     "CheckpointValueError",
     "LayoutError",
     "StrategyFileError",
+    "SlicedParameterError",
     "MissingKeyError",
     "ShapeMismatchError",
     "PlanValidationError",
@@ -71,6 +72,10 @@ class MissingKeyError(CheckpointError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class SlicedParameterError(CheckpointValueError):
+    """A Parameter MindSpore sliced (``Parameter.sliced``) whose layout is unknown or does not fit it."""
+
+
 class ShapeMismatchError(CheckpointValueError):
     """The target's global shape differs from the stored one."""
 
@@ -92,6 +97,14 @@ class CheckpointExistsError(CheckpointValueError, FileExistsError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class ConcurrentSaveError(CheckpointError):
+    """Another save committed the same checkpoint id while this save was running.
+
+    The other save's checkpoint is whole; this save's data was removed. Raised
+    by the committing rank (on every rank under collectives).
+    """
 
 
 class CollectiveStepError(CheckpointError):

@@ -15,8 +15,10 @@ from __future__ import annotations
 import math
 import os
 from collections import defaultdict
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -40,6 +42,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
 )
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import check_consistency, metadata_from_json
 from hyper_parallel.core.distributed_checkpoint._run_reads import (
+    FileSource,
     read_runs,
     read_runs_verified,
     read_tiles,
@@ -123,7 +126,6 @@ class FileSystemReader(StorageReader):
         self.no_readahead = no_readahead
         self.metadata: Metadata | None = None
         self.bytes_read = 0
-        self._exact_fds: set[int] = set()
 
     def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
         """Start a new load, optionally from another directory. All ranks."""
@@ -180,7 +182,7 @@ class FileSystemReader(StorageReader):
         Raises:
             CorruptCheckpointError: a chunk without its storage entry, or the like (names the file and key).
         """
-        check_consistency(metadata, source=str(self.path / self.metadata_file))
+        check_consistency(metadata, source=f"{self.path}/{self.metadata_file}")
         self.metadata = metadata
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -270,22 +272,28 @@ class FileSystemReader(StorageReader):
     def _read_group(self, files: list[tuple[str, list[ReadItem]]], planner: LoadPlanner) -> int:
         total = 0
         for relative_path, items in files:
-            path = self.resolve(relative_path, items[0].storage_index.fqn)
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                size = os.fstat(fd).st_size
-                if self._reads_in_part(items, size) and hasattr(os, "posix_fadvise"):
-                    # Kernel readahead would also fetch the ranges a reshard skips.
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-                    self._exact_fds.add(fd)
-                count, rest = self._read_small_whole_items(fd, path, size, items, planner)
+            with self._open_source(relative_path, items) as (source, path, size):
+                count, rest = self._read_small_whole_items(source, path, size, items, planner)
                 total += count
                 for item, dest in rest:
-                    total += self._read_item(fd, path, size, item, planner, dest)
-            finally:
-                self._exact_fds.discard(fd)
-                os.close(fd)
+                    total += self._read_item(source, path, size, item, planner, dest)
         return total
+
+    @contextmanager
+    def _open_source(self, relative_path: str, items: list[ReadItem]) -> Iterator[tuple[FileSource, Path, int]]:
+        """Open data file ``relative_path`` for ``items``: its byte source, its name for messages, its size."""
+        path = self.resolve(relative_path, items[0].storage_index.fqn)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            source = FileSource(fd)
+            size = os.fstat(fd).st_size
+            if self._reads_in_part(items, size) and hasattr(os, "posix_fadvise"):
+                # Kernel readahead would also fetch the ranges a reshard skips.
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                source.exact = True
+            yield source, path, size
+        finally:
+            os.close(fd)
 
     def _reads_in_part(self, items: list[ReadItem], file_size: int) -> bool:
         """Whether a file is read without readahead (see ``no_readahead``)."""
@@ -302,7 +310,7 @@ class FileSystemReader(StorageReader):
         return needed < _SEQUENTIAL_SHARE * file_size
 
     def _read_small_whole_items(
-        self, fd: int, path: Path, file_size: int, items: list[ReadItem], planner: LoadPlanner
+        self, source: FileSource, path: Path, file_size: int, items: list[ReadItem], planner: LoadPlanner
     ) -> tuple[int, list[tuple[ReadItem, np.ndarray | None]]]:
         """Read whole small chunks many per system call, straight into their targets, and verify them.
 
@@ -352,7 +360,7 @@ class FileSystemReader(StorageReader):
             length = sum(entry[1] for entry in group)
             if length:
                 views = [entry[3].reshape(-1).view(np.uint8) for entry in group if entry[1]]
-                if os.preadv(fd, views, group[0][0]) != length:
+                if source.readinto_many(views, group[0][0]) != length:
                     fqn = group[0][2].storage_index.fqn
                     raise CorruptCheckpointError(f"data file {path} is truncated while reading key '{fqn}'")
             total += length
@@ -372,7 +380,7 @@ class FileSystemReader(StorageReader):
             )
 
     def _read_item(
-        self, fd: int, path: Path, file_size: int, item: ReadItem, planner: LoadPlanner, dest: np.ndarray | None = None
+        self, source: FileSource, path: Path, file_size: int, item: ReadItem, planner: LoadPlanner, dest: np.ndarray | None = None
     ) -> int:
         fqn = item.storage_index.fqn
         info = self._info(item.storage_index)
@@ -384,11 +392,11 @@ class FileSystemReader(StorageReader):
         if info.checksum is not None and info.checksum.algorithm != ALGORITHM:
             raise CorruptCheckpointError(f"key '{fqn}': unknown checksum algorithm {info.checksum.algorithm!r}")
         if info.compression is not None:
-            return self._read_compressed(fd, path, fqn, info, item, planner)
+            return self._read_compressed(source, path, fqn, info, item, planner)
         if item.type == LoadItemType.BYTE_IO:
             buffer = np.empty((1, info.length), dtype=np.uint8)
             runs = Runs(starts=np.zeros(1 if info.length else 0, dtype=np.int64), length=info.length)
-            count = self._fill(fd, path, fqn, info, runs, buffer)
+            count = self._fill(source, path, fqn, info, runs, buffer)
             planner.apply_bytes(item, buffer.tobytes())
             return count
         stored = self.metadata.state_dict_metadata.get(fqn)
@@ -404,8 +412,8 @@ class FileSystemReader(StorageReader):
             dest = planner.acquire_tensor(item)
         stored_dtype = numpy_dtype(stored.properties.dtype)
         if self.verify_checksums and info.checksum is not None and info.checksum.block_shape:
-            exact = fd in self._exact_fds
-            count = read_tiles(fd, path, fqn, info, chunk_sizes, stored_dtype, item, dest, exact=exact)
+            exact = source.exact
+            count = read_tiles(source, path, fqn, info, chunk_sizes, stored_dtype, item, dest, exact=exact)
             planner.apply_tensor(item, dest)
             return count
         count = 0
@@ -419,21 +427,21 @@ class FileSystemReader(StorageReader):
             region = dest[tuple(slice(o, o + n) for o, n in zip(sub_offsets, sub_lengths))] if dest.ndim else dest
             rows = run_rows(region, runs, stored_dtype)
             if rows is not None:
-                count += self._fill(fd, path, fqn, info, runs, rows)
+                count += self._fill(source, path, fqn, info, runs, rows)
                 continue
             staging = scratch(runs.total).reshape(runs.starts.size, runs.length)
-            count += self._fill(fd, path, fqn, info, runs, staging)
+            count += self._fill(source, path, fqn, info, runs, staging)
             np.copyto(region, staging.view(stored_dtype).reshape(sub_lengths), casting="unsafe")
         planner.apply_tensor(item, dest)
         return count
 
     def _read_compressed(
-        self, fd: int, path: Path, fqn: str, info: StorageInfo, item: ReadItem, planner: LoadPlanner
+        self, source: FileSource, path: Path, fqn: str, info: StorageInfo, item: ReadItem, planner: LoadPlanner
     ) -> int:
         """Read, verify and decompress a whole compressed item, then apply its region."""
         stored_bytes = np.empty((1, info.length), dtype=np.uint8)
         runs = Runs(starts=np.zeros(1 if info.length else 0, dtype=np.int64), length=info.length)
-        count = self._fill(fd, path, fqn, info, runs, stored_bytes)
+        count = self._fill(source, path, fqn, info, runs, stored_bytes)
         raw_length = info.raw_length or 0
         try:
             import zstandard  # pylint: disable=import-outside-toplevel
@@ -471,7 +479,7 @@ class FileSystemReader(StorageReader):
         raise CorruptCheckpointError(f"key '{index.fqn}': no chunk at offset {list(index.offset)}")
 
     def _fill(
-        self, fd: int, path: Path, fqn: str, info: StorageInfo, runs: Runs, target: np.ndarray, verify: bool = True
+        self, source: FileSource, path: Path, fqn: str, info: StorageInfo, runs: Runs, target: np.ndarray, verify: bool = True
     ) -> int:
         """Fill ``target`` (``uint8``, one row per run) with the runs; return bytes read from storage.
 
@@ -486,8 +494,8 @@ class FileSystemReader(StorageReader):
                     )
             return 0
         if verify and self.verify_checksums and info.checksum is not None and not info.checksum.block_shape:
-            return read_runs_verified(fd, path, fqn, info, runs, target, self.max_inflight_bytes)
-        return read_runs(fd, path, fqn, info, runs, target, exact=fd in self._exact_fds)
+            return read_runs_verified(source, path, fqn, info, runs, target, self.max_inflight_bytes)
+        return read_runs(source, path, fqn, info, runs, target, exact=source.exact)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: CheckpointId) -> bool:

@@ -132,17 +132,58 @@ def _write_all(fd: int, view: memoryview, ops: FileOps) -> None:
         position += written
 
 
+class _LocalDataFile:
+    """Destination of one data file on disk: ``write`` in order, then ``commit`` (durable) or ``abort``.
+
+    Every call goes through the writer's :class:`._file_ops.FileOps`.
+    """
+
+    def __init__(self, path: Path, ops: FileOps, *, sync: bool, drop_page_cache: bool) -> None:
+        self.ops = ops
+        self.fd = ops.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.sync, self.drop_page_cache = sync, drop_page_cache
+
+    def write(self, view: memoryview) -> None:
+        """Append ``view``."""
+        _write_all(self.fd, view, self.ops)
+
+    def write_many(self, views: list[memoryview], nbytes: int) -> None:
+        """Append ``views`` (``nbytes`` in all) with one ``writev``, uncopied."""
+        written = self.ops.writev(self.fd, views)
+        if written != nbytes:  # a short write (rare): write the rest piece by piece
+            for view in views:
+                if written >= len(view):
+                    written -= len(view)
+                    continue
+                _write_all(self.fd, view[written:], self.ops)
+                written = 0
+
+    def commit(self) -> None:
+        """fsync (when asked), then close."""
+        try:
+            if self.sync:
+                self.ops.fsync(self.fd)
+                if self.drop_page_cache:
+                    # The pages are clean now: let them go rather than evict the job's working set.
+                    self.ops.drop_cache(self.fd)
+        finally:
+            self.ops.close(self.fd)
+
+    def abort(self) -> None:
+        """Close; the writer removes the file."""
+        self.ops.close(self.fd)
+
+
 class _CoalescingWriter:
-    """Sequential writes to one file descriptor; small pieces go many per ``writev`` call, uncopied."""
+    """Sequential writes to one destination; small pieces go many per ``write_many`` call, uncopied."""
 
     SMALL = 256 << 10
     FLUSH = 4 << 20
     #: Most buffers in one ``writev`` (Linux ``IOV_MAX``).
     MAX_BUFFERS = 1024
 
-    def __init__(self, fd: int, ops: FileOps) -> None:
-        self.fd = fd
-        self.ops = ops
+    def __init__(self, sink: _LocalDataFile) -> None:
+        self.sink = sink
         self.pending: list[memoryview] = []
         self.pending_bytes = 0
 
@@ -155,19 +196,12 @@ class _CoalescingWriter:
                 self.flush()
             return
         self.flush()
-        _write_all(self.fd, view, self.ops)
+        self.sink.write(view)
 
     def flush(self) -> None:
         if not self.pending:
             return
-        written = self.ops.writev(self.fd, self.pending)
-        if written != self.pending_bytes:  # a short write (rare): write the rest piece by piece
-            for view in self.pending:
-                if written >= len(view):
-                    written -= len(view)
-                    continue
-                _write_all(self.fd, view[written:], self.ops)
-                written = 0
+        self.sink.write_many(self.pending, self.pending_bytes)
         self.pending, self.pending_bytes = [], 0
 
 
@@ -408,10 +442,9 @@ class FileSystemWriter(StorageWriter):
             entries, {"format": "hyper_parallel", "save_id": self.save_id}, align=DATA_ALIGNMENT
         )
         results = []
-        ops = self.file_ops
-        fd = ops.open(self.path / job.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        sink = self._open_data_file(job.name)
         try:
-            out = _CoalescingWriter(fd, ops)
+            out = _CoalescingWriter(sink)
             out.write(memoryview(header))
             for item, (view, raw_length), offset in zip(job.items, views, offsets):
                 info = StorageInfo(
@@ -431,14 +464,21 @@ class FileSystemWriter(StorageWriter):
                 out.write(view)
                 results.append(WriteResult(index=item.index, size_in_bytes=len(view), storage_data=info))
             out.flush()
-            if self.sync_files:
-                ops.fsync(fd)
-                if self.drop_page_cache:
-                    # The pages are clean now: let them go rather than evict the job's working set.
-                    ops.drop_cache(fd)
-        finally:
-            ops.close(fd)
+        except BaseException:
+            sink.abort()
+            raise
+        sink.commit()
         return results
+
+    def _open_data_file(self, name: str) -> _LocalDataFile:
+        """Open data file ``name`` of this save for streaming (the object backend opens an upload)."""
+        return _LocalDataFile(self.path / name, self.file_ops, sync=self.sync_files,
+                              drop_page_cache=self.drop_page_cache)
+
+    def _data_durable(self) -> None:
+        """Make the names of the data files just written durable (fsync the directory)."""
+        if self.sync_files:
+            fsync_directory(self.path, self.file_ops)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> "Future[list[WriteResult]]":
         """Write this rank's items durably; the returned future is already done. All ranks.
@@ -459,8 +499,8 @@ class FileSystemWriter(StorageWriter):
             else:
                 with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="hp-ckpt-write") as pool:
                     chunks = list(pool.map(lambda job: self._write_file(job, planner), jobs))
-            if self.sync_files and jobs:
-                fsync_directory(self.path, self.file_ops)
+            if jobs:
+                self._data_durable()
             future.set_result([result for chunk in chunks for result in chunk])
         except OSError as exc:
             self._discard(jobs)
@@ -496,15 +536,7 @@ class FileSystemWriter(StorageWriter):
                 :meth:`set_up_storage_writer` (names it); nothing of this save is committed.
             CheckpointIOError: the metadata cannot be written.
         """
-        storage_data: dict[MetadataIndex, StorageInfo] = {}
-        for rank_results in results:
-            for result in rank_results:
-                key = MetadataIndex(result.index.fqn, result.index.offset)
-                storage_data.setdefault(key, result.storage_data)
-        committed = metadata.replace(
-            storage_data=storage_data,
-            storage_meta=replace(metadata.storage_meta, backend=BACKEND_NAME, save_id=self.save_id),
-        )
+        committed = self._committed_metadata(metadata, results)
         name = self._metadata_name()
         replaced = self._check_commit(name)
         if self._lease is not None and replaced:
@@ -539,6 +571,18 @@ class FileSystemWriter(StorageWriter):
         )
         self._cleanup.start()
         return committed
+
+    def _committed_metadata(self, metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
+        """The metadata to commit: every rank's storage entries, this save's id."""
+        storage_data: dict[MetadataIndex, StorageInfo] = {}
+        for rank_results in results:
+            for result in rank_results:
+                key = MetadataIndex(result.index.fqn, result.index.offset)
+                storage_data.setdefault(key, result.storage_data)
+        return metadata.replace(
+            storage_data=storage_data,
+            storage_meta=replace(metadata.storage_meta, backend=BACKEND_NAME, save_id=self.save_id),
+        )
 
     def _check_commit(self, name: str) -> str | None:
         """Compare-and-swap check before the commit; return the save id of the metadata being replaced."""

@@ -24,10 +24,14 @@ with another policy keeps them.
 Steps only move forward: saving a step at or below the newest committed
 one is refused (``force=True`` overwrites an existing step on purpose). A step directory whose save lease is live
 (another manager or process saving it right now) is never deleted.
+
+With an object-store root (``s3://bucket/prefix``) each step is a prefix;
+see :mod:`._object_steps` for how steps are listed and deleted there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -37,7 +41,7 @@ import time
 import uuid
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from hyper_parallel.core.distributed_checkpoint.api import load as dcp_load
 from hyper_parallel.core.distributed_checkpoint.api import read_metadata
@@ -53,10 +57,14 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import METADATA_FILE, FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint._manager_record import (
     ManagerPolicy,
+    ManagerRecord,
     StepRecord,
+    _Session,
     locked_record,
 )
 from hyper_parallel.core.distributed_checkpoint._save_lease import live_lease_in
+from hyper_parallel.core.distributed_checkpoint._fsspec_writer import FsspecWriter, is_object_url
+from hyper_parallel.core.distributed_checkpoint._object_steps import ObjectStepRoot
 
 __all__ = ["CheckpointManager"]
 
@@ -83,7 +91,8 @@ class CheckpointManager:
     """Saves numbered steps under ``root`` and keeps only the ones asked for.
 
     Args:
-        root: Directory holding one checkpoint directory per step (created on first save).
+        root: Directory holding one checkpoint directory per step (created on first save), or
+            an object-store URL (``s3://bucket/prefix``) holding one prefix per step.
         max_to_keep: Keep the newest (with ``best_fn``: the best) this many
             committed steps, as MindSpore keeps 5; ``None`` keeps all. The
             newest committed step is always kept (it is what a resume loads).
@@ -128,7 +137,13 @@ class CheckpointManager:
             "/" in step_prefix or os.sep in step_prefix
         ):
             raise CheckpointValueError(f"step_prefix must be a plain name not starting with '.', got {step_prefix!r}")
-        self.root = Path(os.fspath(root))
+        self._objects: ObjectStepRoot | None = None
+        if is_object_url(root):
+            self._objects = ObjectStepRoot(str(root), METADATA_FILE)
+            self.root: Path | str = self._objects.url
+            self._memory_record = ManagerRecord()
+        else:
+            self.root = Path(os.fspath(root))
         self.max_to_keep = _positive_or_none("max_to_keep", max_to_keep)
         self.save_interval_seconds = _seconds_or_none("save_interval_seconds", save_interval_seconds)
         self.save_interval_steps = _positive_or_none("save_interval_steps", save_interval_steps)
@@ -143,8 +158,9 @@ class CheckpointManager:
         self.best_fn = best_fn
         self.best_mode = best_mode
         self.writer_options = dict(writer_options or {})
+        self._writer_class = FsspecWriter if self._objects is not None else FileSystemWriter
         if self.writer_options:
-            FileSystemWriter(self.root, **self.writer_options)  # refuse unknown or bad options now, not at a save
+            self._writer_class(self.root, **self.writer_options)  # refuse unknown or bad options now, not at a save
         self.async_save = bool(async_save)
         self.policy = ManagerPolicy(
             max_to_keep=self.max_to_keep,
@@ -156,22 +172,40 @@ class CheckpointManager:
         self._pattern = re.compile(re.escape(step_prefix) + r"(\d+)")
         self._handle: AsyncSaveHandle | None = None
         self._writing: int | None = None  # the step this manager is saving, hidden from listings
-        self._verified: dict[int, tuple[int, int, int]] = {}  # step -> stat of its checked metadata.json
+        self._verified: dict[int, object] = {}  # step -> stat (or object tag) of its checked metadata
         self._committing: tuple[int, dict[str, Any] | None] | None = None  # step and metrics awaiting retention
         self._last_save = time.monotonic()
 
-    def directory(self, step: int) -> Path:
-        """Return the checkpoint directory of ``step`` (no file access). Any rank."""
-        return self.root / f"{self.step_prefix}{step:0{_STEP_DIGITS}d}"
+    @contextlib.contextmanager
+    def _record_session(self) -> Iterator[_Session]:
+        """The manager record under its lock; for an object-store root, this process's record in memory."""
+        if self._objects is None:
+            with locked_record(self.root) as session:
+                yield session
+            return
+        session = _Session(self._memory_record)
+        yield session
+        self._memory_record = session.record
+
+    def directory(self, step: int) -> Path | str:
+        """Return the checkpoint directory (or ``s3://`` id) of ``step`` (no file access). Any rank."""
+        if self._objects is not None:
+            return self._objects.location(self._name(step))
+        return self.root / self._name(step)
+
+    def _name(self, step: int) -> str:
+        return f"{self.step_prefix}{step:0{_STEP_DIGITS}d}"
 
     def _step_of(self, name: str) -> int | None:
         match = self._pattern.fullmatch(name)
-        if match is None or self.directory(int(match.group(1))).name != name:
+        if match is None or self._name(int(match.group(1))) != name:
             return None
         return int(match.group(1))
 
     def _scan(self) -> tuple[list[int], list[int]]:
         """Return (committed, uncommitted) steps, sorted, without the step being written. Coordinator."""
+        if self._objects is not None:
+            return self._scan_objects()
         committed: list[int] = []
         uncommitted: list[int] = []
         try:
@@ -195,6 +229,29 @@ class CheckpointManager:
                     _LOG.warning("rank 0: ignoring step directory %s: %s", entry.path, exc)
                     continue
                 self._verified[step] = signature
+            committed.append(step)
+        self._verified = {s: sig for s, sig in self._verified.items() if s in committed}
+        return sorted(committed), sorted(uncommitted)
+
+    def _scan_objects(self) -> tuple[list[int], list[int]]:
+        """:meth:`_scan` for an object-store root; uncommitted steps only once abandoned. Coordinator."""
+        committed: list[int] = []
+        uncommitted: list[int] = []
+        for entry in self._objects.entries():
+            step = self._step_of(entry.name)
+            if step is None or step == self._writing:
+                continue
+            if entry.tag is None:
+                if self._objects.is_abandoned(entry):
+                    uncommitted.append(step)
+                continue
+            if self._verified.get(step) != entry.tag:
+                try:
+                    read_metadata(self.directory(step))
+                except CheckpointError as exc:
+                    _LOG.warning("rank 0: ignoring step %s: %s", self.directory(step), exc)
+                    continue
+                self._verified[step] = entry.tag
             committed.append(step)
         self._verified = {s: sig for s, sig in self._verified.items() if s in committed}
         return sorted(committed), sorted(uncommitted)
@@ -283,7 +340,7 @@ class CheckpointManager:
             )
         self._last_save = time.monotonic()
         if self.writer_options and "storage_writer" not in kwargs:
-            kwargs["storage_writer"] = FileSystemWriter(self.directory(step), **self.writer_options)
+            kwargs["storage_writer"] = self._writer_class(self.directory(step), **self.writer_options)
         self._writing = step
         self._committing = (step, metrics)
         try:
@@ -395,7 +452,7 @@ class CheckpointManager:
         return {step for _, step in scored[: self.max_to_keep]}
 
     def _retain_on_coordinator(self, committing: tuple[int, dict[str, Any] | None] | None) -> None:
-        with locked_record(self.root) as record:
+        with self._record_session() as record:
             committed, uncommitted = self._scan()
             if not committed:
                 return
@@ -420,6 +477,11 @@ class CheckpointManager:
                 keep.update(s for s in committed if s % self.keep_every_n_steps == 0)
             doomed = [s for s in committed if s not in keep] + [s for s in uncommitted if s < committed[-1]]
             for step in doomed:
+                if self._objects is not None:  # no lease there: the scan already skipped steps that may be in flight
+                    self._objects.delete(self._name(step))
+                    self._verified.pop(step, None)
+                    steps.pop(step, None)
+                    continue
                 holder = live_lease_in(self.directory(step))
                 if holder is not None:  # another manager or process is saving this step right now
                     _LOG.info("rank 0: keeping %s: a save holds it (%s)", self.directory(step), holder.describe())
@@ -428,6 +490,8 @@ class CheckpointManager:
                 self._verified.pop(step, None)
                 steps.pop(step, None)
             record.update(policy=self.policy, steps=steps)
+        if self._objects is not None:
+            return
         for entry in os.scandir(self.root):  # leftovers of deletions interrupted earlier
             if entry.name.startswith(_DELETING + self.step_prefix) and entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path, ignore_errors=True)

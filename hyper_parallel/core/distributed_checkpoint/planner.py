@@ -69,11 +69,15 @@ class TensorWriteData:
         chunk: The box of the global tensor this item holds.
         properties: dtype of the stored bytes.
         size: Global shape of the tensor.
+        replica_digest: xxh3 digest of the data, set when the chunk may be a
+            replica of another rank's and replicas are checked (the
+            coordinator compares the digests of every replica).
     """
 
     chunk: ChunkStorageMetadata
     properties: TensorProperties
     size: tuple[int, ...]
+    replica_digest: str | None = None
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
+from hyper_parallel.core.distributed_checkpoint._device_targets import DeviceRegions
 from hyper_parallel.core.distributed_checkpoint._format.checksum import digest
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointValueError,
@@ -28,7 +29,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     UnsafeCheckpointError,
     UnsupportedTypeError,
 )
-from hyper_parallel.core.distributed_checkpoint._flatten import FlatStateDict, flatten_state_dict, set_by_path, structure_of
+from hyper_parallel.core.distributed_checkpoint._flatten import FlatStateDict, flatten_state_dict, set_by_path
 from hyper_parallel.core.distributed_checkpoint._global_plan import build_global_save_plan
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
@@ -66,7 +67,22 @@ from hyper_parallel.core.distributed_checkpoint._state_items import (
 from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value, serialize_value
 from hyper_parallel.platform.tensor import DTYPE_NAMES, assign, numpy_dtype, to_numpy, writable_view
 
-__all__ = ["StandardSavePlanner", "StandardLoadPlanner"]
+__all__ = ["AliasData", "StandardSavePlanner", "StandardLoadPlanner"]
+
+
+@dataclass(frozen=True)
+class AliasData:
+    """A local save plan's planner data: Parameters this rank reached under several paths.
+
+    The coordinator merges every rank's aliases into the metadata's
+    ``planner_data["aliases"]`` (docs/format.md 6.3); loads read them back to
+    find a Parameter stored once under its first path.
+
+    Attributes:
+        aliases: ``(dotted name, stored key)`` pairs, sorted.
+    """
+
+    aliases: tuple[tuple[str, str], ...]
 
 _LOG = logging.getLogger(__name__)
 
@@ -93,10 +109,14 @@ class StandardSavePlanner(SavePlanner):
 
     Args:
         allow_pickle: Pickle values of types with no registered handler.
+        check_replicas: With more than one rank, put an xxh3 digest of every
+            possibly replicated tensor chunk into the plan; the coordinator
+            fails the save if replicas of one chunk differ (naming key and ranks).
     """
 
-    def __init__(self, *, allow_pickle: bool = False) -> None:
+    def __init__(self, *, allow_pickle: bool = False, check_replicas: bool = True) -> None:
         self.allow_pickle = allow_pickle
+        self.check_replicas = check_replicas
         self.flat: FlatStateDict | None = None
         self.rank = 0
         self.world_size = 1
@@ -141,13 +161,18 @@ class StandardSavePlanner(SavePlanner):
                 items.extend(self._tensor_items(entry))
             else:
                 items.append(self._bytes_item(entry))
-        return SavePlan(items=tuple(items), planner_data=structure_of(self.flat))
+        aliases = tuple(sorted(self.flat.aliases.items()))
+        return SavePlan(items=tuple(items), planner_data=AliasData(aliases) if aliases else None)
 
     def _tensor_items(self, entry: TensorEntry) -> list[WriteItem]:
         items = []
+        check = self.check_replicas and self.world_size > 1 and entry.may_be_replicated
         for piece in entry.pieces:
             index = MetadataIndex(entry.fqn, piece.offsets)
             whole = piece.sizes == entry.global_shape
+            replica_digest = None
+            if check:
+                replica_digest = digest(memoryview(self._piece_array(entry, piece).reshape(-1).view(np.uint8)))
             items.append(
                 WriteItem(
                     index=index,
@@ -156,6 +181,7 @@ class StandardSavePlanner(SavePlanner):
                         chunk=ChunkStorageMetadata(offsets=piece.offsets, sizes=piece.sizes),
                         properties=TensorProperties(dtype=entry.dtype),
                         size=entry.global_shape,
+                        replica_digest=replica_digest,
                     ),
                 )
             )
@@ -176,13 +202,17 @@ class StandardSavePlanner(SavePlanner):
 
     def build_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """Deduplicate, validate and describe. Coordinator only."""
-        structure = all_plans[0].planner_data if all_plans else None
+        aliases: dict[str, str] = {}
+        for plan in all_plans:
+            if isinstance(plan.planner_data, AliasData):
+                for name, key in plan.planner_data.aliases:
+                    aliases.setdefault(name, key)
         stripped = [replace(plan, planner_data=None) for plan in all_plans]
         return build_global_save_plan(
             stripped,
             remove_redundancy=self.remove_redundancy,
             save_to_minimum_rank=self.save_to_minimum_rank,
-            planner_data=structure,
+            planner_data={"aliases": dict(sorted(aliases.items()))} if aliases else None,
         )
 
     def finalize_plan(self, plan: SavePlan) -> SavePlan:
@@ -195,6 +225,10 @@ class StandardSavePlanner(SavePlanner):
         if item.type == WriteItemType.BYTE_IO:
             return self._bytes[key]
         entry, piece = self._tensors[key]
+        return self._piece_array(entry, piece)
+
+    @staticmethod
+    def _piece_array(entry: TensorEntry, piece: TensorPiece) -> np.ndarray:
         local = to_numpy(entry.local)
         if not local.dtype.isnative:  # stored little-endian, as safetensors requires
             local = local.astype(local.dtype.newbyteorder("="))
@@ -214,6 +248,11 @@ class StandardLoadPlanner(LoadPlanner):
             by one of them and sent to the others over the collective.
         exchange_round_bytes: Most bytes a rank sends per exchange round
             (bounds the extra memory of ``single_replica_read``).
+        device_region_bytes: For a target tensor in device memory (not
+            shared with host memory, e.g. on Ascend): reads are cut into regions
+            of at most this many bytes, each read into a host buffer and
+            copied into its region of the tensor, so the host memory a load
+            needs stays bounded whatever the tensor size.
     """
 
     def __init__(
@@ -223,8 +262,13 @@ class StandardLoadPlanner(LoadPlanner):
         allow_pickle: bool = False,
         single_replica_read: bool = False,
         exchange_round_bytes: int = 256 << 20,
+        device_region_bytes: int = 16 << 20,
     ) -> None:
+        if device_region_bytes < 1:
+            raise CheckpointValueError(f"device_region_bytes must be >= 1, got {device_region_bytes}")
         self.allow_partial_load = allow_partial_load
+        self.device_region_bytes = device_region_bytes
+        self._device = DeviceRegions()
         self.allow_pickle = allow_pickle
         self.shares_reads = single_replica_read
         self.exchange_round_bytes = exchange_round_bytes
@@ -267,6 +311,7 @@ class StandardLoadPlanner(LoadPlanner):
         self._entries.clear()
         self._targets.clear()
         self._staged.clear()
+        self._device = DeviceRegions()
         self._pieces.clear()
         self._value_names.clear()
         self._values.clear()
@@ -330,7 +375,8 @@ class StandardLoadPlanner(LoadPlanner):
             fqn = entry.fqn
             stored = self.metadata.state_dict_metadata[fqn] if not isinstance(entry, SkipEntry) else None
             if isinstance(entry, TensorEntry) and isinstance(stored, TensorStorageMetadata):
-                items.extend(self._tensor_reads(name, entry, stored))
+                reads = self._tensor_reads(name, entry, stored)
+                items.extend(self._device.plan(name, entry, reads, self.device_region_bytes))
             elif isinstance(entry, ValueEntry) and isinstance(stored, BytesStorageMetadata):
                 if entry.offset not in stored.shard_offsets:
                     raise MissingKeyError(
@@ -434,8 +480,7 @@ class StandardLoadPlanner(LoadPlanner):
             if item.type == LoadItemType.BYTE_IO:
                 self.apply_bytes(item, value)
             else:
-                dest = self.acquire_tensor(item, shared=False)
-                np.copyto(dest, value, casting="unsafe")
+                self._fill(item, value)
 
     def _target(self, name: str, entry: TensorEntry) -> np.ndarray:
         array = self._targets.get(name)
@@ -459,19 +504,32 @@ class StandardLoadPlanner(LoadPlanner):
             stored = self.metadata.state_dict_metadata[read_item.storage_index.fqn]
             return np.empty(read_item.lengths, dtype=numpy_dtype(stored.properties.dtype))
         name, entry, piece = self._pieces[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
+        if name in self._device:
+            return self._device.buffer(read_item, entry)
         region = piece_view(self._target(name, entry), entry, piece)
         slices = tuple(slice(o, o + n) for o, n in zip(read_item.dest_offsets, read_item.lengths))
         return region[slices] if slices else region
 
     def apply_tensor(self, read_item: ReadItem, tensor: np.ndarray) -> None:
-        """Keep a region read for others; otherwise it was filled in place. Called by the reader."""
-        if self._exchange is None:
-            return
-        key = region_key(read_item)
-        if key in self._exchange.send:
-            np.copyto(self.acquire_tensor(read_item, shared=False), tensor, casting="unsafe")
+        """Keep a region read for others, copy a device target's region in; else it was filled in place.
+
+        Called by the reader after the region is read (and verified).
+        """
+        key = region_key(read_item) if self._exchange is not None else None
+        if key is not None and key in self._exchange.send:
+            self._fill(read_item, tensor)
             slot, round_index = self._exchange.send[key]
             self._outbox[slot] = (round_index, tensor)
+        elif self._device.holds(read_item):
+            self._device.write(read_item, self._pieces[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))][1])
+
+    def _fill(self, read_item: ReadItem, value: np.ndarray) -> None:
+        """Copy ``value`` into the target region of ``read_item`` (a device target: copied in)."""
+        name, entry, _ = self._pieces[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
+        if name in self._device:
+            self._device.write(read_item, entry, value)
+        else:
+            np.copyto(self.acquire_tensor(read_item, shared=False), value, casting="unsafe")
 
     def apply_bytes(self, read_item: ReadItem, value: bytes) -> None:
         """Decode a stored value with its type handler. Called by the reader."""

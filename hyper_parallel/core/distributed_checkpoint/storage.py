@@ -17,10 +17,56 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Union
 
+from hyper_parallel.core.distributed_checkpoint._format.metadata_json import (
+    check_consistency,
+    metadata_from_json,
+    metadata_to_json,
+)
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex, StorageInfo
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 
-__all__ = ["CheckpointId", "WriteResult", "StorageWriter", "StorageReader"]
+__all__ = [
+    "CheckpointId",
+    "WriteResult",
+    "StorageWriter",
+    "StorageReader",
+    "encode_metadata",
+    "decode_metadata",
+    "check_metadata",
+]
+
+def encode_metadata(metadata: Metadata) -> bytes:
+    """The committed form of ``metadata`` (JSON, docs/format.md section 6). Coordinator, in ``finish``.
+
+    A backend stores these bytes as its commit, after every rank's data is durable.
+    """
+    return metadata_to_json(metadata)
+
+
+def decode_metadata(data: bytes, *, source: str = "metadata") -> Metadata:
+    """Parse and check bytes made by :func:`encode_metadata`. Any rank, in ``read_metadata``.
+
+    Args:
+        data: The stored metadata.
+        source: Where it came from, named in errors (a path or URL).
+
+    Raises:
+        CorruptCheckpointError / UnsafeCheckpointError: malformed or hostile metadata.
+    """
+    return metadata_from_json(data, source=source)
+
+
+def check_metadata(metadata: Metadata, *, source: str = "metadata") -> None:
+    """Check that the items and storage entries of ``metadata`` match one to one. All ranks, before planning.
+
+    Every chunk and value has exactly one storage entry of the right length
+    and digest count, and the chunks of each tensor tile it exactly.
+
+    Raises:
+        CorruptCheckpointError: the first mismatch (names ``source`` and the key).
+    """
+    check_consistency(metadata, source=source)
+
 
 #: What callers may pass as ``checkpoint_id``.
 CheckpointId = Union[str, os.PathLike]

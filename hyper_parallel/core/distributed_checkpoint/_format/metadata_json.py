@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import posixpath
+import re
 from typing import Any
 
 from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, expected_blocks
@@ -37,6 +38,8 @@ __all__ = [
     "metadata_from_json",
     "check_relative_path",
     "check_consistency",
+    "save_id_from_head",
+    "save_id_of",
 ]
 
 #: Value of the top-level ``"format"`` field.
@@ -362,3 +365,28 @@ def _check_disjoint_bytes(storage: dict[MetadataIndex, StorageInfo], source: str
                 f"{begin}, inside the bytes of key '{first.fqn}' at offset {list(first.offset)} (up to {end}); "
                 "two items never share bytes: the metadata is damaged or forged"
             )
+
+
+# metadata_to_json writes format, version, backend and save_id first, so the
+# save id can be read from the head of a large document without decoding it.
+_SAVE_ID_HEAD = re.compile(
+    rb'^\{"format":"[^"\\]{0,64}","version":"[^"\\]{0,16}","backend":"[^"\\]{0,64}","save_id":"([0-9a-f]{12})"'
+)
+_SAVE_ID = re.compile(r"^[0-9a-f]{12}$")
+
+
+def save_id_from_head(head: bytes) -> str | None:
+    """The save id in the first bytes of metadata this code wrote; ``None``: decode the whole with :func:`save_id_of`."""
+    match = _SAVE_ID_HEAD.match(head)
+    return match.group(1).decode("ascii") if match else None
+
+
+def save_id_of(data: bytes) -> str | None:
+    """The save id a whole metadata document records; ``None`` if it records none.
+
+    Raises:
+        ValueError / RecursionError: not JSON.
+    """
+    document = json.loads(data)
+    save_id = document.get("save_id") if isinstance(document, dict) else None
+    return save_id if isinstance(save_id, str) and _SAVE_ID.match(save_id) else None

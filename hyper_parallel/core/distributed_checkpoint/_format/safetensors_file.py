@@ -15,6 +15,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass
+from typing import Callable
 
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 
@@ -26,6 +27,7 @@ __all__ = [
     "build_header",
     "read_header",
     "read_header_and_metadata",
+    "read_header_at",
 ]
 
 #: Stored dtype name -> safetensors dtype code.
@@ -120,9 +122,8 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, dict], int]:
     return header, data_start
 
 
-def _read_raw_header(path: str | os.PathLike, fd: int) -> bytes:
-    size = os.fstat(fd).st_size
-    raw = os.pread(fd, 8, 0)
+def _read_raw_header(path: str | os.PathLike, size: int, pread: Callable[[int, int], bytes]) -> bytes:
+    raw = pread(8, 0)
     if len(raw) < 8:
         raise CorruptCheckpointError(f"{path}: file too short for a safetensors header ({size} bytes)")
     (length,) = struct.unpack("<Q", raw)
@@ -131,7 +132,7 @@ def _read_raw_header(path: str | os.PathLike, fd: int) -> bytes:
             f"{path}: safetensors header length {length} is larger than the file or the "
             f"{MAX_HEADER_BYTES}-byte limit"
         )
-    return os.pread(fd, length, 8)
+    return pread(length, 8)
 
 
 def read_header_and_metadata(
@@ -153,8 +154,20 @@ def read_header_and_metadata(
     if fd is None:
         with open(path, "rb") as handle:
             return read_header_and_metadata(path, fd=handle.fileno())
-    size = os.fstat(fd).st_size
-    text = _read_raw_header(path, fd)
+    return read_header_at(path, os.fstat(fd).st_size, lambda count, offset: os.pread(fd, count, offset))
+
+
+def read_header_at(
+    path: str | os.PathLike, size: int, pread: Callable[[int, int], bytes]
+) -> tuple[dict[str, dict], int, dict[str, str]]:
+    """:func:`read_header_and_metadata` of a file read through ``pread(count, offset)`` (an object, a stream).
+
+    Args:
+        path: The file's name, for messages.
+        size: The file's size in bytes.
+        pread: Returns up to ``count`` bytes from byte ``offset``.
+    """
+    text = _read_raw_header(path, size, pread)
     length = len(text)
     try:
         header = json.loads(text.decode("utf-8"))

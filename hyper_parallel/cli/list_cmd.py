@@ -1,0 +1,155 @@
+"""``hp-ckpt list ROOT``: the steps of a ``CheckpointManager`` (or ``CheckpointCallback``) root.
+
+One row per step directory (``<prefix><digits>``, e.g. ``step_00000120``):
+its status, ``committed`` (metadata present and readable), ``in progress``
+(a save holds its lease right now), ``uncommitted`` (a crashed or abandoned
+save) or ``damaged`` (metadata present but unreadable); the bytes on disk;
+and, from the root's ``manager.json``, whether it is kept forever, when it
+was saved and its metrics. Only metadata is read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from hyper_parallel.cli._common import format_bytes, format_table
+from hyper_parallel.core.distributed_checkpoint._manager_record import ManagerRecord, read_record
+from hyper_parallel.core.distributed_checkpoint._save_lease import live_lease_in
+from hyper_parallel.core.distributed_checkpoint.api import read_metadata
+from hyper_parallel.core.distributed_checkpoint.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointValueError,
+)
+from hyper_parallel.core.distributed_checkpoint.filesystem_writer import METADATA_FILE
+
+__all__ = ["StepEntry", "list_steps", "format_list", "register"]
+
+_STEP_NAME = re.compile(r"(?P<prefix>[^.].*?)(?P<step>\d+)")
+
+
+@dataclass(frozen=True)
+class StepEntry:
+    """One step directory of a manager root.
+
+    Attributes:
+        name: The directory name.
+        step: The step number (the trailing digits).
+        status: ``"committed"``, ``"in progress"``, ``"uncommitted"`` or ``"damaged"``.
+        size: Bytes of the files in the directory.
+        keep_forever: The manager record promises to keep it.
+        saved_at: Commit time from the record (seconds since the epoch), or ``None``.
+        metrics: The metrics given to ``CheckpointManager.save``, or ``None``.
+        detail: Who holds an in-progress save, or why a step is damaged.
+    """
+
+    name: str
+    step: int
+    status: str
+    size: int
+    keep_forever: bool = False
+    saved_at: float | None = None
+    metrics: dict[str, Any] | None = None
+    detail: str = ""
+
+
+def _size(path: Path) -> int:
+    total = 0
+    for folder, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_size
+            except OSError:
+                continue
+    return total
+
+
+def _status(path: Path) -> tuple[str, str]:
+    if (path / METADATA_FILE).is_file():
+        try:
+            read_metadata(path)
+        except (CheckpointError, OSError) as exc:
+            return "damaged", str(exc)
+        return "committed", ""
+    holder = live_lease_in(path)
+    if holder is not None:
+        return "in progress", holder.describe()
+    return "uncommitted", ""
+
+
+def list_steps(root: str | os.PathLike) -> tuple[StepEntry, ...]:
+    """List the step directories of a manager root, by step number.
+
+    Raises:
+        CheckpointNotFoundError: ``root`` does not exist.
+        CheckpointValueError: ``root`` is one checkpoint (or a file), not a manager root.
+    """
+    path = Path(os.fspath(root))
+    if not path.exists():
+        raise CheckpointNotFoundError(f"manager root {path} does not exist")
+    if not path.is_dir() or (path / METADATA_FILE).is_file():
+        raise CheckpointValueError(
+            f"{path} is one checkpoint, not a manager root holding step directories; use `hp-ckpt inspect {path}`"
+        )
+    try:
+        record = read_record(path)
+    except CheckpointError:
+        record = ManagerRecord()  # a damaged record does not hide the steps on disk
+    entries = []
+    for entry in os.scandir(path):
+        match = _STEP_NAME.fullmatch(entry.name)
+        if match is None or not entry.is_dir(follow_symlinks=False):
+            continue
+        step = int(match.group("step"))
+        status, detail = _status(Path(entry.path))
+        known = record.steps.get(step) if status == "committed" else None
+        entries.append(StepEntry(
+            name=entry.name, step=step, status=status, size=_size(Path(entry.path)),
+            keep_forever=bool(known and known.keep_forever), saved_at=known.saved_at if known else None,
+            metrics=known.metrics if known else None, detail=detail,
+        ))
+    return tuple(sorted(entries, key=lambda e: (e.step, e.name)))
+
+
+def format_list(root: str | os.PathLike, entries: tuple[StepEntry, ...]) -> str:
+    """Render :func:`list_steps` as a table plus a summary line."""
+    if not entries:
+        return f"no step directories in {root}"
+    rows = []
+    for e in entries:
+        saved = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(e.saved_at)) if e.saved_at is not None else "-"
+        rows.append([e.name, e.status + (f" ({e.detail})" if e.detail else ""), format_bytes(e.size),
+                     "yes" if e.keep_forever else "-", saved,
+                     json.dumps(e.metrics, sort_keys=True) if e.metrics is not None else "-"])
+    committed = [e for e in entries if e.status == "committed"]
+    newest = f"; newest committed: {committed[-1].name}" if committed else ""
+    summary = (f"{len(committed)} committed of {len(entries)} step(s), "
+               f"{format_bytes(sum(e.size for e in entries))} in {root}{newest}")
+    return format_table(["step", "status", "size", "kept forever", "saved (UTC)", "metrics"], rows) + "\n\n" + summary
+
+
+def _run(args: argparse.Namespace) -> int:
+    entries = list_steps(args.root)
+    if args.json:
+        print(json.dumps([asdict(e) for e in entries], indent=2))
+    else:
+        print(format_list(args.root, entries))
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``list`` subcommand to the ``hp-ckpt`` parser."""
+    parser = subparsers.add_parser(
+        "list", help="list a CheckpointManager root's steps: committed, in progress, size",
+        description="One row per step directory of a manager root (metadata only).",
+    )
+    parser.add_argument("root", help="the manager root (CheckpointManager root / CheckpointCallback directory)")
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
+    parser.set_defaults(func=_run)

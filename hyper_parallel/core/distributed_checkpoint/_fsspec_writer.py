@@ -1,0 +1,255 @@
+"""Writing a checkpoint to object storage (``s3://bucket/prefix``) through fsspec.
+
+The objects are the same as the files of a checkpoint directory: safetensors
+data objects named ``r<rank>_<counter>.<save id>.safetensors`` (built by the
+same code as :class:`.FileSystemWriter`, so a save's data objects never share a
+name with another save's) and the JSON metadata object, written last: its
+presence is the commit.
+
+On S3 the commit is a conditional PUT: ``If-None-Match: *`` when no metadata
+existed as the save began, ``If-Match: <ETag seen then>`` otherwise. A second
+save that committed in between makes the store refuse it; this save then
+removes its own data objects and raises :class:`.ConcurrentSaveError`. After
+a commit only the data objects the superseded metadata listed are deleted,
+never another live save's.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from concurrent.futures import Future
+from typing import Any
+
+from hyper_parallel.core.distributed_checkpoint._format.checksum import DEFAULT_BLOCK_BYTES
+from hyper_parallel.core.distributed_checkpoint._format.metadata_json import metadata_from_json, metadata_to_json
+from hyper_parallel.core.distributed_checkpoint._object_io import (
+    DEFAULT_CONNECTIONS,
+    DEFAULT_PART_BYTES,
+    ObjectSink,
+    PreconditionFailed,
+    Tagged,
+    filesystem_for,
+    get_with_tag,
+    put_if,
+    remove_objects,
+)
+from hyper_parallel.core.distributed_checkpoint.errors import (
+    CheckpointError,
+    CheckpointIOError,
+    CheckpointValueError,
+    ConcurrentSaveError,
+)
+from hyper_parallel.core.distributed_checkpoint.filesystem_writer import DATA_FILE_PATTERN, FileSystemWriter, _FileJob
+from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
+from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner
+from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, WriteResult
+
+__all__ = ["FsspecWriter", "is_object_url"]
+
+
+def is_object_url(checkpoint_id: object) -> bool:
+    """True for a URL with a protocol other than ``file`` (``s3://bucket/prefix``)."""
+    if not isinstance(checkpoint_id, str) or "://" not in checkpoint_id:
+        return False
+    return not checkpoint_id.startswith("file://")
+
+
+class FsspecWriter(FileSystemWriter):
+    """Writes a checkpoint to object storage (S3, OBS, MinIO...) through fsspec.
+
+    Data objects stream as multipart uploads: ``part_bytes`` parts, up to
+    ``connections`` uploading at once per object, so memory stays at about
+    ``(connections + 1) * part_bytes`` per data object whatever the state
+    size. ``thread_count`` objects per rank are written at once.
+
+    Args:
+        path: ``s3://bucket/prefix`` (any fsspec URL).
+        filesystem: An fsspec filesystem to use instead of one built from
+            ``path`` and ``storage_options``.
+        thread_count: Data objects (and writer threads) per rank; ``None``:
+            as :class:`.FileSystemWriter`.
+        connections: Part uploads in flight per data object.
+        part_bytes: Multipart part size (at least 5 MiB on S3).
+        checksum_block_bytes: Block size of the stored checksums.
+        compression: ``None`` or ``"zstd"``, as :class:`.FileSystemWriter`.
+        compression_level: zstd level.
+        tile_checksums: As :class:`.FileSystemWriter`.
+        **storage_options: Passed to fsspec (``endpoint_url``, ``key``,
+            ``secret``, ``client_kwargs``...); by default s3fs reads the usual
+            ``AWS_*`` environment variables.
+    """
+
+    def __init__(
+        self,
+        path: CheckpointId,
+        *,
+        filesystem: Any = None,
+        thread_count: int | None = None,
+        connections: int = DEFAULT_CONNECTIONS,
+        part_bytes: int = DEFAULT_PART_BYTES,
+        checksum_block_bytes: int = DEFAULT_BLOCK_BYTES,
+        compression: str | None = None,
+        compression_level: int = 3,
+        tile_checksums: bool = True,
+        **storage_options: Any,
+    ) -> None:
+        super().__init__(
+            "unused",
+            thread_count=thread_count,
+            checksum_block_bytes=checksum_block_bytes,
+            compression=compression,
+            compression_level=compression_level,
+            tile_checksums=tile_checksums,
+        )
+        if connections < 1 or part_bytes < 1:
+            raise CheckpointValueError(f"connections and part_bytes must be >= 1, got {connections}, {part_bytes}")
+        self.connections = connections
+        self.part_bytes = part_bytes
+        self.storage_options = dict(storage_options)
+        self._given_filesystem = filesystem
+        self._seen: Tagged | None = None
+        self.path = ""  # set by reset: the URL, shown in messages
+        self.fs: Any = None
+        self.root = ""
+        self.reset(path)
+
+    def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
+        """Start a new save (new save id), optionally to a new location. All ranks."""
+        if checkpoint_id is not None:
+            self.path = str(checkpoint_id).rstrip("/")
+            self.fs, self.root = filesystem_for(self.path, self._given_filesystem, self.storage_options)
+        self.save_id = uuid.uuid4().hex[:12]
+        self._seen = None
+
+    def set_up_storage_writer(
+        self, is_coordinator: bool, *, rank: int = 0, world_size: int = 1, rank_local: bool = False
+    ) -> None:
+        """New save id; the committing rank notes the metadata object as it is now. All ranks call it.
+
+        What the coordinator sees here (absent, or its ETag) is what the
+        commit's conditional write requires to be still true. With
+        ``rank_local`` each rank commits ``metadata.rank<rank>.json`` of its own.
+
+        Raises:
+            CheckpointIOError: the store cannot be reached or read.
+        """
+        self.rank = rank
+        self.rank_local = rank_local
+        self.save_id = uuid.uuid4().hex[:12]
+        self._seen = None
+        self._committed = False
+        self._is_coordinator = is_coordinator
+        if is_coordinator:
+            try:
+                self.fs.invalidate_cache(self.root)
+                self._seen = get_with_tag(self.fs, self._object(self._metadata_name()))
+            except CheckpointError:
+                raise
+            except Exception as exc:  # pylint: disable=broad-except
+                raise CheckpointIOError(f"rank {rank}: cannot read checkpoint location {self.path}: {exc}") from exc
+
+    def _object(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def _open_data_file(self, name: str) -> ObjectSink:
+        """Start the upload of data object ``name``."""
+        return ObjectSink(self.fs, self._object(name), part_bytes=self.part_bytes, connections=self.connections)
+
+    def _data_durable(self) -> None:
+        """Nothing to do: a completed upload is durable."""
+
+    def _discard(self, jobs: list[_FileJob]) -> None:
+        """Remove this rank's data objects of the failed save (best effort)."""
+        remove_objects(self.fs, [self._object(job.name) for job in jobs])
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> "Future[list[WriteResult]]":
+        """Write this rank's data objects; the returned future is already done. All ranks.
+
+        Raises (through the future):
+            CheckpointIOError: an upload failed (names the location and rank).
+        """
+        future = super().write_data(plan, planner)
+        exc = future.exception()
+        if exc is not None and not isinstance(exc, CheckpointError) and isinstance(exc, Exception):
+            wrapped = CheckpointIOError(f"rank {self.rank}: writing checkpoint data to {self.path} failed: {exc}")
+            wrapped.__cause__ = exc
+            future = Future()
+            future.set_exception(wrapped)
+        return future
+
+    def finish(
+        self, metadata: Metadata, results: list[list[WriteResult]], *, background_cleanup: bool = False
+    ) -> Metadata:
+        """Commit: conditionally write the metadata object, then drop the superseded data. Coordinator only.
+
+        ``background_cleanup``: the superseded data objects are deleted on a
+        background thread (an async save's commit).
+
+        Raises:
+            ConcurrentSaveError: another save committed this location since
+                this save began (this save's data objects are removed).
+            CheckpointIOError: the metadata object could not be written.
+        """
+        committed = self._committed_metadata(metadata, results)
+        name = self._metadata_name()
+        ours = sorted({result.storage_data.relative_path for chunk in results for result in chunk})
+        try:
+            put_if(self.fs, self._object(name), metadata_to_json(committed),
+                   expected_tag=self._seen.tag if self._seen is not None else None)
+        except PreconditionFailed as exc:
+            remove_objects(self.fs, [self._object(n) for n in ours])
+            raise ConcurrentSaveError(
+                f"checkpoint {self.path}: another save committed it while this save (save id {self.save_id}) was "
+                f"running, so this save did not commit and its data objects were removed; the checkpoint holds "
+                "the other save, whole. Give each save its own checkpoint_id, or wait for the other save"
+            ) from exc
+        except CheckpointError:
+            remove_objects(self.fs, [self._object(n) for n in ours])
+            raise
+        self._committed = True
+        stale = [self._object(n) for n in sorted(self._superseded_files() - set(ours))]
+        self.wait_cleanup()
+        if not background_cleanup:
+            remove_objects(self.fs, stale)
+            return committed
+        self._cleanup = threading.Thread(target=remove_objects, args=(self.fs, stale), name="hp-ckpt-cleanup",
+                                         daemon=True)
+        self._cleanup.start()
+        return committed
+
+    def abort(self) -> None:
+        """Undo a failed save: the coordinator deletes every data object named with this save's id.
+
+        All ranks call it after a failed save; it never raises, and does
+        nothing after a commit or on other ranks (each rank already removed
+        its own objects of a failed write).
+        """
+        if self._committed or not getattr(self, "_is_coordinator", False):
+            return
+        try:
+            self.fs.invalidate_cache(self.root)
+            names = [path.rsplit("/", 1)[-1] for path in self.fs.ls(self.root, detail=False)]
+        except Exception:  # pylint: disable=broad-except
+            return  # nothing listed (or the store is unreachable): leftovers are unreferenced objects
+        doomed = []
+        for name in names:
+            match = DATA_FILE_PATTERN.match(name)
+            if match and match.group(3) == self.save_id and (not self.rank_local or int(match.group(1)) == self.rank):
+                doomed.append(self._object(name))
+        remove_objects(self.fs, doomed)
+
+    def _superseded_files(self) -> set[str]:
+        """Data objects listed by the metadata this commit replaced (empty if it is unreadable)."""
+        if self._seen is None:
+            return set()
+        try:
+            old = metadata_from_json(self._seen.data, source=self._object(self._metadata_name()))
+        except CheckpointError:
+            return set()
+        return {info.relative_path for info in (old.storage_data or {}).values()}
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: CheckpointId) -> bool:
+        """A URL with a protocol (``s3://bucket/prefix``), other than ``file://``."""
+        return is_object_url(checkpoint_id)

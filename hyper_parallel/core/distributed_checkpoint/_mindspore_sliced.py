@@ -1,0 +1,199 @@
+"""Parameters that MindSpore sliced itself: give them their layout, never save a slice as whole.
+
+Under semi-auto / auto parallel each rank's ``mindspore.Parameter`` holds only
+its slice (``Parameter.sliced`` is set) and the layout lives in the strategy
+file or in ``Cell.parameter_layout_dict``. :func:`apply_mindspore_layouts`
+runs on every rank inside the first collective step of a save or load: it
+turns every Parameter with a known layout (by its MindSpore name; optimizer
+states such as ``moment1.<param>`` follow ``<param>``) into a
+:class:`~hyper_parallel.core.dtensor.DTensor` over that very Parameter, and
+refuses a sliced Parameter whose layout is unknown, naming the key and the fix.
+The state dict is not changed; a new one is returned (Cells holding wrapped
+Parameters become dicts of the same names).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Union
+
+from hyper_parallel.core.distributed_checkpoint._flatten import flatten_state_dict, set_by_path
+from hyper_parallel.core.distributed_checkpoint.errors import LayoutError, SlicedParameterError
+from hyper_parallel.core.dtensor import DTensor
+from hyper_parallel.core.layout import Layout
+from hyper_parallel.core.strategy_file import StrategySource, layout_for_state_key, layouts_from_strategy
+from hyper_parallel.platform.tensor import is_cell, is_parameter
+
+__all__ = [
+    "LayoutSources",
+    "LayoutArgument",
+    "apply_mindspore_layouts",
+    "cells_in",
+    "copy_back_values",
+    "resolve_layouts",
+]
+
+_SHOWN = 10
+
+
+@dataclass(frozen=True)
+class LayoutSources:
+    """Where the layouts of MindSpore-sliced Parameters come from, resolved on every rank.
+
+    Attributes:
+        strategy_file: A strategy file, a list of per-stage files, a directory,
+            or a ready ``{parameter name: Layout}`` mapping; ``None`` for none.
+        cells: Cells whose ``parameter_layout_dict`` is consulted (for callers
+            that flattened the Cells away before saving, as the one-liners do).
+    """
+
+    strategy_file: Any = None
+    cells: tuple[Any, ...] = ()
+
+
+#: What ``strategy_file=`` of ``save`` / ``load`` accepts.
+LayoutArgument = Union[StrategySource, Mapping[str, Any], LayoutSources, None]
+
+
+def cells_in(obj: Any) -> tuple[Any, ...]:
+    """Return every ``mindspore.nn.Cell`` in ``obj`` (nested dicts, lists, tuples), outermost first."""
+    found: list[Any] = []
+    stack = [obj]
+    while stack:
+        value = stack.pop()
+        if is_cell(value):
+            found.append(value)
+        elif isinstance(value, dict):
+            stack.extend(reversed(list(value.values())))
+        elif isinstance(value, (list, tuple)):
+            stack.extend(reversed(value))
+    return tuple(found)
+
+
+def _cell_layouts(cell: Any, rank: int) -> dict[str, Layout]:
+    entries = getattr(cell, "parameter_layout_dict", None) or {}
+    return {name: Layout.from_mindspore_layout(entry, name=name, rank=rank) for name, entry in entries.items()}
+
+
+def resolve_layouts(source: LayoutArgument, state_dict: Any, *, rank: int) -> dict[str, Layout]:
+    """Return ``{MindSpore parameter name: Layout}`` for ``rank``. Any rank; reads files, no communication.
+
+    Layouts from the Cells' ``parameter_layout_dict`` (those in ``state_dict``
+    and in ``source.cells``) come first; a strategy file overrides them.
+    """
+    sources = source if isinstance(source, LayoutSources) else LayoutSources(strategy_file=source)
+    layouts: dict[str, Layout] = {}
+    for cell in sources.cells + cells_in(state_dict):
+        layouts.update(_cell_layouts(cell, rank))
+    given = sources.strategy_file
+    if isinstance(given, Mapping):
+        layouts.update({name: Layout.from_any(layout) for name, layout in given.items()})
+    elif given is not None:
+        layouts.update(layouts_from_strategy(given, rank=rank))
+    return layouts
+
+
+class _Wrapper:
+    """Wraps Parameters once each (a Parameter reached twice gets the same DTensor)."""
+
+    def __init__(self, layouts: Mapping[str, Layout], rank: int) -> None:
+        self.layouts = layouts
+        self.rank = rank
+        self.done: dict[int, Any] = {}
+        self.unknown: list[str] = []
+        self.bad: list[str] = []
+
+    def leaf(self, path: str, value: Any) -> Any:
+        if not is_parameter(value):
+            return value
+        if id(value) in self.done:
+            return self.done[id(value)]
+        layout = layout_for_state_key(self.layouts, value.name)
+        if layout is None and path != value.name:
+            layout = layout_for_state_key(self.layouts, path)
+        wrapped = value
+        if layout is not None:
+            try:
+                wrapped = DTensor(value, layout, rank=self.rank)
+            except LayoutError as exc:
+                self.bad.append(f"key '{path}' (Parameter '{value.name}', local shape {tuple(value.shape)}): {exc}")
+        elif getattr(value, "sliced", False):
+            self.unknown.append(f"'{path}' (Parameter '{value.name}')")
+        self.done[id(value)] = wrapped
+        return wrapped
+
+    def walk(self, path: str, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: self.walk(f"{path}.{k}" if path else str(k), v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+            items = [self.walk(f"{path}.{i}" if path else str(i), v) for i, v in enumerate(value)]
+            return items if isinstance(value, list) else tuple(items)
+        if is_cell(value):
+            params = value.parameters_dict()
+            wrapped = {name: self.leaf(f"{path}.{name}" if path else name, p) for name, p in params.items()}
+            if all(wrapped[name] is params[name] for name in params):
+                return value  # nothing sliced: the Cell stays a Cell
+            return wrapped
+        return self.leaf(path, value)
+
+
+def apply_mindspore_layouts(state_dict: dict[str, Any], *, source: LayoutArgument, rank: int) -> dict[str, Any]:
+    """Return ``state_dict`` with every Parameter of known layout wrapped in a DTensor. All ranks.
+
+    Called inside the first collective step of ``save`` / ``load`` (so a
+    failure is raised on every rank).
+
+    Args:
+        state_dict: The caller's state dict (not modified).
+        source: ``strategy_file=`` as given to ``save`` / ``load``.
+        rank: This process's global rank (picks the pipeline stage).
+
+    Raises:
+        SlicedParameterError: Parameters marked ``sliced`` with no known layout
+            (all listed), or whose local shape does not fit their layout.
+        StrategyFileError / LayoutError: As :func:`hyper_parallel.layouts_from_strategy`.
+    """
+    layouts = resolve_layouts(source, state_dict, rank=rank)
+    if not layouts and not any(getattr(p, "sliced", False) for p in _parameters(state_dict)):
+        return state_dict
+    wrapper = _Wrapper(layouts, rank)
+    result = wrapper.walk("", state_dict)
+    if wrapper.unknown:
+        shown = ", ".join(wrapper.unknown[:_SHOWN])
+        more = f" and {len(wrapper.unknown) - _SHOWN} more" if len(wrapper.unknown) > _SHOWN else ""
+        raise SlicedParameterError(
+            f"rank {rank}: key(s) {shown}{more} hold a slice (Parameter.sliced is True) but no layout is known, "
+            "so saving them as whole tensors would lose the other ranks' parts; pass strategy_file= (the file "
+            "MindSpore wrote through strategy_ckpt_config={'save_file': ...}), or save the Cell whose "
+            "parameter_layout_dict holds them, or wrap them in hyper_parallel.DTensor"
+        )
+    if wrapper.bad:
+        raise SlicedParameterError(f"rank {rank}: " + "; ".join(wrapper.bad[:_SHOWN]))
+    return result
+
+
+def copy_back_values(loaded: dict[str, Any], state_dict: dict[str, Any]) -> None:
+    """Put the non-tensor values a load replaced in ``loaded`` (a wrapped copy) into ``state_dict``.
+
+    The copy has the same paths as ``state_dict`` (Cells became dicts of the
+    same names), so every replaced plain value goes back to its place.
+    """
+    before = flatten_state_dict(state_dict).values
+    after = flatten_state_dict(loaded)
+    for name, value in after.values.items():
+        if name in before and before[name] is not value and not isinstance(value, DTensor):
+            set_by_path(state_dict, after.paths[name], value)
+
+
+def _parameters(obj: Any):
+    stack = [obj]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+        elif is_cell(value):
+            yield from value.parameters_dict().values()
+        elif is_parameter(value):
+            yield value

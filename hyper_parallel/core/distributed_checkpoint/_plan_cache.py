@@ -1,0 +1,241 @@
+"""Reusing the global save plan when a save repeats the layout of the previous one.
+
+A training job saves the same state layout again and again. Planning a save
+costs a gather of every rank's local plan to the coordinator, the
+coordinator's merge (deduplication, validation, metadata) and handing each
+rank its final plan. When nothing changed, all of that gives the same result
+as last time. So each rank keeps, per (rank, world size, options, writer and
+planner class), what the previous save planned: a digest of its local plan,
+its final plan, and on the coordinator the final plans of all ranks and the
+metadata. A save then exchanges only digests: every rank sends a
+:class:`PlanMessage` (its local plan's digest and the digest of the whole
+exchange it has cached); when every rank's cached exchange equals the digests
+of this exchange, every rank reuses its final plan and the coordinator its
+metadata (the merge's validation already passed for exactly these plans).
+Each rank decides from the same gathered messages, so all ranks agree
+without a further round. Otherwise the full exchange runs and refreshes the
+caches.
+
+The digest covers the whole local plan, non-tensor values' digests included:
+a value that changed (a step counter) makes a new exchange, so the
+coordinator's check that replicas agree always sees current values. The
+xxh3 digests of replicated tensor chunks (``check_replicas``) are left out of
+the plan digest, since weights change at every step: each rank sends them in
+its :class:`PlanMessage` instead, and on a reuse the coordinator compares them
+by the replica groups it kept from the full exchange
+(:func:`check_cached_replicas`), so a reused plan is checked as a new one.
+Only :class:`.StandardSavePlanner` plans are cached (a custom planner may
+keep state outside its plans).
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from dataclasses import dataclass, replace
+from typing import Any
+
+import xxhash
+
+from hyper_parallel.core.distributed_checkpoint._format.cover import MAX_REPORTED_PROBLEMS
+from hyper_parallel.core.distributed_checkpoint._global_plan import replica_problems
+from hyper_parallel.core.distributed_checkpoint.errors import PlanValidationError
+from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
+from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner
+from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
+from hyper_parallel.core.distributed_checkpoint.storage import StorageWriter
+
+__all__ = [
+    "PlanMessage",
+    "CachedPlan",
+    "PlanCache",
+    "PlanCacheStats",
+    "STATS",
+    "check_cached_replicas",
+    "plan_cache_for",
+    "clear_plan_cache",
+]
+
+
+@dataclass(frozen=True)
+class PlanMessage:
+    """What a rank sends in the digest round of a save.
+
+    Attributes:
+        local_digest: Digest of this rank's local plan.
+        cached_exchange: Digest of the exchange whose result this rank holds (``""``: none).
+        replica_digests: This rank's replicated-chunk digests, in local plan order.
+    """
+
+    local_digest: str
+    cached_exchange: str
+    replica_digests: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class CachedPlan:
+    """A rank's result of one full plan exchange.
+
+    Attributes:
+        exchange: Digest of every rank's local plan digest, in rank order.
+        final: This rank's final plan.
+        all_final: Every rank's final plan (coordinator only, else ``None``).
+        metadata: The merged metadata (coordinator only, else ``None``).
+        replica_keys: Per rank, the (fqn, offset) of each chunk it sent a
+            replica digest for, in order (coordinator only, else ``None``).
+    """
+
+    exchange: str
+    final: SavePlan
+    all_final: tuple[SavePlan, ...] | None
+    metadata: Metadata | None
+    replica_keys: tuple[tuple[tuple[str, tuple[int, ...]], ...], ...] | None = None
+
+
+def plan_digest(plan: SavePlan) -> str:
+    """Digest of a local plan (every field but replica digests, pickled)."""
+    if any(item.tensor_data is not None and item.tensor_data.replica_digest for item in plan.items):
+        plan = replace(plan, items=tuple(
+            replace(item, tensor_data=replace(item.tensor_data, replica_digest=None))
+            if item.tensor_data is not None and item.tensor_data.replica_digest else item
+            for item in plan.items
+        ))
+    return xxhash.xxh3_128_hexdigest(pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def replica_digests(plan: SavePlan) -> tuple[str, ...]:
+    """The replica digests of a plan's tensor items, in order."""
+    return tuple(
+        item.tensor_data.replica_digest for item in plan.items
+        if item.tensor_data is not None and item.tensor_data.replica_digest
+    )
+
+
+def replica_keys(plans: list[SavePlan]) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]:
+    """Per plan, the (fqn, offset) of every item carrying a replica digest, in order."""
+    return tuple(
+        tuple(
+            (item.index.fqn, tuple(item.index.offset)) for item in plan.items
+            if item.tensor_data is not None and item.tensor_data.replica_digest
+        )
+        for plan in plans
+    )
+
+
+def check_cached_replicas(cached: CachedPlan, messages: list[PlanMessage]) -> None:
+    """Compare this save's replica digests by the cached replica groups. Coordinator only.
+
+    Raises:
+        PlanValidationError: Replicas of a chunk differ (names the key and the ranks).
+    """
+    if cached.replica_keys is None:
+        return
+    holders: dict[tuple[str, tuple[int, ...]], list[tuple[int, str]]] = {}
+    for rank, (keys, message) in enumerate(zip(cached.replica_keys, messages)):
+        for key, found in zip(keys, message.replica_digests):
+            holders.setdefault(key, []).append((rank, found))
+    problems = [p for key, found in holders.items() if len(found) > 1 for p in replica_problems(key, found)]
+    if problems:
+        shown = problems[:MAX_REPORTED_PROBLEMS]
+        raise PlanValidationError(
+            f"the global save plan is invalid ({len(problems)} problem(s)):\n  " + "\n  ".join(shown)
+        )
+
+
+def exchange_digest(local_digests: list[str]) -> str:
+    """Digest of an exchange: every rank's local plan digest in rank order."""
+    return xxhash.xxh3_128_hexdigest("\n".join(local_digests).encode("ascii"))
+
+
+_LOCK = threading.Lock()
+_CACHE: dict[tuple[Any, ...], CachedPlan] = {}
+
+
+@dataclass
+class PlanCacheStats:
+    """Counts of this process's cached-plan lookups (for tests and benchmarks).
+
+    Attributes:
+        reused: Saves that reused a cached plan.
+        exchanged: Saves that ran the full plan exchange.
+    """
+
+    reused: int = 0
+    exchanged: int = 0
+
+
+#: This process's counts.
+STATS = PlanCacheStats()
+
+
+class PlanCache:
+    """One rank's cached plan exchange for one kind of save.
+
+    Args:
+        key: What the plans depend on besides the local plans (rank, world
+            size, options, writer and planner class).
+    """
+
+    def __init__(self, key: tuple[Any, ...]) -> None:
+        self.key = key
+        self.local_digest = ""
+
+    def message(self, local: SavePlan) -> PlanMessage:
+        """Digest ``local`` and say which exchange this rank holds. All ranks."""
+        self.local_digest = plan_digest(local)
+        with _LOCK:
+            cached = _CACHE.get(self.key)
+        return PlanMessage(local_digest=self.local_digest, cached_exchange=cached.exchange if cached else "",
+                           replica_digests=replica_digests(local))
+
+    def lookup(self, messages: list[PlanMessage]) -> CachedPlan | None:
+        """The cached result if every rank holds this very exchange, else ``None``. All ranks (same answer)."""
+        exchange = exchange_digest([m.local_digest for m in messages])
+        if any(m.cached_exchange != exchange for m in messages):
+            return None
+        with _LOCK:
+            cached = _CACHE.get(self.key)
+            found = cached if cached is not None and cached.exchange == exchange else None
+            if found is not None:
+                STATS.reused += 1
+            return found
+
+    def store(
+        self,
+        messages: list[PlanMessage],
+        final: SavePlan,
+        all_final: list[SavePlan] | None,
+        metadata: Metadata | None,
+        local_plans: list[SavePlan] | None = None,
+    ) -> None:
+        """Keep the result of a full exchange (``local_plans``: every rank's, coordinator only). All ranks."""
+        entry = CachedPlan(
+            exchange=exchange_digest([m.local_digest for m in messages]),
+            final=final,
+            all_final=tuple(all_final) if all_final is not None else None,
+            metadata=metadata,
+            replica_keys=replica_keys(local_plans) if local_plans is not None else None,
+        )
+        with _LOCK:
+            _CACHE[self.key] = entry
+            STATS.exchanged += 1
+
+
+def plan_cache_for(
+    writer: StorageWriter, planner: SavePlanner, options: Any, *, rank: int, world_size: int
+) -> PlanCache | None:
+    """The plan cache of this kind of save, or ``None`` when its plans are not cached."""
+    if type(planner) is not StandardSavePlanner:  # pylint: disable=unidiomatic-typecheck
+        return None
+    key = (rank, world_size, options, type(writer), planner.allow_pickle, planner.check_replicas)
+    try:
+        hash(key)
+    except TypeError:  # an option given as a mutable object (a dict of layouts): not cached
+        return None
+    return PlanCache(key)
+
+
+def clear_plan_cache() -> None:
+    """Forget every cached plan (tests; or to force a full exchange)."""
+    with _LOCK:
+        _CACHE.clear()

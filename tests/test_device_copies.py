@@ -1,0 +1,110 @@
+"""The platform's device path (tensors whose memory numpy cannot alias), forced on CPU.
+
+``HYPER_PARALLEL_DEVICE_COPIES=1`` makes every MindSpore tensor behave as an
+Ascend tensor does: ``to_numpy`` copies it out, no writable view exists, and a
+load copies regions in (``t[region] = v``). Values, identity and the host
+memory bound of a load are checked as on the shared (CPU) path.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel import DTensor, Layout, platform
+
+ms.set_device("CPU")
+
+
+@pytest.fixture
+def device_copies(monkeypatch):
+    monkeypatch.setenv(platform.DEVICE_COPIES_ENV, "1")
+
+
+def _param(array, name="w"):
+    return ms.Parameter(ms.Tensor(array.copy()), name=name)
+
+
+def test_forced_path_copies_out_and_offers_no_view(device_copies):
+    param = _param(np.arange(6, dtype=np.float32))
+    assert not platform.host_memory_shared(param)
+    out = platform.to_numpy(param)
+    assert not np.shares_memory(out, param.asnumpy())
+    np.testing.assert_array_equal(out, np.arange(6))
+    assert platform.writable_view(param) is None
+    assert platform.host_memory_shared(np.zeros(2))
+
+
+class _OnDevice:
+    device = "Ascend:0"
+
+
+def test_device_memory_by_the_tensor_device_and_numpy_regions():
+    assert not platform.host_memory_shared(_OnDevice())
+    target = np.zeros((3, 3), np.float32)
+    platform.assign_region(target, (slice(0, 2), slice(1, 3)), np.ones((2, 2), np.float64))
+    assert target.sum() == 4 and target[0, 0] == 0
+
+
+def test_shared_path_without_the_switch():
+    param = _param(np.arange(6, dtype=np.float32))
+    assert platform.host_memory_shared(param)
+    assert np.shares_memory(platform.to_numpy(param), param.asnumpy())
+
+
+def test_save_copies_out_and_load_copies_in_resharded(tmp_path, device_copies):
+    full = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+    rows = Layout((2,), (0, -1))
+    states = [{"w": DTensor(_param(full[r * 4:(r + 1) * 4]), rows, full.shape, rank=r)} for r in range(2)]
+    from sim_ranks import simulate_save
+
+    simulate_save(states, tmp_path / "c")
+    cols = Layout((2,), (-1, 0))
+    for rank in range(2):
+        target = _param(np.zeros((8, 3), np.float32))
+        before = target.data_ptr()
+        planner = dcp.StandardLoadPlanner(device_region_bytes=24)  # 2 rows of 3 float32 per region
+        dcp.load({"w": DTensor(target, cols, full.shape, rank=rank)}, checkpoint_id=tmp_path / "c", no_dist=True,
+                 planner=planner)
+        np.testing.assert_array_equal(target.asnumpy(), full[:, rank * 3:(rank + 1) * 3])
+        assert target.data_ptr() == before  # written in place, region by region
+
+
+def test_bfloat16_and_scalar_targets(tmp_path, device_copies):
+    state = {"b": ms.Tensor(np.arange(6, dtype=np.float32), ms.bfloat16), "s": _param(np.float32(2.5), "s"),
+             "i": _param(np.arange(4, dtype=np.int64), "i")}
+    dcp.save(state, checkpoint_id=tmp_path / "c", no_dist=True)
+    target = {"b": _param(np.zeros(6, np.float32), "b"), "s": _param(np.float32(0), "s"),
+              "i": _param(np.zeros(4, np.int64), "i")}
+    target["b"].set_dtype(ms.bfloat16)
+    dcp.load(target, checkpoint_id=tmp_path / "c", no_dist=True, planner=dcp.StandardLoadPlanner(device_region_bytes=4))
+    np.testing.assert_array_equal(target["b"].float().asnumpy(), np.arange(6))
+    assert float(target["s"].asnumpy()) == 2.5
+    np.testing.assert_array_equal(target["i"].asnumpy(), np.arange(4))
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_load_memory_stays_bounded(tmp_path, device_copies, verify):
+    full = np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32)  # 4 MiB
+    dcp.save({"w": full}, storage_writer=dcp.FileSystemWriter(tmp_path / "c", checksum_block_bytes=16 << 10),
+             no_dist=True)
+    target = _param(np.zeros((1024, 1024), np.float64))  # a cast as well
+    reader = dcp.FileSystemReader(tmp_path / "c", verify_checksums=verify, max_inflight_bytes=64 << 10)
+    planner = dcp.StandardLoadPlanner(device_region_bytes=64 << 10)
+    tracemalloc.start()
+    try:
+        dcp.load({"w": target}, storage_reader=reader, planner=planner, no_dist=True)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    np.testing.assert_array_equal(target.asnumpy(), full.astype(np.float64))
+    assert peak < 1 << 20, f"peak {peak} bytes for an 8 MiB device target with 64 KiB regions"
+
+
+def test_bad_region_size():
+    with pytest.raises(dcp.CheckpointValueError, match="device_region_bytes"):
+        dcp.StandardLoadPlanner(device_region_bytes=0)

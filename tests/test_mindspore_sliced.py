@@ -1,0 +1,156 @@
+"""Parameters MindSpore sliced: layouts attached on save/load, refusals, replica divergence.
+
+Ranks are simulated in one process (the layout's rank is passed explicitly);
+the real multi-process behaviour is in tests/test_mindspore_parallel.py.
+"""
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel import DTensor, Layout
+from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import (
+    LayoutSources,
+    apply_mindspore_layouts,
+    cells_in,
+)
+from sim_ranks import plan_ranks
+from tests.strategy_files import ParamStrategy, write_strategy_file
+
+ms.set_device("CPU")
+
+FULL = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)
+
+
+class Net(ms.nn.Cell):
+    def __init__(self, rows=8, cols=4, sliced=False, fill=None):
+        super().__init__()
+        data = np.zeros((rows, cols), np.float32) if fill is None else fill
+        self.w = ms.Parameter(ms.Tensor(data.copy()), name="w")
+        self.b = ms.Parameter(ms.Tensor(np.ones(cols, np.float32)), name="b")
+        self.w.sliced = sliced
+
+
+def _row_strategy(tmp_path, ranks=2):
+    return write_strategy_file(tmp_path / "s.ckpt", (ParamStrategy("w", (ranks,), (0, -1)),
+                                                     ParamStrategy("b", (ranks,), (-1,))))
+
+
+def test_sliced_parameter_without_layout_is_refused():
+    net = Net(rows=4, sliced=True)
+    with pytest.raises(dcp.SlicedParameterError) as info:
+        apply_mindspore_layouts({"model": net}, source=None, rank=1)
+    text = str(info.value)
+    assert "'model.w' (Parameter 'w')" in text and "strategy_file=" in text and "rank 1" in text
+    assert "'model.b'" not in text
+    assert isinstance(info.value, ValueError)
+
+
+def test_sliced_parameter_refused_by_save_no_dist(tmp_path):
+    net = Net(rows=4, sliced=True)
+    with pytest.raises(dcp.SlicedParameterError, match="'model.w'"):
+        dcp.save({"model": net}, checkpoint_id=tmp_path / "c", no_dist=True)
+    assert not (tmp_path / "c" / ".metadata").exists()
+
+
+def test_strategy_file_gives_each_rank_its_box(tmp_path):
+    path = _row_strategy(tmp_path)
+    for rank in (0, 1):
+        net = Net(rows=4, sliced=True, fill=FULL[rank * 4:(rank + 1) * 4])
+        state = apply_mindspore_layouts({"model": net, "step": 3}, source=path, rank=rank)
+        assert isinstance(state["model"], dict) and state["step"] == 3
+        w = state["model"]["w"]
+        assert isinstance(w, DTensor) and w.to_local() is net.w
+        assert w.shape == (8, 4) and w.global_offset == (rank * 4, 0)
+        assert isinstance(state["model"]["b"], DTensor) and state["model"]["b"].global_offset == (0,)
+
+
+def test_parameter_layout_dict_is_used_by_itself():
+    net = Net(rows=4, sliced=True)
+    net.parameter_layout_dict = {"w": [[2], [0, -1], [4, 4], 0, True, "", [8, 4], [4, 4]]}
+    state = apply_mindspore_layouts({"model": net}, source=None, rank=1)
+    assert state["model"]["w"].global_offset == (4, 0)
+    assert state["model"]["b"] is net.b  # not in the dict, not sliced: whole, as MindSpore saves it
+
+
+def test_optimizer_state_follows_its_parameter_and_is_wrapped_once(tmp_path):
+    net = Net(rows=4, sliced=True)
+    opt = ms.nn.Adam(net.trainable_params())
+    state = apply_mindspore_layouts({"model": net, "optim": opt}, source=_row_strategy(tmp_path), rank=1)
+    assert state["optim"]["w"] is state["model"]["w"]  # one DTensor per Parameter
+    for name in ("moment1.w", "moment2.w"):
+        assert state["optim"][name].global_offset == (4, 0), name
+    assert state["optim"]["global_step"] is opt.global_step
+
+
+def test_mapping_of_layouts_and_bare_parameters():
+    param = ms.Parameter(ms.Tensor(np.zeros((4, 4), np.float32)), name="enc.w")
+    param.sliced = True
+    state = apply_mindspore_layouts({"x": [param, (param, 1)]}, source={"enc.w": Layout((2,), (0, -1))}, rank=1)
+    assert isinstance(state["x"], list) and isinstance(state["x"][1], tuple)
+    assert state["x"][0] is state["x"][1][0] and state["x"][0].global_offset == (4, 0)
+
+
+def test_layout_not_fitting_the_local_shape_is_refused(tmp_path):
+    net = Net(rows=4, sliced=True)
+    path = write_strategy_file(tmp_path / "bad.ckpt", (ParamStrategy("b", (2,), (0, -1)),
+                                                       ParamStrategy("w", (2,), (0, -1))))
+    with pytest.raises(dcp.SlicedParameterError, match=r"key 'model.b' \(Parameter 'b', local shape \(4,\)\)"):
+        apply_mindspore_layouts({"model": net}, source=path, rank=0)
+
+
+def test_nothing_sliced_keeps_the_state_dict():
+    state = {"model": Net(), "v": 1}
+    assert apply_mindspore_layouts(state, source=None, rank=0) is state
+    assert cells_in({"a": [state["model"]], "b": 2}) == (state["model"],)
+
+
+def test_no_dist_round_trip_with_layout_source_and_plain_values(tmp_path):
+    path = write_strategy_file(tmp_path / "one.ckpt", (ParamStrategy("w", (1,), (0, -1)),))
+    net = Net(fill=FULL, sliced=True)
+    dcp.save({"model": net, "step": 7}, checkpoint_id=tmp_path / "c", no_dist=True, strategy_file=path)
+    target_net = Net(sliced=True)
+    state = {"model": target_net, "step": 0}
+    dcp.load(state, checkpoint_id=tmp_path / "c", no_dist=True, strategy_file=LayoutSources(path))
+    np.testing.assert_array_equal(target_net.w.asnumpy(), FULL)
+    assert state["step"] == 7 and state["model"] is target_net  # plain values come back into the caller's dict
+
+
+# ------------------------------------------------------------------ replica divergence
+
+
+def _global_error(states, **kwargs):
+    planners, plans = plan_ranks(states, **kwargs)
+    with pytest.raises(dcp.PlanValidationError) as info:
+        planners[0].build_global_plan(plans)
+    return str(info.value)
+
+
+def test_diverging_whole_tensors_fail_naming_key_and_ranks():
+    states = [{"w": np.ones(4, np.float32), "same": np.zeros(3, np.float32)} for _ in range(3)]
+    states[2]["w"] = np.full(4, 2, np.float32)
+    text = _global_error(states)
+    assert "'w': replicas differ between ranks (ranks [0, 1]; ranks [2] each agree)" in text
+    assert "check_replicas=False" in text and "'same'" not in text
+
+
+def test_diverging_dtensor_replicas_fail_and_switch_turns_it_off():
+    layout = Layout((2, 2), (-1, 1))  # mesh dim 1 replicates
+    states = [{"w": DTensor.from_global(FULL, layout, rank=r)} for r in range(4)]
+    planners, plans = plan_ranks(states)
+    planners[0].build_global_plan(plans)  # equal replicas pass
+    states[3] = {"w": DTensor(np.asarray(states[3]["w"].to_local()) + 1, layout, FULL.shape, rank=3)}
+    assert "'w' (chunk at offset [0, 2]): replicas differ between ranks (ranks [2]; ranks [3]" in _global_error(states)
+    planners, plans = plan_ranks(states, check_replicas=False)
+    planners[0].build_global_plan(plans)
+
+
+def test_digests_only_where_replicas_can_exist():
+    split = Layout((2,), (0, -1))
+    states = [{"s": DTensor.from_global(FULL, split, rank=r), "r": FULL} for r in range(2)]
+    _, plans = plan_ranks(states)
+    by_key = {item.index.fqn: item.tensor_data.replica_digest for item in plans[0].items}
+    assert by_key["s"] is None and by_key["r"] is not None
+    _, single = plan_ranks([{"r": FULL}])
+    assert single[0].items[0].tensor_data.replica_digest is None

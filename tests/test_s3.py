@@ -1,0 +1,401 @@
+"""Object storage backend against a real S3 endpoint (moto's server on 127.0.0.1).
+
+Saves and loads through ``s3://`` ids, checks that the objects are the same
+safetensors files and metadata JSON as on disk, that large objects go up as
+multipart uploads with bounded memory, that loads fetch only the byte ranges
+they need, that corruption is caught, that a racing save fails naming the
+clash and that a SIGKILLed save leaves no committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mindspore
+import numpy as np
+import pytest
+from safetensors import deserialize
+
+import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel.core.distributed_checkpoint._format.metadata_json import metadata_from_json
+from hyper_parallel.core.distributed_checkpoint._object_io import ObjectSink, RangedSource
+from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions, commit_save, plan_save, write_local
+from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
+from s3_server import new_filesystem, s3_endpoint, s3_url  # noqa: F401  (fixtures)
+from storage_contract import StorageContract
+
+REPO = Path(__file__).resolve().parent.parent
+_MIB = 1 << 20
+
+
+def _state(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {
+        "w": mindspore.Tensor(rng.standard_normal((256, 512)).astype(np.float32)),
+        "h": mindspore.Tensor(rng.standard_normal((64,)).astype(np.float16)),
+        "bf": mindspore.Tensor(rng.standard_normal((8, 16)).astype(np.float32), dtype=mindspore.bfloat16),
+        "step": seed,
+        "name": f"run-{seed}",
+    }
+
+
+def _blank() -> dict:
+    return {
+        "w": mindspore.Tensor(np.zeros((256, 512), np.float32)),
+        "h": mindspore.Tensor(np.zeros((64,), np.float16)),
+        "bf": mindspore.Tensor(np.zeros((8, 16), np.float32), dtype=mindspore.bfloat16),
+        "step": -1,
+        "name": "",
+    }
+
+
+def _assert_same(loaded: dict, expected: dict) -> None:
+    for key in ("w", "h", "bf"):
+        np.testing.assert_array_equal(loaded[key].float().asnumpy(), expected[key].float().asnumpy(), err_msg=key)
+        assert loaded[key].dtype == expected[key].dtype
+    assert (loaded["step"], loaded["name"]) == (expected["step"], expected["name"])
+
+
+def _objects(url: str) -> list[str]:
+    fs = new_filesystem()
+    return sorted(p.rsplit("/", 1)[-1] for p in fs.ls(url[len("s3://"):], refresh=True))
+
+
+def test_round_trip_same_files_as_on_disk(s3_url: str, tmp_path: Path) -> None:
+    state = _state(1)
+    committed = dcp.save(state, checkpoint_id=s3_url, no_dist=True)
+    loaded = _blank()
+    dcp.load(loaded, checkpoint_id=s3_url, no_dist=True)
+    _assert_same(loaded, state)
+    assert dcp.read_metadata(s3_url).storage_meta.save_id == committed.storage_meta.save_id
+    # The same layout as a directory: metadata.json plus safetensors data objects any reader opens.
+    names = _objects(s3_url)
+    assert names[0] == "metadata.json" and all(n.endswith(".safetensors") for n in names[1:]), names
+    fs = new_filesystem()
+    raw_metadata = fs.cat_file(f"{s3_url[5:]}/metadata.json")
+    assert metadata_from_json(raw_metadata) == committed
+    disk = dcp.save(_state(1), checkpoint_id=tmp_path / "disk", no_dist=True)
+    assert json.loads(raw_metadata)["version"] == json.loads((tmp_path / "disk" / "metadata.json").read_bytes())["version"]
+    assert set(disk.state_dict_metadata) == set(committed.state_dict_metadata)
+    tensors = dict(deserialize(fs.cat_file(f"{s3_url[5:]}/{names[1]}")))  # the safetensors library parses it
+    assert tensors["bf"]["dtype"] == "BF16" and tensors["w"]["shape"] == [256, 512]
+    np.testing.assert_array_equal(np.frombuffer(bytes(tensors["w"]["data"]), np.float32).reshape(256, 512),
+                                  state["w"].asnumpy())
+
+
+def test_explicit_writer_and_reader_with_filesystem_object(s3_url: str, s3_endpoint) -> None:  # noqa: F811
+    fs = new_filesystem()
+    writer = dcp.FsspecWriter(s3_url, filesystem=fs, part_bytes=5 * _MIB, connections=2)
+    dcp.save(_state(2), storage_writer=writer, no_dist=True)
+    reader = dcp.FsspecReader(s3_url, endpoint_url=s3_endpoint.url, key="testing", secret="testing")
+    loaded = _blank()
+    dcp.load(loaded, storage_reader=reader, no_dist=True)
+    _assert_same(loaded, _state(2))
+    assert dcp.FsspecWriter.validate_checkpoint_id("s3://b/p") and not dcp.FsspecWriter.validate_checkpoint_id("/x")
+    assert not dcp.FileSystemWriter.validate_checkpoint_id("s3://b/p")
+
+
+def test_missing_and_uncommitted_locations(s3_url: str) -> None:
+    with pytest.raises(dcp.CheckpointNotFoundError, match="does not exist"):
+        dcp.load(_blank(), checkpoint_id=s3_url, no_dist=True)
+    fs = new_filesystem()
+    fs.pipe_file(f"{s3_url[5:]}/r00000_000.0123456789ab.safetensors", b"orphan data of a killed save")
+    with pytest.raises(dcp.IncompleteCheckpointError, match="did not commit"):
+        dcp.read_metadata(s3_url)
+
+
+_SINK_PEAK_SCRIPT = """
+import sys, tracemalloc
+import numpy as np
+import s3fs
+from hyper_parallel.core.distributed_checkpoint._object_io import ObjectSink
+fs = s3fs.S3FileSystem(skip_instance_cache=True)
+data = np.random.default_rng(3).integers(0, 256, size=(48 << 20) + 7, dtype=np.uint8)
+fs.pipe_file(sys.argv[1] + "-warm", b"x")  # the client and its service model exist before measuring
+tracemalloc.start()
+sink = ObjectSink(fs, sys.argv[1], part_bytes=5 << 20, connections=2)
+for start in range(0, data.size, 3 << 20):
+    sink.write(memoryview(data[start : start + (3 << 20)]))
+sink.commit()
+print(tracemalloc.get_traced_memory()[1])
+"""
+
+
+def test_large_objects_stream_as_multipart_with_bounded_memory(s3_url: str, s3_endpoint) -> None:  # noqa: F811
+    fs = new_filesystem()
+    path = f"{s3_url[5:]}/big"
+    # In a child process: the endpoint (moto) lives in this one and holds the uploaded bytes.
+    env = {**os.environ, **s3_endpoint.env, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", _SINK_PEAK_SCRIPT, path], env=env, capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    peak = int(out.split()[-1])
+    # Parts in flight (2), the filling one, and the HTTP client's transient copies: a bound set by the
+    # part size and connections, far below the 48 MiB object.
+    assert peak < 8 * 5 * _MIB, f"peak {peak} bytes for a 48 MiB object in 5 MiB parts"
+    assert fs.info(path, refresh=True)["ETag"].strip('"').endswith("-10")  # 10 parts: a multipart upload
+    data = np.random.default_rng(3).integers(0, 256, size=23 * _MIB + 7, dtype=np.uint8)
+    fs.pipe_file(path, data.tobytes())
+    source = RangedSource(fs, path, data.size, part_bytes=5 * _MIB, connections=3)
+    back = np.empty(data.size, np.uint8)
+    assert source.readinto(back, 0) == data.size
+    np.testing.assert_array_equal(back, data)
+    rows = [np.empty(10, np.uint8), np.empty(3, np.uint8)]
+    assert source.read_rows(rows, [100, data.size - 3]) == 13
+    np.testing.assert_array_equal(rows[0], data[100:110])
+    np.testing.assert_array_equal(rows[1], data[-3:])
+    # A failed upload leaves no object.
+    sink = ObjectSink(fs, f"{path}-aborted", part_bytes=5 * _MIB, connections=2)
+    sink.write(memoryview(data[: 11 * _MIB]))
+    sink.abort()
+    assert not fs.exists(f"{path}-aborted")
+
+
+def test_large_save_round_trips_through_multipart(s3_url: str) -> None:
+    rng = np.random.default_rng(4)
+    state = {"big": mindspore.Tensor(rng.standard_normal((3 * 1024, 1024)).astype(np.float32))}  # 12 MiB
+    writer = dcp.FsspecWriter(s3_url, part_bytes=5 * _MIB, connections=3, thread_count=1)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    name = [n for n in _objects(s3_url) if n.endswith(".safetensors")][0]
+    assert new_filesystem().info(f"{s3_url[5:]}/{name}")["ETag"].strip('"').endswith("-3")
+    target = {"big": mindspore.Tensor(np.zeros((3 * 1024, 1024), np.float32))}
+    dcp.load(target, checkpoint_id=s3_url, no_dist=True)
+    np.testing.assert_array_equal(target["big"].asnumpy(), state["big"].asnumpy())
+
+
+def test_partial_loads_fetch_only_the_needed_bytes(s3_url: str) -> None:
+    """A region of a stored tensor (a reshard's view) is fetched by ranged GETs of about its size."""
+    import hyper_parallel  # pylint: disable=import-outside-toplevel
+
+    full = np.arange(4096 * 1024, dtype=np.float32).reshape(4096, 1024)  # tiles of 1024 rows x 256 columns
+    small = np.arange(256 * 1024, dtype=np.float32).reshape(256, 1024)
+    dcp.save({"w": mindspore.Tensor(full), "c": mindspore.Tensor(small)}, checkpoint_id=s3_url, no_dist=True)
+    for verify, bound in ((False, 1.0), (True, 1.05)):
+        layout = hyper_parallel.Layout((4,), (0, -1))
+        target = {"w": hyper_parallel.DTensor(mindspore.Tensor(np.zeros((1024, 1024), np.float32)), layout,
+                                              (4096, 1024), rank=1)}
+        reader = dcp.FsspecReader(s3_url, verify_checksums=verify)
+        dcp.load(target, storage_reader=reader, no_dist=True)
+        np.testing.assert_array_equal(target["w"].to_local().asnumpy(), full[1024:2048])
+        needed = 1024 * 1024 * 4
+        assert needed <= reader.bytes_fetched <= bound * needed, (verify, reader.bytes_fetched)
+    layout = hyper_parallel.Layout((4,), (-1, 0))  # columns: 256 runs of 1 KiB each
+    target = {"c": hyper_parallel.DTensor(mindspore.Tensor(np.zeros((256, 256), np.float32)), layout,
+                                          (256, 1024), rank=2)}
+    reader = dcp.FsspecReader(s3_url, verify_checksums=False)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    np.testing.assert_array_equal(target["c"].to_local().asnumpy(), small[:, 512:768])
+    assert reader.bytes_fetched == 256 * 256 * 4
+
+
+def test_corruption_is_detected_naming_key_and_object(s3_url: str) -> None:
+    dcp.save(_state(5), checkpoint_id=s3_url, no_dist=True)
+    fs = new_filesystem()
+    metadata = dcp.read_metadata(s3_url)
+    info = next(i for k, i in metadata.storage_data.items() if k.fqn == "w")
+    path = f"{s3_url[5:]}/{info.relative_path}"
+    blob = bytearray(fs.cat_file(path))
+    blob[info.offset + 1000] ^= 0xFF
+    fs.pipe_file(path, bytes(blob))
+    with pytest.raises(dcp.CorruptCheckpointError, match=f"checksum mismatch.*{info.relative_path}.*key 'w'"):
+        dcp.load(_blank(), checkpoint_id=s3_url, no_dist=True)
+    fs.rm_file(path)
+    with pytest.raises(dcp.CorruptCheckpointError, match="is missing"):
+        dcp.load(_blank(), checkpoint_id=s3_url, no_dist=True)
+
+
+def _prepared(state: dict, url: str):
+    return _prepared_with(dcp.FsspecWriter(url), state)
+
+
+def _prepared_with(writer, state: dict):
+    """A save planned (the writer noted the committed metadata) but not yet written."""
+    return plan_save(state, writer=writer, planner=StandardSavePlanner(), options=SaveOptions(no_dist=True))
+
+
+def run_save_writes(session) -> dcp.Metadata:
+    return commit_save(session, lambda: write_local(session))
+
+
+@pytest.mark.parametrize("over_committed", [False, True])
+def test_racing_saves_one_wins_whole_the_other_names_the_clash(s3_url: str, over_committed: bool) -> None:
+    if over_committed:
+        dcp.save(_state(7), checkpoint_id=s3_url, no_dist=True)
+    first, second = _prepared(_state(8), s3_url), _prepared(_state(9), s3_url)  # both began before either commits
+    run_save_writes(first)
+    with pytest.raises(dcp.ConcurrentSaveError, match=f"checkpoint {s3_url}: another save committed it") as caught:
+        run_save_writes(second)
+    assert isinstance(caught.value, dcp.CheckpointError)
+    loaded = _blank()
+    dcp.load(loaded, checkpoint_id=s3_url, no_dist=True)
+    _assert_same(loaded, _state(8))
+    winner = dcp.read_metadata(s3_url).storage_meta.save_id
+    data = [n for n in _objects(s3_url) if n.endswith(".safetensors")]
+    assert data and all(winner in n for n in data), data  # the loser's data and the superseded data are gone
+
+
+def test_async_save_then_resave_keeps_old_until_commit(s3_url: str) -> None:
+    dcp.save(_state(10), checkpoint_id=s3_url, no_dist=True)
+    handle = dcp.async_save(_state(11), checkpoint_id=s3_url, no_dist=True)
+    loaded = _blank()
+    dcp.load(loaded, checkpoint_id=s3_url, no_dist=True)  # the old one, whole, meanwhile
+    assert loaded["step"] in (10, 11)
+    handle.result()
+    dcp.load(loaded, checkpoint_id=s3_url, no_dist=True)
+    _assert_same(loaded, _state(11))
+    assert len([n for n in _objects(s3_url) if n.endswith(".safetensors")]) == 1
+
+
+def test_killed_save_leaves_no_committed_checkpoint(s3_url: str, s3_endpoint, tmp_path: Path) -> None:  # noqa: F811
+    dcp.save(_state(12), checkpoint_id=s3_url, no_dist=True)
+    before = dcp.read_metadata(s3_url)
+    env = {**os.environ, **s3_endpoint.env, "PYTHONPATH": str(REPO)}
+    child = subprocess.Popen([sys.executable, str(REPO / "tests" / "workers" / "s3_save_child.py"), s3_url],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    fs = new_filesystem()
+    bucket = s3_url[5:].split("/")[0]
+    deadline = time.monotonic() + 120
+    killed_mid_upload = False
+    try:
+        while time.monotonic() < deadline and child.poll() is None:
+            uploads = fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
+            if uploads:
+                child.send_signal(signal.SIGKILL)
+                killed_mid_upload = True
+                break
+            time.sleep(0.02)
+    finally:
+        if child.poll() is None:
+            child.kill()
+        output = child.communicate()[0].decode(errors="replace")
+    assert killed_mid_upload, f"the child never started an upload: {output[-2000:]}"
+    after = dcp.read_metadata(s3_url)
+    assert after.storage_meta.save_id == before.storage_meta.save_id
+    loaded = _blank()
+    dcp.load(loaded, checkpoint_id=s3_url, no_dist=True)
+    _assert_same(loaded, _state(12))
+
+
+def test_two_ranks_under_msrun_save_and_load_resharded(s3_url: str, s3_endpoint, tmp_path: Path) -> None:  # noqa: F811
+    from msrun_harness import check_scenarios, run_workers, scenario_values  # pylint: disable=import-outside-toplevel
+    from workers.s3_worker import full_value  # pylint: disable=import-outside-toplevel
+
+    results = run_workers(REPO / "tests" / "workers" / "s3_worker.py", workers=2, tmp_path=tmp_path, timeout=600,
+                          args=[s3_url], env=s3_endpoint.env)
+    save_ids = scenario_values(results, "save")
+    assert save_ids[0] == save_ids[1] == dcp.read_metadata(f"{s3_url}/sharded").storage_meta.save_id
+    for rank, value in enumerate(scenario_values(results, "load_columns")):
+        np.testing.assert_array_equal(value["w"], full_value(1)[:, rank * 6 : (rank + 1) * 6])
+        np.testing.assert_array_equal(value["bias"], np.full(3, 1, np.float32))
+        assert value["step"] == 1
+    for value in scenario_values(results, "load_full"):
+        np.testing.assert_array_equal(value, full_value(1))
+    for rank, value in enumerate(scenario_values(results, "async_save")):
+        np.testing.assert_array_equal(value, full_value(2)[rank * 4 : (rank + 1) * 4])
+    for rank, value in enumerate(scenario_values(results, "rank_local")):
+        np.testing.assert_array_equal(value, np.full(4, rank + 100, np.float32))
+    local = _objects(f"{s3_url}/local")
+    assert "metadata.rank00000.json" in local and "metadata.rank00001.json" in local
+    check_scenarios(results)
+    for rank, value in enumerate(scenario_values(results, "manager")):
+        assert value["steps"] == [2, 3] and value["loaded"] == 3
+        np.testing.assert_array_equal(value["w"], full_value(3)[:, rank * 6 : (rank + 1) * 6])
+    # Both ranks wrote data objects; retention removed step 1 entirely.
+    names = _objects(f"{s3_url}/sharded")
+    assert {n[:6] for n in names if n.endswith(".safetensors")} == {"r00000", "r00001"}
+    assert _objects(f"{s3_url}/steps") == ["step_00000002", "step_00000003"]
+
+
+def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hyper_parallel.cli.main", *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **env, "PYTHONPATH": str(REPO)})
+
+
+def test_cli_inspect_verify_convert_diff_on_s3(s3_url: str, s3_endpoint, tmp_path: Path) -> None:  # noqa: F811
+    from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
+
+    state = {"w": mindspore.Tensor(np.arange(12, dtype=np.float32).reshape(3, 4)), "step": 3}
+    committed = dcp.save(state, checkpoint_id=s3_url, no_dist=True)
+    done = _cli("inspect", s3_url, "--json", env=s3_endpoint.env)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["path"] == s3_url and report["save_id"] == committed.storage_meta.save_id
+    assert [t["key"] for t in report["tensors"]] == ["w"] and report["tensors"][0]["shape"] == [3, 4]
+    done = _cli("verify", s3_url, "--no-progress", env=s3_endpoint.env)
+    assert done.returncode == 0 and done.stdout.startswith(f"OK: {s3_url}"), done.stdout + done.stderr
+    done = _cli("convert", s3_url, str(tmp_path / "hf"), env=s3_endpoint.env)
+    assert done.returncode == 0, done.stderr
+    np.testing.assert_array_equal(load_file(tmp_path / "hf" / "model.safetensors")["w"], state["w"].asnumpy())
+    done = _cli("diff", s3_url, s3_url, env=s3_endpoint.env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    info = next(iter(committed.storage_data.values()))
+    fs = new_filesystem()
+    path = f"{s3_url[5:]}/{info.relative_path}"
+    blob = bytearray(fs.cat_file(path))
+    blob[-1] ^= 0xFF
+    fs.pipe_file(path, bytes(blob))
+    done = _cli("verify", s3_url, "--no-progress", env=s3_endpoint.env)
+    assert done.returncode == 1 and "checksum mismatch" in done.stdout, done.stdout + done.stderr
+    fs.rm_file(path)
+    done = _cli("verify", s3_url, "--no-progress", env=s3_endpoint.env)
+    assert done.returncode == 1 and info.relative_path in done.stdout, done.stdout + done.stderr
+    done = _cli("inspect", f"{s3_url}-missing", env=s3_endpoint.env)
+    assert done.returncode == 2 and "does not exist" in done.stderr, done.stderr
+
+
+def test_other_fsspec_filesystems_use_the_same_backend() -> None:
+    """A non-S3 fsspec filesystem (memory://): streamed writes, ranged reads, check-then-write commit."""
+    import fsspec  # pylint: disable=import-outside-toplevel
+
+    url = f"memory://hp-ckpt-{os.getpid()}/ckpt"
+    fs = fsspec.filesystem("memory")
+    state = _state(20)
+    dcp.save(state, storage_writer=dcp.FsspecWriter(url, filesystem=fs), no_dist=True)
+    loaded = _blank()
+    dcp.load(loaded, storage_reader=dcp.FsspecReader(url, filesystem=fs), no_dist=True)
+    _assert_same(loaded, state)
+    first, second = (_prepared_with(dcp.FsspecWriter(url, filesystem=fs), _state(s)) for s in (21, 22))
+    run_save_writes(first)
+    with pytest.raises(dcp.ConcurrentSaveError, match="another save"):
+        run_save_writes(second)
+    dcp.load(loaded, storage_reader=dcp.FsspecReader(url, filesystem=fs), no_dist=True)
+    _assert_same(loaded, _state(21))
+    with pytest.raises(dcp.UnsafeCheckpointError, match="not a plain name"):
+        dcp.FsspecReader(url, filesystem=fs).resolve("../escape.safetensors", "w")
+    fs.rm(f"/hp-ckpt-{os.getpid()}", recursive=True)
+
+
+class TestS3Storage(StorageContract):
+    """The shared storage contract, on the moto S3 endpoint."""
+
+    backend = "filesystem"  # the same format as a directory, so the same load strategy
+
+    @pytest.fixture(autouse=True)
+    def _bucket(self, s3_url: str) -> None:
+        self.base = s3_url
+
+    def make_id(self, name):
+        return f"{self.base}/{name}"
+
+    def make_writer(self, checkpoint_id):
+        return dcp.FsspecWriter(checkpoint_id)
+
+    def make_reader(self, checkpoint_id):
+        return dcp.FsspecReader(checkpoint_id)
+
+    @pytest.mark.xfail(strict=True, reason="issue 15 (verify before a byte lands): the reader shared with the "
+                       "filesystem backend verifies flat blocks after reading them into the target")
+    def test_a_corrupt_item_leaves_its_target_untouched(self):
+        super().test_a_corrupt_item_leaves_its_target_untouched()
+
+    def corrupt(self, checkpoint_id, info):
+        fs = new_filesystem()
+        path = f"{checkpoint_id[len('s3://'):]}/{info.relative_path}"
+        blob = bytearray(fs.cat_file(path))
+        blob[info.offset] ^= 0xFF
+        fs.pipe_file(path, bytes(blob))
