@@ -293,20 +293,24 @@ def test_committed_output_is_never_replaced(jobs, tmp_path):
     assert (tmp_path / "ours" / "metadata.json").read_bytes() == before and first.storage_data
 
 
-def test_fifo_source_is_refused_without_blocking(tmp_path):
-    fifo = tmp_path / "weights.ckpt"
+@pytest.mark.parametrize("where", ["weights.ckpt", "hf/model.safetensors.index.json", "ranks/rank_0/c.ckpt"])
+def test_fifo_source_is_refused_without_blocking(tmp_path, where):
+    fifo = tmp_path / where
+    fifo.parent.mkdir(parents=True, exist_ok=True)
     os.mkfifo(fifo)
+    src = tmp_path / where.split("/")[0]
+    strategy = write_case(tmp_path / "strategy", CASES["dp_replicas_4"]) if where.startswith("ranks") else None
     outcome: list[BaseException] = []
-    worker = threading.Thread(target=lambda: _capture(outcome, fifo, tmp_path / "out"), daemon=True)
+    worker = threading.Thread(target=lambda: _capture(outcome, src, tmp_path / "out", strategy), daemon=True)
     worker.start()
     worker.join(20)
     assert not worker.is_alive(), "import blocked on a FIFO"
     assert isinstance(outcome[0], UnsupportedFormatError) and "regular file" in str(outcome[0])
 
 
-def _capture(outcome: list[BaseException], src: Path, out: Path) -> None:
+def _capture(outcome: list[BaseException], src: Path, out: Path, strategy: list[str] | None) -> None:
     try:
-        import_checkpoint(src, out)
+        import_checkpoint(src, out, strategy_files=strategy)
     except BaseException as exc:  # pylint: disable=broad-except
         outcome.append(exc)
 
