@@ -183,3 +183,15 @@ def test_msrun_two_ranks_sliced_parameters_resume(tmp_path: Path) -> None:
     np.testing.assert_array_equal(results[0]["full_m1"], np.concatenate([r["m1"] for r in results]))
     assert results[0]["full_w"].shape == (8, 4)
     assert {"w", "b", "moment1.w", "moment2.b", "global_step"} <= set(results[0]["keys"])
+
+
+def test_resume_inside_an_epoch_warns(tmp_path: Path, caplog) -> None:
+    model, _, _ = _model()
+    model.train(1, _data(), callbacks=[hyper_parallel.CheckpointCallback(tmp_path, save_checkpoint_steps=2)],
+                dataset_sink_mode=False)  # 3 steps: saves 2 and 3
+    model2, _, _ = _model(seed=5)
+    callback = hyper_parallel.CheckpointCallback(tmp_path, save_checkpoint_steps=2, resume=True)
+    (tmp_path / "step_00000003").rename(tmp_path / ".gone")  # newest committed step is now 2, inside epoch 1
+    with caplog.at_level("WARNING"):
+        model2.train(2, _data(), callbacks=[callback], dataset_sink_mode=False, initial_epoch=1)
+    assert callback.resumed_step == 2 and "inside epoch 1 of 3 steps" in caplog.text
