@@ -249,3 +249,16 @@ def test_fork_staging_snapshots_at_call_time_and_reports_child_errors(tmp_path):
     assert not (tmp_path / "g" / "metadata.json").exists()
     with pytest.raises(dcp.CheckpointValueError, match="staging"):
         dcp.async_save({"p": param}, checkpoint_id=tmp_path / "h", staging="mmap")
+
+
+@pytest.mark.parametrize("version,accepted", [("2", True), ("2.0", True), ("1", True), ("2.x", False), ("", False)])
+def test_a_version_is_accepted_by_a_registered_strategy_of_the_same_major(tmp_path, version, accepted):
+    dcp.save({"a": np.ones(2)}, checkpoint_id=tmp_path / "c")
+    _rewrite(tmp_path / "c", version=version)
+    target = {"a": np.zeros(2)}
+    if accepted:
+        dcp.load(target, checkpoint_id=tmp_path / "c")
+        assert target["a"].tolist() == [1.0, 1.0]
+    else:
+        with pytest.raises(dcp.UnsupportedFormatError, match=f"version '{version}'"):
+            dcp.load(target, checkpoint_id=tmp_path / "c")

@@ -118,6 +118,23 @@ def replicas_diverge() -> dict:
             "committed": (BASE / "div" / "metadata.json").is_file()}
 
 
+def reused_plan_still_checks_replicas() -> dict:
+    from hyper_parallel.core.distributed_checkpoint._plan_cache import STATS
+
+    split = hyper_parallel.Layout((2,), (0, -1))
+    state = {"r": ms.Tensor(np.ones(4, np.float32)),
+             "s": hyper_parallel.DTensor(ms.Tensor(_rows(W, 2, RANK).copy()), split, W.shape)}
+    dcp.save(state, checkpoint_id=BASE / "reuse")
+    before = STATS.reused
+    state["r"] = ms.Tensor(np.full(4, 2, np.float32))  # new values, equal on both ranks: plan reused
+    dcp.save(state, checkpoint_id=BASE / "reuse")
+    reused = STATS.reused - before
+    state["r"] = ms.Tensor(np.full(4, 3 + RANK, np.float32))  # diverging replicas, same layout
+    failed = _error(lambda: dcp.save(state, checkpoint_id=BASE / "reuse"))
+    return {"reused": reused, "reused_on_divergence": STATS.reused - before - reused, "failed": failed,
+            "kept": float(_full(BASE / "reuse")["r"][0])}
+
+
 # ---------------------------------------------------------------- phase four (4 ranks)
 # strategy "b": dev (2, 2), w rows over mesh dim 0, columns over mesh dim 1; b split over mesh dim 0.
 # strategy "pp": 2 stages of 2 ranks; stage 0 holds w (optimizer parallel over both ranks), stage 1 holds b.
@@ -200,6 +217,7 @@ PHASES = {
         "layout_dict_by_itself": layout_dict_by_itself,
         "async_with_strategy": async_with_strategy,
         "replicas_diverge": replicas_diverge,
+        "reused_plan_still_checks_replicas": reused_plan_still_checks_replicas,
     },
     "four": {
         "load_other_split_and_size": load_other_split_and_size,

@@ -38,7 +38,12 @@ from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import (
     apply_mindspore_layouts,
     copy_back_values,
 )
-from hyper_parallel.core.distributed_checkpoint._plan_cache import CachedPlan, plan_cache_for
+from hyper_parallel.core.distributed_checkpoint._plan_cache import (
+    CachedPlan,
+    PlanMessage,
+    check_cached_replicas,
+    plan_cache_for,
+)
 from hyper_parallel.core.distributed_checkpoint._staging import StagedSavePlanner, StagingPool, staged_views
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, PlanValidationError
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
@@ -230,6 +235,7 @@ def plan_save(
 
     cache = plan_cache_for(writer, planner, options, rank=dist.rank, world_size=dist.world_size)
     all_final: list[list[SavePlan]] = []
+    all_local: list[list[SavePlan]] = []
 
     def global_step(all_plans: list[SavePlan]) -> list[Any]:
         try:
@@ -242,6 +248,7 @@ def plan_save(
         final_plans = writer.prepare_global_plan(final_plans)
         merged.append(metadata)
         all_final.append(final_plans)
+        all_local.append(all_plans)
         return [_compress(local, final) for local, final in zip(all_plans, final_plans)]
 
     try:
@@ -253,11 +260,12 @@ def plan_save(
             messages = dist.all_gather("plan digest", lambda: cache.message(local_step()))
             cached = cache.lookup(messages)
             if cached is not None:
-                plan = _reuse(dist, writer, cached, merged)
+                plan = _reuse(dist, writer, cached, merged, messages)
             else:
                 received = dist.reduce_scatter("plan", lambda: local_plans[0], global_step)
                 plan = _expand(local_plans[0], received)
-                cache.store(messages, plan, all_final[0] if all_final else None, merged[0] if merged else None)
+                cache.store(messages, plan, all_final[0] if all_final else None, merged[0] if merged else None,
+                            all_local[0] if all_local else None)
         plan = planner.finalize_plan(plan)
     except BaseException:
         writer.abort()
@@ -265,10 +273,16 @@ def plan_save(
     return SaveSession(dist=dist, writer=writer, planner=planner, plan=plan, metadata=merged[0] if merged else None)
 
 
-def _reuse(dist: DistWrapper, writer: StorageWriter, cached: CachedPlan, merged: list[Metadata]) -> SavePlan:
-    """This rank's cached final plan, with this save's storage data from the coordinator. All ranks."""
+def _reuse(
+    dist: DistWrapper, writer: StorageWriter, cached: CachedPlan, merged: list[Metadata], messages: list[PlanMessage]
+) -> SavePlan:
+    """This rank's cached final plan, with this save's storage data from the coordinator. All ranks.
+
+    The coordinator first compares this save's replica digests (a reused plan is checked as a new one).
+    """
 
     def stamp() -> list[Any]:
+        check_cached_replicas(cached, messages)
         merged.append(cached.metadata)
         return [plan.storage_data for plan in writer.prepare_global_plan(list(cached.all_final))]
 

@@ -68,13 +68,6 @@ class _StrategyBase(abc.ABC):
         self.backend = backend
         self.version = version
 
-    def check_backend_compatibility(self, backend: str) -> None:
-        """Raise :class:`UnsupportedFormatError` unless ``backend`` is this strategy's."""
-        if backend != self.backend:
-            raise UnsupportedFormatError(
-                f"checkpoint backend {backend!r} cannot be handled by the {self.backend!r} strategy"
-            )
-
     def check_version_compatibility(self, version: str) -> None:
         """Raise :class:`UnsupportedFormatError` for another major or a newer minor version."""
         try:
