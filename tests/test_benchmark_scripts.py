@@ -91,3 +91,17 @@ def test_bench_planning_reports_time_and_bytes_per_rank(tmp_path):
         "bytes_received_per_noncoordinator_rank_allgather"]
     assert rows[1]["bytes_received_per_noncoordinator_rank_scatter"] <= rows[0][
         "bytes_received_per_noncoordinator_rank_scatter"] + 8
+
+
+def test_bench_metadata_reports_size_read_time_and_rank_planning(tmp_path):
+    out = tmp_path / "meta.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_metadata.py"), "--ranks", "4", "32", "--tensors", "20",
+         "--json", str(out)], env=_env(), capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [row["chunks"] for row in result["measured"]] == [80, 640]
+    for row in result["measured"]:
+        assert row["metadata_bytes"] > 100 * row["chunks"] and row["read_metadata_s"] > 0
+        assert row["rank_load_planning_s"] > 0
+    assert result["extrapolated"]["chunks"] == 10240 * 10000 and "extrapolated to 10240 ranks" in proc.stdout

@@ -29,6 +29,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     UnsafeCheckpointError,
     UnsupportedTypeError,
 )
+from hyper_parallel.core.distributed_checkpoint._chunk_search import overlapping_chunks
 from hyper_parallel.core.distributed_checkpoint._flatten import FlatStateDict, flatten_state_dict, set_by_path
 from hyper_parallel.core.distributed_checkpoint._global_plan import build_global_save_plan
 from hyper_parallel.core.distributed_checkpoint.metadata import (
@@ -401,7 +402,7 @@ class StandardLoadPlanner(LoadPlanner):
                     f"{list(piece.offsets)}; load it once"
                 )
             self._pieces[(entry.fqn, piece.offsets)] = (name, entry, piece)
-            for chunk in stored.chunks:
+            for chunk in overlapping_chunks(stored.chunks, piece.offsets, piece.sizes):
                 lo = tuple(max(a, b) for a, b in zip(piece.offsets, chunk.offsets))
                 hi = tuple(
                     min(a + s, b + t) for a, s, b, t in zip(piece.offsets, piece.sizes, chunk.offsets, chunk.sizes)
