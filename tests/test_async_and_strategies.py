@@ -16,8 +16,8 @@ import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.core.distributed_checkpoint import _engine
 from hyper_parallel.core.distributed_checkpoint.metadata import FORMAT_VERSION
 from hyper_parallel.core.distributed_checkpoint.strategies import (
-    FileSystemLoadStrategy,
-    FileSystemSaveStrategy,
+    StandardLoadStrategy,
+    StandardSaveStrategy,
     LoadOptions,
     LoadStrategyBase,
     SaveOptions,
@@ -77,17 +77,18 @@ def test_an_unseen_async_failure_is_raised_by_the_next_async_save(tmp_path):
     dcp.async_save({"v": np.zeros(4)}, checkpoint_id=tmp_path / "next").result()
 
 
-def test_process_exit_with_async_save_in_flight_leaves_it_uncommitted(tmp_path):
+def test_process_exit_with_async_save_in_flight_commits_it_whole(tmp_path):
     script = textwrap.dedent(f"""
         import numpy as np
         import hyper_parallel.core.distributed_checkpoint as dcp
         dcp.save({{"v": np.ones(8)}}, checkpoint_id={str(tmp_path / 'old')!r})
         dcp.async_save({{"v": np.ones((2048, 2048))}}, checkpoint_id={str(tmp_path / 'new')!r})
-        # exit without result(): the commit never ran
+        # exit without result(): one process commits in the background, and the exit waits for it
     """)
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
-    with pytest.raises(dcp.IncompleteCheckpointError):
-        dcp.read_metadata(tmp_path / "new")
+    whole = np.zeros((2048, 2048))
+    dcp.load({"v": whole}, checkpoint_id=tmp_path / "new")
+    assert whole.min() == whole.max() == 1.0
     target = np.zeros(8)
     dcp.load({"v": target}, checkpoint_id=tmp_path / "old")
     assert target.tolist() == [1.0] * 8
@@ -97,10 +98,10 @@ def test_filesystem_backend_is_registered_and_recorded(tmp_path):
     metadata = dcp.save({"a": np.ones(2)}, checkpoint_id=tmp_path / "c")
     assert (metadata.storage_meta.backend, metadata.version) == ("filesystem", "2.0") == ("filesystem", FORMAT_VERSION)
     strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, "filesystem", "2.0")
-    assert isinstance(strategy, FileSystemLoadStrategy)
+    assert isinstance(strategy, StandardLoadStrategy)
     assert check_load_compatible(metadata) is strategy
     older = get_default_strategy(StrategyAction.LOAD_SHARDED, "filesystem", "1.0")
-    assert isinstance(older, FileSystemLoadStrategy) and older.version == "1.0" and older is not strategy
+    assert isinstance(older, StandardLoadStrategy) and older.version == "1.0" and older is not strategy
     save_strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, "filesystem", "2.0")
     committed = save_strategy.save({"a": np.full(2, 3.0)}, storage_writer=dcp.FileSystemWriter(tmp_path / "via"),
                                    planner=dcp.StandardSavePlanner(), options=SaveOptions(no_dist=True))
@@ -114,7 +115,8 @@ def test_filesystem_backend_is_registered_and_recorded(tmp_path):
     assert isinstance(request, dcp.AsyncRequest)
     queue = dcp.AsyncCallsQueue()
     call = queue.schedule_async_request(request)
-    assert call.wait(60) and not (tmp_path / "via_async" / "metadata.json").exists()  # written, not committed
+    # one process: written and committed in the background, before finalize
+    assert call.wait(60) and (tmp_path / "via_async" / "metadata.json").exists()
     assert call.finalize().storage_meta.backend == "filesystem"
     dcp.load(target, checkpoint_id=tmp_path / "via_async")
     assert target["a"].tolist() == [4.0, 4.0]
@@ -145,7 +147,7 @@ def test_registering_a_strategy_for_a_new_version(tmp_path):
     dcp.save({"a": np.ones(2)}, checkpoint_id=tmp_path / "c")
     _rewrite(tmp_path / "c", version="2.5")
 
-    class Reader25(FileSystemLoadStrategy):
+    class Reader25(StandardLoadStrategy):
         pass
 
     register_default_strategy(StrategyAction.LOAD_SHARDED, "filesystem", "2.5", Reader25("filesystem", "2.5"))
@@ -176,7 +178,7 @@ def _registered(action, strategy):
 def test_save_async_save_and_load_call_the_registered_strategies(tmp_path):
     calls = []
 
-    class RecordingSave(FileSystemSaveStrategy):
+    class RecordingSave(StandardSaveStrategy):
         def save(self, state_dict, *, storage_writer, planner, options):
             calls.append(("save", type(storage_writer).__name__, options.remove_redundancy))
             return super().save(state_dict, storage_writer=storage_writer, planner=planner, options=options)
@@ -186,7 +188,7 @@ def test_save_async_save_and_load_call_the_registered_strategies(tmp_path):
             return super().async_save(state_dict, storage_writer=storage_writer, planner=planner, options=options,
                                       staging=staging)
 
-    class RecordingLoad(FileSystemLoadStrategy):
+    class RecordingLoad(StandardLoadStrategy):
         def load(self, state_dict, *, storage_reader, planner, metadata, options):
             calls.append(("load", metadata.version, sorted(metadata.state_dict_metadata), options.use_collectives))
             super().load(state_dict, storage_reader=storage_reader, planner=planner, metadata=metadata,
@@ -247,3 +249,16 @@ def test_fork_staging_snapshots_at_call_time_and_reports_child_errors(tmp_path):
     assert not (tmp_path / "g" / "metadata.json").exists()
     with pytest.raises(dcp.CheckpointValueError, match="staging"):
         dcp.async_save({"p": param}, checkpoint_id=tmp_path / "h", staging="mmap")
+
+
+@pytest.mark.parametrize("version,accepted", [("2", True), ("2.0", True), ("1", True), ("2.x", False), ("", False)])
+def test_a_version_is_accepted_by_a_registered_strategy_of_the_same_major(tmp_path, version, accepted):
+    dcp.save({"a": np.ones(2)}, checkpoint_id=tmp_path / "c")
+    _rewrite(tmp_path / "c", version=version)
+    target = {"a": np.zeros(2)}
+    if accepted:
+        dcp.load(target, checkpoint_id=tmp_path / "c")
+        assert target["a"].tolist() == [1.0, 1.0]
+    else:
+        with pytest.raises(dcp.UnsupportedFormatError, match=f"version '{version}'"):
+            dcp.load(target, checkpoint_id=tmp_path / "c")

@@ -60,7 +60,8 @@ def test_saves_train_network_like_model_checkpoint_and_resumes(tmp_path: Path) -
     ms.save_checkpoint(train_net, str(tmp_path / "ms.ckpt"))
     assert stored == set(ms.load_checkpoint(str(tmp_path / "ms.ckpt"))) | {"epoch_num", "step_num", "tag"}
     values = hyper_parallel.load_checkpoint(tmp_path / "run" / "step_00000006", specify_prefix=["epoch", "step", "tag"])
-    assert values == {"epoch_num": 2, "step_num": 6, "tag": "v1"}
+    assert {k: v if isinstance(v, str) else v.asnumpy().item() for k, v in values.items()} == {
+        "epoch_num": 2, "step_num": 6, "tag": "v1"}
     # A new job: fresh (other) initial values, resumed into network AND optimizer, numbering continues.
     model2, net2, opt2 = _model(seed=2)
     resumed = hyper_parallel.CheckpointCallback(tmp_path / "run", save_checkpoint_steps=2, keep_checkpoint_max=2)
@@ -157,3 +158,40 @@ def test_example_killed_and_resumed_repeats_the_uninterrupted_losses(tmp_path: P
     assert logged == [(s, expected[s]) for s in range(first, 21)], "same losses, bit for bit"
     assert f"resumed from step {first - 1}; newest step 20" in resumed.stdout
     assert _steps_on_disk(tmp_path / "run") == [12, 16, 20]
+
+
+def test_msrun_two_ranks_sliced_parameters_resume(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from msrun_harness import run_workers  # pylint: disable=import-outside-toplevel
+    from strategy_files import ParamStrategy, write_strategy_file  # pylint: disable=import-outside-toplevel
+
+    base = tmp_path / "shared"
+    (base / "strategies").mkdir(parents=True)
+    write_strategy_file(base / "strategies" / "rows.ckpt",
+                        (ParamStrategy("w", (2,), (0, -1)), ParamStrategy("b", (2,), (0,))))
+    results = run_workers(ROOT / "tests" / "workers" / "callback_worker.py", workers=2, tmp_path=tmp_path,
+                          args=[str(base)], timeout=600)
+    for rank, result in enumerate(results):
+        assert sorted(result["reference"]) == list(range(1, 17)) and sorted(result["first"]) == list(range(1, 9))
+        assert result["resumed_step"] == 8 and sorted(result["resumed"]) == list(range(9, 17))
+        assert all(result["resumed"][s] == result["reference"][s] for s in range(9, 17)), f"rank {rank}"
+        np.testing.assert_array_equal(result["w"], result["ref_w"])
+        np.testing.assert_array_equal(result["m1"], result["ref_m1"])
+        assert result["steps"] == [12, 16]
+    # The checkpoint holds the global tensors: each rank's rows, in rank order.
+    np.testing.assert_array_equal(results[0]["full_w"], np.concatenate([r["w"] for r in results]))
+    np.testing.assert_array_equal(results[0]["full_m1"], np.concatenate([r["m1"] for r in results]))
+    assert results[0]["full_w"].shape == (8, 4)
+    assert {"w", "b", "moment1.w", "moment2.b", "global_step"} <= set(results[0]["keys"])
+
+
+def test_resume_inside_an_epoch_warns(tmp_path: Path, caplog) -> None:
+    model, _, _ = _model()
+    model.train(1, _data(), callbacks=[hyper_parallel.CheckpointCallback(tmp_path, save_checkpoint_steps=2)],
+                dataset_sink_mode=False)  # 3 steps: saves 2 and 3
+    model2, _, _ = _model(seed=5)
+    callback = hyper_parallel.CheckpointCallback(tmp_path, save_checkpoint_steps=2, resume=True)
+    (tmp_path / "step_00000003").rename(tmp_path / ".gone")  # newest committed step is now 2, inside epoch 1
+    with caplog.at_level("WARNING"):
+        model2.train(2, _data(), callbacks=[callback], dataset_sink_mode=False, initial_epoch=1)
+    assert callback.resumed_step == 2 and "inside epoch 1 of 3 steps" in caplog.text

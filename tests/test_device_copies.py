@@ -39,6 +39,17 @@ def test_forced_path_copies_out_and_offers_no_view(device_copies):
     assert platform.host_memory_shared(np.zeros(2))
 
 
+class _OnDevice:
+    device = "Ascend:0"
+
+
+def test_device_memory_by_the_tensor_device_and_numpy_regions():
+    assert not platform.host_memory_shared(_OnDevice())
+    target = np.zeros((3, 3), np.float32)
+    platform.assign_region(target, (slice(0, 2), slice(1, 3)), np.ones((2, 2), np.float64))
+    assert target.sum() == 4 and target[0, 0] == 0
+
+
 def test_shared_path_without_the_switch():
     param = _param(np.arange(6, dtype=np.float32))
     assert platform.host_memory_shared(param)

@@ -170,3 +170,15 @@ def test_layout_errors_are_the_checkpoint_errors():
     assert dcp.LayoutError is _errors.LayoutError is dcp.errors.LayoutError
     assert dcp.CheckpointError is _errors.CheckpointError
     assert issubclass(dcp.LayoutError, dcp.CheckpointValueError) and issubclass(dcp.LayoutError, ValueError)
+
+
+def test_the_platform_and_the_core_never_import_upward():
+    graph = _graph()
+    upward = sorted(
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        for target in targets
+        if (module.startswith("hyper_parallel.platform") and target.startswith(("hyper_parallel.core", "hyper_parallel.cli")))
+        or (module.startswith("hyper_parallel.core") and target.startswith("hyper_parallel.cli"))
+    )
+    assert not upward, upward

@@ -188,7 +188,8 @@ def test_async_save_stages_values_and_commits_on_wait(tmp_path: Path) -> None:
     state["w"].asnumpy()[...] = 99.0  # in place: CPU tensors share memory with asnumpy()
     state["opt"]["m"][...] = -5.0
     assert state["w"].asnumpy()[0, 0] == 99.0
-    assert manager.all_steps() == []  # in flight: not committed yet
+    # in flight or already committed by the background thread (one process commits there)
+    assert manager.all_steps() in ([], [1])
     manager.wait()
     assert manager.all_steps() == [1]
     loaded = _zeros()

@@ -88,9 +88,22 @@ def test_diverging_replicas_fail_naming_key_and_ranks(two):
         assert not value["committed"] and value["off_committed"]
 
 
+def test_reused_plan_still_checks_replicas(two):
+    for value in scenario_values(two, "reused_plan_still_checks_replicas"):
+        assert value["reused"] == 1 and value["reused_on_divergence"] == 1, value
+        assert value["failed"]["is_validation"], value["failed"]
+        assert "'r': replicas differ between ranks (ranks [0]; ranks [1] each agree)" in value["failed"]["message"]
+        assert value["kept"] == 2.0  # the failed save left the committed one
+
+
 def test_load_into_another_split_and_world_size(four):
     for value in scenario_values(four, "load_other_split_and_size"):
         assert all(value.values()), value
+
+
+def test_device_path_with_shared_reads_under_msrun(four):
+    for value in scenario_values(four, "device_copies_with_shared_reads"):
+        assert value == {"w": True, "b": True}
 
 
 def test_load_into_pipeline_stages_with_optimizer_parallel(four):

@@ -67,11 +67,10 @@ def test_load_param_into_net_accepts_what_load_checkpoint_returns(tmp_path):
     hyper_parallel.save_checkpoint({"model": net, "optimizer": opt}, tmp_path / "c", append_dict={"epoch": 3})
     params = hyper_parallel.load_checkpoint(tmp_path / "c")
     assert isinstance(params["dense.weight"], ms.Parameter) and params["dense.weight"].name == "dense.weight"
-    assert params["epoch"] == 3
-    del params["epoch"]
+    assert isinstance(params["epoch"], ms.Parameter) and params["epoch"].asnumpy().item() == 3  # as MindSpore
     net2, opt2 = _net_and_opt(5)
     param_not_load, ckpt_not_load = ms.load_param_into_net(_train_cell(net2, opt2), params)
-    assert param_not_load == [] and ckpt_not_load == []
+    assert param_not_load == [] and ckpt_not_load == ["epoch"]
     for name, param in _train_cell(net, opt).parameters_dict().items():
         assert np.array_equal(_train_cell(net2, opt2).parameters_dict()[name].asnumpy(), param.asnumpy()), name
 
@@ -82,7 +81,7 @@ def test_load_into_net_and_optimizer_in_place(tmp_path):
     net2, opt2 = _net_and_opt(7)
     target = {"model": net2, "optimizer": opt2, "step": 0}
     loaded = hyper_parallel.load_checkpoint(tmp_path / "c", target)
-    assert target["step"] == 9 and loaded["step"] == 9
+    assert target["step"] == 9 and loaded["step"].asnumpy().item() == 9
     assert loaded["dense.weight"] is net2.dense.weight
     assert np.array_equal(opt2.moment2[1].asnumpy(), opt.moment2[1].asnumpy())
     assert loaded.param_not_load == [] and loaded.ckpt_not_load == []
@@ -154,3 +153,38 @@ def test_name_clash_between_cells_is_refused(tmp_path):
         hyper_parallel.save_checkpoint({"a": a, "b": b}, tmp_path / "c")
     with pytest.raises(dcp.CheckpointValueError, match="append_dict key 'weight'"):
         hyper_parallel.save_checkpoint(a, tmp_path / "c", append_dict={"weight": 1})
+
+
+def test_plain_values_come_back_as_mindspore_returns_them(tmp_path):
+    net = nn.Dense(2, 2)
+    values = {"epoch": 3, "tag": "x", "lr": 0.5, "flag": True}
+    ms.save_checkpoint(net, str(tmp_path / "ms.ckpt"), append_dict=values)
+    theirs = ms.load_checkpoint(str(tmp_path / "ms.ckpt"))
+    hyper_parallel.save_checkpoint(net, tmp_path / "c", append_dict=values)
+    ours = hyper_parallel.load_checkpoint(tmp_path / "c")
+    assert set(ours) == set(theirs)
+    for key in values:
+        assert type(ours[key]) is type(theirs[key]), key
+        if key != "tag":
+            assert ours[key].asnumpy().item() == theirs[key].asnumpy().item() and ours[key].shape == ()
+    assert ours["tag"] == "x"
+    ms.load_param_into_net(nn.Dense(2, 2), ours)  # accepted, as MindSpore's own dict is
+
+
+def test_dcp_checkpoint_of_model_and_optimizer_loads_through_the_one_liner(tmp_path):
+    net, opt = _net_and_opt(13)
+    dcp.save({"model": net, "optimizer": opt, "step": 4}, checkpoint_id=tmp_path / "c")
+    net2, opt2 = _net_and_opt(14)
+    loaded = hyper_parallel.load_checkpoint(tmp_path / "c", {"model": net2, "optimizer": opt2})
+    assert loaded.param_not_load == [] and loaded.ckpt_not_load == ["step"]
+    np.testing.assert_array_equal(net2.head.weight.asnumpy(), net.head.weight.asnumpy())
+    np.testing.assert_array_equal(opt2.moment2[0].asnumpy(), opt.moment2[0].asnumpy())
+    np.testing.assert_array_equal(opt2.global_step.asnumpy(), opt.global_step.asnumpy())
+
+
+def test_bad_arguments_are_refused(tmp_path):
+    hyper_parallel.save_checkpoint(nn.Dense(2, 2), tmp_path / "c")
+    with pytest.raises(dcp.CheckpointValueError, match="choice_func must be callable"):
+        hyper_parallel.load_checkpoint(tmp_path / "c", choice_func="weight")
+    with pytest.raises(dcp.CheckpointValueError, match="net must be a mindspore.nn.Cell or a state dict"):
+        hyper_parallel.load_checkpoint(tmp_path / "c", [1])

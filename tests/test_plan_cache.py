@@ -83,3 +83,28 @@ def test_unhashable_options_are_not_cached(tmp_path):
 
     assert plan_cache_for(dcp.FileSystemWriter(tmp_path), dcp.StandardSavePlanner(), {"layouts": {}},
                           rank=0, world_size=1) is None
+
+
+def test_async_save_without_collectives_commits_in_the_background(tmp_path):
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    state = _state(4.0)
+    handle = dcp.async_save(state, checkpoint_id=tmp_path / "a", no_dist=True)
+    deadline = time.monotonic() + 60
+    while not handle.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (tmp_path / "a" / "metadata.json").is_file()  # committed before result() is called
+    assert handle.result().storage_meta.save_id == dcp.read_metadata(tmp_path / "a").storage_meta.save_id
+    # A process that ends without result() leaves its last step committed.
+    script = (
+        "import numpy as np, mindspore as ms, hyper_parallel.core.distributed_checkpoint as dcp, os\n"
+        "ms.set_device('CPU')\n"
+        f"dcp.async_save({{'w': ms.Tensor(np.full((8, 8), 5.0, np.float32))}}, checkpoint_id={str(tmp_path / 'b')!r},"
+        " no_dist=True)\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
+    target = {"w": ms.Tensor(np.zeros((8, 8), np.float32))}
+    dcp.load(target, checkpoint_id=tmp_path / "b", no_dist=True)
+    assert float(target["w"].asnumpy()[7, 7]) == 5.0

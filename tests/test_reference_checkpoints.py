@@ -121,3 +121,18 @@ def test_a_reference_older_than_every_registered_version_is_refused(tmp_path):
         dcp.load({"step": 0}, checkpoint_id=tmp_path, no_dist=True)
     message = str(caught.value)
     assert "version '0.9'" in message and "filesystem 1.0" in message and "filesystem 2.0" in message
+
+
+@pytest.mark.parametrize("name,version", REFERENCES)
+def test_the_save_id_is_read_from_the_head_of_the_metadata(name, version):
+    from hyper_parallel.core.distributed_checkpoint._format.metadata_json import (  # pylint: disable=import-outside-toplevel
+        save_id_from_head,
+        save_id_of,
+    )
+
+    data = (DATA / name / "metadata.json").read_bytes()
+    expected = json.loads(data)["save_id"]
+    assert save_id_from_head(data[:4096]) == expected == save_id_of(data)
+    reordered = json.dumps({"save_id": expected, **json.loads(data)}).encode()
+    assert save_id_from_head(reordered[:4096]) is None and save_id_of(reordered) == expected
+    assert save_id_of(b'{"save_id": "not-an-id"}') is None

@@ -167,6 +167,12 @@ def test_optimizer_state_follows_its_parameter(tmp_path):
     (ParamStrategy("w", (4, 2), (0, -1), opt_weight_shard_step=3, opt_weight_shard_size=2),
      "opt_weight_shard_step"),
     (ParamStrategy("w", (2, 2, 2), (0, 1), opt_weight_shard_step=4, opt_weight_shard_size=2), "tensor_map"),
+    (ParamStrategy("w", (2, 0), (0, -1)), "dev_matrix"),
+    (ParamStrategy("w", (2, 2), (2, -1)), "tensor_map"),
+    (ParamStrategy("w", (6, 2), (0, -1), opt_weight_shard_step=2, opt_weight_shard_size=4), "opt_weight_shard_size"),
+    (ParamStrategy("w", (2, 3), (-1, -1), opt_weight_shard_step=1, opt_weight_shard_size=4),
+     "opt_weight_shard_size"),
+    (ParamStrategy("w", (4, 2), (0, -1), opt_weight_shard_step=2, opt_weight_shard_size=-2), "opt_weight_shard_size"),
 ])
 def test_what_cannot_be_mapped_exactly_is_refused(tmp_path, param, field):
     path = write_strategy_file(tmp_path / "s.ckpt", (param,))
@@ -186,6 +192,19 @@ def test_even_param_split_shape_and_field_one_are_exact(tmp_path):
         np.testing.assert_array_equal(_cut(layouts["even"], full, rank), full[2 * rank:2 * rank + 2])
         # field 1: rows concatenated in rank order (MindSpore's _reshape_param_data_with_weight).
         np.testing.assert_array_equal(_cut(layouts["field1"], full, rank), full[2 * rank:2 * rank + 2])
+
+
+def test_scalar_refusals_and_group_of_one():
+    from hyper_parallel.core._mindspore_layout import MindSporeLayoutRecord
+
+    with pytest.raises(LayoutError, match="field=1"):
+        MindSporeLayoutRecord("s", (2,), (), field=1).to_layout()
+    with pytest.raises(LayoutError, match="opt_weight_shard_size=2"):
+        MindSporeLayoutRecord("s", (2,), (), opt_weight_shard_step=1, opt_weight_shard_size=2).to_layout()
+    assert MindSporeLayoutRecord("s", (2,), (), stage=1).to_layout().rank_list == (2, 3)
+    # An optimizer group of one rank (slice shape = model-parallel shape): no optimizer split.
+    entry = _entry((2,), (0, -1), (8, 4), (4, 4), opt_group="1-1")
+    assert Layout.from_mindspore_layout(entry, rank=1) == Layout((2,), (0, -1))
 
 
 def test_bad_strategy_files(tmp_path):

@@ -11,6 +11,7 @@ import math
 import os
 import re
 import sys
+import uuid
 from pathlib import Path
 from contextlib import contextmanager
 from typing import Any, BinaryIO, Iterable, Iterator, Sequence
@@ -19,11 +20,15 @@ import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint.api import read_metadata
 from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, bad_blocks
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, CorruptCheckpointError
+from hyper_parallel.core.distributed_checkpoint.errors import (
+    CheckpointExistsError,
+    CheckpointValueError,
+    CorruptCheckpointError,
+)
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint._fsspec_reader import FsspecReader
 from hyper_parallel.core.distributed_checkpoint._fsspec_writer import is_object_url
-from hyper_parallel.core.distributed_checkpoint.filesystem_writer import DATA_FILE_PATTERN
+from hyper_parallel.core.distributed_checkpoint.filesystem_writer import DATA_FILE_PATTERN, METADATA_FILE
 from hyper_parallel.core.distributed_checkpoint._format.cover import check_exact_cover
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -43,6 +48,8 @@ __all__ = [
     "format_bytes",
     "parse_size",
     "progress",
+    "prepare_output_dir",
+    "atomic_output",
     "TEXT_VALUE_TYPES",
     "plain_value",
     "plain_value_text",
@@ -368,3 +375,40 @@ def plain_value_text(directory: Path, metadata: Metadata, fqn: str, width: int =
         return None
     text = repr(value.item() if isinstance(value, np.generic) else value)
     return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def prepare_output_dir(out: Path) -> None:
+    """Create ``out`` for a command's output, refusing anything but a new or empty directory.
+
+    Raises:
+        CheckpointExistsError: ``out`` is a file, a committed checkpoint, or a
+            directory that is not empty (nothing is replaced).
+    """
+    if out.exists() and not out.is_dir():
+        raise CheckpointExistsError(f"output {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if (out / METADATA_FILE).exists():
+            raise CheckpointExistsError(
+                f"output directory {out} is a committed checkpoint; write into a new or empty directory "
+                "(nothing was replaced)"
+            )
+        raise CheckpointExistsError(f"output directory {out} is not empty; choose a new or empty directory")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+@contextmanager
+def atomic_output(path: Path) -> Iterator[BinaryIO]:
+    """Write ``path`` atomically: a ``.<name>.<random>.partial`` file, fsynced, then renamed.
+
+    On any exception the partial file is removed and ``path`` is untouched.
+    """
+    partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
+    try:
+        with open(partial, "wb") as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise

@@ -25,13 +25,13 @@ import math
 import mmap
 import os
 import stat
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
 import numpy as np
 
+from hyper_parallel.cli._common import atomic_output
 from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import (
     DTYPE_FROM_SAFETENSORS,
     HeaderEntry,
@@ -440,24 +440,15 @@ def write_ms_file(path: Path, items: list[MsItem], *, fmt: str) -> None:
         items: What to write, in order.
         fmt: ``"ckpt"`` or ``"safetensors"``.
     """
-    partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
-    try:
-        with open(partial, "wb") as handle:
-            if fmt == "safetensors":
-                header, _ = build_header([HeaderEntry(i.name, i.dtype, i.shape, i.nbytes) for i in items],
-                                         {"format": "ms"})
-                handle.write(header)
-            for item in items:
-                view = _content_view(item)
-                if fmt == "ckpt":
-                    for part in ckpt_value_bytes(item.name, item.dtype, item.shape, view):
-                        handle.write(part)
-                else:
-                    handle.write(view)
-                del view
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(partial, path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
+    with atomic_output(path) as handle:
+        if fmt == "safetensors":
+            header, _ = build_header([HeaderEntry(i.name, i.dtype, i.shape, i.nbytes) for i in items], {"format": "ms"})
+            handle.write(header)
+        for item in items:
+            view = _content_view(item)
+            if fmt == "ckpt":
+                for part in ckpt_value_bytes(item.name, item.dtype, item.shape, view):
+                    handle.write(part)
+            else:
+                handle.write(view)
+            del view

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,9 @@ import numpy as np
 
 from hyper_parallel.cli._key_select import KeySelection, parse_rename
 from hyper_parallel.cli._common import (
+    atomic_output,
     format_bytes,
+    prepare_output_dir,
     progress,
     open_checkpoint,
     parse_size,
@@ -36,7 +37,7 @@ from hyper_parallel.cli._common import (
     read_stored_bytes,
     tensor_nbytes,
 )
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointExistsError, CheckpointValueError
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -122,14 +123,6 @@ def _value_texts(
     return texts, skipped
 
 
-def _prepare_out(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise CheckpointExistsError(f"output {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()):
-        raise CheckpointExistsError(f"output directory {out} is not empty; choose a new or empty directory")
-    out.mkdir(parents=True, exist_ok=True)
-
-
 def _write_shard(
     directory: Path, metadata: Metadata, path: Path, names: list[str], file_metadata: dict[str, str],
     out_names: dict[str, str], bar: Any,
@@ -139,23 +132,15 @@ def _write_shard(
         stored = metadata.state_dict_metadata[fqn]
         entries.append(HeaderEntry(out_names[fqn], stored.properties.dtype, tuple(stored.size), tensor_nbytes(stored)))
     header, offsets = build_header(entries, file_metadata)
-    partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
-    try:
-        with open(partial, "wb") as handle:
-            handle.write(header)
-            for fqn, offset in zip(names, offsets):
-                tensor = read_full_tensor(directory, metadata, fqn)
-                if handle.tell() != offset:
-                    raise CheckpointValueError(f"key '{fqn}': writing at byte {handle.tell()}, header says {offset}")
-                handle.write(memoryview(np.ascontiguousarray(tensor).reshape(-1).view(np.uint8)))
-                bar.update(tensor.nbytes)
-                del tensor
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(partial, path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
+    with atomic_output(path) as handle:
+        handle.write(header)
+        for fqn, offset in zip(names, offsets):
+            tensor = read_full_tensor(directory, metadata, fqn)
+            if handle.tell() != offset:
+                raise CheckpointValueError(f"key '{fqn}': writing at byte {handle.tell()}, header says {offset}")
+            handle.write(memoryview(np.ascontiguousarray(tensor).reshape(-1).view(np.uint8)))
+            bar.update(tensor.nbytes)
+            del tensor
 
 
 def convert_to_safetensors(
@@ -188,7 +173,7 @@ def convert_to_safetensors(
     directory, metadata = open_checkpoint(src)
     names = (selection or KeySelection(everything=True)).names(metadata.state_dict_metadata)
     out_dir = Path(os.fspath(out))
-    _prepare_out(out_dir)
+    prepare_output_dir(out_dir)
     tensors = sorted(
         (fqn, stored) for fqn, stored in metadata.state_dict_metadata.items()
         if isinstance(stored, TensorStorageMetadata) and fqn in names

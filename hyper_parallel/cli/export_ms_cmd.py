@@ -26,9 +26,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from hyper_parallel.cli._common import format_bytes, open_checkpoint, progress, read_region, read_stored_bytes
+from hyper_parallel.cli._common import (
+    format_bytes,
+    open_checkpoint,
+    prepare_output_dir,
+    progress,
+    read_region,
+    read_stored_bytes,
+)
 from hyper_parallel.cli._ms_files import MsItem, string_item, write_ms_file
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointExistsError, CheckpointValueError
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -132,14 +139,6 @@ def _rank_items(directory: Path, metadata: Metadata, rank: int, layouts: Mapping
     return items
 
 
-def _prepare_out(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise CheckpointExistsError(f"output {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()):
-        raise CheckpointExistsError(f"output directory {out} is not empty; choose a new or empty directory")
-    out.mkdir(parents=True, exist_ok=True)
-
-
 def export_mindspore(
     ckpt: str | os.PathLike, out: str | os.PathLike, *, strategy_files: Sequence[str | os.PathLike] | None = None,
     fmt: str = "ckpt", name: str = "checkpoint",
@@ -174,7 +173,7 @@ def export_mindspore(
     tensors = sorted((fqn, s) for fqn, s in metadata.state_dict_metadata.items()
                      if isinstance(s, TensorStorageMetadata))
     values, skipped = _value_items(directory, metadata, fmt)
-    _prepare_out(out_dir)
+    prepare_output_dir(out_dir)
     written: list[str] = []
     total = 0
     if records is None:

@@ -27,13 +27,12 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from hyper_parallel.cli._common import format_bytes, progress
+from hyper_parallel.cli._common import format_bytes, prepare_output_dir, progress
 from hyper_parallel.cli.convert_cmd import VALUE_TYPES_KEY
-from hyper_parallel.cli._ms_files import MsFile, open_ms_file
+from hyper_parallel.cli._ms_files import MsFile, open_ms_file, open_regular
 from hyper_parallel.cli._ms_import import PieceSavePlanner, SourcePiece, find_rank_files, plan_rank_import, whole_pieces
 from hyper_parallel.core.distributed_checkpoint.api import save
 from hyper_parallel.core.distributed_checkpoint.errors import (
-    CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointValueError,
     CorruptCheckpointError,
@@ -44,6 +43,18 @@ from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, Tensor
 from hyper_parallel.core.strategy_file import read_strategy_records
 
 __all__ = ["import_checkpoint", "restored_values", "safetensors_files", "register"]
+
+
+def _read_regular(path: Path, limit: int = 100 << 20) -> bytes:
+    """The bytes of a small regular file (a FIFO is refused, not waited on)."""
+    fd = open_regular(path)
+    try:
+        if os.fstat(fd).st_size > limit:
+            raise CorruptCheckpointError(f"{path}: larger than {limit} bytes; not a safetensors index")
+        with os.fdopen(fd, "rb", closefd=False) as handle:
+            return handle.read()
+    finally:
+        os.close(fd)
 
 
 def safetensors_files(directory: Path) -> list[Path]:
@@ -65,7 +76,7 @@ def safetensors_files(directory: Path) -> list[Path]:
     if indexes:
         index_path = preferred if preferred in indexes else indexes[0]
         try:
-            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+            weight_map = json.loads(_read_regular(index_path).decode("utf-8"))["weight_map"]
             names = sorted(set(weight_map.values()))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CorruptCheckpointError(f"{index_path}: not a valid safetensors index ({exc})") from exc
@@ -109,16 +120,11 @@ def restored_values(file: MsFile) -> dict[str, Any]:
     return values
 
 
-def _prepare_out(src: Path, out: Path) -> None:
+def _check_out(src: Path, out: Path) -> None:
     if out.exists() and out.resolve() == src.resolve():
         raise CheckpointValueError(f"import source and output are the same path {src}")
-    if out.exists() and not out.is_dir():
-        raise CheckpointExistsError(f"output {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()):
-        what = "a committed checkpoint" if (out / METADATA_FILE).exists() else "not empty"
-        raise CheckpointExistsError(
-            f"output directory {out} is {what}; import into a new or empty directory (nothing was replaced)"
-        )
+    if out.exists():
+        prepare_output_dir(out)  # refuses a file, a committed checkpoint, a non-empty directory
 
 
 def _plan_source(
@@ -186,7 +192,7 @@ def import_checkpoint(
             contradicts the strategy (names the parameter, rank and file).
     """
     src_path, out_path = Path(os.fspath(src)), Path(os.fspath(out))
-    _prepare_out(src_path, out_path)
+    _check_out(src_path, out_path)
     pieces, values = _plan_source(src_path, strategy_files)
     return save({}, checkpoint_id=out_path, planner=PieceSavePlanner(pieces, values), no_dist=True)
 

@@ -120,8 +120,7 @@ class MindSporeLayoutRecord:
             -1 if not split else (len(mesh) - 1 - split[0] if len(split) == 1 else tuple(len(mesh) - 1 - m for m in split))
             for split in dims
         )
-        start = self.stage * math.prod(self.dev_matrix)
-        return Layout(tuple(mesh), tensor_map, rank_list=tuple(range(start, start + math.prod(mesh))))
+        return Layout(tuple(mesh), tensor_map, rank_list=self.stage_ranks())  # a refined mesh has as many ranks
 
     def _check_even_split(self) -> None:
         sizes = self.param_split_shape

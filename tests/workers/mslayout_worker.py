@@ -10,6 +10,7 @@ hand with numpy slicing (not with the code under test).
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -117,6 +118,23 @@ def replicas_diverge() -> dict:
             "committed": (BASE / "div" / "metadata.json").is_file()}
 
 
+def reused_plan_still_checks_replicas() -> dict:
+    from hyper_parallel.core.distributed_checkpoint._plan_cache import STATS
+
+    split = hyper_parallel.Layout((2,), (0, -1))
+    state = {"r": ms.Tensor(np.ones(4, np.float32)),
+             "s": hyper_parallel.DTensor(ms.Tensor(_rows(W, 2, RANK).copy()), split, W.shape)}
+    dcp.save(state, checkpoint_id=BASE / "reuse")
+    before = STATS.reused
+    state["r"] = ms.Tensor(np.full(4, 2, np.float32))  # new values, equal on both ranks: plan reused
+    dcp.save(state, checkpoint_id=BASE / "reuse")
+    reused = STATS.reused - before
+    state["r"] = ms.Tensor(np.full(4, 3 + RANK, np.float32))  # diverging replicas, same layout
+    failed = _error(lambda: dcp.save(state, checkpoint_id=BASE / "reuse"))
+    return {"reused": reused, "reused_on_divergence": STATS.reused - before - reused, "failed": failed,
+            "kept": float(_full(BASE / "reuse")["r"][0])}
+
+
 # ---------------------------------------------------------------- phase four (4 ranks)
 # strategy "b": dev (2, 2), w rows over mesh dim 0, columns over mesh dim 1; b split over mesh dim 0.
 # strategy "pp": 2 stages of 2 ranks; stage 0 holds w (optimizer parallel over both ranks), stage 1 holds b.
@@ -135,6 +153,21 @@ def load_other_split_and_size() -> dict:
             "m1": np.array_equal(opt.moment1[0].asnumpy(), M1[box]),
             "m2": np.array_equal(opt.moment2[0].asnumpy(), M2[box]),
             "returned_is_param": loaded["w"] is state["model"].w}
+
+
+def device_copies_with_shared_reads() -> dict:
+    """The device path (forced on CPU) under real collectives, regions read once and sent to the others."""
+    row, col = RANK // 2, RANK % 2
+    net = Net(np.zeros((4, 2), np.float32), np.zeros(2, np.float32))
+    os.environ["HYPER_PARALLEL_DEVICE_COPIES"] = "1"
+    try:
+        planner = dcp.StandardLoadPlanner(single_replica_read=True, device_region_bytes=16, allow_partial_load=True)
+        hyper_parallel.load_checkpoint(str(BASE / "a"), net, strategy_file=str(STRATEGIES / "b.ckpt"),
+                                       planner=planner, allow_partial_load=True)
+    finally:
+        del os.environ["HYPER_PARALLEL_DEVICE_COPIES"]
+    return {"w": np.array_equal(net.w.asnumpy(), W[row * 4:row * 4 + 4, col * 2:col * 2 + 2]),
+            "b": np.array_equal(net.b.asnumpy(), B[row * 2:row * 2 + 2])}
 
 
 def _stage_state() -> dict:
@@ -184,9 +217,11 @@ PHASES = {
         "layout_dict_by_itself": layout_dict_by_itself,
         "async_with_strategy": async_with_strategy,
         "replicas_diverge": replicas_diverge,
+        "reused_plan_still_checks_replicas": reused_plan_still_checks_replicas,
     },
     "four": {
         "load_other_split_and_size": load_other_split_and_size,
+        "device_copies_with_shared_reads": device_copies_with_shared_reads,
         "load_into_pipeline_stages": load_into_pipeline_stages,
         "save_from_pipeline_then_load_elsewhere": save_from_pipeline_then_load_elsewhere,
     },

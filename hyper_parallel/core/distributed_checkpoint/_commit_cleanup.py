@@ -16,13 +16,13 @@ happened.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 from pathlib import Path
 from typing import Callable
 
+from hyper_parallel.core.distributed_checkpoint._format.metadata_json import save_id_from_head, save_id_of
 from hyper_parallel.core.distributed_checkpoint._safe_files import open_regular, remove_regular
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 
@@ -32,9 +32,6 @@ __all__ = ["DATA_FILE_PATTERN", "MAX_CLEANUP_METADATA_BYTES", "committed_save_id
 DATA_FILE_PATTERN = re.compile(r"^r(\d{5})_(\d{3})\.([0-9a-f]{12})\.safetensors$")
 #: Metadata larger than this is not read by the cleanup (its files are then left alone).
 MAX_CLEANUP_METADATA_BYTES = 1 << 30
-_SAVE_ID = re.compile(r"^[0-9a-f]{12}$")
-# The writer puts the save id in the first fields of the document; this avoids parsing it all.
-_HEAD = re.compile(rb'^\{"format":"[^"\\]{0,64}","version":\d{1,9},"backend":"[^"\\]{0,64}","save_id":"([0-9a-f]{12})"')
 _LOG = logging.getLogger(__name__)
 
 
@@ -49,13 +46,12 @@ def committed_save_id(path: Path) -> str | None:
         return None
     try:
         head = os.pread(fd, 4096, 0)
-        match = _HEAD.match(head)
-        if match:
-            return match.group(1).decode("ascii")
+        save_id = save_id_from_head(head)
+        if save_id is not None:
+            return save_id
         size = os.fstat(fd).st_size
-        document = json.loads(os.pread(fd, size, 0)) if size > len(head) else json.loads(head)
-        save_id = document.get("save_id") if isinstance(document, dict) else None
-        if isinstance(save_id, str) and _SAVE_ID.match(save_id):
+        save_id = save_id_of(os.pread(fd, size, 0) if size > len(head) else head)
+        if save_id is not None:
             return save_id
         _LOG.warning("checkpoint cleanup: %s names no save id; the files it references are left alone", path)
     except (OSError, ValueError, RecursionError, MemoryError) as exc:

@@ -38,7 +38,12 @@ from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import (
     apply_mindspore_layouts,
     copy_back_values,
 )
-from hyper_parallel.core.distributed_checkpoint._plan_cache import CachedPlan, plan_cache_for
+from hyper_parallel.core.distributed_checkpoint._plan_cache import (
+    CachedPlan,
+    PlanMessage,
+    check_cached_replicas,
+    plan_cache_for,
+)
 from hyper_parallel.core.distributed_checkpoint._staging import StagedSavePlanner, StagingPool, staged_views
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, PlanValidationError
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
@@ -230,6 +235,7 @@ def plan_save(
 
     cache = plan_cache_for(writer, planner, options, rank=dist.rank, world_size=dist.world_size)
     all_final: list[list[SavePlan]] = []
+    all_local: list[list[SavePlan]] = []
 
     def global_step(all_plans: list[SavePlan]) -> list[Any]:
         try:
@@ -242,6 +248,7 @@ def plan_save(
         final_plans = writer.prepare_global_plan(final_plans)
         merged.append(metadata)
         all_final.append(final_plans)
+        all_local.append(all_plans)
         return [_compress(local, final) for local, final in zip(all_plans, final_plans)]
 
     try:
@@ -253,11 +260,12 @@ def plan_save(
             messages = dist.all_gather("plan digest", lambda: cache.message(local_step()))
             cached = cache.lookup(messages)
             if cached is not None:
-                plan = _reuse(dist, writer, cached, merged)
+                plan = _reuse(dist, writer, cached, merged, messages)
             else:
                 received = dist.reduce_scatter("plan", lambda: local_plans[0], global_step)
                 plan = _expand(local_plans[0], received)
-                cache.store(messages, plan, all_final[0] if all_final else None, merged[0] if merged else None)
+                cache.store(messages, plan, all_final[0] if all_final else None, merged[0] if merged else None,
+                            all_local[0] if all_local else None)
         plan = planner.finalize_plan(plan)
     except BaseException:
         writer.abort()
@@ -265,10 +273,16 @@ def plan_save(
     return SaveSession(dist=dist, writer=writer, planner=planner, plan=plan, metadata=merged[0] if merged else None)
 
 
-def _reuse(dist: DistWrapper, writer: StorageWriter, cached: CachedPlan, merged: list[Metadata]) -> SavePlan:
-    """This rank's cached final plan, with this save's storage data from the coordinator. All ranks."""
+def _reuse(
+    dist: DistWrapper, writer: StorageWriter, cached: CachedPlan, merged: list[Metadata], messages: list[PlanMessage]
+) -> SavePlan:
+    """This rank's cached final plan, with this save's storage data from the coordinator. All ranks.
+
+    The coordinator first compares this save's replica digests (a reused plan is checked as a new one).
+    """
 
     def stamp() -> list[Any]:
+        check_cached_replicas(cached, messages)
         merged.append(cached.metadata)
         return [plan.storage_data for plan in writer.prepare_global_plan(list(cached.all_final))]
 
@@ -328,8 +342,13 @@ def plan_async_save(
     """Plan and stage a save; return the request that writes and then commits it. All ranks.
 
     The request's background function writes this rank's data (from staged
-    copies, or in a forked process whose memory is the snapshot); its
-    finalize function is :func:`commit_save`, run on the caller's thread.
+    copies, or in a forked process whose memory is the snapshot). With
+    several ranks its finalize function is :func:`commit_save`, a collective
+    step run on the caller's thread (``result()`` or the next async save):
+    the background thread never runs a collective, which could interleave
+    with the training job's own. A save without collectives (one process,
+    or ``use_collectives=False``) commits in the background right after
+    writing.
     """
     session = plan_save(state_dict, writer=writer, planner=planner, options=options)
     background: list[Callable[[], list[WriteResult]]] = []
@@ -348,6 +367,17 @@ def plan_async_save(
         session.writer.abort()
         raise
 
+    if not session.dist.use_dist:
+        # No other rank takes part in the commit: the background thread commits right after writing,
+        # so the step is durable as soon as done() is true, whether or not result() is ever called.
+        write = background[0]
+
+        def write_and_commit() -> Metadata:
+            results = write()
+            return commit_save(session, lambda: results, step="async write and commit")
+
+        return AsyncRequest(async_fn=write_and_commit, finalize_fns=(_committed,))
+
     def commit(results: list[WriteResult], error: BaseException | None) -> Metadata:
         def local_results() -> list[WriteResult]:
             if error is not None:
@@ -357,6 +387,13 @@ def plan_async_save(
         return commit_save(session, local_results, step="async write and commit", background_cleanup=True)
 
     return AsyncRequest(async_fn=background[0], finalize_fns=(commit,))
+
+
+def _committed(metadata: Metadata, error: BaseException | None) -> Metadata:
+    """Finalize of an async save committed in the background: hand over its metadata or its error."""
+    if error is not None:
+        raise error
+    return metadata
 
 
 def read_checkpoint_metadata(reader: StorageReader, options: LoadOptions) -> Metadata:

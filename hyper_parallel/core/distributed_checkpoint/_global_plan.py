@@ -30,7 +30,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
 )
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, WriteItem
 
-__all__ = ["build_global_save_plan", "assign_writers"]
+__all__ = ["build_global_save_plan", "assign_writers", "replica_problems"]
 
 Holder = tuple[int, int]  # (rank, position of the item in that rank's plan)
 ItemKey = tuple[str, tuple[int, ...]]  # (fqn, global offset): plain tuples hash fast
@@ -206,12 +206,17 @@ def _check_replica_digests(key: ItemKey, items: list[tuple[int, WriteItem]]) -> 
     """Replicas of one tensor chunk must hold the same bytes (when every holder sent a digest)."""
     if len({item.tensor_data.properties.dtype for _, item in items}) > 1:
         return []  # reported as a dtype difference
+    found = [(rank, item.tensor_data.replica_digest) for rank, item in items]
+    if any(d is None for _, d in found):
+        return []
+    return replica_problems(key, found)
+
+
+def replica_problems(key: ItemKey, found: list[tuple[int, str]]) -> list[str]:
+    """The problem (if any) of one chunk whose holders sent ``(rank, digest)``."""
     digests: dict[str, list[int]] = defaultdict(list)
-    for rank, item in items:
-        found = item.tensor_data.replica_digest
-        if found is None:
-            return []
-        digests[found].append(rank)
+    for rank, value in found:
+        digests[value].append(rank)
     if len(digests) < 2:
         return []
     groups = "; ".join(f"ranks {ranks}" for ranks in sorted(digests.values()))

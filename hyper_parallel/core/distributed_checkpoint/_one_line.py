@@ -6,7 +6,8 @@ also when it is a top-level value of a dict (``{"model": net, "optimizer":
 opt}``), and a Parameter reached twice (a network's weight is also in its
 optimizer) is stored once. ``load_checkpoint`` returns what
 ``mindspore.load_checkpoint`` returns, ``{name: mindspore.Parameter}`` plus
-the non-tensor values, with ``strict_load`` / ``filter_prefix`` /
+the other values (numbers as 0-d Parameters, strings as ``str``, as MindSpore
+returns them), with ``strict_load`` / ``filter_prefix`` /
 ``specify_prefix`` / ``choice_func`` as MindSpore defines them; with a
 ``net`` it loads in place (resharding like :func:`load`) and reports what was
 not loaded as ``mindspore.load_param_into_net`` does.
@@ -171,6 +172,8 @@ def _as_parameter(name: str, value: Any) -> Any:
         return value
     if hasattr(value, "to_local") and hasattr(value, "layout"):  # a DTensor: this rank's shard
         value = value.to_local()
+    if isinstance(value, (bool, int, float, np.generic)):
+        value = np.asarray(value)  # a number comes back as a 0-d Parameter, as mindspore.load_checkpoint returns it
     if isinstance(value, np.ndarray):
         value = from_numpy(value)
     if is_tensor(value):
@@ -201,17 +204,30 @@ def _shown(names: list[str]) -> str:
 
 
 def _match(wanted: list[str], stored: set[str], strict_load: bool) -> dict[str, str]:
-    """Target name -> checkpoint key: exact, else (not strict) one shared prefix, as MindSpore does."""
+    """Target name -> checkpoint key: exact; else (not strict) through the prefixes the checkpoint adds.
+
+    As MindSpore's ``load_param_into_net`` does for one prefix: a missing name
+    found as the tail of a stored key (the shortest such key) gives a prefix,
+    which is then tried for every missing name; repeated while it finds more
+    (``model.`` for the network and ``optimizer.`` for the moments of a
+    ``dcp.save({"model": net, "optimizer": opt})``).
+    """
     matched = {name: name for name in wanted if name in stored}
-    missing = [name for name in wanted if name not in stored]
-    if strict_load or not missing:
+    if strict_load:
         return matched
-    for name in missing:
-        candidates = sorted(key for key in stored if key.endswith("." + name))
-        if candidates:
-            prefix = candidates[0][: -len(name)]
-            _LOG.warning("load_checkpoint: checkpoint keys carry the prefix '%s'; loading by name without it", prefix)
-            matched.update({n: prefix + n for n in missing if prefix + n in stored})
+    tried: set[str] = set()
+    for name in wanted:
+        if name in matched:
+            continue
+        for key in sorted((k for k in stored if k.endswith("." + name)), key=lambda k: (len(k), k)):
+            prefix = key[: -len(name)]
+            if prefix in tried:
+                continue
+            tried.add(prefix)
+            found = {n: prefix + n for n in wanted if n not in matched and prefix + n in stored}
+            _LOG.warning("load_checkpoint: %d checkpoint keys carry the prefix '%s'; loaded by name without it",
+                         len(found), prefix)
+            matched.update(found)
             break
     return matched
 
@@ -262,8 +278,11 @@ def load_checkpoint(
             ``strategy_file`` for Parameters MindSpore sliced, ...).
 
     Returns:
-        ``{name: mindspore.Parameter}`` plus the non-tensor values: with ``net``
-        its own loaded Parameters (each rank its shards), otherwise full values
+        ``{name: mindspore.Parameter}`` plus the other values, as
+        ``mindspore.load_checkpoint`` returns them (an int / float / bool as a
+        0-d Parameter, a str as ``str``, other values as they are): with
+        ``net`` its own loaded Parameters (each rank its shards; plain values
+        of a dict ``net`` are also put back into it), otherwise full values
         under the checkpoint's keys. ``.param_not_load`` / ``.ckpt_not_load``
         list what was not loaded (both are also logged).
 

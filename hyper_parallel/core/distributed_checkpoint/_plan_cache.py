@@ -18,7 +18,12 @@ caches.
 
 The digest covers the whole local plan, non-tensor values' digests included:
 a value that changed (a step counter) makes a new exchange, so the
-coordinator's check that replicas agree always sees current values.
+coordinator's check that replicas agree always sees current values. The
+xxh3 digests of replicated tensor chunks (``check_replicas``) are left out of
+the plan digest, since weights change at every step: each rank sends them in
+its :class:`PlanMessage` instead, and on a reuse the coordinator compares them
+by the replica groups it kept from the full exchange
+(:func:`check_cached_replicas`), so a reused plan is checked as a new one.
 Only :class:`.StandardSavePlanner` plans are cached (a custom planner may
 keep state outside its plans).
 """
@@ -27,17 +32,29 @@ from __future__ import annotations
 
 import pickle
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import xxhash
 
+from hyper_parallel.core.distributed_checkpoint._format.cover import MAX_REPORTED_PROBLEMS
+from hyper_parallel.core.distributed_checkpoint._global_plan import replica_problems
+from hyper_parallel.core.distributed_checkpoint.errors import PlanValidationError
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
 from hyper_parallel.core.distributed_checkpoint.storage import StorageWriter
 
-__all__ = ["PlanMessage", "CachedPlan", "PlanCache", "PlanCacheStats", "STATS", "plan_cache_for", "clear_plan_cache"]
+__all__ = [
+    "PlanMessage",
+    "CachedPlan",
+    "PlanCache",
+    "PlanCacheStats",
+    "STATS",
+    "check_cached_replicas",
+    "plan_cache_for",
+    "clear_plan_cache",
+]
 
 
 @dataclass(frozen=True)
@@ -47,10 +64,12 @@ class PlanMessage:
     Attributes:
         local_digest: Digest of this rank's local plan.
         cached_exchange: Digest of the exchange whose result this rank holds (``""``: none).
+        replica_digests: This rank's replicated-chunk digests, in local plan order.
     """
 
     local_digest: str
     cached_exchange: str
+    replica_digests: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -62,17 +81,65 @@ class CachedPlan:
         final: This rank's final plan.
         all_final: Every rank's final plan (coordinator only, else ``None``).
         metadata: The merged metadata (coordinator only, else ``None``).
+        replica_keys: Per rank, the (fqn, offset) of each chunk it sent a
+            replica digest for, in order (coordinator only, else ``None``).
     """
 
     exchange: str
     final: SavePlan
     all_final: tuple[SavePlan, ...] | None
     metadata: Metadata | None
+    replica_keys: tuple[tuple[tuple[str, tuple[int, ...]], ...], ...] | None = None
 
 
 def plan_digest(plan: SavePlan) -> str:
-    """Digest of a local plan (every field, pickled)."""
+    """Digest of a local plan (every field but replica digests, pickled)."""
+    if any(item.tensor_data is not None and item.tensor_data.replica_digest for item in plan.items):
+        plan = replace(plan, items=tuple(
+            replace(item, tensor_data=replace(item.tensor_data, replica_digest=None))
+            if item.tensor_data is not None and item.tensor_data.replica_digest else item
+            for item in plan.items
+        ))
     return xxhash.xxh3_128_hexdigest(pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def replica_digests(plan: SavePlan) -> tuple[str, ...]:
+    """The replica digests of a plan's tensor items, in order."""
+    return tuple(
+        item.tensor_data.replica_digest for item in plan.items
+        if item.tensor_data is not None and item.tensor_data.replica_digest
+    )
+
+
+def replica_keys(plans: list[SavePlan]) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]:
+    """Per plan, the (fqn, offset) of every item carrying a replica digest, in order."""
+    return tuple(
+        tuple(
+            (item.index.fqn, tuple(item.index.offset)) for item in plan.items
+            if item.tensor_data is not None and item.tensor_data.replica_digest
+        )
+        for plan in plans
+    )
+
+
+def check_cached_replicas(cached: CachedPlan, messages: list[PlanMessage]) -> None:
+    """Compare this save's replica digests by the cached replica groups. Coordinator only.
+
+    Raises:
+        PlanValidationError: Replicas of a chunk differ (names the key and the ranks).
+    """
+    if cached.replica_keys is None:
+        return
+    holders: dict[tuple[str, tuple[int, ...]], list[tuple[int, str]]] = {}
+    for rank, (keys, message) in enumerate(zip(cached.replica_keys, messages)):
+        for key, found in zip(keys, message.replica_digests):
+            holders.setdefault(key, []).append((rank, found))
+    problems = [p for key, found in holders.items() if len(found) > 1 for p in replica_problems(key, found)]
+    if problems:
+        shown = problems[:MAX_REPORTED_PROBLEMS]
+        raise PlanValidationError(
+            f"the global save plan is invalid ({len(problems)} problem(s)):\n  " + "\n  ".join(shown)
+        )
 
 
 def exchange_digest(local_digests: list[str]) -> str:
@@ -118,7 +185,8 @@ class PlanCache:
         self.local_digest = plan_digest(local)
         with _LOCK:
             cached = _CACHE.get(self.key)
-        return PlanMessage(local_digest=self.local_digest, cached_exchange=cached.exchange if cached else "")
+        return PlanMessage(local_digest=self.local_digest, cached_exchange=cached.exchange if cached else "",
+                           replica_digests=replica_digests(local))
 
     def lookup(self, messages: list[PlanMessage]) -> CachedPlan | None:
         """The cached result if every rank holds this very exchange, else ``None``. All ranks (same answer)."""
@@ -138,13 +206,15 @@ class PlanCache:
         final: SavePlan,
         all_final: list[SavePlan] | None,
         metadata: Metadata | None,
+        local_plans: list[SavePlan] | None = None,
     ) -> None:
-        """Keep the result of a full exchange. All ranks."""
+        """Keep the result of a full exchange (``local_plans``: every rank's, coordinator only). All ranks."""
         entry = CachedPlan(
             exchange=exchange_digest([m.local_digest for m in messages]),
             final=final,
             all_final=tuple(all_final) if all_final is not None else None,
             metadata=metadata,
+            replica_keys=replica_keys(local_plans) if local_plans is not None else None,
         )
         with _LOCK:
             _CACHE[self.key] = entry
@@ -157,7 +227,7 @@ def plan_cache_for(
     """The plan cache of this kind of save, or ``None`` when its plans are not cached."""
     if type(planner) is not StandardSavePlanner:  # pylint: disable=unidiomatic-typecheck
         return None
-    key = (rank, world_size, options, type(writer), planner.allow_pickle)
+    key = (rank, world_size, options, type(writer), planner.allow_pickle, planner.check_replicas)
     try:
         hash(key)
     except TypeError:  # an option given as a mutable object (a dict of layouts): not cached

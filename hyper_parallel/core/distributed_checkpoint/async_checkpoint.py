@@ -3,12 +3,15 @@
 ``async_save`` blocks only to plan (the collective part of a save) and to
 stage the items this rank writes (:mod:`._staging`). It then returns an
 :class:`AsyncSaveHandle`; a background thread writes the data files. The
-background never runs a collective. The commit, which needs every rank's
-write results, is the same collective step as a sync save's
-(:func:`._engine.commit_save`), run on the caller's thread at
+background never runs a collective. With several ranks the commit, which
+needs every rank's write results, is the same collective step as a sync
+save's (:func:`._engine.commit_save`), run on the caller's thread at
 ``handle.result()`` or at the next ``async_save`` (which first finishes the
-previous save). ``handle.done()`` tells, without blocking or communicating,
-whether this rank's background writing is over.
+previous save). A save without collectives (one process, ``no_dist``, or
+``use_collectives=False``) commits on the background thread right after
+writing: the step is durable once ``done()`` is true, even if ``result()``
+is never called. ``handle.done()`` tells, without blocking or
+communicating, whether this rank's background work is over.
 
 The work itself is the registered save strategy's
 (:meth:`.strategies.SaveStrategyBase.async_save`): it returns an
@@ -58,9 +61,10 @@ class AsyncSaveHandle:
         self._call = call
 
     def done(self) -> bool:
-        """True when this rank's background writing is over (no blocking, no communication).
+        """True when this rank's background work is over (no blocking, no communication).
 
-        ``result()`` then only runs the short commit step.
+        With several ranks ``result()`` then only runs the short commit
+        step; without collectives the save is then already committed.
         """
         return self._call.background_done()
 

@@ -16,7 +16,6 @@ on first use only.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 from types import TracebackType
@@ -24,7 +23,7 @@ from typing import Any
 
 from mindspore.train import Callback, RunContext
 
-from hyper_parallel.core.distributed_checkpoint import api
+from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutSources, cells_in
 from hyper_parallel.core.distributed_checkpoint._one_line import mindspore_state_dict
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.manager import CheckpointManager
@@ -125,13 +124,8 @@ class CheckpointCallback(Callback):
         self.exception_save = bool(exception_save)
         self.resume = bool(resume)
         self._counters, self._append = _append_values(append_info)
-        self._io_kwargs: dict[str, Any] = {}
-        if strategy_file is not None:
-            if "strategy_file" not in inspect.signature(api.save).parameters:
-                raise CheckpointValueError(
-                    "strategy_file: this build of hyper_parallel cannot read MindSpore strategy files in save/load yet"
-                )
-            self._io_kwargs["strategy_file"] = strategy_file
+        self.strategy_file = strategy_file
+        self._io_kwargs: dict[str, Any] = {"strategy_file": strategy_file}
         self.manager = CheckpointManager(
             directory,
             max_to_keep=keep_max or 1,
@@ -169,6 +163,9 @@ class CheckpointCallback(Callback):
             cells["optimizer"] = cb_params.optimizer  # its network Parameters are the same objects: stored once
         if not cells:
             raise CheckpointValueError("run_context.original_args() has no train_network, network or optimizer")
+        # Parameters MindSpore sliced (semi-auto / auto parallel): their layouts come from the Cells'
+        # parameter_layout_dict, or from strategy_file.
+        self._io_kwargs = {"strategy_file": LayoutSources(self.strategy_file, cells=cells_in(cells))}
         return mindspore_state_dict(cells, "the training state")
 
     def on_train_begin(self, run_context: RunContext) -> None:

@@ -1,0 +1,89 @@
+"""msrun worker: CheckpointCallback with Model.train on Parameters sliced over 2 ranks (strategy file).
+
+Usage: ``callback_worker.py BASE_DIR`` with ``BASE_DIR/strategies/rows.ckpt``
+written by tests/test_checkpoint_callback.py: ``w`` (8, 4) and ``b`` (8,) split
+by rows over the 2 ranks. Each rank trains its rows (its half of the outputs)
+with Adam, so every Parameter and moment is a slice. Three runs, all through
+``Model.train`` + ``CheckpointCallback``: an uninterrupted reference (4
+epochs), a first part (2 epochs), and a fresh network resumed from the first
+part's newest step to epoch 4.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+from worker_lib import init_worker, report
+
+RANK, WORLD = init_worker()
+
+import mindspore as ms  # noqa: E402  (after init_worker, which sets the device)
+from mindspore import dataset as ds  # noqa: E402
+from mindspore import nn  # noqa: E402
+from mindspore.train import Callback, Model  # noqa: E402
+
+import hyper_parallel  # noqa: E402
+
+BASE = Path(sys.argv[1])
+STRATEGY = str(BASE / "strategies" / "rows.ckpt")
+ROWS = 8 // WORLD
+RNG = np.random.default_rng(3)
+W = RNG.standard_normal((8, 4)).astype(np.float32)
+B = RNG.standard_normal(8).astype(np.float32)
+X = RNG.standard_normal((32, 4)).astype(np.float32)
+Y = (X @ RNG.standard_normal((4, 8)).astype(np.float32)).astype(np.float32)
+STEPS_PER_EPOCH = 4
+
+
+class Rows(nn.Cell):
+    """``x @ w.T + b`` for this rank's rows of ``w`` and ``b`` (sliced Parameters)."""
+
+    def __init__(self, w: np.ndarray, b: np.ndarray) -> None:
+        super().__init__()
+        self.w = ms.Parameter(ms.Tensor(w.copy()), name="w")
+        self.b = ms.Parameter(ms.Tensor(b.copy()), name="b")
+        self.w.sliced = True
+        self.b.sliced = True
+
+    def construct(self, x):
+        return ms.ops.matmul(x, self.w.T) + self.b
+
+
+class Losses(Callback):
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: dict[int, float] = {}
+
+    def on_train_step_end(self, run_context):
+        params = run_context.original_args()
+        self.losses[int(params.cur_step_num)] = float(params.net_outputs.asnumpy())
+
+
+def train(root: str, epochs: int, *, fresh: bool) -> tuple[Losses, hyper_parallel.CheckpointCallback, Rows, nn.Adam]:
+    rows = slice(RANK * ROWS, (RANK + 1) * ROWS)
+    net = Rows(np.zeros((ROWS, 4), np.float32), np.zeros(ROWS, np.float32)) if fresh else Rows(W[rows], B[rows])
+    opt = nn.Adam(net.trainable_params(), learning_rate=0.05)
+    data = ds.NumpySlicesDataset({"x": X, "y": Y[:, rows].copy()}, shuffle=False).batch(32 // STEPS_PER_EPOCH)
+    callback = hyper_parallel.CheckpointCallback(root, save_checkpoint_steps=STEPS_PER_EPOCH, keep_checkpoint_max=2,
+                                                 strategy_file=STRATEGY)
+    losses = Losses()
+    Model(net, loss_fn=nn.MSELoss(), optimizer=opt).train(
+        epochs, data, callbacks=[callback, losses], dataset_sink_mode=False,
+        initial_epoch=callback.initial_epoch(STEPS_PER_EPOCH))
+    return losses, callback, net, opt
+
+
+reference, _, ref_net, ref_opt = train(str(BASE / "ref"), 4, fresh=False)
+first, _, _, _ = train(str(BASE / "run"), 2, fresh=False)
+resumed, callback, net, opt = train(str(BASE / "run"), 4, fresh=True)
+whole = hyper_parallel.load_checkpoint(str(BASE / "run" / "step_00000016"))
+report({
+    "reference": reference.losses, "first": first.losses, "resumed": resumed.losses,
+    "resumed_step": callback.resumed_step, "steps": callback.manager.all_steps(),
+    "w": net.w.asnumpy(), "ref_w": ref_net.w.asnumpy(),
+    "m1": opt.moment1[0].asnumpy(), "ref_m1": ref_opt.moment1[0].asnumpy(),
+    "full_w": whole["w"].asnumpy(), "full_m1": whole["moment1.w"].asnumpy(),
+    "keys": sorted(whole),
+})
