@@ -17,7 +17,8 @@ Reported per tool: wall time (median), bytes read from storage
 (``/proc/self/io`` ``read_bytes``; ``rchar`` too, which memory-mapped reads
 do not count) and peak RSS above the RSS before the call (for the import it
 counts the mapped file pages the writer touches, which are page cache, not
-copies), and the ratios import / transform.
+copies; so the anonymous part, ``RssAnon`` sampled every 10 ms, is reported
+too), and the ratios import / transform.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -129,12 +131,34 @@ def _child(tool: str, src: Path, strategy: Path, out: Path) -> dict[str, Any]:
             ms.parallel.transform_checkpoints(str(src), str(out), "full_", str(strategy), None)
     with open("/proc/self/statm", encoding="ascii") as handle:
         rss_before = int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    anon_before = _anon_rss()
+    peak_anon = [anon_before]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.01):
+            peak_anon[0] = max(peak_anon[0], _anon_rss())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     before, start = _io(), time.perf_counter()
     run()
     seconds, after = time.perf_counter() - start, _io()
+    done.set()
+    sampler.join()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"seconds": seconds, "read_bytes": after["read_bytes"] - before["read_bytes"],
-            "rchar": after["rchar"] - before["rchar"], "peak_extra_rss_bytes": max(0, peak - rss_before)}
+            "rchar": after["rchar"] - before["rchar"], "peak_extra_rss_bytes": max(0, peak - rss_before),
+            "peak_extra_anon_bytes": max(0, peak_anon[0] - anon_before)}
+
+
+def _anon_rss() -> int:
+    """This process's anonymous resident memory (``RssAnon``: not file pages, which are page cache)."""
+    with open("/proc/self/status", encoding="ascii") as handle:
+        for line in handle:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def measure(work: Path, size_gib: float, runs: int) -> dict[str, Any]:
@@ -170,6 +194,8 @@ def measure(work: Path, size_gib: float, runs: int) -> dict[str, Any]:
             "read_bytes import / model bytes": ours["read_bytes"] / model_bytes,
             "peak extra RSS import / transform_checkpoints": ours["peak_extra_rss_bytes"]
             / max(1, theirs["peak_extra_rss_bytes"]),
+            "peak extra anonymous RSS import / transform_checkpoints": ours["peak_extra_anon_bytes"]
+            / max(1, theirs["peak_extra_anon_bytes"]),
         },
     }
 
@@ -180,7 +206,8 @@ def report(figures: dict[str, Any]) -> str:
              f"{figures['rank_file_bytes'] / GIB:.3f} GiB"]
     for tool, row in figures["median"].items():
         lines.append(f"  {tool:<22} {row['seconds']:8.2f} s  read_bytes {row['read_bytes'] / GIB:7.3f} GiB  "
-                     f"rchar {row['rchar'] / GIB:7.3f} GiB  peak extra RSS {row['peak_extra_rss_bytes'] / GIB:6.3f} GiB")
+                     f"rchar {row['rchar'] / GIB:7.3f} GiB  peak extra RSS {row['peak_extra_rss_bytes'] / GIB:6.3f} GiB "
+                     f"(anonymous {row['peak_extra_anon_bytes'] / GIB:6.3f} GiB)")
     lines += [f"  {name}: {value:.3f}" for name, value in figures["ratios"].items()]
     return "\n".join(lines)
 

@@ -28,7 +28,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     LayoutError,
     UnsupportedFormatError,
 )
-from tests.strategy_files import CASES, write_case
+from tests.strategy_files import CASES, ParamStrategy, StrategyCase, write_case
 
 BF16 = mindspore.bfloat16
 #: Tensors of every case that no strategy lists (replicated on every rank).
@@ -171,6 +171,13 @@ def test_import_matches_load_distributed_checkpoint(jobs, tmp_path, case_name):
     _assert_same({p.name: p.asnumpy() for p in net.get_parameters()}, {n: ours[n] for n in names}, case_name)
 
 
+def test_import_progress_bars(jobs, tmp_path, capsys):
+    job = jobs("dp_replicas_4")
+    import_checkpoint(job.ranks, tmp_path / "ours", strategy_files=job.stage_files, show_progress=True)
+    err = capsys.readouterr().err
+    assert "index rank files" in err and "import" in err
+
+
 def test_import_with_merged_pipeline_strategy_and_cli(jobs, tmp_path, capsys):
     job = jobs("pipeline_2x2")
     code = main(["import", str(job.ranks), str(tmp_path / "ours"), "--strategy", job.ms_strategy])
@@ -238,6 +245,36 @@ def test_export_reshard_8_to_4_equals_transform_checkpoints(jobs, tmp_path, fmt)
         _assert_same({p.name: p.asnumpy() for p in net.get_parameters()}, tensors, f"net {rank_dir}")
 
 
+#: Destinations of more reshards, each checked against transform_checkpoints: pipeline (2 stages of 2) to one
+#: stage of 4, and optimizer parallel on 8 to plain tensor parallel on 2 (shapes as in tests/strategy_files.py).
+RESHARDS = {
+    "pipeline_2x2": StrategyCase(stages=((
+        ParamStrategy("embed.weight", (4,), (-1, 0)),
+        ParamStrategy("layer0.weight", (4,), (0, -1)),
+        ParamStrategy("layer1.weight", (2, 2), (1, 0)),
+    ),)),
+    "opt_parallel_8": StrategyCase(stages=((
+        ParamStrategy("dense.weight", (2,), (0, -1)),
+        ParamStrategy("dense.bias", (2,), (0,)),
+        ParamStrategy("head.weight", (2,), (-1, 0)),
+        ParamStrategy("norm.gamma", (2,), (-1, -1)),
+    ),)),
+}
+
+
+@pytest.mark.parametrize("case_name", sorted(RESHARDS))
+def test_more_reshards_equal_transform_checkpoints(jobs, tmp_path, case_name):
+    job = jobs(case_name)
+    dst = write_case(tmp_path / "dst", RESHARDS[case_name])
+    import_checkpoint(job.ranks, tmp_path / "ours", strategy_files=job.stage_files)
+    export_mindspore(tmp_path / "ours", tmp_path / "out", strategy_files=dst)
+    reference = _rank_dirs(_transform(job, dst[0], tmp_path / "ms"))
+    exported = _rank_dirs(tmp_path / "out")
+    assert sorted(exported) == sorted(reference)
+    for rank_dir, tensors in reference.items():
+        _assert_same(exported[rank_dir], tensors, f"{case_name} {rank_dir}")
+
+
 def test_export_pipeline_stages_from_a_flat_job(jobs, tmp_path):
     """2 pipeline stages as destination: each rank's file holds its stage's parameters only."""
     job = jobs("pipeline_2x2")
@@ -293,20 +330,24 @@ def test_committed_output_is_never_replaced(jobs, tmp_path):
     assert (tmp_path / "ours" / "metadata.json").read_bytes() == before and first.storage_data
 
 
-def test_fifo_source_is_refused_without_blocking(tmp_path):
-    fifo = tmp_path / "weights.ckpt"
+@pytest.mark.parametrize("where", ["weights.ckpt", "hf/model.safetensors.index.json", "ranks/rank_0/c.ckpt"])
+def test_fifo_source_is_refused_without_blocking(tmp_path, where):
+    fifo = tmp_path / where
+    fifo.parent.mkdir(parents=True, exist_ok=True)
     os.mkfifo(fifo)
+    src = tmp_path / where.split("/")[0]
+    strategy = write_case(tmp_path / "strategy", CASES["dp_replicas_4"]) if where.startswith("ranks") else None
     outcome: list[BaseException] = []
-    worker = threading.Thread(target=lambda: _capture(outcome, fifo, tmp_path / "out"), daemon=True)
+    worker = threading.Thread(target=lambda: _capture(outcome, src, tmp_path / "out", strategy), daemon=True)
     worker.start()
     worker.join(20)
     assert not worker.is_alive(), "import blocked on a FIFO"
     assert isinstance(outcome[0], UnsupportedFormatError) and "regular file" in str(outcome[0])
 
 
-def _capture(outcome: list[BaseException], src: Path, out: Path) -> None:
+def _capture(outcome: list[BaseException], src: Path, out: Path, strategy: list[str] | None) -> None:
     try:
-        import_checkpoint(src, out)
+        import_checkpoint(src, out, strategy_files=strategy)
     except BaseException as exc:  # pylint: disable=broad-except
         outcome.append(exc)
 

@@ -135,7 +135,8 @@ SIZE_CASES: list[tuple[str, Callable[[Case], None], type, tuple[str, ...]]] = [
     ("offset_past_the_file", lambda c: c.edit(lambda d: c.entry(d, "n").update(byte_offset=10**9)),
      dcp.CorruptCheckpointError, ("truncated", "'n'")),
     ("value_length_past_the_file", lambda c: c.edit(lambda d: c.entry(d, "step").update(
-        length=2**40, checksum=None)), dcp.CorruptCheckpointError, ("truncated", "'step'")),
+        length=2**40, checksum=None)), dcp.CorruptCheckpointError, ("'step'", "share bytes")),  # runs into 'name'
+
     ("length_as_text", lambda c: c.edit(lambda d: c.entry(d, "w").update(length="128")),
      dcp.CorruptCheckpointError, ("length",)),
     ("length_as_bool", lambda c: c.edit(lambda d: c.entry(d, "w").update(length=True)),
@@ -285,7 +286,7 @@ def _declare_huge_tensor(case: Case) -> None:
     def change(document: dict) -> None:
         document["state_dict_metadata"]["w"].update(size=[2**38], chunks=[[[0], [2**38]]])
         entry = case.entry(document, "w")
-        entry.update(offset=[0], length=2**40, checksum=None)
+        entry.update(offset=[0], byte_offset=2**41, length=2**40, checksum=None)  # past every other item
 
     case.edit(change)
 

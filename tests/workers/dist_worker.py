@@ -286,7 +286,7 @@ def save_failure_planning() -> dict:
 
 
 def save_failure_write() -> dict:
-    info = _failure(lambda: dcp.save({"a": ms.Tensor(np.ones(4, np.float32)), "b": np.full(4, RANK)},
+    info = _failure(lambda: dcp.save({"a": ms.Tensor(np.ones(4, np.float32)), "b": np.full(4, 2)},
                                      storage_writer=FailingWriter(BASE / "fail_write", fail_rank=1)))
     info["committed"] = (BASE / "fail_write" / "metadata.json").exists()
     return info

@@ -8,7 +8,7 @@ format here is specified in ``docs/format.md``.
 from __future__ import annotations
 
 import abc
-import decimal
+import functools
 import json
 import math
 import pickle
@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint.errors import (
+    CheckpointValueError,
     CorruptCheckpointError,
     UnsafeCheckpointError,
     UnsupportedTypeError,
@@ -27,6 +28,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
 from hyper_parallel.platform import DTYPE_NAMES, dtype_name, from_numpy, numpy_dtype, to_numpy
 
 __all__ = [
+    "MAX_INT_DIGITS",
     "PICKLE_TYPE_STRING",
     "REGISTER_HINT",
     "TypeHandler",
@@ -50,6 +52,32 @@ PICKLE_TYPE_STRING = "pickle"
 REGISTER_HINT = "register a handler with hyper_parallel.core.distributed_checkpoint.register_type_handler(...)"
 _MAX_HEADER_BYTES = 64 * 1024
 _INT_TEXT = re.compile(rb"-?[0-9]+")
+#: Largest ``int`` (in decimal digits) a checkpoint stores; a longer payload is refused as hostile.
+MAX_INT_DIGITS = 1_000_000
+# Below this many digits Python's own conversions are fast (and within its str-digits limit).
+_SMALL_DIGITS = 3000
+
+
+@functools.lru_cache(maxsize=64)
+def _power_of_ten(exponent: int) -> int:
+    return 10**exponent
+
+
+def _parse_digits(text: bytes) -> int:
+    """Decimal digits to ``int`` by halves: sub-quadratic (Karatsuba products) instead of quadratic."""
+    if len(text) <= _SMALL_DIGITS:
+        return int(text)
+    low = len(text) // 2
+    return _parse_digits(text[:-low]) * _power_of_ten(low) + _parse_digits(text[-low:])
+
+
+def _format_digits(number: int, width: int = 0) -> str:
+    """``number >= 0`` as decimal digits (left-padded with zeros to ``width``), by halves."""
+    if number.bit_length() <= _SMALL_DIGITS * 3:
+        return str(number).zfill(width)
+    low = (number.bit_length() * 30103 // 100000 + 1) // 2
+    high, rest = divmod(number, _power_of_ten(low))
+    return _format_digits(high, max(width - low, 0)) + _format_digits(rest, low)
 
 
 class TypeHandler(abc.ABC):
@@ -105,20 +133,31 @@ class IntHandler(TypeHandler):
 
     def serialize(self, value: Any) -> bytes:
         number = int(value)
-        try:
-            text = str(number)
-        except ValueError:  # beyond sys.get_int_max_str_digits(); Decimal has no limit
-            text = str(decimal.Decimal(number))
+        if number.bit_length() > MAX_INT_DIGITS * 3.33:
+            raise CheckpointValueError(
+                f"an int of {number.bit_length()} bits has more than the {MAX_INT_DIGITS} decimal digits a "
+                "checkpoint stores; store it as bytes (number.to_bytes(...)) instead"
+            )
+        text = ("-" if number < 0 else "") + _format_digits(abs(number))
+        if len(text.lstrip("-")) > MAX_INT_DIGITS:
+            raise CheckpointValueError(
+                f"an int of {len(text)} decimal digits is more than the {MAX_INT_DIGITS} a checkpoint stores; "
+                "store it as bytes (number.to_bytes(...)) instead"
+            )
         return text.encode("ascii")
 
     def deserialize(self, data: bytes) -> int:
         data = bytes(data)
+        if len(data) > MAX_INT_DIGITS + 1:
+            raise UnsafeCheckpointError(
+                f"int payload of {len(data)} bytes is longer than the {MAX_INT_DIGITS} digits a checkpoint "
+                "stores; refused"
+            )
         if not _INT_TEXT.fullmatch(data):
             raise CorruptCheckpointError(f"int payload is not decimal digits: {data[:40]!r}")
-        try:
-            return int(data)
-        except ValueError:  # beyond sys.get_int_max_str_digits()
-            return int(decimal.Decimal(data.decode("ascii")))
+        if data.startswith(b"-"):
+            return -_parse_digits(data[1:])
+        return _parse_digits(data)
 
 
 class FloatHandler(TypeHandler):

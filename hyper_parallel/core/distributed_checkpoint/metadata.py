@@ -37,7 +37,7 @@ BACKEND_NAME = "filesystem"
 STATE_DICT_TYPE = dict[str, Any]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class MetadataIndex:
     """Names one stored item: a whole tensor, a shard of one, or a value.
 
@@ -54,7 +54,7 @@ class MetadataIndex:
     index: int | None = field(default=None, compare=False, hash=False)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChunkStorageMetadata:
     """One stored box of a tensor.
 
@@ -67,7 +67,7 @@ class ChunkStorageMetadata:
     sizes: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorProperties:
     """Properties of a stored tensor.
 
@@ -78,7 +78,7 @@ class TensorProperties:
     dtype: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorStorageMetadata:
     """A tensor in the checkpoint: its properties, global shape and chunks.
 
@@ -93,7 +93,7 @@ class TensorStorageMetadata:
     chunks: tuple[ChunkStorageMetadata, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BytesStorageMetadata:
     """A non-tensor value stored as bytes by a type handler.
 
@@ -110,7 +110,7 @@ class BytesStorageMetadata:
     shard_offsets: tuple[tuple[int, ...], ...] = ((),)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChunkChecksum:
     """Checksums of one stored chunk, block by block.
 
@@ -133,7 +133,7 @@ class ChunkChecksum:
     block_shape: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StorageInfo:
     """Where the bytes of one item live.
 

@@ -134,11 +134,11 @@ def _str(value: Any, where: str) -> str:
     return value
 
 
-def _tensor_entry(fqn: str, raw: dict, where: str) -> TensorStorageMetadata:
-    dtype = _str(raw.get("dtype"), f"{where} dtype")
+def _tensor_entry(fqn: str, raw: dict, where: str, shared: dict) -> TensorStorageMetadata:
+    dtype = shared.setdefault(_str(raw.get("dtype"), f"{where} dtype"), raw["dtype"])
     if dtype not in DTYPE_NAMES:
         raise CorruptCheckpointError(f"{where}: unknown dtype {dtype!r}")
-    size = _ints(raw.get("size"), f"{where} size")
+    size = shared.setdefault(size := _ints(raw.get("size"), f"{where} size"), size)
     if math.prod(size) * DTYPE_NAMES[dtype] > MAX_TENSOR_BYTES:
         raise UnsafeCheckpointError(f"{where}: declared size {list(size)} is absurdly large; refused")
     chunks = []
@@ -149,7 +149,9 @@ def _tensor_entry(fqn: str, raw: dict, where: str) -> TensorStorageMetadata:
         if not isinstance(pair, list) or len(pair) != 2:
             raise CorruptCheckpointError(f"{where}: chunk {position} must be [offsets, sizes]")
         offsets = _ints(pair[0], f"{where} chunk {position} offsets")
+        offsets = shared.setdefault(offsets, offsets)
         sizes = _ints(pair[1], f"{where} chunk {position} sizes")
+        sizes = shared.setdefault(sizes, sizes)
         if len(offsets) != len(size) or len(sizes) != len(size) or any(
             o + s > full for o, s, full in zip(offsets, sizes, size)
         ):
@@ -158,13 +160,16 @@ def _tensor_entry(fqn: str, raw: dict, where: str) -> TensorStorageMetadata:
     return TensorStorageMetadata(properties=TensorProperties(dtype=dtype), size=size, chunks=tuple(chunks))
 
 
-def _storage_entry(raw: Any, position: int, source: str) -> tuple[MetadataIndex, StorageInfo]:
+def _storage_entry(raw: Any, position: int, source: str, shared: dict) -> tuple[MetadataIndex, StorageInfo]:
     where = f"{source}: storage_data[{position}]"
     if not isinstance(raw, dict):
         raise CorruptCheckpointError(f"{where}: expected an object")
     fqn = _str(raw.get("fqn"), f"{where} fqn")
-    index = MetadataIndex(fqn, _ints(raw.get("offset"), f"{where} offset"))
+    fqn = shared.setdefault(fqn, fqn)
+    offset = _ints(raw.get("offset"), f"{where} offset")
+    index = MetadataIndex(fqn, shared.setdefault(offset, offset))
     path = check_relative_path(raw.get("file"), f"{where} (key '{fqn}')")
+    path = shared.setdefault(path, path)
     checksum = None
     if raw.get("checksum") is not None:
         chk = raw["checksum"]
@@ -175,8 +180,9 @@ def _storage_entry(raw: Any, position: int, source: str) -> tuple[MetadataIndex,
         if block <= 0 or not isinstance(digests, list) or not all(isinstance(d, str) for d in digests):
             raise CorruptCheckpointError(f"{where}: malformed checksum for key '{fqn}'")
         block_shape = _ints(chk.get("block_shape", []), f"{where} block_shape", minimum=1)
+        algorithm = _str(chk.get("algorithm"), f"{where} algorithm")
         checksum = ChunkChecksum(
-            algorithm=_str(chk.get("algorithm"), f"{where} algorithm"),
+            algorithm=shared.setdefault(algorithm, algorithm),
             block_bytes=block,
             digests=tuple(digests),
             block_shape=block_shape,
@@ -210,16 +216,22 @@ def metadata_from_json(data: bytes, *, source: str = "metadata") -> Metadata:
         raise CorruptCheckpointError(f"{source}: not valid JSON metadata ({exc})") from exc
     if not isinstance(document, dict) or document.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{source}: not a hyper_parallel checkpoint metadata file")
-    raw_items = document.get("state_dict_metadata")
+    # Memory stays within a small multiple of the file size: each raw entry is
+    # dropped once decoded, and equal strings and tuples (key names, file
+    # names, offsets) are kept once (``shared``).
+    shared: dict = {}
+    raw_items = document.pop("state_dict_metadata", None)
     if not isinstance(raw_items, dict):
         raise CorruptCheckpointError(f"{source}: state_dict_metadata must be an object")
     items: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
-    for fqn, raw in raw_items.items():
+    for fqn in list(raw_items):
+        raw = raw_items.pop(fqn)
+        fqn = shared.setdefault(fqn, fqn)
         where = f"{source}: key '{fqn}'"
         if not isinstance(raw, dict):
             raise CorruptCheckpointError(f"{where}: expected an object")
         if raw.get("kind") == "tensor":
-            items[fqn] = _tensor_entry(fqn, raw, where)
+            items[fqn] = _tensor_entry(fqn, raw, where, shared)
         elif raw.get("kind") == "bytes":
             offsets = raw.get("shard_offsets", [[]])
             if not isinstance(offsets, list):
@@ -231,10 +243,16 @@ def metadata_from_json(data: bytes, *, source: str = "metadata") -> Metadata:
             )
         else:
             raise CorruptCheckpointError(f"{where}: unknown kind {raw.get('kind')!r}")
-    raw_storage = document.get("storage_data")
+    del raw_items
+    raw_storage = document.pop("storage_data", None)
     if not isinstance(raw_storage, list):
         raise CorruptCheckpointError(f"{source}: storage_data must be a list")
-    storage = dict(_storage_entry(raw, position, source) for position, raw in enumerate(raw_storage))
+    storage = {}
+    for position, raw in enumerate(raw_storage):
+        raw_storage[position] = None
+        index, info = _storage_entry(raw, position, source, shared)
+        storage[index] = info
+    del shared
     if len(storage) != len(raw_storage):
         raise CorruptCheckpointError(f"{source}: storage_data lists a chunk twice")
     return Metadata(
@@ -294,10 +312,10 @@ def check_consistency(metadata: Metadata, *, source: str = "metadata") -> None:
     Every tensor chunk and every stored value has a storage entry (a chunk's of
     exactly its byte length, with a known checksum algorithm and one digest
     per block), every storage entry belongs to an item, and the chunks of each
-    tensor tile its global shape. Loading runs this before planning, so a
-    damaged or hand-made file can neither leave part of a target unread nor
-    read one item's bytes into another. Linear in the number of entries for
-    grid-shaped shardings.
+    tensor tile its global shape, and no two items share a byte of a data
+    file. Loading runs this before planning, so a damaged or hand-made file
+    can neither leave part of a target unread nor read one item's bytes into
+    another. O(n log n) in the number of entries (see ``check_exact_cover``).
 
     Raises:
         CorruptCheckpointError: the first mismatch found (names ``source`` and the key).
@@ -330,6 +348,23 @@ def check_consistency(metadata: Metadata, *, source: str = "metadata") -> None:
         raise CorruptCheckpointError(
             f"{source}: storage entry of key '{orphan.fqn}' at offset {list(orphan.offset)} belongs to no item"
         )
+    _check_disjoint_bytes(storage, source)
+
+
+def _check_disjoint_bytes(storage: dict[MetadataIndex, StorageInfo], source: str) -> None:
+    """No two stored items share a byte of one file (sorted per file: O(n log n))."""
+    ranges = sorted((
+        (info.relative_path, info.offset, info.offset + info.length, index)
+        for index, info in storage.items()
+        if info.length > 0
+    ), key=lambda entry: entry[:3])
+    for (path, _, end, first), (next_path, begin, _, second) in zip(ranges, ranges[1:]):
+        if path == next_path and begin < end:
+            raise CorruptCheckpointError(
+                f"{source}: data file {path}: key '{second.fqn}' at offset {list(second.offset)} starts at byte "
+                f"{begin}, inside the bytes of key '{first.fqn}' at offset {list(first.offset)} (up to {end}); "
+                "two items never share bytes: the metadata is damaged or forged"
+            )
 
 
 # metadata_to_json writes format, version, backend and save_id first, so the

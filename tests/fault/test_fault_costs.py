@@ -1,0 +1,199 @@
+"""Hostile metadata cannot make loading slow or hungry: every decode and check is (near) linear or capped.
+
+Measured here, each against a bound with headroom for a loaded machine:
+an ``int`` value of 300k digits decodes in well under a second (it took 4 s,
+quadratic) and one past :data:`MAX_INT_DIGITS` is refused at once; the
+overlap check of 8,000 chunks that form no grid takes well under a second
+(it took 22 s, quadratic), with the same answers as a brute-force check;
+metadata decoding keeps memory within a small multiple of the file size
+(tracemalloc); ``load`` refuses two items that share bytes of a data file,
+naming both keys and the file.
+"""
+
+from __future__ import annotations
+
+import decimal
+import itertools
+import json
+import random
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel.core.distributed_checkpoint._builtin_handlers import MAX_INT_DIGITS, IntHandler
+from hyper_parallel.core.distributed_checkpoint._format.checksum import chunk_checksum
+from hyper_parallel.core.distributed_checkpoint._format.cover import MAX_PAIR_CHECKS, check_exact_cover
+from hyper_parallel.core.distributed_checkpoint._format.metadata_json import (
+    check_consistency,
+    metadata_from_json,
+    metadata_to_json,
+)
+from hyper_parallel.core.distributed_checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageInfo,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+
+# ------------------------------------------------------------------ int values
+
+
+def test_huge_int_decodes_fast_and_round_trips() -> None:
+    handler = IntHandler()
+    digits = b"7" * 300_000
+    start = time.perf_counter()
+    value = handler.deserialize(digits)
+    elapsed = time.perf_counter() - start
+    assert value % 10**12 == 777_777_777_777 and value.bit_length() == 996_579
+    assert elapsed < 1.5, f"300k digits took {elapsed:.2f} s to decode"
+    assert handler.deserialize(b"-" + digits) == -value
+    rng = random.Random(7)
+    for bits in (0, 1, 63, 64, 9_000, 9_001, 40_000, 200_000):
+        number = rng.getrandbits(bits) if bits else 0
+        for signed in (number, -number):
+            text = handler.serialize(signed)
+            assert text == str(decimal.Decimal(signed)).encode()  # an independent conversion
+            assert handler.deserialize(text) == signed
+    assert handler.deserialize(b"000123") == 123
+
+
+def test_int_past_the_cap_is_refused_both_ways() -> None:
+    handler = IntHandler()
+    start = time.perf_counter()
+    with pytest.raises(dcp.UnsafeCheckpointError, match=f"{MAX_INT_DIGITS} digits"):
+        handler.deserialize(b"9" * (MAX_INT_DIGITS + 2))
+    assert time.perf_counter() - start < 0.5
+    with pytest.raises(dcp.CheckpointValueError, match="store it as bytes"):
+        handler.serialize(1 << (4 * MAX_INT_DIGITS))
+
+
+def test_huge_int_in_a_checkpoint_loads(tmp_path: Path) -> None:
+    value = 3 ** 120_000  # 57,253 digits: beyond Python's own 4,300-digit str limit
+    dcp.save({"big": value, "w": np.arange(4.0)}, checkpoint_id=tmp_path / "c", no_dist=True)
+    target = {"big": None, "w": np.zeros(4)}
+    dcp.load(target, checkpoint_id=tmp_path / "c", no_dist=True)
+    assert target["big"] == value and target["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+# ------------------------------------------------------------------ overlap check
+
+
+def _brute_overlaps(chunks: list[ChunkStorageMetadata]) -> bool:
+    return any(
+        all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes))
+        and all(s > 0 for s in a.sizes + b.sizes)
+        for a, b in itertools.combinations(chunks, 2)
+    )
+
+
+def test_overlap_check_agrees_with_brute_force() -> None:
+    rng = random.Random(11)
+    seen = {True: 0, False: 0}
+    for _ in range(2000):
+        dims = rng.choice([1, 2, 3])
+        size = tuple(rng.randint(1, 6) for _ in range(dims))
+        chunks = []
+        for _ in range(rng.randint(1, 7)):
+            offsets = tuple(rng.randint(0, s - 1) for s in size)
+            chunks.append(ChunkStorageMetadata(offsets, tuple(rng.randint(0, s - o) for s, o in zip(size, offsets))))
+        overlapping = _brute_overlaps(chunks)
+        problems = check_exact_cover("t", size, chunks)
+        assert any("overlap" in p for p in problems) == overlapping, (size, chunks, problems)
+        seen[overlapping] += 1
+    assert seen[True] > 300 and seen[False] > 300
+
+
+def _irregular_rows(rows: int, per_row: int, width: int, rng: random.Random) -> list[ChunkStorageMetadata]:
+    chunks = []
+    for row in range(rows):
+        cuts = [0] + sorted(rng.sample(range(1, width), per_row - 1)) + [width]
+        chunks.extend(ChunkStorageMetadata((row, lo), (1, hi - lo)) for lo, hi in zip(cuts, cuts[1:]))
+    return chunks
+
+
+def test_overlap_check_of_8000_irregular_chunks_is_fast() -> None:
+    rng = random.Random(3)
+    chunks = _irregular_rows(4, 2000, 1_000_000, rng)  # every row cut differently: no grid
+    start = time.perf_counter()
+    assert check_exact_cover("t", (4, 1_000_000), chunks) == []
+    exact = time.perf_counter() - start
+    overlapping = [ChunkStorageMetadata((0, i), (1, 2)) for i in range(8000)]  # each meets the next
+    start = time.perf_counter()
+    problems = check_exact_cover("t", (1, 8001), overlapping)
+    chained = time.perf_counter() - start
+    assert len(problems) == 50 and "overlap" in problems[0]
+    assert exact < 2.0 and chained < 2.0, (exact, chained)
+    gap = chunks[:-1]
+    assert "held by no rank" in check_exact_cover("t", (4, 1_000_000), gap)[0]
+
+
+def test_overlap_check_of_irregular_3d_layout_is_capped() -> None:
+    side = 24  # 13,824 unit cubes, one replaced by a 2-long box: irregular in 3 dims
+    chunks = [ChunkStorageMetadata((i % side, (i // side) % side, i // side**2), (1, 1, 1)) for i in range(side**3)]
+    chunks[5] = ChunkStorageMetadata((5, 0, 0), (1, 1, 2))
+    start = time.perf_counter()
+    problems = check_exact_cover("t", (side, side, side), chunks)
+    assert time.perf_counter() - start < 10.0
+    assert len(problems) == 1 and "too irregular" in problems[0] and str(MAX_PAIR_CHECKS) in problems[0]
+
+
+# ------------------------------------------------------------------ metadata memory
+
+
+def _metadata(entries: int) -> bytes:
+    checksum = chunk_checksum(memoryview(np.zeros(64, np.uint8)), 16)
+    items, storage = {}, {}
+    for i in range(entries):
+        fqn = f"model.layers.{i // 10}.mlp.weight_{i % 10}"
+        items[fqn] = TensorStorageMetadata(
+            properties=TensorProperties(dtype="float32"), size=(4, 4),
+            chunks=(ChunkStorageMetadata(offsets=(0, 0), sizes=(4, 4)),),
+        )
+        storage[MetadataIndex(fqn, (0, 0))] = StorageInfo(
+            relative_path=f"r00000_{i % 3:03d}.0123456789ab.safetensors", offset=i * 64, length=64, checksum=checksum
+        )
+    return metadata_to_json(Metadata(state_dict_metadata=items, storage_data=storage))
+
+
+def test_metadata_memory_is_a_small_multiple_of_its_size() -> None:
+    data = _metadata(2_000)
+    tracemalloc.start()
+    try:
+        start = time.perf_counter()
+        metadata = metadata_from_json(data)
+        check_consistency(metadata)
+        elapsed = time.perf_counter() - start
+        retained, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    ratio, kept = peak / len(data), retained / len(data)
+    print(f"metadata {len(data) / 1e6:.1f} MB: peak {ratio:.1f}x, retained {kept:.1f}x, {elapsed:.2f} s")
+    assert ratio < 7.0 and kept < 3.0, (ratio, kept)
+    assert len(metadata.storage_data) == 2_000
+
+
+# ------------------------------------------------------------------ shared bytes
+
+
+def test_load_refuses_two_items_sharing_bytes(tmp_path: Path) -> None:
+    state = {"a": np.arange(64, dtype=np.float32), "b": np.arange(64, dtype=np.float32) * 2}
+    dcp.save(state, checkpoint_id=tmp_path / "c", no_dist=True)
+    meta_path = tmp_path / "c" / "metadata.json"
+    document = json.loads(meta_path.read_bytes())
+    entries = {entry["fqn"]: entry for entry in document["storage_data"]}
+    entries["b"]["byte_offset"] = entries["a"]["byte_offset"] + 4  # same length: only the overlap is wrong
+    entries["b"]["checksum"] = entries["a"]["checksum"]
+    meta_path.write_text(json.dumps(document))
+    target = {"a": np.zeros(64, np.float32), "b": np.zeros(64, np.float32)}
+    with pytest.raises(dcp.CorruptCheckpointError) as caught:
+        dcp.load(target, checkpoint_id=tmp_path / "c", no_dist=True)
+    message = str(caught.value)
+    assert "'a'" in message and "'b'" in message and entries["a"]["file"] in message and "share bytes" in message
+    assert not target["a"].any() and not target["b"].any()
