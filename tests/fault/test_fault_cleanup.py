@@ -232,13 +232,13 @@ def test_rank_local_saves_of_two_ranks_share_a_directory(tmp_path: Path) -> None
     path = tmp_path / "ckpt"
     writers = []
     for rank in (0, 1):
-        writer = dcp.FileSystemWriter(path, rank_local=True)
+        writer = dcp.FileSystemWriter(path)
         writers.append(writer)
     results: list[Any] = [None, None]
 
     def save(rank: int, seed: int) -> None:
         writer = writers[rank]
-        writer.set_up_storage_writer(True, rank=rank)
+        writer.set_up_storage_writer(True, rank=rank, rank_local=True)
         planner = dcp.StandardSavePlanner()
         planner.configure_planner(make_state(seed), rank=0, world_size=1, is_coordinator=True)
         plans, metadata = planner.build_global_plan([writer.prepare_local_plan(planner.build_local_plan())])

@@ -408,8 +408,15 @@ class FileSystemReader(StorageReader):
     @contextmanager
     def _open_source(self, relative_path: str, items: list[ReadItem]) -> Iterator[tuple[FileSource, Path, int]]:
         """Open data file ``relative_path`` for ``items``: its byte source, its name for messages, its size."""
-        path = self.resolve(relative_path, items[0].storage_index.fqn)
-        fd = os.open(path, os.O_RDONLY)
+        fqn = items[0].storage_index.fqn
+        path = self.resolve(relative_path, fqn)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:  # deleted right after resolve() saw it
+            raise CheckpointNotFoundError(
+                f"data file {relative_path} of key '{fqn}' was deleted while loading checkpoint {self.path} "
+                "(deleted or replaced by another save); load it again"
+            ) from None
         try:
             source = FileSource(fd)
             size = os.fstat(fd).st_size
