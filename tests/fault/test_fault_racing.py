@@ -122,15 +122,29 @@ def test_two_threads_race_for_one_id(tmp_path: Path, over_committed: bool) -> No
     assert clashes
 
 
+class _GatedWriter(dcp.FileSystemWriter):
+    """Writes only once ``gate`` opens: keeps an async save in flight as long as the test needs."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.gate = threading.Event()
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        assert self.gate.wait(WAIT)
+        return super().write_data(plan, planner)
+
+
 def test_sync_save_while_an_async_save_to_the_same_id_is_pending(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     dcp.save(make_state(7), checkpoint_id=path, no_dist=True)
-    handle = dcp.async_save(make_state(1), checkpoint_id=path, no_dist=True)
+    writer = _GatedWriter(path)
+    handle = dcp.async_save(make_state(1), storage_writer=writer, no_dist=True)
     with pytest.raises(dcp.CheckpointError) as caught:
         dcp.save(make_state(2), checkpoint_id=path, no_dist=True)
     _assert_clash(caught.value, path)
     assert "result()" in str(caught.value)
     assert_same_state(load_into_blank(path, make_state(7)), make_state(7))  # the old one, whole, meanwhile
+    writer.gate.set()
     handle.result(timeout=WAIT)
     assert _loads_as_one_of(path, [1]) == 1
     dcp.save(make_state(2), checkpoint_id=path, no_dist=True)  # the id is free again

@@ -373,7 +373,11 @@ def plan_async_save(
         write = background[0]
 
         def write_and_commit() -> Metadata:
-            results = write()
+            try:
+                results = write()
+            except BaseException:
+                session.writer.abort()  # its files and its save lease
+                raise
             return commit_save(session, lambda: results, step="async write and commit")
 
         return AsyncRequest(async_fn=write_and_commit, finalize_fns=(_committed,))
