@@ -171,6 +171,13 @@ def test_import_matches_load_distributed_checkpoint(jobs, tmp_path, case_name):
     _assert_same({p.name: p.asnumpy() for p in net.get_parameters()}, {n: ours[n] for n in names}, case_name)
 
 
+def test_import_progress_bars(jobs, tmp_path, capsys):
+    job = jobs("dp_replicas_4")
+    import_checkpoint(job.ranks, tmp_path / "ours", strategy_files=job.stage_files, show_progress=True)
+    err = capsys.readouterr().err
+    assert "index rank files" in err and "import" in err
+
+
 def test_import_with_merged_pipeline_strategy_and_cli(jobs, tmp_path, capsys):
     job = jobs("pipeline_2x2")
     code = main(["import", str(job.ranks), str(tmp_path / "ours"), "--strategy", job.ms_strategy])
