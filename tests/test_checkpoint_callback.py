@@ -64,7 +64,8 @@ def test_saves_train_network_like_model_checkpoint_and_resumes(tmp_path: Path) -
         "epoch_num": 2, "step_num": 6, "tag": "v1"}
     # A new job: fresh (other) initial values, resumed into network AND optimizer, numbering continues.
     model2, net2, opt2 = _model(seed=2)
-    resumed = hyper_parallel.CheckpointCallback(tmp_path / "run", save_checkpoint_steps=2, keep_checkpoint_max=2)
+    resumed = hyper_parallel.CheckpointCallback(tmp_path / "run", save_checkpoint_steps=2, keep_checkpoint_max=2,
+                                                append_info=["step_num", {"note": "resumed"}])  # other extras: fine
     steps = _Steps()
     assert resumed.initial_epoch(3) == 2
     model2.train(3, _data(), callbacks=[resumed, steps], dataset_sink_mode=False, initial_epoch=2)
@@ -87,9 +88,9 @@ def test_resume_false_and_no_checkpoint_start_fresh(tmp_path: Path) -> None:
     model2, net2, _ = _model()
     fresh = hyper_parallel.CheckpointCallback(tmp_path, resume=False, save_checkpoint_steps=3)
     assert fresh.initial_epoch(3) == 0
-    with pytest.raises(dcp.CheckpointValueError, match="already has a committed checkpoint"):
-        model2.train(1, _data(), callbacks=[fresh], dataset_sink_mode=False)  # step 3 exists: never overwritten
-    assert not np.array_equal(net2.weight.asnumpy(), before)  # it trained from its own start
+    with pytest.raises(dcp.CheckpointValueError, match=r"already holds committed steps up to 3 and resume=False"):
+        model2.train(1, _data(), callbacks=[fresh], dataset_sink_mode=False)  # refused before any step
+    assert np.array_equal(net2.weight.asnumpy(), before) and _steps_on_disk(tmp_path) == [3]
 
 
 def test_save_by_seconds_only_saves_the_end(tmp_path: Path) -> None:
