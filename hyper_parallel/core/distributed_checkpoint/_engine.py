@@ -373,12 +373,8 @@ def plan_async_save(
         write = background[0]
 
         def write_and_commit() -> Metadata:
-            try:
-                results = write()
-            except BaseException:
-                session.writer.abort()  # its files and its save lease
-                raise
-            return commit_save(session, lambda: results, step="async write and commit")
+            # The write runs inside the commit step, so a failed write aborts the save like any step.
+            return commit_save(session, write, step="async write and commit")
 
         return AsyncRequest(async_fn=write_and_commit, finalize_fns=(_committed,))
 
@@ -437,9 +433,6 @@ def run_load(
 
     received = dist.reduce_scatter("load plan", local_step, global_step)
     plan = planner.finalize_plan(received if received is not None else local_plans[0])
-    # Every rank verifies every byte it will read before any rank copies one:
-    # a corrupt checkpoint fails the load with every target unchanged.
-    dist.all_gather("verify", lambda: reader.verify_data(plan).result())
     rounds = planner.read_rounds(plan)
     for index, round_plan in enumerate(rounds):
         _read_round(dist, reader, planner, round_plan, index, last=index == len(rounds) - 1)

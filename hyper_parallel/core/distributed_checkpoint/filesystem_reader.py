@@ -447,9 +447,9 @@ class FileSystemReader(StorageReader):
     ) -> tuple[int, list[tuple[ReadItem, np.ndarray | None]]]:
         """Read whole small chunks many per system call, straight into their targets (verified before).
 
-        A chunk qualifies when it is stored uncompressed with one flat checksum
-        block at most, is read whole, and its target region is contiguous,
-        writable and of the stored dtype. Chunks adjacent in the file are read
+        A chunk qualifies when it is stored uncompressed, is at most 1 MiB, is
+        read whole, and its target region is contiguous, writable and of the
+        stored dtype; it is verified by its flat blocks or tiles in place. Chunks adjacent in the file are read
         by one ``preadv`` (one buffer per target). Returns the bytes read and
         the other items (with the target already acquired, or ``None``).
         """
@@ -467,7 +467,7 @@ class FileSystemReader(StorageReader):
                 or info.offset + info.length > file_size
                 or any(item.storage_offsets)
                 or not isinstance(stored, TensorStorageMetadata)
-                or (checksum is not None and (checksum.algorithm != ALGORITHM or checksum.block_shape))
+                or (checksum is not None and checksum.algorithm != ALGORITHM)
                 or info.length != math.prod(item.lengths) * DTYPE_NAMES.get(stored.properties.dtype, 0)
                 or tuple(item.lengths) != self._chunk_sizes(stored, item.storage_index)
             ):
