@@ -64,7 +64,8 @@ def test_saves_train_network_like_model_checkpoint_and_resumes(tmp_path: Path) -
         "epoch_num": 2, "step_num": 6, "tag": "v1"}
     # A new job: fresh (other) initial values, resumed into network AND optimizer, numbering continues.
     model2, net2, opt2 = _model(seed=2)
-    resumed = hyper_parallel.CheckpointCallback(tmp_path / "run", save_checkpoint_steps=2, keep_checkpoint_max=2)
+    resumed = hyper_parallel.CheckpointCallback(tmp_path / "run", save_checkpoint_steps=2, keep_checkpoint_max=2,
+                                                append_info=["step_num", {"note": "resumed"}])  # other extras: fine
     steps = _Steps()
     assert resumed.initial_epoch(3) == 2
     model2.train(3, _data(), callbacks=[resumed, steps], dataset_sink_mode=False, initial_epoch=2)
@@ -87,9 +88,9 @@ def test_resume_false_and_no_checkpoint_start_fresh(tmp_path: Path) -> None:
     model2, net2, _ = _model()
     fresh = hyper_parallel.CheckpointCallback(tmp_path, resume=False, save_checkpoint_steps=3)
     assert fresh.initial_epoch(3) == 0
-    with pytest.raises(dcp.CheckpointValueError, match="already has a committed checkpoint"):
-        model2.train(1, _data(), callbacks=[fresh], dataset_sink_mode=False)  # step 3 exists: never overwritten
-    assert not np.array_equal(net2.weight.asnumpy(), before)  # it trained from its own start
+    with pytest.raises(dcp.CheckpointValueError, match=r"already holds committed steps up to 3 and resume=False"):
+        model2.train(1, _data(), callbacks=[fresh], dataset_sink_mode=False)  # refused before any step
+    assert np.array_equal(net2.weight.asnumpy(), before) and _steps_on_disk(tmp_path) == [3]
 
 
 def test_save_by_seconds_only_saves_the_end(tmp_path: Path) -> None:
@@ -106,12 +107,14 @@ def test_exception_save_keeps_the_last_completed_step(tmp_path: Path) -> None:
                 raise RuntimeError("boom")
 
     model, net, _ = _model()
-    callback = hyper_parallel.CheckpointCallback(tmp_path, save_checkpoint_steps=5, exception_save=True)
+    callback = hyper_parallel.CheckpointCallback(tmp_path, save_checkpoint_steps=5, exception_save=True,
+                                                 append_info=["step_num"])
     with pytest.raises(RuntimeError, match="boom"):
         model.train(1, _data(), callbacks=[callback, _Boom()], dataset_sink_mode=False)
     assert _steps_on_disk(tmp_path) == [2]
     loaded = hyper_parallel.load_checkpoint(tmp_path / "step_00000002")
     np.testing.assert_array_equal(loaded["weight"].asnumpy(), net.weight.asnumpy())
+    assert loaded["step_num"].asnumpy().item() == 2
     model2, _, _ = _model()
     plain = hyper_parallel.CheckpointCallback(tmp_path / "b", save_checkpoint_steps=5)
     with pytest.raises(RuntimeError, match="boom"):

@@ -417,3 +417,16 @@ def test_unlisted_tensor_that_differs_between_ranks_is_refused(jobs, tmp_path):
     (tmp_path / "empty" / "rank_0").mkdir(parents=True)
     with pytest.raises(UnsupportedFormatError, match="no .ckpt"):
         import_checkpoint(tmp_path / "empty", tmp_path / "out", strategy_files=job.stage_files)
+
+
+def test_rank_files_saved_without_redundancy_import_whole(jobs, tmp_path):
+    """Files saved with remove_redundancy (a replica's slice on one rank only) import as long as every slice is held."""
+    job = jobs("dp_replicas_4")  # mesh (2, 2): ranks 2 and 3 hold the replicas of ranks 0 and 1
+    for rank_dir in sorted(job.ranks.iterdir()):
+        rank = int(rank_dir.name.split("_")[1])
+        entries = dict(mindspore.load_checkpoint(str(next(rank_dir.iterdir()))))
+        if rank >= 2:
+            entries = {k: v for k, v in entries.items() if k not in CASES["dp_replicas_4"].shapes}
+        _save(entries, tmp_path / "src" / rank_dir.name / f"checkpoint_{rank}.ckpt", "ckpt")
+    import_checkpoint(tmp_path / "src", tmp_path / "ours", strategy_files=job.stage_files)
+    _assert_same(_load_ours(tmp_path / "ours"), {k: v.asnumpy() for k, v in job.full.items()}, "no redundancy")
