@@ -14,7 +14,9 @@ breaks its job's communication, so one case per launch):
   every surviving rank.
 
 After either: the interrupted checkpoint B is not committed, and checkpoint A,
-saved before, loads bit-exact in a fresh process.
+saved before, loads bit-exact in a fresh process. Each launch takes about a
+minute: after ending the workers, msrun waits for its scheduler to time the
+dead rank out.
 """
 
 from __future__ import annotations
@@ -79,3 +81,23 @@ def test_a_lost_rank_stops_the_others(tmp_path: Path, mode: str, world: int, pha
     assert target["step"] == 1
     for key, value in want.items():
         assert target[key].tobytes() == value.tobytes(), key
+
+
+def test_collective_timeout_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hyper_parallel.core.distributed_checkpoint._collectives import (  # pylint: disable=import-outside-toplevel
+        COLLECTIVE_TIMEOUT_ENV,
+        DEFAULT_COLLECTIVE_TIMEOUT,
+        DistWrapper,
+        collective_timeout,
+    )
+
+    monkeypatch.delenv(COLLECTIVE_TIMEOUT_ENV, raising=False)
+    assert collective_timeout() == DEFAULT_COLLECTIVE_TIMEOUT == 1800.0
+    monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, " 2.5 ")
+    assert collective_timeout() == 2.5 and DistWrapper(use_dist=False).timeout == 2.5
+    assert DistWrapper(use_dist=False, timeout=7).timeout == 7 and DistWrapper(use_dist=False, timeout=0).timeout is None
+    monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, "0")
+    assert collective_timeout() is None
+    monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, "ten")
+    with pytest.raises(dcp.CheckpointValueError, match="HP_CKPT_COLLECTIVE_TIMEOUT='ten'"):
+        collective_timeout()

@@ -156,8 +156,8 @@ def _gather_within(payload: Any, *, step: str, rank: int, timeout: float | None)
     if not done.wait(timeout):
         message = (
             f"rank {rank}: checkpoint step '{step}' did not complete within {timeout:g} s (another rank died or "
-            f"hangs?); nothing of this save was committed. Communication of this process is unusable now: "
-            f"restart the job (the timeout is {COLLECTIVE_TIMEOUT_ENV}, seconds)"
+            f"hangs?). Communication of this process is unusable now: restart the job and load the last committed "
+            f"checkpoint (the timeout is {COLLECTIVE_TIMEOUT_ENV}, seconds)"
         )
         _broken.append(message)
         raise CollectiveTimeoutError(message)

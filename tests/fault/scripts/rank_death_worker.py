@@ -2,7 +2,7 @@
 
 Usage: ``rank_death_worker.py SHARED_DIR MODE PHASE VICTIM``. ``MODE`` is
 ``kill`` (the victim SIGKILLs itself: ``msrun`` sees the process exit and ends
-the job) or ``hang`` (the victim stops answering for the timeout plus 20 s,
+the job) or ``hang`` (the victim stops answering for the timeout plus 8 s,
 then dies: what a lost host or a rank stuck in I/O looks like to the others;
 the survivors' collective timeout must fire). ``PHASE`` is one of
 ``planning`` (the victim dies before its local plan), ``writing`` (inside
@@ -61,7 +61,7 @@ def die_in(owner: type, name: str) -> None:
 
     def dying(*args, **kwargs):
         if MODE == "hang":
-            time.sleep(float(os.environ["HP_CKPT_COLLECTIVE_TIMEOUT"]) + 20)
+            time.sleep(float(os.environ["HP_CKPT_COLLECTIVE_TIMEOUT"]) + 8)
         (SHARED / "killed.json").write_text(json.dumps({"rank": RANK, "at": time.time()}))
         os.kill(os.getpid(), signal.SIGKILL)
         return original(*args, **kwargs)  # pragma: no cover - never reached
