@@ -1,6 +1,8 @@
 """Measure the "Performance contract" of DESIGN.md in one run; print a table, write JSON.
 
-Run: ``python scripts/benchmark.py [--size-gb 1] [--state many large] [--threads 2] [--runs 3] [--out DIR]``.
+Run: ``python scripts/benchmark.py [--size-gb 1] [--state many large] [--threads 2] [--runs 3] [--out DIR]``;
+``--storage s3`` measures object storage instead (``bench_s3.py``: save, load and a resharded load on a
+local moto S3 server against raw s3fs puts and ranged GETs of the same bytes).
 For each state of MindSpore Parameters (``many``: 1,799 Parameters at 1 GiB, a
 few large, 48 medium and many small, as a model with its optimizer holds;
 ``large``: 16 large matrices), float32 and bfloat16, it times the machine's limits (fsynced plain write, cold and warm
@@ -537,6 +539,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-gb", type=float, default=1.0, help="state size in GiB (default 1)")
+    parser.add_argument("--storage", choices=("disk", "s3"), default="disk",
+                        help="disk (default): every phase below; s3: the object storage figures of bench_s3.py "
+                             "against a local moto S3 server (--size-gb, --threads, --runs apply)")
     parser.add_argument("--state", nargs="+", choices=STATES, default=list(STATES),
                         help="states to measure (default: many large)")
     parser.add_argument("--ranks", type=int, default=2, help="msrun processes of the reshard phase (default 2)")
@@ -581,6 +586,14 @@ def main(argv: list[str] | None = None) -> None:
     """Build each state, run every phase, print and write the results."""
     args = parse_args(argv)
     ms.set_device("CPU")
+    if args.storage == "s3":
+        import bench_s3  # pylint: disable=import-outside-toplevel
+
+        result = bench_s3.measure(args.size_gb, threads=args.threads, runs=args.runs)
+        print(bench_s3.report(result))
+        if args.json is not None:
+            args.json.write_text(json.dumps(result, indent=2))
+        return
     work = args.out or Path(tempfile.mkdtemp(prefix="hp_bench_", dir="/tmp"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"work dir {work}; {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f}; pretouch "

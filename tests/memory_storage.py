@@ -46,7 +46,7 @@ from hyper_parallel.core.distributed_checkpoint import (
 )
 from hyper_parallel.core.distributed_checkpoint.metadata import FORMAT_VERSION, ChunkChecksum
 from hyper_parallel.core.distributed_checkpoint.storage import check_metadata, decode_metadata, encode_metadata
-from hyper_parallel.core.distributed_checkpoint.strategies import FileSystemLoadStrategy
+from hyper_parallel.core.distributed_checkpoint.strategies import StandardLoadStrategy
 from hyper_parallel.platform import numpy_dtype
 
 __all__ = ["BACKEND", "MemoryStore", "MemoryWriter", "MemoryReader", "MemoryPlanData", "register_memory_backend"]
@@ -251,5 +251,5 @@ class MemoryReader(StorageReader):
 def register_memory_backend() -> None:
     """Let ``dcp.load`` dispatch checkpoints of backend ``"memory"`` to the built-in load strategy."""
     for action in (StrategyAction.LOAD_SHARDED, StrategyAction.LOAD_COMMON):
-        register_default_strategy(action, BACKEND, FORMAT_VERSION, FileSystemLoadStrategy(BACKEND, FORMAT_VERSION))
+        register_default_strategy(action, BACKEND, FORMAT_VERSION, StandardLoadStrategy(BACKEND, FORMAT_VERSION))
 

@@ -16,8 +16,8 @@ import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.core.distributed_checkpoint import _engine
 from hyper_parallel.core.distributed_checkpoint.metadata import FORMAT_VERSION
 from hyper_parallel.core.distributed_checkpoint.strategies import (
-    FileSystemLoadStrategy,
-    FileSystemSaveStrategy,
+    StandardLoadStrategy,
+    StandardSaveStrategy,
     LoadOptions,
     LoadStrategyBase,
     SaveOptions,
@@ -98,10 +98,10 @@ def test_filesystem_backend_is_registered_and_recorded(tmp_path):
     metadata = dcp.save({"a": np.ones(2)}, checkpoint_id=tmp_path / "c")
     assert (metadata.storage_meta.backend, metadata.version) == ("filesystem", "2.0") == ("filesystem", FORMAT_VERSION)
     strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, "filesystem", "2.0")
-    assert isinstance(strategy, FileSystemLoadStrategy)
+    assert isinstance(strategy, StandardLoadStrategy)
     assert check_load_compatible(metadata) is strategy
     older = get_default_strategy(StrategyAction.LOAD_SHARDED, "filesystem", "1.0")
-    assert isinstance(older, FileSystemLoadStrategy) and older.version == "1.0" and older is not strategy
+    assert isinstance(older, StandardLoadStrategy) and older.version == "1.0" and older is not strategy
     save_strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, "filesystem", "2.0")
     committed = save_strategy.save({"a": np.full(2, 3.0)}, storage_writer=dcp.FileSystemWriter(tmp_path / "via"),
                                    planner=dcp.StandardSavePlanner(), options=SaveOptions(no_dist=True))
@@ -147,7 +147,7 @@ def test_registering_a_strategy_for_a_new_version(tmp_path):
     dcp.save({"a": np.ones(2)}, checkpoint_id=tmp_path / "c")
     _rewrite(tmp_path / "c", version="2.5")
 
-    class Reader25(FileSystemLoadStrategy):
+    class Reader25(StandardLoadStrategy):
         pass
 
     register_default_strategy(StrategyAction.LOAD_SHARDED, "filesystem", "2.5", Reader25("filesystem", "2.5"))
@@ -178,7 +178,7 @@ def _registered(action, strategy):
 def test_save_async_save_and_load_call_the_registered_strategies(tmp_path):
     calls = []
 
-    class RecordingSave(FileSystemSaveStrategy):
+    class RecordingSave(StandardSaveStrategy):
         def save(self, state_dict, *, storage_writer, planner, options):
             calls.append(("save", type(storage_writer).__name__, options.remove_redundancy))
             return super().save(state_dict, storage_writer=storage_writer, planner=planner, options=options)
@@ -188,7 +188,7 @@ def test_save_async_save_and_load_call_the_registered_strategies(tmp_path):
             return super().async_save(state_dict, storage_writer=storage_writer, planner=planner, options=options,
                                       staging=staging)
 
-    class RecordingLoad(FileSystemLoadStrategy):
+    class RecordingLoad(StandardLoadStrategy):
         def load(self, state_dict, *, storage_reader, planner, metadata, options):
             calls.append(("load", metadata.version, sorted(metadata.state_dict_metadata), options.use_collectives))
             super().load(state_dict, storage_reader=storage_reader, planner=planner, metadata=metadata,
@@ -249,3 +249,16 @@ def test_fork_staging_snapshots_at_call_time_and_reports_child_errors(tmp_path):
     assert not (tmp_path / "g" / "metadata.json").exists()
     with pytest.raises(dcp.CheckpointValueError, match="staging"):
         dcp.async_save({"p": param}, checkpoint_id=tmp_path / "h", staging="mmap")
+
+
+@pytest.mark.parametrize("version,accepted", [("2", True), ("2.0", True), ("1", True), ("2.x", False), ("", False)])
+def test_a_version_is_accepted_by_a_registered_strategy_of_the_same_major(tmp_path, version, accepted):
+    dcp.save({"a": np.ones(2)}, checkpoint_id=tmp_path / "c")
+    _rewrite(tmp_path / "c", version=version)
+    target = {"a": np.zeros(2)}
+    if accepted:
+        dcp.load(target, checkpoint_id=tmp_path / "c")
+        assert target["a"].tolist() == [1.0, 1.0]
+    else:
+        with pytest.raises(dcp.UnsupportedFormatError, match=f"version '{version}'"):
+            dcp.load(target, checkpoint_id=tmp_path / "c")

@@ -74,13 +74,18 @@ def test_benchmark_reports_every_figure_for_both_states(tmp_path):
     assert "w_bf16_1024" in result["reshard"]["description"]  # narrow rows are measured
 
 
-def test_bench_planning_reports_time_and_bytes_per_rank(tmp_path):
-    out = tmp_path / "plan.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / "bench_planning.py"), "--ranks", "4", "16", "--tensors", "20",
-         "--json", str(out)], env=_env(), capture_output=True, text=True, timeout=300, check=False)
+def _run_small(script: str, out: Path) -> subprocess.CompletedProcess:
+    """Run a planning-side script with 4 and 32 (or 16) ranks of 20 tensors, JSON to ``out``."""
+    ranks = ["4", "16"] if script == "bench_planning.py" else ["4", "32"]
+    proc = subprocess.run([sys.executable, str(SCRIPTS / script), "--ranks", *ranks, "--tensors", "20",
+                           "--json", str(out)], env=_env(), capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(out.read_text())
+    return proc
+
+
+def test_bench_planning_reports_time_and_bytes_per_rank(tmp_path):
+    _run_small("bench_planning.py", tmp_path / "plan.json")
+    rows = json.loads((tmp_path / "plan.json").read_text())
     assert [row["ranks"] for row in rows] == [4, 16]
     for row in rows:
         assert row["items"] == row["ranks"] * 20 and row["seconds"] > 0 and row["unpickle_seconds"] > 0
@@ -91,3 +96,13 @@ def test_bench_planning_reports_time_and_bytes_per_rank(tmp_path):
         "bytes_received_per_noncoordinator_rank_allgather"]
     assert rows[1]["bytes_received_per_noncoordinator_rank_scatter"] <= rows[0][
         "bytes_received_per_noncoordinator_rank_scatter"] + 8
+
+
+def test_bench_metadata_reports_size_read_time_and_rank_planning(tmp_path):
+    proc = _run_small("bench_metadata.py", tmp_path / "meta.json")
+    result = json.loads((tmp_path / "meta.json").read_text())
+    assert [row["chunks"] for row in result["measured"]] == [80, 640]
+    for row in result["measured"]:
+        assert row["metadata_bytes"] > 100 * row["chunks"] and row["read_metadata_s"] > 0
+        assert row["rank_load_planning_s"] > 0
+    assert result["extrapolated"]["chunks"] == 10240 * 10000 and "extrapolated to 10240 ranks" in proc.stdout

@@ -64,7 +64,8 @@ def test_saves_train_network_like_model_checkpoint_and_resumes(tmp_path: Path) -
         "epoch_num": 2, "step_num": 6, "tag": "v1"}
     # A new job: fresh (other) initial values, resumed into network AND optimizer, numbering continues.
     model2, net2, opt2 = _model(seed=2)
-    resumed = hyper_parallel.CheckpointCallback(tmp_path / "run", save_checkpoint_steps=2, keep_checkpoint_max=2)
+    resumed = hyper_parallel.CheckpointCallback(tmp_path / "run", save_checkpoint_steps=2, keep_checkpoint_max=2,
+                                                append_info=["step_num", {"note": "resumed"}])  # other extras: fine
     steps = _Steps()
     assert resumed.initial_epoch(3) == 2
     model2.train(3, _data(), callbacks=[resumed, steps], dataset_sink_mode=False, initial_epoch=2)
@@ -87,9 +88,9 @@ def test_resume_false_and_no_checkpoint_start_fresh(tmp_path: Path) -> None:
     model2, net2, _ = _model()
     fresh = hyper_parallel.CheckpointCallback(tmp_path, resume=False, save_checkpoint_steps=3)
     assert fresh.initial_epoch(3) == 0
-    with pytest.raises(dcp.CheckpointValueError, match="already has a committed checkpoint"):
-        model2.train(1, _data(), callbacks=[fresh], dataset_sink_mode=False)  # step 3 exists: never overwritten
-    assert not np.array_equal(net2.weight.asnumpy(), before)  # it trained from its own start
+    with pytest.raises(dcp.CheckpointValueError, match=r"already holds committed steps up to 3 and resume=False"):
+        model2.train(1, _data(), callbacks=[fresh], dataset_sink_mode=False)  # refused before any step
+    assert np.array_equal(net2.weight.asnumpy(), before) and _steps_on_disk(tmp_path) == [3]
 
 
 def test_save_by_seconds_only_saves_the_end(tmp_path: Path) -> None:
@@ -183,3 +184,15 @@ def test_msrun_two_ranks_sliced_parameters_resume(tmp_path: Path) -> None:
     np.testing.assert_array_equal(results[0]["full_m1"], np.concatenate([r["m1"] for r in results]))
     assert results[0]["full_w"].shape == (8, 4)
     assert {"w", "b", "moment1.w", "moment2.b", "global_step"} <= set(results[0]["keys"])
+
+
+def test_resume_inside_an_epoch_warns(tmp_path: Path, caplog) -> None:
+    model, _, _ = _model()
+    model.train(1, _data(), callbacks=[hyper_parallel.CheckpointCallback(tmp_path, save_checkpoint_steps=2)],
+                dataset_sink_mode=False)  # 3 steps: saves 2 and 3
+    model2, _, _ = _model(seed=5)
+    callback = hyper_parallel.CheckpointCallback(tmp_path, save_checkpoint_steps=2, resume=True)
+    (tmp_path / "step_00000003").rename(tmp_path / ".gone")  # newest committed step is now 2, inside epoch 1
+    with caplog.at_level("WARNING"):
+        model2.train(2, _data(), callbacks=[callback], dataset_sink_mode=False, initial_epoch=1)
+    assert callback.resumed_step == 2 and "inside epoch 1 of 3 steps" in caplog.text

@@ -16,6 +16,7 @@ from safetensors import safe_open
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.cli import KeySelection, list_steps
 from hyper_parallel.cli.main import main
+from s3_server import new_filesystem, s3_endpoint, s3_url  # noqa: F401  (fixtures)
 
 ms.set_device("CPU")
 
@@ -122,3 +123,50 @@ def test_progress_bars_on_a_terminal(recipe: Path, tmp_path: Path, capsys, monke
     assert code == 0 and "diff:" in err and "key" in err
     code, _, err = _run(capsys, "convert", recipe, tmp_path / "quiet", "--no-progress")
     assert code == 0 and err == ""
+
+
+def test_list_reports_in_progress_and_damaged_steps(tmp_path: Path, capsys) -> None:
+    from hyper_parallel.core.distributed_checkpoint._save_lease import SaveLease  # pylint: disable=import-outside-toplevel
+
+    manager = dcp.CheckpointManager(tmp_path / "run")
+    manager.save(1, {"w": np.zeros(4, np.float32)})
+    manager.save(2, {"w": np.zeros(4, np.float32)})
+    (manager.directory(2) / "metadata.json").write_text("{broken")
+    running = manager.directory(3)
+    running.mkdir()
+    lease, _ = SaveLease.acquire(running, "metadata.json", "abc123")
+    try:
+        (tmp_path / "run" / "manager.json").write_text("not a record")  # a damaged record hides no step
+        entries = list_steps(tmp_path / "run")
+    finally:
+        lease.release()
+    assert [(e.step, e.status) for e in entries] == [(1, "committed"), (2, "damaged"), (3, "in progress")]
+    assert "abc123" in entries[2].detail and entries[1].detail
+    code, out, _ = _run(capsys, "list", tmp_path / "run")
+    assert code == 0 and "damaged" in out and "1 committed of 3 step(s)" in out
+
+
+def test_callback_keep_knobs_map_to_the_manager(tmp_path: Path) -> None:
+    import hyper_parallel  # pylint: disable=import-outside-toplevel
+
+    per_minutes = hyper_parallel.CheckpointCallback(tmp_path, keep_checkpoint_max=0, keep_checkpoint_per_n_minutes=2)
+    assert per_minutes.manager.max_to_keep == 1 and per_minutes.manager.keep_time_interval_seconds == 120.0
+    both = hyper_parallel.CheckpointCallback(tmp_path, keep_checkpoint_max=3, keep_checkpoint_per_n_minutes=2)
+    assert both.manager.max_to_keep == 3 and both.manager.keep_time_interval_seconds is None  # max wins
+    seconds = hyper_parallel.CheckpointCallback(tmp_path, save_checkpoint_steps=0, save_checkpoint_seconds=30)
+    assert seconds.manager.save_interval_steps is None and seconds.manager.save_interval_seconds == 30.0
+    steps_win = hyper_parallel.CheckpointCallback(tmp_path, save_checkpoint_steps=5, save_checkpoint_seconds=30)
+    assert steps_win.manager.save_interval_steps == 5 and steps_win.manager.save_interval_seconds is None
+
+
+def test_list_object_store_root(s3_url: str, capsys) -> None:
+    manager = dcp.CheckpointManager(s3_url, max_to_keep=2)
+    for step in (1, 2, 3):
+        manager.save(step, {"w": np.full(64, step, np.float32)})
+    fs = new_filesystem()
+    fs.pipe(f"{s3_url[5:]}/step_00000004/r00000_000.x.safetensors", b"partial")  # a save in flight
+    entries = list_steps(s3_url)
+    assert [(e.step, e.status) for e in entries] == [(2, "committed"), (3, "committed"), (4, "in progress")]
+    assert entries[0].size > 256 and entries[2].size == 7
+    code, out, _ = _run(capsys, "list", s3_url)
+    assert code == 0 and "2 committed of 3 step(s)" in out and "newest committed: step_00000003" in out

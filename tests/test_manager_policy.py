@@ -125,3 +125,13 @@ def test_corrupt_record_is_named(tmp_path: Path) -> None:
     (tmp_path / "manager.json").write_text("{not json")
     with pytest.raises(CorruptCheckpointError, match=r"manager\.json.*delete it"):
         manager.save(2, _state(2))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(save_interval_seconds=0), "save_interval_seconds"),
+    (dict(keep_time_interval_seconds=float("inf")), "keep_time_interval_seconds"),
+    (dict(best_fn="loss"), "best_fn must be callable"),
+])
+def test_bad_new_settings_are_refused(tmp_path: Path, kwargs: dict, match: str) -> None:
+    with pytest.raises(CheckpointValueError, match=match):
+        CheckpointManager(tmp_path, **kwargs)

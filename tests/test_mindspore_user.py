@@ -169,3 +169,22 @@ def test_plain_values_come_back_as_mindspore_returns_them(tmp_path):
             assert ours[key].asnumpy().item() == theirs[key].asnumpy().item() and ours[key].shape == ()
     assert ours["tag"] == "x"
     ms.load_param_into_net(nn.Dense(2, 2), ours)  # accepted, as MindSpore's own dict is
+
+
+def test_dcp_checkpoint_of_model_and_optimizer_loads_through_the_one_liner(tmp_path):
+    net, opt = _net_and_opt(13)
+    dcp.save({"model": net, "optimizer": opt, "step": 4}, checkpoint_id=tmp_path / "c")
+    net2, opt2 = _net_and_opt(14)
+    loaded = hyper_parallel.load_checkpoint(tmp_path / "c", {"model": net2, "optimizer": opt2})
+    assert loaded.param_not_load == [] and loaded.ckpt_not_load == ["step"]
+    np.testing.assert_array_equal(net2.head.weight.asnumpy(), net.head.weight.asnumpy())
+    np.testing.assert_array_equal(opt2.moment2[0].asnumpy(), opt.moment2[0].asnumpy())
+    np.testing.assert_array_equal(opt2.global_step.asnumpy(), opt.global_step.asnumpy())
+
+
+def test_bad_arguments_are_refused(tmp_path):
+    hyper_parallel.save_checkpoint(nn.Dense(2, 2), tmp_path / "c")
+    with pytest.raises(dcp.CheckpointValueError, match="choice_func must be callable"):
+        hyper_parallel.load_checkpoint(tmp_path / "c", choice_func="weight")
+    with pytest.raises(dcp.CheckpointValueError, match="net must be a mindspore.nn.Cell or a state dict"):
+        hyper_parallel.load_checkpoint(tmp_path / "c", [1])

@@ -28,7 +28,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     LayoutError,
     UnsupportedFormatError,
 )
-from tests.strategy_files import CASES, write_case
+from tests.strategy_files import CASES, ParamStrategy, StrategyCase, write_case
 
 BF16 = mindspore.bfloat16
 #: Tensors of every case that no strategy lists (replicated on every rank).
@@ -171,6 +171,13 @@ def test_import_matches_load_distributed_checkpoint(jobs, tmp_path, case_name):
     _assert_same({p.name: p.asnumpy() for p in net.get_parameters()}, {n: ours[n] for n in names}, case_name)
 
 
+def test_import_progress_bars(jobs, tmp_path, capsys):
+    job = jobs("dp_replicas_4")
+    import_checkpoint(job.ranks, tmp_path / "ours", strategy_files=job.stage_files, show_progress=True)
+    err = capsys.readouterr().err
+    assert "index rank files" in err and "import" in err
+
+
 def test_import_with_merged_pipeline_strategy_and_cli(jobs, tmp_path, capsys):
     job = jobs("pipeline_2x2")
     code = main(["import", str(job.ranks), str(tmp_path / "ours"), "--strategy", job.ms_strategy])
@@ -236,6 +243,36 @@ def test_export_reshard_8_to_4_equals_transform_checkpoints(jobs, tmp_path, fmt)
             net, mindspore.load_checkpoint(str(path), format=fmt), strict_load=True)
         assert not not_loaded
         _assert_same({p.name: p.asnumpy() for p in net.get_parameters()}, tensors, f"net {rank_dir}")
+
+
+#: Destinations of more reshards, each checked against transform_checkpoints: pipeline (2 stages of 2) to one
+#: stage of 4, and optimizer parallel on 8 to plain tensor parallel on 2 (shapes as in tests/strategy_files.py).
+RESHARDS = {
+    "pipeline_2x2": StrategyCase(stages=((
+        ParamStrategy("embed.weight", (4,), (-1, 0)),
+        ParamStrategy("layer0.weight", (4,), (0, -1)),
+        ParamStrategy("layer1.weight", (2, 2), (1, 0)),
+    ),)),
+    "opt_parallel_8": StrategyCase(stages=((
+        ParamStrategy("dense.weight", (2,), (0, -1)),
+        ParamStrategy("dense.bias", (2,), (0,)),
+        ParamStrategy("head.weight", (2,), (-1, 0)),
+        ParamStrategy("norm.gamma", (2,), (-1, -1)),
+    ),)),
+}
+
+
+@pytest.mark.parametrize("case_name", sorted(RESHARDS))
+def test_more_reshards_equal_transform_checkpoints(jobs, tmp_path, case_name):
+    job = jobs(case_name)
+    dst = write_case(tmp_path / "dst", RESHARDS[case_name])
+    import_checkpoint(job.ranks, tmp_path / "ours", strategy_files=job.stage_files)
+    export_mindspore(tmp_path / "ours", tmp_path / "out", strategy_files=dst)
+    reference = _rank_dirs(_transform(job, dst[0], tmp_path / "ms"))
+    exported = _rank_dirs(tmp_path / "out")
+    assert sorted(exported) == sorted(reference)
+    for rank_dir, tensors in reference.items():
+        _assert_same(exported[rank_dir], tensors, f"{case_name} {rank_dir}")
 
 
 def test_export_pipeline_stages_from_a_flat_job(jobs, tmp_path):
@@ -380,3 +417,16 @@ def test_unlisted_tensor_that_differs_between_ranks_is_refused(jobs, tmp_path):
     (tmp_path / "empty" / "rank_0").mkdir(parents=True)
     with pytest.raises(UnsupportedFormatError, match="no .ckpt"):
         import_checkpoint(tmp_path / "empty", tmp_path / "out", strategy_files=job.stage_files)
+
+
+def test_rank_files_saved_without_redundancy_import_whole(jobs, tmp_path):
+    """Files saved with remove_redundancy (a replica's slice on one rank only) import as long as every slice is held."""
+    job = jobs("dp_replicas_4")  # mesh (2, 2): ranks 2 and 3 hold the replicas of ranks 0 and 1
+    for rank_dir in sorted(job.ranks.iterdir()):
+        rank = int(rank_dir.name.split("_")[1])
+        entries = dict(mindspore.load_checkpoint(str(next(rank_dir.iterdir()))))
+        if rank >= 2:
+            entries = {k: v for k, v in entries.items() if k not in CASES["dp_replicas_4"].shapes}
+        _save(entries, tmp_path / "src" / rank_dir.name / f"checkpoint_{rank}.ckpt", "ckpt")
+    import_checkpoint(tmp_path / "src", tmp_path / "ours", strategy_files=job.stage_files)
+    _assert_same(_load_ours(tmp_path / "ours"), {k: v.asnumpy() for k, v in job.full.items()}, "no redundancy")

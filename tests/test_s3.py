@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import mindspore
@@ -243,8 +244,12 @@ def test_async_save_then_resave_keeps_old_until_commit(s3_url: str) -> None:
     dcp.save(_state(10), checkpoint_id=s3_url, no_dist=True)
     handle = dcp.async_save(_state(11), checkpoint_id=s3_url, no_dist=True)
     loaded = _blank()
-    dcp.load(loaded, checkpoint_id=s3_url, no_dist=True)  # the old one, whole, meanwhile
-    assert loaded["step"] in (10, 11)
+    try:
+        dcp.load(loaded, checkpoint_id=s3_url, no_dist=True)  # the old one, whole, meanwhile
+        _assert_same(loaded, _state(loaded["step"]))
+        assert loaded["step"] in (10, 11)
+    except dcp.CheckpointNotFoundError as exc:  # the background commit replaced it while loading
+        assert "load it again" in str(exc)
     handle.result()
     dcp.load(loaded, checkpoint_id=s3_url, no_dist=True)
     _assert_same(loaded, _state(11))
@@ -399,3 +404,96 @@ class TestS3Storage(StorageContract):
         blob = bytearray(fs.cat_file(path))
         blob[info.offset] ^= 0xFF
         fs.pipe_file(path, bytes(blob))
+
+
+def _loads_as_one_of(url: str, seeds: list[int]) -> int:
+    loaded = _blank()
+    dcp.load(loaded, checkpoint_id=url, no_dist=True)
+    matching = [s for s in seeds if loaded["step"] == s]
+    assert matching, f"{url} loads as none of {seeds}"
+    _assert_same(loaded, _state(matching[0]))
+    return matching[0]
+
+
+def test_threads_racing_for_one_id_never_mix(s3_url: str) -> None:
+    import threading  # pylint: disable=import-outside-toplevel
+
+    clashes = 0
+    for round_ in range(4):
+        url = f"{s3_url}/r{round_}"
+        if round_ % 2:
+            dcp.save(_state(30), checkpoint_id=url, no_dist=True)
+        outcomes: dict[int, BaseException | None] = {}
+        barrier = threading.Barrier(2)
+
+        def run(seed: int, url: str = url, outcomes: dict = outcomes, barrier: threading.Barrier = barrier) -> None:
+            barrier.wait()
+            try:
+                dcp.save(_state(seed), checkpoint_id=url, no_dist=True)
+                outcomes[seed] = None
+            except dcp.CheckpointError as exc:
+                outcomes[seed] = exc
+
+        threads = [threading.Thread(target=run, args=(seed,)) for seed in (31, 32)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        winners = [seed for seed, error in outcomes.items() if error is None]
+        assert winners, outcomes
+        for seed, error in outcomes.items():
+            if error is not None:
+                assert isinstance(error, dcp.ConcurrentSaveError) and "another save" in str(error), repr(error)
+                clashes += 1
+        assert _loads_as_one_of(url, winners) in winners
+        saved = dcp.read_metadata(url).storage_meta.save_id
+        assert all(saved in n for n in _objects(url) if n.endswith(".safetensors"))
+    assert clashes, "the saves never overlapped: the race was not tested"
+
+
+def test_sync_save_while_an_async_save_is_pending(s3_url: str) -> None:
+    """Whichever commits second (the async save's background commit may come first) fails naming the clash."""
+    dcp.save(_state(40), checkpoint_id=s3_url, no_dist=True)
+    handle = dcp.async_save(_state(41), checkpoint_id=s3_url, no_dist=True)
+    errors: dict[int, BaseException] = {}
+    try:
+        dcp.save(_state(42), checkpoint_id=s3_url, no_dist=True)
+    except dcp.CheckpointError as exc:
+        errors[42] = exc
+    try:
+        handle.result()
+    except dcp.CheckpointError as exc:
+        errors[41] = exc
+    assert len(errors) <= 1, errors
+    for error in errors.values():
+        assert isinstance(error, dcp.ConcurrentSaveError) and "another save committed it" in str(error)
+    winner = _loads_as_one_of(s3_url, [41, 42])
+    assert winner == (41 if 42 in errors else 42)
+    assert len([n for n in _objects(s3_url) if n.endswith(".safetensors")]) == 1
+
+
+def test_manager_on_s3_keeps_the_newest_steps(s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hyper_parallel.core.distributed_checkpoint import _object_steps  # pylint: disable=import-outside-toplevel
+
+    manager = dcp.CheckpointManager(s3_url, max_to_keep=2)
+    new_filesystem().pipe_file(f"{s3_url[5:]}/step_00000000/r00000_000.0123456789ab.safetensors", b"killed save")
+    for step in (1, 2, 3):
+        manager.save(step, _state(step))
+    assert manager.all_steps() == [2, 3]
+    assert "step_00000000" in _objects(s3_url)  # uncommitted and recent: may be a save in progress, kept
+    monkeypatch.setattr(_object_steps, "UNCOMMITTED_GRACE_SECONDS", -1.0)
+    manager.save(4, _state(4))
+    assert _objects(s3_url) == ["step_00000003", "step_00000004"]
+    loaded = _blank()
+    assert manager.load(loaded) == 4
+    _assert_same(loaded, _state(4))
+    assert manager.directory(4) == f"{s3_url}/step_00000004"
+
+
+def test_missing_bucket_fails_with_checkpoint_errors(s3_endpoint) -> None:  # noqa: F811
+    url = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/ckpt"
+    with pytest.raises(dcp.CheckpointError) as caught:
+        dcp.save(_state(50), checkpoint_id=url, no_dist=True)
+    assert url in str(caught.value)
+    with pytest.raises(dcp.CheckpointNotFoundError, match="does not exist"):
+        dcp.load(_blank(), checkpoint_id=url, no_dist=True)

@@ -74,3 +74,15 @@ def test_memory_backend_is_unknown_until_registered(tmp_path):
     dcp.save({"a": [1, 2]}, storage_writer=MemoryWriter("memory://x", store=store), no_dist=True)
     with pytest.raises(dcp.UnsupportedFormatError, match="backend 'memory'"):
         dcp.load({"a": [0, 0]}, storage_reader=MemoryReader("memory://x", store=store), no_dist=True)
+
+
+def test_storage_is_picked_from_the_checkpoint_id_or_reset_to_it(tmp_path):
+    with pytest.raises(dcp.CheckpointValueError, match="needs a checkpoint_id"):
+        dcp.save({"a": 1}, no_dist=True)
+    with pytest.raises(dcp.CheckpointValueError, match="storage_reader"):
+        dcp.load({"a": 0}, checkpoint_id=12345, no_dist=True)
+    store = MemoryStore()
+    dcp.save({"a": 7}, storage_writer=MemoryWriter("memory://first", store=store), checkpoint_id="memory://second",
+             no_dist=True)
+    assert not store.has_prefix("first/") and store.has_prefix("second/")
+    assert MemoryReader("memory://second", store=store).read_metadata().storage_meta.backend == BACKEND

@@ -138,24 +138,31 @@ class MsFile:
         self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else None
         os.close(fd)
         if self._map is not None and hasattr(mmap, "MADV_RANDOM"):
-            # No read-around past what is asked: the bytes of skipped replicas are never read.
+            # No read-around on a fault: only the contents asked for (see raw) are read.
             self._map.madvise(mmap.MADV_RANDOM)
 
-    def raw(self, name: str) -> np.ndarray:
+    def raw(self, name: str, *, prefetch: bool = False) -> np.ndarray:
         """Return the content bytes of ``name`` as a read-only uint8 array.
 
         A single-segment entry is a view of the mapped file (no copy); a
         ``.ckpt`` tensor split into several values is joined into a new array.
-        Exactly the content's pages are read ahead (the map reads no more
-        around a fault), so the bytes of entries never asked for are not read.
+        The map reads nothing around a fault elsewhere, so entries never asked
+        for are not read, except what the kernel reads ahead past the end of
+        a streamed content (at most its read-ahead window).
+
+        Args:
+            name: The entry.
+            prefetch: Ask the kernel to read exactly this content now
+                (``MADV_WILLNEED``); without it, the content is read ahead as it
+                is used (``MADV_SEQUENTIAL``). Prefetch only what fits in memory.
         """
         entry = self.entries[name]
         if not entry.segments or entry.nbytes == 0:
             return np.empty(0, dtype=np.uint8)
-        if hasattr(mmap, "MADV_WILLNEED"):
-            for offset, length in entry.segments:  # read ahead exactly this content
-                start = offset - offset % mmap.PAGESIZE
-                self._map.madvise(mmap.MADV_WILLNEED, start, length + offset - start)
+        advice = getattr(mmap, "MADV_WILLNEED" if prefetch else "MADV_SEQUENTIAL", None)
+        for offset, length in entry.segments if advice is not None else ():
+            start = offset - offset % mmap.PAGESIZE
+            self._map.madvise(advice, start, length + offset - start)
         parts = [np.frombuffer(self._map, dtype=np.uint8, count=length, offset=offset)
                  for offset, length in entry.segments]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)

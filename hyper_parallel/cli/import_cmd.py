@@ -24,13 +24,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any, Sequence
 
 from hyper_parallel.cli._common import format_bytes, prepare_output_dir, progress
 from hyper_parallel.cli.convert_cmd import VALUE_TYPES_KEY
 from hyper_parallel.cli._ms_files import MsFile, open_ms_file, open_regular
-from hyper_parallel.cli._ms_import import PieceSavePlanner, SourcePiece, find_rank_files, plan_rank_import, whole_pieces
+from hyper_parallel.cli._ms_import import (
+    PieceSavePlanner,
+    SourcePiece,
+    find_rank_files,
+    plan_rank_import,
+    total_bytes,
+    whole_pieces,
+)
 from hyper_parallel.core.distributed_checkpoint.api import save
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointNotFoundError,
@@ -128,7 +136,7 @@ def _check_out(src: Path, out: Path) -> None:
 
 
 def _plan_source(
-    src: Path, strategy_files: Sequence[str | os.PathLike] | None
+    src: Path, strategy_files: Sequence[str | os.PathLike] | None, show_progress: bool | None
 ) -> tuple[list[SourcePiece], dict[str, Any]]:
     if not src.exists():
         raise CheckpointNotFoundError(f"{src} does not exist")
@@ -142,7 +150,8 @@ def _plan_source(
                 )
             records = read_strategy_records(list(strategy_files))
             files = {rank: open_ms_file(path) for rank, path in
-                     progress(sorted(rank_files.items()), desc="index rank files", unit="file")}
+                     progress(sorted(rank_files.items()), desc="index rank files", unit="file",
+                                       enabled=show_progress)}
             return plan_rank_import(files, records)
     if strategy_files:
         raise CheckpointValueError(
@@ -164,8 +173,40 @@ def _plan_source(
     return pieces, values
 
 
+def _bytes_written() -> int | None:
+    try:
+        with open("/proc/self/io", encoding="ascii") as handle:
+            return next(int(line.split()[1]) for line in handle if line.startswith("wchar:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def _save_with_progress(out: Path, planner: PieceSavePlanner, total: int, show_progress: bool | None) -> Metadata:
+    """``dcp.save`` of the pieces, with a bar of the bytes this process writes (``/proc/self/io``)."""
+    bar = progress(desc="import", unit="B", unit_scale=True, total=total, enabled=show_progress)
+    start = _bytes_written()
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(0.2):
+            bar.update(max(0, min(total, (_bytes_written() or 0) - start) - bar.n))
+
+    watcher = threading.Thread(target=poll, name="hp-ckpt-import-progress", daemon=True)
+    if not bar.disable and start is not None:
+        watcher.start()
+    try:
+        return save({}, checkpoint_id=out, planner=planner, no_dist=True)
+    finally:
+        stop.set()
+        if watcher.is_alive():
+            watcher.join()
+        bar.update(max(0, total - bar.n))
+        bar.close()
+
+
 def import_checkpoint(
-    src: str | os.PathLike, out: str | os.PathLike, *, strategy_files: Sequence[str | os.PathLike] | None = None
+    src: str | os.PathLike, out: str | os.PathLike, *, strategy_files: Sequence[str | os.PathLike] | None = None,
+    show_progress: bool | None = None,
 ) -> Metadata:
     """Save MindSpore or Hugging Face weights as a checkpoint. Single process.
 
@@ -181,6 +222,7 @@ def import_checkpoint(
         out: The checkpoint directory to write (new or empty).
         strategy_files: The strategy file(s) of the job that wrote per-rank
             files (one per pipeline stage, or one merged file).
+        show_progress: Progress bars on stderr; ``None``: only on a terminal.
 
     Returns:
         The committed metadata of the new checkpoint.
@@ -193,8 +235,8 @@ def import_checkpoint(
     """
     src_path, out_path = Path(os.fspath(src)), Path(os.fspath(out))
     _check_out(src_path, out_path)
-    pieces, values = _plan_source(src_path, strategy_files)
-    return save({}, checkpoint_id=out_path, planner=PieceSavePlanner(pieces, values), no_dist=True)
+    pieces, values = _plan_source(src_path, strategy_files, show_progress)
+    return _save_with_progress(out_path, PieceSavePlanner(pieces, values), total_bytes(pieces), show_progress)
 
 
 def _run(args: argparse.Namespace) -> int:

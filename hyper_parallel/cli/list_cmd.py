@@ -6,6 +6,11 @@ its status, ``committed`` (metadata present and readable), ``in progress``
 save) or ``damaged`` (metadata present but unreadable); the bytes on disk;
 and, from the root's ``manager.json``, whether it is kept forever, when it
 was saved and its metrics. Only metadata is read.
+
+An object-store root (``s3://bucket/prefix``) lists its step prefixes the
+same way; there a step without metadata is ``in progress`` while its newest
+object is younger than the manager's grace period (no lease exists on object
+storage), ``uncommitted`` after it; the manager keeps no record there.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from hyper_parallel.cli._common import format_bytes, format_table
+from hyper_parallel.core.distributed_checkpoint._fsspec_writer import is_object_url
 from hyper_parallel.core.distributed_checkpoint._manager_record import ManagerRecord, read_record
+from hyper_parallel.core.distributed_checkpoint._object_steps import ObjectStepRoot
 from hyper_parallel.core.distributed_checkpoint._save_lease import live_lease_in
 from hyper_parallel.core.distributed_checkpoint.api import read_metadata
 from hyper_parallel.core.distributed_checkpoint.errors import (
@@ -84,13 +91,37 @@ def _status(path: Path) -> tuple[str, str]:
     return "uncommitted", ""
 
 
+def _object_steps(url: str) -> tuple[StepEntry, ...]:
+    objects = ObjectStepRoot(url, METADATA_FILE)
+    entries = []
+    for entry in objects.entries():
+        match = _STEP_NAME.fullmatch(entry.name)
+        if match is None:
+            continue
+        location = objects.location(entry.name)
+        if entry.tag is not None:
+            try:
+                read_metadata(location)
+                status, detail = "committed", ""
+            except (CheckpointError, OSError) as exc:
+                status, detail = "damaged", str(exc)
+        else:
+            status, detail = ("uncommitted", "") if objects.is_abandoned(entry) else ("in progress", "recent objects")
+        size = int(objects.fs.du(f"{objects.root}/{entry.name}"))
+        entries.append(StepEntry(name=entry.name, step=int(match.group("step")), status=status, size=size,
+                                 detail=detail))
+    return tuple(sorted(entries, key=lambda e: (e.step, e.name)))
+
+
 def list_steps(root: str | os.PathLike) -> tuple[StepEntry, ...]:
-    """List the step directories of a manager root, by step number.
+    """List the step directories (or, under an ``s3://`` root, step prefixes) of a manager root, by step.
 
     Raises:
         CheckpointNotFoundError: ``root`` does not exist.
         CheckpointValueError: ``root`` is one checkpoint (or a file), not a manager root.
     """
+    if is_object_url(root):
+        return _object_steps(str(root))
     path = Path(os.fspath(root))
     if not path.exists():
         raise CheckpointNotFoundError(f"manager root {path} does not exist")
@@ -150,6 +181,7 @@ def register(subparsers: Any) -> None:
         "list", help="list a CheckpointManager root's steps: committed, in progress, size",
         description="One row per step directory of a manager root (metadata only).",
     )
-    parser.add_argument("root", help="the manager root (CheckpointManager root / CheckpointCallback directory)")
+    parser.add_argument("root", help="the manager root (CheckpointManager root / CheckpointCallback directory, "
+                                     "or s3://bucket/prefix)")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON instead of a table")
     parser.set_defaults(func=_run)

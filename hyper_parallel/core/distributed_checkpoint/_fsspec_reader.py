@@ -10,6 +10,7 @@ larger than ``part_bytes`` are split into parts fetched at once.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -37,7 +38,7 @@ from hyper_parallel.core.distributed_checkpoint.filesystem_reader import (
 )
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import rank_metadata_file
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
-from hyper_parallel.core.distributed_checkpoint.planner import ReadItem
+from hyper_parallel.core.distributed_checkpoint.planner import LoadPlanner, ReadItem
 from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId
 
 __all__ = ["FsspecReader"]
@@ -172,6 +173,23 @@ class FsspecReader(FileSystemReader):
         except Exception:  # pylint: disable=broad-except
             return False
         return current.storage_meta.save_id != self.metadata.storage_meta.save_id
+
+    def _read_group(self, files: list[tuple[str, list[ReadItem]]], planner: LoadPlanner) -> int:
+        """Read the files of one reading thread; the items of a file go ``connections`` at a time.
+
+        A GET waits for the network, not for this process: reading several
+        items of an object at once keeps ``connections`` requests in flight
+        even when each item is one range.
+        """
+        total = 0
+        with ThreadPoolExecutor(max_workers=self.connections, thread_name_prefix="hp-ckpt-get") as pool:
+            for relative_path, items in files:
+                with self._open_source(relative_path, items) as (source, path, size):
+                    count, rest = self._read_small_whole_items(source, path, size, items, planner)
+                    futures = [pool.submit(self._read_item, source, path, size, item, planner, dest)
+                               for item, dest in rest]
+                    total += count + sum(future.result() for future in futures)
+        return total
 
     @contextmanager
     def _open_source(self, relative_path: str, items: list[ReadItem]) -> Iterator[tuple[RangedSource, str, int]]:

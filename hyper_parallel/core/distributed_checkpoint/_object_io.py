@@ -131,6 +131,8 @@ class ObjectSink:
         self._s3 = is_s3(fs)
         if self._s3 and part_bytes < _S3_MIN_PART_BYTES:
             raise CheckpointValueError(f"part_bytes must be at least {_S3_MIN_PART_BYTES} on S3, got {part_bytes}")
+        self._free: list[bytearray] = []  # part buffers back from their upload, reused (no fresh pages per part)
+        self._free_lock = threading.Lock()
         self._buffer = bytearray(part_bytes) if self._s3 else None
         self._filled = 0
         self._upload_id: str | None = None
@@ -167,7 +169,8 @@ class ObjectSink:
         if self._upload_id is None:
             self._upload_id = _s3(self.fs, "create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
             self._pool = ThreadPoolExecutor(max_workers=self._connections, thread_name_prefix="hp-ckpt-upload")
-        body = self._buffer if self._filled == len(self._buffer) else self._buffer[: self._filled]
+        full = self._filled == len(self._buffer)
+        body = self._buffer if full else self._buffer[: self._filled]
         number = len(self._parts) + 1
         self._slots.acquire()
 
@@ -177,10 +180,14 @@ class ObjectSink:
                             PartNumber=number, Body=body)
                 return {"PartNumber": number, "ETag": reply["ETag"]}
             finally:
+                if full:
+                    with self._free_lock:
+                        self._free.append(body)
                 self._slots.release()
 
         self._parts.append(self._pool.submit(upload))
-        self._buffer = bytearray(self.part_bytes)
+        with self._free_lock:
+            self._buffer = self._free.pop() if self._free else bytearray(self.part_bytes)
         self._filled = 0
 
     def commit(self) -> None:

@@ -204,17 +204,30 @@ def _shown(names: list[str]) -> str:
 
 
 def _match(wanted: list[str], stored: set[str], strict_load: bool) -> dict[str, str]:
-    """Target name -> checkpoint key: exact, else (not strict) one shared prefix, as MindSpore does."""
+    """Target name -> checkpoint key: exact; else (not strict) through the prefixes the checkpoint adds.
+
+    As MindSpore's ``load_param_into_net`` does for one prefix: a missing name
+    found as the tail of a stored key (the shortest such key) gives a prefix,
+    which is then tried for every missing name; repeated while it finds more
+    (``model.`` for the network and ``optimizer.`` for the moments of a
+    ``dcp.save({"model": net, "optimizer": opt})``).
+    """
     matched = {name: name for name in wanted if name in stored}
-    missing = [name for name in wanted if name not in stored]
-    if strict_load or not missing:
+    if strict_load:
         return matched
-    for name in missing:
-        candidates = sorted(key for key in stored if key.endswith("." + name))
-        if candidates:
-            prefix = candidates[0][: -len(name)]
-            _LOG.warning("load_checkpoint: checkpoint keys carry the prefix '%s'; loading by name without it", prefix)
-            matched.update({n: prefix + n for n in missing if prefix + n in stored})
+    tried: set[str] = set()
+    for name in wanted:
+        if name in matched:
+            continue
+        for key in sorted((k for k in stored if k.endswith("." + name)), key=lambda k: (len(k), k)):
+            prefix = key[: -len(name)]
+            if prefix in tried:
+                continue
+            tried.add(prefix)
+            found = {n: prefix + n for n in wanted if n not in matched and prefix + n in stored}
+            _LOG.warning("load_checkpoint: %d checkpoint keys carry the prefix '%s'; loaded by name without it",
+                         len(found), prefix)
+            matched.update(found)
             break
     return matched
 

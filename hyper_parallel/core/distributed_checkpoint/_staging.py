@@ -26,7 +26,7 @@ class StagingPool:
     """Host buffers reused across saves, keyed by item, shape and dtype."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[MetadataIndex, tuple[int, ...], str], np.ndarray] = {}
+        self._buffers: dict[tuple[MetadataIndex, tuple[int, ...], str, int], np.ndarray] = {}
         self.reused = 0
         self.allocated = 0
 
@@ -38,7 +38,7 @@ class StagingPool:
         memory bandwidth of the machine rather than of one core.
         """
         staged: dict[MetadataIndex, Any] = {}
-        kept: dict[tuple[MetadataIndex, tuple[int, ...], str], np.ndarray] = {}
+        kept: dict[tuple[MetadataIndex, tuple[int, ...], str, int], np.ndarray] = {}
         copies: list[tuple[np.ndarray, np.ndarray]] = []
         for item in items:
             index = MetadataIndex(item.index.fqn, item.index.offset)
@@ -46,7 +46,7 @@ class StagingPool:
             if item.type == WriteItemType.BYTE_IO:
                 staged[index] = bytes(data)
                 continue
-            key = (index, tuple(data.shape), data.dtype.str + data.dtype.name)
+            key = (index, tuple(data.shape), data.dtype.str, data.dtype.num)  # num: no slow dtype.name lookup
             buffer = self._buffers.get(key)
             if buffer is None:
                 buffer = np.empty_like(data, order="C")

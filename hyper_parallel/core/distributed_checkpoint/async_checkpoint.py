@@ -27,6 +27,7 @@ from typing import Any
 from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncCall, AsyncCallsQueue
 from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions, writer_for
 from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
+from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutArgument
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlanner
@@ -94,7 +95,7 @@ def async_save(
     remove_redundancy: bool = True,
     save_to_minimum_rank: bool = False,
     staging: str = "copy",
-    strategy_file: Any = None,
+    strategy_file: LayoutArgument = None,
     check_replicas: bool = True,
 ) -> AsyncSaveHandle:
     """Save ``state_dict`` in the background. All ranks call it.

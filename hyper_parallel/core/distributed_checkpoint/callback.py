@@ -173,14 +173,18 @@ class CheckpointCallback(Callback):
         cb_params = run_context.original_args()
         self._state = self._state_of(cb_params)
         self._completed = int(cb_params.cur_step_num)
-        if not self.resume:
-            return
         latest = self.manager.latest_step()
         if latest is None:
             return
-        target = dict(self._state)
-        target.update({key: None for key in (*self._counters, *self._append)})
-        self.manager.load(target, step=latest, **self._io_kwargs)
+        if not self.resume:
+            if latest > self._completed:
+                raise CheckpointValueError(
+                    f"{self.manager.root} already holds committed steps up to {latest} and resume=False: this run "
+                    f"would save steps from {self._completed + 1} on, which never replace newer ones; use a new "
+                    "directory, or resume=True to continue after them"
+                )
+            return
+        self.manager.load(dict(self._state), step=latest, **self._io_kwargs)  # append_info values stay as saved
         cb_params.cur_step_num = latest
         self._completed = self._last_saved = self.resumed_step = latest
         batch_num = int(getattr(cb_params, "batch_num", 0) or 0)

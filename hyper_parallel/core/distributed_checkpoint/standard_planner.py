@@ -29,6 +29,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     UnsafeCheckpointError,
     UnsupportedTypeError,
 )
+from hyper_parallel.core.distributed_checkpoint._chunk_search import overlapping_chunks
 from hyper_parallel.core.distributed_checkpoint._flatten import FlatStateDict, flatten_state_dict, set_by_path
 from hyper_parallel.core.distributed_checkpoint._global_plan import build_global_save_plan
 from hyper_parallel.core.distributed_checkpoint.metadata import (
@@ -401,7 +402,15 @@ class StandardLoadPlanner(LoadPlanner):
                     f"{list(piece.offsets)}; load it once"
                 )
             self._pieces[(entry.fqn, piece.offsets)] = (name, entry, piece)
-            for chunk in stored.chunks:
+            chunks = stored.chunks
+            if len(chunks) == 1 and chunks[0].offsets == piece.offsets and chunks[0].sizes == piece.sizes:
+                if math.prod(piece.sizes):  # the common case, a piece stored as one chunk: read it whole
+                    zero = (0,) * len(piece.sizes)
+                    reads.append(ReadItem(type=LoadItemType.TENSOR, dest_index=dest, dest_offsets=zero,
+                                          storage_index=MetadataIndex(entry.fqn, chunks[0].offsets),
+                                          storage_offsets=zero, lengths=tuple(piece.sizes)))
+                continue
+            for chunk in overlapping_chunks(chunks, piece.offsets, piece.sizes):
                 lo = tuple(max(a, b) for a, b in zip(piece.offsets, chunk.offsets))
                 hi = tuple(
                     min(a + s, b + t) for a, s, b, t in zip(piece.offsets, piece.sizes, chunk.offsets, chunk.sizes)

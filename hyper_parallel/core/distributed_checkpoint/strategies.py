@@ -37,8 +37,8 @@ __all__ = [
     "StrategyAction",
     "SaveStrategyBase",
     "LoadStrategyBase",
-    "FileSystemSaveStrategy",
-    "FileSystemLoadStrategy",
+    "StandardSaveStrategy",
+    "StandardLoadStrategy",
     "register_default_strategy",
     "get_default_strategy",
     "registered_strategies",
@@ -67,13 +67,6 @@ class _StrategyBase(abc.ABC):
     def __init__(self, backend: str, version: str) -> None:
         self.backend = backend
         self.version = version
-
-    def check_backend_compatibility(self, backend: str) -> None:
-        """Raise :class:`UnsupportedFormatError` unless ``backend`` is this strategy's."""
-        if backend != self.backend:
-            raise UnsupportedFormatError(
-                f"checkpoint backend {backend!r} cannot be handled by the {self.backend!r} strategy"
-            )
 
     def check_version_compatibility(self, version: str) -> None:
         """Raise :class:`UnsupportedFormatError` for another major or a newer minor version."""
@@ -156,8 +149,8 @@ class LoadStrategyBase(_StrategyBase):
         """
 
 
-class FileSystemSaveStrategy(SaveStrategyBase):
-    """This package's format: plan, write and commit through the storage writer."""
+class StandardSaveStrategy(SaveStrategyBase):
+    """This package's format: plan, write and commit through any storage writer (the engine's save steps)."""
 
     async_capable = True
 
@@ -180,8 +173,8 @@ class FileSystemSaveStrategy(SaveStrategyBase):
         return plan_async_save(state_dict, writer=storage_writer, planner=planner, options=options, staging=staging)
 
 
-class FileSystemLoadStrategy(LoadStrategyBase):
-    """This package's format: plan and read through the storage reader."""
+class StandardLoadStrategy(LoadStrategyBase):
+    """This package's format: plan and read through any storage reader (the engine's load steps)."""
 
     def load(
         self,
@@ -256,12 +249,12 @@ def check_load_compatible(metadata: Metadata) -> LoadStrategyBase:
 READABLE_OLDER_VERSIONS = ("1.0",)
 
 for _action, _cls in (
-    (StrategyAction.SAVE_SHARDED, FileSystemSaveStrategy),
-    (StrategyAction.SAVE_COMMON, FileSystemSaveStrategy),
-    (StrategyAction.LOAD_SHARDED, FileSystemLoadStrategy),
-    (StrategyAction.LOAD_COMMON, FileSystemLoadStrategy),
+    (StrategyAction.SAVE_SHARDED, StandardSaveStrategy),
+    (StrategyAction.SAVE_COMMON, StandardSaveStrategy),
+    (StrategyAction.LOAD_SHARDED, StandardLoadStrategy),
+    (StrategyAction.LOAD_COMMON, StandardLoadStrategy),
 ):
     register_default_strategy(_action, BACKEND_NAME, FORMAT_VERSION, _cls(BACKEND_NAME, FORMAT_VERSION))
 for _version in READABLE_OLDER_VERSIONS:
     for _action in (StrategyAction.LOAD_SHARDED, StrategyAction.LOAD_COMMON):
-        register_default_strategy(_action, BACKEND_NAME, _version, FileSystemLoadStrategy(BACKEND_NAME, _version))
+        register_default_strategy(_action, BACKEND_NAME, _version, StandardLoadStrategy(BACKEND_NAME, _version))
