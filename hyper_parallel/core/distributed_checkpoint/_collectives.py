@@ -39,7 +39,11 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
 __all__ = [
     "COLLECTIVE_TIMEOUT_ENV",
     "DEFAULT_COLLECTIVE_TIMEOUT",
-    "collective_timeout","DistWrapper", "RankFailure", "raise_failures"]
+    "collective_timeout",
+    "DistWrapper",
+    "RankFailure",
+    "raise_failures",
+]
 
 T = TypeVar("T")
 R = TypeVar("R")
