@@ -82,3 +82,19 @@ def test_small_tensors_written_many_per_call_survive_short_writes(tmp_path, monk
         param.asnumpy()[...] = 0
     dcp.load(state, checkpoint_id=tmp_path, no_dist=True)
     assert {name: _bits(param) for name, param in state.items()} == expected
+
+
+def test_small_tile_checksummed_matrices_are_batched_and_verified(tmp_path):
+    values = {f"m{i}": np.arange(16 * 1024, dtype=np.float32).reshape(16, 1024) + i for i in range(20)}  # 4 KiB rows
+    dcp.save({k: ms.Tensor(v) for k, v in values.items()}, checkpoint_id=tmp_path, no_dist=True)
+    info = dcp.read_metadata(tmp_path).storage_data[dcp.MetadataIndex("m7", (0, 0))]
+    assert info.checksum.block_shape  # tiles
+    targets = {k: ms.Parameter(ms.Tensor(np.zeros((16, 1024), np.float32)), name=k) for k in values}
+    dcp.load(targets, checkpoint_id=tmp_path, no_dist=True)
+    assert all(np.array_equal(targets[k].asnumpy(), v) for k, v in values.items())
+    path = tmp_path / info.relative_path
+    data = bytearray(path.read_bytes())
+    data[info.offset + 3 * 4096 + 2048] ^= 0x04  # row 3, third tile column
+    path.write_bytes(bytes(data))
+    with pytest.raises(dcp.CorruptCheckpointError, match=r"key 'm7'"):
+        dcp.load(targets, checkpoint_id=tmp_path, no_dist=True)

@@ -22,6 +22,7 @@ import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.cli.verify_cmd import verify_checkpoint
 
 from fault_common import assert_only_committed_files, assert_same_state, load_into_blank, make_state, same_state, start_script
+from test_fault_concurrency import GatedWriter
 
 WAIT = 120
 ROUNDS = 6
@@ -125,12 +126,15 @@ def test_two_threads_race_for_one_id(tmp_path: Path, over_committed: bool) -> No
 def test_sync_save_while_an_async_save_to_the_same_id_is_pending(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     dcp.save(make_state(7), checkpoint_id=path, no_dist=True)
-    handle = dcp.async_save(make_state(1), checkpoint_id=path, no_dist=True)
+    # Held in flight: one process commits in the background, which could otherwise win before the checks.
+    writer = GatedWriter(path)
+    handle = dcp.async_save(make_state(1), storage_writer=writer, no_dist=True)
     with pytest.raises(dcp.CheckpointError) as caught:
         dcp.save(make_state(2), checkpoint_id=path, no_dist=True)
     _assert_clash(caught.value, path)
     assert "result()" in str(caught.value)
     assert_same_state(load_into_blank(path, make_state(7)), make_state(7))  # the old one, whole, meanwhile
+    writer.gate.set()
     handle.result(timeout=WAIT)
     assert _loads_as_one_of(path, [1]) == 1
     dcp.save(make_state(2), checkpoint_id=path, no_dist=True)  # the id is free again

@@ -373,8 +373,8 @@ def plan_async_save(
         write = background[0]
 
         def write_and_commit() -> Metadata:
-            results = write()
-            return commit_save(session, lambda: results, step="async write and commit")
+            # The write runs inside the commit step, so a failed write aborts the save like any step.
+            return commit_save(session, write, step="async write and commit")
 
         return AsyncRequest(async_fn=write_and_commit, finalize_fns=(_committed,))
 

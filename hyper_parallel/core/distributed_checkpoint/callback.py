@@ -196,13 +196,11 @@ class CheckpointCallback(Callback):
             )
         _LOG.info("resumed from %s", self.manager.directory(latest))
 
-    def _save(self, cb_params: Any, step: int, *, force: bool) -> None:
-        if self._state is None:
-            self._state = self._state_of(cb_params)
-        state = dict(self._state)
-        state.update(self._append)
+    def _save(self, step: int, epoch: int, *, force: bool) -> None:
+        """Save the training state (plus ``append_info``) as ``step``. All ranks."""
+        state = {**(self._state or {}), **self._append}
         if "epoch_num" in self._counters:
-            state["epoch_num"] = int(getattr(cb_params, "cur_epoch_num", self._epoch) or 0)
+            state["epoch_num"] = epoch
         if "step_num" in self._counters:
             state["step_num"] = step
         if self.manager.save(step, state, force=force, **self._io_kwargs):
@@ -214,15 +212,19 @@ class CheckpointCallback(Callback):
         step = int(cb_params.cur_step_num)
         self._completed = step
         self._epoch = int(getattr(cb_params, "cur_epoch_num", 0) or 0)
+        if self._state is None:
+            self._state = self._state_of(cb_params)
         if (self.save_checkpoint_steps or self.save_checkpoint_seconds) and step != self._last_saved:
-            self._save(cb_params, step, force=False)
+            self._save(step, self._epoch, force=False)
 
     def on_train_end(self, run_context: RunContext) -> None:
         """Save the last step (if not saved yet) and wait until every save is committed. All ranks."""
         cb_params = run_context.original_args()
         step = int(cb_params.cur_step_num)
+        if self._state is None:
+            self._state = self._state_of(cb_params)
         if step != self._last_saved and step > 0:
-            self._save(cb_params, step, force=True)
+            self._save(step, int(getattr(cb_params, "cur_epoch_num", 0) or 0), force=True)
         self.manager.close()
 
     def __exit__(
@@ -235,6 +237,6 @@ class CheckpointCallback(Callback):
             ):
                 _LOG.warning("training raised %s: saving step %d (exception_save)", exc_type.__name__, self._completed)
                 self.manager.wait()
-                self.manager.save(self._completed, {**self._state, **self._append}, force=True, **self._io_kwargs)
+                self._save(self._completed, self._epoch, force=True)
         finally:
             self.manager.close()

@@ -314,9 +314,9 @@ class FileSystemReader(StorageReader):
     ) -> tuple[int, list[tuple[ReadItem, np.ndarray | None]]]:
         """Read whole small chunks many per system call, straight into their targets, and verify them.
 
-        A chunk qualifies when it is stored uncompressed with one flat checksum
-        block at most, is read whole, and its target region is contiguous,
-        writable and of the stored dtype. Chunks adjacent in the file are read
+        A chunk qualifies when it is stored uncompressed, is at most 1 MiB, is
+        read whole, and its target region is contiguous, writable and of the
+        stored dtype; it is verified by its flat blocks or tiles in place. Chunks adjacent in the file are read
         by one ``preadv`` (one buffer per target). Returns the bytes read and
         the other items (with the target already acquired, or ``None``).
         """
@@ -334,7 +334,7 @@ class FileSystemReader(StorageReader):
                 or info.offset + info.length > file_size
                 or any(item.storage_offsets)
                 or not isinstance(stored, TensorStorageMetadata)
-                or (checksum is not None and (checksum.algorithm != ALGORITHM or checksum.block_shape))
+                or (checksum is not None and checksum.algorithm != ALGORITHM)
                 or info.length != math.prod(item.lengths) * DTYPE_NAMES.get(stored.properties.dtype, 0)
                 or tuple(item.lengths) != self._chunk_sizes(stored, item.storage_index)
             ):
@@ -366,14 +366,14 @@ class FileSystemReader(StorageReader):
             total += length
             for offset, nbytes, item, dest, info in group:
                 if self.verify_checksums and info.checksum is not None:
-                    self._check_whole(path, item.storage_index.fqn, info, dest)
+                    self._check_whole(path, item.storage_index.fqn, info, dest, tuple(item.lengths))
                 planner.apply_tensor(item, dest)
             start = end
         return total, rest
 
-    def _check_whole(self, path: Path, fqn: str, info: StorageInfo, dest: np.ndarray) -> None:
-        """Verify a whole chunk stored with flat checksum blocks, read into ``dest``."""
-        if bad_blocks(memoryview(dest.reshape(-1).view(np.uint8)), info.checksum, None, 1):
+    def _check_whole(self, path: Path, fqn: str, info: StorageInfo, dest: np.ndarray, sizes: tuple[int, ...]) -> None:
+        """Verify a whole chunk of ``sizes`` read into ``dest``, by its flat blocks or its tiles."""
+        if bad_blocks(memoryview(dest.reshape(-1).view(np.uint8)), info.checksum, sizes, dest.itemsize):
             raise CorruptCheckpointError(
                 f"checksum mismatch in data file {path}, key '{fqn}' (bytes {info.offset}..{info.offset + info.length}):"
                 " the checkpoint is corrupt"
