@@ -95,7 +95,8 @@ def test_collective_timeout_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert collective_timeout() == DEFAULT_COLLECTIVE_TIMEOUT == 1800.0
     monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, " 2.5 ")
     assert collective_timeout() == 2.5 and DistWrapper(use_dist=False).timeout == 2.5
-    assert DistWrapper(use_dist=False, timeout=7).timeout == 7 and DistWrapper(use_dist=False, timeout=0).timeout is None
+    assert DistWrapper(use_dist=False, timeout=7).timeout == 7
+    assert DistWrapper(use_dist=False, timeout=0).timeout is None
     monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, "0")
     assert collective_timeout() is None
     monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, "ten")

@@ -78,8 +78,9 @@ outcome: dict = {"rank": RANK}
 start = time.monotonic()
 try:
     if PHASE == "load":
-        blank = {"w": DTensor(ms.Parameter(ms.Tensor(np.zeros((8, 16), np.float32)), name="w"), LAYOUT, (8 * WORLD, 16)),
-                 "step": None, **{f"r{i}": np.zeros(256) for i in range(2 * WORLD)}}
+        local = ms.Parameter(ms.Tensor(np.zeros((8, 16), np.float32)), name="w")
+        blank = {"w": DTensor(local, LAYOUT, (8 * WORLD, 16)), "step": None,
+                 **{f"r{i}": np.zeros(256) for i in range(2 * WORLD)}}
         dcp.load(blank, checkpoint_id=SHARED / "A")
     else:
         dcp.save(state(2), checkpoint_id=SHARED / "B")
