@@ -133,7 +133,7 @@ class FileSystemReader(StorageReader):
         self.bytes_read = 0
         #: Bytes hashed by the verify passes.
         self.bytes_verified = 0
-        self._verified: set[ReadItem] = set()
+        self._verified: set[int] = set()  # id() of the read items verified (alive until the load ends)
         self._kept: dict[ReadItem, np.ndarray] = {}  # verified regions kept for the read pass
         self._kept_bytes = 0
         self._kept_lock = threading.Lock()
@@ -283,7 +283,7 @@ class FileSystemReader(StorageReader):
                 raise CheckpointValueError(f"{verb} called before set_up_storage_reader")
             by_file: dict[str, list[ReadItem]] = defaultdict(list)
             for item in plan.items:
-                if verb == "verify" and (item in self._verified or not self.verify_checksums):
+                if verb == "verify" and (not self.verify_checksums or id(item) in self._verified):
                     continue
                 info = self._info(item.storage_index)
                 by_file[info.relative_path].append(item)
@@ -301,7 +301,7 @@ class FileSystemReader(StorageReader):
             else:
                 self.bytes_verified += sum(counts)
                 self.bytes_read += sum(counts)
-                self._verified.update(item for group in work for _, items in group for item in items)
+                self._verified.update(id(item) for group in work for _, items in group for item in items)
             release_scratch()  # do not keep the caller thread's scratch after the load
             future.set_result(None)
         except OSError as exc:
