@@ -231,7 +231,8 @@ class ObjectSink:
 class RangedSource:
     """Reads byte ranges of one object with ranged GETs, ``connections`` at a time.
 
-    Used by the reader's threads; each call is independent.
+    Used by the reader's threads, several at once: the bound on GETs in
+    flight holds across all of them.
 
     Args:
         fs: The fsspec filesystem.
@@ -248,13 +249,28 @@ class RangedSource:
         self.bytes_fetched = 0
         self.exact = False  # no kernel readahead to avoid: ranged GETs fetch only what is asked
         self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(connections)
 
     def _fetch(self, starts: list[int], ends: list[int]) -> list[bytes]:
-        if len(starts) == 1:
-            blobs: list[Any] = [self.fs.cat_file(self.path, start=starts[0], end=ends[0])]
-        else:
-            blobs = self.fs.cat_ranges([self.path] * len(starts), starts, ends, batch_size=self.connections,
-                                       on_error="return")
+        """GET the ranges, never more than ``connections`` at once across every thread using this source."""
+        blobs: list[Any] = []
+        position = 0
+        while position < len(starts):
+            self._slots.acquire()
+            taken = 1
+            while taken < self.connections and position + taken < len(starts) and self._slots.acquire(blocking=False):
+                taken += 1
+            try:
+                lo, hi = position, position + taken
+                if taken == 1:
+                    blobs.append(self.fs.cat_file(self.path, start=starts[lo], end=ends[lo]))
+                else:
+                    blobs += self.fs.cat_ranges([self.path] * taken, starts[lo:hi], ends[lo:hi], batch_size=taken,
+                                                on_error="return")
+            finally:
+                for _ in range(taken):
+                    self._slots.release()
+            position += taken
         for blob in blobs:
             if isinstance(blob, BaseException):
                 raise blob
