@@ -486,8 +486,9 @@ def ratios(t: dict[str, float], args: argparse.Namespace, memory: dict[str, Any]
             t[f"dcp.load cold, verify {verify} ({T} threads)"] / t["cold sequential read"], 1.2)
         add(f"warm load / memcpy, verify {verify}",
             t[f"dcp.load warm, verify {verify} ({T} threads)"] / t["host memcpy"], 1.5)
-    add("protection: verify, warm load on / off", t[f"dcp.load warm, verify on ({T} threads)"]
-        / t[f"dcp.load warm, verify off ({T} threads)"], None)
+    for cache in ("cold", "warm"):  # the price of verify-before-a-byte-lands (no target written before all checks)
+        add(f"protection: verify, {cache} load on / off", t[f"dcp.load {cache}, verify on ({T} threads)"]
+            / t[f"dcp.load {cache}, verify off ({T} threads)"], None)
     for name, mem in memory.items():
         add(f"load extra memory / bound, {name.split(',')[0]}, {mem['bound_bytes'] >> 20} MiB",
             mem["extra_bytes"] / mem["bound_bytes"], 1.0)

@@ -137,6 +137,14 @@ def test_failures_raise_the_same_error_on_every_rank(four):
         assert "'step'" in value["message"] and "ranks [0, 2]" in value["message"]
 
 
+def test_corrupt_chunk_of_one_rank_changes_no_rank_targets(four):
+    """Verify before a byte lands, across ranks: the verify step fails on every rank before any read."""
+    check_scenarios(four, ["load_corrupt_on_one_rank"])
+    for value in scenario_values(four, "load_corrupt_on_one_rank"):
+        assert value["failed_ranks"] == [3] and "checksum mismatch" in value["message"], value
+        assert "no target was changed" in value["message"] and value["untouched"], value
+
+
 def test_one_line_forms_under_msrun(two_first):
     check_scenarios(two_first, ["one_liners"])
     for value in scenario_values(two_first, "one_liners"):

@@ -404,11 +404,6 @@ class TestS3Storage(StorageContract):
     def make_reader(self, checkpoint_id):
         return dcp.FsspecReader(checkpoint_id)
 
-    @pytest.mark.xfail(strict=True, reason="issue 15 (verify before a byte lands): the reader shared with the "
-                       "filesystem backend verifies flat blocks after reading them into the target")
-    def test_a_corrupt_item_leaves_its_target_untouched(self):
-        super().test_a_corrupt_item_leaves_its_target_untouched()
-
     def corrupt(self, checkpoint_id, info):
         fs = new_filesystem()
         path = f"{checkpoint_id[len('s3://'):]}/{info.relative_path}"

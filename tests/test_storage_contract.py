@@ -24,11 +24,6 @@ class TestFileSystemStorage(StorageContract):
     def make_reader(self, checkpoint_id):
         return dcp.FileSystemReader(checkpoint_id)
 
-    @pytest.mark.xfail(strict=True, reason="issue 15 (verify before a byte lands): the filesystem reader "
-                       "verifies flat blocks after reading them into the target")
-    def test_a_corrupt_item_leaves_its_target_untouched(self):
-        super().test_a_corrupt_item_leaves_its_target_untouched()
-
     def corrupt(self, checkpoint_id, info):
         with open(Path(checkpoint_id) / info.relative_path, "r+b") as handle:
             handle.seek(info.offset)

@@ -20,18 +20,17 @@ from fault_common import assert_same_state, blank_like, load_into_blank, make_st
 WAIT = 60  # seconds: a bound on every wait, never reached when the code is right
 
 
-def _run_threads(*functions: Callable[[], Any]) -> list[Any]:
-    """Run ``functions`` at once on their own threads; return their results, re-raise the first error."""
-    results: list[Any] = [None] * len(functions)
-    errors: list[BaseException] = []
+def run_at_once(*functions: Callable[[], Any]) -> list[Any]:
+    """Run ``functions`` at once on their own threads; return each one's result or the exception it raised."""
+    outcomes: list[Any] = [None] * len(functions)
     start = threading.Barrier(len(functions))
 
     def run(position: int, function: Callable[[], Any]) -> None:
         try:
             start.wait(WAIT)
-            results[position] = function()
+            outcomes[position] = function()
         except BaseException as exc:  # pylint: disable=broad-except
-            errors.append(exc)
+            outcomes[position] = exc
 
     threads = [threading.Thread(target=run, args=pair) for pair in enumerate(functions)]
     for thread in threads:
@@ -39,9 +38,16 @@ def _run_threads(*functions: Callable[[], Any]) -> list[Any]:
     for thread in threads:
         thread.join(WAIT)
         assert not thread.is_alive(), "a thread is stuck"
-    if errors:
-        raise errors[0]
-    return results
+    return outcomes
+
+
+def _run_threads(*functions: Callable[[], Any]) -> list[Any]:
+    """Run ``functions`` at once; return their results, re-raise the first error."""
+    outcomes = run_at_once(*functions)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
+    return outcomes
 
 
 class GatedWriter(dcp.FileSystemWriter):

@@ -90,7 +90,8 @@ OTHER_CASES: list[tuple[str, str, dict, object]] = [
     ("resave_same_writer", "after_rename", {"target": "fs.os.replace", "when": "after"}, True),
     ("async", "staging", {"target": "StandardSavePlanner.get_data", "nth": 1, "when": "before"}, False),
     ("async", "background_half_written", {"target": "fs.os.write", "at_byte": "0.5"}, False),
-    ("async", "written_before_result", {"target": "async.done"}, False),
+    # done() before result(): writing and the commit both ran in the background (DESIGN), so it is committed.
+    ("async", "done_before_result", {"target": "async.done"}, True),
     ("async", "commit_before_rename", {"target": "fs.os.replace", "when": "before"}, False),
     ("async", "commit_before_cleanup", {"target": "fs.write_atomically", "when": "after"}, True),
     ("async_fork", "writer_process_killed", {"target": "fs.os.write", "at_byte": "0.5"}, False),

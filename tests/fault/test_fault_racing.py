@@ -11,10 +11,9 @@ committed before the race is never lost.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -22,7 +21,7 @@ import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.cli.verify_cmd import verify_checkpoint
 
 from fault_common import assert_only_committed_files, assert_same_state, load_into_blank, make_state, same_state, start_script
-from test_fault_concurrency import GatedWriter
+from test_fault_concurrency import GatedWriter, run_at_once
 
 WAIT = 120
 ROUNDS = 6
@@ -83,27 +82,6 @@ def test_two_processes_race_for_one_id(tmp_path: Path, over_committed: bool) -> 
     assert clashes, "the saves never overlapped: the race was not tested"
 
 
-def _run_threads(*functions: Callable[[], Any]) -> list[Any]:
-    """Run ``functions`` at once; return each one's result or the exception it raised."""
-    outcomes: list[Any] = [None] * len(functions)
-    start = threading.Barrier(len(functions))
-
-    def run(position: int, function: Callable[[], Any]) -> None:
-        try:
-            start.wait(WAIT)
-            outcomes[position] = function()
-        except BaseException as exc:  # pylint: disable=broad-except
-            outcomes[position] = exc
-
-    threads = [threading.Thread(target=run, args=pair) for pair in enumerate(functions)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(WAIT)
-        assert not thread.is_alive(), "a thread is stuck"
-    return outcomes
-
-
 @pytest.mark.parametrize("over_committed", [False, True], ids=["fresh", "over_committed"])
 def test_two_threads_race_for_one_id(tmp_path: Path, over_committed: bool) -> None:
     clashes = 0
@@ -111,7 +89,7 @@ def test_two_threads_race_for_one_id(tmp_path: Path, over_committed: bool) -> No
         path = tmp_path / f"round{rnd}"
         if over_committed:
             dcp.save(make_state(7), checkpoint_id=path, no_dist=True)
-        outcomes = _run_threads(*(lambda seed=seed: dcp.save(make_state(seed), checkpoint_id=path, no_dist=True)
+        outcomes = run_at_once(*(lambda seed=seed: dcp.save(make_state(seed), checkpoint_id=path, no_dist=True)
                                   for seed in (1, 2)))
         winners = [seed for seed, outcome in zip((1, 2), outcomes) if isinstance(outcome, dcp.Metadata)]
         assert winners, outcomes
@@ -146,7 +124,7 @@ def test_two_managers_on_one_root_save_the_same_step(tmp_path: Path) -> None:
     managers[0].save(1, make_state(7))
     clashes = 0
     for step in range(2, 2 + ROUNDS):
-        outcomes = _run_threads(*(lambda m=m, seed=seed, step=step: m.save(step, make_state(seed), force=True)
+        outcomes = run_at_once(*(lambda m=m, seed=seed, step=step: m.save(step, make_state(seed), force=True)
                                   for m, seed in zip(managers, (1, 2))))
         winners = [seed for seed, outcome in zip((1, 2), outcomes) if outcome is True]
         assert winners, outcomes

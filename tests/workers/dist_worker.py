@@ -311,6 +311,22 @@ def load_failure_read() -> dict:
     return _failure(lambda: dcp.load(target, storage_reader=FailingReader(BASE / "X", fail_rank=1)))
 
 
+def load_corrupt_on_one_rank() -> dict:
+    """Rank 3's chunk is corrupt: every rank fails, and no rank's targets (tensor nor value) changed."""
+    layout = Layout((4,), (0, -1))
+    path = BASE / "corrupt_rank3"
+    dcp.save({"x": DTensor.from_global(ms.Tensor(FULL_X), layout), "step": 5}, checkpoint_id=path)
+    if RANK == 3:  # flip a byte of its own chunk before the load starts (the load's planning is collective)
+        info = next(v for k, v in dcp.read_metadata(path).storage_data.items() if k.fqn == "x" and k.offset[0] == 12)
+        data = bytearray((path / info.relative_path).read_bytes())
+        data[info.offset + 3] ^= 0x10
+        (path / info.relative_path).write_bytes(bytes(data))
+    target = {"x": DTensor(_param(np.full((4, 8), 7, np.float32), "x"), layout, FULL_X.shape), "step": "keep"}
+    info = _failure(lambda: dcp.load(target, checkpoint_id=path))
+    info["untouched"] = bool(np.all(target["x"].to_local().asnumpy() == 7)) and target["step"] == "keep"
+    return info
+
+
 def differing_value() -> dict:
     return _failure(lambda: dcp.save({"step": RANK % 2, "a": np.ones(2)}, checkpoint_id=BASE / "differ"))
 
@@ -347,7 +363,7 @@ PHASES = {
                   plan_cache],
     "four": [load_y_on_four, replicated_bytes, dedup_modes, save_x, save_failure_planning, save_failure_write,
              save_failure_commit, load_failure_missing_key, load_failure_read, differing_value, save_mapping,
-             single_replica_read],
+             single_replica_read, load_corrupt_on_one_rank],
     "two_last": [load_x_on_two, load_mapping_on_two],
 }
 

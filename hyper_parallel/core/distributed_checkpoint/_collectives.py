@@ -9,19 +9,41 @@ so ``except MissingKeyError`` works on every rank.
 
 Without distribution (one process, or ``no_dist=True``) the steps run locally
 and errors propagate unchanged.
+
+A rank that dies (SIGKILL, out of memory, a lost host) never reaches the
+gather, and MindSpore's CPU collectives then wait for it forever (``msrun``
+ends the job only when its scheduler times the dead rank out, about a
+minute). So each gather runs on a helper thread and a rank waits at most
+:func:`collective_timeout` seconds (``HP_CKPT_COLLECTIVE_TIMEOUT``, default
+:data:`DEFAULT_COLLECTIVE_TIMEOUT`) before raising
+:class:`CollectiveTimeoutError`; after that every collective step of the
+process fails at once, since the abandoned gather still holds the channel.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 from hyper_parallel import platform
 from hyper_parallel.core.distributed_checkpoint import errors
-from hyper_parallel.core.distributed_checkpoint.errors import CollectiveStepError
+from hyper_parallel.core.distributed_checkpoint.errors import (
+    CheckpointValueError,
+    CollectiveStepError,
+    CollectiveTimeoutError,
+)
 
-__all__ = ["DistWrapper", "RankFailure", "raise_failures"]
+__all__ = [
+    "COLLECTIVE_TIMEOUT_ENV",
+    "DEFAULT_COLLECTIVE_TIMEOUT",
+    "collective_timeout",
+    "DistWrapper",
+    "RankFailure",
+    "raise_failures",
+]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -90,20 +112,81 @@ def raise_failures(step: str, failures: list[RankFailure]) -> None:
     )
 
 
+#: Environment variable: seconds one rank waits in one collective step (0: forever).
+COLLECTIVE_TIMEOUT_ENV = "HP_CKPT_COLLECTIVE_TIMEOUT"
+#: Default of :data:`COLLECTIVE_TIMEOUT_ENV`: longer than any rank's writing of its share.
+DEFAULT_COLLECTIVE_TIMEOUT = 1800.0
+
+# Set once a gather was abandoned: the message every later collective step raises.
+_broken: list[str] = []
+
+
+def collective_timeout() -> float | None:
+    """Seconds a rank waits in one collective step, from the environment (``None``: forever).
+
+    Raises:
+        CheckpointValueError: ``HP_CKPT_COLLECTIVE_TIMEOUT`` is not a number.
+    """
+    text = os.environ.get(COLLECTIVE_TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_COLLECTIVE_TIMEOUT
+    try:
+        seconds = float(text)
+    except ValueError as exc:
+        raise CheckpointValueError(
+            f"{COLLECTIVE_TIMEOUT_ENV}={text!r} is not a number of seconds; set e.g. 600, or 0 to wait forever"
+        ) from exc
+    return seconds if seconds > 0 else None
+
+
+def _gather_within(payload: Any, *, step: str, rank: int, timeout: float | None) -> list[Any]:
+    """``platform.all_gather_object`` that gives up after ``timeout`` seconds."""
+    if _broken:
+        raise CollectiveTimeoutError(_broken[0])
+    if timeout is None:
+        return platform.all_gather_object(payload)
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def gather() -> None:
+        try:
+            box["value"] = platform.all_gather_object(payload)
+        except BaseException as exc:  # pylint: disable=broad-except
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=gather, name=f"hp-ckpt-gather-{step}", daemon=True).start()
+    if not done.wait(timeout):
+        message = (
+            f"rank {rank}: checkpoint step '{step}' did not complete within {timeout:g} s (another rank died or "
+            f"hangs?). Communication of this process is unusable now: restart the job and load the last committed "
+            f"checkpoint (the timeout is {COLLECTIVE_TIMEOUT_ENV}, seconds)"
+        )
+        _broken.append(message)
+        raise CollectiveTimeoutError(message)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 class DistWrapper:
     """Runs the steps of a save or load on all ranks, with uniform errors.
 
     Args:
         use_dist: Use collectives (only if communication is initialised).
         coordinator_rank: The rank that merges plans and commits.
+        timeout: Seconds a rank waits in one step (0: forever); ``None``
+            (default): :func:`collective_timeout`, from the environment.
     """
 
-    def __init__(self, *, use_dist: bool, coordinator_rank: int = 0) -> None:
+    def __init__(self, *, use_dist: bool, coordinator_rank: int = 0, timeout: float | None = None) -> None:
         self.use_dist = bool(use_dist) and platform.is_initialized() and platform.get_world_size() > 1
         self.rank = platform.get_rank() if self.use_dist else 0
         self.world_size = platform.get_world_size() if self.use_dist else 1
         self.coordinator_rank = coordinator_rank
         self.is_coordinator = self.rank == coordinator_rank
+        self.timeout = collective_timeout() if timeout is None else (timeout if timeout > 0 else None)
 
     def _gather_outcomes(self, step: str, fn: Callable[[], T]) -> list[Any]:
         try:
@@ -112,7 +195,7 @@ class DistWrapper:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             outcome = _Outcome(failure=_failure(self.rank, exc))
-        gathered: list[_Outcome] = platform.all_gather_object(outcome)
+        gathered: list[_Outcome] = _gather_within(outcome, step=step, rank=self.rank, timeout=self.timeout)
         raise_failures(step, [o.failure for o in gathered if o.failure is not None])
         return [o.value for o in gathered]
 

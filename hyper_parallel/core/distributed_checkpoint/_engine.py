@@ -433,6 +433,9 @@ def run_load(
 
     received = dist.reduce_scatter("load plan", local_step, global_step)
     plan = planner.finalize_plan(received if received is not None else local_plans[0])
+    # Every rank verifies every byte it will read before any rank copies one:
+    # a corrupt checkpoint fails the load with every target unchanged.
+    dist.all_gather("verify", lambda: reader.verify_data(plan).result())
     rounds = planner.read_rounds(plan)
     for index, round_plan in enumerate(rounds):
         _read_round(dist, reader, planner, round_plan, index, last=index == len(rounds) - 1)

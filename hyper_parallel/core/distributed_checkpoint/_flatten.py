@@ -58,6 +58,11 @@ def _own_key(value: Any) -> str | None:
     return None
 
 
+def _spelled(path: tuple[PathElement, ...]) -> str:
+    """A state-dict path as the caller wrote it: ``state_dict['a']['b'][0]``."""
+    return "state_dict" + "".join(f"[{p!r}]" for p in path)
+
+
 def _add_leaf(flat: "FlatStateDict", path: tuple[PathElement, ...], value: Any, seen: dict[int, str]) -> None:
     name = ".".join(str(p) for p in path)
     if is_parameter(value) or isinstance(value, DTensor):
@@ -70,8 +75,10 @@ def _add_leaf(flat: "FlatStateDict", path: tuple[PathElement, ...], value: Any, 
     own = _own_key(value)
     key = own or name
     if name in flat.values:
-        first = ".".join(str(p) for p in flat.paths[name])
-        raise CheckpointValueError(f"state_dict paths '{first}' and '{name}' have the same dotted name; rename one")
+        raise CheckpointValueError(
+            f"state_dict paths {_spelled(flat.paths[name])} and {_spelled(path)} have the same dotted name "
+            f"'{name}'; rename one"
+        )
     users = flat.key_users.setdefault(key, [])
     # Several ShardedTensors/ShardedObjects may share a global key (different boxes); nothing else may.
     if users and (own is None or any(flat.storage_keys[u] == u for u in users)):

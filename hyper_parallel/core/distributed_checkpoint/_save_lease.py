@@ -27,6 +27,7 @@ the dead save's ids, and its files are deleted as garbage.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -60,6 +61,7 @@ def lease_name(metadata_name: str) -> str:
     return f".{metadata_name}.lease"
 
 
+@functools.lru_cache(maxsize=1)
 def _boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
@@ -140,10 +142,14 @@ _HELD: dict[str, "SaveLease"] = {}  # save id -> lease held by this process
 _HELD_LOCK = threading.Lock()
 
 
+@functools.lru_cache(maxsize=4)
+def _own_start(pid: int) -> int:
+    return _process_start(pid)[1]
+
+
 def _me(save_id: str) -> LeaseHolder:
     return LeaseHolder(host=socket.gethostname(), boot_id=_boot_id(), pid=os.getpid(),
-                       start_ticks=_process_start(os.getpid())[1], save_id=save_id, base_save_id="",
-                       acquired=time.time())
+                       start_ticks=_own_start(os.getpid()), save_id=save_id, base_save_id="", acquired=time.time())
 
 
 def _observe(path: Path) -> tuple[bytes, LeaseHolder | None, float] | None:

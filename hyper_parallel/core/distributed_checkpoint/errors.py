@@ -31,6 +31,7 @@ __all__ = [
     "UnsupportedTypeError",
     "UnsupportedFormatError",
     "CollectiveStepError",
+    "CollectiveTimeoutError",
     "CheckpointExistsError",
     "CheckpointIOError",
     "ConcurrentSaveError",
@@ -135,6 +136,18 @@ class CollectiveStepError(CheckpointError):
     def failed_ranks(self) -> tuple[int, ...]:
         """The ranks that raised, in increasing order."""
         return tuple(self.failures)
+
+
+class CollectiveTimeoutError(CheckpointError, TimeoutError):
+    """A collective step of a save or load did not finish in time on this rank.
+
+    Usually another rank died (killed, out of memory, lost its host) and the
+    collective can never complete. The message names the step, this rank and
+    the timeout. Communication is unusable afterwards: every later
+    collective step of this process raises this error at once; restart the
+    job. The timeout is ``HP_CKPT_COLLECTIVE_TIMEOUT`` seconds (default 1800;
+    0 waits forever).
+    """
 
 
 class CheckpointIOError(CheckpointError, OSError):

@@ -3,27 +3,29 @@
 For each region of a load plan the reader computes the byte runs of the box
 inside its stored chunk (:mod:`._format.byte_ranges`) and reads exactly those with
 ``preadv``, straight into the target tensor's memory when dtype and layout
-allow. With checksum verification on (the default) it reads whole checksum
-blocks instead, verifies each, and copies the needed runs out; blocks are read
-in segments bounded by ``max_inflight_bytes``, so memory stays bounded
-whatever the file size. The run-level reading and verifying is in
-:mod:`._run_reads`.
+allow. With checksum verification on (the default) it first verifies every
+checksum block or tile the plan's regions touch (:mod:`._verify_reads`,
+hashing the bytes where they lie, in windows bounded by
+``max_inflight_bytes``), and only then reads the regions into the targets:
+a corrupt byte never reaches a target, and a load that fails on corruption
+changes no target. The run-level reading is in :mod:`._run_reads`.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
 from collections import defaultdict
 from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._format.byte_ranges import Runs, box_runs, split_box
-from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, bad_blocks, digest
+from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
     CheckpointIOError,
@@ -41,6 +43,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import check_consistency, metadata_from_json
+from hyper_parallel.core.distributed_checkpoint._options import check_option
 from hyper_parallel.core.distributed_checkpoint._run_reads import (
     FileSource,
     read_runs,
@@ -50,6 +53,7 @@ from hyper_parallel.core.distributed_checkpoint._run_reads import (
     run_rows,
     scratch,
 )
+from hyper_parallel.core.distributed_checkpoint._verify_reads import RegionCheck, verify_regions
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, StorageReader
 from hyper_parallel.platform.tensor import DTYPE_NAMES, numpy_dtype
@@ -115,8 +119,8 @@ class FileSystemReader(StorageReader):
         metadata_file: str | None = None,
         no_readahead: bool | None = None,
     ) -> None:
-        if thread_count < 1 or max_inflight_bytes < 1:
-            raise CheckpointValueError("thread_count and max_inflight_bytes must be >= 1")
+        check_option("thread_count", thread_count, int, minimum=1)
+        check_option("max_inflight_bytes", max_inflight_bytes, int, minimum=1)
         self.path = Path(os.fspath(path))
         self.verify_checksums = verify_checksums
         self.thread_count = thread_count
@@ -125,7 +129,14 @@ class FileSystemReader(StorageReader):
         self._configured_metadata_file = self.metadata_file
         self.no_readahead = no_readahead
         self.metadata: Metadata | None = None
+        #: Bytes this reader took from storage (verified blocks, plus unverified reads).
         self.bytes_read = 0
+        #: Bytes hashed by the verify passes.
+        self.bytes_verified = 0
+        self._verified: set[int] = set()  # id() of the read items verified (alive until the load ends)
+        self._kept: dict[ReadItem, np.ndarray] = {}  # verified regions kept for the read pass
+        self._kept_bytes = 0
+        self._kept_lock = threading.Lock()
 
     def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
         """Start a new load, optionally from another directory. All ranks."""
@@ -171,10 +182,24 @@ class FileSystemReader(StorageReader):
         root = os.path.realpath(self.path)
         if os.path.commonpath([root, os.path.realpath(meta_path)]) != root:
             raise UnsafeCheckpointError(f"{meta_path} is a link leading outside checkpoint {self.path}; refused")
-        size = meta_path.stat().st_size
-        if size > MAX_METADATA_BYTES:
-            raise UnsafeCheckpointError(f"{meta_path}: metadata of {size} bytes is larger than allowed; refused")
-        return metadata_from_json(meta_path.read_bytes(), source=str(meta_path))
+        try:
+            fd = os.open(meta_path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(
+                f"{meta_path} was deleted while being opened (another process removed or replaced checkpoint "
+                f"{self.path}); load it again"
+            ) from None
+        try:
+            size = os.fstat(fd).st_size
+            if size > MAX_METADATA_BYTES:
+                raise UnsafeCheckpointError(f"{meta_path}: metadata of {size} bytes is larger than allowed; refused")
+            with os.fdopen(os.dup(fd), "rb") as handle:
+                raw = handle.read(size + 1)  # one byte more tells a file that grew since the fstat
+        finally:
+            os.close(fd)
+        if len(raw) > size:
+            raise UnsafeCheckpointError(f"{meta_path}: metadata grew past the size allowed while being read; refused")
+        return metadata_from_json(raw, source=str(meta_path))
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool) -> None:
         """Take the metadata, after checking its items and storage entries match. All ranks call it.
@@ -184,6 +209,9 @@ class FileSystemReader(StorageReader):
         """
         check_consistency(metadata, source=f"{self.path}/{self.metadata_file}")
         self.metadata = metadata
+        self._verified.clear()
+        self._kept.clear()
+        self._kept_bytes = 0
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """Nothing to adjust. All ranks call it."""
@@ -228,14 +256,35 @@ class FileSystemReader(StorageReader):
             return not (self.path / self.metadata_file).is_file()
         return current.storage_meta.save_id != self.metadata.storage_meta.save_id
 
+    def verify_data(self, plan: LoadPlan) -> "Future[None]":
+        """Verify the checksums of every stored byte ``plan`` needs; copy nothing. All ranks call it.
+
+        ``load`` runs it on every rank before any rank reads into a target, so
+        a corrupt checkpoint fails the load with every target unchanged.
+        ``read_data`` verifies what was not verified yet by itself.
+
+        Raises (through the future):
+            CorruptCheckpointError: a checksum mismatch or a truncated file (names file and key).
+        """
+        return self._run_per_file(plan, "verify", self._verify_group)
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> "Future[None]":
-        """Read every region of this rank's plan into the planner. All ranks call it."""
+        """Read every region of this rank's plan into the planner, after verifying it. All ranks call it."""
+        future = self.verify_data(plan)
+        if future.exception() is not None:
+            return future
+        return self._run_per_file(plan, "read", lambda group: self._read_group(group, planner))
+
+    def _run_per_file(self, plan: LoadPlan, verb: str, work_fn: Any) -> "Future[None]":
+        """Run ``work_fn`` on the plan's items grouped by file, on up to ``thread_count`` threads."""
         future: Future[None] = Future()
         try:
             if self.metadata is None or self.metadata.storage_data is None:
-                raise CheckpointValueError("read_data called before set_up_storage_reader")
+                raise CheckpointValueError(f"{verb} called before set_up_storage_reader")
             by_file: dict[str, list[ReadItem]] = defaultdict(list)
             for item in plan.items:
+                if verb == "verify" and (not self.verify_checksums or id(item) in self._verified):
+                    continue
                 info = self._info(item.storage_index)
                 by_file[info.relative_path].append(item)
             groups: list[list[tuple[str, list[ReadItem]]]] = [[] for _ in range(self.thread_count)]
@@ -243,21 +292,98 @@ class FileSystemReader(StorageReader):
                 groups[position % self.thread_count].append(entry)
             work = [g for g in groups if g]
             if len(work) <= 1:
-                counts = [self._read_group(g, planner) for g in work]
+                counts = [work_fn(g) for g in work]
             else:
-                with ThreadPoolExecutor(max_workers=len(work), thread_name_prefix="hp-ckpt-read") as pool:
-                    counts = list(pool.map(lambda g: self._read_group(g, planner), work))
-            self.bytes_read += sum(counts)
+                with ThreadPoolExecutor(max_workers=len(work), thread_name_prefix=f"hp-ckpt-{verb}") as pool:
+                    counts = list(pool.map(work_fn, work))
+            if verb == "read":
+                self.bytes_read += sum(counts)
+            else:
+                self.bytes_verified += sum(counts)
+                self.bytes_read += sum(counts)
+                self._verified.update(id(item) for group in work for _, items in group for item in items)
             release_scratch()  # do not keep the caller thread's scratch after the load
             future.set_result(None)
         except OSError as exc:
             if isinstance(exc, CheckpointError):  # already says what went wrong (a CheckpointNotFoundError)
                 future.set_exception(exc)
             else:
-                future.set_exception(CheckpointIOError(f"reading checkpoint {self.path} failed: {exc}"))
+                future.set_exception(CheckpointIOError(f"{verb}ing checkpoint {self.path} failed: {exc}"))
         except BaseException as exc:  # pylint: disable=broad-except
             future.set_exception(exc)
         return future
+
+    def _verify_group(self, files: list[tuple[str, list[ReadItem]]]) -> int:
+        total = 0
+        for relative_path, items in files:
+            with self._open_source(relative_path, items) as (source, path, size):
+                checks = []
+                for item in items:
+                    check = self._region_check(path, size, item)
+                    kept = self._keep_buffer(check, item, source)
+                    if kept is None:
+                        checks.append(check)
+                        continue
+                    total += self._read_kept(source, path, check, item, kept)
+                    with self._kept_lock:
+                        self._kept[item] = kept
+                total += verify_regions(source, path, checks, self.max_inflight_bytes)
+        return total
+
+    def _read_kept(self, source: FileSource, path: Path, check: RegionCheck, item: ReadItem, kept: np.ndarray) -> int:
+        """Read ``item``'s region into the private buffer ``kept``, verifying every block or tile it touches."""
+        if check.info.checksum.block_shape:
+            return read_tiles(source, path, check.fqn, check.info, check.sizes, kept.dtype, item, kept,
+                              exact=source.exact)
+        runs = box_runs(check.sizes, check.itemsize, tuple(item.storage_offsets), tuple(item.lengths))
+        rows = kept.reshape(-1).view(np.uint8).reshape(runs.starts.size, runs.length)
+        return read_runs_verified(source, path, check.fqn, check.info, runs, rows, self.max_inflight_bytes)
+
+    def _keep_buffer(self, check: RegionCheck, item: ReadItem, source: FileSource) -> np.ndarray | None:
+        """A private buffer for a region whose verified bytes would not stay in the page cache, within budget.
+
+        Such regions: narrow tiled regions of a file read with exact device
+        reads (``O_DIRECT`` skips the page cache), and every tensor region of
+        a source without a page cache (object storage). They are read once,
+        verified, and kept until the read pass copies them into the target.
+        """
+        info = check.info
+        if check.sizes is None or info.checksum is None or not math.prod(item.lengths):
+            return None
+        if isinstance(source, FileSource):
+            if not source.exact or not info.checksum.block_shape or item.lengths[-1] == check.sizes[-1]:
+                return None  # whole rows: contiguous pages, the page cache wastes nothing
+        nbytes = math.prod(item.lengths) * check.itemsize
+        with self._kept_lock:
+            if self._kept_bytes + nbytes > self.max_inflight_bytes:
+                return None
+            self._kept_bytes += nbytes
+        stored = self.metadata.state_dict_metadata[check.fqn]
+        return np.empty(item.lengths, dtype=numpy_dtype(stored.properties.dtype))
+
+    def _region_check(self, path: Path, file_size: int, item: ReadItem) -> RegionCheck:
+        """What to verify for ``item``, after checking it fits its file and chunk."""
+        fqn = item.storage_index.fqn
+        info = self._info(item.storage_index)
+        if info.offset + info.length > file_size:
+            raise CorruptCheckpointError(
+                f"data file {path} is truncated: key '{fqn}' needs bytes {info.offset}..{info.offset + info.length} "
+                f"but the file has {file_size}"
+            )
+        if info.checksum is not None and info.checksum.algorithm != ALGORITHM:
+            raise CorruptCheckpointError(f"key '{fqn}': unknown checksum algorithm {info.checksum.algorithm!r}")
+        stored = self.metadata.state_dict_metadata.get(fqn)
+        if info.compression is not None or item.type == LoadItemType.BYTE_IO or not isinstance(
+                stored, TensorStorageMetadata):
+            return RegionCheck(fqn=fqn, info=info, sizes=None, itemsize=1)
+        chunk_sizes = self._chunk_sizes(stored, item.storage_index)
+        itemsize = DTYPE_NAMES[stored.properties.dtype]
+        if info.length != math.prod(chunk_sizes) * itemsize:
+            raise CorruptCheckpointError(
+                f"key '{fqn}': stored length {info.length} does not match chunk sizes {list(chunk_sizes)}"
+            )
+        return RegionCheck(fqn=fqn, info=info, sizes=chunk_sizes, itemsize=itemsize,
+                           offsets=tuple(item.storage_offsets), lengths=tuple(item.lengths))
 
     def _info(self, index: MetadataIndex) -> StorageInfo:
         info = self.metadata.storage_data.get(index)  # equality ignores the index hint
@@ -282,8 +408,15 @@ class FileSystemReader(StorageReader):
     @contextmanager
     def _open_source(self, relative_path: str, items: list[ReadItem]) -> Iterator[tuple[FileSource, Path, int]]:
         """Open data file ``relative_path`` for ``items``: its byte source, its name for messages, its size."""
-        path = self.resolve(relative_path, items[0].storage_index.fqn)
-        fd = os.open(path, os.O_RDONLY)
+        fqn = items[0].storage_index.fqn
+        path = self.resolve(relative_path, fqn)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:  # deleted right after resolve() saw it
+            raise CheckpointNotFoundError(
+                f"data file {relative_path} of key '{fqn}' was deleted while loading checkpoint {self.path} "
+                "(deleted or replaced by another save); load it again"
+            ) from None
         try:
             source = FileSource(fd)
             size = os.fstat(fd).st_size
@@ -312,7 +445,7 @@ class FileSystemReader(StorageReader):
     def _read_small_whole_items(
         self, source: FileSource, path: Path, file_size: int, items: list[ReadItem], planner: LoadPlanner
     ) -> tuple[int, list[tuple[ReadItem, np.ndarray | None]]]:
-        """Read whole small chunks many per system call, straight into their targets, and verify them.
+        """Read whole small chunks many per system call, straight into their targets (verified before).
 
         A chunk qualifies when it is stored uncompressed, is at most 1 MiB, is
         read whole, and its target region is contiguous, writable and of the
@@ -363,34 +496,19 @@ class FileSystemReader(StorageReader):
                 if source.readinto_many(views, group[0][0]) != length:
                     fqn = group[0][2].storage_index.fqn
                     raise CorruptCheckpointError(f"data file {path} is truncated while reading key '{fqn}'")
-            total += length
             for offset, nbytes, item, dest, info in group:
-                if self.verify_checksums and info.checksum is not None:
-                    self._check_whole(path, item.storage_index.fqn, info, dest, tuple(item.lengths))
+                if not (self.verify_checksums and info.checksum is not None):
+                    total += nbytes  # verified bytes were counted by the verify pass
                 planner.apply_tensor(item, dest)
             start = end
         return total, rest
-
-    def _check_whole(self, path: Path, fqn: str, info: StorageInfo, dest: np.ndarray, sizes: tuple[int, ...]) -> None:
-        """Verify a whole chunk of ``sizes`` read into ``dest``, by its flat blocks or its tiles."""
-        if bad_blocks(memoryview(dest.reshape(-1).view(np.uint8)), info.checksum, sizes, dest.itemsize):
-            raise CorruptCheckpointError(
-                f"checksum mismatch in data file {path}, key '{fqn}' (bytes {info.offset}..{info.offset + info.length}):"
-                " the checkpoint is corrupt"
-            )
 
     def _read_item(
         self, source: FileSource, path: Path, file_size: int, item: ReadItem, planner: LoadPlanner, dest: np.ndarray | None = None
     ) -> int:
         fqn = item.storage_index.fqn
-        info = self._info(item.storage_index)
-        if info.offset + info.length > file_size:
-            raise CorruptCheckpointError(
-                f"data file {path} is truncated: key '{fqn}' needs bytes {info.offset}..{info.offset + info.length} "
-                f"but the file has {file_size}"
-            )
-        if info.checksum is not None and info.checksum.algorithm != ALGORITHM:
-            raise CorruptCheckpointError(f"key '{fqn}': unknown checksum algorithm {info.checksum.algorithm!r}")
+        check = self._region_check(path, file_size, item)
+        info = check.info
         if info.compression is not None:
             return self._read_compressed(source, path, fqn, info, item, planner)
         if item.type == LoadItemType.BYTE_IO:
@@ -400,22 +518,19 @@ class FileSystemReader(StorageReader):
             planner.apply_bytes(item, buffer.tobytes())
             return count
         stored = self.metadata.state_dict_metadata.get(fqn)
-        if not isinstance(stored, TensorStorageMetadata):
+        if check.sizes is None:
             raise CorruptCheckpointError(f"key '{fqn}' is read as a tensor but stored as a value")
-        chunk_sizes = self._chunk_sizes(stored, item.storage_index)
-        itemsize = DTYPE_NAMES[stored.properties.dtype]
-        if info.length != math.prod(chunk_sizes) * itemsize:
-            raise CorruptCheckpointError(
-                f"key '{fqn}': stored length {info.length} does not match chunk sizes {list(chunk_sizes)}"
-            )
+        chunk_sizes, itemsize = check.sizes, check.itemsize
         if dest is None:
             dest = planner.acquire_tensor(item)
-        stored_dtype = numpy_dtype(stored.properties.dtype)
-        if self.verify_checksums and info.checksum is not None and info.checksum.block_shape:
-            exact = source.exact
-            count = read_tiles(source, path, fqn, info, chunk_sizes, stored_dtype, item, dest, exact=exact)
+        with self._kept_lock:
+            kept = self._kept.pop(item, None)
+            self._kept_bytes -= kept.nbytes if kept is not None else 0
+        if kept is not None:  # verified and read by the verify pass
+            np.copyto(dest, kept, casting="unsafe")
             planner.apply_tensor(item, dest)
-            return count
+            return 0
+        stored_dtype = numpy_dtype(stored.properties.dtype)
         count = 0
         # Pieces of at most max_inflight_bytes: a cast or scattered target never
         # needs a staging buffer larger than that, whatever the tensor size.
@@ -478,24 +593,17 @@ class FileSystemReader(StorageReader):
                 return chunk.sizes
         raise CorruptCheckpointError(f"key '{index.fqn}': no chunk at offset {list(index.offset)}")
 
-    def _fill(
-        self, source: FileSource, path: Path, fqn: str, info: StorageInfo, runs: Runs, target: np.ndarray, verify: bool = True
-    ) -> int:
-        """Fill ``target`` (``uint8``, one row per run) with the runs; return bytes read from storage.
+    def _fill(self, source: FileSource, path: Path, fqn: str, info: StorageInfo, runs: Runs, target: np.ndarray) -> int:
+        """Fill ``target`` (``uint8``, one row per run) with the runs (verified before); return bytes read.
 
-        With ``verify`` (and flat block checksums) whole blocks are read and checked.
+        Verified bytes are in the page cache already (the verify pass put
+        them there): they are read from it, never again from the device.
         """
         if runs.total == 0:
-            if info.length == 0 and self.verify_checksums and info.checksum is not None:
-                if info.checksum.digests != (digest(b""),):  # the length itself may be the damage
-                    raise CorruptCheckpointError(
-                        f"checksum mismatch in data file {path}, key '{fqn}': the metadata says it stores 0 bytes, "
-                        "its checksum says otherwise; the checkpoint is corrupt"
-                    )
             return 0
-        if verify and self.verify_checksums and info.checksum is not None and not info.checksum.block_shape:
-            return read_runs_verified(source, path, fqn, info, runs, target, self.max_inflight_bytes)
-        return read_runs(source, path, fqn, info, runs, target, exact=source.exact)
+        verified = self.verify_checksums and info.checksum is not None
+        count = read_runs(source, path, fqn, info, runs, target, exact=source.exact and not verified)
+        return 0 if verified else count  # verified bytes were counted by the verify pass
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: CheckpointId) -> bool:

@@ -427,7 +427,7 @@ class FileSystemWriter(StorageWriter):
     def _write_file(self, job: _FileJob, planner: SavePlanner) -> list[WriteResult]:
         views = self._stored_views(job, planner)
         entries = []
-        used: set[str] = set()
+        used: set[str] = {"__metadata__"}  # the safetensors header's reserved key
         for item, (view, _) in zip(job.items, views):
             name = _tensor_name(item.index, item.type == WriteItemType.TENSOR)
             while name in used:  # a key that itself looks like "fqn@offsets"

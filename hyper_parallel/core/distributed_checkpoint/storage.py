@@ -188,6 +188,18 @@ class StorageReader(abc.ABC):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Adjust every rank's plan. Coordinator only."""
 
+    def verify_data(self, plan: LoadPlan) -> "Future[None]":
+        """Check every stored byte ``plan`` needs, writing no target. All ranks call it.
+
+        ``load`` calls it on every rank before any ``read_data``, so a load
+        that fails on corruption leaves every target as it was. The default
+        returns a done future: a reader without a separate check must verify
+        inside ``read_data`` before a byte reaches a target.
+        """
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
     @abc.abstractmethod
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> "Future[None]":
         """Read every region of this rank's plan into the planner. All ranks call it."""

@@ -17,7 +17,7 @@ import struct
 from dataclasses import dataclass
 from typing import Callable
 
-from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, CorruptCheckpointError
 
 __all__ = [
     "SAFETENSORS_DTYPES",
@@ -75,6 +75,8 @@ def build_header(
     """Return the header bytes (length prefix included) and each entry's absolute offset.
 
     Entries are laid out in the given order with no gaps, as safetensors requires.
+    A name ``__metadata__`` (reserved by safetensors) or a name given twice
+    raises :class:`CheckpointValueError` (the file would be unreadable).
     The JSON is padded with spaces so that the data region starts at a
     multiple of ``align`` (a multiple of 8): with 4096, chunks whose sizes are
     multiples of pages start on page boundaries, so a partial read of them
@@ -84,6 +86,11 @@ def build_header(
     position = 0
     relative = []
     for entry in entries:
+        if entry.name in header:
+            what = "is the header's reserved key" if entry.name == "__metadata__" else "appears twice"
+            raise CheckpointValueError(
+                f"tensor name '{entry.name}' {what}: a safetensors file cannot hold it; rename the key"
+            )
         header[entry.name] = {
             "dtype": SAFETENSORS_DTYPES[entry.dtype],
             "shape": list(entry.shape),
