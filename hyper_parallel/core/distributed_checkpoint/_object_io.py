@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from hyper_parallel.core.distributed_checkpoint._options import check_option
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointIOError, CheckpointValueError
 
 __all__ = [
@@ -34,6 +35,8 @@ __all__ = [
     "Tagged",
     "PreconditionFailed",
     "filesystem_for",
+    "locate",
+    "check_transfer_options",
     "is_s3",
     "ObjectSink",
     "RangedSource",
@@ -91,6 +94,19 @@ def filesystem_for(location: str, filesystem: Any = None, storage_options: dict[
             f"checkpoint {location}: the package for its protocol is missing: pip install 'hyper_parallel[s3]' ({exc})"
         ) from exc
     return fs, root.rstrip("/")
+
+
+def locate(checkpoint_id: object, filesystem: Any, storage_options: dict[str, Any]) -> tuple[str, Any, str]:
+    """The URL of ``checkpoint_id`` (no trailing ``/``), its filesystem and its protocol-less root."""
+    url = str(checkpoint_id).rstrip("/")
+    fs, root = filesystem_for(url, filesystem, storage_options)
+    return url, fs, root
+
+
+def check_transfer_options(connections: int, part_bytes: int) -> None:
+    """Refuse ``connections`` / ``part_bytes`` that are not ints >= 1 (names the option)."""
+    check_option("connections", connections, int, minimum=1)
+    check_option("part_bytes", part_bytes, int, minimum=1)
 
 
 def is_s3(fs: Any) -> bool:
