@@ -73,15 +73,15 @@ class MotoProcess:
             self.process.wait(timeout=30)
 
 
-def _median_time(fn: Callable[[], Any], runs: int, before: Callable[[], Any] | None = None) -> float:
-    times = []
+def _paired(ours: Callable[[], Any], raw: Callable[[], Any], runs: int) -> tuple[float, float]:
+    """Median times of ``ours`` and ``raw``, run alternately (load on a shared machine drifts)."""
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(runs):
-        if before is not None:
-            before()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for position, fn in enumerate((ours, raw)):
+            start = time.perf_counter()
+            fn()
+            times[position].append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def _objects(fs: Any, prefix: str) -> list[tuple[str, int]]:
@@ -135,12 +135,15 @@ def measure(size_gb: float, *, threads: int = 2, connections: int = 4, part_byte
         def writer() -> Any:
             return dcp.FsspecWriter(url, thread_count=threads, connections=connections, part_bytes=part_bytes)
 
-        save_s = _median_time(lambda: dcp.save(state, storage_writer=writer(), no_dist=True), runs)
+        dcp.save(state, storage_writer=writer(), no_dist=True)  # the object sizes of the raw puts
         data = _objects(fs, f"{bucket}/ckpt")
         rng = np.random.default_rng(0)
         blobs = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _, size in data]
-        raw_put_s = _median_time(lambda: _raw_put(fs, f"{bucket}/raw", blobs, threads, connections, part_bytes), runs)
+        save_s, raw_put_s = _paired(lambda: dcp.save(state, storage_writer=writer(), no_dist=True),
+                                    lambda: _raw_put(fs, f"{bucket}/raw", blobs, threads, connections, part_bytes),
+                                    runs)
         del blobs
+        data = _objects(fs, f"{bucket}/ckpt")
 
         targets = {name: ms.Parameter(ms.Tensor(np.zeros(p.shape, np.float32), p.dtype), name=name)
                    for name, p in state.items()}
@@ -149,16 +152,16 @@ def measure(size_gb: float, *, threads: int = 2, connections: int = 4, part_byte
             dcp.load(targets, storage_reader=dcp.FsspecReader(url, thread_count=threads, connections=connections,
                                                               part_bytes=part_bytes), no_dist=True)
 
-        load_s = _median_time(load, runs)
         whole = [(path, *_split(0, size, part_bytes)) for path, size in data]
-        raw_get_s = _median_time(lambda: _raw_get(fs, whole, threads, connections), runs)
+        load_s, raw_get_s = _paired(load, lambda: _raw_get(fs, whole, threads, connections), runs)
         same = all(np.array_equal(targets[k].float().asnumpy(), state[k].float().asnumpy()) for k in list(state)[:2])
 
-        # Resharded load: a matrix saved whole, one 4-way shard loaded. Rows: 4096 rows, so each shard is
-        # whole row slabs of checksum tiles (512 rows of 4096 float32 columns); columns: one slab, 512 rows,
-        # each a ranged GET of one 4 KiB run.
+        # Resharded load: a matrix saved whole, one 4-way shard loaded. Rows: a matrix of the state's size
+        # (at least 4096 rows, a multiple of 2048), so each shard is whole row slabs of checksum tiles (512
+        # rows of 4096 float32 columns); columns: one slab, 512 rows, each a ranged GET of one 4 KiB run.
         reshard = {}
-        for label, tensor_map, rows in (("rows", (0, -1), 4096), ("columns", (-1, 0), 512)):
+        row_count = max(4096, int(size_gb * GIB) // (4096 * 4) // 2048 * 2048)
+        for label, tensor_map, rows in (("rows", (0, -1), row_count), ("columns", (-1, 0), 512)):
             cols = 4096
             matrix = np.random.default_rng(1).random((rows, cols), dtype=np.float32)
             reshard_url = f"s3://{bucket}/reshard-{label}"
@@ -180,7 +183,6 @@ def measure(size_gb: float, *, threads: int = 2, connections: int = 4, part_byte
                 dcp.load(target, storage_reader=reader, no_dist=True)
                 fetched.append(reader.bytes_fetched)
 
-            load_shard_s = _median_time(sharded_load, runs)
             if label == "rows":
                 first = info.offset + rank * shape[0] * cols * 4
                 ranges = [(data_path, *_split(first, first + needed, part_bytes))]
@@ -188,7 +190,8 @@ def measure(size_gb: float, *, threads: int = 2, connections: int = 4, part_byte
                 run = shape[1] * 4
                 starts = [info.offset + r * cols * 4 + rank * run for r in range(rows)]
                 ranges = [(data_path, starts, [s + run for s in starts])]
-            raw_s = _median_time(lambda ranges=ranges: _raw_get(fs, ranges, threads, connections), runs)
+            load_shard_s, raw_s = _paired(sharded_load, lambda ranges=ranges: _raw_get(fs, ranges, threads, connections),
+                                          runs)
             reshard[label] = {"needed_bytes": needed, "fetched_bytes": fetched[-1], "load_s": load_shard_s,
                               "raw_get_s": raw_s}
     return {

@@ -100,6 +100,10 @@ def test_explicit_writer_and_reader_with_filesystem_object(s3_url: str, s3_endpo
     _assert_same(loaded, _state(2))
     assert dcp.FsspecWriter.validate_checkpoint_id("s3://b/p") and not dcp.FsspecWriter.validate_checkpoint_id("/x")
     assert not dcp.FileSystemWriter.validate_checkpoint_id("s3://b/p")
+    with pytest.raises(dcp.CheckpointValueError, match="connections"):
+        dcp.FsspecReader(s3_url, connections=0)
+    with pytest.raises(dcp.CheckpointValueError, match="part_bytes"):
+        dcp.FsspecWriter(s3_url, part_bytes=1.5)
 
 
 def test_missing_and_uncommitted_locations(s3_url: str) -> None:

@@ -20,8 +20,9 @@ from hyper_parallel.core.distributed_checkpoint._object_io import (
     DEFAULT_CONNECTIONS,
     DEFAULT_PART_BYTES,
     RangedSource,
-    filesystem_for,
+    check_transfer_options,
     get_with_tag,
+    locate,
 )
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
@@ -84,7 +85,8 @@ class FsspecReader(FileSystemReader):
             max_inflight_bytes=max_inflight_bytes,
             metadata_file=metadata_file,
         )
-        self.connections, self.part_bytes = max(1, connections), max(1, part_bytes)
+        check_transfer_options(connections, part_bytes)
+        self.connections, self.part_bytes = connections, part_bytes
         self.storage_options = dict(storage_options)
         self._given_filesystem = filesystem
         self.bytes_fetched = 0
@@ -97,8 +99,7 @@ class FsspecReader(FileSystemReader):
     def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
         """Start a new load, optionally from another location. All ranks."""
         if checkpoint_id is not None:
-            self.path = str(checkpoint_id).rstrip("/")
-            self.fs, self.root = filesystem_for(self.path, self._given_filesystem, self.storage_options)
+            self.path, self.fs, self.root = locate(checkpoint_id, self._given_filesystem, self.storage_options)
         self.metadata_file = self._configured_metadata_file
         self.metadata = None
         self.bytes_read = 0

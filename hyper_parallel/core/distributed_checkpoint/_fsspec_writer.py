@@ -29,15 +29,15 @@ from hyper_parallel.core.distributed_checkpoint._object_io import (
     ObjectSink,
     PreconditionFailed,
     Tagged,
-    filesystem_for,
+    check_transfer_options,
     get_with_tag,
+    locate,
     put_if,
     remove_objects,
 )
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
     CheckpointIOError,
-    CheckpointValueError,
     ConcurrentSaveError,
 )
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import DATA_FILE_PATTERN, FileSystemWriter, _FileJob
@@ -102,8 +102,7 @@ class FsspecWriter(FileSystemWriter):
             compression_level=compression_level,
             tile_checksums=tile_checksums,
         )
-        if connections < 1 or part_bytes < 1:
-            raise CheckpointValueError(f"connections and part_bytes must be >= 1, got {connections}, {part_bytes}")
+        check_transfer_options(connections, part_bytes)
         self.connections = connections
         self.part_bytes = part_bytes
         self.storage_options = dict(storage_options)
@@ -117,8 +116,7 @@ class FsspecWriter(FileSystemWriter):
     def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
         """Start a new save (new save id), optionally to a new location. All ranks."""
         if checkpoint_id is not None:
-            self.path = str(checkpoint_id).rstrip("/")
-            self.fs, self.root = filesystem_for(self.path, self._given_filesystem, self.storage_options)
+            self.path, self.fs, self.root = locate(checkpoint_id, self._given_filesystem, self.storage_options)
         self.save_id = uuid.uuid4().hex[:12]
         self._seen = None
 

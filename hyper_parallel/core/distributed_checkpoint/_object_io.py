@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from hyper_parallel.core.distributed_checkpoint._options import check_option
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointIOError, CheckpointValueError
 
 __all__ = [
@@ -34,6 +35,8 @@ __all__ = [
     "Tagged",
     "PreconditionFailed",
     "filesystem_for",
+    "locate",
+    "check_transfer_options",
     "is_s3",
     "ObjectSink",
     "RangedSource",
@@ -91,6 +94,19 @@ def filesystem_for(location: str, filesystem: Any = None, storage_options: dict[
             f"checkpoint {location}: the package for its protocol is missing: pip install 'hyper_parallel[s3]' ({exc})"
         ) from exc
     return fs, root.rstrip("/")
+
+
+def locate(checkpoint_id: object, filesystem: Any, storage_options: dict[str, Any]) -> tuple[str, Any, str]:
+    """The URL of ``checkpoint_id`` (no trailing ``/``), its filesystem and its protocol-less root."""
+    url = str(checkpoint_id).rstrip("/")
+    fs, root = filesystem_for(url, filesystem, storage_options)
+    return url, fs, root
+
+
+def check_transfer_options(connections: int, part_bytes: int) -> None:
+    """Refuse ``connections`` / ``part_bytes`` that are not ints >= 1 (names the option)."""
+    check_option("connections", connections, int, minimum=1)
+    check_option("part_bytes", part_bytes, int, minimum=1)
 
 
 def is_s3(fs: Any) -> bool:
@@ -231,7 +247,8 @@ class ObjectSink:
 class RangedSource:
     """Reads byte ranges of one object with ranged GETs, ``connections`` at a time.
 
-    Used by the reader's threads; each call is independent.
+    Used by the reader's threads, several at once: the bound on GETs in
+    flight holds across all of them.
 
     Args:
         fs: The fsspec filesystem.
@@ -248,13 +265,28 @@ class RangedSource:
         self.bytes_fetched = 0
         self.exact = False  # no kernel readahead to avoid: ranged GETs fetch only what is asked
         self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(connections)
 
     def _fetch(self, starts: list[int], ends: list[int]) -> list[bytes]:
-        if len(starts) == 1:
-            blobs: list[Any] = [self.fs.cat_file(self.path, start=starts[0], end=ends[0])]
-        else:
-            blobs = self.fs.cat_ranges([self.path] * len(starts), starts, ends, batch_size=self.connections,
-                                       on_error="return")
+        """GET the ranges, never more than ``connections`` at once across every thread using this source."""
+        blobs: list[Any] = []
+        position = 0
+        while position < len(starts):
+            self._slots.acquire()
+            taken = 1
+            while taken < self.connections and position + taken < len(starts) and self._slots.acquire(blocking=False):
+                taken += 1
+            try:
+                lo, hi = position, position + taken
+                if taken == 1:
+                    blobs.append(self.fs.cat_file(self.path, start=starts[lo], end=ends[lo]))
+                else:
+                    blobs += self.fs.cat_ranges([self.path] * taken, starts[lo:hi], ends[lo:hi], batch_size=taken,
+                                                on_error="return")
+            finally:
+                for _ in range(taken):
+                    self._slots.release()
+            position += taken
         for blob in blobs:
             if isinstance(blob, BaseException):
                 raise blob
