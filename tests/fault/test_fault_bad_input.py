@@ -118,9 +118,11 @@ CASES: list[tuple[str, Callable[[Path, Path], Callable[[], Any]], type, type | N
      dcp.CheckpointValueError, ValueError, ("step", "-1")),
 ]
 
-BAD_IDS = [None, "", "s3://bucket/ckpt", 123, b"/tmp/x"]
+BAD_IDS = [None, "", "nosuchproto://bucket/ckpt", 123, b"/tmp/x"]
 for _bad in BAD_IDS:
     _words = ("checkpoint_id",) if _bad is None else (repr(_bad), "not a filesystem path")
+    if isinstance(_bad, str) and "://" in _bad:  # a URL: fsspec is asked and names the protocol
+        _words = (repr(_bad), "Protocol not known: nosuchproto", "s3://bucket/prefix")
     for _name, _call in (
         ("save", lambda c, t, b=_bad: lambda: dcp.save({"a": np.ones(1)}, checkpoint_id=b, no_dist=True)),
         ("async_save", lambda c, t, b=_bad: lambda: dcp.async_save({"a": np.ones(1)}, checkpoint_id=b, no_dist=True)),

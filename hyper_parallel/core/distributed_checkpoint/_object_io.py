@@ -87,11 +87,18 @@ def filesystem_for(location: str, filesystem: Any = None, storage_options: dict[
         raise CheckpointValueError("object storage needs fsspec: pip install 'hyper_parallel[s3]'") from exc
     if filesystem is not None:
         return filesystem, filesystem._strip_protocol(location).rstrip("/")  # pylint: disable=protected-access
+    # A fresh instance, not fsspec's per-argument cache: a cached filesystem keeps
+    # the endpoint and credentials of the environment it was first built in.
+    options = {"skip_instance_cache": True, **(storage_options or {})}
     try:
-        fs, root = url_to_fs(location, **(storage_options or {}))
+        fs, root = url_to_fs(location, **options)
     except ImportError as exc:
         raise CheckpointValueError(
             f"checkpoint {location}: the package for its protocol is missing: pip install 'hyper_parallel[s3]' ({exc})"
+        ) from exc
+    except ValueError as exc:  # fsspec: "Protocol not known: ..."
+        raise CheckpointValueError(
+            f"checkpoint_id {location!r}: {exc}; use a directory path, or an fsspec URL such as s3://bucket/prefix"
         ) from exc
     return fs, root.rstrip("/")
 
