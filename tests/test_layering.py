@@ -21,7 +21,8 @@ PACKAGE = "hyper_parallel.core.distributed_checkpoint"
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("errors and metadata", frozenset({"errors", "metadata", "_options", "_gc_pause"})),
     ("on-disk format", frozenset({"_format", "_format.safetensors_file", "_format.metadata_json",
-                                  "_format.checksum", "_format.byte_ranges", "_format.cover"})),
+                                  "_format.checksum", "_format.byte_ranges", "_format.cover",
+                                  "_format.header_check"})),
     ("plans and planners", frozenset({"planner", "mapping", "_chunk_search", "type_handlers", "_builtin_handlers", "_flatten", "_mindspore_sliced", "_device_targets",
                                       "_state_items", "_global_plan", "_replicated_read", "standard_planner"})),
     ("storage", frozenset({"storage", "filesystem_writer", "filesystem_reader", "_run_reads",

@@ -37,7 +37,7 @@ def test_small_tensors_load_in_place_in_few_reads(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: calls.append(len(buffers)) or real(fd, buffers, offset))
     dcp.load(state, storage_reader=dcp.FileSystemReader(tmp_path, thread_count=1), no_dist=True)
     assert {name: _bits(param) for name, param in state.items()} == expected
-    assert len(calls) <= 3 and max(calls) >= 300, calls  # adjacent chunks share one preadv
+    assert len(calls) <= 4 and max(calls) >= 300, calls  # adjacent chunks share one preadv; one header read
 
 
 def test_damaged_small_tensor_is_named(tmp_path):

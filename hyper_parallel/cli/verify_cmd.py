@@ -32,7 +32,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     StorageInfo,
     TensorStorageMetadata,
 )
-from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import SAFETENSORS_DTYPES, read_header_at
+from hyper_parallel.core.distributed_checkpoint._format.header_check import expected_span, header_spans, span_problem
 from hyper_parallel.platform.tensor import DTYPE_NAMES
 
 __all__ = ["VerifyProblem", "VerifyReport", "verify_checkpoint", "format_verify", "register"]
@@ -190,49 +190,23 @@ def _check_header(
     chunk_sizes: dict[MetadataIndex, tuple[int, ...]],
 ) -> list[VerifyProblem]:
     try:
-        header, data_start, _ = read_header_at(full, size, lambda count, offset: _pread(handle, count, offset))
+        spans = header_spans(full, size, lambda count, offset: _pread(handle, count, offset),
+                             keys=[index.fqn for index, _ in items])
     except CheckpointError as exc:
-        keys = ", ".join(sorted({f"'{index.fqn}'" for index, _ in items}))
-        return [VerifyProblem(name, None, f"invalid safetensors header: {exc} (file holds key(s) {keys})")]
-    spans = {}
-    for tensor, entry in header.items():
-        begin, end = entry["data_offsets"]
-        spans[data_start + begin] = (end - begin, tensor, entry["dtype"], tuple(entry["shape"]))
+        return [VerifyProblem(name, None, f"invalid safetensors header: {exc}")]
     problems = []
     for index, info in items:
-        expected = (info.length, *_header_entry(metadata, index, info, chunk_sizes))
-        if spans.get(info.offset) != expected:
-            problems.append(VerifyProblem(
-                name, index.fqn,
-                f"no safetensors entry '{expected[1]}' ({expected[2]}, shape {list(expected[3])}) of "
-                f"{info.length} bytes at byte {info.offset} (chunk at offset {list(index.offset)})",
-            ))
+        stored = metadata.state_dict_metadata.get(index.fqn)
+        expected = expected_span(index, info, stored, chunk_sizes.get(MetadataIndex(index.fqn, tuple(index.offset))))
+        problem = span_problem(spans, info.offset, expected)
+        if problem is not None:
+            problems.append(VerifyProblem(name, index.fqn, f"{problem} (chunk at offset {list(index.offset)})"))
     return problems
 
 
 def _pread(handle: Any, count: int, offset: int) -> bytes:
     handle.seek(offset)
     return handle.read(count)
-
-
-def _header_entry(
-    metadata: Metadata, index: MetadataIndex, info: StorageInfo, chunk_sizes: dict[MetadataIndex, tuple[int, ...]]
-) -> tuple[str, str, tuple[int, ...]]:
-    """The name, safetensors dtype and shape the writer gives a stored item in its file's header.
-
-    A whole tensor is named by its key, a shard ``key@o0,o1``; a stored value is a ``U8`` array.
-    """
-    stored = metadata.state_dict_metadata.get(index.fqn)
-    if isinstance(stored, TensorStorageMetadata):
-        shape = chunk_sizes.get(MetadataIndex(index.fqn, tuple(index.offset)), ())
-        whole, dtype = shape == tuple(stored.size), SAFETENSORS_DTYPES.get(stored.properties.dtype, "?")
-    else:
-        whole, dtype, shape = False, "U8", (info.length,)
-    if info.compression:  # compressed items are stored as U8 arrays of their compressed bytes
-        dtype, shape = "U8", (info.length,)
-    if whole or not index.offset:
-        return index.fqn, dtype, shape
-    return f"{index.fqn}@{','.join(str(o) for o in index.offset)}", dtype, shape
 
 
 def _check_chunk(

@@ -177,17 +177,22 @@ def test_random_flips_and_truncations(pristine: Path, tmp_path: Path) -> None:
             continue
         in_header = kind == "flip" and position < header_end[name]
         if in_header:
-            if outcome != "exact":
-                failures.append(f"{where}: the loader read the header? {type(detail).__name__}: {detail}")
-                continue
-            tally["exact"] += 1
             original = (pristine / name).read_bytes()
-            if _header_meaning((copy / name).read_bytes()) != _header_meaning(original):
-                report = verify_checkpoint(copy)
-                if report.ok or not any(p.file == name for p in report.problems):
-                    failures.append(f"{where}: hp-ckpt verify missed a header change")
-                else:
-                    tally["verify_caught"] += 1
+            if _header_meaning((copy / name).read_bytes()) == _header_meaning(original):
+                if outcome != "exact":  # the free-form __metadata__ changed: nothing the load uses
+                    failures.append(f"{where}: a harmless header change failed the load: {detail}")
+                    continue
+                tally["exact"] += 1
+                continue
+            if outcome != "error" or name not in str(detail):
+                failures.append(f"{where}: a changed header was not refused naming the file: {outcome} {detail}")
+                continue
+            tally["detected"] += 1
+            report = verify_checkpoint(copy)
+            if report.ok or not any(p.file == name for p in report.problems):
+                failures.append(f"{where}: hp-ckpt verify missed a header change")
+            else:
+                tally["verify_caught"] += 1
             continue
         if outcome != "error":
             failures.append(f"{where}: damage in the data region loaded without an error")
@@ -231,31 +236,39 @@ def test_every_metadata_byte_flipped(pristine: Path, tmp_path: Path) -> None:
     assert not failures, "\n".join(failures[:20])
 
 
-def test_every_header_byte_flipped_is_caught_by_verify(pristine: Path, tmp_path: Path) -> None:
-    """Loading ignores the safetensors header; ``hp-ckpt verify`` catches every change of its meaning."""
+def test_every_header_byte_flipped_is_refused_by_load_and_verify(pristine: Path, tmp_path: Path) -> None:
+    """A load reads each data file's header and refuses any change of its meaning, as ``hp-ckpt verify`` does.
+
+    Changes the load may ignore are those of the free-form ``__metadata__``
+    (the header stays valid JSON with the same entries).
+    """
     name = sorted(p.name for p in pristine.glob("*.safetensors"))[0]
     original = (pristine / name).read_bytes()
     end = 8 + struct.unpack("<Q", original[:8])[0]
     copy = tmp_path / "c"
     shutil.copytree(pristine, copy)
-    missed, caught, harmless = [], 0, 0
+    missed, refused, harmless = [], 0, 0
     for position in range(end):
         for mask in (0x01, 0x20):
             raw = bytearray(original)
             raw[position] ^= mask
             (copy / name).write_bytes(bytes(raw))
-            if position % 7 == 0:  # loading never reads the header: exact values
-                assert _load(copy)[0] == "exact"
             if _header_meaning(bytes(raw)) == _header_meaning(original):
-                harmless += 1  # padding or the free-form __metadata__
+                harmless += 1
+                if position % 7 == 0:
+                    assert _load(copy)[0] == "exact", position
                 continue
+            if position % 3 == 0:  # the load refuses it before any target changes, naming the file
+                outcome, detail = _load(copy)
+                assert outcome == "error" and name in str(detail), (position, outcome, detail)
             report = verify_checkpoint(copy)
             if report.ok or not any(p.file == name for p in report.problems):
                 missed.append((position, bytes(raw[max(0, position - 12) : position + 6])))
             else:
-                caught += 1
-    print(f"header flips: {2 * end} tried, {caught} caught by verify, {harmless} harmless")
+                refused += 1
+    print(f"header flips: {2 * end} tried, {refused} refused, {harmless} harmless")
     assert not missed, missed[:10]
+    assert refused > harmless > 0
 
 
 # ------------------------------------------------------------ targeted metadata damage

@@ -7,7 +7,9 @@ overlap check of 8,000 chunks that form no grid takes well under a second
 (it took 22 s, quadratic), with the same answers as a brute-force check;
 metadata decoding keeps memory within a small multiple of the file size
 (tracemalloc); ``load`` refuses two items that share bytes of a data file,
-naming both keys and the file.
+naming both keys and the file, and metadata whose dtype, shape or byte range
+of an item differs from the data file's own safetensors header (checksums made
+to match), with or without checksum verification, changing no target.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import random
 import time
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel.cli.verify_cmd import verify_checkpoint
 from hyper_parallel.core.distributed_checkpoint._builtin_handlers import MAX_INT_DIGITS, IntHandler
 from hyper_parallel.core.distributed_checkpoint._format.checksum import chunk_checksum
 from hyper_parallel.core.distributed_checkpoint._format.cover import MAX_PAIR_CHECKS, check_exact_cover
@@ -197,3 +201,67 @@ def test_load_refuses_two_items_sharing_bytes(tmp_path: Path) -> None:
     message = str(caught.value)
     assert "'a'" in message and "'b'" in message and entries["a"]["file"] in message and "share bytes" in message
     assert not target["a"].any() and not target["b"].any()
+
+
+# ------------------------------------------------------------------ metadata that lies about the bytes
+
+
+def _lie(path: Path, change: Any) -> None:
+    meta_path = path / "metadata.json"
+    document = json.loads(meta_path.read_bytes())
+    change(document)
+    meta_path.write_text(json.dumps(document))
+
+
+def _shape_lie(document: dict) -> None:
+    item = document["state_dict_metadata"]["w"]
+    item["size"] = [2, 8]
+    item["chunks"] = [[[0, 0], [2, 8]]]
+
+
+def _swap_lie(document: dict) -> None:
+    entries = {entry["fqn"]: entry for entry in document["storage_data"]}
+    for field in ("byte_offset", "checksum"):  # two float32 [4, 4] items trade places: no overlap, digests match
+        entries["w"][field], entries["v"][field] = entries["v"][field], entries["w"][field]
+
+
+LIES = {
+    # float32 claimed for int32 bytes: same size, same bytes, same checksum (was: loaded as wrong floats).
+    "dtype": (lambda d: d["state_dict_metadata"]["a"].update(dtype="float32"), "a", "I32", (4, 4)),
+    # [2, 8] claimed for a [4, 4] tensor: same byte count.
+    "shape": (_shape_lie, "w", "shape [4, 4]", (2, 8)),
+    # two same-sized items' byte ranges (and digests) swapped.
+    "swap": (_swap_lie, "vw", "an entry '", (4, 4)),
+}
+
+
+@pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
+@pytest.mark.parametrize("lie", sorted(LIES))
+def test_load_refuses_metadata_that_disagrees_with_the_file_header(tmp_path: Path, lie: str, verify: bool) -> None:
+    change, key, shown, shape = LIES[lie]
+    path = tmp_path / "c"
+    dcp.save({"a": np.arange(16, dtype=np.int32).reshape(4, 4), "w": np.arange(16, dtype=np.float32).reshape(4, 4),
+              "v": -np.arange(16, dtype=np.float32).reshape(4, 4), "z": np.ones(3, np.float32)}, checkpoint_id=path, no_dist=True)
+    _lie(path, change)
+    target = {"a": np.full((4, 4), 7, dtype=np.float32 if lie == "dtype" else np.int32),
+              "w": np.full(shape, 7, np.float32), "v": np.full((4, 4), 7, np.float32), "z": np.full(3, 7, np.float32)}
+    with pytest.raises(dcp.CorruptCheckpointError) as caught:
+        dcp.load(target, checkpoint_id=path, no_dist=True, storage_reader=dcp.FileSystemReader(
+            path, verify_checksums=verify))
+    message = str(caught.value)
+    (data_file,) = [p.name for p in path.glob("*.safetensors")]
+    assert any(f"key '{k}'" in message for k in key) and data_file in message and shown in message and "hp-ckpt verify" in message
+    assert all((value == 7).all() for value in target.values()), "a target changed"
+    assert not verify_checkpoint(path).ok
+
+
+def test_header_is_read_once_per_file_and_load(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    state = {f"p{i}": np.full(8, i, np.float32) for i in range(50)}
+    dcp.save(state, checkpoint_id=path, no_dist=True)
+    reader = dcp.FileSystemReader(path)
+    target = {key: np.zeros(8, np.float32) for key in state}
+    dcp.load(target, checkpoint_id=path, no_dist=True, storage_reader=reader)
+    assert all((target[key] == state[key]).all() for key in state)
+    files = {info.relative_path for info in reader.metadata.storage_data.values()}
+    assert set(reader._headers) == files  # pylint: disable=protected-access

@@ -266,16 +266,19 @@ def test_malformed_safetensors_header(base: Path, tmp_path: Path, name: str) -> 
     with pytest.raises(dcp.CorruptCheckpointError) as caught:
         read_header(bad)
     assert str(bad) in str(caught.value)
-    # The same header on a checkpoint's data file: verify reports it; loading reads only the
-    # byte ranges the metadata gives, each checked against its checksum.
+    # The same header on a checkpoint's data file: verify reports it, and a load refuses the file
+    # (its header no longer describes the items the metadata places there), changing no target.
     original = (case.ckpt / case.data).read_bytes()
     header_end = 8 + struct.unpack("<Q", original[:8])[0]
     (case.ckpt / case.data).write_bytes(HEADERS[name][:header_end].ljust(header_end, b" ") + original[header_end:])
     report = verify_checkpoint(case.ckpt)
     assert any(p.file == case.data and "header" in p.message for p in report.problems), report.problems
     target = _blank()
-    dcp.load(target, checkpoint_id=case.ckpt, no_dist=True)
-    assert np.array_equal(target["w"], STATE["w"]) and target["step"] == 3
+    with pytest.raises(dcp.CorruptCheckpointError) as caught:
+        dcp.load(target, checkpoint_id=case.ckpt, no_dist=True)
+    assert case.data in str(caught.value) and "hp-ckpt verify" in str(caught.value)
+    assert not target["w"].any() and not target["n"].any(), "a target changed"
+    assert target["step"] is None and target["name"] is None
 
 
 # ------------------------------------------------------------------ allocation, address space capped

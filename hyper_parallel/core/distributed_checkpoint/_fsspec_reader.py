@@ -211,6 +211,7 @@ class FsspecReader(FileSystemReader):
             ) from None
         source = RangedSource(self.fs, path, size, part_bytes=self.part_bytes, connections=self.connections)
         try:
+            self._check_header(source, url, size, relative_path, items)
             yield source, url, size
         except CheckpointError:
             raise

@@ -26,6 +26,12 @@ import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._format.byte_ranges import Runs, box_runs, split_box
 from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM
+from hyper_parallel.core.distributed_checkpoint._format.header_check import (
+    HeaderSpan,
+    expected_span,
+    header_spans,
+    span_problem,
+)
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
     CheckpointIOError,
@@ -68,8 +74,19 @@ DEFAULT_MAX_INFLIGHT_BYTES = 64 << 20
 _SMALL_ITEM_BYTES = 1 << 20
 #: Most buffers in one ``preadv`` (Linux ``IOV_MAX``).
 _IOV_MAX = 1024
+#: First read of a data file's header: the writer starts the data region at 4096.
+_HEADER_READ_BYTES = 4096
 #: A file of which a rank needs at least this share is read with kernel readahead.
 _SEQUENTIAL_SHARE = 0.95
+
+
+def _check_within(path: Any, file_size: int, fqn: str, info: StorageInfo) -> None:
+    """Refuse an item whose stored bytes end past its data file's end."""
+    if info.offset + info.length > file_size:
+        raise CorruptCheckpointError(
+            f"data file {path} is truncated: key '{fqn}' needs bytes {info.offset}..{info.offset + info.length} "
+            f"but the file has {file_size}"
+        )
 
 
 def _not_a_directory(path: Path) -> str:
@@ -137,6 +154,9 @@ class FileSystemReader(StorageReader):
         self._kept: dict[ReadItem, np.ndarray] = {}  # verified regions kept for the read pass
         self._kept_bytes = 0
         self._kept_lock = threading.Lock()
+        self._headers: dict[str, dict[int, HeaderSpan]] = {}  # data file -> its header, read once per load
+        self._header_checked: set[int] = set()  # id() of the read items checked against their file's header
+        self._chunk_index: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}  # fqn -> chunk offsets -> sizes
 
     def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
         """Start a new load, optionally from another directory. All ranks."""
@@ -210,6 +230,9 @@ class FileSystemReader(StorageReader):
         check_consistency(metadata, source=f"{self.path}/{self.metadata_file}")
         self.metadata = metadata
         self._verified.clear()
+        self._headers.clear()
+        self._header_checked.clear()
+        self._chunk_index.clear()
         self._kept.clear()
         self._kept_bytes = 0
 
@@ -257,14 +280,19 @@ class FileSystemReader(StorageReader):
         return current.storage_meta.save_id != self.metadata.storage_meta.save_id
 
     def verify_data(self, plan: LoadPlan) -> "Future[None]":
-        """Verify the checksums of every stored byte ``plan`` needs; copy nothing. All ranks call it.
+        """Check what ``plan`` needs before any byte of it is copied. All ranks call it.
 
-        ``load`` runs it on every rank before any rank reads into a target, so
-        a corrupt checkpoint fails the load with every target unchanged.
-        ``read_data`` verifies what was not verified yet by itself.
+        Every touched data file's safetensors header must describe each item
+        as the metadata does (name, dtype, shape, byte range; one small read
+        per file, also with ``verify_checksums=False``), and with
+        ``verify_checksums`` the checksum of every stored byte the plan needs
+        must match. ``load`` runs it on every rank before any rank reads into
+        a target, so a corrupt checkpoint fails the load with every target
+        unchanged. ``read_data`` checks what was not checked yet by itself.
 
         Raises (through the future):
-            CorruptCheckpointError: a checksum mismatch or a truncated file (names file and key).
+            CorruptCheckpointError: a header that disagrees with the metadata, a
+                checksum mismatch or a truncated file (names file and key).
         """
         return self._run_per_file(plan, "verify", self._verify_group)
 
@@ -283,7 +311,7 @@ class FileSystemReader(StorageReader):
                 raise CheckpointValueError(f"{verb} called before set_up_storage_reader")
             by_file: dict[str, list[ReadItem]] = defaultdict(list)
             for item in plan.items:
-                if verb == "verify" and (not self.verify_checksums or id(item) in self._verified):
+                if verb == "verify" and id(item) in self._verified:
                     continue
                 info = self._info(item.storage_index)
                 by_file[info.relative_path].append(item)
@@ -316,7 +344,9 @@ class FileSystemReader(StorageReader):
     def _verify_group(self, files: list[tuple[str, list[ReadItem]]]) -> int:
         total = 0
         for relative_path, items in files:
-            with self._open_source(relative_path, items) as (source, path, size):
+            with self._open_source(relative_path, items) as (source, path, size):  # checks the file's header
+                if not self.verify_checksums:
+                    continue
                 checks = []
                 for item in items:
                     check = self._region_check(path, size, item)
@@ -365,11 +395,7 @@ class FileSystemReader(StorageReader):
         """What to verify for ``item``, after checking it fits its file and chunk."""
         fqn = item.storage_index.fqn
         info = self._info(item.storage_index)
-        if info.offset + info.length > file_size:
-            raise CorruptCheckpointError(
-                f"data file {path} is truncated: key '{fqn}' needs bytes {info.offset}..{info.offset + info.length} "
-                f"but the file has {file_size}"
-            )
+        _check_within(path, file_size, fqn, info)
         if info.checksum is not None and info.checksum.algorithm != ALGORITHM:
             raise CorruptCheckpointError(f"key '{fqn}': unknown checksum algorithm {info.checksum.algorithm!r}")
         stored = self.metadata.state_dict_metadata.get(fqn)
@@ -424,6 +450,7 @@ class FileSystemReader(StorageReader):
                 # Kernel readahead would also fetch the ranges a reshard skips.
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
                 source.exact = True
+            self._check_header(source, path, size, relative_path, items)
             yield source, path, size
         finally:
             os.close(fd)
@@ -586,12 +613,55 @@ class FileSystemReader(StorageReader):
         planner.apply_tensor(item, dest)
         return count
 
-    @staticmethod
-    def _chunk_sizes(stored: TensorStorageMetadata, index: MetadataIndex) -> tuple[int, ...]:
-        for chunk in stored.chunks:
-            if chunk.offsets == tuple(index.offset):
-                return chunk.sizes
-        raise CorruptCheckpointError(f"key '{index.fqn}': no chunk at offset {list(index.offset)}")
+    def _chunk_sizes(self, stored: TensorStorageMetadata, index: MetadataIndex) -> tuple[int, ...]:
+        chunks = self._chunk_index.get(index.fqn)
+        if chunks is None:  # built once per key and load (a dict write is atomic across reading threads)
+            chunks = {tuple(chunk.offsets): tuple(chunk.sizes) for chunk in stored.chunks}
+            self._chunk_index[index.fqn] = chunks
+        sizes = chunks.get(tuple(index.offset))
+        if sizes is None:
+            raise CorruptCheckpointError(f"key '{index.fqn}': no chunk at offset {list(index.offset)}")
+        return sizes
+
+    def _check_header(self, source: Any, path: Any, size: int, relative_path: str, items: list[ReadItem]) -> None:
+        """Refuse ``items`` whose entry in their file's safetensors header differs from the metadata's.
+
+        The header is read once per file and load (one small read); an item is
+        checked once. Runs before any byte of the file reaches a target.
+
+        Raises:
+            CorruptCheckpointError: names the file, the key, both descriptions and the fix.
+        """
+        todo = [item for item in items if id(item) not in self._header_checked]
+        if not todo:
+            return
+        spans = self._headers.get(relative_path)
+        if spans is None:
+            head = np.empty(min(size, _HEADER_READ_BYTES), dtype=np.uint8)
+            head = head[: source.readinto(head, 0)].tobytes()  # one read holds the usual header (data at 4096)
+
+            def pread(count: int, offset: int) -> bytes:
+                if offset + count <= len(head):
+                    return head[offset : offset + count]
+                buffer = np.empty(count, dtype=np.uint8)
+                return buffer[: source.readinto(buffer, offset)].tobytes()
+
+            spans = header_spans(str(path), size, pread, keys=[item.storage_index.fqn for item in todo])
+            self._headers[relative_path] = spans
+        for item in todo:
+            index = item.storage_index
+            info = self._info(index)
+            _check_within(path, size, index.fqn, info)
+            stored = self.metadata.state_dict_metadata.get(index.fqn)
+            sizes = self._chunk_sizes(stored, index) if isinstance(stored, TensorStorageMetadata) else None
+            problem = span_problem(spans, info.offset, expected_span(index, info, stored, sizes))
+            if problem is not None:
+                raise CorruptCheckpointError(
+                    f"data file {path}, key '{index.fqn}' (chunk at offset {list(index.offset)}): {problem}. The "
+                    f"metadata and the data file disagree (damaged or edited); nothing was loaded from the file. "
+                    f"Run `hp-ckpt verify {self.path}` to list every problem"
+                )
+            self._header_checked.add(id(item))
 
     def _fill(self, source: FileSource, path: Path, fqn: str, info: StorageInfo, runs: Runs, target: np.ndarray) -> int:
         """Fill ``target`` (``uint8``, one row per run) with the runs (verified before); return bytes read.
