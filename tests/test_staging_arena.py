@@ -1,0 +1,64 @@
+"""The staging arena of ``async_save(staging="copy")``: reuse, growth, snapshot semantics, bf16."""
+
+import mindspore as ms
+import numpy as np
+
+from hyper_parallel.core import distributed_checkpoint as dcp
+from hyper_parallel.core.distributed_checkpoint import _engine
+from hyper_parallel.core.distributed_checkpoint._staging import StagingPool
+
+ms.set_device("CPU")
+
+
+def _load(path, template):
+    target = {key: np.zeros_like(value) for key, value in template.items()}
+    dcp.load(target, checkpoint_id=path)
+    return target
+
+
+def test_arena_is_reused_then_grown_and_keeps_pre_mutation_bytes(tmp_path):
+    pool: StagingPool = _engine._POOL  # pylint: disable=protected-access
+    rng = np.random.default_rng(0)
+    params = {f"p{i}": ms.Parameter(ms.Tensor(rng.standard_normal((64, 33)).astype(np.float32)), name=f"p{i}")
+              for i in range(5)}
+    dcp.async_save(dict(params), checkpoint_id=tmp_path / "warm").result()
+    arenas, capacity = pool.arenas, pool.capacity
+    expected = {key: p.asnumpy().copy() for key, p in params.items()}
+    handle = dcp.async_save(dict(params), checkpoint_id=tmp_path / "same")
+    for p in params.values():
+        p.asnumpy()[...] = -7.0  # mutated right after async_save returned
+    handle.result()
+    assert pool.arenas == arenas and pool.capacity == capacity, "same layout: the arena is reused"
+    loaded = _load(tmp_path / "same", expected)
+    for key, value in expected.items():
+        assert loaded[key].tobytes() == value.tobytes(), key  # bit-exact, pre-mutation
+    # The state grows past the arena: a larger arena is mapped, values still exact.
+    bigger = dict(params, big=ms.Parameter(ms.Tensor(np.arange(capacity // 4 + 1000, dtype=np.float32)), name="big"))
+    expected = {key: p.asnumpy().copy() for key, p in bigger.items()}
+    handle = dcp.async_save(bigger, checkpoint_id=tmp_path / "grown")
+    bigger["big"].asnumpy()[...] = 0.0
+    handle.result()
+    assert pool.arenas == arenas + 1 and pool.capacity > capacity
+    loaded = _load(tmp_path / "grown", expected)
+    for key, value in expected.items():
+        assert loaded[key].tobytes() == value.tobytes(), key
+    # Shrinking back keeps the larger arena.
+    grown = pool.capacity
+    dcp.async_save(dict(params), checkpoint_id=tmp_path / "small").result()
+    assert pool.capacity == grown and pool.arenas == arenas + 1
+
+
+def test_bf16_and_odd_sizes_stage_bit_exact(tmp_path):
+    values = np.random.default_rng(1).standard_normal((7, 13)).astype(np.float32)
+    bf16 = ms.Parameter(ms.Tensor(values, dtype=ms.bfloat16), name="w")
+    odd = ms.Parameter(ms.Tensor(np.arange(3, dtype=np.int8)), name="o")  # not a multiple of the alignment
+    before_w, before_o = bf16.asnumpy().copy(), odd.asnumpy().copy()
+    handle = dcp.async_save({"w": bf16, "o": odd}, checkpoint_id=tmp_path / "c")
+    bf16.asnumpy()[...] = 0
+    odd.asnumpy()[...] = 0
+    handle.result()
+    target = {"w": ms.Parameter(ms.Tensor(np.zeros((7, 13), np.float32), dtype=ms.bfloat16), name="w"),
+              "o": ms.Parameter(ms.Tensor(np.zeros(3, np.int8)), name="o")}
+    dcp.load(target, checkpoint_id=tmp_path / "c")
+    assert target["w"].asnumpy().tobytes() == before_w.tobytes()
+    assert target["o"].asnumpy().tolist() == before_o.tolist()
