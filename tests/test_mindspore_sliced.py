@@ -74,6 +74,19 @@ def test_parameter_layout_dict_is_used_by_itself():
     assert state["model"]["b"] is net.b  # not in the dict, not sliced: whole, as MindSpore saves it
 
 
+def test_whole_parameter_under_a_splitting_layout_dict_entry_is_refused(tmp_path):
+    """A Parameter holding the whole tensor where MindSpore's entry says a slice: refused, never saved wrong."""
+    net = Net(rows=8, fill=FULL)  # the whole [8, 4] tensor, not the [4, 4] slice the entry describes
+    net.parameter_layout_dict = {"w": [[2], [0, -1], [4, 4], 0, True, "", [8, 4], [4, 4]]}
+    with pytest.raises(dcp.SlicedParameterError) as info:
+        apply_mindspore_layouts({"model": net}, source=None, rank=1)
+    text = str(info.value)
+    assert "key 'model.w'" in text and "(8, 4)" in text and "(4, 4)" in text and "rank 1" in text
+    with pytest.raises(dcp.SlicedParameterError, match="slice shape"):
+        dcp.save({"model": net}, checkpoint_id=tmp_path / "c", no_dist=True)
+    assert not (tmp_path / "c" / "metadata.json").exists()
+
+
 def test_optimizer_state_follows_its_parameter_and_is_wrapped_once(tmp_path):
     net = Net(rows=4, sliced=True)
     opt = ms.nn.Adam(net.trainable_params())

@@ -93,12 +93,25 @@ def resolve_layouts(source: LayoutArgument, state_dict: Any, *, rank: int) -> di
     return layouts
 
 
+def _cell_slice_shapes(cells: tuple[Any, ...]) -> dict[str, tuple[int, ...]]:
+    """``{parameter name: slice shape}`` from the Cells' ``parameter_layout_dict`` (its third field)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for cell in cells:
+        for name, entry in (getattr(cell, "parameter_layout_dict", None) or {}).items():
+            items = list(entry)
+            if len(items) > 2 and isinstance(items[2], (list, tuple)) and items[2]:
+                shapes[name] = tuple(int(s) for s in items[2])
+    return shapes
+
+
 class _Wrapper:
     """Wraps Parameters once each (a Parameter reached twice gets the same DTensor)."""
 
-    def __init__(self, layouts: Mapping[str, Layout], rank: int) -> None:
+    def __init__(self, layouts: Mapping[str, Layout], rank: int,
+                 slice_shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
         self.layouts = layouts
         self.rank = rank
+        self.slice_shapes = slice_shapes or {}
         self.done: dict[int, Any] = {}
         self.unknown: list[str] = []
         self.bad: list[str] = []
@@ -112,7 +125,15 @@ class _Wrapper:
         if layout is None and path != value.name:
             layout = layout_for_state_key(self.layouts, path)
         wrapped = value
-        if layout is not None:
+        expected = self.slice_shapes.get(value.name)
+        if layout is not None and expected is not None and tuple(value.shape) != expected:
+            self.bad.append(
+                f"key '{path}' (Parameter '{value.name}') holds shape {tuple(value.shape)} but MindSpore's "
+                f"parameter_layout_dict gives this rank the slice shape {expected}: it is not the slice its layout "
+                "describes (saving it would place the wrong bytes in the global tensor); save the Parameters of "
+                "the compiled parallel network, or drop its parameter_layout_dict entry if it is whole"
+            )
+        elif layout is not None:
             try:
                 wrapped = DTensor(value, layout, rank=self.rank)
             except LayoutError as exc:
@@ -150,13 +171,16 @@ def apply_mindspore_layouts(state_dict: dict[str, Any], *, source: LayoutArgumen
 
     Raises:
         SlicedParameterError: Parameters marked ``sliced`` with no known layout
-            (all listed), or whose local shape does not fit their layout.
+            (all listed), or whose local shape does not fit their layout or
+            differs from the slice shape of their ``parameter_layout_dict``
+            entry (a whole tensor under a splitting layout).
         StrategyFileError / LayoutError: As :func:`hyper_parallel.layouts_from_strategy`.
     """
     layouts = resolve_layouts(source, state_dict, rank=rank)
     if not layouts and not any(getattr(p, "sliced", False) for p in _parameters(state_dict)):
         return state_dict
-    wrapper = _Wrapper(layouts, rank)
+    cells = (source.cells if isinstance(source, LayoutSources) else ()) + cells_in(state_dict)
+    wrapper = _Wrapper(layouts, rank, _cell_slice_shapes(cells))
     result = wrapper.walk("", state_dict)
     if wrapper.unknown:
         shown = ", ".join(wrapper.unknown[:_SHOWN])
