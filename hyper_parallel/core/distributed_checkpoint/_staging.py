@@ -53,6 +53,10 @@ class StagingPool:
         """Bytes of the current arena (0 before the first save)."""
         return 0 if self._arena is None else int(self._arena.size)
 
+    def release(self) -> None:
+        """Drop the arena (unmapped once no staged view of it is left); the next save maps a fresh one."""
+        self._arena = None
+
     def _reserve(self, nbytes: int) -> tuple[np.ndarray, bool]:
         """The arena, grown to at least ``nbytes``; and whether it was already mapped."""
         if self._arena is not None and self._arena.size >= nbytes:
