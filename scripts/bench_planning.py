@@ -10,7 +10,7 @@ growth factor against the item count, and the bytes a rank sends and a
 non-coordinator rank receives with an all-gather exchange and with a
 gather + scatter exchange.
 
-Run: ``python scripts/bench_planning.py [--ranks 64 128 256 512 1024] [--tensors 1000]``.
+Run: ``python scripts/bench_planning.py [--ranks 64 256 1024 4096 10240] [--tensors 1000]``.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def _exchange(plans: list[SavePlan]) -> tuple[list[bytes], float, list[SavePlan]
 def main(argv: list[str] | None = None) -> None:
     """Time the exchange and the merge for each rank count; print a table (and JSON with --json)."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024, 4096, 10240])
     parser.add_argument("--tensors", type=int, default=1000)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> None:
             "bytes_received_per_noncoordinator_rank_allgather": sum(map(len, blobs)) + sum(map(len, deltas)),
             # gather to the coordinator, then a scatter of each rank's own delta:
             "bytes_received_per_noncoordinator_rank_scatter": max(map(len, deltas)),
+            # what the library does now: plans by all_gather_object, each rank's own result by a tensor scatter
+            # (8-byte length broadcast + one row of the longest result + its 8-byte length):
+            "bytes_received_per_noncoordinator_rank_library": sum(map(len, blobs)) + 16 + max(map(len, deltas)),
         })
         del plans, final, metadata
     base = rows[0]
@@ -99,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{row['unpickle_seconds']:>10.2f} {row['bytes_sent_per_rank']:>11} "
               f"{row['bytes_received_per_noncoordinator_rank_allgather']:>17} "
               f"{row['bytes_received_per_noncoordinator_rank_scatter']:>14}")
+    flatness = max(row["us_per_item"] for row in rows) / min(row["us_per_item"] for row in rows)
+    print(f"time per item, largest / smallest over the rank counts: {flatness:.2f} (flat: <= 1.20)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(rows, handle, indent=2)

@@ -12,6 +12,7 @@ from hyper_parallel.platform.comm import (
     get_rank,
     get_world_size,
     is_initialized,
+    scatter_bytes,
 )
 from hyper_parallel.platform.tensor import (
     DEVICE_COPIES_ENV,
@@ -46,6 +47,7 @@ __all__ = [
     "is_cell",
     "is_initialized",
     "is_parameter",
+    "scatter_bytes",
     "is_tensor",
     "ms_dtype",
     "numpy_dtype",

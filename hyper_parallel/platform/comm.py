@@ -21,6 +21,7 @@ __all__ = [
     "get_world_size",
     "all_gather_object",
     "broadcast_object",
+    "scatter_bytes",
     "barrier",
 ]
 
@@ -77,6 +78,43 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     """
     gathered = all_gather_object(obj if get_rank() == src else None)
     return gathered[src]
+
+
+def scatter_bytes(parts: list[bytes] | None, src: int = 0) -> bytes:
+    """Hand each rank its own ``parts[rank]`` from rank ``src``. All ranks call it.
+
+    Only ``src`` passes ``parts`` (one byte string per rank); the others pass
+    ``None``. A rank receives 8 bytes (the longest part's length, a tensor
+    broadcast) plus that longest length: not every rank's part, as with
+    ``all_gather_object``. Built on tensor ``broadcast`` and ``scatter``
+    because on MindSpore 2.10 CPU ``scatter_object_list``, ``gather_object``,
+    ``send``/``recv``, ``all_to_all_single`` and ``reduce_scatter_tensor``
+    fail (measured under msrun).
+    """
+    if not is_initialized() or get_world_size() == 1:
+        return parts[0] if parts else b""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    from mindspore import Tensor  # pylint: disable=import-outside-toplevel
+    from mindspore.mint.distributed import broadcast, scatter  # pylint: disable=import-outside-toplevel
+
+    world, rank = get_world_size(), get_rank()
+    longest = max(map(len, parts)) if rank == src else 0
+    length = Tensor(np.array([longest], np.int64))
+    broadcast(length, src=src)
+    longest = int(length.asnumpy()[0])
+    width = longest + 8  # each part carries its own length first
+    if rank == src:
+        rows = np.zeros((world, width), np.uint8)
+        for index, part in enumerate(parts):
+            rows[index, :8] = np.frombuffer(len(part).to_bytes(8, "little"), np.uint8)
+            rows[index, 8:8 + len(part)] = np.frombuffer(part, np.uint8)
+        scatter_list = [Tensor(row) for row in rows]
+    else:
+        scatter_list = [Tensor(np.zeros(width, np.uint8))] * world  # ignored off the source
+    out = Tensor(np.zeros(width, np.uint8))
+    scatter(out, scatter_list, src=src)
+    data = out.asnumpy().tobytes()
+    return data[8:8 + int.from_bytes(data[:8], "little")]
 
 
 def barrier() -> None:

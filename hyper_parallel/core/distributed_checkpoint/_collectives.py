@@ -23,6 +23,7 @@ process fails at once, since the abandoned gather still holds the channel.
 from __future__ import annotations
 
 import os
+import pickle
 import threading
 import traceback
 from dataclasses import dataclass
@@ -141,16 +142,21 @@ def collective_timeout() -> float | None:
 
 def _gather_within(payload: Any, *, step: str, rank: int, timeout: float | None) -> list[Any]:
     """``platform.all_gather_object`` that gives up after ``timeout`` seconds."""
+    return _within(lambda: platform.all_gather_object(payload), step=step, rank=rank, timeout=timeout)
+
+
+def _within(collective: Callable[[], T], *, step: str, rank: int, timeout: float | None) -> T:
+    """Run one collective call, giving up after ``timeout`` seconds."""
     if _broken:
         raise CollectiveTimeoutError(_broken[0])
     if timeout is None:
-        return platform.all_gather_object(payload)
+        return collective()
     box: dict[str, Any] = {}
     done = threading.Event()
 
     def gather() -> None:
         try:
-            box["value"] = platform.all_gather_object(payload)
+            box["value"] = collective()
         except BaseException as exc:  # pylint: disable=broad-except
             box["error"] = exc
         finally:
@@ -221,8 +227,22 @@ class DistWrapper:
         if not self.use_dist:
             return reduce_fn([map_fn()])[0]
         values = self.all_gather(step, map_fn)
-        parts = self.broadcast(step, lambda: reduce_fn(values))
-        return parts[self.rank]
+        blobs = None
+        if self.is_coordinator:
+            try:
+                blobs = [pickle.dumps(_Outcome(value=part), protocol=pickle.HIGHEST_PROTOCOL)
+                         for part in reduce_fn(values)]
+            except BaseException as exc:  # pylint: disable=broad-except
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    raise
+                blobs = [pickle.dumps(_Outcome(failure=_failure(self.rank, exc)))] * self.world_size
+        # Each rank receives only its own part (a tensor scatter), not every rank's.
+        blob = _within(lambda: platform.scatter_bytes(blobs, src=self.coordinator_rank),
+                       step=step, rank=self.rank, timeout=self.timeout)
+        outcome: _Outcome = pickle.loads(blob)
+        if outcome.failure is not None:
+            raise_failures(step, [outcome.failure])
+        return outcome.value
 
     def barrier(self, step: str) -> None:
         """Wait for every rank (an error-free gather). All ranks call it."""
