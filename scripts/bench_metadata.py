@@ -8,7 +8,13 @@ rank's load planning (``StandardLoadPlanner`` configure + local plan) for
 the same layout, reporting microseconds per chunk. The contract asks for
 10,240 ranks x 10,000 tensors; the chunk-per-rank metadata of this format
 grows linearly with R x T (about 10^8 entries there, tens of GB of JSON),
-so the script measures smaller worlds and prints the linear extrapolation.
+so the script measures smaller worlds, fits ``cost = a + b * chunks`` by least
+squares to the measured sizes (metadata bytes, ``read_metadata`` seconds, peak
+and retained resident memory of the read) and prints the fit, each size's
+deviation from it, and the EXTRAPOLATED figures for the target world. A rank's
+load planning is reported per tensor: it finds its chunks by binary search in
+each tensor's sorted chunk list (an index, not a scan), so its time per tensor
+stays flat as the world grows.
 
 Run: ``python scripts/bench_metadata.py [--ranks 16 64 256] [--tensors 1000] [--target-ranks 10240]
 [--target-tensors 10000] [--json FILE]``.
@@ -20,10 +26,12 @@ import argparse
 import gc
 import json
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM
@@ -63,19 +71,51 @@ def make_metadata(ranks: int, tensors: int) -> Metadata:
 
 
 def _rank_plan_seconds(metadata: Metadata, ranks: int, tensors: int, rank: int) -> float:
-    """One rank's load planning: its row chunk of every tensor as the target."""
+    """One rank's load planning (CPU seconds of this thread): its row chunk of every tensor as the target."""
     from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardLoadPlanner  # noqa: PLC0415
 
     state = {f"layer{t}.weight": dcp.ShardedTensor.from_rank_offsets(
         f"layer{t}.weight", np.zeros((ROWS, COLS), np.float32), (0, rank, ranks)) for t in range(tensors)}
     planner = StandardLoadPlanner()
-    start = time.perf_counter()
+    start = time.thread_time()
     planner.configure_planner(state, metadata, rank=rank, world_size=ranks, is_coordinator=rank == 0)
     plan = planner.build_local_plan()
-    seconds = time.perf_counter() - start
+    seconds = time.thread_time() - start
     if len(plan.items) != tensors:
         raise RuntimeError(f"rank {rank} planned {len(plan.items)} reads for {tensors} tensors")
     return seconds
+
+
+def _read_with_memory(path: Path) -> tuple[Metadata, float, float, int, int]:
+    """``dcp.read_metadata(path)`` with its wall and CPU seconds and its peak and retained resident-memory growth in bytes."""
+    process = psutil.Process()
+    gc.collect()
+    base = process.memory_info().rss
+    peak = [base]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.005):
+            peak[0] = max(peak[0], process.memory_info().rss)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    start, cpu_start = time.perf_counter(), time.thread_time()
+    read = dcp.read_metadata(path)
+    seconds, cpu_seconds = time.perf_counter() - start, time.thread_time() - cpu_start
+    stop.set()
+    sampler.join()
+    gc.collect()
+    retained = process.memory_info().rss
+    return read, seconds, cpu_seconds, max(peak[0], retained) - base, retained - base
+
+
+def _fit(xs: list[float], ys: list[float]) -> dict:
+    """Least-squares ``y = intercept + slope * x`` and each point's relative deviation from it."""
+    slope, intercept = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1) if len(xs) > 1 else (
+        ys[0] / xs[0], 0.0)
+    deviations = [abs(y - (intercept + slope * x)) / y if y else 0.0 for x, y in zip(xs, ys)]
+    return {"slope": float(slope), "intercept": float(intercept), "max_relative_deviation": max(deviations)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -97,35 +137,46 @@ def main(argv: list[str] | None = None) -> None:
             size = (path / "metadata.json").stat().st_size
             del metadata
             gc.collect()
-            start = time.perf_counter()
-            read = dcp.read_metadata(path)
-            read_seconds = time.perf_counter() - start
+            read, read_seconds, read_cpu, peak_rss, retained_rss = _read_with_memory(path)
             plan_seconds = _rank_plan_seconds(read, ranks, args.tensors, rank=ranks // 2)
             chunks = ranks * args.tensors
             rows.append({"ranks": ranks, "tensors": args.tensors, "chunks": chunks, "metadata_bytes": size,
-                         "read_metadata_s": read_seconds, "rank_load_planning_s": plan_seconds,
-                         "bytes_per_chunk": size / chunks, "read_us_per_chunk": read_seconds / chunks * 1e6,
+                         "read_metadata_s": read_seconds, "read_metadata_cpu_s": read_cpu, "rank_load_planning_s": plan_seconds,
+                         "bytes_per_chunk": size / chunks,
+                         "read_peak_rss_bytes": peak_rss, "read_retained_rss_bytes": retained_rss,
+                         "read_peak_rss_per_file_byte": peak_rss / size,
+                         "read_retained_rss_per_file_byte": retained_rss / size, "read_us_per_chunk": read_seconds / chunks * 1e6,
                          "planning_us_per_tensor": plan_seconds / args.tensors * 1e6})
             del read
             (path / "metadata.json").unlink()
-    last = rows[-1]
     target_chunks = args.target_ranks * args.target_tensors
-    extrapolated = {"ranks": args.target_ranks, "tensors": args.target_tensors, "chunks": target_chunks,
-                    "metadata_bytes": last["bytes_per_chunk"] * target_chunks,
-                    "read_metadata_s": last["read_us_per_chunk"] * target_chunks / 1e6,
-                    "rank_load_planning_s": last["planning_us_per_tensor"] * args.target_tensors / 1e6}
+    chunk_counts = [row["chunks"] for row in rows]
+    fits = {name: _fit(chunk_counts, [row[name] for row in rows]) for name in
+            ("metadata_bytes", "read_metadata_s", "read_metadata_cpu_s", "read_peak_rss_bytes", "read_retained_rss_bytes")}
+    planning = [row["planning_us_per_tensor"] for row in rows]
+    extrapolated = {"label": "EXTRAPOLATED from the least-squares linear fit over the measured sizes",
+                    "ranks": args.target_ranks, "tensors": args.target_tensors, "chunks": target_chunks,
+                    **{name: fit["intercept"] + fit["slope"] * target_chunks for name, fit in fits.items()},
+                    "rank_load_planning_s": max(planning) * args.target_tensors / 1e6}
     print(f"{'ranks':>6} {'tensors':>7} {'chunks':>9} {'metadata MB':>11} {'B/chunk':>7} {'read s':>7} "
-          f"{'us/chunk':>8} {'rank plan s':>11} {'us/tensor':>9}")
+          f"{'us/chunk':>8} {'peak/file':>9} {'kept/file':>9} {'rank plan s':>11} {'us/tensor':>9}")
     for row in rows:
         print(f"{row['ranks']:>6} {row['tensors']:>7} {row['chunks']:>9} {row['metadata_bytes'] / 1e6:>11.1f} "
               f"{row['bytes_per_chunk']:>7.0f} {row['read_metadata_s']:>7.2f} {row['read_us_per_chunk']:>8.2f} "
+              f"{row['read_peak_rss_per_file_byte']:>9.2f} {row['read_retained_rss_per_file_byte']:>9.2f} "
               f"{row['rank_load_planning_s']:>11.3f} {row['planning_us_per_tensor']:>9.1f}")
-    print(f"extrapolated to {args.target_ranks} ranks x {args.target_tensors} tensors (linear in chunks): "
+    for name, fit in fits.items():
+        print(f"linear fit {name}: {fit['slope']:.4g} per chunk + {fit['intercept']:.4g}, "
+              f"max deviation of a measured size {fit['max_relative_deviation']:.1%}")
+    print(f"rank load planning per tensor across sizes: {min(planning):.1f} to {max(planning):.1f} us "
+          f"(largest / smallest world: {planning[-1] / planning[0]:.2f}x for {chunk_counts[-1] / chunk_counts[0]:.0f}x the chunks)")
+    print(f"EXTRAPOLATED (linear fit) to {args.target_ranks} ranks x {args.target_tensors} tensors: "
           f"metadata {extrapolated['metadata_bytes'] / 1e9:.1f} GB, read_metadata "
-          f"{extrapolated['read_metadata_s']:.0f} s, one rank's load planning {extrapolated['rank_load_planning_s']:.1f} s")
+          f"{extrapolated['read_metadata_s']:.0f} s (CPU {extrapolated['read_metadata_cpu_s']:.0f} s), read peak memory {extrapolated['read_peak_rss_bytes'] / 1e9:.1f} GB, "
+          f"one rank's load planning {extrapolated['rank_load_planning_s']:.1f} s")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump({"measured": rows, "extrapolated": extrapolated}, handle, indent=2)
+            json.dump({"measured": rows, "fits": fits, "extrapolated": extrapolated}, handle, indent=2)
 
 
 if __name__ == "__main__":

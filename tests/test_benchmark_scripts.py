@@ -105,4 +105,11 @@ def test_bench_metadata_reports_size_read_time_and_rank_planning(tmp_path):
     for row in result["measured"]:
         assert row["metadata_bytes"] > 100 * row["chunks"] and row["read_metadata_s"] > 0
         assert row["rank_load_planning_s"] > 0
-    assert result["extrapolated"]["chunks"] == 10240 * 10000 and "extrapolated to 10240 ranks" in proc.stdout
+        assert row["read_peak_rss_bytes"] >= row["read_retained_rss_bytes"]
+    # The extrapolation comes from a least-squares fit over the measured sizes and says so.
+    fit = result["fits"]["metadata_bytes"]
+    assert 100 < fit["slope"] < 1000 and fit["max_relative_deviation"] < 0.2
+    extrapolated = result["extrapolated"]
+    assert extrapolated["chunks"] == 10240 * 10000 and extrapolated["label"].startswith("EXTRAPOLATED")
+    assert extrapolated["metadata_bytes"] == fit["intercept"] + fit["slope"] * 10240 * 10000
+    assert "EXTRAPOLATED (linear fit) to 10240 ranks" in proc.stdout and "linear fit read_metadata_s" in proc.stdout
