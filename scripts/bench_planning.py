@@ -88,9 +88,9 @@ def main(argv: list[str] | None = None) -> None:
             "bytes_received_per_noncoordinator_rank_allgather": sum(map(len, blobs)) + sum(map(len, deltas)),
             # gather to the coordinator, then a scatter of each rank's own delta:
             "bytes_received_per_noncoordinator_rank_scatter": max(map(len, deltas)),
-            # what the library does now: plans by all_gather_object, each rank's own result by a tensor scatter
-            # (8-byte length broadcast + one row of the longest result + its 8-byte length):
-            "bytes_received_per_noncoordinator_rank_library": sum(map(len, blobs)) + 16 + max(map(len, deltas)),
+            # what the library does now: plans by a tensor gather (a rank receives the 8-byte longest length),
+            # each rank's own result by a tensor scatter (8-byte length + one row of the longest result + 8):
+            "bytes_received_per_noncoordinator_rank_library": 8 + 16 + max(map(len, deltas)),
         })
         del plans, final, metadata
     base = rows[0]

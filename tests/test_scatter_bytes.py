@@ -25,5 +25,6 @@ def test_each_rank_receives_its_own_part_on_four_ranks(tmp_path: Path) -> None:
         assert result["lengths"]["value"] == bytes([rank]) * (rank * 3)
         assert result["all_values"]["value"] == bytes(range(256)) + bytes([rank])
         assert result["squares"]["value"] == rank * rank
+        assert "rank 3 has no plan" in result["map_fails"]["value"], result["map_fails"]["value"]
         failing = result["failing"]["value"]
         assert failing.startswith("CollectivePlanValidationError") and "bad plan from 4 ranks" in failing, failing

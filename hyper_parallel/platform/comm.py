@@ -22,6 +22,7 @@ __all__ = [
     "all_gather_object",
     "broadcast_object",
     "scatter_bytes",
+    "gather_bytes",
     "barrier",
 ]
 
@@ -115,6 +116,35 @@ def scatter_bytes(parts: list[bytes] | None, src: int = 0) -> bytes:
     scatter(out, scatter_list, src=src)
     data = out.asnumpy().tobytes()
     return data[8:8 + int.from_bytes(data[:8], "little")]
+
+
+def gather_bytes(part: bytes, dst: int = 0) -> list[bytes] | None:
+    """Collect every rank's ``part`` on rank ``dst`` (``None`` elsewhere). All ranks call it.
+
+    A rank other than ``dst`` receives 8 bytes (the longest length, a tensor
+    broadcast). Built on tensor ``gather`` and ``broadcast`` (see
+    :func:`scatter_bytes`).
+    """
+    if not is_initialized() or get_world_size() == 1:
+        return [part]
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    from mindspore import Tensor  # pylint: disable=import-outside-toplevel
+    from mindspore.mint.distributed import broadcast, gather  # pylint: disable=import-outside-toplevel
+
+    world, rank = get_world_size(), get_rank()
+    lengths = [Tensor(np.zeros(1, np.int64)) for _ in range(world)]
+    gather(Tensor(np.array([len(part)], np.int64)), lengths if rank == dst else [lengths[0]] * world, dst=dst)
+    sizes = [int(t.asnumpy()[0]) for t in lengths] if rank == dst else []
+    longest = Tensor(np.array([max(sizes) if sizes else 0], np.int64))
+    broadcast(longest, src=dst)
+    width = max(int(longest.asnumpy()[0]), 1)
+    row = np.zeros(width, np.uint8)
+    row[:len(part)] = np.frombuffer(part, np.uint8)
+    rows = [Tensor(np.zeros(width, np.uint8)) for _ in range(world)] if rank == dst else None
+    gather(Tensor(row), rows if rank == dst else [Tensor(row)] * world, dst=dst)
+    if rank != dst:
+        return None
+    return [t.asnumpy().tobytes()[:size] for t, size in zip(rows, sizes)]
 
 
 def barrier() -> None:

@@ -38,8 +38,21 @@ def _failing() -> str:
     return "no error"
 
 
+def _map_fails_on_last_rank() -> str:
+    def local():
+        if RANK == WORLD - 1:
+            raise PlanValidationError(f"rank {RANK} has no plan")
+        return RANK
+
+    try:
+        DistWrapper(use_dist=True).reduce_scatter("probe", local, lambda values: values)
+    except PlanValidationError as exc:
+        return str(exc)
+    return "no error"
+
+
 def _squares() -> int:
     return DistWrapper(use_dist=True).reduce_scatter("probe", lambda: RANK, lambda values: [v * v for v in values])
 
 
-run_scenarios({"lengths": _lengths, "all_values": _all_values, "failing": _failing, "squares": _squares})
+run_scenarios({"lengths": _lengths, "all_values": _all_values, "failing": _failing, "map_fails": _map_fails_on_last_rank, "squares": _squares})

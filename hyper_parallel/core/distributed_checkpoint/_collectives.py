@@ -226,23 +226,36 @@ class DistWrapper:
         """
         if not self.use_dist:
             return reduce_fn([map_fn()])[0]
-        values = self.all_gather(step, map_fn)
+        # Values go to the coordinator only (tensor gather) and each rank gets back only its own part
+        # (tensor scatter): a rank other than the coordinator receives bytes independent of the world size.
+        try:
+            mine = _Outcome(value=map_fn())
+        except BaseException as exc:  # pylint: disable=broad-except
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            mine = _Outcome(failure=_failure(self.rank, exc))
+        sent = pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL)
+        received = _within(lambda: platform.gather_bytes(sent, dst=self.coordinator_rank),
+                           step=step, rank=self.rank, timeout=self.timeout)
         blobs = None
         if self.is_coordinator:
+            outcomes = [pickle.loads(blob) for blob in received]
+            failures = [o.failure for o in outcomes if o.failure is not None]
             try:
-                blobs = [pickle.dumps(_Outcome(value=part), protocol=pickle.HIGHEST_PROTOCOL)
-                         for part in reduce_fn(values)]
+                if failures:
+                    raise_failures(step, failures)
+                blobs = [pickle.dumps((part, []), protocol=pickle.HIGHEST_PROTOCOL)
+                         for part in reduce_fn([o.value for o in outcomes])]
             except BaseException as exc:  # pylint: disable=broad-except
                 if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                     raise
-                blobs = [pickle.dumps(_Outcome(failure=_failure(self.rank, exc)))] * self.world_size
-        # Each rank receives only its own part (a tensor scatter), not every rank's.
+                failures = failures or [_failure(self.rank, exc)]
+                blobs = [pickle.dumps((None, failures), protocol=pickle.HIGHEST_PROTOCOL)] * self.world_size
         blob = _within(lambda: platform.scatter_bytes(blobs, src=self.coordinator_rank),
                        step=step, rank=self.rank, timeout=self.timeout)
-        outcome: _Outcome = pickle.loads(blob)
-        if outcome.failure is not None:
-            raise_failures(step, [outcome.failure])
-        return outcome.value
+        value, failures = pickle.loads(blob)
+        raise_failures(step, failures)
+        return value
 
     def barrier(self, step: str) -> None:
         """Wait for every rank (an error-free gather). All ranks call it."""
