@@ -106,10 +106,17 @@ def header_spans(
     return spans
 
 
+def _same_entry(found: HeaderSpan, expected: HeaderSpan) -> bool:
+    """Equal, allowing the ``#`` suffixes the writer appends to keep names unique in a file (section 4)."""
+    suffix = found.name[len(expected.name):]
+    return (found.name.startswith(expected.name) and set(suffix) <= {"#"}
+            and (found.length, found.dtype, found.shape) == (expected.length, expected.dtype, expected.shape))
+
+
 def span_problem(spans: dict[int, HeaderSpan], offset: int, expected: HeaderSpan) -> str | None:
     """What differs between the metadata's item at ``offset`` and the file's header, or ``None``. Pure."""
     found = spans.get(offset)
-    if found == expected:
+    if found is not None and _same_entry(found, expected):
         return None
     there = f"an entry {found.describe()}" if found is not None else "no entry starting"
     return f"the metadata says {expected.describe()} at byte {offset}, the file's safetensors header has {there} there"
