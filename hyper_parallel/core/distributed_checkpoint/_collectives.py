@@ -87,6 +87,16 @@ def _failure(rank: int, exc: BaseException) -> RankFailure:
 _COMBINED: dict[str, type] = {}
 
 
+def _run_outcome(fn: Callable[[], Any], rank: int) -> "_Outcome":
+    """Run this rank's part of a step: its value, or its failure (interrupts and exits propagate)."""
+    try:
+        return _Outcome(value=fn())
+    except BaseException as exc:  # pylint: disable=broad-except
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        return _Outcome(failure=_failure(rank, exc))
+
+
 def _error_class(error_types: set[str]) -> type[CollectiveStepError]:
     """The raised class: also the failing ranks' own error class when they agree."""
     if len(error_types) != 1:
@@ -195,12 +205,7 @@ class DistWrapper:
         self.timeout = collective_timeout() if timeout is None else (timeout if timeout > 0 else None)
 
     def _gather_outcomes(self, step: str, fn: Callable[[], T]) -> list[Any]:
-        try:
-            outcome = _Outcome(value=fn())
-        except BaseException as exc:  # pylint: disable=broad-except
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            outcome = _Outcome(failure=_failure(self.rank, exc))
+        outcome = _run_outcome(fn, self.rank)
         gathered: list[_Outcome] = _gather_within(outcome, step=step, rank=self.rank, timeout=self.timeout)
         raise_failures(step, [o.failure for o in gathered if o.failure is not None])
         return [o.value for o in gathered]
@@ -228,12 +233,7 @@ class DistWrapper:
             return reduce_fn([map_fn()])[0]
         # Values go to the coordinator only (tensor gather) and each rank gets back only its own part
         # (tensor scatter): a rank other than the coordinator receives bytes independent of the world size.
-        try:
-            mine = _Outcome(value=map_fn())
-        except BaseException as exc:  # pylint: disable=broad-except
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            mine = _Outcome(failure=_failure(self.rank, exc))
+        mine = _run_outcome(map_fn, self.rank)
         sent = pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL)
         received = _within(lambda: platform.gather_bytes(sent, dst=self.coordinator_rank),
                            step=step, rank=self.rank, timeout=self.timeout)
