@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from hyper_parallel import platform
 from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncRequest
-from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
+from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper, collective_timeout
 from hyper_parallel.core.distributed_checkpoint._fork_writer import fork_write
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import (
     LayoutArgument,
@@ -43,6 +43,11 @@ from hyper_parallel.core.distributed_checkpoint._plan_cache import (
     PlanMessage,
     check_cached_replicas,
     plan_cache_for,
+)
+from hyper_parallel.core.distributed_checkpoint._rank_records import (
+    RankRecord,
+    encode_rank_record,
+    wait_for_rank_records,
 )
 from hyper_parallel.core.distributed_checkpoint._staging import StagedSavePlanner, StagingPool, staged_views
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, PlanValidationError
@@ -378,6 +383,9 @@ def plan_async_save(
 
         return AsyncRequest(async_fn=write_and_commit, finalize_fns=(_committed,))
 
+    if session.writer.supports_rank_records():
+        return _background_commit_request(session, background[0])
+
     def commit(results: list[WriteResult], error: BaseException | None) -> Metadata:
         def local_results() -> list[WriteResult]:
             if error is not None:
@@ -387,6 +395,56 @@ def plan_async_save(
         return commit_save(session, local_results, step="async write and commit", background_cleanup=True)
 
     return AsyncRequest(async_fn=background[0], finalize_fns=(commit,))
+
+
+def _background_commit_request(session: SaveSession, write: Callable[[], list[WriteResult]]) -> AsyncRequest:
+    """A multi-rank async save that commits in the background, through per-rank records (see ``_rank_records``).
+
+    Every rank's background thread writes its data, then its durable results
+    record (or a failure record); the coordinator's thread waits for all
+    records, commits with :meth:`StorageWriter.finish` and removes them. No
+    collective runs off the caller's thread. ``result()`` then runs one
+    collective step that only confirms: every rank learns the commit's outcome
+    (a failure on any rank raises on all) and gets the committed metadata.
+    """
+    writer, dist, plan = session.writer, session.dist, session.plan
+    save_id = getattr(plan.storage_data, "save_id", "")  # the coordinator's, on every rank (its final plans)
+    timeout = collective_timeout()
+
+    def write_record_and_commit() -> Metadata | None:
+        try:
+            results = write()
+        except BaseException as exc:
+            try:
+                writer.write_rank_record(dist.rank, encode_rank_record(RankRecord(
+                    save_id, dist.rank, None, f"{type(exc).__name__}: {exc}")), plan=plan)
+            finally:
+                if not dist.is_coordinator:
+                    writer.abort()
+            raise
+        writer.write_rank_record(dist.rank, encode_rank_record(RankRecord(save_id, dist.rank, tuple(results))),
+                                 plan=plan)
+        if not dist.is_coordinator:
+            return None
+        try:
+            all_results = wait_for_rank_records(writer, save_id=save_id, world_size=dist.world_size,
+                                                timeout=timeout)
+            return writer.finish(session.metadata, all_results)
+        except BaseException:
+            writer.abort()
+            raise
+        finally:
+            writer.remove_rank_records(dist.world_size)
+
+    def confirm(committed: Metadata | None, error: BaseException | None) -> Metadata:
+        def outcome() -> Metadata | None:
+            if error is not None:
+                raise error
+            return committed
+
+        return dist.reduce_scatter("async write and commit", outcome, lambda values: [values[0]] * len(values))
+
+    return AsyncRequest(async_fn=write_record_and_commit, finalize_fns=(confirm,))
 
 
 def _committed(metadata: Metadata, error: BaseException | None) -> Metadata:

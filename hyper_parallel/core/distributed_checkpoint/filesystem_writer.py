@@ -42,6 +42,7 @@ from hyper_parallel.core.distributed_checkpoint._commit_cleanup import (
 from hyper_parallel.core.distributed_checkpoint._file_ops import OS_FILE_OPS, FileOps, make_directories
 from hyper_parallel.core.distributed_checkpoint._options import check_option
 from hyper_parallel.core.distributed_checkpoint._format.checksum import DEFAULT_BLOCK_BYTES, chunk_checksum
+from hyper_parallel.core.distributed_checkpoint._safe_files import read_regular
 from hyper_parallel.core.distributed_checkpoint._save_lease import DEFAULT_LEASE_TIMEOUT, LeaseHolder, SaveLease
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
@@ -64,6 +65,7 @@ from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, Sto
 
 __all__ = [
     "AUTO_THREAD_BYTES",
+    "MAX_RECORD_BYTES",
     "DATA_ALIGNMENT",
     "METADATA_FILE",
     "DATA_FILE_PATTERN",
@@ -73,6 +75,9 @@ __all__ = [
     "write_atomically",
     "fsync_directory",
 ]
+
+#: Largest results record of one rank that is read (one entry per item it wrote).
+MAX_RECORD_BYTES = 1 << 30
 
 #: Name of the committed metadata of a collective save.
 METADATA_FILE = "metadata.json"
@@ -624,6 +629,44 @@ class FileSystemWriter(StorageWriter):
             except OSError:
                 pass
             self._created_directory = False
+
+    def supports_rank_records(self) -> bool:
+        """Records are hidden files ``.<save id>.rank<r>.results`` in the directory. Any rank."""
+        return True
+
+    def _record_path(self, rank: int, save_id: str | None = None) -> Path:
+        return self.path / f".{save_id or self.save_id}.rank{rank:05d}.results"
+
+    def write_rank_record(self, rank: int, data: bytes, *, plan: SavePlan) -> None:
+        """Write ``rank``'s record atomically and durably, named by the plan's save id. The rank itself.
+
+        Raises:
+            CheckpointIOError: it cannot be written.
+        """
+        save_id = plan.storage_data.save_id if isinstance(plan.storage_data, FileSystemPlanData) else self.save_id
+        try:
+            write_atomically(self._record_path(rank, save_id), data, sync=self.sync_files, tag=save_id,
+                             ops=self.file_ops)
+        except OSError as exc:
+            raise CheckpointIOError(f"writing the results record of rank {rank} in {self.path} failed: {exc}") from exc
+
+    def read_rank_record(self, rank: int) -> bytes | None:
+        """``rank``'s record, or ``None`` while absent (a regular file of bounded size). Coordinator.
+
+        Raises:
+            UnsafeCheckpointError: the name holds something else than a regular file, or too much.
+            CheckpointIOError: it cannot be read.
+        """
+        try:
+            return read_regular(self._record_path(rank), limit=MAX_RECORD_BYTES)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise CheckpointIOError(f"reading the results record of rank {rank} in {self.path} failed: {exc}") from exc
+
+    def remove_rank_records(self, world_size: int) -> None:
+        """Delete the records of this save (regular files only; logs the rest). Coordinator."""
+        remove_files([self._record_path(rank) for rank in range(world_size)], unlink=self.file_ops.unlink)
 
     def wait_cleanup(self) -> None:
         """Wait until the files of older saves are deleted. Coordinator."""

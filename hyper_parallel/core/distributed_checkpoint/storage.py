@@ -149,6 +149,36 @@ class StorageWriter(abc.ABC):
         when any step failed; it must not raise. The default does nothing.
         """
 
+    def supports_rank_records(self) -> bool:
+        """Whether the rank-record methods below work (then a multi-rank ``async_save`` commits in the background).
+
+        A backend without them still works: its multi-rank async saves commit
+        in ``result()`` through a collective step. Any rank.
+        """
+        return False
+
+    def write_rank_record(self, rank: int, data: bytes, *, plan: SavePlan) -> None:
+        """Store ``data`` durably as ``rank``'s results record of the save ``plan`` belongs to.
+
+        Called by rank ``rank`` itself, on its background thread; ``plan`` is
+        its final plan (its storage data names the save, as for ``write_data``).
+
+        Raises:
+            NotImplementedError: the backend keeps no records (see :meth:`supports_rank_records`).
+        """
+        raise NotImplementedError(f"{type(self).__name__} keeps no rank records")
+
+    def read_rank_record(self, rank: int) -> bytes | None:
+        """``rank``'s results record of the coordinator's current save, or ``None`` while it is not stored. Coordinator.
+
+        Raises:
+            NotImplementedError: the backend keeps no records.
+        """
+        raise NotImplementedError(f"{type(self).__name__} keeps no rank records")
+
+    def remove_rank_records(self, world_size: int) -> None:  # noqa: B027 - nothing stored by default
+        """Delete every rank's record of the current save; never raises. Coordinator, after commit or failure."""
+
     @classmethod
     @abc.abstractmethod
     def validate_checkpoint_id(cls, checkpoint_id: CheckpointId) -> bool:

@@ -36,6 +36,8 @@ __all__ = [
     "MAX_TENSOR_BYTES",
     "metadata_to_json",
     "metadata_from_json",
+    "storage_entry_to_json",
+    "storage_entry_from_json",
     "check_relative_path",
     "check_consistency",
     "save_id_from_head",
@@ -66,27 +68,7 @@ def metadata_to_json(metadata: Metadata) -> bytes:
                 "global_shape": list(item.global_shape),
                 "shard_offsets": [list(o) for o in item.shard_offsets],
             }
-    storage = []
-    for index, info in (metadata.storage_data or {}).items():
-        entry: dict[str, Any] = {
-            "fqn": index.fqn,
-            "offset": list(index.offset),
-            "file": info.relative_path,
-            "byte_offset": info.offset,
-            "length": info.length,
-        }
-        if info.checksum is not None:
-            entry["checksum"] = {
-                "algorithm": info.checksum.algorithm,
-                "block_bytes": info.checksum.block_bytes,
-                "digests": list(info.checksum.digests),
-            }
-            if info.checksum.block_shape:
-                entry["checksum"]["block_shape"] = list(info.checksum.block_shape)
-        if info.compression is not None:
-            entry["compression"] = info.compression
-            entry["raw_length"] = info.raw_length
-        storage.append(entry)
+    storage = [storage_entry_to_json(index, info) for index, info in (metadata.storage_data or {}).items()]
     meta = metadata.storage_meta
     document = {
         "format": FORMAT_NAME,
@@ -100,6 +82,38 @@ def metadata_to_json(metadata: Metadata) -> bytes:
         "planner_data": metadata.planner_data,
     }
     return json.dumps(document, separators=(",", ":")).encode("utf-8")
+
+
+def storage_entry_to_json(index: MetadataIndex, info: StorageInfo) -> dict[str, Any]:
+    """One ``storage_data`` entry as the JSON object of docs/format.md."""
+    entry: dict[str, Any] = {
+        "fqn": index.fqn,
+        "offset": list(index.offset),
+        "file": info.relative_path,
+        "byte_offset": info.offset,
+        "length": info.length,
+    }
+    if info.checksum is not None:
+        entry["checksum"] = {
+            "algorithm": info.checksum.algorithm,
+            "block_bytes": info.checksum.block_bytes,
+            "digests": list(info.checksum.digests),
+        }
+        if info.checksum.block_shape:
+            entry["checksum"]["block_shape"] = list(info.checksum.block_shape)
+    if info.compression is not None:
+        entry["compression"] = info.compression
+        entry["raw_length"] = info.raw_length
+    return entry
+
+
+def storage_entry_from_json(raw: Any, *, position: int, source: str) -> tuple[MetadataIndex, StorageInfo]:
+    """Decode and check one ``storage_data`` entry (as :func:`metadata_from_json` does each).
+
+    Raises:
+        CorruptCheckpointError / UnsafeCheckpointError: as :func:`metadata_from_json`.
+    """
+    return _storage_entry(raw, position, source, {})
 
 
 def check_relative_path(path: Any, where: str) -> str:

@@ -1,0 +1,111 @@
+"""msrun worker for ``tests/test_background_commit.py``: a multi-rank async save commits in the background.
+
+Scenarios, in order, on every rank (row-sharded DTensor + replicated tensor):
+``commit_without_result`` waits until its request is ``done()`` and looks,
+before any ``result()``, for the committed metadata and for leftover results
+records; ``failure_reaches_all`` makes rank 1's write fail and reports what
+``result()`` raised on each rank. Then (after the report) a last save waits
+for ``done()`` and every rank SIGKILLs itself without calling ``result()``:
+the pytest side loads that checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from worker_lib import init_worker, run_scenarios, scenario_tmp_dir
+
+__all__ = ["main", "full_value"]
+
+LAYOUT_ARGS = ((2,), (0, -1))
+
+
+def full_value(seed: int) -> np.ndarray:
+    """The global tensor a scenario saves."""
+    return np.arange(64 * 6, dtype=np.float32).reshape(64, 6) + seed
+
+
+def _wait_done(request: Any, timeout: float = 120.0) -> float:
+    start = time.monotonic()
+    while not request.done():
+        if time.monotonic() - start > timeout:
+            raise AssertionError("async save not done in time")
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+def main() -> None:
+    """Run the scenarios on this rank."""
+    rank, world = init_worker()
+    import mindspore  # pylint: disable=import-outside-toplevel
+
+    import hyper_parallel  # pylint: disable=import-outside-toplevel
+    import hyper_parallel.core.distributed_checkpoint as dcp  # pylint: disable=import-outside-toplevel
+
+    layout = hyper_parallel.Layout(*LAYOUT_ARGS)
+    shared = scenario_tmp_dir("bgcommit")
+
+    def state(seed: int) -> dict[str, Any]:
+        return {"w": hyper_parallel.DTensor.from_global(mindspore.Tensor(full_value(seed)), layout, rank=rank),
+                "bias": mindspore.Tensor(np.full(5, seed, np.float32)), "step": seed}
+
+    class FailingWriter(dcp.FileSystemWriter):
+        """Fails writing on rank 1 only."""
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            if rank == 1:
+                raise OSError("disk full (injected on rank 1)")
+            return super().write_data(plan, planner)
+
+    def commit_without_result() -> dict[str, Any]:
+        path = shared / "c1"
+        request = dcp.async_save(state(1), checkpoint_id=path)
+        _wait_done(request)
+        committed = rank != 0 or (path / "metadata.json").exists()  # rank 0's done(): its thread committed
+        metadata = request.result()  # the coordinator's outcome reached every rank: its records are gone
+        records = sorted(p.name for p in path.glob(".*.results"))
+        target = {"w": hyper_parallel.DTensor.from_global(mindspore.Tensor(np.zeros((64, 6), np.float32)), layout,
+                                                          rank=rank),
+                  "bias": mindspore.Tensor(np.zeros(5, np.float32)), "step": 0}
+        dcp.load(target, checkpoint_id=path)
+        expected = full_value(1)[rank * 32:(rank + 1) * 32]
+        return {"committed_before_result": committed, "records": records,
+                "result_is_metadata": metadata.storage_meta.world_size == world,
+                "values_ok": bool(np.array_equal(target["w"].to_local().asnumpy(), expected))
+                and bool((target["bias"].asnumpy() == 1).all()) and target["step"] == 1}
+
+    def failure_reaches_all() -> dict[str, Any]:
+        path = shared / "c2"
+        request = dcp.async_save(state(2), storage_writer=FailingWriter(path))
+        _wait_done(request)
+        try:
+            request.result()
+            raised = ""
+        except dcp.CheckpointError as exc:
+            raised = f"{type(exc).__name__}: {exc}"
+        return {"raised": raised, "committed": (path / "metadata.json").exists(),
+                "left": sorted(p.name for p in path.iterdir()) if path.exists() else []}
+
+    run_scenarios({"commit_without_result": commit_without_result, "failure_reaches_all": failure_reaches_all})
+    # Last: the step must survive a job killed after the save, with no result() on any rank.
+    path = shared / "c3"
+    request = dcp.async_save(state(3), checkpoint_id=path)
+    waited = _wait_done(request)
+    (shared / f"rank{rank}.done").write_text(f"{waited:.3f}")
+    if rank != 0:  # msrun kills every worker once one dies: let rank 0's done() (its commit) come first
+        deadline = time.monotonic() + 120
+        while not (shared / "rank0.done").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    main()
