@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import pickle
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ import pytest
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.core.distributed_checkpoint._rank_records import (
     RankRecord,
+    collect_rank_records,
     decode_rank_record,
     encode_rank_record,
     wait_for_rank_records,
@@ -51,6 +53,27 @@ def test_two_ranks_commit_in_the_background(tmp_path: Path) -> None:
         assert "disk full (injected on rank 1)" in second["value"]["raised"], (rank, second["value"])
         assert not second["value"]["committed"]
         assert not [n for n in second["value"]["left"] if n.endswith((".results", ".safetensors", ".lease"))]
+    for rank, outcome in enumerate(results):
+        waited = outcome["result_does_not_wait_for_commit"]
+        assert waited["ok"], waited["traceback"]
+        value = waited["value"]
+        assert not value["committed_at_return"], f"rank {rank}: result() waited for the held-back commit"
+        assert value["world"] == 2 and value["same_as_committed"] and value["values_ok"], value
+        assert value["records"] == [], value
+        if rank == 0:
+            assert value["saw_flag"] == [True], "the commit ran before rank 1's result() returned"
+        failed = outcome["commit_failure_reaches_all_at_next_step"]
+        assert failed["ok"], failed["traceback"]
+        value = failed["value"]
+        assert value["raised"]["failed_ranks"] == [0], value
+        assert "I/O error during commit (injected)" in value["raised"]["message"], value
+        assert value["old_ok"] and value["left"] == [], value
+        managed = outcome["manager_reports_lost_lease"]
+        assert managed["ok"], managed["traceback"]
+        value = managed["value"]
+        assert value["raised"]["type"] == "CollectiveConcurrentSaveError", value
+        assert value["raised"]["failed_ranks"] == [0] and "lease" in value["raised"]["message"], value
+        assert value["steps"] == [1], value
     shared = tmp_path / "shared" / "bgcommit"
     assert (shared / "rank0.done").exists() and (shared / "rank1.done").exists()
     # The job exited without result(): the step is committed and loads bit-exact.
@@ -90,10 +113,14 @@ def test_waiting_names_missing_and_failed_ranks(tmp_path: Path) -> None:
     with pytest.raises(dcp.CollectiveTimeoutError, match=r"rank\(s\) \[1, 2\]"):
         wait_for_rank_records(writer, save_id=writer.save_id, world_size=3, timeout=3, clock=lambda: next(ticks))
     writer.write_rank_record(1, encode_rank_record(RankRecord(writer.save_id, 1, None, "OSError: disk full")), plan=plan)
-    with pytest.raises(dcp.CheckpointError, match="rank 1 failed.*disk full"):
+    cancel = threading.Event()
+    cancel.set()  # cancelled: one more look, then what was found (rank 2's record is another save's)
+    found = collect_rank_records(writer, save_id=writer.save_id, ranks=range(3), timeout=None, cancel=cancel)
+    assert sorted(found) == [0, 1] and found[1].error == "OSError: disk full"
+    writer.write_rank_record(2, encode_rank_record(RankRecord(writer.save_id, 2, (_result("b", 4112),))), plan=plan)
+    with pytest.raises(dcp.CheckpointError, match=r"rank\(s\) \[1\] failed.*rank 1: OSError: disk full"):
         wait_for_rank_records(writer, save_id=writer.save_id, world_size=3, timeout=None)
     writer.write_rank_record(1, encode_rank_record(RankRecord(writer.save_id, 1, ())), plan=plan)
-    writer.write_rank_record(2, encode_rank_record(RankRecord(writer.save_id, 2, (_result("b", 4112),))), plan=plan)
     found = wait_for_rank_records(writer, save_id=writer.save_id, world_size=3, timeout=None)
     assert [len(r) for r in found] == [1, 0, 1] and found[2][0].index.fqn == "b"
     writer.remove_rank_records(3)

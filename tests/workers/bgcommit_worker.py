@@ -90,10 +90,96 @@ def main() -> None:
             raised = ""
         except dcp.CheckpointError as exc:
             raised = f"{type(exc).__name__}: {exc}"
+        hyper_parallel.platform.barrier()  # the coordinator's abort is over on every rank
         return {"raised": raised, "committed": (path / "metadata.json").exists(),
                 "left": sorted(p.name for p in path.iterdir()) if path.exists() else []}
 
-    run_scenarios({"commit_without_result": commit_without_result, "failure_reaches_all": failure_reaches_all})
+    class SlowCommitWriter(dcp.FileSystemWriter):
+        """The coordinator's commit waits (at most 30 s) until rank 1 says its result() returned."""
+
+        flag = shared / "rank1.result_returned"
+        saw_flag: list[bool] = []
+
+        def finish(self, metadata: Any, results: Any, *, background_cleanup: bool = False) -> Any:
+            deadline = time.monotonic() + 30
+            while not self.flag.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.saw_flag.append(self.flag.exists())
+            return super().finish(metadata, results, background_cleanup=background_cleanup)
+
+    class FailingCommitWriter(dcp.FileSystemWriter):
+        """The coordinator's background commit fails."""
+
+        def finish(self, metadata: Any, results: Any, *, background_cleanup: bool = False) -> Any:
+            raise OSError(5, "I/O error during commit (injected)")
+
+    class LeaseThiefWriter(dcp.FileSystemWriter):
+        """The save lease disappears before the background commit (another process judged it stale)."""
+
+        def finish(self, metadata: Any, results: Any, *, background_cleanup: bool = False) -> Any:
+            (self.path / ".metadata.json.lease").unlink()
+            return super().finish(metadata, results, background_cleanup=background_cleanup)
+
+    def zeros() -> dict[str, Any]:
+        return {"w": hyper_parallel.DTensor.from_global(mindspore.Tensor(np.zeros((64, 6), np.float32)), layout,
+                                                        rank=rank),
+                "bias": mindspore.Tensor(np.zeros(5, np.float32)), "step": -1}
+
+    def loaded_ok(target: dict[str, Any], seed: int) -> bool:
+        expected = full_value(seed)[rank * 32:(rank + 1) * 32]
+        return (bool(np.array_equal(target["w"].to_local().asnumpy(), expected))
+                and bool((target["bias"].asnumpy() == seed).all()) and target["step"] == seed)
+
+    def result_does_not_wait_for_commit() -> dict[str, Any]:
+        path = shared / "c4"
+        request = dcp.async_save(state(4), storage_writer=SlowCommitWriter(path))
+        start = time.monotonic()
+        metadata = request.result()  # no rank waits for the commit, held back until rank 1 got here
+        blocked = time.monotonic() - start
+        committed_at_return = (path / "metadata.json").exists()
+        if rank == 1:
+            SlowCommitWriter.flag.write_text("1")
+        target = zeros()
+        dcp.load(target, checkpoint_id=path)  # the next collective step: waits for the commit's outcome
+        return {"blocked": blocked, "committed_at_return": committed_at_return, "saw_flag": SlowCommitWriter.saw_flag,
+                "world": metadata.storage_meta.world_size,
+                "same_as_committed": metadata == dcp.read_metadata(path),
+                "values_ok": loaded_ok(target, 4), "records": sorted(p.name for p in path.glob(".*.results"))}
+
+    def commit_failure_reaches_all_at_next_step() -> dict[str, Any]:
+        path = shared / "c5"
+        dcp.save(state(5), checkpoint_id=path)  # an earlier complete checkpoint
+        request = dcp.async_save(state(6), storage_writer=FailingCommitWriter(path))
+        request.result()  # the writes all succeeded: the commit's outcome comes with the next step
+        try:
+            dcp.load(zeros(), checkpoint_id=path)
+            raised: dict[str, Any] = {}
+        except dcp.CheckpointError as exc:
+            raised = {"type": type(exc).__name__, "message": str(exc),
+                      "failed_ranks": list(getattr(exc, "failed_ranks", ()))}
+        target = zeros()
+        dcp.load(target, checkpoint_id=path)  # settled: the earlier checkpoint loads whole
+        hyper_parallel.platform.barrier()
+        return {"raised": raised, "old_ok": loaded_ok(target, 5),
+                "left": sorted(p.name for p in path.iterdir() if p.name.endswith((".results", ".lease")))}
+
+    def manager_reports_lost_lease() -> dict[str, Any]:
+        root = shared / "managed"
+        manager = dcp.CheckpointManager(root, async_save=True)
+        manager.save(1, state(1))
+        manager.save(2, state(2), storage_writer=LeaseThiefWriter(manager.directory(2)))  # waits for step 1 first
+        try:
+            manager.wait()
+            raised: dict[str, Any] = {}
+        except dcp.ConcurrentSaveError as exc:
+            raised = {"type": type(exc).__name__, "failed_ranks": list(getattr(exc, "failed_ranks", ())),
+                      "message": str(exc)}
+        return {"raised": raised, "steps": manager.all_steps()}
+
+    run_scenarios({"commit_without_result": commit_without_result, "failure_reaches_all": failure_reaches_all,
+                   "result_does_not_wait_for_commit": result_does_not_wait_for_commit,
+                   "commit_failure_reaches_all_at_next_step": commit_failure_reaches_all_at_next_step,
+                   "manager_reports_lost_lease": manager_reports_lost_lease})
     # Last: the step must survive a job killed after the save, with no result() on any rank.
     path = shared / "c3"
     request = dcp.async_save(state(3), checkpoint_id=path)

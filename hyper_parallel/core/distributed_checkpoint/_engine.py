@@ -31,7 +31,11 @@ from typing import Any, Callable
 
 from hyper_parallel import platform
 from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncRequest
-from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper, collective_timeout
+from hyper_parallel.core.distributed_checkpoint._background_commit import (
+    background_commit_request,
+    settle_background_commits,
+)
+from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._fork_writer import fork_write
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import (
     LayoutArgument,
@@ -43,11 +47,6 @@ from hyper_parallel.core.distributed_checkpoint._plan_cache import (
     PlanMessage,
     check_cached_replicas,
     plan_cache_for,
-)
-from hyper_parallel.core.distributed_checkpoint._rank_records import (
-    RankRecord,
-    encode_rank_record,
-    wait_for_rank_records,
 )
 from hyper_parallel.core.distributed_checkpoint._staging import StagedSavePlanner, StagingPool, staged_views
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, PlanValidationError
@@ -214,8 +213,14 @@ def _uninitialised_communication(world_size: int) -> str | None:
 def plan_save(
     state_dict: dict[str, Any], *, writer: StorageWriter, planner: SavePlanner, options: SaveOptions
 ) -> SaveSession:
-    """Plan a save: local plans, the coordinator's merge, final plans. All ranks call it."""
+    """Plan a save: local plans, the coordinator's merge, final plans. All ranks call it.
+
+    First shares the outcome of an earlier async save's background commit
+    (:func:`settle_background_commits`), so a failed one raises on every rank.
+    """
     dist = DistWrapper(use_dist=not options.no_dist and options.use_collectives)
+    if dist.use_dist:
+        settle_background_commits()
     alone = _rank_alone(options.no_dist, options.use_collectives)
     local_plans: list[SavePlan] = []
     merged: list[Metadata] = []
@@ -347,13 +352,15 @@ def plan_async_save(
     """Plan and stage a save; return the request that writes and then commits it. All ranks.
 
     The request's background function writes this rank's data (from staged
-    copies, or in a forked process whose memory is the snapshot). With
-    several ranks its finalize function is :func:`commit_save`, a collective
-    step run on the caller's thread (``result()`` or the next async save):
-    the background thread never runs a collective, which could interleave
-    with the training job's own. A save without collectives (one process,
-    or ``use_collectives=False``) commits in the background right after
-    writing.
+    copies, or in a forked process whose memory is the snapshot). A save
+    without collectives (one process, or ``use_collectives=False``) commits
+    in the background right after writing. With several ranks and a writer
+    that keeps rank records, the coordinator's background thread commits
+    from every rank's results record (:mod:`._background_commit`). With a
+    writer without them, the finalize function is :func:`commit_save`, a
+    collective step run on the caller's thread (``result()`` or the next
+    async save). The background thread never runs a collective, which could
+    interleave with the training job's own.
     """
     session = plan_save(state_dict, writer=writer, planner=planner, options=options)
     background: list[Callable[[], list[WriteResult]]] = []
@@ -384,7 +391,8 @@ def plan_async_save(
         return AsyncRequest(async_fn=write_and_commit, finalize_fns=(_committed,))
 
     if session.writer.supports_rank_records():
-        return _background_commit_request(session, background[0])
+        return background_commit_request(dist=session.dist, writer=session.writer, plan=session.plan,
+                                         metadata=session.metadata, write=background[0])
 
     def commit(results: list[WriteResult], error: BaseException | None) -> Metadata:
         def local_results() -> list[WriteResult]:
@@ -397,56 +405,6 @@ def plan_async_save(
     return AsyncRequest(async_fn=background[0], finalize_fns=(commit,))
 
 
-def _background_commit_request(session: SaveSession, write: Callable[[], list[WriteResult]]) -> AsyncRequest:
-    """A multi-rank async save that commits in the background, through per-rank records (see ``_rank_records``).
-
-    Every rank's background thread writes its data, then its durable results
-    record (or a failure record); the coordinator's thread waits for all
-    records, commits with :meth:`StorageWriter.finish` and removes them. No
-    collective runs off the caller's thread. ``result()`` then runs one
-    collective step that only confirms: every rank learns the commit's outcome
-    (a failure on any rank raises on all) and gets the committed metadata.
-    """
-    writer, dist, plan = session.writer, session.dist, session.plan
-    save_id = getattr(plan.storage_data, "save_id", "")  # the coordinator's, on every rank (its final plans)
-    timeout = collective_timeout()
-
-    def write_record_and_commit() -> Metadata | None:
-        try:
-            results = write()
-        except BaseException as exc:
-            try:
-                writer.write_rank_record(dist.rank, encode_rank_record(RankRecord(
-                    save_id, dist.rank, None, f"{type(exc).__name__}: {exc}")), plan=plan)
-            finally:
-                if not dist.is_coordinator:
-                    writer.abort()
-            raise
-        writer.write_rank_record(dist.rank, encode_rank_record(RankRecord(save_id, dist.rank, tuple(results))),
-                                 plan=plan)
-        if not dist.is_coordinator:
-            return None
-        try:
-            all_results = wait_for_rank_records(writer, save_id=save_id, world_size=dist.world_size,
-                                                timeout=timeout)
-            return writer.finish(session.metadata, all_results)
-        except BaseException:
-            writer.abort()
-            raise
-        finally:
-            writer.remove_rank_records(dist.world_size)
-
-    def confirm(committed: Metadata | None, error: BaseException | None) -> Metadata:
-        def outcome() -> Metadata | None:
-            if error is not None:
-                raise error
-            return committed
-
-        return dist.reduce_scatter("async write and commit", outcome, lambda values: [values[0]] * len(values))
-
-    return AsyncRequest(async_fn=write_record_and_commit, finalize_fns=(confirm,))
-
-
 def _committed(metadata: Metadata, error: BaseException | None) -> Metadata:
     """Finalize of an async save committed in the background: hand over its metadata or its error."""
     if error is not None:
@@ -455,8 +413,14 @@ def _committed(metadata: Metadata, error: BaseException | None) -> Metadata:
 
 
 def read_checkpoint_metadata(reader: StorageReader, options: LoadOptions) -> Metadata:
-    """Read the committed metadata on every rank (a step: one rank's failure fails all). All ranks."""
+    """Read the committed metadata on every rank (a step: one rank's failure fails all). All ranks.
+
+    First shares the outcome of an earlier async save's background commit
+    (:func:`settle_background_commits`): a step saved just before is committed.
+    """
     dist = DistWrapper(use_dist=not options.no_dist and options.use_collectives)
+    if dist.use_dist:
+        settle_background_commits()
     rank = _rank_alone(options.no_dist, options.use_collectives)
     found: list[Metadata] = []
     dist.all_gather("read metadata", lambda: found.append(reader.read_metadata(rank=rank)))

@@ -196,7 +196,7 @@ class FsspecWriter(FileSystemWriter):
                 this save began (this save's data objects are removed).
             CheckpointIOError: the metadata object could not be written.
         """
-        committed = self._committed_metadata(metadata, results)
+        committed = self.committed_metadata(metadata, results)
         name = self._metadata_name()
         ours = sorted({result.storage_data.relative_path for chunk in results for result in chunk})
         try:

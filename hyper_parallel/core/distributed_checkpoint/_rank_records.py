@@ -18,9 +18,10 @@ dot, and are never part of a committed checkpoint.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import (
     storage_entry_from_json,
@@ -33,7 +34,15 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
 )
 from hyper_parallel.core.distributed_checkpoint.storage import StorageWriter, WriteResult
 
-__all__ = ["RECORD_FORMAT", "RankRecord", "decode_rank_record", "encode_rank_record", "wait_for_rank_records"]
+__all__ = [
+    "RECORD_FORMAT",
+    "RankRecord",
+    "collect_rank_records",
+    "decode_rank_record",
+    "encode_rank_record",
+    "results_of",
+    "wait_for_rank_records",
+]
 
 #: Value of a record's ``"format"`` field.
 RECORD_FORMAT = "hyper_parallel.rank_results"
@@ -96,49 +105,87 @@ def decode_rank_record(data: bytes, *, source: str) -> RankRecord:
     return RankRecord(save_id, rank, tuple(results))
 
 
+def collect_rank_records(
+    writer: StorageWriter,
+    *,
+    save_id: str,
+    ranks: Iterable[int],
+    timeout: float | None,
+    wake: threading.Event | None = None,
+    cancel: threading.Event | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> dict[int, RankRecord]:
+    """Wait until ``ranks`` each stored a record of ``save_id`` (success or failure). Coordinator.
+
+    Args:
+        writer: The coordinator's writer (reads the records).
+        save_id: The save.
+        ranks: The ranks whose records are awaited.
+        timeout: Seconds to wait at most (``None``: forever).
+        wake: Set to look again at once instead of after the current pause.
+        cancel: Once set, return after one more look with what was found.
+        clock: Monotonic clock (tests).
+
+    Returns:
+        The records found, by rank (all of ``ranks`` unless cancelled).
+
+    Raises:
+        CollectiveTimeoutError: records missing after ``timeout`` (names the ranks).
+        CorruptCheckpointError: a record of this save's name is not a record.
+    """
+    missing = sorted(set(ranks))
+    found: dict[int, RankRecord] = {}
+    deadline = None if timeout is None else clock() + timeout
+    pause = _POLL_FIRST
+    while True:
+        stop = cancel is not None and cancel.is_set()
+        for rank in list(missing):
+            data = writer.read_rank_record(rank)
+            if data is None:
+                continue
+            record = decode_rank_record(data, source=f"results record of rank {rank}")
+            if record.save_id == save_id and record.rank == rank:  # else a record of another save
+                found[rank] = record
+                missing.remove(rank)
+        if not missing or stop:
+            return found
+        if deadline is not None and clock() >= deadline:
+            raise CollectiveTimeoutError(
+                f"async save {save_id}: no results record from rank(s) {missing} after {timeout:g} s (a rank died "
+                "or is stuck writing); nothing was committed. HP_CKPT_COLLECTIVE_TIMEOUT sets the wait"
+            )
+        if wake is None:
+            time.sleep(pause)
+        elif wake.wait(pause):
+            wake.clear()
+        pause = min(pause * 2, _POLL_MAX)
+
+
+def results_of(records: dict[int, RankRecord], *, save_id: str, world_size: int) -> list[list[WriteResult]]:
+    """Every rank's write results in rank order, from complete ``records``. Coordinator; pure.
+
+    Raises:
+        CheckpointError: ranks recorded a failure (names each rank and its error).
+    """
+    failed = {rank: r.error for rank, r in sorted(records.items()) if r.results is None}
+    if failed:
+        named = "; ".join(f"rank {rank}: {error}" for rank, error in failed.items())
+        raise CheckpointError(
+            f"rank(s) {sorted(failed)} failed to write their part of the save (save id {save_id}): {named}; "
+            "nothing was committed"
+        )
+    return [list(records[rank].results or ()) for rank in range(world_size)]
+
+
 def wait_for_rank_records(
     writer: StorageWriter, *, save_id: str, world_size: int, timeout: float | None,
     clock: Callable[[], float] = time.monotonic,
 ) -> list[list[WriteResult]]:
     """Wait until every rank's record of ``save_id`` is stored; return the results in rank order. Coordinator.
 
-    Args:
-        writer: The coordinator's writer (reads the records).
-        save_id: The save.
-        world_size: Number of ranks.
-        timeout: Seconds to wait at most (``None``: forever).
-        clock: Monotonic clock (tests).
-
     Raises:
         CheckpointError: a rank recorded a failure (names the rank and its error).
         CollectiveTimeoutError: records missing after ``timeout`` (names the ranks).
     """
-    found: dict[int, tuple[WriteResult, ...]] = {}
-    deadline = None if timeout is None else clock() + timeout
-    pause = _POLL_FIRST
-    while True:
-        for rank in range(world_size):
-            if rank in found:
-                continue
-            data = writer.read_rank_record(rank)
-            if data is None:
-                continue
-            record = decode_rank_record(data, source=f"results record of rank {rank}")
-            if record.save_id != save_id or record.rank != rank:
-                continue  # a record of another save: not this one's
-            if record.results is None:
-                raise CheckpointError(
-                    f"rank {rank} failed to write its part of the save (save id {save_id}): {record.error}; "
-                    "nothing was committed"
-                )
-            found[rank] = record.results
-        if len(found) == world_size:
-            return [list(found[rank]) for rank in range(world_size)]
-        if deadline is not None and clock() >= deadline:
-            missing = sorted(set(range(world_size)) - set(found))
-            raise CollectiveTimeoutError(
-                f"async save {save_id}: no results record from rank(s) {missing} after {timeout:g} s (a rank died "
-                "or is stuck writing); nothing was committed. HP_CKPT_COLLECTIVE_TIMEOUT sets the wait"
-            )
-        time.sleep(pause)
-        pause = min(pause * 2, _POLL_MAX)
+    records = collect_rank_records(writer, save_id=save_id, ranks=range(world_size), timeout=timeout, clock=clock)
+    return results_of(records, save_id=save_id, world_size=world_size)

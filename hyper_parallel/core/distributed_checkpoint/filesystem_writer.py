@@ -541,7 +541,7 @@ class FileSystemWriter(StorageWriter):
                 :meth:`set_up_storage_writer` (names it); nothing of this save is committed.
             CheckpointIOError: the metadata cannot be written.
         """
-        committed = self._committed_metadata(metadata, results)
+        committed = self.committed_metadata(metadata, results)
         name = self._metadata_name()
         replaced = self._check_commit(name)
         if self._lease is not None and replaced:
@@ -577,8 +577,8 @@ class FileSystemWriter(StorageWriter):
         self._cleanup.start()
         return committed
 
-    def _committed_metadata(self, metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
-        """The metadata to commit: every rank's storage entries, this save's id."""
+    def committed_metadata(self, metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
+        """The metadata :meth:`finish` commits: every rank's storage entries, this save's id. Coordinator; pure."""
         storage_data: dict[MetadataIndex, StorageInfo] = {}
         for rank_results in results:
             for result in rank_results:

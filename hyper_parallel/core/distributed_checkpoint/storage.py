@@ -179,6 +179,17 @@ class StorageWriter(abc.ABC):
     def remove_rank_records(self, world_size: int) -> None:  # noqa: B027 - nothing stored by default
         """Delete every rank's record of the current save; never raises. Coordinator, after commit or failure."""
 
+    def committed_metadata(self, metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
+        """The metadata :meth:`finish` commits for ``results``, without storing anything. Coordinator.
+
+        A multi-rank ``async_save`` returns it from ``result()`` while the
+        commit may still run in the background (backends with rank records).
+
+        Raises:
+            NotImplementedError: the backend keeps no rank records.
+        """
+        raise NotImplementedError(f"{type(self).__name__} keeps no rank records")
+
     @classmethod
     @abc.abstractmethod
     def validate_checkpoint_id(cls, checkpoint_id: CheckpointId) -> bool:
