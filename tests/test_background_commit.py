@@ -68,6 +68,12 @@ def test_two_ranks_commit_in_the_background(tmp_path: Path) -> None:
         assert value["raised"]["failed_ranks"] == [0], value
         assert "I/O error during commit (injected)" in value["raised"]["message"], value
         assert value["old_ok"] and value["left"] == [], value
+        coordinator = outcome["coordinator_failure_reaches_all"]
+        assert coordinator["ok"], coordinator["traceback"]
+        value = coordinator["value"]
+        assert value["raised"]["failed_ranks"] == [0], value
+        assert "disk full (injected on rank 0)" in value["raised"]["message"], value
+        assert value["left"] == [] and value["resave_ok"], value
         managed = outcome["manager_reports_lost_lease"]
         assert managed["ok"], managed["traceback"]
         value = managed["value"]

@@ -176,7 +176,31 @@ def main() -> None:
                       "message": str(exc)}
         return {"raised": raised, "steps": manager.all_steps()}
 
+    class CoordinatorFailingWriter(dcp.FileSystemWriter):
+        """Fails writing on rank 0 (the coordinator) only."""
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            if rank == 0:
+                raise OSError("disk full (injected on rank 0)")
+            return super().write_data(plan, planner)
+
+    def coordinator_failure_reaches_all() -> dict[str, Any]:
+        path = shared / "c7"
+        request = dcp.async_save(state(7), storage_writer=CoordinatorFailingWriter(path))
+        try:
+            request.result()
+            raised: dict[str, Any] = {}
+        except dcp.CheckpointError as exc:
+            raised = {"failed_ranks": list(getattr(exc, "failed_ranks", ())), "message": str(exc)}
+        hyper_parallel.platform.barrier()  # the coordinator's abort is over
+        left = sorted(p.name for p in path.iterdir()) if path.exists() else []
+        dcp.save(state(8), checkpoint_id=path)  # the lease was released: a new save takes the directory
+        target = zeros()
+        dcp.load(target, checkpoint_id=path)
+        return {"raised": raised, "left": left, "resave_ok": loaded_ok(target, 8)}
+
     run_scenarios({"commit_without_result": commit_without_result, "failure_reaches_all": failure_reaches_all,
+                   "coordinator_failure_reaches_all": coordinator_failure_reaches_all,
                    "result_does_not_wait_for_commit": result_does_not_wait_for_commit,
                    "commit_failure_reaches_all_at_next_step": commit_failure_reaches_all_at_next_step,
                    "manager_reports_lost_lease": manager_reports_lost_lease})

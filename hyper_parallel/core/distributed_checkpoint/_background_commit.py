@@ -67,7 +67,7 @@ class BackgroundCommit:
         write: Callable[[], list[WriteResult]],
     ) -> None:
         self.dist, self.writer, self.plan, self.metadata = dist, writer, plan, metadata
-        self._write = write
+        self._write: Callable[[], list[WriteResult]] | None = write
         self.save_id: str = getattr(plan.storage_data, "save_id", "")
         self.written = threading.Event()  # this rank's data and record are durable, or failed
         self.finished = threading.Event()  # this rank's background work is over (the coordinator's commit too)
@@ -83,18 +83,23 @@ class BackgroundCommit:
         rank = self.dist.rank
         try:
             try:
-                self.results = self._write()
+                write, self._write = self._write, None  # the staged data is released with it
+                assert write is not None, "a background commit runs once"
+                self.results = write()
                 if not self.dist.is_coordinator:
                     record = RankRecord(self.save_id, rank, tuple(self.results))
                     self.writer.write_rank_record(rank, encode_rank_record(record), plan=self.plan)
-            except BaseException as exc:
+            except BaseException as exc:  # pylint: disable=broad-except
                 self.local_error = exc
                 if not self.dist.is_coordinator:
                     self._record_failure(exc)
-                raise
             finally:
                 self.written.set()
-            return self._commit() if self.dist.is_coordinator else None
+            if self.dist.is_coordinator:
+                return self._commit()  # aborts if anything failed, its own writing included
+            if self.local_error is not None:
+                raise self.local_error
+            return None
         finally:
             self.finished.set()
 
@@ -113,13 +118,16 @@ class BackgroundCommit:
         try:
             records = collect_rank_records(writer, save_id=self.save_id, ranks=range(1, world),
                                            timeout=self._timeout, wake=self._wake, cancel=self._cancel)
-            if self.local_error is not None or self._cancel.is_set():
-                return None  # result() raises the write failure on every rank
+            if self.local_error is not None:
+                raise self.local_error  # after every other rank's outcome: their files are complete to delete
+            if self._cancel.is_set():
+                return None  # result() raised another rank's write failure on every rank
             records[0] = RankRecord(self.save_id, 0, tuple(self.results or ()))
             all_results = results_of(records, save_id=self.save_id, world_size=world)
             return writer.finish(self.metadata, all_results)
         except BaseException as exc:
-            self.commit_error = exc
+            if exc is not self.local_error:
+                self.commit_error = exc
             raise
         finally:
             if self.commit_error is not None or self.local_error is not None or self._cancel.is_set():

@@ -3,8 +3,8 @@
 A collective run from a background thread can corrupt the training thread's
 own collectives (measured on MindSpore 2.10 CPU), so the background threads
 of a multi-rank ``async_save`` talk through the storage instead: each rank,
-once its data is durable, stores a small durable record of its write results
-(or of its failure) through :meth:`StorageWriter.write_rank_record`; the
+once its data is durable, stores a small record of its write results
+(or of its failure), whole or not at all, through :meth:`StorageWriter.write_rank_record`; the
 coordinator's background thread waits for every rank's record, commits with
 the same :meth:`StorageWriter.finish` as any save, and removes the records.
 The step is then durable whether or not ``result()`` is ever called.

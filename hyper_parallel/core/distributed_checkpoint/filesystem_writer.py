@@ -638,15 +638,18 @@ class FileSystemWriter(StorageWriter):
         return self.path / f".{save_id or self.save_id}.rank{rank:05d}.results"
 
     def write_rank_record(self, rank: int, data: bytes, *, plan: SavePlan) -> None:
-        """Write ``rank``'s record atomically and durably, named by the plan's save id. The rank itself.
+        """Write ``rank``'s record atomically (temporary file, rename), named by the plan's save id. The rank itself.
+
+        No ``fsync``: the record is written after this rank's data files are
+        durable and is only a message to the coordinator's commit; a record
+        lost in a crash means no commit, and after the commit it is deleted.
 
         Raises:
             CheckpointIOError: it cannot be written.
         """
         save_id = plan.storage_data.save_id if isinstance(plan.storage_data, FileSystemPlanData) else self.save_id
         try:
-            write_atomically(self._record_path(rank, save_id), data, sync=self.sync_files, tag=save_id,
-                             ops=self.file_ops)
+            write_atomically(self._record_path(rank, save_id), data, sync=False, tag=save_id, ops=self.file_ops)
         except OSError as exc:
             raise CheckpointIOError(f"writing the results record of rank {rank} in {self.path} failed: {exc}") from exc
 

@@ -158,10 +158,12 @@ class StorageWriter(abc.ABC):
         return False
 
     def write_rank_record(self, rank: int, data: bytes, *, plan: SavePlan) -> None:
-        """Store ``data`` durably as ``rank``'s results record of the save ``plan`` belongs to.
+        """Store ``data`` as ``rank``'s results record of the save ``plan`` belongs to, whole or not at all.
 
-        Called by rank ``rank`` itself, on its background thread; ``plan`` is
-        its final plan (its storage data names the save, as for ``write_data``).
+        Called by rank ``rank`` itself, on its background thread, after its
+        data is durable; ``plan`` is its final plan (its storage data names
+        the save, as for ``write_data``). The coordinator must never read a
+        partial record; the record itself need not survive a crash.
 
         Raises:
             NotImplementedError: the backend keeps no records (see :meth:`supports_rank_records`).
