@@ -68,6 +68,9 @@ def test_two_ranks_commit_in_the_background(tmp_path: Path) -> None:
         assert value["raised"]["failed_ranks"] == [0], value
         assert "I/O error during commit (injected)" in value["raised"]["message"], value
         assert value["old_ok"] and value["left"] == [], value
+        assert value["raised_by_save"]["failed_ranks"] == [0], value
+        assert "I/O error during commit (injected)" in value["raised_by_save"]["message"], value
+        assert not value["raised_by_save"]["committed"], value
         coordinator = outcome["coordinator_failure_reaches_all"]
         assert coordinator["ok"], coordinator["traceback"]
         value = coordinator["value"]
@@ -132,3 +135,28 @@ def test_waiting_names_missing_and_failed_ranks(tmp_path: Path) -> None:
     writer.remove_rank_records(3)
     assert not list((tmp_path / "c").glob(".*.results"))
     writer.abort()
+
+
+def test_a_ready_request_finalizes_while_its_background_goes_on() -> None:
+    from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncCallsQueue, AsyncRequest
+
+    ready, release, seen = threading.Event(), threading.Event(), []
+
+    def work() -> str:
+        ready.set()  # what result() waits for is over; the rest (a commit) goes on
+        release.wait(30)
+        return "late"
+
+    def finalize(value, error):
+        seen.append((value, error))
+        return "confirmed"
+
+    queue = AsyncCallsQueue()
+    call = queue.schedule_async_request(AsyncRequest(async_fn=work, finalize_fns=(finalize,), ready=ready))
+    assert call.wait(10)
+    assert call.finalize() == "confirmed" and seen == [(None, None)]
+    assert not call.background_done()
+    release.set()
+    call.thread.join(10)
+    assert call.background_done() and call.finalize() == "confirmed" and len(seen) == 1
+    queue.close()

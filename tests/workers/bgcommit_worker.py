@@ -159,8 +159,16 @@ def main() -> None:
                       "failed_ranks": list(getattr(exc, "failed_ranks", ()))}
         target = zeros()
         dcp.load(target, checkpoint_id=path)  # settled: the earlier checkpoint loads whole
+        dcp.async_save(state(6), storage_writer=FailingCommitWriter(path)).result()
+        try:  # a save's plan step shares the commit's outcome, before that save takes its directory
+            dcp.save(state(9), checkpoint_id=shared / "c6")
+            raised_by_save: dict[str, Any] = {}
+        except dcp.CheckpointError as exc:
+            raised_by_save = {"failed_ranks": list(getattr(exc, "failed_ranks", ())), "message": str(exc),
+                              "committed": (shared / "c6" / "metadata.json").exists()}
+        dcp.save(state(9), checkpoint_id=shared / "c6")
         hyper_parallel.platform.barrier()
-        return {"raised": raised, "old_ok": loaded_ok(target, 5),
+        return {"raised": raised, "raised_by_save": raised_by_save, "old_ok": loaded_ok(target, 5),
                 "left": sorted(p.name for p in path.iterdir() if p.name.endswith((".results", ".lease")))}
 
     def manager_reports_lost_lease() -> dict[str, Any]:

@@ -14,9 +14,11 @@ failure on any rank raises on every rank, naming it, and nothing is
 committed), which answers each rank with the metadata being committed. No
 rank waits there for the commit itself. The commit's own outcome (a racing
 save took the lease, the metadata could not be written) is shared by the
-next collective step of the process: :func:`settle_background_commits`,
-called first by every save and load with collectives and by
-``CheckpointManager.wait``; it raises a failed commit on every rank.
+next collective step of the process: the plan step of the next save with
+collectives (:func:`raise_commit_failures` in its map), or
+:func:`settle_background_commits`, called first by every load with
+collectives and by ``CheckpointManager.wait``; a failed commit raises there
+on every rank.
 """
 
 from __future__ import annotations
@@ -37,7 +39,13 @@ from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan
 from hyper_parallel.core.distributed_checkpoint.storage import StorageWriter, WriteResult
 
-__all__ = ["BackgroundCommit", "background_commit_request", "settle_background_commits"]
+__all__ = [
+    "BackgroundCommit",
+    "background_commit_request",
+    "raise_commit_failures",
+    "settle_background_commits",
+    "take_pending_commits",
+]
 
 _LOG = logging.getLogger(__name__)
 
@@ -192,23 +200,33 @@ def background_commit_request(
     return AsyncRequest(async_fn=commit.run, finalize_fns=(commit.confirm,), ready=commit.written)
 
 
-def settle_background_commits() -> None:
-    """Share the outcome of commits still unconfirmed: one collective step if there are any. All ranks.
-
-    Called first by every save and load with collectives (and by
-    ``CheckpointManager.wait``): the coordinator waits for its background
-    commits to end. A failed commit raises on every rank (a
-    :class:`CollectiveStepError` naming the coordinator and its error).
-    """
+def take_pending_commits() -> list[BackgroundCommit]:
+    """The commits whose outcome no collective step shared yet; the list is emptied. All ranks alike."""
     with _PENDING_LOCK:
         pending = list(_PENDING)
         _PENDING.clear()
-    if not pending:
-        return
+    return pending
 
-    def outcomes() -> None:
-        for commit in pending:
-            commit.outcome()
 
-    dist = pending[-1].dist
-    dist.reduce_scatter("background commit", outcomes, lambda values: [None] * len(values))
+def raise_commit_failures(pending: list[BackgroundCommit]) -> None:
+    """Coordinator: wait for these commits to end, raise the first failure. Other ranks: return at once.
+
+    Run inside a collective step's map (the failure then raises on every rank).
+    """
+    for commit in pending:
+        commit.outcome()
+
+
+def settle_background_commits() -> None:
+    """Share the outcome of commits still unconfirmed: one collective step if there are any. All ranks.
+
+    Called first by every load with collectives and by
+    ``CheckpointManager.wait`` (a save does it inside its plan step): the
+    coordinator waits for its background commits to end. A failed commit
+    raises on every rank (a :class:`CollectiveStepError` naming the
+    coordinator and its error).
+    """
+    pending = take_pending_commits()
+    if pending:
+        pending[-1].dist.reduce_scatter("background commit", lambda: raise_commit_failures(pending),
+                                        lambda values: [None] * len(values))

@@ -33,7 +33,9 @@ from hyper_parallel import platform
 from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncRequest
 from hyper_parallel.core.distributed_checkpoint._background_commit import (
     background_commit_request,
+    raise_commit_failures,
     settle_background_commits,
+    take_pending_commits,
 )
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._fork_writer import fork_write
@@ -215,17 +217,18 @@ def plan_save(
 ) -> SaveSession:
     """Plan a save: local plans, the coordinator's merge, final plans. All ranks call it.
 
-    First shares the outcome of an earlier async save's background commit
-    (:func:`settle_background_commits`), so a failed one raises on every rank.
+    Its plan step first shares the outcome of an earlier async save's
+    background commit (the coordinator waits for it before taking the
+    lease), so a failed one raises on every rank.
     """
     dist = DistWrapper(use_dist=not options.no_dist and options.use_collectives)
-    if dist.use_dist:
-        settle_background_commits()
+    pending = take_pending_commits() if dist.use_dist else []
     alone = _rank_alone(options.no_dist, options.use_collectives)
     local_plans: list[SavePlan] = []
     merged: list[Metadata] = []
 
     def local_step() -> SavePlan:
+        raise_commit_failures(pending)
         writer.set_up_storage_writer(
             dist.is_coordinator,
             rank=dist.rank if alone is None else alone,
