@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("plans and planners", frozenset({"planner", "mapping", "_chunk_search", "type_handlers", "_builtin_handlers", "_flatten", "_mindspore_sliced", "_device_targets",
                                       "_state_items", "_global_plan", "_replicated_read", "standard_planner"})),
     ("storage", frozenset({"storage", "filesystem_writer", "filesystem_reader", "_run_reads",
-                           "_safe_files", "_save_lease", "_file_ops", "_commit_cleanup", "_device_reads",
+                           "_safe_files", "_save_lease", "_file_ops", "_data_file", "_commit_cleanup", "_device_reads",
                            "_verify_reads"})),
     ("object storage", frozenset({"_object_io", "_fsspec_writer", "_fsspec_reader", "_object_steps"})),
     ("engine", frozenset({"_collectives", "_engine", "_staging", "_fork_writer", "_async_queue", "_plan_cache"})),
