@@ -175,3 +175,123 @@ def test_grid_chunks_is_the_tuple_of_its_chunks():
         _ = GridChunks((4,), (2,))[2]
     with pytest.raises(ValueError):
         GridChunks((5,), (2,))
+
+
+def _merged_both_ways(plans, layouts):
+    """(masks, metadata or error text) of the per-item merge and of the layout merge of hand-made plans."""
+    from hyper_parallel.core.distributed_checkpoint._global_plan import build_global_save_plan
+    from hyper_parallel.core.distributed_checkpoint._layout_merge import merge_layout_plans
+    from hyper_parallel.core.distributed_checkpoint._layout_plan import compact_save_plan
+
+    world = len(plans)
+    compact = [compact_save_plan(plan, layouts[rank], rank=rank, world_size=world) for rank, plan in enumerate(plans)]
+    results = []
+    for merge in (lambda: _old(build_global_save_plan, plans), lambda: merge_layout_plans(compact)):
+        try:
+            results.append(merge())
+        except PlanValidationError as exc:
+            results.append(str(exc))
+    return results, compact
+
+
+def _old(build, plans):
+    final, metadata = build(plans)
+    return keep_masks(plans, final), metadata
+
+
+def _tensor_item(fqn, offsets, sizes, size, digest=None):
+    from hyper_parallel.core.distributed_checkpoint.metadata import MetadataIndex, TensorProperties
+    from hyper_parallel.core.distributed_checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    return WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.TENSOR if sizes == size else
+                     WriteItemType.SHARD, tensor_data=TensorWriteData(ChunkStorageMetadata(offsets, sizes),
+                                                                      TensorProperties("float32"), size, digest))
+
+
+def _rows(fqn, rank, ranks, layout, digest=None):
+    return _tensor_item(fqn, (2 * ranks.index(rank), 0), (2, 3), (2 * len(ranks), 3), digest)
+
+
+def test_hand_made_plans_merge_as_the_per_item_merge():
+    """Ranks sending plain plans, a non-hex digest, a rank outside a layout, zero-size and repeated items."""
+    from hyper_parallel.core.distributed_checkpoint.metadata import MetadataIndex
+    from hyper_parallel.core.distributed_checkpoint.planner import SavePlan
+
+    ranks = (0, 1, 2)
+    rows = Layout((3,), (0, -1), rank_list=ranks)
+    plans, layouts = [], []
+    for rank in range(4):
+        items, known = [], {}
+        if rank in ranks:
+            item = _rows("w", rank, ranks, rows)
+            items.append(item)
+            known[MetadataIndex("w", item.index.offset)] = rows
+            whole = _tensor_item("b", (0,), (5,), (5,), digest="0123456789abcdef")
+            items.append(whole)
+            known[MetadataIndex("b", (0,))] = None
+        odd = _tensor_item("odd", (0,), (2,), (2,), digest="not a hex digest")  # stays general
+        items.append(odd)
+        known[MetadataIndex("odd", (0,))] = None
+        plans.append(SavePlan(items=tuple(items)))
+        layouts.append(known if rank in ranks else {})
+    (old, new), compact = _merged_both_ways(plans, layouts)
+    assert not isinstance(compact[3], LayoutSavePlan) and isinstance(compact[0], LayoutSavePlan)
+    assert new == old and not isinstance(new, str)
+    _Merge(compact, True, False).run(None)
+
+
+@pytest.mark.parametrize("case", ["beyond_world", "twice", "zero_size", "not_in_layout"])
+def test_irregular_hand_made_plans_fall_back(case):
+    from hyper_parallel.core.distributed_checkpoint.metadata import MetadataIndex
+    from hyper_parallel.core.distributed_checkpoint.planner import SavePlan
+
+    ranks = (0, 1, 2, 3) if case == "beyond_world" else (0, 1)
+    layout = Layout((len(ranks),), (0, -1), rank_list=ranks)
+    plans, layouts = [], []
+    for rank in range(2):
+        item = _rows("w", rank, ranks, layout)
+        items, known = [item], {MetadataIndex("w", item.index.offset): layout}
+        if case == "twice":
+            items.append(item)
+        elif case == "zero_size":
+            empty = _tensor_item("e", (0, 0), (0, 3), (0, 3))
+            items.append(empty)
+            known[MetadataIndex("e", (0, 0))] = Layout((2,), (0, -1))
+        elif case == "not_in_layout":
+            other = _tensor_item("x", (0,), (4,), (4,))
+            items.append(other)
+            known[MetadataIndex("x", (0,))] = Layout((1,), (-1,), rank_list=(1 - rank + 5,))
+        plans.append(SavePlan(items=tuple(items)))
+        layouts.append(known)
+    (old, new), compact = _merged_both_ways(plans, layouts)
+    assert new == old
+    if case == "twice":
+        with pytest.raises(_Irregular):
+            _Merge(compact, True, False).run(None)
+
+
+def test_layout_form_save_writes_the_same_checkpoint(tmp_path):
+    """Saved through the layout form: the same metadata.json (grid chunks written as the list), same data."""
+    import json
+
+    import hyper_parallel.core.distributed_checkpoint as dcp
+    from tests.sim_ranks import simulate_save
+
+    states = [_state(rank, sharded_tensor=False) for rank in range(WORLD)]
+    for rank in range(WORLD):
+        states[rank].pop("cell")  # loaded below into one process: a ShardedObject cell per rank is not
+    old, old_bytes = simulate_save(states, tmp_path / "old")
+    new, new_bytes = simulate_save(states, tmp_path / "new", layout_form=True)
+    assert new_bytes == old_bytes and new.state_dict_metadata == old.state_dict_metadata
+
+    def stored(name, metadata):
+        text = (tmp_path / name / "metadata.json").read_text().replace(metadata.storage_meta.save_id, "SAVE")
+        document = json.loads(text)
+        document.pop("created", None)
+        return document
+
+    assert stored("new", new) == stored("old", old)  # key order, chunks, files, offsets, checksums
+    target = {name: np.zeros_like(FULLS[name]) for name, *_ in LAYOUTS}
+    dcp.load(target, checkpoint_id=tmp_path / "new", no_dist=True)
+    for name, value in target.items():
+        np.testing.assert_array_equal(value, FULLS[name])

@@ -83,14 +83,20 @@ class _Tensor:
 
 
 def keep_masks(local_plans: list[SavePlan], final_plans: list[SavePlan]) -> list[bytes]:
-    """Each rank's final plan as a bitmask over its local plan (by item identity). Coordinator."""
+    """Each rank's final plan as a bitmask over its local plan. Coordinator.
+
+    The final items are a subsequence of the local ones (the same objects):
+    each is matched to the first unmatched local position holding it.
+    """
     masks = []
     for local, final in zip(local_plans, final_plans):
-        position_of = {id(item): position for position, item in enumerate(local.items)}
         mask = bytearray((len(local.items) + 7) // 8)
+        position = 0
         for item in final.items:
-            position = position_of[id(item)]
+            while local.items[position] is not item:
+                position += 1
             mask[position // 8] |= 1 << (position % 8)
+            position += 1
         masks.append(bytes(mask))
     return masks
 
