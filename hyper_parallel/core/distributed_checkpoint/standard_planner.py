@@ -32,6 +32,8 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
 from hyper_parallel.core.distributed_checkpoint._chunk_search import overlapping_chunks
 from hyper_parallel.core.distributed_checkpoint._flatten import FlatStateDict, flatten_state_dict, set_by_path
 from hyper_parallel.core.distributed_checkpoint._global_plan import build_global_save_plan
+from hyper_parallel.core.distributed_checkpoint._layout_merge import merge_layout_plans
+from hyper_parallel.core.distributed_checkpoint._layout_plan import LayoutSavePlan, compact_save_plan
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -105,6 +107,16 @@ def _classify(fqn: str, value: Any) -> TensorEntry | ValueEntry | SkipEntry:
         ) from exc
 
 
+def _merged_aliases(all_plans: list[Any]) -> dict[str, Any] | None:
+    """The metadata's planner data: every rank's aliases (first rank naming one wins)."""
+    aliases: dict[str, str] = {}
+    for plan in all_plans:
+        if isinstance(plan.planner_data, AliasData):
+            for name, key in plan.planner_data.aliases:
+                aliases.setdefault(name, key)
+    return {"aliases": dict(sorted(aliases.items()))} if aliases else None
+
+
 class StandardSavePlanner(SavePlanner):
     """Plans a save of a (nested) state dict.
 
@@ -126,6 +138,7 @@ class StandardSavePlanner(SavePlanner):
         self.save_to_minimum_rank = False
         self._tensors: dict[MetadataIndex, tuple[TensorEntry, TensorPiece]] = {}
         self._bytes: dict[MetadataIndex, bytes] = {}
+        self._layouts: dict[MetadataIndex, Any] = {}
 
     def configure_planner(
         self,
@@ -144,6 +157,7 @@ class StandardSavePlanner(SavePlanner):
         self.save_to_minimum_rank = save_to_minimum_rank
         self._tensors.clear()
         self._bytes.clear()
+        self._layouts.clear()
 
     def build_local_plan(self) -> SavePlan:
         """Return one item per tensor piece and per value. All ranks call it.
@@ -187,6 +201,10 @@ class StandardSavePlanner(SavePlanner):
                 )
             )
             self._tensors[index] = (entry, piece)
+            if entry.layout is not None and len(entry.pieces) == 1:
+                self._layouts[index] = entry.layout
+            elif entry.may_be_replicated and whole and len(entry.pieces) == 1:
+                self._layouts[index] = None  # held whole: every rank declaring it holds a replica
         return items
 
     def _bytes_item(self, entry: ValueEntry) -> WriteItem:
@@ -203,17 +221,33 @@ class StandardSavePlanner(SavePlanner):
 
     def build_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """Deduplicate, validate and describe. Coordinator only."""
-        aliases: dict[str, str] = {}
-        for plan in all_plans:
-            if isinstance(plan.planner_data, AliasData):
-                for name, key in plan.planner_data.aliases:
-                    aliases.setdefault(name, key)
         stripped = [replace(plan, planner_data=None) for plan in all_plans]
         return build_global_save_plan(
             stripped,
             remove_redundancy=self.remove_redundancy,
             save_to_minimum_rank=self.save_to_minimum_rank,
-            planner_data={"aliases": dict(sorted(aliases.items()))} if aliases else None,
+            planner_data=_merged_aliases(all_plans),
+        )
+
+    def compact_local_plan(self, plan: SavePlan) -> LayoutSavePlan | SavePlan:
+        """``plan`` (this rank's local plan) with its layout items described by layout. All ranks.
+
+        What a rank sends to the coordinator: see :mod:`._layout_plan`.
+        """
+        return compact_save_plan(plan, self._layouts, rank=self.rank, world_size=self.world_size)
+
+    def build_global_masks(self, all_plans: list[LayoutSavePlan | SavePlan]) -> tuple[list[bytes], Metadata]:
+        """:meth:`build_global_plan` for plans from :meth:`compact_local_plan`. Coordinator only.
+
+        Returns:
+            Each rank's final plan as a bitmask over its local plan's items
+            (bit ``i % 8`` of byte ``i // 8``), and the metadata.
+        """
+        return merge_layout_plans(
+            all_plans,
+            remove_redundancy=self.remove_redundancy,
+            save_to_minimum_rank=self.save_to_minimum_rank,
+            planner_data=_merged_aliases(all_plans),
         )
 
     def finalize_plan(self, plan: SavePlan) -> SavePlan:
