@@ -39,9 +39,9 @@ from hyper_parallel.core.distributed_checkpoint._state_items import (
 )
 from hyper_parallel.core.distributed_checkpoint.mapping import ShardedTensor
 from hyper_parallel.core.dtensor import DTensor
-from hyper_parallel.platform.tensor import DTYPE_NAMES, is_tensor, to_numpy
+from hyper_parallel.platform.tensor import DTYPE_NAMES, is_tensor, shared_view, to_numpy
 
-__all__ = ["LayoutDescription", "LeafSource", "describe_layout", "plain_tensor", "leaf_array", "piece_array"]
+__all__ = ["LayoutDescription", "LeafSource", "describe_layout", "plain_tensor", "leaf_array", "host_array", "piece_array"]
 
 
 @dataclass(frozen=True)
@@ -77,11 +77,31 @@ class LeafSource:
 
 def plain_tensor(value: Any) -> bool:
     """Tell whether ``value`` is a whole tensor: a MindSpore Tensor/Parameter or a numeric numpy array."""
-    if isinstance(value, (DTensor, ShardedTensor)):
-        return False
     if isinstance(value, np.ndarray):
         return value.dtype != object
-    return is_tensor(value)
+    return is_tensor(value) and not isinstance(value, (DTensor, ShardedTensor))
+
+
+def host_array(value: Any) -> np.ndarray | None:
+    """:func:`leaf_array` of a whole tensor whose memory numpy shares (no copy), else ``None``."""
+    array = value if isinstance(value, np.ndarray) else shared_view(value)
+    if array is None:
+        return None
+    if not array.dtype.isnative:  # stored little-endian, as safetensors requires
+        array = array.astype(array.dtype.newbyteorder("="))
+    return np.ascontiguousarray(array)
+
+
+def _dtype_name(dtype: np.dtype) -> str | None:
+    """The stored dtype name of a numpy dtype (``None``: not storable)."""
+    name = _NUMPY_NAMES.get(dtype)
+    if name is None and dtype not in _NUMPY_NAMES:
+        name = dtype.name if dtype.name in DTYPE_NAMES and dtype.isnative else None
+        _NUMPY_NAMES[dtype] = name
+    return name
+
+
+_NUMPY_NAMES: dict[np.dtype, str | None] = {}
 
 
 def leaf_array(value: Any) -> np.ndarray:
@@ -96,7 +116,9 @@ def describe_layout(planner: Any) -> LayoutDescription:
     """Digest the layout of the planner's flattened state (after ``configure_planner``). All ranks.
 
     Serialises non-tensor values (their payloads are kept by the planner for
-    writing) and, with ``check_replicas`` on several ranks, hashes every
+    writing), keeps the numpy view of every whole tensor in host memory
+    (``planner.leaf_arrays``, so the staging of a reused plan looks nothing
+    up again) and, with ``check_replicas`` on several ranks, hashes every
     possibly replicated piece (kept by the planner for its local plan).
 
     Raises:
@@ -108,15 +130,21 @@ def describe_layout(planner: Any) -> LayoutDescription:
     check = planner.check_replicas and planner.world_size > 1
     total = 0
     storage_keys = flat.storage_keys
+    arrays = planner.leaf_arrays
     for name, value in flat.values.items():
         fqn = storage_keys[name]
         if plain_tensor(value):
-            shape = tuple(value.shape)
-            dtype = planner.classify_dtype(fqn, value)
+            array = host_array(value)
+            dtype = _dtype_name(array.dtype) if array is not None else None
+            if dtype is None:  # device memory (not copied out here), or a dtype to report against its key
+                shape, dtype = tuple(value.shape), planner.classify_dtype(fqn, value)
+            else:
+                shape = array.shape
+                arrays[name] = array
             rows.append((name, fqn, dtype, shape))
             total += math.prod(shape) * DTYPE_NAMES[dtype]
             if check:
-                found = digest(memoryview(leaf_array(value).reshape(-1).view(np.uint8)))
+                found = digest(memoryview((array if array is not None else leaf_array(value)).reshape(-1).view(np.uint8)))
                 planner.keep_replica_digest(fqn, (0,) * len(shape), found)
                 replicas.append(found)
             continue

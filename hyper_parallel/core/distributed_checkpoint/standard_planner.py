@@ -139,6 +139,7 @@ class StandardSavePlanner(SavePlanner):
         self._sources: dict[MetadataIndex, LeafSource] = {}
         self._bound: tuple[tuple[WriteItem, ...], tuple[LeafSource | None, ...]] | None = None
         self._bound_of: dict[MetadataIndex, LeafSource] = {}
+        self.leaf_arrays: dict[str, np.ndarray] = {}
 
     def configure_planner(
         self,
@@ -161,6 +162,7 @@ class StandardSavePlanner(SavePlanner):
         self._replica_digests.clear()
         self._sources.clear()
         self._bound, self._bound_of = None, {}
+        self.leaf_arrays = {}
 
     def describe_layout(self) -> LayoutDescription:
         """Digest this rank's layout without building a plan (:mod:`._save_layout`). All ranks.
@@ -230,12 +232,13 @@ class StandardSavePlanner(SavePlanner):
         if self._bound is None or self._bound[0] is not items:
             yield from (self.get_data(item) for item in items)
             return
-        values = self.flat.values
+        arrays = self.leaf_arrays
         for item, source in zip(items, self._bound[1]):
             if source is None:
                 yield self._bytes[MetadataIndex(item.index.fqn, item.index.offset)]
             elif source.plain:
-                yield leaf_array(values[source.name])
+                array = arrays.get(source.name)
+                yield array if array is not None else leaf_array(self.flat.values[source.name])
             else:
                 yield self._leaf_piece(source)
 
@@ -328,7 +331,10 @@ class StandardSavePlanner(SavePlanner):
         found = self._tensors.get(key)
         if found is None:  # a reused plan: no entries were built (bind_sources)
             source = self._bound_of[key]
-            return leaf_array(self.flat.values[source.name]) if source.plain else self._leaf_piece(source)
+            if not source.plain:
+                return self._leaf_piece(source)
+            array = self.leaf_arrays.get(source.name)
+            return array if array is not None else leaf_array(self.flat.values[source.name])
         return piece_array(*found)
 
 
