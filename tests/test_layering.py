@@ -19,12 +19,13 @@ PACKAGE = "hyper_parallel.core.distributed_checkpoint"
 #: Layers of the checkpoint package, bottom first. A module may import its own
 #: layer or a lower one. Names are module paths relative to PACKAGE.
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
-    ("errors and metadata", frozenset({"errors", "metadata", "_options", "_gc_pause"})),
+    ("errors and metadata", frozenset({"errors", "metadata", "_options", "_gc_pause", "_grid_chunks"})),
     ("on-disk format", frozenset({"_format", "_format.safetensors_file", "_format.metadata_json",
                                   "_format.checksum", "_format.byte_ranges", "_format.cover",
                                   "_format.header_check"})),
     ("plans and planners", frozenset({"planner", "mapping", "_chunk_search", "type_handlers", "_builtin_handlers", "_flatten", "_mindspore_sliced", "_device_targets",
-                                      "_state_items", "_global_plan", "_replicated_read", "standard_planner"})),
+                                      "_state_items", "_global_plan", "_replicated_read", "standard_planner",
+                                      "_layout_plan", "_layout_merge"})),
     ("storage", frozenset({"storage", "filesystem_writer", "filesystem_reader", "_run_reads",
                            "_safe_files", "_save_lease", "_file_ops", "_commit_cleanup", "_device_reads",
                            "_verify_reads"})),

@@ -169,6 +169,42 @@ def _expand(local: SavePlan, received: _PlanDelta | SavePlan) -> SavePlan:
     return SavePlan(items=items, storage_data=received.storage_data, planner_data=received.planner_data)
 
 
+def _layout_exchange(planner: SavePlanner, writer: StorageWriter) -> bool:
+    """Whether the plan exchange may use the layout form (:mod:`._layout_plan`).
+
+    Only for the standard planner (a subclass may plan otherwise) and a
+    writer whose global plan step does not look at the items (the
+    filesystem and fsspec writers stamp one save id on every plan).
+    """
+    return (
+        type(planner) is StandardSavePlanner  # pylint: disable=unidiomatic-typecheck
+        and type(writer).prepare_global_plan is FileSystemWriter.prepare_global_plan
+    )
+
+
+def _to_send(planner: SavePlanner, local: SavePlan, compact: bool) -> Any:
+    """What this rank sends to the coordinator: its local plan, in layout form when ``compact``."""
+    return planner.compact_local_plan(local) if compact else local
+
+
+def _merge_layout_form(
+    planner: StandardSavePlanner,
+    writer: StorageWriter,
+    all_plans: list[Any],
+    merged: list[Metadata],
+    all_final: list[list[SavePlan]],
+    all_local: list[list[Any]],
+) -> list[_PlanDelta]:
+    """The coordinator's merge of layout-form plans: each rank's keep mask and storage data. Coordinator."""
+    masks, metadata = planner.build_global_masks(all_plans)
+    stamped = writer.prepare_global_plan([SavePlan(items=()) for _ in all_plans])  # items unused (see above)
+    merged.append(metadata)
+    all_final.append(stamped)
+    all_local.append(all_plans)
+    return [_PlanDelta(keep=mask, storage_data=plan.storage_data, planner_data=None)
+            for mask, plan in zip(masks, stamped)]
+
+
 @dataclass(frozen=True)
 class SaveSession:
     """A save between planning and commit.
@@ -247,11 +283,11 @@ def plan_save(
             save_to_minimum_rank=options.save_to_minimum_rank,
         )
 
-    def build_local() -> SavePlan:
+    def build_local() -> Any:
         local_plans.append(writer.prepare_local_plan(planner.build_local_plan()))
-        return local_plans[0]
+        return _to_send(planner, local_plans[0], compact)
 
-    def local_step() -> SavePlan:
+    def local_step() -> Any:
         set_up()
         return build_local()
 
@@ -262,12 +298,15 @@ def plan_save(
             on_layout(layout.tensor_bytes)
         return cache.message(layout)
 
+    compact = dist.use_dist and _layout_exchange(planner, writer)
     cache = plan_cache_for(writer, planner, options, rank=dist.rank, world_size=dist.world_size)
     all_final: list[list[SavePlan]] = []
     all_local: list[list[SavePlan]] = []
 
-    def global_step(all_plans: list[SavePlan]) -> list[Any]:
+    def global_step(all_plans: list[Any]) -> list[Any]:
         try:
+            if compact:
+                return _merge_layout_form(planner, writer, all_plans, merged, all_final, all_local)
             final_plans, metadata = planner.build_global_plan(all_plans)
         except PlanValidationError as exc:
             hint = _uninitialised_communication(dist.world_size)
@@ -316,8 +355,9 @@ def _reuse(
         merged.append(cached.metadata)
         return [plan.storage_data for plan in writer.prepare_global_plan(list(cached.all_final))]
 
-    storage_data = dist.broadcast("plan", stamp)
-    return replace(cached.final, storage_data=storage_data[dist.rank])
+    # Each rank gets its own storage data only (a scatter), not every rank's.
+    storage_data = dist.reduce_scatter("plan", lambda: None, lambda _: stamp())
+    return replace(cached.final, storage_data=storage_data)
 
 
 def write_local(session: SaveSession, planner: SavePlanner | None = None) -> list[WriteResult]:
@@ -394,7 +434,7 @@ def plan_async_save(
             background.append(fork_write(session.writer, session.plan, views, rank=session.dist.rank))
 
     try:
-        session.dist.all_gather("stage", stage_step)
+        session.dist.agree("stage", stage_step)
     except BaseException:
         session.writer.abort()
         raise
@@ -440,7 +480,7 @@ def read_checkpoint_metadata(reader: StorageReader, options: LoadOptions) -> Met
     dist = DistWrapper(use_dist=not options.no_dist and options.use_collectives)
     rank = _rank_alone(options.no_dist, options.use_collectives)
     found: list[Metadata] = []
-    dist.all_gather("read metadata", lambda: found.append(reader.read_metadata(rank=rank)))
+    dist.agree("read metadata", lambda: found.append(reader.read_metadata(rank=rank)))
     return found[0]
 
 
@@ -474,7 +514,7 @@ def run_load(
     plan = planner.finalize_plan(received if received is not None else local_plans[0])
     # Every rank verifies every byte it will read before any rank copies one:
     # a corrupt checkpoint fails the load with every target unchanged.
-    dist.all_gather("verify", lambda: reader.verify_data(plan).result())
+    dist.agree("verify", lambda: reader.verify_data(plan).result())
     rounds = planner.read_rounds(plan)
     for index, round_plan in enumerate(rounds):
         _read_round(dist, reader, planner, round_plan, index, last=index == len(rounds) - 1)
@@ -492,7 +532,7 @@ def _read_round(
         if last and not planner.shares_reads:
             planner.finish_load()
 
-    dist.all_gather("read", read_step)
+    dist.agree("read", read_step)
     if not planner.shares_reads:
         return
     shared = dist.all_gather("share reads", lambda: planner.outgoing(index))
@@ -505,4 +545,4 @@ def _read_round(
         if last:
             planner.finish_load()
 
-    dist.all_gather("receive reads", receive_step)
+    dist.agree("receive reads", receive_step)

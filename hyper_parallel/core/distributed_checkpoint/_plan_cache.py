@@ -42,6 +42,7 @@ import xxhash
 
 from hyper_parallel.core.distributed_checkpoint._format.cover import MAX_REPORTED_PROBLEMS
 from hyper_parallel.core.distributed_checkpoint._global_plan import replica_problems
+from hyper_parallel.core.distributed_checkpoint._layout_plan import LayoutSavePlan, expand_save_plan
 from hyper_parallel.core.distributed_checkpoint._save_layout import LayoutDescription, LeafSource
 from hyper_parallel.core.distributed_checkpoint.errors import PlanValidationError
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex
@@ -100,14 +101,14 @@ class CachedPlan:
     source_of: dict[MetadataIndex, LeafSource] | None = None
 
 
-def replica_keys(plans: list[SavePlan]) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]:
-    """Per plan, the (fqn, offset) of every item carrying a replica digest, in order."""
+def replica_keys(plans: list[SavePlan | LayoutSavePlan]) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]:
+    """Per plan (rank order; layout-form plans expanded), the (fqn, offset) of every item with a replica digest."""
     return tuple(
         tuple(
-            (item.index.fqn, tuple(item.index.offset)) for item in plan.items
+            (item.index.fqn, tuple(item.index.offset)) for item in expand_save_plan(plan, rank=rank).items
             if item.tensor_data is not None and item.tensor_data.replica_digest
         )
-        for plan in plans
+        for rank, plan in enumerate(plans)
     )
 
 

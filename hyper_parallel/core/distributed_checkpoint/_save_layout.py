@@ -10,7 +10,7 @@ on these digests (:mod:`._plan_cache`); when every rank's layout repeats the
 previous save's, the cached plan is reused and no :class:`.WriteItem` is built.
 
 The digest covers every input of the local plan: a changed shape, dtype,
-sharding (a DTensor's global offset, local shape or replication), key, leaf
+sharding (a DTensor's layout, global offset or local shape), key, leaf
 path, alias or non-tensor value changes it, so a changed layout is never
 served a stale plan.
 
@@ -154,7 +154,7 @@ def describe_layout(planner: Any) -> LayoutDescription:
         elif isinstance(entry, TensorEntry):
             pieces = tuple((p.offsets, p.sizes, p.flat_start) for p in entry.pieces)
             rows.append((name, fqn, "tensor", entry.dtype, entry.global_shape, entry.local_shape, pieces,
-                         entry.write, entry.may_be_replicated))
+                         entry.write, entry.may_be_replicated, entry.layout))
             if not entry.write:
                 continue
             total += sum(math.prod(p.sizes) for p in entry.pieces) * DTYPE_NAMES[entry.dtype]

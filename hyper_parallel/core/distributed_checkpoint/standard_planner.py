@@ -40,6 +40,8 @@ from hyper_parallel.core.distributed_checkpoint._save_layout import (
     piece_array,
     plain_tensor,
 )
+from hyper_parallel.core.distributed_checkpoint._layout_merge import merge_layout_plans
+from hyper_parallel.core.distributed_checkpoint._layout_plan import LayoutSavePlan, compact_save_plan
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -113,6 +115,16 @@ def _classify(fqn: str, value: Any) -> TensorEntry | ValueEntry | SkipEntry:
         ) from exc
 
 
+def _merged_aliases(all_plans: list[Any]) -> dict[str, Any] | None:
+    """The metadata's planner data: every rank's aliases (first rank naming one wins)."""
+    aliases: dict[str, str] = {}
+    for plan in all_plans:
+        if isinstance(plan.planner_data, AliasData):
+            for name, key in plan.planner_data.aliases:
+                aliases.setdefault(name, key)
+    return {"aliases": dict(sorted(aliases.items()))} if aliases else None
+
+
 class StandardSavePlanner(SavePlanner):
     """Plans a save of a (nested) state dict.
 
@@ -140,6 +152,7 @@ class StandardSavePlanner(SavePlanner):
         self._bound: tuple[tuple[WriteItem, ...], tuple[LeafSource | None, ...]] | None = None
         self._bound_of: dict[MetadataIndex, LeafSource] = {}
         self.leaf_arrays: dict[str, np.ndarray] = {}
+        self._layouts: dict[MetadataIndex, Any] = {}
 
     def configure_planner(
         self,
@@ -163,6 +176,7 @@ class StandardSavePlanner(SavePlanner):
         self._sources.clear()
         self._bound, self._bound_of = None, {}
         self.leaf_arrays = {}
+        self._layouts.clear()
 
     def describe_layout(self) -> LayoutDescription:
         """Digest this rank's layout without building a plan (:mod:`._save_layout`). All ranks.
@@ -291,6 +305,10 @@ class StandardSavePlanner(SavePlanner):
             )
             self._tensors[index] = (entry, piece)
             self._sources[index] = LeafSource(name=name, piece=position, plain=plain)
+            if entry.layout is not None and len(entry.pieces) == 1:
+                self._layouts[index] = entry.layout
+            elif entry.may_be_replicated and whole and len(entry.pieces) == 1:
+                self._layouts[index] = None  # held whole: every rank declaring it holds a replica
         return items
 
     def _bytes_item(self, entry: ValueEntry) -> WriteItem:
@@ -306,17 +324,33 @@ class StandardSavePlanner(SavePlanner):
 
     def build_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """Deduplicate, validate and describe. Coordinator only."""
-        aliases: dict[str, str] = {}
-        for plan in all_plans:
-            if isinstance(plan.planner_data, AliasData):
-                for name, key in plan.planner_data.aliases:
-                    aliases.setdefault(name, key)
         stripped = [replace(plan, planner_data=None) for plan in all_plans]
         return build_global_save_plan(
             stripped,
             remove_redundancy=self.remove_redundancy,
             save_to_minimum_rank=self.save_to_minimum_rank,
-            planner_data={"aliases": dict(sorted(aliases.items()))} if aliases else None,
+            planner_data=_merged_aliases(all_plans),
+        )
+
+    def compact_local_plan(self, plan: SavePlan) -> LayoutSavePlan | SavePlan:
+        """``plan`` (this rank's local plan) with its layout items described by layout. All ranks.
+
+        What a rank sends to the coordinator: see :mod:`._layout_plan`.
+        """
+        return compact_save_plan(plan, self._layouts, rank=self.rank, world_size=self.world_size)
+
+    def build_global_masks(self, all_plans: list[LayoutSavePlan | SavePlan]) -> tuple[list[bytes], Metadata]:
+        """:meth:`build_global_plan` for plans from :meth:`compact_local_plan`. Coordinator only.
+
+        Returns:
+            Each rank's final plan as a bitmask over its local plan's items
+            (bit ``i % 8`` of byte ``i // 8``), and the metadata.
+        """
+        return merge_layout_plans(
+            all_plans,
+            remove_redundancy=self.remove_redundancy,
+            save_to_minimum_rank=self.save_to_minimum_rank,
+            planner_data=_merged_aliases(all_plans),
         )
 
     def finalize_plan(self, plan: SavePlan) -> SavePlan:
