@@ -223,12 +223,19 @@ class RecordingFileOps(FileOps):
             self._record("fsync_dir", path)
 
 
-def make_directories(ops: FileOps, path: Path, *, sync: bool) -> bool:
+def make_directories(ops: FileOps, path: Path, *, sync: bool, deferred: list[Path] | None = None) -> bool:
     """Create ``path`` and its missing parents; with ``sync`` make each new entry durable.
 
     A directory created by a save must survive a power cut once the save
     returns: each new directory's parent is fsynced after the directory was
     made (the new directory's own entries are synced by the writer later).
+
+    Args:
+        ops: The file operations.
+        path: The directory.
+        sync: Make each new entry durable.
+        deferred: With ``sync``, collect the parents to fsync here instead
+            of fsyncing them now (the writer syncs them before its commit).
 
     Returns:
         True when this call created ``path`` itself.
@@ -250,6 +257,8 @@ def make_directories(ops: FileOps, path: Path, *, sync: bool) -> bool:
             created = False
             continue  # another rank made it; it makes its own entry durable
         created = True
-        if sync:
+        if sync and deferred is not None:
+            deferred.append(directory.parent)
+        elif sync:
             ops.fsync_directory(directory.parent)
     return created

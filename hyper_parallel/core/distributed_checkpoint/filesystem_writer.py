@@ -225,6 +225,7 @@ class FileSystemWriter(StorageWriter):
         self._lease: SaveLease | None = None
         self._base: tuple[int, ...] | None = None  # the committed metadata seen at set-up (lstat signature)
         self._created_directory = False
+        self._unsynced_parents: list[Path] = []
         self._committed = False
         self.auto_thread_bytes = auto_thread_bytes
         self.file_ops = file_ops or OS_FILE_OPS
@@ -264,11 +265,15 @@ class FileSystemWriter(StorageWriter):
             raise CheckpointExistsError(
                 f"checkpoint path {self.path} exists and is not a directory; choose another checkpoint_id"
             )
+        # The new entries are made durable by write_data, before any commit: off the blocking part of an async save.
+        self._unsynced_parents = []
         try:
-            self._created_directory = make_directories(self.file_ops, self.path, sync=self.sync_files)
+            self._created_directory = make_directories(
+                self.file_ops, self.path, sync=self.sync_files, deferred=self._unsynced_parents
+            )
             if self.sync_files and is_coordinator and not self._created_directory:
                 # A directory left by an earlier (crashed) save may not be durable yet.
-                self.file_ops.fsync_directory(self.path.parent)
+                self._unsynced_parents.append(self.path.parent)
         except OSError as exc:
             raise CheckpointIOError(f"cannot create checkpoint directory {self.path}: {exc}") from exc
         if not os.access(self.path, os.W_OK):
@@ -391,6 +396,8 @@ class FileSystemWriter(StorageWriter):
         self._created_directory = False  # writing began: a failure leaves the directory to the next save
         jobs: list[_FileJob] = []
         try:
+            while self._unsynced_parents:  # the checkpoint directory's own entry first (set_up_storage_writer)
+                self.file_ops.fsync_directory(self._unsynced_parents.pop(0))
             jobs = self._jobs(plan)
             if len(jobs) <= 1:
                 chunks = [self._write_file(job, planner) for job in jobs]
