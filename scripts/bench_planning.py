@@ -1,14 +1,22 @@
-"""How the coordinator's planning grows with the number of ranks.
+"""How the plan exchange and the coordinator's merge grow with the number of ranks.
 
-Builds, in one process, the local save plans of N simulated ranks holding
-``--tensors`` tensors each (half replicated on every rank, half sharded along
-dim 0 across all ranks) and times the coordinator's merge
-(deduplication, validation, metadata) for N in ``--ranks``. Each rank's plan is
-pickled on its own and unpickled on its own, as it arrives over the wire (no
-objects shared between ranks). Prints seconds, microseconds per item, the
-growth factor against the item count, and the bytes a rank sends and a
-non-coordinator rank receives with an all-gather exchange and with a
-gather + scatter exchange.
+Simulates, in one process, N ranks holding ``--tensors`` tensors each: half
+replicated on every rank (plain tensors, each rank sending its replica
+digest, as ``check_replicas`` does by default), half DTensors sharded along
+dim 0 over all ranks. Each rank's plan is what ``dcp.save`` sends: the
+layout form (:func:`compact_save_plan`; the script checks that ranks' real
+local plans compact to exactly these bytes), pickled on its own. The timed
+coordinator work is the whole exchange on its side: unpickling every rank's
+plan separately (as it arrives over the wire: no objects shared between
+ranks), the merge (deduplication, replica checks, writer balancing,
+metadata) and pickling each rank's own result for the scatter.
+
+Printed per N: seconds, microseconds per item (N x tensors items), the
+flatness of the time per item, the bytes a rank sends, and the bytes a
+non-coordinator rank receives (the library's gather + scatter, against an
+all-gather of every plan). With ``--general-up-to M`` the per-item merge of
+expanded plans (the general path) is timed too for N <= M, and the results
+of both are compared.
 
 Run: ``python scripts/bench_planning.py [--ranks 64 256 1024 4096 10240] [--tensors 1000]``.
 """
@@ -21,92 +29,150 @@ import json
 import pickle
 import time
 
+from hyper_parallel.core.distributed_checkpoint._engine import _PlanDelta
 from hyper_parallel.core.distributed_checkpoint._global_plan import build_global_save_plan
+from hyper_parallel.core.distributed_checkpoint._layout_merge import keep_masks, merge_layout_plans
+from hyper_parallel.core.distributed_checkpoint._layout_plan import LayoutSavePlan, compact_save_plan
+from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemPlanData
 from hyper_parallel.core.distributed_checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from hyper_parallel.core.layout import Layout
+
+__all__ = ["local_plan", "rank_blobs", "main"]
+
+_ROWS = 8  # rows of each sharded tensor per rank
+_DIGEST = "0123456789abcdef"  # every replica equal (as a valid save has them)
 
 
-__all__ = ["make_plans", "main"]
-
-def make_plans(ranks: int, tensors: int) -> list[SavePlan]:
-    """Local plans of ``ranks`` ranks, each with ``tensors`` items."""
+def local_plan(rank: int, ranks: int, tensors: int) -> tuple[SavePlan, dict[MetadataIndex, Layout | None]]:
+    """Rank ``rank``'s local plan as the planner builds it, and the layouts it hands the compaction."""
     props = TensorProperties(dtype="float32")
-    replicated = [
-        WriteItem(index=MetadataIndex(f"rep.{i}", (0, 0)), type=WriteItemType.TENSOR,
-                  tensor_data=TensorWriteData(ChunkStorageMetadata((0, 0), (64, 64)), props, (64, 64)))
-        for i in range(tensors // 2)
-    ]
-    plans = []
+    sharded = Layout((ranks,), (0, -1))
+    items, layouts = [], {}
+    for i in range(tensors // 2):
+        index = MetadataIndex(f"rep.{i}", (0, 0))
+        items.append(WriteItem(index=index, type=WriteItemType.TENSOR, tensor_data=TensorWriteData(
+            ChunkStorageMetadata((0, 0), (64, 64)), props, (64, 64), replica_digest=_DIGEST)))
+        layouts[index] = None
+    for i in range(tensors - tensors // 2):
+        index = MetadataIndex(f"shard.{i}", (rank * _ROWS, 0))
+        items.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
+            ChunkStorageMetadata((rank * _ROWS, 0), (_ROWS, 64)), props, (ranks * _ROWS, 64))))
+        layouts[index] = sharded
+    return SavePlan(items=tuple(items)), layouts
+
+
+def rank_blobs(ranks: int, tensors: int) -> list[bytes]:
+    """What each rank sends: its layout-form plan, pickled on its own.
+
+    Ranks 0, 1 and the last compact their real local plans; the others reuse
+    rank 0's table (equal bytes, checked) with their own digests.
+    """
+    real = {}
+    for rank in sorted({0, 1, ranks - 1}):
+        plan, layouts = local_plan(rank, ranks, tensors)
+        real[rank] = compact_save_plan(plan, layouts, rank=rank, world_size=ranks)
+        assert isinstance(real[rank], LayoutSavePlan)
+        assert real[rank].table == real[0].table and real[rank].digests == real[0].digests
+    template = real[0]
+    blobs = []
     for rank in range(ranks):
-        sharded = [
-            WriteItem(index=MetadataIndex(f"shard.{i}", (rank * 8, 0)), type=WriteItemType.SHARD,
-                      tensor_data=TensorWriteData(ChunkStorageMetadata((rank * 8, 0), (8, 64)), props,
-                                                  (ranks * 8, 64)))
-            for i in range(tensors - tensors // 2)
-        ]
-        plans.append(SavePlan(items=tuple(replicated + sharded)))
-    return plans
+        plan = real.get(rank) or LayoutSavePlan(table=bytes(template.table), general=(),
+                                                digests=bytes(template.digests))
+        blobs.append(pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL))
+    return blobs
 
 
-def _exchange(plans: list[SavePlan]) -> tuple[list[bytes], float, list[SavePlan]]:
-    """Each rank's plan pickled on its own (what a rank sends) and unpickled one by one (what the coordinator
-    receives: separate objects, no sharing between ranks). Returns blobs, unpickling seconds and plans."""
-    blobs = [pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL) for plan in plans]
-    gc.disable()  # as in dcp.save, which pauses the cyclic GC while it runs
-    try:
-        start = time.perf_counter()
-        received = [pickle.loads(blob) for blob in blobs]
-        return blobs, time.perf_counter() - start, received
-    finally:
-        gc.enable()
+def _coordinator(blobs: list[bytes]) -> dict[str, float | list[bytes] | object]:
+    """The coordinator's side of one exchange, timed step by step."""
+    start = time.perf_counter()
+    plans = [pickle.loads(blob) for blob in blobs]
+    unpickled = time.perf_counter()
+    masks, metadata = merge_layout_plans(plans)
+    merged = time.perf_counter()
+    storage = FileSystemPlanData(save_id="bench")
+    results = [pickle.dumps((_PlanDelta(keep=mask, storage_data=storage, planner_data=None), []),
+                            protocol=pickle.HIGHEST_PROTOCOL) for mask in masks]
+    done = time.perf_counter()
+    return {"unpickle": unpickled - start, "merge": merged - unpickled, "results": done - merged,
+            "total": done - start, "masks": masks, "metadata": metadata, "result_blobs": results}
 
 
-def main(argv: list[str] | None = None) -> None:
+def _general(ranks: int, tensors: int) -> tuple[float, list[bytes], object]:
+    """The per-item merge of every rank's expanded plan (separately unpickled), timed."""
+    blobs = [pickle.dumps(local_plan(rank, ranks, tensors)[0], protocol=pickle.HIGHEST_PROTOCOL)
+             for rank in range(ranks)]
+    start = time.perf_counter()
+    plans = [pickle.loads(blob) for blob in blobs]
+    final, metadata = build_global_save_plan(plans)
+    seconds = time.perf_counter() - start
+    return seconds, keep_masks(plans, final), metadata
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
     """Time the exchange and the merge for each rank count; print a table (and JSON with --json)."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024, 4096, 10240])
     parser.add_argument("--tensors", type=int, default=1000)
+    parser.add_argument("--general-up-to", type=int, default=0,
+                        help="also time the per-item merge of expanded plans up to this many ranks")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     rows = []
     for ranks in args.ranks:
-        blobs, unpickle_seconds, plans = _exchange(make_plans(ranks, args.tensors))
+        blobs = rank_blobs(ranks, args.tensors)
         gc.collect()
-        start = time.perf_counter()
-        final, metadata = build_global_save_plan(plans)
-        seconds = time.perf_counter() - start
-        # What each rank gets back: its kept items as a bitmask over its own plan (the library's delta).
-        deltas = [pickle.dumps((bytes((len(plan.items) + 7) // 8), f.storage_data), protocol=pickle.HIGHEST_PROTOCOL)
-                  for plan, f in zip(plans, final)]
+        gc.disable()  # as in dcp.save, which pauses the cyclic GC while it runs
+        try:
+            side = _coordinator(blobs)
+        finally:
+            gc.enable()
         items = ranks * args.tensors
-        rows.append({
-            "ranks": ranks, "items": items, "seconds": seconds, "us_per_item": seconds / items * 1e6,
-            "unpickle_seconds": unpickle_seconds,
-            "written_items": sum(len(plan.items) for plan in final), "tensors": len(metadata.state_dict_metadata),
-            "bytes_sent_per_rank": max(len(blob) for blob in blobs),
-            # all_gather of every plan, then all_gather of the coordinator's list of every delta:
-            "bytes_received_per_noncoordinator_rank_allgather": sum(map(len, blobs)) + sum(map(len, deltas)),
-            # gather to the coordinator, then a scatter of each rank's own delta:
-            "bytes_received_per_noncoordinator_rank_scatter": max(map(len, deltas)),
-            # what the library does now: plans by a tensor gather (a rank receives the 8-byte longest length),
-            # each rank's own result by a tensor scatter (8-byte length + one row of the longest result + 8):
-            "bytes_received_per_noncoordinator_rank_library": 8 + 16 + max(map(len, deltas)),
-        })
-        del plans, final, metadata
-    base = rows[0]
-    print(f"{'ranks':>6} {'items':>9} {'merge s':>8} {'us/item':>8} {'time x':>7} {'items x':>7} {'unpickle s':>10} "
-          f"{'sent B/rank':>11} {'recv B all-gather':>17} {'recv B scatter':>14}")
-    for row in rows:
-        print(f"{row['ranks']:>6} {row['items']:>9} {row['seconds']:>8.2f} {row['us_per_item']:>8.2f} "
-              f"{row['seconds'] / base['seconds']:>7.1f} {row['items'] / base['items']:>7.1f} "
-              f"{row['unpickle_seconds']:>10.2f} {row['bytes_sent_per_rank']:>11} "
-              f"{row['bytes_received_per_noncoordinator_rank_allgather']:>17} "
-              f"{row['bytes_received_per_noncoordinator_rank_scatter']:>14}")
-    flatness = max(row["us_per_item"] for row in rows) / min(row["us_per_item"] for row in rows)
-    print(f"time per item, largest / smallest over the rank counts: {flatness:.2f} (flat: <= 1.20)")
+        longest_result = max(map(len, side["result_blobs"]))
+        row = {
+            "ranks": ranks, "items": items, "seconds": side["total"], "us_per_item": side["total"] / items * 1e6,
+            "unpickle_seconds": side["unpickle"], "merge_seconds": side["merge"],
+            "results_seconds": side["results"],
+            "written_items": sum(sum(bin(b).count("1") for b in mask) for mask in side["masks"]),
+            "tensors": len(side["metadata"].state_dict_metadata),
+            "bytes_sent_per_rank": max(map(len, blobs)),
+            # gather: a rank receives the 8-byte longest length; scatter: the 8-byte longest result length, then
+            # one row of that width (8-byte length + the longest result):
+            "bytes_received_per_noncoordinator_rank": 8 + 8 + 8 + longest_result,
+            # an all-gather of every plan and of every result, for comparison:
+            "bytes_received_per_noncoordinator_rank_allgather": sum(map(len, blobs)) + sum(
+                map(len, side["result_blobs"])),
+        }
+        if ranks <= args.general_up_to:
+            seconds, masks, metadata = _general(ranks, args.tensors)
+            row["general_seconds"] = seconds
+            row["general_us_per_item"] = seconds / items * 1e6
+            row["same_result_as_general"] = masks == side["masks"] and metadata == side["metadata"]
+        rows.append(row)
+        del blobs, side
+    _print(rows)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(rows, handle, indent=2)
+    return rows
+
+
+def _print(rows: list[dict]) -> None:
+    print(f"{'ranks':>6} {'items':>9} {'total s':>8} {'us/item':>8} {'unpickle':>8} {'merge':>7} {'results':>7} "
+          f"{'sent B/rank':>11} {'recv B/rank':>11} {'recv B all-gather':>17} {'general us/item':>15}")
+    for row in rows:
+        general = f"{row['general_us_per_item']:.2f}" if "general_us_per_item" in row else "-"
+        print(f"{row['ranks']:>6} {row['items']:>9} {row['seconds']:>8.2f} {row['us_per_item']:>8.3f} "
+              f"{row['unpickle_seconds']:>8.2f} {row['merge_seconds']:>7.2f} {row['results_seconds']:>7.2f} "
+              f"{row['bytes_sent_per_rank']:>11} {row['bytes_received_per_noncoordinator_rank']:>11} "
+              f"{row['bytes_received_per_noncoordinator_rank_allgather']:>17} {general:>15}")
+    growth = max(row["us_per_item"] for row in rows) / rows[0]["us_per_item"]
+    spread = max(row["us_per_item"] for row in rows) / min(row["us_per_item"] for row in rows)
+    print(f"time per item, largest over the rank counts / at {rows[0]['ranks']} ranks: {growth:.2f} "
+          f"(flat or falling: <= 1.20); largest / smallest: {spread:.2f} (per-tensor work is shared by the ranks)")
+    same = [row["same_result_as_general"] for row in rows if "same_result_as_general" in row]
+    if same:
+        print(f"same writers and metadata as the per-item merge: {all(same)} ({len(same)} sizes compared)")
 
 
 if __name__ == "__main__":

@@ -45,12 +45,19 @@ def plan_ranks(
 
 
 def simulate_save(
-    states: list[dict[str, Any]], path: Path, *, writer_options: dict[str, Any] | None = None, **kwargs: Any
+    states: list[dict[str, Any]],
+    path: Path,
+    *,
+    writer_options: dict[str, Any] | None = None,
+    layout_form: bool = False,
+    **kwargs: Any,
 ) -> tuple[Metadata, list[int]]:
     """Save the per-rank ``states`` as one checkpoint at ``path``.
 
-    ``writer_options`` go to every rank's :class:`FileSystemWriter`; the other
-    keyword arguments to the planners.
+    ``writer_options`` go to every rank's :class:`FileSystemWriter`;
+    ``layout_form`` sends the coordinator layout-form plans, as ``dcp.save``
+    does under msrun (``compact_local_plan`` / ``build_global_masks``); the
+    other keyword arguments go to the planners.
 
     Returns:
         The committed metadata and the bytes each rank wrote.
@@ -63,7 +70,13 @@ def simulate_save(
         writer.set_up_storage_writer(rank == 0, rank=rank, world_size=len(states))
         writers.append(writer)
         plans.append(writer.prepare_local_plan(planner.build_local_plan()))
-    final, metadata = planners[0].build_global_plan(plans)
+    if layout_form:
+        masks, metadata = planners[0].build_global_masks(
+            [planner.compact_local_plan(plan) for planner, plan in zip(planners, plans)])
+        final = [SavePlan(items=tuple(item for i, item in enumerate(plan.items) if mask[i // 8] >> (i % 8) & 1))
+                 for plan, mask in zip(plans, masks)]
+    else:
+        final, metadata = planners[0].build_global_plan(plans)
     final = writers[0].prepare_global_plan(final)
     results = [writers[r].write_data(final[r], planners[r]).result() for r in range(len(states))]
     committed = writers[0].finish(metadata, results)

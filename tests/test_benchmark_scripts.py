@@ -32,6 +32,12 @@ STATE_FIGURES = (
     "warm load / memcpy, verify on",
     "warm load / memcpy, verify off",
     "protection: verify, warm load on / off",
+    "protection: verify, cold load on / off",
+    "protection: checksums, save on / off (thread_count=2, paired)",
+    "protection: save lease take + release / best dcp.save",
+    "protection: header check / warm load, verify off (2 threads)",
+    "commit (writer.finish) / dcp.save (thread_count=2)",
+    "best dcp.save / plain write with early writeback",
 )
 RESHARD_FIGURES = (
     "reshard reader bytes / needed, verify on, worst rank",
@@ -67,6 +73,7 @@ def test_benchmark_reports_every_figure_for_both_states(tmp_path):
             assert name in figures, (kind, name)
             assert math.isfinite(figures[name]["value"]) and figures[name]["value"] > 0, (kind, name)
         assert figures["async blocking (first call) / memcpy"]["target"] == "<= 1"  # the first call is rated
+        assert state["notes"]["async commit thread"] != "MainThread"  # the commit is timed and runs off the caller
         assert f"ratios, state '{kind}'" in proc.stdout
     reshard = {row["figure"]: row for row in result["reshard_ratios"]}
     for name in RESHARD_FIGURES:
@@ -74,28 +81,31 @@ def test_benchmark_reports_every_figure_for_both_states(tmp_path):
     assert "w_bf16_1024" in result["reshard"]["description"]  # narrow rows are measured
 
 
-def _run_small(script: str, out: Path) -> subprocess.CompletedProcess:
+def _run_small(script: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
     """Run a planning-side script with 4 and 32 (or 16) ranks of 20 tensors, JSON to ``out``."""
     ranks = ["4", "16"] if script == "bench_planning.py" else ["4", "32"]
     proc = subprocess.run([sys.executable, str(SCRIPTS / script), "--ranks", *ranks, "--tensors", "20",
-                           "--json", str(out)], env=_env(), capture_output=True, text=True, timeout=300, check=False)
+                           "--json", str(out), *extra], env=_env(), capture_output=True, text=True, timeout=300,
+                          check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
 
 def test_bench_planning_reports_time_and_bytes_per_rank(tmp_path):
-    _run_small("bench_planning.py", tmp_path / "plan.json")
+    proc = _run_small("bench_planning.py", tmp_path / "plan.json", "--general-up-to", "16")
     rows = json.loads((tmp_path / "plan.json").read_text())
     assert [row["ranks"] for row in rows] == [4, 16]
     for row in rows:
         assert row["items"] == row["ranks"] * 20 and row["seconds"] > 0 and row["unpickle_seconds"] > 0
+        assert row["merge_seconds"] > 0 and row["general_seconds"] > 0
         assert row["tensors"] == 20 and row["written_items"] == 10 + 10 * row["ranks"]
-        assert 0 < row["bytes_received_per_noncoordinator_rank_scatter"] < row["bytes_sent_per_rank"]
+        assert row["same_result_as_general"] is True  # the layout merge decides what the per-item merge decides
+        assert 0 < row["bytes_received_per_noncoordinator_rank"] < row["bytes_received_per_noncoordinator_rank_allgather"]
     # With an all-gather a rank receives every rank's plan: it grows with the world, the scatter does not.
     assert rows[1]["bytes_received_per_noncoordinator_rank_allgather"] > 3 * rows[0][
         "bytes_received_per_noncoordinator_rank_allgather"]
-    assert rows[1]["bytes_received_per_noncoordinator_rank_scatter"] <= rows[0][
-        "bytes_received_per_noncoordinator_rank_scatter"] + 8
+    assert rows[1]["bytes_received_per_noncoordinator_rank"] <= rows[0]["bytes_received_per_noncoordinator_rank"] + 8
+    assert "time per item" in proc.stdout and "same writers and metadata as the per-item merge: True" in proc.stdout
 
 
 def test_bench_metadata_reports_size_read_time_and_rank_planning(tmp_path):

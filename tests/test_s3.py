@@ -28,6 +28,7 @@ from hyper_parallel.core.distributed_checkpoint._format.metadata_json import met
 from hyper_parallel.core.distributed_checkpoint._object_io import ObjectSink, RangedSource
 from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions, commit_save, plan_save, write_local
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
+from race_gate import MeetingFsspecWriter, Rendezvous
 from s3_server import new_filesystem, s3_endpoint, s3_url  # noqa: F401  (fixtures)
 from storage_contract import StorageContract
 
@@ -427,39 +428,28 @@ def _loads_as_one_of(url: str, seeds: list[int]) -> int:
 
 
 def test_threads_racing_for_one_id_never_mix(s3_url: str) -> None:
-    import threading  # pylint: disable=import-outside-toplevel
-
-    clashes = 0
+    """Both saves note the metadata object before either writes (held at a gate), so they always overlap."""
     for round_ in range(4):
         url = f"{s3_url}/r{round_}"
         if round_ % 2:
             dcp.save(_state(30), checkpoint_id=url, no_dist=True)
-        outcomes: dict[int, BaseException | None] = {}
-        barrier = threading.Barrier(2)
-
-        def run(seed: int, url: str = url, outcomes: dict = outcomes, barrier: threading.Barrier = barrier) -> None:
-            barrier.wait()
-            try:
-                dcp.save(_state(seed), checkpoint_id=url, no_dist=True)
-                outcomes[seed] = None
-            except dcp.CheckpointError as exc:
-                outcomes[seed] = exc
-
-        threads = [threading.Thread(target=run, args=(seed,)) for seed in (31, 32)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=120)
-        winners = [seed for seed, error in outcomes.items() if error is None]
-        assert winners, outcomes
-        for seed, error in outcomes.items():
-            if error is not None:
-                assert isinstance(error, dcp.ConcurrentSaveError) and "another save" in str(error), repr(error)
-                clashes += 1
-        assert _loads_as_one_of(url, winners) in winners
+        rendezvous = Rendezvous(2)
+        outcomes = rendezvous.run({
+            seed: lambda seed=seed: dcp.save(
+                _state(seed), no_dist=True,
+                storage_writer=MeetingFsspecWriter(url, rendezvous=rendezvous, party=seed))
+            for seed in (31, 32)
+        })
+        assert rendezvous.met() == 2  # both had set up before either wrote
+        winners = [seed for seed, outcome in outcomes.items() if isinstance(outcome, dcp.Metadata)]
+        losers = [outcome for outcome in outcomes.values() if not isinstance(outcome, dcp.Metadata)]
+        assert len(winners) == 1 and len(losers) == 1, outcomes
+        error = losers[0]
+        assert isinstance(error, dcp.ConcurrentSaveError), repr(error)
+        assert "another save committed it" in str(error) and url in str(error), str(error)
+        assert _loads_as_one_of(url, winners) == winners[0]
         saved = dcp.read_metadata(url).storage_meta.save_id
         assert all(saved in n for n in _objects(url) if n.endswith(".safetensors"))
-    assert clashes, "the saves never overlapped: the race was not tested"
 
 
 def test_sync_save_while_an_async_save_is_pending(s3_url: str) -> None:

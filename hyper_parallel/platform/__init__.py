@@ -13,6 +13,7 @@ from hyper_parallel.platform.comm import (
     get_world_size,
     is_initialized,
     scatter_bytes,
+    broadcast_bytes,
     gather_bytes,
 )
 from hyper_parallel.platform.tensor import (
@@ -49,6 +50,7 @@ __all__ = [
     "is_initialized",
     "is_parameter",
     "scatter_bytes",
+    "broadcast_bytes",
     "gather_bytes",
     "is_tensor",
     "ms_dtype",

@@ -22,6 +22,7 @@ __all__ = [
     "all_gather_object",
     "broadcast_object",
     "scatter_bytes",
+    "broadcast_bytes",
     "gather_bytes",
     "barrier",
 ]
@@ -116,6 +117,32 @@ def scatter_bytes(parts: list[bytes] | None, src: int = 0) -> bytes:
     scatter(out, scatter_list, src=src)
     data = out.asnumpy().tobytes()
     return data[8:8 + int.from_bytes(data[:8], "little")]
+
+
+def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
+    """Return rank ``src``'s ``data`` on every rank. All ranks call it.
+
+    Only ``src`` passes ``data`` (the others pass ``None``). A rank receives
+    8 bytes (the length, a tensor broadcast) plus the data (a tensor
+    broadcast of bytes): unlike :func:`broadcast_object` (an all-gather), not
+    a payload per rank.
+    """
+    if not is_initialized() or get_world_size() == 1:
+        return data or b""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    from mindspore import Tensor  # pylint: disable=import-outside-toplevel
+    from mindspore.mint.distributed import broadcast  # pylint: disable=import-outside-toplevel
+
+    rank = get_rank()
+    length = Tensor(np.array([len(data) if rank == src else 0], np.int64))
+    broadcast(length, src=src)
+    size = int(length.asnumpy()[0])
+    row = np.zeros(max(size, 1), np.uint8)
+    if rank == src and size:
+        row[:size] = np.frombuffer(data, np.uint8)
+    payload = Tensor(row)
+    broadcast(payload, src=src)
+    return payload.asnumpy().tobytes()[:size]
 
 
 def gather_bytes(part: bytes, dst: int = 0) -> list[bytes] | None:

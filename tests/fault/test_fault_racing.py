@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -21,7 +21,8 @@ import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.cli.verify_cmd import verify_checkpoint
 
 from fault_common import assert_only_committed_files, assert_same_state, load_into_blank, make_state, same_state, start_script
-from test_fault_concurrency import GatedWriter, run_at_once
+from race_gate import MeetingFileSystemWriter, Rendezvous
+from test_fault_concurrency import GatedWriter
 
 WAIT = 120
 ROUNDS = 6
@@ -35,6 +36,15 @@ def _loads_as_one_of(path: Path, seeds: list[int]) -> int:
     assert verify_checkpoint(path).ok
     assert_only_committed_files(path)
     return matching[0]
+
+
+def _assert_one_won(outcomes: dict[int, Any], path: Path, *, ok: Callable[[Any], bool]) -> None:
+    """Exactly one save won (``path`` loads as its state, whole) and the other failed naming the clash."""
+    winners = [seed for seed, outcome in outcomes.items() if ok(outcome)]
+    losers = [outcome for outcome in outcomes.values() if not ok(outcome)]
+    assert len(winners) == 1 and len(losers) == 1, f"{path}: {outcomes}"
+    _assert_clash(losers[0], path)
+    assert _loads_as_one_of(path, winners) == winners[0]
 
 
 def _assert_clash(error: BaseException | dict[str, Any], path: Path) -> None:
@@ -68,37 +78,26 @@ def test_two_processes_race_for_one_id(tmp_path: Path, over_committed: bool) -> 
             if child.poll() is None:
                 child.kill()
                 child.wait()
-    clashes = 0
     for rnd in range(ROUNDS):
         path = tmp_path / f"round{rnd}"
         outcomes = {seed: json.loads((tmp_path / f"result.{rnd}.{seed}.json").read_text()) for seed in (1, 2)}
-        winners = [seed for seed, outcome in outcomes.items() if outcome["ok"]]
-        assert winners, f"round {rnd}: both saves failed: {outcomes}"
-        for seed, outcome in outcomes.items():
-            if not outcome["ok"]:
-                _assert_clash(outcome, path)
-                clashes += 1
-        _loads_as_one_of(path, winners)
-    assert clashes, "the saves never overlapped: the race was not tested"
+        _assert_one_won(outcomes, path, ok=lambda outcome: outcome["ok"])
 
 
 @pytest.mark.parametrize("over_committed", [False, True], ids=["fresh", "over_committed"])
 def test_two_threads_race_for_one_id(tmp_path: Path, over_committed: bool) -> None:
-    clashes = 0
     for rnd in range(ROUNDS):
         path = tmp_path / f"round{rnd}"
         if over_committed:
             dcp.save(make_state(7), checkpoint_id=path, no_dist=True)
-        outcomes = run_at_once(*(lambda seed=seed: dcp.save(make_state(seed), checkpoint_id=path, no_dist=True)
-                                  for seed in (1, 2)))
-        winners = [seed for seed, outcome in zip((1, 2), outcomes) if isinstance(outcome, dcp.Metadata)]
-        assert winners, outcomes
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                _assert_clash(outcome, path)
-                clashes += 1
-        _loads_as_one_of(path, winners)
-    assert clashes
+        rendezvous = Rendezvous(2)
+        outcomes = rendezvous.run({
+            seed: lambda seed=seed: dcp.save(
+                make_state(seed), no_dist=True,
+                storage_writer=MeetingFileSystemWriter(path, rendezvous=rendezvous, party=seed))
+            for seed in (1, 2)
+        })
+        _assert_one_won(outcomes, path, ok=lambda outcome: isinstance(outcome, dcp.Metadata))
 
 
 def test_sync_save_while_an_async_save_to_the_same_id_is_pending(tmp_path: Path) -> None:
@@ -122,16 +121,14 @@ def test_sync_save_while_an_async_save_to_the_same_id_is_pending(tmp_path: Path)
 def test_two_managers_on_one_root_save_the_same_step(tmp_path: Path) -> None:
     managers = [dcp.CheckpointManager(tmp_path / "run", max_to_keep=2) for _ in range(2)]
     managers[0].save(1, make_state(7))
-    clashes = 0
     for step in range(2, 2 + ROUNDS):
-        outcomes = run_at_once(*(lambda m=m, seed=seed, step=step: m.save(step, make_state(seed), force=True)
-                                  for m, seed in zip(managers, (1, 2))))
-        winners = [seed for seed, outcome in zip((1, 2), outcomes) if outcome is True]
-        assert winners, outcomes
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                _assert_clash(outcome, managers[0].directory(step))
-                clashes += 1
-        _loads_as_one_of(managers[0].directory(step), winners)
+        rendezvous = Rendezvous(2)
+        directory = managers[0].directory(step)
+        outcomes = rendezvous.run({
+            seed: lambda m=m, seed=seed, step=step: m.save(
+                step, make_state(seed), force=True,
+                storage_writer=MeetingFileSystemWriter(directory, rendezvous=rendezvous, party=seed))
+            for m, seed in zip(managers, (1, 2))
+        })
+        _assert_one_won(outcomes, directory, ok=lambda outcome: outcome is True)
     assert managers[1].all_steps() == [2 + ROUNDS - 2, 2 + ROUNDS - 1]
-    assert clashes

@@ -1,9 +1,12 @@
-"""msrun worker: platform.scatter_bytes and DistWrapper.reduce_scatter hand each rank its own part only.
+"""msrun worker: the collectives whose received bytes do not grow with the world size.
 
-Scenarios (all ranks, in order): parts of different lengths (empty included);
-a part of every byte value; a reduce_scatter step whose reduce fails on the
-coordinator (every rank raises the same error); a reduce_scatter of the
-rank's own squared number.
+Scenarios (all ranks, in order): ``platform.scatter_bytes`` of parts of
+different lengths (empty included) and of every byte value; a reduce_scatter
+step whose reduce fails on the coordinator (every rank raises the same
+error); a reduce_scatter of the rank's own squared number;
+``platform.broadcast_bytes`` (empty and 1000 bytes); ``DistWrapper.broadcast``
+of a value and of a coordinator failure; ``DistWrapper.agree`` returning each
+rank's own value, and failing on the last rank (every rank raises it).
 """
 
 from __future__ import annotations
@@ -55,4 +58,42 @@ def _squares() -> int:
     return DistWrapper(use_dist=True).reduce_scatter("probe", lambda: RANK, lambda values: [v * v for v in values])
 
 
-run_scenarios({"lengths": _lengths, "all_values": _all_values, "failing": _failing, "map_fails": _map_fails_on_last_rank, "squares": _squares})
+def _broadcast_bytes() -> list[bytes]:
+    return [platform.broadcast_bytes(b"" if RANK == 0 else None), platform.broadcast_bytes(
+        bytes(range(250)) * 4 if RANK == 0 else None)]
+
+
+def _broadcast() -> list:
+    dist = DistWrapper(use_dist=True)
+    value = dist.broadcast("probe", lambda: {"from": RANK, "world": WORLD})
+
+    def fail():
+        raise PlanValidationError(f"coordinator rank {RANK} refuses")
+
+    try:
+        dist.broadcast("probe", fail)
+    except PlanValidationError as exc:
+        return [value, f"{type(exc).__name__}: {exc}"]
+    return [value, "no error"]
+
+
+def _agree() -> list:
+    dist = DistWrapper(use_dist=True)
+    own = dist.agree("probe", lambda: RANK * 10)
+
+    def local():
+        if RANK == WORLD - 1:
+            raise PlanValidationError(f"rank {RANK} cannot verify")
+        return RANK
+
+    try:
+        dist.agree("verify", local)
+    except PlanValidationError as exc:
+        dist.barrier("after")
+        return [own, f"{type(exc).__name__}: {exc}"]
+    return [own, "no error"]
+
+
+run_scenarios({"lengths": _lengths, "all_values": _all_values, "failing": _failing,
+               "map_fails": _map_fails_on_last_rank, "squares": _squares, "broadcast_bytes": _broadcast_bytes,
+               "broadcast": _broadcast, "agree": _agree})

@@ -217,11 +217,46 @@ class DistWrapper:
         return self._gather_outcomes(step, fn)
 
     def broadcast(self, step: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the coordinator and return its result everywhere. All ranks call it."""
+        """Run ``fn`` on the coordinator and return its result everywhere. All ranks call it.
+
+        The coordinator's outcome (value or failure) goes to every rank by a
+        tensor broadcast: a rank receives that one outcome, whatever the
+        world size.
+        """
         if not self.use_dist:
             return fn()
-        results = self._gather_outcomes(step, lambda: fn() if self.is_coordinator else None)
-        return results[self.coordinator_rank]
+        blob = None
+        if self.is_coordinator:
+            blob = pickle.dumps(_run_outcome(fn, self.rank), protocol=pickle.HIGHEST_PROTOCOL)
+        outcome: _Outcome = pickle.loads(self._broadcast_bytes(step, blob))
+        raise_failures(step, [outcome.failure] if outcome.failure is not None else [])
+        return outcome.value
+
+    def agree(self, step: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on every rank; if any rank failed, raise the same error on every rank. All ranks call it.
+
+        Returns this rank's own result. Only failures travel: each rank's
+        (usually empty) failure goes to the coordinator (tensor gather), and
+        the list of failures comes back to every rank (tensor broadcast), so
+        a rank receives bytes that do not grow with the world size (unless
+        ranks fail). For a step whose results other ranks do not need.
+        """
+        if not self.use_dist:
+            return fn()
+        mine = _run_outcome(fn, self.rank)
+        sent = pickle.dumps(mine.failure, protocol=pickle.HIGHEST_PROTOCOL)
+        received = _within(lambda: platform.gather_bytes(sent, dst=self.coordinator_rank),
+                           step=step, rank=self.rank, timeout=self.timeout)
+        blob = None
+        if self.is_coordinator:
+            failures = [f for f in (pickle.loads(part) for part in received) if f is not None]
+            blob = pickle.dumps(failures, protocol=pickle.HIGHEST_PROTOCOL)
+        raise_failures(step, pickle.loads(self._broadcast_bytes(step, blob)))
+        return mine.value
+
+    def _broadcast_bytes(self, step: str, blob: bytes | None) -> bytes:
+        return _within(lambda: platform.broadcast_bytes(blob, src=self.coordinator_rank),
+                       step=step, rank=self.rank, timeout=self.timeout)
 
     def reduce_scatter(self, step: str, map_fn: Callable[[], T], reduce_fn: Callable[[list[T]], list[R]]) -> R:
         """Map on every rank, reduce on the coordinator, hand each rank its part.
@@ -258,5 +293,5 @@ class DistWrapper:
         return value
 
     def barrier(self, step: str) -> None:
-        """Wait for every rank (an error-free gather). All ranks call it."""
-        self.all_gather(step, lambda: None)
+        """Wait for every rank (an error-free :meth:`agree`). All ranks call it."""
+        self.agree(step, lambda: None)

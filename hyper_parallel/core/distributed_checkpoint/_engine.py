@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from hyper_parallel import platform
 from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncRequest
@@ -58,6 +58,7 @@ from hyper_parallel.core.distributed_checkpoint._fsspec_writer import FsspecWrit
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
 from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, StorageReader, StorageWriter, WriteResult
 
 __all__ = [
@@ -174,6 +175,42 @@ def _expand(local: SavePlan, received: _PlanDelta | SavePlan) -> SavePlan:
     return SavePlan(items=items, storage_data=received.storage_data, planner_data=received.planner_data)
 
 
+def _layout_exchange(planner: SavePlanner, writer: StorageWriter) -> bool:
+    """Whether the plan exchange may use the layout form (:mod:`._layout_plan`).
+
+    Only for the standard planner (a subclass may plan otherwise) and a
+    writer whose global plan step does not look at the items (the
+    filesystem and fsspec writers stamp one save id on every plan).
+    """
+    return (
+        type(planner) is StandardSavePlanner  # pylint: disable=unidiomatic-typecheck
+        and type(writer).prepare_global_plan is FileSystemWriter.prepare_global_plan
+    )
+
+
+def _to_send(planner: SavePlanner, local: SavePlan, compact: bool) -> Any:
+    """What this rank sends to the coordinator: its local plan, in layout form when ``compact``."""
+    return planner.compact_local_plan(local) if compact else local
+
+
+def _merge_layout_form(
+    planner: StandardSavePlanner,
+    writer: StorageWriter,
+    all_plans: list[Any],
+    merged: list[Metadata],
+    all_final: list[list[SavePlan]],
+    all_local: list[list[Any]],
+) -> list[_PlanDelta]:
+    """The coordinator's merge of layout-form plans: each rank's keep mask and storage data. Coordinator."""
+    masks, metadata = planner.build_global_masks(all_plans)
+    stamped = writer.prepare_global_plan([SavePlan(items=()) for _ in all_plans])  # items unused (see above)
+    merged.append(metadata)
+    all_final.append(stamped)
+    all_local.append(all_plans)
+    return [_PlanDelta(keep=mask, storage_data=plan.storage_data, planner_data=None)
+            for mask, plan in zip(masks, stamped)]
+
+
 @dataclass(frozen=True)
 class SaveSession:
     """A save between planning and commit.
@@ -213,13 +250,27 @@ def _uninitialised_communication(world_size: int) -> str | None:
 
 
 def plan_save(
-    state_dict: dict[str, Any], *, writer: StorageWriter, planner: SavePlanner, options: SaveOptions
+    state_dict: dict[str, Any],
+    *,
+    writer: StorageWriter,
+    planner: SavePlanner,
+    options: SaveOptions,
+    on_layout: Callable[[int], None] | None = None,
 ) -> SaveSession:
     """Plan a save: local plans, the coordinator's merge, final plans. All ranks call it.
 
-    Its plan step first shares the outcome of an earlier async save's
+    Its first step also shares the outcome of an earlier async save's
     background commit (the coordinator waits for it before taking the
     lease), so a failed one raises on every rank.
+
+    A planner whose plans are cached (:mod:`._plan_cache`) first digests its
+    layout; when every rank repeats the previous save's layout, the cached
+    plans are reused and no local plan is built.
+
+    Args:
+        on_layout: Called with the bytes of tensor data this rank offers, as
+            soon as they are known (the staging of an async save prepares its
+            memory meanwhile); cached planners only.
     """
     dist = DistWrapper(use_dist=not options.no_dist and options.use_collectives)
     pending = take_pending_commits() if dist.use_dist else []
@@ -227,8 +278,8 @@ def plan_save(
     local_plans: list[SavePlan] = []
     merged: list[Metadata] = []
 
-    def local_step() -> SavePlan:
-        raise_commit_failures(pending)
+    def set_up() -> None:
+        raise_commit_failures(pending)  # inside the first step: a failed earlier commit raises on every rank
         writer.set_up_storage_writer(
             dist.is_coordinator,
             rank=dist.rank if alone is None else alone,
@@ -243,15 +294,31 @@ def plan_save(
             remove_redundancy=options.remove_redundancy,
             save_to_minimum_rank=options.save_to_minimum_rank,
         )
-        local_plans.append(writer.prepare_local_plan(planner.build_local_plan()))
-        return local_plans[0]
 
+    def build_local() -> Any:
+        local_plans.append(writer.prepare_local_plan(planner.build_local_plan()))
+        return _to_send(planner, local_plans[0], compact)
+
+    def local_step() -> Any:
+        set_up()
+        return build_local()
+
+    def layout_step() -> PlanMessage:
+        set_up()
+        layout = planner.describe_layout()
+        if on_layout is not None:
+            on_layout(layout.tensor_bytes)
+        return cache.message(layout)
+
+    compact = dist.use_dist and _layout_exchange(planner, writer)
     cache = plan_cache_for(writer, planner, options, rank=dist.rank, world_size=dist.world_size)
     all_final: list[list[SavePlan]] = []
     all_local: list[list[SavePlan]] = []
 
-    def global_step(all_plans: list[SavePlan]) -> list[Any]:
+    def global_step(all_plans: list[Any]) -> list[Any]:
         try:
+            if compact:
+                return _merge_layout_form(planner, writer, all_plans, merged, all_final, all_local)
             final_plans, metadata = planner.build_global_plan(all_plans)
         except PlanValidationError as exc:
             hint = _uninitialised_communication(dist.world_size)
@@ -270,15 +337,16 @@ def plan_save(
             plan = _expand(local_plans[0], received)
         else:
             # A digest round first: a save repeating the last layout reuses its plans (see _plan_cache).
-            messages = dist.all_gather("plan digest", lambda: cache.message(local_step()))
+            messages = dist.all_gather("plan digest", layout_step)
             cached = cache.lookup(messages)
             if cached is not None:
                 plan = _reuse(dist, writer, cached, merged, messages)
+                planner.bind_sources(plan.items, cached.sources, cached.source_of)
             else:
-                received = dist.reduce_scatter("plan", lambda: local_plans[0], global_step)
+                received = dist.reduce_scatter("plan", build_local, global_step)
                 plan = _expand(local_plans[0], received)
                 cache.store(messages, plan, all_final[0] if all_final else None, merged[0] if merged else None,
-                            all_local[0] if all_local else None)
+                            all_local[0] if all_local else None, sources=planner.sources_for(plan.items))
         plan = planner.finalize_plan(plan)
     except BaseException:
         writer.abort()
@@ -299,8 +367,9 @@ def _reuse(
         merged.append(cached.metadata)
         return [plan.storage_data for plan in writer.prepare_global_plan(list(cached.all_final))]
 
-    storage_data = dist.broadcast("plan", stamp)
-    return replace(cached.final, storage_data=storage_data[dist.rank])
+    # Each rank gets its own storage data only (a scatter), not every rank's.
+    storage_data = dist.reduce_scatter("plan", lambda: None, lambda _: stamp())
+    return replace(cached.final, storage_data=storage_data)
 
 
 def write_local(session: SaveSession, planner: SavePlanner | None = None) -> list[WriteResult]:
@@ -365,19 +434,21 @@ def plan_async_save(
     async save). The background thread never runs a collective, which could
     interleave with the training job's own.
     """
-    session = plan_save(state_dict, writer=writer, planner=planner, options=options)
+    prepare = _POOL.prepare if staging == "copy" else None
+    session = plan_save(state_dict, writer=writer, planner=planner, options=options, on_layout=prepare)
     background: list[Callable[[], list[WriteResult]]] = []
 
     def stage_step() -> None:
+        items = session.plan.items
         if staging == "copy":
-            staged = StagedSavePlanner(session.planner, _POOL.stage(session.plan.items, session.planner))
+            staged = StagedSavePlanner(session.planner, _POOL.stage(items, _sources(items, session.planner)))
             background.append(lambda: write_local(session, staged))
         else:
-            views = staged_views(session.plan.items, session.planner)
+            views = staged_views(items, _sources(items, session.planner), session.planner)
             background.append(fork_write(session.writer, session.plan, views, rank=session.dist.rank))
 
     try:
-        session.dist.all_gather("stage", stage_step)
+        session.dist.agree("stage", stage_step)
     except BaseException:
         session.writer.abort()
         raise
@@ -408,6 +479,13 @@ def plan_async_save(
     return AsyncRequest(async_fn=background[0], finalize_fns=(commit,))
 
 
+def _sources(items: tuple[Any, ...], planner: SavePlanner) -> Iterable[Any]:
+    """The data of each item, in order: one loop over a reused plan's leaves for the standard planner."""
+    if isinstance(planner, StandardSavePlanner):
+        return planner.stage_arrays(items)
+    return (planner.get_data(item) for item in items)
+
+
 def _committed(metadata: Metadata, error: BaseException | None) -> Metadata:
     """Finalize of an async save committed in the background: hand over its metadata or its error."""
     if error is not None:
@@ -426,7 +504,7 @@ def read_checkpoint_metadata(reader: StorageReader, options: LoadOptions) -> Met
         settle_background_commits()
     rank = _rank_alone(options.no_dist, options.use_collectives)
     found: list[Metadata] = []
-    dist.all_gather("read metadata", lambda: found.append(reader.read_metadata(rank=rank)))
+    dist.agree("read metadata", lambda: found.append(reader.read_metadata(rank=rank)))
     return found[0]
 
 
@@ -460,7 +538,7 @@ def run_load(
     plan = planner.finalize_plan(received if received is not None else local_plans[0])
     # Every rank verifies every byte it will read before any rank copies one:
     # a corrupt checkpoint fails the load with every target unchanged.
-    dist.all_gather("verify", lambda: reader.verify_data(plan).result())
+    dist.agree("verify", lambda: reader.verify_data(plan).result())
     rounds = planner.read_rounds(plan)
     for index, round_plan in enumerate(rounds):
         _read_round(dist, reader, planner, round_plan, index, last=index == len(rounds) - 1)
@@ -478,7 +556,7 @@ def _read_round(
         if last and not planner.shares_reads:
             planner.finish_load()
 
-    dist.all_gather("read", read_step)
+    dist.agree("read", read_step)
     if not planner.shares_reads:
         return
     shared = dist.all_gather("share reads", lambda: planner.outgoing(index))
@@ -491,4 +569,4 @@ def _read_round(
         if last:
             planner.finish_load()
 
-    dist.all_gather("receive reads", receive_step)
+    dist.agree("receive reads", receive_step)

@@ -30,7 +30,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
 )
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, WriteItem
 
-__all__ = ["build_global_save_plan", "assign_writers", "replica_problems"]
+__all__ = ["build_global_save_plan", "assign_writers", "replica_problems", "check_replicas_of", "describe_general"]
 
 Holder = tuple[int, int]  # (rank, position of the item in that rank's plan)
 ItemKey = tuple[str, tuple[int, ...]]  # (fqn, global offset): plain tuples hash fast
@@ -120,19 +120,11 @@ def _build_global_save_plan(
         first = first_item[key]
         sizes[key] = first.storage_size()
         if len(holders) > 1:
-            problems.extend(_check_replicas(key, holders, all_plans))
+            problems.extend(check_replicas_of(key, holders, all_plans))
 
     state_dict_metadata: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     for fqn, keys in by_fqn.items():
-        items = [first_item[k] for k in keys]
-        kinds = {item.tensor_data is not None for item in items}
-        if len(kinds) > 1:
-            problems.append(f"'{fqn}': saved as a tensor by some ranks and as a non-tensor value by others")
-            continue
-        if items[0].tensor_data is not None:
-            problems.extend(_describe_tensor(fqn, keys, groups, all_plans, state_dict_metadata))
-        else:
-            problems.extend(_describe_bytes(fqn, keys, groups, all_plans, state_dict_metadata))
+        problems.extend(describe_general(fqn, keys, groups, all_plans, state_dict_metadata))
 
     if problems:
         shown = problems[:MAX_REPORTED_PROBLEMS]
@@ -175,7 +167,22 @@ def _build_global_save_plan(
     return final_plans, metadata
 
 
-def _check_replicas(key: ItemKey, holders: list[Holder], all_plans: list[SavePlan]) -> list[str]:
+def describe_general(fqn: str, keys: list[ItemKey], groups: dict[ItemKey, list[Holder]], all_plans: Any,
+                     out: dict[str, Any]) -> list[str]:
+    """Check the items of ``fqn`` agree and put its metadata into ``out``; return the problems.
+
+    ``all_plans[rank].items[position]`` is the item of each holder.
+    """
+    first = [all_plans[groups[k][0][0]].items[groups[k][0][1]] for k in keys]
+    if len({item.tensor_data is not None for item in first}) > 1:
+        return [f"'{fqn}': saved as a tensor by some ranks and as a non-tensor value by others"]
+    if first[0].tensor_data is not None:
+        return _describe_tensor(fqn, keys, groups, all_plans, out)
+    return _describe_bytes(fqn, keys, groups, all_plans, out)
+
+
+def check_replicas_of(key: ItemKey, holders: list[Holder], all_plans: Any) -> list[str]:
+    """The problems of one item several ranks hold (``all_plans[rank].items[position]``)."""
     items = [(rank, all_plans[rank].items[position]) for rank, position in holders]
     first = items[0][1]
     if first.tensor_data is not None:

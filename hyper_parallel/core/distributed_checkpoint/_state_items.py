@@ -71,6 +71,8 @@ class TensorEntry:
         allow_shape_mismatch: On load, accept a different stored global shape.
         may_be_replicated: Another rank may hold the same box (a whole
             tensor, or a DTensor whose layout has replica positions).
+        layout: The DTensor's :class:`.Layout` (``None`` otherwise): lets the
+            save plan describe the piece by its layout (see ``_layout_plan``).
     """
 
     fqn: str
@@ -82,6 +84,7 @@ class TensorEntry:
     write: bool = True
     allow_shape_mismatch: bool = False
     may_be_replicated: bool = False
+    layout: Any = None
 
 
 @dataclass(frozen=True)
@@ -195,6 +198,7 @@ def _make_entry(fqn: str, value: Any) -> TensorEntry | ValueEntry | SkipEntry:
             local=local,
             local_shape=tuple(value.local_shape),
             may_be_replicated=value.layout.num_shards() < len(value.layout.rank_list),
+            layout=value.layout,
         )
     if isinstance(value, ShardedTensor):
         return _sharded_tensor_entry(fqn, value)

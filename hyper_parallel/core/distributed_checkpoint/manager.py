@@ -430,7 +430,7 @@ class CheckpointManager:
             if dist.is_coordinator:
                 self._retain_on_coordinator(committing)
 
-        dist.all_gather("checkpoint retention", retain)
+        dist.agree("checkpoint retention", retain)
 
     def _promised_forever(self, step: int, now: float, steps: dict[int, StepRecord]) -> bool:
         if self.keep_every_n_steps is not None and step % self.keep_every_n_steps == 0:
