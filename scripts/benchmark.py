@@ -551,6 +551,9 @@ def reshard_ratios(reshard: dict[str, Any]) -> list[tuple[str, float, str, bool 
                         worst <= 1.05))
         slowest = max(r[f"verify {verify}"]["median_s"] for r in reshard["ranks"])
         out.append((f"reshard load seconds, verify {verify}, slowest rank", slowest, "", None))
+    if all("async_result_s" in r for r in reshard["ranks"]):
+        out.append((f"async result() ms after done(), {len(reshard['ranks'])} ranks, small state, slowest rank",
+                    max(r["async_result_s"] for r in reshard["ranks"]) * 1e3, "", None))
     return out
 
 

@@ -79,6 +79,8 @@ def test_benchmark_reports_every_figure_for_both_states(tmp_path):
     for name in RESHARD_FIGURES:
         assert math.isfinite(reshard[name]["value"]) and reshard[name]["value"] >= 0.99, name
     assert "w_bf16_1024" in result["reshard"]["description"]  # narrow rows are measured
+    result_ms = reshard["async result() ms after done(), 2 ranks, small state, slowest rank"]["value"]
+    assert math.isfinite(result_ms) and result_ms > 0  # what result() of a multi-rank async save still blocks
 
 
 def _run_small(script: str, out: Path, *extra: str) -> subprocess.CompletedProcess:

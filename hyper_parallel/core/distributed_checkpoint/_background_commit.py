@@ -228,5 +228,4 @@ def settle_background_commits() -> None:
     """
     pending = take_pending_commits()
     if pending:
-        pending[-1].dist.reduce_scatter("background commit", lambda: raise_commit_failures(pending),
-                                        lambda values: [None] * len(values))
+        pending[-1].dist.agree("background commit", lambda: raise_commit_failures(pending))
