@@ -11,7 +11,7 @@ plan separately (as it arrives over the wire: no objects shared between
 ranks), the merge (deduplication, replica checks, writer balancing,
 metadata) and pickling each rank's own result for the scatter.
 
-Printed per N: seconds, microseconds per item (N x tensors items), the
+Printed per N (the median of ``--repeat`` runs): seconds, microseconds per item (N x tensors items), the
 flatness of the time per item, the bytes a rank sends, and the bytes a
 non-coordinator rank receives (the library's gather + scatter, against an
 all-gather of every plan). With ``--general-up-to M`` the per-item merge of
@@ -116,17 +116,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--tensors", type=int, default=1000)
     parser.add_argument("--general-up-to", type=int, default=0,
                         help="also time the per-item merge of expanded plans up to this many ranks")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per rank count; the median run is reported")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     rows = []
     for ranks in args.ranks:
         blobs = rank_blobs(ranks, args.tensors)
-        gc.collect()
-        gc.disable()  # as in dcp.save, which pauses the cyclic GC while it runs
-        try:
-            side = _coordinator(blobs)
-        finally:
-            gc.enable()
+        runs = []
+        for _ in range(args.repeat):  # each run unpickles fresh objects from the blobs
+            gc.collect()
+            gc.disable()  # as in dcp.save, which pauses the cyclic GC while it runs
+            try:
+                runs.append(_coordinator(blobs))
+            finally:
+                gc.enable()
+        side = sorted(runs, key=lambda run: run["total"])[len(runs) // 2]  # the median run
+        del runs
         items = ranks * args.tensors
         longest_result = max(map(len, side["result_blobs"]))
         row = {
