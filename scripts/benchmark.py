@@ -40,6 +40,7 @@ import psutil
 import bench_ms_import
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.core.distributed_checkpoint import _engine
+from hyper_parallel.core.distributed_checkpoint._plan_cache import clear_plan_cache
 
 __all__ = ["STATES", "build_state", "drop_page_cache", "main", "pretouch", "read_io_bytes"]
 
@@ -279,8 +280,10 @@ def phase_async(state: dict[str, Any], work: Path, args: argparse.Namespace) -> 
     path = work / "async"
     out: dict[str, list[float]] = {}
     for staging in ("copy", "fork"):
-        # A first call maps a fresh staging arena, even when an earlier state of this run left one behind.
+        # A first call plans from nothing and maps a fresh staging arena, as the first save of a job does,
+        # even when the sync saves of this run (same layout) left a cached plan and an arena behind.
         _engine._POOL.release()  # pylint: disable=protected-access
+        clear_plan_cache()
         blocking: list[float] = []
         background: list[float] = []
         result: list[float] = []

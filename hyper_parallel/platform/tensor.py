@@ -119,7 +119,7 @@ def to_numpy(value: Any) -> np.ndarray:
             # A device tensor: asnumpy() copies it out. Forced on CPU, copy too (asnumpy would alias).
             out = value.asnumpy()
             return np.array(out, copy=True) if os.environ.get(DEVICE_COPIES_ENV) == "1" else out
-        view = shared_view(value)
+        view = _host_view(value)
         return view if view is not None else value.asnumpy()
     if isinstance(value, np.generic):
         return np.asarray(value)
@@ -138,8 +138,11 @@ def shared_view(value: Any) -> np.ndarray | None:
     unchanged. The cache holds the tensor only weakly and drops the view when
     the tensor dies.
     """
-    if not host_memory_shared(value):
-        return None
+    return _host_view(value) if host_memory_shared(value) else None
+
+
+def _host_view(value: Any) -> np.ndarray | None:
+    """:func:`shared_view` of a tensor known to be in host memory."""
     try:
         pointer = int(value.data_ptr())
     except (AttributeError, RuntimeError, TypeError, ValueError):

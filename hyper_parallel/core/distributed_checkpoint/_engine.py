@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from hyper_parallel import platform
 from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncRequest
@@ -244,15 +244,30 @@ def _uninitialised_communication(world_size: int) -> str | None:
 
 
 def plan_save(
-    state_dict: dict[str, Any], *, writer: StorageWriter, planner: SavePlanner, options: SaveOptions
+    state_dict: dict[str, Any],
+    *,
+    writer: StorageWriter,
+    planner: SavePlanner,
+    options: SaveOptions,
+    on_layout: Callable[[int], None] | None = None,
 ) -> SaveSession:
-    """Plan a save: local plans, the coordinator's merge, final plans. All ranks call it."""
+    """Plan a save: local plans, the coordinator's merge, final plans. All ranks call it.
+
+    A planner whose plans are cached (:mod:`._plan_cache`) first digests its
+    layout; when every rank repeats the previous save's layout, the cached
+    plans are reused and no local plan is built.
+
+    Args:
+        on_layout: Called with the bytes of tensor data this rank offers, as
+            soon as they are known (the staging of an async save prepares its
+            memory meanwhile); cached planners only.
+    """
     dist = DistWrapper(use_dist=not options.no_dist and options.use_collectives)
     alone = _rank_alone(options.no_dist, options.use_collectives)
     local_plans: list[SavePlan] = []
     merged: list[Metadata] = []
 
-    def local_step() -> SavePlan:
+    def set_up() -> None:
         writer.set_up_storage_writer(
             dist.is_coordinator,
             rank=dist.rank if alone is None else alone,
@@ -267,8 +282,21 @@ def plan_save(
             remove_redundancy=options.remove_redundancy,
             save_to_minimum_rank=options.save_to_minimum_rank,
         )
+
+    def build_local() -> Any:
         local_plans.append(writer.prepare_local_plan(planner.build_local_plan()))
         return _to_send(planner, local_plans[0], compact)
+
+    def local_step() -> Any:
+        set_up()
+        return build_local()
+
+    def layout_step() -> PlanMessage:
+        set_up()
+        layout = planner.describe_layout()
+        if on_layout is not None:
+            on_layout(layout.tensor_bytes)
+        return cache.message(layout)
 
     compact = dist.use_dist and _layout_exchange(planner, writer)
     cache = plan_cache_for(writer, planner, options, rank=dist.rank, world_size=dist.world_size)
@@ -297,15 +325,16 @@ def plan_save(
             plan = _expand(local_plans[0], received)
         else:
             # A digest round first: a save repeating the last layout reuses its plans (see _plan_cache).
-            messages = dist.all_gather("plan digest", lambda: cache.message(local_step() and local_plans[0]))
+            messages = dist.all_gather("plan digest", layout_step)
             cached = cache.lookup(messages)
             if cached is not None:
                 plan = _reuse(dist, writer, cached, merged, messages)
+                planner.bind_sources(plan.items, cached.sources, cached.source_of)
             else:
-                received = dist.reduce_scatter("plan", lambda: _to_send(planner, local_plans[0], compact), global_step)
+                received = dist.reduce_scatter("plan", build_local, global_step)
                 plan = _expand(local_plans[0], received)
                 cache.store(messages, plan, all_final[0] if all_final else None, merged[0] if merged else None,
-                            all_local[0] if all_local else None)
+                            all_local[0] if all_local else None, sources=planner.sources_for(plan.items))
         plan = planner.finalize_plan(plan)
     except BaseException:
         writer.abort()
@@ -391,15 +420,17 @@ def plan_async_save(
     or ``use_collectives=False``) commits in the background right after
     writing.
     """
-    session = plan_save(state_dict, writer=writer, planner=planner, options=options)
+    prepare = _POOL.prepare if staging == "copy" else None
+    session = plan_save(state_dict, writer=writer, planner=planner, options=options, on_layout=prepare)
     background: list[Callable[[], list[WriteResult]]] = []
 
     def stage_step() -> None:
+        items = session.plan.items
         if staging == "copy":
-            staged = StagedSavePlanner(session.planner, _POOL.stage(session.plan.items, session.planner))
+            staged = StagedSavePlanner(session.planner, _POOL.stage(items, _sources(items, session.planner)))
             background.append(lambda: write_local(session, staged))
         else:
-            views = staged_views(session.plan.items, session.planner)
+            views = staged_views(items, _sources(items, session.planner), session.planner)
             background.append(fork_write(session.writer, session.plan, views, rank=session.dist.rank))
 
     try:
@@ -428,6 +459,13 @@ def plan_async_save(
         return commit_save(session, local_results, step="async write and commit", background_cleanup=True)
 
     return AsyncRequest(async_fn=background[0], finalize_fns=(commit,))
+
+
+def _sources(items: tuple[Any, ...], planner: SavePlanner) -> Iterable[Any]:
+    """The data of each item, in order: one loop over a reused plan's leaves for the standard planner."""
+    if isinstance(planner, StandardSavePlanner):
+        return planner.stage_arrays(items)
+    return (planner.get_data(item) for item in items)
 
 
 def _committed(metadata: Metadata, error: BaseException | None) -> Metadata:

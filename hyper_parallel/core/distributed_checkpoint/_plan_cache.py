@@ -5,10 +5,10 @@ costs a gather of every rank's local plan to the coordinator, the
 coordinator's merge (deduplication, validation, metadata) and handing each
 rank its final plan. When nothing changed, all of that gives the same result
 as last time. So each rank keeps, per (rank, world size, options, writer and
-planner class), what the previous save planned: a digest of its local plan,
+planner class), what the previous save planned: a digest of its layout,
 its final plan, and on the coordinator the final plans of all ranks and the
 metadata. A save then exchanges only digests: every rank sends a
-:class:`PlanMessage` (its local plan's digest and the digest of the whole
+:class:`PlanMessage` (its layout digest and the digest of the whole
 exchange it has cached); when every rank's cached exchange equals the digests
 of this exchange, every rank reuses its final plan and the coordinator its
 metadata (the merge's validation already passed for exactly these plans).
@@ -16,11 +16,15 @@ Each rank decides from the same gathered messages, so all ranks agree
 without a further round. Otherwise the full exchange runs and refreshes the
 caches.
 
-The digest covers the whole local plan, non-tensor values' digests included:
-a value that changed (a step counter) makes a new exchange, so the
-coordinator's check that replicas agree always sees current values. The
+The layout digest (:func:`._save_layout.describe_layout`) is computed
+without building the local plan: one row of plain tuples per leaf (keys,
+shapes, dtypes, shardings), non-tensor values' digests included: a value that
+changed (a step counter) makes a new exchange, so the coordinator's check
+that replicas agree always sees current values. A rank builds its local plan
+only when the exchange runs; on a reuse it serves the cached plan's items from
+this save's leaves (:attr:`CachedPlan.sources`). The
 xxh3 digests of replicated tensor chunks (``check_replicas``) are left out of
-the plan digest, since weights change at every step: each rank sends them in
+the layout digest, since weights change at every step: each rank sends them in
 its :class:`PlanMessage` instead, and on a reuse the coordinator compares them
 by the replica groups it kept from the full exchange
 (:func:`check_cached_replicas`), so a reused plan is checked as a new one.
@@ -30,9 +34,8 @@ keep state outside its plans).
 
 from __future__ import annotations
 
-import pickle
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import xxhash
@@ -40,8 +43,9 @@ import xxhash
 from hyper_parallel.core.distributed_checkpoint._format.cover import MAX_REPORTED_PROBLEMS
 from hyper_parallel.core.distributed_checkpoint._global_plan import replica_problems
 from hyper_parallel.core.distributed_checkpoint._layout_plan import LayoutSavePlan, expand_save_plan
+from hyper_parallel.core.distributed_checkpoint._save_layout import LayoutDescription, LeafSource
 from hyper_parallel.core.distributed_checkpoint.errors import PlanValidationError
-from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
+from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
 from hyper_parallel.core.distributed_checkpoint.storage import StorageWriter
@@ -63,7 +67,7 @@ class PlanMessage:
     """What a rank sends in the digest round of a save.
 
     Attributes:
-        local_digest: Digest of this rank's local plan.
+        local_digest: Digest of this rank's layout (:class:`.LayoutDescription`).
         cached_exchange: Digest of the exchange whose result this rank holds (``""``: none).
         replica_digests: This rank's replicated-chunk digests, in local plan order.
     """
@@ -84,6 +88,8 @@ class CachedPlan:
         metadata: The merged metadata (coordinator only, else ``None``).
         replica_keys: Per rank, the (fqn, offset) of each chunk it sent a
             replica digest for, in order (coordinator only, else ``None``).
+        sources: The leaf of each item of ``final`` (``None`` for values), aligned with its items.
+        source_of: The same by item index.
     """
 
     exchange: str
@@ -91,25 +97,8 @@ class CachedPlan:
     all_final: tuple[SavePlan, ...] | None
     metadata: Metadata | None
     replica_keys: tuple[tuple[tuple[str, tuple[int, ...]], ...], ...] | None = None
-
-
-def plan_digest(plan: SavePlan) -> str:
-    """Digest of a local plan (every field but replica digests, pickled)."""
-    if any(item.tensor_data is not None and item.tensor_data.replica_digest for item in plan.items):
-        plan = replace(plan, items=tuple(
-            replace(item, tensor_data=replace(item.tensor_data, replica_digest=None))
-            if item.tensor_data is not None and item.tensor_data.replica_digest else item
-            for item in plan.items
-        ))
-    return xxhash.xxh3_128_hexdigest(pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def replica_digests(plan: SavePlan) -> tuple[str, ...]:
-    """The replica digests of a plan's tensor items, in order."""
-    return tuple(
-        item.tensor_data.replica_digest for item in plan.items
-        if item.tensor_data is not None and item.tensor_data.replica_digest
-    )
+    sources: tuple[LeafSource | None, ...] = ()
+    source_of: dict[MetadataIndex, LeafSource] | None = None
 
 
 def replica_keys(plans: list[SavePlan | LayoutSavePlan]) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]:
@@ -181,13 +170,13 @@ class PlanCache:
         self.key = key
         self.local_digest = ""
 
-    def message(self, local: SavePlan) -> PlanMessage:
-        """Digest ``local`` and say which exchange this rank holds. All ranks."""
-        self.local_digest = plan_digest(local)
+    def message(self, layout: LayoutDescription) -> PlanMessage:
+        """Say which layout this rank saves and which exchange it holds. All ranks."""
+        self.local_digest = layout.digest
         with _LOCK:
             cached = _CACHE.get(self.key)
         return PlanMessage(local_digest=self.local_digest, cached_exchange=cached.exchange if cached else "",
-                           replica_digests=replica_digests(local))
+                           replica_digests=layout.replica_digests)
 
     def lookup(self, messages: list[PlanMessage]) -> CachedPlan | None:
         """The cached result if every rank holds this very exchange, else ``None``. All ranks (same answer)."""
@@ -208,14 +197,29 @@ class PlanCache:
         all_final: list[SavePlan] | None,
         metadata: Metadata | None,
         local_plans: list[SavePlan] | None = None,
+        sources: tuple[LeafSource | None, ...] = (),
     ) -> None:
-        """Keep the result of a full exchange (``local_plans``: every rank's, coordinator only). All ranks."""
+        """Keep the result of a full exchange. All ranks.
+
+        Args:
+            messages: Every rank's message of this save's digest round.
+            final: This rank's final plan.
+            all_final: Every rank's final plan (coordinator only).
+            metadata: The merged metadata (coordinator only).
+            local_plans: Every rank's local plan (coordinator only).
+            sources: The leaf of each item of ``final`` (``None`` for values).
+        """
         entry = CachedPlan(
             exchange=exchange_digest([m.local_digest for m in messages]),
             final=final,
             all_final=tuple(all_final) if all_final is not None else None,
             metadata=metadata,
             replica_keys=replica_keys(local_plans) if local_plans is not None else None,
+            sources=sources,
+            source_of={
+                MetadataIndex(item.index.fqn, item.index.offset): source
+                for item, source in zip(final.items, sources) if source is not None
+            },
         )
         with _LOCK:
             _CACHE[self.key] = entry

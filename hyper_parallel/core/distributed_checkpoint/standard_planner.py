@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -32,6 +32,14 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
 from hyper_parallel.core.distributed_checkpoint._chunk_search import overlapping_chunks
 from hyper_parallel.core.distributed_checkpoint._flatten import FlatStateDict, flatten_state_dict, set_by_path
 from hyper_parallel.core.distributed_checkpoint._global_plan import build_global_save_plan
+from hyper_parallel.core.distributed_checkpoint._save_layout import (
+    LayoutDescription,
+    LeafSource,
+    describe_layout,
+    leaf_array,
+    piece_array,
+    plain_tensor,
+)
 from hyper_parallel.core.distributed_checkpoint._layout_merge import merge_layout_plans
 from hyper_parallel.core.distributed_checkpoint._layout_plan import LayoutSavePlan, compact_save_plan
 from hyper_parallel.core.distributed_checkpoint.metadata import (
@@ -68,7 +76,7 @@ from hyper_parallel.core.distributed_checkpoint._state_items import (
     piece_view,
 )
 from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value, serialize_value
-from hyper_parallel.platform.tensor import DTYPE_NAMES, assign, numpy_dtype, to_numpy, writable_view
+from hyper_parallel.platform.tensor import DTYPE_NAMES, assign, dtype_name, numpy_dtype, to_numpy, writable_view
 
 __all__ = ["AliasData", "StandardSavePlanner", "StandardLoadPlanner"]
 
@@ -138,6 +146,12 @@ class StandardSavePlanner(SavePlanner):
         self.save_to_minimum_rank = False
         self._tensors: dict[MetadataIndex, tuple[TensorEntry, TensorPiece]] = {}
         self._bytes: dict[MetadataIndex, bytes] = {}
+        self._serialized: dict[MetadataIndex, tuple[str, bytes]] = {}
+        self._replica_digests: dict[tuple[str, tuple[int, ...]], str] = {}
+        self._sources: dict[MetadataIndex, LeafSource] = {}
+        self._bound: tuple[tuple[WriteItem, ...], tuple[LeafSource | None, ...]] | None = None
+        self._bound_of: dict[MetadataIndex, LeafSource] = {}
+        self.leaf_arrays: dict[str, np.ndarray] = {}
         self._layouts: dict[MetadataIndex, Any] = {}
 
     def configure_planner(
@@ -157,7 +171,94 @@ class StandardSavePlanner(SavePlanner):
         self.save_to_minimum_rank = save_to_minimum_rank
         self._tensors.clear()
         self._bytes.clear()
+        self._serialized.clear()
+        self._replica_digests.clear()
+        self._sources.clear()
+        self._bound, self._bound_of = None, {}
+        self.leaf_arrays = {}
         self._layouts.clear()
+
+    def describe_layout(self) -> LayoutDescription:
+        """Digest this rank's layout without building a plan (:mod:`._save_layout`). All ranks.
+
+        Called after :meth:`configure_planner`; a save whose layout repeats the
+        previous one's reuses its plan (:meth:`bind_sources`), else calls
+        :meth:`build_local_plan`, which reuses the values serialised and the
+        replicas hashed here.
+
+        Raises:
+            UnsupportedTypeError: A value or dtype no checkpoint stores (names the key).
+        """
+        if self.flat is None:
+            raise CheckpointValueError("configure_planner must be called before describe_layout")
+        return describe_layout(self)
+
+    def classify(self, fqn: str, value: Any) -> TensorEntry | ValueEntry | SkipEntry:
+        """Classify one leaf stored under ``fqn`` (:func:`._state_items.make_entry`)."""
+        return _classify(fqn, value)
+
+    @staticmethod
+    def classify_dtype(fqn: str, value: Any) -> str:
+        """The stored dtype name of a whole tensor stored under ``fqn``.
+
+        Raises:
+            UnsupportedTypeError: A dtype no checkpoint stores (names the key).
+        """
+        try:
+            return dtype_name(value)
+        except TypeError as exc:
+            raise UnsupportedTypeError(
+                f"checkpoint item {fqn!r}: {exc}; convert it to bool, an integer or float dtype, or bfloat16"
+            ) from exc
+
+    def keep_replica_digest(self, fqn: str, offsets: tuple[int, ...], found: str) -> None:
+        """Remember a replicated piece's digest for the local plan of this save."""
+        self._replica_digests[(fqn, offsets)] = found
+
+    def serialize(self, entry: ValueEntry) -> tuple[str, bytes]:
+        """Serialise a value once per save; return ``(type name, payload)`` (kept for writing)."""
+        index = MetadataIndex(entry.fqn, entry.offset)
+        found = self._serialized.get(index)
+        if found is None:
+            found = serialize_value(entry.value, key=entry.fqn, allow_pickle=self.allow_pickle)
+            self._serialized[index] = found
+            self._bytes[index] = found[1]
+        return found
+
+    def sources_for(self, items: tuple[WriteItem, ...]) -> tuple[LeafSource | None, ...]:
+        """The leaf of each item of a plan this planner built (``None`` for values), for a later reuse."""
+        return tuple(self._sources.get(MetadataIndex(item.index.fqn, item.index.offset)) for item in items)
+
+    def bind_sources(
+        self, items: tuple[WriteItem, ...], sources: tuple[LeafSource | None, ...], by_index: dict[MetadataIndex, LeafSource]
+    ) -> None:
+        """Serve the items of a reused plan from this save's leaves (no local plan built). All ranks.
+
+        Args:
+            items: The reused plan's items.
+            sources: The leaf of each item (``None`` for values), aligned with ``items``.
+            by_index: The same by item index (for :meth:`get_data`).
+        """
+        self._bound, self._bound_of = (items, sources), by_index
+
+    def stage_arrays(self, items: tuple[WriteItem, ...]) -> Iterator[np.ndarray | bytes]:
+        """Yield the data of ``items`` in order, as :meth:`get_data` would (one tight loop for a reused plan)."""
+        if self._bound is None or self._bound[0] is not items:
+            yield from (self.get_data(item) for item in items)
+            return
+        arrays = self.leaf_arrays
+        for item, source in zip(items, self._bound[1]):
+            if source is None:
+                yield self._bytes[MetadataIndex(item.index.fqn, item.index.offset)]
+            elif source.plain:
+                array = arrays.get(source.name)
+                yield array if array is not None else leaf_array(self.flat.values[source.name])
+            else:
+                yield self._leaf_piece(source)
+
+    def _leaf_piece(self, source: LeafSource) -> np.ndarray:
+        entry = _classify(self.flat.storage_keys[source.name], self.flat.values[source.name])
+        return piece_array(entry, entry.pieces[source.piece])
 
     def build_local_plan(self) -> SavePlan:
         """Return one item per tensor piece and per value. All ranks call it.
@@ -173,21 +274,23 @@ class StandardSavePlanner(SavePlanner):
             if isinstance(entry, SkipEntry) or not entry.write:
                 continue
             if isinstance(entry, TensorEntry):
-                items.extend(self._tensor_items(entry))
+                items.extend(self._tensor_items(entry, name, plain_tensor(value)))
             else:
                 items.append(self._bytes_item(entry))
         aliases = tuple(sorted(self.flat.aliases.items()))
         return SavePlan(items=tuple(items), planner_data=AliasData(aliases) if aliases else None)
 
-    def _tensor_items(self, entry: TensorEntry) -> list[WriteItem]:
+    def _tensor_items(self, entry: TensorEntry, name: str, plain: bool) -> list[WriteItem]:
         items = []
         check = self.check_replicas and self.world_size > 1 and entry.may_be_replicated
-        for piece in entry.pieces:
+        for position, piece in enumerate(entry.pieces):
             index = MetadataIndex(entry.fqn, piece.offsets)
             whole = piece.sizes == entry.global_shape
             replica_digest = None
             if check:
-                replica_digest = digest(memoryview(self._piece_array(entry, piece).reshape(-1).view(np.uint8)))
+                replica_digest = self._replica_digests.get((entry.fqn, piece.offsets))
+                if replica_digest is None:
+                    replica_digest = digest(memoryview(piece_array(entry, piece).reshape(-1).view(np.uint8)))
             items.append(
                 WriteItem(
                     index=index,
@@ -201,6 +304,7 @@ class StandardSavePlanner(SavePlanner):
                 )
             )
             self._tensors[index] = (entry, piece)
+            self._sources[index] = LeafSource(name=name, piece=position, plain=plain)
             if entry.layout is not None and len(entry.pieces) == 1:
                 self._layouts[index] = entry.layout
             elif entry.may_be_replicated and whole and len(entry.pieces) == 1:
@@ -208,9 +312,8 @@ class StandardSavePlanner(SavePlanner):
         return items
 
     def _bytes_item(self, entry: ValueEntry) -> WriteItem:
-        type_name, payload = serialize_value(entry.value, key=entry.fqn, allow_pickle=self.allow_pickle)
+        type_name, payload = self.serialize(entry)
         index = MetadataIndex(entry.fqn, entry.offset)
-        self._bytes[index] = payload
         return WriteItem(
             index=index,
             type=WriteItemType.BYTE_IO,
@@ -256,20 +359,17 @@ class StandardSavePlanner(SavePlanner):
 
     def get_data(self, item: WriteItem) -> np.ndarray | bytes:
         """Return the item's bytes or array (a view of the tensor when possible)."""
-        key = MetadataIndex(item.index.fqn, item.index.offset)
+        key = item.index  # its ``index`` hint takes no part in lookups
         if item.type == WriteItemType.BYTE_IO:
             return self._bytes[key]
-        entry, piece = self._tensors[key]
-        return self._piece_array(entry, piece)
-
-    @staticmethod
-    def _piece_array(entry: TensorEntry, piece: TensorPiece) -> np.ndarray:
-        local = to_numpy(entry.local)
-        if not local.dtype.isnative:  # stored little-endian, as safetensors requires
-            local = local.astype(local.dtype.newbyteorder("="))
-        if piece.flat_start is None and tuple(local.shape) != entry.local_shape:
-            local = local.reshape(entry.local_shape)
-        return np.ascontiguousarray(piece_view(local, entry, piece))
+        found = self._tensors.get(key)
+        if found is None:  # a reused plan: no entries were built (bind_sources)
+            source = self._bound_of[key]
+            if not source.plain:
+                return self._leaf_piece(source)
+            array = self.leaf_arrays.get(source.name)
+            return array if array is not None else leaf_array(self.flat.values[source.name])
+        return piece_array(*found)
 
 
 class StandardLoadPlanner(LoadPlanner):

@@ -1,0 +1,184 @@
+"""A save's layout in a few bytes, so that a repeated layout skips planning.
+
+A save plan depends on the state dict's layout (keys, tensor shapes, dtypes,
+shardings, which rank offers what, the non-tensor values) and not on the
+tensors' values. :func:`describe_layout` walks the flattened state once and
+digests one small row of plain tuples per leaf: a MindSpore Tensor, Parameter
+or numpy array costs a type check, its shape and dtype; every other leaf is
+classified as the planner would (DTensor, ShardedTensor, values). Ranks agree
+on these digests (:mod:`._plan_cache`); when every rank's layout repeats the
+previous save's, the cached plan is reused and no :class:`.WriteItem` is built.
+
+The digest covers every input of the local plan: a changed shape, dtype,
+sharding (a DTensor's layout, global offset or local shape), key, leaf
+path, alias or non-tensor value changes it, so a changed layout is never
+served a stale plan.
+
+:class:`LeafSource` tells, for each item of a cached plan, which leaf of this
+save holds its data: the planner serves the data of a reused plan through it
+(:meth:`.StandardSavePlanner.bind_sources`).
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from hyper_parallel.core.distributed_checkpoint._format.checksum import digest
+from hyper_parallel.core.distributed_checkpoint._state_items import (
+    SkipEntry,
+    TensorEntry,
+    TensorPiece,
+    ValueEntry,
+    piece_view,
+)
+from hyper_parallel.core.distributed_checkpoint.mapping import ShardedTensor
+from hyper_parallel.core.dtensor import DTensor
+from hyper_parallel.platform.tensor import DTYPE_NAMES, is_tensor, shared_view, to_numpy
+
+__all__ = ["LayoutDescription", "LeafSource", "describe_layout", "plain_tensor", "leaf_array", "host_array", "piece_array"]
+
+
+@dataclass(frozen=True)
+class LayoutDescription:
+    """What a rank sends to agree on a cached plan.
+
+    Attributes:
+        digest: xxh3-128 of every leaf's layout row, in traversal order.
+        replica_digests: Digests of the possibly replicated tensor pieces,
+            in local plan order (empty unless ``check_replicas`` and several ranks).
+        tensor_bytes: Bytes of the tensor pieces this rank offers (sizes the staging arena).
+    """
+
+    digest: str
+    replica_digests: tuple[str, ...]
+    tensor_bytes: int
+
+
+@dataclass(frozen=True)
+class LeafSource:
+    """Where a plan item's data is in the flattened state.
+
+    Attributes:
+        name: The leaf's dotted name (a key of ``FlatStateDict.values``).
+        piece: Position of the item's piece among the leaf's pieces.
+        plain: The leaf is a whole MindSpore Tensor/Parameter or numpy array (one piece, no entry needed).
+    """
+
+    name: str
+    piece: int
+    plain: bool
+
+
+def plain_tensor(value: Any) -> bool:
+    """Tell whether ``value`` is a whole tensor: a MindSpore Tensor/Parameter or a numeric numpy array."""
+    if isinstance(value, np.ndarray):
+        return value.dtype != object
+    return is_tensor(value) and not isinstance(value, (DTensor, ShardedTensor))
+
+
+def host_array(value: Any) -> np.ndarray | None:
+    """:func:`leaf_array` of a whole tensor whose memory numpy shares (no copy), else ``None``."""
+    array = value if isinstance(value, np.ndarray) else shared_view(value)
+    if array is None:
+        return None
+    if not array.dtype.isnative:  # stored little-endian, as safetensors requires
+        array = array.astype(array.dtype.newbyteorder("="))
+    return np.ascontiguousarray(array)
+
+
+def _dtype_name(dtype: np.dtype) -> str | None:
+    """The stored dtype name of a numpy dtype (``None``: not storable)."""
+    name = _NUMPY_NAMES.get(dtype)
+    if name is None and dtype not in _NUMPY_NAMES:
+        name = dtype.name if dtype.name in DTYPE_NAMES and dtype.isnative else None
+        _NUMPY_NAMES[dtype] = name
+    return name
+
+
+_NUMPY_NAMES: dict[np.dtype, str | None] = {}
+
+
+def leaf_array(value: Any) -> np.ndarray:
+    """A whole tensor's data as a C-contiguous array in native byte order (a view when possible)."""
+    array = to_numpy(value)
+    if not array.dtype.isnative:  # stored little-endian, as safetensors requires
+        array = array.astype(array.dtype.newbyteorder("="))
+    return np.ascontiguousarray(array)
+
+
+def describe_layout(planner: Any) -> LayoutDescription:
+    """Digest the layout of the planner's flattened state (after ``configure_planner``). All ranks.
+
+    Serialises non-tensor values (their payloads are kept by the planner for
+    writing), keeps the numpy view of every whole tensor in host memory
+    (``planner.leaf_arrays``, so the staging of a reused plan looks nothing
+    up again) and, with ``check_replicas`` on several ranks, hashes every
+    possibly replicated piece (kept by the planner for its local plan).
+
+    Raises:
+        UnsupportedTypeError: A value or dtype no checkpoint stores (names the key).
+    """
+    flat = planner.flat
+    rows: list[tuple[Any, ...]] = []
+    replicas: list[str] = []
+    check = planner.check_replicas and planner.world_size > 1
+    total = 0
+    storage_keys = flat.storage_keys
+    arrays = planner.leaf_arrays
+    for name, value in flat.values.items():
+        fqn = storage_keys[name]
+        if plain_tensor(value):
+            array = host_array(value)
+            dtype = _dtype_name(array.dtype) if array is not None else None
+            if dtype is None:  # device memory (not copied out here), or a dtype to report against its key
+                shape, dtype = tuple(value.shape), planner.classify_dtype(fqn, value)
+            else:
+                shape = array.shape
+                arrays[name] = array
+            rows.append((name, fqn, dtype, shape))
+            total += math.prod(shape) * DTYPE_NAMES[dtype]
+            if check:
+                found = digest(memoryview((array if array is not None else leaf_array(value)).reshape(-1).view(np.uint8)))
+                planner.keep_replica_digest(fqn, (0,) * len(shape), found)
+                replicas.append(found)
+            continue
+        entry = planner.classify(fqn, value)
+        if isinstance(entry, SkipEntry):
+            rows.append((name, fqn, "skip"))
+        elif isinstance(entry, TensorEntry):
+            pieces = tuple((p.offsets, p.sizes, p.flat_start) for p in entry.pieces)
+            rows.append((name, fqn, "tensor", entry.dtype, entry.global_shape, entry.local_shape, pieces,
+                         entry.write, entry.may_be_replicated, entry.layout))
+            if not entry.write:
+                continue
+            total += sum(math.prod(p.sizes) for p in entry.pieces) * DTYPE_NAMES[entry.dtype]
+            if check and entry.may_be_replicated:
+                for piece in entry.pieces:
+                    found = digest(memoryview(piece_array(entry, piece).reshape(-1).view(np.uint8)))
+                    planner.keep_replica_digest(fqn, piece.offsets, found)
+                    replicas.append(found)
+        elif isinstance(entry, ValueEntry):
+            row: tuple[Any, ...] = (name, fqn, "value", entry.offset, entry.grid_shape, entry.write)
+            if entry.write:
+                type_name, payload = planner.serialize(entry)
+                row += (type_name, len(payload), digest(payload))
+            rows.append(row)
+    rows.append(("aliases", tuple(sorted(flat.aliases.items()))))
+    layout = xxhash.xxh3_128_hexdigest(pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL))
+    return LayoutDescription(digest=layout, replica_digests=tuple(replicas), tensor_bytes=total)
+
+
+def piece_array(entry: TensorEntry, piece: TensorPiece) -> np.ndarray:
+    """One piece of a tensor entry as a C-contiguous array in native byte order (a view when possible)."""
+    local = to_numpy(entry.local)
+    if not local.dtype.isnative:  # stored little-endian, as safetensors requires
+        local = local.astype(local.dtype.newbyteorder("="))
+    if piece.flat_start is None and tuple(local.shape) != entry.local_shape:
+        local = local.reshape(entry.local_shape)
+    return np.ascontiguousarray(piece_view(local, entry, piece))
