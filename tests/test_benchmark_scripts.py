@@ -32,6 +32,12 @@ STATE_FIGURES = (
     "warm load / memcpy, verify on",
     "warm load / memcpy, verify off",
     "protection: verify, warm load on / off",
+    "protection: verify, cold load on / off",
+    "protection: checksums, save on / off (thread_count=2, paired)",
+    "protection: save lease take + release / best dcp.save",
+    "protection: header check / warm load, verify off (2 threads)",
+    "commit (writer.finish) / dcp.save (thread_count=2)",
+    "best dcp.save / plain write with early writeback",
 )
 RESHARD_FIGURES = (
     "reshard reader bytes / needed, verify on, worst rank",
@@ -67,6 +73,7 @@ def test_benchmark_reports_every_figure_for_both_states(tmp_path):
             assert name in figures, (kind, name)
             assert math.isfinite(figures[name]["value"]) and figures[name]["value"] > 0, (kind, name)
         assert figures["async blocking (first call) / memcpy"]["target"] == "<= 1"  # the first call is rated
+        assert state["notes"]["async commit thread"] != "MainThread"  # the commit is timed and runs off the caller
         assert f"ratios, state '{kind}'" in proc.stdout
     reshard = {row["figure"]: row for row in result["reshard_ratios"]}
     for name in RESHARD_FIGURES:
