@@ -28,6 +28,7 @@ def test_each_rank_receives_its_own_part(tmp_path: Path, workers: int) -> None:
     check_scenarios(results)
     for rank, result in enumerate(results):
         assert result["broadcast_bytes"]["value"] == [b"", bytes(range(250)) * 4]
+        assert result["same_part"]["value"] == bytes(range(200)) * 3
         value, error = result["broadcast"]["value"]
         assert value == {"from": 0, "world": workers}
         assert error.startswith("CollectivePlanValidationError") and "coordinator rank 0 refuses" in error, error
