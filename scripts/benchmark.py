@@ -5,9 +5,12 @@ Run: ``python scripts/benchmark.py [--size-gb 1] [--state many large] [--threads
 local moto S3 server against raw s3fs puts and ranged GETs of the same bytes).
 For each state of MindSpore Parameters (``many``: 1,799 Parameters at 1 GiB, a
 few large, 48 medium and many small, as a model with its optimizer holds;
-``large``: 16 large matrices), float32 and bfloat16, it times the machine's limits (fsynced plain write, cold and warm
-sequential read, memcpy), MindSpore's own save/load, this project's save, async
-save and load, a resharded load on msrun ranks (``bench_reshard_worker.py``) and
+``large``: 16 large matrices), float32 and bfloat16, it times the machine's limits (fsynced plain write, also with
+the device asked to write every 8 MiB as the save's writer does; cold and warm sequential read, memcpy), MindSpore's
+own save/load, this project's save (each label's thread count checked against the data files written), async
+save (first call and steady, the commit timed and its thread named) and load, the cost of every protection
+(``bench_protections.py``: checksums on/off for save, paired; the commit; the save lease; fsync; verify on/off
+and the header check for load; replica checks), a resharded load on msrun ranks (``bench_reshard_worker.py``) and
 the extra memory of a load, and ``hp-ckpt import`` of a 4-rank MindSpore
 checkpoint against ``transform_checkpoints`` on the same files
 (``bench_ms_import.py``, also runnable alone with ``--size``). This VM returns freed memory to its host, so every
@@ -38,6 +41,7 @@ import numpy as np
 import psutil
 
 import bench_ms_import
+import bench_protections
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.core.distributed_checkpoint import _engine
 from hyper_parallel.core.distributed_checkpoint._plan_cache import clear_plan_cache
@@ -170,6 +174,10 @@ def phase_baseline(work: Path, nbytes: int, args: argparse.Namespace) -> tuple[d
 
     times = {"plain write+fsync": timed(write, runs=args.runs, pretouch_gb=args.pretouch_gb,
                                             setup=lambda: remove(path))}
+    # The same bytes with the device asked to write every 8 MiB (as the save's writer does): this disk's real floor.
+    times["plain write+fsync, early writeback"] = timed(
+        bench_protections.plain_write_early_writeback(path, source, nbytes), runs=args.runs,
+        pretouch_gb=args.pretouch_gb, setup=lambda: remove(path))
     times["cold sequential read"] = timed(read, runs=args.runs, pretouch_gb=args.pretouch_gb, setup=cold_setup)
     times["warm sequential read"] = timed(read, runs=args.runs, pretouch_gb=args.pretouch_gb)
     if not np.array_equal(source[:CHUNK], target[:CHUNK]):
@@ -232,13 +240,21 @@ def phase_save(state: dict[str, Any], work: Path, args: argparse.Namespace) -> d
         def save(threads: int = threads) -> None:
             dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=threads), no_dist=True)
 
-        times[f"dcp.save (thread_count={threads})"] = timed(save, runs=args.runs, pretouch_gb=args.pretouch_gb,
-                                                            setup=lambda: remove(path))
+        label = f"dcp.save (thread_count={threads})"
+        times[label] = timed(save, runs=args.runs, pretouch_gb=args.pretouch_gb, setup=lambda: remove(path))
+        check_files(label, path, threads)
     times["dcp.save (thread_count=1, no fsync)"] = timed(
         lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=1, sync_files=False),
                          no_dist=True), runs=args.runs, pretouch_gb=args.pretouch_gb, setup=lambda: remove(path))
     remove(path)
     return times
+
+
+def check_files(label: str, path: Path, threads: int) -> None:
+    """The label says ``threads`` files and threads: make sure the save wrote that many data files."""
+    found = len(data_files(path))
+    if found != threads:
+        raise RuntimeError(f"'{label}' wrote {found} data files, not {threads}: the label does not match the run")
 
 
 def phase_checksums(state: dict[str, Any], args: argparse.Namespace) -> dict[str, list[float]]:
@@ -270,10 +286,12 @@ def phase_replica_check(state: dict[str, Any], args: argparse.Namespace) -> dict
     return times
 
 
-def phase_async(state: dict[str, Any], work: Path, args: argparse.Namespace) -> dict[str, list[float]]:
+def phase_async(state: dict[str, Any], work: Path, args: argparse.Namespace,
+                notes: dict[str, str]) -> dict[str, list[float]]:
     """Time ``dcp.async_save`` until it returns (first call of the process, then steady state), the
     background writing until ``done()``, and ``result()`` called after that (what remains on the caller:
-    the commit, if it is not already done in the background).
+    the commit, if it is not already done in the background), and the commit itself (``writer.finish``),
+    noting in ``notes`` the thread it ran on (``MainThread``: inside ``result()``).
 
     Both staging modes: ``copy`` (reused host buffers) and ``fork`` (copy-on-write child writer).
     """
@@ -287,12 +305,14 @@ def phase_async(state: dict[str, Any], work: Path, args: argparse.Namespace) -> 
         blocking: list[float] = []
         background: list[float] = []
         result: list[float] = []
+        commit: list[float] = []
+        threads: set[str] = set()
         for _ in range(1 + args.runs):
             remove(path)
             pretouch(args.pretouch_gb)
+            writer = bench_protections.TimedWriter(path, thread_count=args.threads)
             start = time.perf_counter()
-            handle = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=args.threads),
-                                    no_dist=True, staging=staging)
+            handle = dcp.async_save(state, storage_writer=writer, no_dist=True, staging=staging)
             returned = time.perf_counter()
             blocking.append(returned - start)
             while not handle.done():
@@ -301,7 +321,12 @@ def phase_async(state: dict[str, Any], work: Path, args: argparse.Namespace) -> 
             start = time.perf_counter()
             handle.result()
             result.append(time.perf_counter() - start)
+            commit += writer.commit_seconds
+            threads.update(writer.commit_threads)
         suffix = "" if staging == "copy" else ", fork"
+        if commit:  # the commit ran in this process (a fork child's commit is inside "background")
+            out[f"dcp.async_save commit (writer.finish){suffix}"] = commit
+        notes[f"async commit thread{suffix}"] = ", ".join(sorted(threads)) or "not in this process"
         out[f"dcp.async_save blocking{suffix}, first call"] = blocking[:1]
         out[f"dcp.async_save blocking{suffix}, steady"] = blocking[1:]
         out[f"dcp.async_save background until done(){suffix}"] = background
@@ -442,8 +467,8 @@ def phase_profile(state: dict[str, Any], work: Path, path: Path) -> list[str]:
         state, storage_writer=dcp.FileSystemWriter(target, thread_count=1), no_dist=True))]
     remove(target)
     handles = []
-    texts.append(profile("dcp.async_save blocking part, steady state",
-                         lambda: handles.append(dcp.async_save(state, checkpoint_id=target, no_dist=True))))
+    texts.append(profile("dcp.async_save blocking part, steady state (thread_count=1)", lambda: handles.append(
+        dcp.async_save(state, storage_writer=dcp.FileSystemWriter(target, thread_count=1), no_dist=True))))
     handles[0].result()
     remove(target)
     drop_page_cache(data_files(path))
@@ -472,6 +497,18 @@ def ratios(t: dict[str, float], args: argparse.Namespace, memory: dict[str, Any]
     add("best dcp.save / plain write", best_save / t["plain write+fsync"], 1.0)
     add("best dcp.save / ms.save_checkpoint+fsync", best_save / t["ms.save_checkpoint+fsync"], 1.0, "<")
     add("best dcp.save / ms.save_checkpoint (no fsync)", best_save / t["ms.save_checkpoint (no fsync)"], None)
+    add("best dcp.save / plain write with early writeback", best_save / t["plain write+fsync, early writeback"], None)
+    add("plain write with early writeback / plain write", t["plain write+fsync, early writeback"]
+        / t["plain write+fsync"], None)
+    add(f"protection: checksums, save on / off (thread_count={T}, paired)",
+        t[f"dcp.save (thread_count={T}), checksums on (paired)"]
+        / t[f"dcp.save (thread_count={T}), checksums off (paired, benchmark-only patch)"], None)
+    add(f"commit (writer.finish) / dcp.save (thread_count={T})",
+        t[f"commit (writer.finish) of dcp.save (thread_count={T})"] / t[f"dcp.save (thread_count={T})"], None)
+    add("protection: save lease take + release / best dcp.save", t["save lease take + release"] / best_save, None)
+    add(f"protection: header check / warm load, verify off ({T} threads)",
+        t[f"header check inside a warm load, verify off ({T} threads)"]
+        / t[f"warm load with timed header check, verify off ({T} threads)"], None)
     add("protection: xxh3 checksums (1 thread) / best dcp.save",
         t["xxh3 checksums of the state (1 thread)"] / best_save, None)
     replica_cost = (t["local plan, 2 ranks all replicated, check_replicas=True"]
@@ -487,6 +524,9 @@ def ratios(t: dict[str, float], args: argparse.Namespace, memory: dict[str, Any]
             / t["host memcpy"], None)
         add(f"async{mode} background until done() / best dcp.save",
             t[f"dcp.async_save background until done(){mode}"] / best_save, None)
+        if f"dcp.async_save commit (writer.finish){mode}" in t:
+            add(f"async{mode} commit (writer.finish) / best dcp.save",
+                t[f"dcp.async_save commit (writer.finish){mode}"] / best_save, None)
     for verify in ("on", "off"):
         add(f"cold load / cold read, verify {verify}",
             t[f"dcp.load cold, verify {verify} ({T} threads)"] / t["cold sequential read"], 1.2)
@@ -575,9 +615,14 @@ def run_state(kind: str, work: Path, args: argparse.Namespace) -> dict[str, Any]
     times.update(phase_save(state, work, args))
     times.update(phase_checksums(state, args))
     times.update(phase_replica_check(state, args))
-    times.update(phase_async(state, work, args))
+    notes: dict[str, str] = {}
+    times.update(phase_async(state, work, args, notes))
     load_path = save_for_load(state, work, args.threads)
+    check_files("checkpoint of the load phases", load_path, args.threads)
     times.update(phase_load(state, load_path, args))
+    times.update(bench_protections.phase_protections(
+        state, work, load_path, threads=args.threads, runs=args.runs, before_each=lambda: pretouch(args.pretouch_gb),
+        remove=remove, warm=lambda: warm_cache(data_files(load_path))))
     memory = phase_memory(state, load_path, args)
     profiles = phase_profile(state, work, load_path) if args.profile else []
     remove(load_path)
@@ -585,7 +630,7 @@ def run_state(kind: str, work: Path, args: argparse.Namespace) -> dict[str, Any]
     medians = {name: statistics.median(runs) for name, runs in times.items()}
     table = ratios(medians, args, memory)
     return {"tensors": len(state), "state_bytes": nbytes, "cold_cache_method": cold_method, "times_s": times,
-            "median_s": medians, "memory": memory, "profiles": profiles,
+            "median_s": medians, "memory": memory, "profiles": profiles, "notes": notes,
             "ratios": [{"figure": n, "value": v, "target": tg, "met": m} for n, v, tg, m in table]}
 
 
@@ -617,6 +662,8 @@ def main(argv: list[str] | None = None) -> None:
         print_times("times", figures["times_s"], figures["state_bytes"])
         for name, mem in figures["memory"].items():
             print(f"load extra memory, {name}: {mem['extra_bytes'] / 2**20:.1f} MiB ({mem['method']})")
+        for name, note in figures["notes"].items():
+            print(f"{name}: {note}")
         print_ratios(f"ratios, state '{kind}'", [(r["figure"], r["value"], r["target"], r["met"])
                                                  for r in figures["ratios"]])
         for text in figures["profiles"]:

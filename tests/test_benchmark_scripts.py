@@ -32,6 +32,12 @@ STATE_FIGURES = (
     "warm load / memcpy, verify on",
     "warm load / memcpy, verify off",
     "protection: verify, warm load on / off",
+    "protection: verify, cold load on / off",
+    "protection: checksums, save on / off (thread_count=2, paired)",
+    "protection: save lease take + release / best dcp.save",
+    "protection: header check / warm load, verify off (2 threads)",
+    "commit (writer.finish) / dcp.save (thread_count=2)",
+    "best dcp.save / plain write with early writeback",
 )
 RESHARD_FIGURES = (
     "reshard reader bytes / needed, verify on, worst rank",
@@ -67,6 +73,7 @@ def test_benchmark_reports_every_figure_for_both_states(tmp_path):
             assert name in figures, (kind, name)
             assert math.isfinite(figures[name]["value"]) and figures[name]["value"] > 0, (kind, name)
         assert figures["async blocking (first call) / memcpy"]["target"] == "<= 1"  # the first call is rated
+        assert state["notes"]["async commit thread"] != "MainThread"  # the commit is timed and runs off the caller
         assert f"ratios, state '{kind}'" in proc.stdout
     reshard = {row["figure"]: row for row in result["reshard_ratios"]}
     for name in RESHARD_FIGURES:
@@ -90,7 +97,8 @@ def test_bench_planning_reports_time_and_bytes_per_rank(tmp_path):
     assert [row["ranks"] for row in rows] == [4, 16]
     for row in rows:
         assert row["items"] == row["ranks"] * 20 and row["seconds"] > 0 and row["unpickle_seconds"] > 0
-        assert row["merge_seconds"] > 0 and row["general_seconds"] > 0
+        assert row["merge_seconds"] > 0 and row["general_seconds"] > 0 and row["reuse_seconds"] > 0
+        assert row["reuse_bytes_received_per_rank"] < row["reuse_bytes_sent_per_rank"] * row["ranks"]
         assert row["tensors"] == 20 and row["written_items"] == 10 + 10 * row["ranks"]
         assert row["same_result_as_general"] is True  # the layout merge decides what the per-item merge decides
         assert 0 < row["bytes_received_per_noncoordinator_rank"] < row["bytes_received_per_noncoordinator_rank_allgather"]

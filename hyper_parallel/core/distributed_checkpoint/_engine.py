@@ -39,9 +39,11 @@ from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import (
     copy_back_values,
 )
 from hyper_parallel.core.distributed_checkpoint._plan_cache import (
-    CachedPlan,
+    PlanCache,
+    PlanDecision,
     PlanMessage,
     check_cached_replicas,
+    exchange_digest,
     plan_cache_for,
 )
 from hyper_parallel.core.distributed_checkpoint._save_layout import LayoutListener
@@ -321,17 +323,20 @@ def plan_save(
             received = dist.reduce_scatter("plan", local_step, global_step)
             plan = _expand(local_plans[0], received)
         else:
-            # A digest round first: a save repeating the last layout reuses its plans (see _plan_cache).
-            messages = dist.all_gather("plan digest", layout_step)
-            cached = cache.lookup(messages)
-            if cached is not None:
-                plan = _reuse(dist, writer, cached, merged, messages)
+            # A digest round first: a save repeating the last layout reuses its plans (see _plan_cache). The
+            # coordinator decides from every rank's message; each rank receives the decision only.
+            decision = dist.reduce_scatter("plan digest", layout_step,
+                                           lambda messages: _decide(cache, writer, messages, merged))
+            if decision.reuse:
+                cached = cache.take(decision.exchange)
+                plan = replace(cached.final, storage_data=decision.storage_data)
                 planner.bind_sources(plan.items, cached.sources, cached.source_of)
             else:
                 received = dist.reduce_scatter("plan", build_local, global_step)
                 plan = _expand(local_plans[0], received)
-                cache.store(messages, plan, all_final[0] if all_final else None, merged[0] if merged else None,
-                            all_local[0] if all_local else None, sources=planner.sources_for(plan.items))
+                cache.store(decision.exchange, plan, all_final[0] if all_final else None,
+                            merged[0] if merged else None, all_local[0] if all_local else None,
+                            sources=planner.sources_for(plan.items))
         plan = planner.finalize_plan(plan)
     except BaseException:
         writer.abort()
@@ -339,22 +344,21 @@ def plan_save(
     return SaveSession(dist=dist, writer=writer, planner=planner, plan=plan, metadata=merged[0] if merged else None)
 
 
-def _reuse(
-    dist: DistWrapper, writer: StorageWriter, cached: CachedPlan, merged: list[Metadata], messages: list[PlanMessage]
-) -> SavePlan:
-    """This rank's cached final plan, with this save's storage data from the coordinator. All ranks.
+def _decide(
+    cache: PlanCache, writer: StorageWriter, messages: list[PlanMessage], merged: list[Metadata]
+) -> list[PlanDecision]:
+    """Whether every rank reuses its cached plan, with each rank's storage data on a reuse. Coordinator only.
 
-    The coordinator first compares this save's replica digests (a reused plan is checked as a new one).
+    A reuse first compares this save's replica digests (a reused plan is checked as a new one).
     """
-
-    def stamp() -> list[Any]:
-        check_cached_replicas(cached, messages)
-        merged.append(cached.metadata)
-        return [plan.storage_data for plan in writer.prepare_global_plan(list(cached.all_final))]
-
-    # Each rank gets its own storage data only (a scatter), not every rank's.
-    storage_data = dist.reduce_scatter("plan", lambda: None, lambda _: stamp())
-    return replace(cached.final, storage_data=storage_data)
+    exchange = exchange_digest([m.local_digest for m in messages])
+    cached = cache.lookup(messages)
+    if cached is None:
+        return [PlanDecision(exchange=exchange, reuse=False)] * len(messages)  # one object: sent as a broadcast
+    check_cached_replicas(cached, messages)
+    merged.append(cached.metadata)
+    stamped = writer.prepare_global_plan(list(cached.all_final))
+    return [PlanDecision(exchange=exchange, reuse=True, storage_data=plan.storage_data) for plan in stamped]
 
 
 def write_local(session: SaveSession, planner: SavePlanner | None = None) -> list[WriteResult]:

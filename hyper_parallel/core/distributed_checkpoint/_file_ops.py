@@ -76,10 +76,41 @@ class FileOps:
         finally:
             os.close(fd)
 
+    def start_writeback(self, fd: int, offset: int, length: int) -> None:
+        """Ask the device to start writing ``length`` bytes from ``offset`` now; no effect on durability.
+
+        ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` where the C library has it
+        (Linux), else nothing. A later ``fsync`` then waits only for what is
+        still unwritten; what a power cut keeps of unsynced bytes is as before.
+        """
+        function = _sync_file_range()
+        if function is not None:
+            function(fd, offset, length, _SYNC_FILE_RANGE_WRITE)  # an error only means no early writeback
+
     def drop_cache(self, fd: int) -> None:
         """Tell the kernel the file's (clean) pages are not needed; no effect on durability."""
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+_SYNC_FILE_RANGE: list = []
+
+
+def _sync_file_range():
+    """libc's ``sync_file_range`` (looked up once, on first use), or ``None`` where it is missing."""
+    if not _SYNC_FILE_RANGE:
+        function = None
+        try:
+            import ctypes  # pylint: disable=import-outside-toplevel
+
+            function = ctypes.CDLL(None, use_errno=True).sync_file_range
+            function.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+            function.restype = ctypes.c_int
+        except (OSError, AttributeError):  # not Linux, or no such symbol
+            function = None
+        _SYNC_FILE_RANGE.append(function)
+    return _SYNC_FILE_RANGE[0]
 
 
 #: The operations of every writer not given others.

@@ -31,7 +31,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._commit_cleanup import (
     DATA_FILE_PATTERN,
@@ -41,7 +40,14 @@ from hyper_parallel.core.distributed_checkpoint._commit_cleanup import (
 )
 from hyper_parallel.core.distributed_checkpoint._file_ops import OS_FILE_OPS, FileOps, make_directories
 from hyper_parallel.core.distributed_checkpoint._options import check_option
-from hyper_parallel.core.distributed_checkpoint._format.checksum import DEFAULT_BLOCK_BYTES, chunk_checksum
+from hyper_parallel.core.distributed_checkpoint._data_file import (
+    CoalescingWriter,
+    LocalDataFile,
+    byte_view,
+    lay_out,
+    write_all,
+)
+from hyper_parallel.core.distributed_checkpoint._format.checksum import DEFAULT_BLOCK_BYTES
 from hyper_parallel.core.distributed_checkpoint._save_lease import DEFAULT_LEASE_TIMEOUT, LeaseHolder, SaveLease
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
@@ -57,9 +63,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     StorageInfo,
 )
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import metadata_to_json
-from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
-from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import HeaderEntry, build_header
-from hyper_parallel.platform.tensor import DTYPE_NAMES
+from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, StorageWriter, WriteResult
 
 __all__ = [
@@ -76,7 +80,6 @@ __all__ = [
 
 #: Name of the committed metadata of a collective save.
 METADATA_FILE = "metadata.json"
-_WRITE_CHUNK = 1 << 30
 #: The data region of every data file starts at a multiple of this (a page; see ``build_header``).
 DATA_ALIGNMENT = 4096
 #: With ``thread_count=None`` a rank writing at least this many bytes uses 2 files and threads.
@@ -107,7 +110,7 @@ def write_atomically(
     try:
         fd = ops.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            _write_all(fd, memoryview(data), ops)
+            write_all(fd, memoryview(data), ops)
             if sync:
                 ops.fsync(fd)
         finally:
@@ -123,88 +126,6 @@ def write_atomically(
         fsync_directory(path.parent, ops)
 
 
-def _write_all(fd: int, view: memoryview, ops: FileOps) -> None:
-    position = 0
-    while position < len(view):
-        written = ops.write(fd, view[position : position + _WRITE_CHUNK])
-        if written <= 0:
-            raise OSError("short write")
-        position += written
-
-
-class _LocalDataFile:
-    """Destination of one data file on disk: ``write`` in order, then ``commit`` (durable) or ``abort``.
-
-    Every call goes through the writer's :class:`._file_ops.FileOps`.
-    """
-
-    def __init__(self, path: Path, ops: FileOps, *, sync: bool, drop_page_cache: bool) -> None:
-        self.ops = ops
-        self.fd = ops.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self.sync, self.drop_page_cache = sync, drop_page_cache
-
-    def write(self, view: memoryview) -> None:
-        """Append ``view``."""
-        _write_all(self.fd, view, self.ops)
-
-    def write_many(self, views: list[memoryview], nbytes: int) -> None:
-        """Append ``views`` (``nbytes`` in all) with one ``writev``, uncopied."""
-        written = self.ops.writev(self.fd, views)
-        if written != nbytes:  # a short write (rare): write the rest piece by piece
-            for view in views:
-                if written >= len(view):
-                    written -= len(view)
-                    continue
-                _write_all(self.fd, view[written:], self.ops)
-                written = 0
-
-    def commit(self) -> None:
-        """fsync (when asked), then close."""
-        try:
-            if self.sync:
-                self.ops.fsync(self.fd)
-                if self.drop_page_cache:
-                    # The pages are clean now: let them go rather than evict the job's working set.
-                    self.ops.drop_cache(self.fd)
-        finally:
-            self.ops.close(self.fd)
-
-    def abort(self) -> None:
-        """Close; the writer removes the file."""
-        self.ops.close(self.fd)
-
-
-class _CoalescingWriter:
-    """Sequential writes to one destination; small pieces go many per ``write_many`` call, uncopied."""
-
-    SMALL = 256 << 10
-    FLUSH = 4 << 20
-    #: Most buffers in one ``writev`` (Linux ``IOV_MAX``).
-    MAX_BUFFERS = 1024
-
-    def __init__(self, sink: _LocalDataFile) -> None:
-        self.sink = sink
-        self.pending: list[memoryview] = []
-        self.pending_bytes = 0
-
-    def write(self, view: memoryview) -> None:
-        if len(view) < self.SMALL:
-            if len(view):
-                self.pending.append(view)
-                self.pending_bytes += len(view)
-            if self.pending_bytes >= self.FLUSH or len(self.pending) >= self.MAX_BUFFERS:
-                self.flush()
-            return
-        self.flush()
-        self.sink.write(view)
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        self.sink.write_many(self.pending, self.pending_bytes)
-        self.pending, self.pending_bytes = [], 0
-
-
 def _zstd():
     try:
         import zstandard  # pylint: disable=import-outside-toplevel
@@ -215,17 +136,11 @@ def _zstd():
     return zstandard
 
 
-def _byte_view(data: np.ndarray | bytes) -> memoryview:
-    if isinstance(data, (bytes, bytearray, memoryview)):
-        return memoryview(data).cast("B")
-    array = np.ascontiguousarray(data)
-    return memoryview(array.reshape(-1).view(np.uint8))
-
-
 @dataclass(frozen=True)
 class _FileJob:
     name: str
     items: tuple[WriteItem, ...]
+    sizes: tuple[int, ...] = ()  # each item's storage size (from the plan)
 
 
 @dataclass(frozen=True)
@@ -402,26 +317,31 @@ class FileSystemWriter(StorageWriter):
         sized = sorted(((item.storage_size(), item) for item in plan.items), key=lambda pair: -pair[0])
         if threads is None:
             threads = 2 if sum(size for size, _ in sized) >= self.auto_thread_bytes else 1
-        bins: list[list[WriteItem]] = [[] for _ in range(threads)]
+        bins: list[list[tuple[int, WriteItem]]] = [[] for _ in range(threads)]
         loads = [0] * threads
-        for size, item in sized:
+        for pair in sized:
             target = loads.index(min(loads)) if threads > 1 else 0
-            bins[target].append(item)
-            loads[target] += size
+            bins[target].append(pair)
+            loads[target] += pair[0]
         jobs = []
-        for counter, items in enumerate(b for b in bins if b):
+        for counter, pairs in enumerate(b for b in bins if b):
+            # Chunks of whole pages first: each then starts on a page (the data region does), so a
+            # resharded load reads page-aligned rows; safetensors allows no padding between chunks.
+            # Empty items stay last (they share the end offset).
+            pairs.sort(key=lambda pair: (pair[0] == 0, pair[0] % DATA_ALIGNMENT != 0))
             name = f"r{self.rank:05d}_{counter:03d}.{save_id}.safetensors"
-            jobs.append(_FileJob(name=name, items=tuple(items)))
+            jobs.append(_FileJob(name=name, items=tuple(item for _, item in pairs),
+                                 sizes=tuple(size for size, _ in pairs)))
         return jobs
 
     def _stored_views(self, job: _FileJob, planner: SavePlanner) -> list[tuple[memoryview, int]]:
         """Each item's stored bytes (compressed when asked) and its raw length."""
         views = []
-        for item in job.items:
-            view = _byte_view(planner.get_data(item))
-            if len(view) != item.storage_size():
+        for item, size in zip(job.items, job.sizes):
+            view = byte_view(planner.get_data(item))
+            if len(view) != size:
                 raise CheckpointError(
-                    f"key '{item.index.fqn}': planner returned {len(view)} bytes, plan says {item.storage_size()}"
+                    f"key '{item.index.fqn}': planner returned {len(view)} bytes, plan says {size}"
                 )
             raw_length = len(view)
             if self.compression == "zstd":
@@ -430,54 +350,36 @@ class FileSystemWriter(StorageWriter):
         return views
 
     def _write_file(self, job: _FileJob, planner: SavePlanner) -> list[WriteResult]:
-        views = self._stored_views(job, planner)
-        entries = []
-        used: set[str] = {"__metadata__"}  # the safetensors header's reserved key
-        for item, (view, _) in zip(job.items, views):
-            name = _tensor_name(item.index, item.type == WriteItemType.TENSOR)
-            while name in used:  # a key that itself looks like "fqn@offsets"
-                name += "#"
-            used.add(name)
-            if item.type == WriteItemType.BYTE_IO or self.compression:
-                entries.append(HeaderEntry(name, "uint8", (len(view),), len(view)))
-            else:
-                td = item.tensor_data
-                entries.append(HeaderEntry(name, td.properties.dtype, td.chunk.sizes, len(view)))
-        header, offsets = build_header(
-            entries, {"format": "hyper_parallel", "save_id": self.save_id}, align=DATA_ALIGNMENT
+        stored = self._stored_views(job, planner)
+        views = [view for view, _ in stored]
+        layout = lay_out(
+            job.items, views, file_metadata={"format": "hyper_parallel", "save_id": self.save_id},
+            align=DATA_ALIGNMENT, block_bytes=self.checksum_block_bytes,
+            tiles=self.tile_checksums and not self.compression, stored_as_bytes=bool(self.compression),
         )
-        results = []
         sink = self._open_data_file(job.name)
         try:
-            out = _CoalescingWriter(sink)
-            out.write(memoryview(header))
-            for item, (view, raw_length), offset in zip(job.items, views, offsets):
-                info = StorageInfo(
-                    relative_path=job.name,
-                    offset=offset,
-                    length=len(view),
-                    checksum=chunk_checksum(
-                        view,
-                        self.checksum_block_bytes,
-                        sizes=item.tensor_data.chunk.sizes if item.tensor_data is not None else None,
-                        itemsize=DTYPE_NAMES[item.tensor_data.properties.dtype] if item.tensor_data else 1,
-                        tiles=self.tile_checksums and not self.compression,
-                    ),
-                    compression=self.compression,
-                    raw_length=raw_length if self.compression else None,
-                )
+            out = CoalescingWriter(sink)
+            out.write(memoryview(layout.header))
+            for view in views:
                 out.write(view)
-                results.append(WriteResult(index=item.index, size_in_bytes=len(view), storage_data=info))
             out.flush()
         except BaseException:
             sink.abort()
             raise
         sink.commit()
-        return results
+        compression = self.compression
+        return [
+            WriteResult(index=item.index, size_in_bytes=len(view), storage_data=StorageInfo(
+                relative_path=job.name, offset=offset, length=len(view), checksum=checksum,
+                compression=compression, raw_length=raw_length if compression else None,
+            ))
+            for item, (view, raw_length), offset, checksum in zip(job.items, stored, layout.offsets, layout.checksums)
+        ]
 
-    def _open_data_file(self, name: str) -> _LocalDataFile:
+    def _open_data_file(self, name: str) -> LocalDataFile:
         """Open data file ``name`` of this save for streaming (the object backend opens an upload)."""
-        return _LocalDataFile(self.path / name, self.file_ops, sync=self.sync_files,
+        return LocalDataFile(self.path / name, self.file_ops, sync=self.sync_files,
                               drop_page_cache=self.drop_page_cache)
 
     def _data_durable(self) -> None:
@@ -673,8 +575,3 @@ def _signature(path: Path) -> tuple[int, ...] | None:
         return (-1,)
     return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, stat.S_IFMT(info.st_mode))
 
-
-def _tensor_name(index: MetadataIndex, whole: bool = False) -> str:
-    if whole or not index.offset:
-        return index.fqn
-    return f"{index.fqn}@{','.join(str(o) for o in index.offset)}"

@@ -367,7 +367,7 @@ class StandardSavePlanner(SavePlanner):
 
     def get_data(self, item: WriteItem) -> np.ndarray | bytes:
         """Return the item's bytes or array (a view of the tensor when possible)."""
-        key = MetadataIndex(item.index.fqn, item.index.offset)
+        key = item.index  # its ``index`` hint takes no part in lookups
         if item.type == WriteItemType.BYTE_IO:
             return self._bytes[key]
         found = self._tensors.get(key)

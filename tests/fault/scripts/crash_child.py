@@ -15,7 +15,7 @@ process (used for the MindSpore case: MindSpore does not survive a fork).
 RESULTS_JSON maps each case name to how its process ended.
 
 No library code is changed: hooks wrap functions the writer looks up at call
-time (module globals of ``filesystem_writer``, the methods of the file
+time (module globals of ``filesystem_writer`` and ``_data_file``, the methods of the file
 operations class the writer changes the disk through, planner and writer
 methods).
 """
@@ -32,6 +32,7 @@ import time
 from typing import Any, Callable
 
 import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel.core.distributed_checkpoint import _data_file as df
 from hyper_parallel.core.distributed_checkpoint import filesystem_writer as fw
 from hyper_parallel.core.distributed_checkpoint import manager as manager_module
 from hyper_parallel.core.distributed_checkpoint._file_ops import FileOps
@@ -167,6 +168,9 @@ def arm(hook: dict[str, Any], reference: pathlib.Path) -> None:
     elif target.startswith("fs."):
         name = target[len("fs."):]
         setattr(fw, name, _wrap(getattr(fw, name), nth, when, active))
+    elif target.startswith("df."):  # the data file's layout (header, checksums)
+        name = target[len("df."):]
+        setattr(df, name, _wrap(getattr(df, name), nth, when, active))
     elif target.startswith(("FileSystemWriter.", "StandardSavePlanner.")):
         owner, name = target.split(".")
         cls = fw.FileSystemWriter if owner == "FileSystemWriter" else StandardSavePlanner

@@ -25,6 +25,7 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "HeaderEntry",
     "build_header",
+    "header_bytes",
     "read_header",
     "read_header_and_metadata",
     "read_header_at",
@@ -82,27 +83,41 @@ def build_header(
     multiples of pages start on page boundaries, so a partial read of them
     costs the device no partly needed pages.
     """
-    header: dict[str, object] = {"__metadata__": dict(file_metadata)}
+    spans: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
     position = 0
     relative = []
     for entry in entries:
-        if entry.name in header:
+        if entry.name in spans or entry.name == "__metadata__":
             what = "is the header's reserved key" if entry.name == "__metadata__" else "appears twice"
             raise CheckpointValueError(
                 f"tensor name '{entry.name}' {what}: a safetensors file cannot hold it; rename the key"
             )
-        header[entry.name] = {
-            "dtype": SAFETENSORS_DTYPES[entry.dtype],
-            "shape": list(entry.shape),
-            "data_offsets": [position, position + entry.nbytes],
-        }
+        spans[entry.name] = (entry.dtype, entry.shape, position, position + entry.nbytes)
         relative.append(position)
         position += entry.nbytes
+    header = header_bytes(spans, file_metadata, align=align)
+    return header, [len(header) + r for r in relative]
+
+
+def header_bytes(
+    spans: dict[str, tuple[str, tuple[int, ...], int, int]], file_metadata: dict[str, str], *, align: int = 8
+) -> bytes:
+    """The header bytes (length prefix included) of tensors laid out by the caller.
+
+    Args:
+        spans: Tensor name -> (stored dtype name, shape, begin, end), ``begin``
+            and ``end`` relative to the data region, tiling it in order. The
+            caller keeps names unique and never ``__metadata__``.
+        file_metadata: The ``__metadata__`` strings.
+        align: The data region starts at a multiple of this (a multiple of 8).
+    """
+    header: dict[str, object] = {"__metadata__": dict(file_metadata)}
+    codes = SAFETENSORS_DTYPES
+    for name, (dtype, shape, begin, end) in spans.items():
+        header[name] = {"dtype": codes[dtype], "shape": list(shape), "data_offsets": [begin, end]}
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     text += b" " * (-(len(text) + 8) % align)
-    prefix = struct.pack("<Q", len(text))
-    base = len(prefix) + len(text)
-    return prefix + text, [base + r for r in relative]
+    return struct.pack("<Q", len(text)) + text
 
 
 def _naturals(value: object, count: int | None = None) -> bool:

@@ -1,0 +1,169 @@
+"""The cost of each protection of a save and a load, and of the commit; ``scripts/benchmark.py`` runs it.
+
+Every protection stays on in the library; to price one, this script times the
+step it adds, or runs the same save with it switched off inside this process
+only (never offered by the library):
+
+- checksums of a save: ``dcp.save`` with the xxh3 block checksums replaced by
+  a constant (benchmark-only patch of the data file layout), alternating with
+  normal saves, so both figures come from the same minutes;
+- the commit: :meth:`FileSystemWriter.finish` (metadata encoded, written to a
+  temporary file, fsynced, renamed, directory fsynced, lease released), timed
+  inside every normal save of the paired runs;
+- the save lease: taking it (inside the saves) and a take + release on its own;
+- the header check of a load: the time the reader spends checking data file
+  headers against the metadata during a warm load without checksum
+  verification (where it weighs most), against that load's time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel.core.distributed_checkpoint import _data_file
+from hyper_parallel.core.distributed_checkpoint._save_lease import SaveLease
+from hyper_parallel.core.distributed_checkpoint.metadata import ChunkChecksum
+
+__all__ = ["TimedWriter", "no_checksums", "phase_protections", "plain_write_early_writeback"]
+
+
+class TimedWriter(dcp.FileSystemWriter):
+    """A real :class:`FileSystemWriter` that records how long its commit and its lease take, and on which thread."""
+
+    def __init__(self, path: Path, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.commit_seconds: list[float] = []
+        self.commit_threads: list[str] = []
+        self.lease_seconds: list[float] = []
+
+    def finish(self, metadata: Any, results: Any, **kwargs: Any) -> Any:
+        import threading  # pylint: disable=import-outside-toplevel
+
+        start = time.perf_counter()
+        try:
+            return super().finish(metadata, results, **kwargs)
+        finally:
+            self.commit_seconds.append(time.perf_counter() - start)
+            self.commit_threads.append(threading.current_thread().name)
+
+    def _take_lease(self) -> None:
+        start = time.perf_counter()
+        try:
+            super()._take_lease()
+        finally:
+            self.lease_seconds.append(time.perf_counter() - start)
+
+
+class _HeaderTimedReader(dcp.FileSystemReader):
+    """A real :class:`FileSystemReader` that adds up the time spent in its header checks."""
+
+    def __init__(self, path: Path, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.header_seconds: list[float] = []  # one per check (list.append is safe from the reader's threads)
+
+    def _check_header(self, *args: Any, **kwargs: Any) -> None:
+        start = time.perf_counter()
+        try:
+            super()._check_header(*args, **kwargs)
+        finally:
+            self.header_seconds.append(time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def no_checksums() -> Iterator[None]:
+    """Inside: data files are laid out with a constant in place of every checksum (benchmark only)."""
+    constant = ChunkChecksum(algorithm="xxh3_64", block_bytes=1 << 20, digests=("0" * 16,))
+    saved = _data_file.digest, _data_file.chunk_checksum
+    _data_file.digest = lambda data: "0" * 16
+    _data_file.chunk_checksum = lambda *args, **kwargs: constant
+    try:
+        yield
+    finally:
+        _data_file.digest, _data_file.chunk_checksum = saved
+
+
+def plain_write_early_writeback(path: Path, source: Any, nbytes: int) -> Callable[[], None]:
+    """A plain single-stream write + fsync that asks for writeback every 8 MiB, as the save's writer does."""
+    import os  # pylint: disable=import-outside-toplevel
+
+    from hyper_parallel.core.distributed_checkpoint._file_ops import OS_FILE_OPS  # pylint: disable=import-outside-toplevel
+
+    step = _data_file.WRITEBACK_BYTES
+
+    def write() -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for start in range(0, nbytes, step):
+                view = memoryview(source)[start:start + step]
+                while view:  # os.write may write less than asked
+                    view = view[os.write(fd, view):]
+                OS_FILE_OPS.start_writeback(fd, start, min(step, nbytes - start))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    return write
+
+
+def phase_protections(state: dict[str, Any], work: Path, load_path: Path, *, threads: int, runs: int,
+                      before_each: Callable[[], None], remove: Callable[[Path], None],
+                      warm: Callable[[], None]) -> dict[str, list[float]]:
+    """Paired saves with checksums on and off, the commit and lease inside them, the header check of a load.
+
+    Args:
+        state: The state to save.
+        work: Scratch directory.
+        load_path: A checkpoint of ``state`` (``threads`` data files) for the header-check load.
+        threads: ``thread_count`` of the saves and the load.
+        runs: Pairs of saves (and loads) timed.
+        before_each: Run untimed before each timed run (the benchmark's pretouch).
+        remove: Deletes a file or directory.
+        warm: Reads ``load_path``'s data files into the page cache.
+    """
+    path = work / "protections"
+    times: dict[str, list[float]] = {}
+    on_label = f"dcp.save (thread_count={threads}), checksums on (paired)"
+    off_label = f"dcp.save (thread_count={threads}), checksums off (paired, benchmark-only patch)"
+    commit, lease = [], []
+    for run in range(runs):
+        for checksums in ((True, False) if run % 2 == 0 else (False, True)):
+            remove(path)
+            before_each()
+            writer = TimedWriter(path, thread_count=threads)
+            start = time.perf_counter()
+            with contextlib.nullcontext() if checksums else no_checksums():
+                dcp.save(state, storage_writer=writer, no_dist=True)
+            times.setdefault(on_label if checksums else off_label, []).append(time.perf_counter() - start)
+            if checksums:
+                commit += writer.commit_seconds
+                lease += writer.lease_seconds
+    remove(path)
+    times[f"commit (writer.finish) of dcp.save (thread_count={threads})"] = commit
+    times["save lease taken (inside dcp.save)"] = lease
+    with tempfile.TemporaryDirectory(dir=work) as scratch:
+        take_release = []
+        for _ in range(max(runs, 5)):
+            start = time.perf_counter()
+            held, _ = SaveLease.acquire(Path(scratch), "metadata.json", uuid.uuid4().hex[:12])
+            held.release()
+            take_release.append(time.perf_counter() - start)
+    times["save lease take + release"] = take_release
+    headers, loads = [], []
+    for _ in range(runs):
+        warm()
+        before_each()
+        reader = _HeaderTimedReader(load_path, verify_checksums=False, thread_count=threads)
+        start = time.perf_counter()
+        dcp.load(state, storage_reader=reader, no_dist=True)
+        loads.append(time.perf_counter() - start)
+        headers.append(sum(reader.header_seconds))
+    times[f"header check inside a warm load, verify off ({threads} threads)"] = headers
+    times[f"warm load with timed header check, verify off ({threads} threads)"] = loads
+    return times
+

@@ -1,0 +1,142 @@
+"""One data file of a save: layout in one pass, checksums as the general path computes them, early writeback."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import mindspore
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel.core.distributed_checkpoint._data_file import (
+    WRITEBACK_BYTES,
+    CoalescingWriter,
+    LocalDataFile,
+    byte_view,
+    lay_out,
+)
+from hyper_parallel.core.distributed_checkpoint._file_ops import FileOps
+from hyper_parallel.core.distributed_checkpoint._format.checksum import chunk_checksum
+from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import read_header
+from hyper_parallel.core.distributed_checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from hyper_parallel.core.distributed_checkpoint.planner import BytesWriteData, TensorWriteData, WriteItem, WriteItemType
+from hyper_parallel.platform.tensor import DTYPE_NAMES
+
+
+class CountingFileOps(FileOps):
+    """The operating system's file operations, counting the early-writeback requests (each one really made)."""
+
+    def __init__(self) -> None:
+        self.writebacks: list[tuple[int, int]] = []
+
+    def start_writeback(self, fd: int, offset: int, length: int) -> None:
+        super().start_writeback(fd, offset, length)
+        self.writebacks.append((offset, length))
+
+
+def _tensor_item(name: str, array: np.ndarray, dtype: str, offset: tuple[int, ...] = ()) -> WriteItem:
+    sizes = tuple(array.shape)
+    return WriteItem(
+        index=MetadataIndex(name, offset or (0,) * len(sizes)),
+        type=WriteItemType.SHARD if offset else WriteItemType.TENSOR,
+        tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offset or (0,) * len(sizes), sizes=sizes),
+                                    properties=TensorProperties(dtype=dtype), size=sizes),
+    )
+
+
+def test_layout_checksums_match_the_general_path_for_every_kind_of_item(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    arrays = {
+        "vector": rng.random(1000, dtype=np.float32),  # 1-D, one flat block
+        "narrow": rng.random((8, 16), dtype=np.float32),  # 2-D too narrow for column tiles: one flat block
+        "wide": rng.random((4, 2048), dtype=np.float32),  # 2-D small but wide: tiles
+        "big": rng.random(300_000, dtype=np.float32),  # several flat blocks at block_bytes=64 KiB
+        "empty": np.zeros(0, np.float32),
+        "__metadata__": rng.random(3, dtype=np.float32),  # the reserved safetensors key
+    }
+    items = [_tensor_item(name, array, "float32") for name, array in arrays.items()]
+    items.append(_tensor_item("vector", arrays["vector"], "float32", offset=(1000,)))  # a shard of the same key
+    payload = b"pickled value"
+    items.append(WriteItem(index=MetadataIndex("value"), type=WriteItemType.BYTE_IO,
+                           bytes_io_data=BytesWriteData(type_name="str", nbytes=len(payload), digest="", global_shape=())))
+    views = [byte_view(a) for a in arrays.values()] + [byte_view(arrays["vector"]), byte_view(payload)]
+    block = 64 << 10
+    layout = lay_out(tuple(items), views, file_metadata={"save_id": "x"}, align=4096, block_bytes=block,
+                     tiles=True, stored_as_bytes=False)
+    for item, view, checksum in zip(items, views, layout.checksums):
+        data = item.tensor_data
+        expected = chunk_checksum(view, block, sizes=data.chunk.sizes if data else None,
+                                  itemsize=DTYPE_NAMES[data.properties.dtype] if data else 1, tiles=True)
+        assert checksum == expected, item.index.fqn
+    assert layout.checksums[2].block_shape and len(layout.checksums[3].digests) == 19
+    # The header and offsets make a file any safetensors reader opens, names kept unique.
+    path = tmp_path / "f.safetensors"
+    path.write_bytes(layout.header + b"".join(bytes(v) for v in views))
+    header, data_start = read_header(path)
+    assert data_start == len(layout.header) and data_start % 4096 == 0
+    assert layout.offsets == sorted(layout.offsets) and layout.offsets[0] == data_start
+    loaded = load_file(str(path))
+    assert set(loaded) == {"vector", "narrow", "wide", "big", "empty", "__metadata__#", "vector@1000", "value"}
+    for name in ("narrow", "wide", "big"):
+        np.testing.assert_array_equal(loaded[name], arrays[name])
+    np.testing.assert_array_equal(loaded["__metadata__#"], arrays["__metadata__"])
+    assert loaded["value"].tobytes() == payload
+    # Stored as bytes (compressed): every item a flat uint8 entry.
+    flat = lay_out(tuple(items), views, file_metadata={}, align=8, block_bytes=block, tiles=False,
+                   stored_as_bytes=True)
+    assert not any(c.block_shape for c in flat.checksums)
+    assert flat.checksums[3] == chunk_checksum(views[3], block)
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_a_synced_file_asks_for_writeback_as_it_grows(tmp_path: Path, sync: bool) -> None:
+    ops = CountingFileOps()
+    sink = LocalDataFile(tmp_path / "f", ops, sync=sync, drop_page_cache=True)
+    out = CoalescingWriter(sink)
+    pieces = [np.full(WRITEBACK_BYTES // 3, i, np.uint8) for i in range(7)] + [np.full(100, 9, np.uint8)] * 50
+    for piece in pieces:
+        out.write(memoryview(piece))
+    out.flush()
+    sink.commit()
+    data = np.fromfile(tmp_path / "f", np.uint8)
+    np.testing.assert_array_equal(data, np.concatenate(pieces))
+    if not sync:
+        assert ops.writebacks == []
+        return
+    # Consecutive ranges from 0, each at least WRITEBACK_BYTES, never past what was written.
+    assert len(ops.writebacks) == 2
+    position = 0
+    for offset, length in ops.writebacks:
+        assert offset == position and length >= WRITEBACK_BYTES
+        position += length
+    assert position <= data.size
+
+
+def test_writeback_request_on_a_pipe_is_harmless() -> None:
+    read_end, write_end = os.pipe()
+    try:
+        FileOps().start_writeback(write_end, 0, 1 << 20)  # the kernel refuses (ESPIPE): no early writeback, no error
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def test_save_of_many_parameters_reads_back_bit_exact_with_writeback(tmp_path: Path) -> None:
+    """A save larger than the writeback step, on 2 files, with small and large Parameters of both dtypes."""
+    rng = np.random.default_rng(1)
+    state = {}
+    for i in range(300):
+        values = rng.random(4096 if i % 50 else (WRITEBACK_BYTES // 4 + 1000), dtype=np.float32)
+        tensor = mindspore.Tensor(values, mindspore.bfloat16) if i % 2 else mindspore.Tensor(values)
+        state[f"p{i}"] = mindspore.Parameter(tensor, name=f"p{i}")
+    ops = CountingFileOps()
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "c", thread_count=2, file_ops=ops), no_dist=True)
+    assert ops.writebacks
+    target = {name: mindspore.Parameter(mindspore.Tensor(np.zeros(p.shape, np.float32), p.dtype), name=name)
+              for name, p in state.items()}
+    dcp.load(target, checkpoint_id=tmp_path / "c", no_dist=True)
+    for name, param in state.items():
+        assert np.array_equal(target[name].float().asnumpy(), param.float().asnumpy()), name
