@@ -47,9 +47,11 @@ def two_last(base, four, tmp_path_factory):
 
 def test_two_rank_save_commits_before_return(two_first):
     check_scenarios(two_first, ["save_y"])
-    for value in scenario_values(two_first, "save_y"):
+    for rank, value in enumerate(scenario_values(two_first, "save_y")):
         assert value["committed"]
         assert sum(value["bytes_per_rank"]) == 8 * 12 * 4 + 8 * 4 * 2 + 8 * 4 + 1
+        # The ranks sent layout-form plans and the coordinator merged them per layout (no fallback).
+        assert value["layout_merges"] == ([1, 0] if rank == 0 else [0, 0]), value
 
 
 def test_repeated_layout_reuses_the_plan_on_every_rank(two_first):

@@ -104,9 +104,13 @@ class FailingReader(dcp.FileSystemReader):
 def save_y() -> dict:
     layout = Layout((2,), (0, -1))
     bf = ms.Tensor(FULL_Y[:, :4], ms.bfloat16)
+    from hyper_parallel.core.distributed_checkpoint._layout_merge import MERGE_STATS  # noqa: PLC0415
+
     state = {"y": _dtensor(FULL_Y, layout, "y"), "bf": bf, "bias": ms.Tensor(BIAS), "step": 7}
+    before = (MERGE_STATS.by_layout, MERGE_STATS.fell_back)
     meta = dcp.save(state, checkpoint_id=BASE / "Y")
-    return {"committed": (BASE / "Y" / "metadata.json").is_file(), "bytes_per_rank": list(meta.storage_meta.bytes_per_rank)}
+    return {"committed": (BASE / "Y" / "metadata.json").is_file(), "bytes_per_rank": list(meta.storage_meta.bytes_per_rank),
+            "layout_merges": [MERGE_STATS.by_layout - before[0], MERGE_STATS.fell_back - before[1]]}
 
 
 def async_loop() -> dict:
