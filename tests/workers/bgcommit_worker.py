@@ -202,6 +202,7 @@ def main() -> None:
             raised = {"failed_ranks": list(getattr(exc, "failed_ranks", ())), "message": str(exc)}
         hyper_parallel.platform.barrier()  # the coordinator's abort is over
         left = sorted(p.name for p in path.iterdir()) if path.exists() else []
+        hyper_parallel.platform.barrier()  # every rank looked before the next save takes the directory
         dcp.save(state(8), checkpoint_id=path)  # the lease was released: a new save takes the directory
         target = zeros()
         dcp.load(target, checkpoint_id=path)
