@@ -11,12 +11,14 @@ plan separately (as it arrives over the wire: no objects shared between
 ranks), the merge (deduplication, replica checks, writer balancing,
 metadata) and pickling each rank's own result for the scatter.
 
-Printed per N: seconds, microseconds per item (N x tensors items), the
+Printed per N (the median of ``--repeat`` runs): seconds, microseconds per item (N x tensors items), the
 flatness of the time per item, the bytes a rank sends, and the bytes a
 non-coordinator rank receives (the library's gather + scatter, against an
 all-gather of every plan). With ``--general-up-to M`` the per-item merge of
 expanded plans (the general path) is timed too for N <= M, and the results
-of both are compared.
+of both are compared. The last columns time the coordinator's side of a
+repeated save's digest round (every rank's layout digest and replica
+digests in, the replica check with this save's digests, one decision out).
 
 Run: ``python scripts/bench_planning.py [--ranks 64 256 1024 4096 10240] [--tensors 1000]``.
 """
@@ -33,6 +35,13 @@ from hyper_parallel.core.distributed_checkpoint._engine import _PlanDelta
 from hyper_parallel.core.distributed_checkpoint._global_plan import build_global_save_plan
 from hyper_parallel.core.distributed_checkpoint._layout_merge import keep_masks, merge_layout_plans
 from hyper_parallel.core.distributed_checkpoint._layout_plan import LayoutSavePlan, compact_save_plan
+from hyper_parallel.core.distributed_checkpoint._plan_cache import (
+    CachedPlan,
+    PlanDecision,
+    PlanMessage,
+    check_cached_replicas,
+    exchange_digest,
+)
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemPlanData
 from hyper_parallel.core.distributed_checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
@@ -95,7 +104,29 @@ def _coordinator(blobs: list[bytes]) -> dict[str, float | list[bytes] | object]:
                             protocol=pickle.HIGHEST_PROTOCOL) for mask in masks]
     done = time.perf_counter()
     return {"unpickle": unpickled - start, "merge": merged - unpickled, "results": done - merged,
-            "total": done - start, "masks": masks, "metadata": metadata, "result_blobs": results}
+            "total": done - start, "masks": masks, "metadata": metadata, "result_blobs": results, "plans": plans}
+
+
+def _reuse_round(plans: list, ranks: int, tensors: int) -> tuple[float, int, int]:
+    """The coordinator's side of a repeated save's digest round (cached plan): seconds, bytes sent, received.
+
+    Every rank sends its layout digest, the exchange it holds and its replica digests (pickled on its own);
+    the coordinator unpickles them, checks the replicas with this save's digests and answers each rank.
+    """
+    digests = tuple(_DIGEST for _ in range(tensors // 2))
+    exchange = exchange_digest(["layout"] * ranks)
+    blobs = [pickle.dumps(PlanMessage(local_digest="layout", cached_exchange=exchange, replica_digests=digests),
+                          protocol=pickle.HIGHEST_PROTOCOL) for _ in range(ranks)]
+    cached = CachedPlan(exchange=exchange, final=SavePlan(items=()), all_final=None, metadata=None,
+                        local_plans=tuple(plans))
+    storage = FileSystemPlanData(save_id="bench")
+    start = time.perf_counter()
+    messages = [pickle.loads(blob) for blob in blobs]
+    assert exchange_digest([m.local_digest for m in messages]) == exchange
+    check_cached_replicas(cached, messages)
+    answers = [pickle.dumps((PlanDecision(exchange=exchange, reuse=True, storage_data=storage), []),
+                            protocol=pickle.HIGHEST_PROTOCOL) for _ in range(ranks)]
+    return time.perf_counter() - start, max(map(len, blobs)), 8 + 8 + 8 + max(map(len, answers))
 
 
 def _general(ranks: int, tensors: int) -> tuple[float, list[bytes], object]:
@@ -116,17 +147,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--tensors", type=int, default=1000)
     parser.add_argument("--general-up-to", type=int, default=0,
                         help="also time the per-item merge of expanded plans up to this many ranks")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per rank count; the median run is reported")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     rows = []
     for ranks in args.ranks:
         blobs = rank_blobs(ranks, args.tensors)
-        gc.collect()
-        gc.disable()  # as in dcp.save, which pauses the cyclic GC while it runs
-        try:
-            side = _coordinator(blobs)
-        finally:
-            gc.enable()
+        runs = []
+        for _ in range(args.repeat):  # each run unpickles fresh objects from the blobs
+            gc.collect()
+            gc.disable()  # as in dcp.save, which pauses the cyclic GC while it runs
+            try:
+                runs.append(_coordinator(blobs))
+            finally:
+                gc.enable()
+        side = sorted(runs, key=lambda run: run["total"])[len(runs) // 2]  # the median run
+        del runs
         items = ranks * args.tensors
         longest_result = max(map(len, side["result_blobs"]))
         row = {
@@ -143,6 +179,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "bytes_received_per_noncoordinator_rank_allgather": sum(map(len, blobs)) + sum(
                 map(len, side["result_blobs"])),
         }
+        gc.disable()
+        try:
+            row["reuse_seconds"], row["reuse_bytes_sent_per_rank"], row["reuse_bytes_received_per_rank"] = (
+                _reuse_round(side["plans"], ranks, args.tensors))
+        finally:
+            gc.enable()
+        row["reuse_us_per_item"] = row["reuse_seconds"] / items * 1e6
         if ranks <= args.general_up_to:
             seconds, masks, metadata = _general(ranks, args.tensors)
             row["general_seconds"] = seconds
@@ -159,13 +202,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 def _print(rows: list[dict]) -> None:
     print(f"{'ranks':>6} {'items':>9} {'total s':>8} {'us/item':>8} {'unpickle':>8} {'merge':>7} {'results':>7} "
-          f"{'sent B/rank':>11} {'recv B/rank':>11} {'recv B all-gather':>17} {'general us/item':>15}")
+          f"{'sent B/rank':>11} {'recv B/rank':>11} {'recv B all-gather':>17} {'general us/item':>15} "
+          f"{'reuse s':>7} {'reuse us/item':>13}")
     for row in rows:
         general = f"{row['general_us_per_item']:.2f}" if "general_us_per_item" in row else "-"
         print(f"{row['ranks']:>6} {row['items']:>9} {row['seconds']:>8.2f} {row['us_per_item']:>8.3f} "
               f"{row['unpickle_seconds']:>8.2f} {row['merge_seconds']:>7.2f} {row['results_seconds']:>7.2f} "
               f"{row['bytes_sent_per_rank']:>11} {row['bytes_received_per_noncoordinator_rank']:>11} "
-              f"{row['bytes_received_per_noncoordinator_rank_allgather']:>17} {general:>15}")
+              f"{row['bytes_received_per_noncoordinator_rank_allgather']:>17} {general:>15} "
+              f"{row['reuse_seconds']:>7.2f} {row['reuse_us_per_item']:>13.3f}")
     growth = max(row["us_per_item"] for row in rows) / rows[0]["us_per_item"]
     spread = max(row["us_per_item"] for row in rows) / min(row["us_per_item"] for row in rows)
     print(f"time per item, largest over the rank counts / at {rows[0]['ranks']} ranks: {growth:.2f} "

@@ -92,3 +92,54 @@ def test_readahead_kept_on_request_reads_much_more(tmp_path):
     dcp.load({"w": target}, storage_reader=dcp.FileSystemReader(tmp_path, no_readahead=False), no_dist=True)
     assert _read_bytes() - before >= 2 * values.nbytes // 2
     assert np.array_equal(target.to_local().asnumpy(), values[:, :512])
+
+
+def test_chunks_of_whole_pages_start_on_pages(tmp_path):
+    """Chunks whose size is a multiple of 4096 come first in a file, so each starts on a page."""
+    state = {
+        "odd_a": ms.Tensor(np.ones((3, 5), np.float32)),  # 60 bytes
+        "pages_a": ms.Tensor(np.ones((2, 1024), np.float32)),  # 8 KiB
+        "odd_b": ms.Tensor(np.ones((5000,), np.float16)),  # 10,000 bytes: larger than pages_a
+        "pages_b": ms.Tensor(np.ones((1024,), np.float32)),  # 4 KiB
+        "pages_c": ms.Tensor(np.ones((3, 4096), np.float16)),  # 24 KiB
+    }
+    dcp.save(state, checkpoint_id=tmp_path, no_dist=True, storage_writer=dcp.FileSystemWriter(tmp_path, thread_count=1))
+    entries, data_start = read_header(next(tmp_path.glob("*.safetensors")))
+    starts = {name.split("#")[0]: data_start + entry["data_offsets"][0] for name, entry in entries.items()}
+    for name in ("pages_a", "pages_b", "pages_c"):
+        assert starts[name] % DATA_ALIGNMENT == 0, (name, starts[name])
+    assert max(starts[n] for n in ("pages_a", "pages_b", "pages_c")) < min(starts["odd_a"], starts["odd_b"])
+    loaded = {name: ms.Tensor(np.zeros(value.shape, value.asnumpy().dtype)) for name, value in state.items()}
+    dcp.load(loaded, checkpoint_id=tmp_path, no_dist=True)
+    for name, value in state.items():
+        assert np.array_equal(loaded[name].asnumpy(), value.asnumpy()), name
+
+
+def test_private_budget_goes_to_the_narrowest_regions_first(tmp_path):
+    """With room for one of two narrow regions, the one the page cache would read most wastefully is kept.
+
+    ``a``: rows of 2 KiB, halves of 1 KiB (through the page cache 2.0x); ``b``: rows of 12 KiB, halves of
+    6 KiB (1.33x). Kept, ``a`` is read once with exact reads; ``b`` goes through the page cache.
+    """
+    full = {"b": (np.arange(342 * 3072) % 2039).reshape(342, 3072).astype(np.float32),
+            "a": (np.arange(2048 * 1024) % 2039).reshape(2048, 1024).astype(np.float16)}
+    dcp.save({name: ms.Tensor(values) for name, values in full.items()}, checkpoint_id=tmp_path, no_dist=True)
+    if not _device_counts(tmp_path):
+        pytest.skip("the filesystem of tmp_path does not count device reads (tmpfs)")
+    needed = {name: values.nbytes // 2 for name, values in full.items()}
+    targets = {name: DTensor(ms.Tensor(np.zeros((values.shape[0], values.shape[1] // 2), values.dtype)),
+                             Layout((2,), (-1, 0)), values.shape, rank=0) for name, values in full.items()}
+    _drop_cache(tmp_path)
+    before = _read_bytes()
+    # Room for either region (b's is the larger, its chunk and its item come first), not for both.
+    assert needed["b"] > needed["a"]
+    reader = dcp.FileSystemReader(tmp_path, thread_count=1, max_inflight_bytes=needed["b"] + 4096)
+    dcp.load(targets, storage_reader=reader, no_dist=True)
+    fetched = _read_bytes() - before
+    for name, values in full.items():
+        half = values.shape[1] // 2
+        assert np.array_equal(targets[name].to_local().asnumpy(), values[:, :half])
+    kept_a = needed["a"] + needed["b"] * 4 / 3  # the choice made
+    kept_b = needed["a"] * 2 + needed["b"]  # the other choice
+    assert fetched <= kept_a * 1.02 + (64 << 10), (fetched, kept_a, kept_b)
+    assert kept_a * 1.02 + (64 << 10) < kept_b

@@ -295,3 +295,33 @@ def test_layout_form_save_writes_the_same_checkpoint(tmp_path):
     dcp.load(target, checkpoint_id=tmp_path / "new", no_dist=True)
     for name, value in target.items():
         np.testing.assert_array_equal(value, FULLS[name])
+
+
+@pytest.mark.parametrize("changed", [None, "rank 5 plain.3", "rank 2 as items"])
+def test_reused_layout_form_plan_checks_this_saves_replica_digests(changed):
+    """A reuse after a layout-form exchange re-checks replicas with the new digests (per layout, numpy)."""
+    from hyper_parallel.core.distributed_checkpoint._plan_cache import CachedPlan, PlanMessage, check_cached_replicas
+
+    states = [_state(rank) for rank in range(WORLD)]
+    planners, plans = plan_ranks(states)
+    compact = [planner.compact_local_plan(plan) for planner, plan in zip(planners, plans)]
+    if changed == "rank 2 as items":
+        compact[2] = plans[2]  # a rank that sent its plan item by item
+    cached = CachedPlan(exchange="x", final=plans[0], all_final=None, metadata=None, local_plans=tuple(compact))
+    messages = []
+    for rank, plan in enumerate(plans):
+        digests = [(item.index.fqn, item.tensor_data.replica_digest) for item in plan.items
+                   if item.tensor_data is not None and item.tensor_data.replica_digest]
+        if changed == "rank 5 plain.3" and rank == 5:
+            digests = [(fqn, "ffffffffffffffff" if fqn == "plain.3" else d) for fqn, d in digests]
+        if changed == "rank 2 as items" and rank == 2:
+            digests = [(fqn, d.upper() if fqn == "plain.0" else d) for fqn, d in digests]
+        messages.append(PlanMessage(local_digest="d", cached_exchange="x",
+                                    replica_digests=tuple(d for _, d in digests)))
+    if changed is None:
+        check_cached_replicas(cached, messages)
+        return
+    with pytest.raises(PlanValidationError) as failure:
+        check_cached_replicas(cached, messages)
+    key, rank = ("plain.3", "5") if changed.startswith("rank 5") else ("plain.0", "2")
+    assert f"'{key}'" in str(failure.value) and rank in str(failure.value)

@@ -28,6 +28,7 @@ def test_each_rank_receives_its_own_part(tmp_path: Path, workers: int) -> None:
     check_scenarios(results)
     for rank, result in enumerate(results):
         assert result["broadcast_bytes"]["value"] == [b"", bytes(range(250)) * 4]
+        assert result["same_part"]["value"] == bytes(range(200)) * 3
         value, error = result["broadcast"]["value"]
         assert value == {"from": 0, "world": workers}
         assert error.startswith("CollectivePlanValidationError") and "coordinator rank 0 refuses" in error, error
@@ -41,3 +42,14 @@ def test_each_rank_receives_its_own_part(tmp_path: Path, workers: int) -> None:
         assert f"rank {workers - 1} has no plan" in result["map_fails"]["value"], result["map_fails"]["value"]
         failing = result["failing"]["value"]
         assert failing.startswith("CollectivePlanValidationError") and f"bad plan from {workers} ranks" in failing, failing
+
+
+def test_a_result_shared_by_every_rank_is_pickled_once():
+    import pickle  # pylint: disable=import-outside-toplevel
+
+    from hyper_parallel.core.distributed_checkpoint._collectives import _pickled_parts  # pylint: disable=import-outside-toplevel
+
+    shared = {"metadata": list(range(100))}
+    blobs = _pickled_parts([shared, shared, shared, {"own": 3}])
+    assert blobs[0] is blobs[1] is blobs[2] and blobs[3] is not blobs[2]  # scatter_bytes then broadcasts
+    assert [pickle.loads(b) for b in blobs] == [(shared, [])] * 3 + [({"own": 3}, [])]

@@ -88,7 +88,9 @@ def scatter_bytes(parts: list[bytes] | None, src: int = 0) -> bytes:
     Only ``src`` passes ``parts`` (one byte string per rank); the others pass
     ``None``. A rank receives 8 bytes (the longest part's length, a tensor
     broadcast) plus that longest length: not every rank's part, as with
-    ``all_gather_object``. Built on tensor ``broadcast`` and ``scatter``
+    ``all_gather_object``. When every part is the same object, it goes to
+    every rank by a tensor broadcast instead (the source builds no row per
+    rank). Built on tensor ``broadcast`` and ``scatter``
     because on MindSpore 2.10 CPU ``scatter_object_list``, ``gather_object``,
     ``send``/``recv``, ``all_to_all_single`` and ``reduce_scatter_tensor``
     fail (measured under msrun).
@@ -101,9 +103,13 @@ def scatter_bytes(parts: list[bytes] | None, src: int = 0) -> bytes:
 
     world, rank = get_world_size(), get_rank()
     longest = max(map(len, parts)) if rank == src else 0
+    if rank == src and all(part is parts[0] for part in parts):
+        longest = -1 - longest  # one part for every rank (e.g. the committed metadata): a broadcast
     length = Tensor(np.array([longest], np.int64))
     broadcast(length, src=src)
     longest = int(length.asnumpy()[0])
+    if longest < 0:
+        return _broadcast_payload(parts[0] if rank == src else None, -1 - longest, src)
     width = longest + 8  # each part carries its own length first
     if rank == src:
         rows = np.zeros((world, width), np.uint8)
@@ -133,12 +139,19 @@ def broadcast_bytes(data: bytes | None, src: int = 0) -> bytes:
     from mindspore import Tensor  # pylint: disable=import-outside-toplevel
     from mindspore.mint.distributed import broadcast  # pylint: disable=import-outside-toplevel
 
-    rank = get_rank()
-    length = Tensor(np.array([len(data) if rank == src else 0], np.int64))
+    length = Tensor(np.array([len(data) if get_rank() == src else 0], np.int64))
     broadcast(length, src=src)
-    size = int(length.asnumpy()[0])
+    return _broadcast_payload(data, int(length.asnumpy()[0]), src)
+
+
+def _broadcast_payload(data: bytes | None, size: int, src: int) -> bytes:
+    """Broadcast ``size`` bytes of ``data`` from ``src`` (the size already known everywhere)."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    from mindspore import Tensor  # pylint: disable=import-outside-toplevel
+    from mindspore.mint.distributed import broadcast  # pylint: disable=import-outside-toplevel
+
     row = np.zeros(max(size, 1), np.uint8)
-    if rank == src and size:
+    if get_rank() == src and size:
         row[:size] = np.frombuffer(data, np.uint8)
     payload = Tensor(row)
     broadcast(payload, src=src)

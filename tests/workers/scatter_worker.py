@@ -5,7 +5,8 @@ different lengths (empty included) and of every byte value; a reduce_scatter
 step whose reduce fails on the coordinator (every rank raises the same
 error); a reduce_scatter of the rank's own squared number;
 ``platform.broadcast_bytes`` (empty and 1000 bytes); ``DistWrapper.broadcast``
-of a value and of a coordinator failure; ``DistWrapper.agree`` returning each
+of a value and of a coordinator failure; ``scatter_bytes`` of one part for
+every rank (sent as a broadcast); ``DistWrapper.agree`` returning each
 rank's own value, and failing on the last rank (every rank raises it).
 """
 
@@ -58,6 +59,11 @@ def _squares() -> int:
     return DistWrapper(use_dist=True).reduce_scatter("probe", lambda: RANK, lambda values: [v * v for v in values])
 
 
+def _same_part() -> bytes:
+    blob = bytes(range(200)) * 3
+    return platform.scatter_bytes([blob] * WORLD if RANK == 0 else None)  # one object for all: a broadcast
+
+
 def _broadcast_bytes() -> list[bytes]:
     return [platform.broadcast_bytes(b"" if RANK == 0 else None), platform.broadcast_bytes(
         bytes(range(250)) * 4 if RANK == 0 else None)]
@@ -96,4 +102,4 @@ def _agree() -> list:
 
 run_scenarios({"lengths": _lengths, "all_values": _all_values, "failing": _failing,
                "map_fails": _map_fails_on_last_rank, "squares": _squares, "broadcast_bytes": _broadcast_bytes,
-               "broadcast": _broadcast, "agree": _agree})
+               "broadcast": _broadcast, "agree": _agree, "same_part": _same_part})

@@ -186,6 +186,23 @@ def _within(collective: Callable[[], T], *, step: str, rank: int, timeout: float
     return box["value"]
 
 
+def _pickled_parts(parts: list[Any]) -> list[bytes]:
+    """Each rank's part pickled as ``(part, no failures)``; one blob for parts that are one object.
+
+    A result every rank shares (the committed metadata) is pickled once, and
+    :func:`platform.scatter_bytes` then broadcasts it instead of scattering.
+    """
+    blobs: list[bytes] = []
+    previous: Any = None
+    for part in parts:
+        if blobs and part is previous:
+            blobs.append(blobs[-1])
+        else:
+            blobs.append(pickle.dumps((part, []), protocol=pickle.HIGHEST_PROTOCOL))
+        previous = part
+    return blobs
+
+
 class DistWrapper:
     """Runs the steps of a save or load on all ranks, with uniform errors.
 
@@ -279,8 +296,7 @@ class DistWrapper:
             try:
                 if failures:
                     raise_failures(step, failures)
-                blobs = [pickle.dumps((part, []), protocol=pickle.HIGHEST_PROTOCOL)
-                         for part in reduce_fn([o.value for o in outcomes])]
+                blobs = _pickled_parts(reduce_fn([o.value for o in outcomes]))
             except BaseException as exc:  # pylint: disable=broad-except
                 if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                     raise

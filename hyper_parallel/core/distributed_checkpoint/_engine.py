@@ -39,11 +39,14 @@ from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import (
     copy_back_values,
 )
 from hyper_parallel.core.distributed_checkpoint._plan_cache import (
-    CachedPlan,
+    PlanCache,
+    PlanDecision,
     PlanMessage,
     check_cached_replicas,
+    exchange_digest,
     plan_cache_for,
 )
+from hyper_parallel.core.distributed_checkpoint._save_layout import LayoutListener
 from hyper_parallel.core.distributed_checkpoint._staging import StagedSavePlanner, StagingPool, staged_views
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, PlanValidationError
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
@@ -249,7 +252,7 @@ def plan_save(
     writer: StorageWriter,
     planner: SavePlanner,
     options: SaveOptions,
-    on_layout: Callable[[int], None] | None = None,
+    listener: LayoutListener | None = None,
 ) -> SaveSession:
     """Plan a save: local plans, the coordinator's merge, final plans. All ranks call it.
 
@@ -258,9 +261,8 @@ def plan_save(
     plans are reused and no local plan is built.
 
     Args:
-        on_layout: Called with the bytes of tensor data this rank offers, as
-            soon as they are known (the staging of an async save prepares its
-            memory meanwhile); cached planners only.
+        listener: Told about this rank's layout as the layout pass meets it
+            (the staging of an async save copies tensors meanwhile); cached planners only.
     """
     dist = DistWrapper(use_dist=not options.no_dist and options.use_collectives)
     alone = _rank_alone(options.no_dist, options.use_collectives)
@@ -293,10 +295,7 @@ def plan_save(
 
     def layout_step() -> PlanMessage:
         set_up()
-        layout = planner.describe_layout()
-        if on_layout is not None:
-            on_layout(layout.tensor_bytes)
-        return cache.message(layout)
+        return cache.message(planner.describe_layout(listener))
 
     compact = dist.use_dist and _layout_exchange(planner, writer)
     cache = plan_cache_for(writer, planner, options, rank=dist.rank, world_size=dist.world_size)
@@ -324,17 +323,20 @@ def plan_save(
             received = dist.reduce_scatter("plan", local_step, global_step)
             plan = _expand(local_plans[0], received)
         else:
-            # A digest round first: a save repeating the last layout reuses its plans (see _plan_cache).
-            messages = dist.all_gather("plan digest", layout_step)
-            cached = cache.lookup(messages)
-            if cached is not None:
-                plan = _reuse(dist, writer, cached, merged, messages)
+            # A digest round first: a save repeating the last layout reuses its plans (see _plan_cache). The
+            # coordinator decides from every rank's message; each rank receives the decision only.
+            decision = dist.reduce_scatter("plan digest", layout_step,
+                                           lambda messages: _decide(cache, writer, messages, merged))
+            if decision.reuse:
+                cached = cache.take(decision.exchange)
+                plan = replace(cached.final, storage_data=decision.storage_data)
                 planner.bind_sources(plan.items, cached.sources, cached.source_of)
             else:
                 received = dist.reduce_scatter("plan", build_local, global_step)
                 plan = _expand(local_plans[0], received)
-                cache.store(messages, plan, all_final[0] if all_final else None, merged[0] if merged else None,
-                            all_local[0] if all_local else None, sources=planner.sources_for(plan.items))
+                cache.store(decision.exchange, plan, all_final[0] if all_final else None,
+                            merged[0] if merged else None, all_local[0] if all_local else None,
+                            sources=planner.sources_for(plan.items))
         plan = planner.finalize_plan(plan)
     except BaseException:
         writer.abort()
@@ -342,22 +344,21 @@ def plan_save(
     return SaveSession(dist=dist, writer=writer, planner=planner, plan=plan, metadata=merged[0] if merged else None)
 
 
-def _reuse(
-    dist: DistWrapper, writer: StorageWriter, cached: CachedPlan, merged: list[Metadata], messages: list[PlanMessage]
-) -> SavePlan:
-    """This rank's cached final plan, with this save's storage data from the coordinator. All ranks.
+def _decide(
+    cache: PlanCache, writer: StorageWriter, messages: list[PlanMessage], merged: list[Metadata]
+) -> list[PlanDecision]:
+    """Whether every rank reuses its cached plan, with each rank's storage data on a reuse. Coordinator only.
 
-    The coordinator first compares this save's replica digests (a reused plan is checked as a new one).
+    A reuse first compares this save's replica digests (a reused plan is checked as a new one).
     """
-
-    def stamp() -> list[Any]:
-        check_cached_replicas(cached, messages)
-        merged.append(cached.metadata)
-        return [plan.storage_data for plan in writer.prepare_global_plan(list(cached.all_final))]
-
-    # Each rank gets its own storage data only (a scatter), not every rank's.
-    storage_data = dist.reduce_scatter("plan", lambda: None, lambda _: stamp())
-    return replace(cached.final, storage_data=storage_data)
+    exchange = exchange_digest([m.local_digest for m in messages])
+    cached = cache.lookup(messages)
+    if cached is None:
+        return [PlanDecision(exchange=exchange, reuse=False)] * len(messages)  # one object: sent as a broadcast
+    check_cached_replicas(cached, messages)
+    merged.append(cached.metadata)
+    stamped = writer.prepare_global_plan(list(cached.all_final))
+    return [PlanDecision(exchange=exchange, reuse=True, storage_data=plan.storage_data) for plan in stamped]
 
 
 def write_local(session: SaveSession, planner: SavePlanner | None = None) -> list[WriteResult]:
@@ -420,14 +421,23 @@ def plan_async_save(
     or ``use_collectives=False``) commits in the background right after
     writing.
     """
-    prepare = _POOL.prepare if staging == "copy" else None
-    session = plan_save(state_dict, writer=writer, planner=planner, options=options, on_layout=prepare)
+    early = None
+    if staging == "copy":  # tensors are copied into the arena while the plan is made (_stage_copies)
+        alone = options.no_dist or not options.use_collectives or platform.get_world_size() <= 1
+        early = _POOL.early_copies(every_leaf=alone)
+    try:
+        session = plan_save(state_dict, writer=writer, planner=planner, options=options, listener=early)
+    except BaseException:
+        if early is not None:
+            early.abandon()
+        raise
     background: list[Callable[[], list[WriteResult]]] = []
 
     def stage_step() -> None:
         items = session.plan.items
-        if staging == "copy":
-            staged = StagedSavePlanner(session.planner, _POOL.stage(items, _sources(items, session.planner)))
+        if early is not None:
+            sources = _sources(items, session.planner)
+            staged = StagedSavePlanner(session.planner, _POOL.stage(items, sources, _leaves(items, session.planner), early))
             background.append(lambda: write_local(session, staged))
         else:
             views = staged_views(items, _sources(items, session.planner), session.planner)
@@ -436,6 +446,8 @@ def plan_async_save(
     try:
         session.dist.agree("stage", stage_step)
     except BaseException:
+        if early is not None:
+            early.abandon()
         session.writer.abort()
         raise
 
@@ -466,6 +478,13 @@ def _sources(items: tuple[Any, ...], planner: SavePlanner) -> Iterable[Any]:
     if isinstance(planner, StandardSavePlanner):
         return planner.stage_arrays(items)
     return (planner.get_data(item) for item in items)
+
+
+def _leaves(items: tuple[Any, ...], planner: SavePlanner) -> tuple[str | None, ...]:
+    """The whole-tensor leaf each item is, for the standard planner (whose early copies can stand for it)."""
+    if isinstance(planner, StandardSavePlanner):
+        return planner.leaf_names(items)
+    return (None,) * len(items)
 
 
 def _committed(metadata: Metadata, error: BaseException | None) -> Metadata:

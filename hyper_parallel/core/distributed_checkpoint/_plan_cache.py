@@ -7,14 +7,15 @@ rank its final plan. When nothing changed, all of that gives the same result
 as last time. So each rank keeps, per (rank, world size, options, writer and
 planner class), what the previous save planned: a digest of its layout,
 its final plan, and on the coordinator the final plans of all ranks and the
-metadata. A save then exchanges only digests: every rank sends a
-:class:`PlanMessage` (its layout digest and the digest of the whole
-exchange it has cached); when every rank's cached exchange equals the digests
-of this exchange, every rank reuses its final plan and the coordinator its
-metadata (the merge's validation already passed for exactly these plans).
-Each rank decides from the same gathered messages, so all ranks agree
-without a further round. Otherwise the full exchange runs and refreshes the
-caches.
+metadata. A save then exchanges only digests: every rank sends the
+coordinator a :class:`PlanMessage` (its layout digest and the digest of the
+whole exchange it has cached); when every rank's cached exchange equals the
+digests of this exchange, the coordinator decides that every rank reuses its
+final plan (and the coordinator its metadata: the merge's validation already
+passed for exactly these plans). Each rank receives only that
+:class:`PlanDecision` with its own storage data (a gather and a scatter), so
+what a rank receives does not grow with the world size, and all ranks agree.
+Otherwise the full exchange runs and refreshes the caches.
 
 The layout digest (:func:`._save_layout.describe_layout`) is computed
 without building the local plan: one row of plain tuples per leaf (keys,
@@ -35,14 +36,15 @@ keep state outside its plans).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import xxhash
 
 from hyper_parallel.core.distributed_checkpoint._format.cover import MAX_REPORTED_PROBLEMS
 from hyper_parallel.core.distributed_checkpoint._global_plan import replica_problems
-from hyper_parallel.core.distributed_checkpoint._layout_plan import LayoutSavePlan, expand_save_plan
+from hyper_parallel.core.distributed_checkpoint._layout_merge import merge_layout_plans
+from hyper_parallel.core.distributed_checkpoint._layout_plan import DIGEST_BYTES, LayoutSavePlan, expand_save_plan
 from hyper_parallel.core.distributed_checkpoint._save_layout import LayoutDescription, LeafSource
 from hyper_parallel.core.distributed_checkpoint.errors import PlanValidationError
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex
@@ -52,11 +54,13 @@ from hyper_parallel.core.distributed_checkpoint.storage import StorageWriter
 
 __all__ = [
     "PlanMessage",
+    "PlanDecision",
     "CachedPlan",
     "PlanCache",
     "PlanCacheStats",
     "STATS",
     "check_cached_replicas",
+    "exchange_digest",
     "plan_cache_for",
     "clear_plan_cache",
 ]
@@ -78,6 +82,21 @@ class PlanMessage:
 
 
 @dataclass(frozen=True)
+class PlanDecision:
+    """The coordinator's answer to the digest round, as each rank receives it.
+
+    Attributes:
+        exchange: Digest of this save's exchange (every rank's layout digest).
+        reuse: Every rank reuses its cached plan of ``exchange``.
+        storage_data: On a reuse, this rank's storage data for this save.
+    """
+
+    exchange: str
+    reuse: bool
+    storage_data: Any = None
+
+
+@dataclass(frozen=True)
 class CachedPlan:
     """A rank's result of one full plan exchange.
 
@@ -88,6 +107,8 @@ class CachedPlan:
         metadata: The merged metadata (coordinator only, else ``None``).
         replica_keys: Per rank, the (fqn, offset) of each chunk it sent a
             replica digest for, in order (coordinator only, else ``None``).
+        local_plans: Instead of ``replica_keys`` after a layout-form
+            exchange: every rank's plan as sent (coordinator only).
         sources: The leaf of each item of ``final`` (``None`` for values), aligned with its items.
         source_of: The same by item index.
     """
@@ -97,6 +118,7 @@ class CachedPlan:
     all_final: tuple[SavePlan, ...] | None
     metadata: Metadata | None
     replica_keys: tuple[tuple[tuple[str, tuple[int, ...]], ...], ...] | None = None
+    local_plans: tuple[LayoutSavePlan | SavePlan, ...] | None = None
     sources: tuple[LeafSource | None, ...] = ()
     source_of: dict[MetadataIndex, LeafSource] | None = None
 
@@ -118,6 +140,12 @@ def check_cached_replicas(cached: CachedPlan, messages: list[PlanMessage]) -> No
     Raises:
         PlanValidationError: Replicas of a chunk differ (names the key and the ranks).
     """
+    if cached.local_plans is not None:
+        # The layout-form plans with this save's digests, merged again: the merge compares replicas per
+        # layout (numpy), without a (fqn, offset) key per rank and item.
+        merge_layout_plans([_with_digests(plan, message.replica_digests, rank)
+                            for rank, (plan, message) in enumerate(zip(cached.local_plans, messages))])
+        return
     if cached.replica_keys is None:
         return
     holders: dict[tuple[str, tuple[int, ...]], list[tuple[int, str]]] = {}
@@ -130,6 +158,24 @@ def check_cached_replicas(cached: CachedPlan, messages: list[PlanMessage]) -> No
         raise PlanValidationError(
             f"the global save plan is invalid ({len(problems)} problem(s)):\n  " + "\n  ".join(shown)
         )
+
+
+def _with_digests(plan: LayoutSavePlan | SavePlan, digests: tuple[str, ...], rank: int) -> LayoutSavePlan | SavePlan:
+    """``plan`` carrying this save's replica digests (local plan order) instead of the cached ones."""
+    if isinstance(plan, LayoutSavePlan) and len(digests) * DIGEST_BYTES == len(plan.digests) and not any(
+        item.tensor_data is not None and item.tensor_data.replica_digest for item in plan.general
+    ):
+        try:
+            return replace(plan, digests=bytes.fromhex("".join(digests)))
+        except ValueError:
+            pass  # not hex digests: the item form below compares them as they are
+    fresh = iter(digests)
+    items = tuple(
+        replace(item, tensor_data=replace(item.tensor_data, replica_digest=next(fresh, None)))
+        if item.tensor_data is not None and item.tensor_data.replica_digest else item
+        for item in expand_save_plan(plan, rank=rank).items
+    )
+    return SavePlan(items=items, storage_data=plan.storage_data, planner_data=plan.planner_data)
 
 
 def exchange_digest(local_digests: list[str]) -> str:
@@ -179,20 +225,34 @@ class PlanCache:
                            replica_digests=layout.replica_digests)
 
     def lookup(self, messages: list[PlanMessage]) -> CachedPlan | None:
-        """The cached result if every rank holds this very exchange, else ``None``. All ranks (same answer)."""
+        """The cached result if every rank holds this very exchange, else ``None``. Coordinator only."""
         exchange = exchange_digest([m.local_digest for m in messages])
         if any(m.cached_exchange != exchange for m in messages):
             return None
         with _LOCK:
             cached = _CACHE.get(self.key)
-            found = cached if cached is not None and cached.exchange == exchange else None
-            if found is not None:
-                STATS.reused += 1
-            return found
+            return cached if cached is not None and cached.exchange == exchange else None
+
+    def take(self, exchange: str) -> CachedPlan:
+        """This rank's cached result of ``exchange``, which the coordinator decided to reuse. All ranks.
+
+        Raises:
+            PlanValidationError: This rank holds another exchange (the
+                coordinator decides only for exchanges every rank reported).
+        """
+        with _LOCK:
+            cached = _CACHE.get(self.key)
+            if cached is None or cached.exchange != exchange:
+                raise PlanValidationError(
+                    f"rank {self.key[0]}: the coordinator reuses the cached plan of exchange {exchange}, which this "
+                    "rank does not hold (its plan cache changed during the save?); save again"
+                )
+            STATS.reused += 1
+            return cached
 
     def store(
         self,
-        messages: list[PlanMessage],
+        exchange: str,
         final: SavePlan,
         all_final: list[SavePlan] | None,
         metadata: Metadata | None,
@@ -202,19 +262,21 @@ class PlanCache:
         """Keep the result of a full exchange. All ranks.
 
         Args:
-            messages: Every rank's message of this save's digest round.
+            exchange: The digest of this save's exchange (:attr:`PlanDecision.exchange`).
             final: This rank's final plan.
             all_final: Every rank's final plan (coordinator only).
             metadata: The merged metadata (coordinator only).
             local_plans: Every rank's local plan (coordinator only).
             sources: The leaf of each item of ``final`` (``None`` for values).
         """
+        layout_form = local_plans is not None and any(isinstance(p, LayoutSavePlan) for p in local_plans)
         entry = CachedPlan(
-            exchange=exchange_digest([m.local_digest for m in messages]),
+            exchange=exchange,
             final=final,
             all_final=tuple(all_final) if all_final is not None else None,
             metadata=metadata,
-            replica_keys=replica_keys(local_plans) if local_plans is not None else None,
+            replica_keys=replica_keys(local_plans) if local_plans is not None and not layout_form else None,
+            local_plans=tuple(local_plans) if layout_form else None,
             sources=sources,
             source_of={
                 MetadataIndex(item.index.fqn, item.index.offset): source

@@ -25,6 +25,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from hyper_parallel.core.distributed_checkpoint._device_reads import MAX_PAGE_AMPLIFICATION, page_amplification
 from hyper_parallel.core.distributed_checkpoint._format.byte_ranges import Runs, box_runs, split_box
 from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM
 from hyper_parallel.core.distributed_checkpoint._format.header_check import (
@@ -357,9 +358,12 @@ class FileSystemReader(StorageReader):
                 if not self.verify_checksums:
                     continue
                 checks = []
-                for item in items:
-                    check = self._region_check(path, size, item)
-                    kept = self._keep_buffer(check, item, source)
+                regions = [(self._keep_priority(check, item, source), position, item, check)
+                           for position, (item, check) in enumerate((i, self._region_check(path, size, i))
+                                                                     for i in items)]
+                # The regions the page cache would read most wastefully get the private budget first.
+                for priority, _, item, check in sorted(regions, key=lambda entry: (-entry[0], entry[1])):
+                    kept = self._keep_buffer(check, item) if priority else None
                     if kept is None:
                         checks.append(check)
                         continue
@@ -378,23 +382,37 @@ class FileSystemReader(StorageReader):
         rows = kept.reshape(-1).view(np.uint8).reshape(runs.starts.size, runs.length)
         return read_runs_verified(source, path, check.fqn, check.info, runs, rows, self.max_inflight_bytes)
 
-    def _keep_buffer(self, check: RegionCheck, item: ReadItem, source: FileSource) -> np.ndarray | None:
-        """A private buffer for a region whose verified bytes would not stay in the page cache, within budget.
+    def _keep_priority(self, check: RegionCheck, item: ReadItem, source: FileSource) -> float:
+        """How much a private buffer saves for ``item``'s region: 0 for none, else the device reads saved.
 
-        Such regions: narrow tiled regions of a file read with exact device
-        reads (``O_DIRECT`` skips the page cache), and every tensor region of
-        a source without a page cache (object storage). They are read once,
-        verified, and kept until the read pass copies them into the target.
+        Regions that gain: tiled regions of a file read with exact device reads
+        whose rows share pages with bytes not needed (a narrow column split:
+        the page cache would read whole pages, ``O_DIRECT`` reads only the
+        region but skips the page cache, so the bytes would be read twice),
+        and every tensor region of a source without a page cache (object
+        storage). The value is the page amplification avoided (object storage: 1).
         """
         info = check.info
         if check.sizes is None or info.checksum is None or not math.prod(item.lengths):
-            return None
-        if isinstance(source, FileSource):
-            if not source.exact or not info.checksum.block_shape or item.lengths[-1] == check.sizes[-1]:
-                return None  # whole rows: contiguous pages, the page cache wastes nothing
+            return 0.0
+        if not isinstance(source, FileSource):
+            return 1.0
+        if not source.exact or not info.checksum.block_shape or item.lengths[-1] == check.sizes[-1]:
+            return 0.0  # whole rows: contiguous pages, the page cache wastes nothing
+        sample = (min(item.lengths[0], 256),) + tuple(item.lengths[1:])  # the first rows tell the pattern
+        runs = box_runs(check.sizes, check.itemsize, tuple(item.storage_offsets), sample)
+        waste = page_amplification(info.offset + runs.starts, runs.length)
+        return waste if waste > MAX_PAGE_AMPLIFICATION else 0.0
+
+    def _keep_buffer(self, check: RegionCheck, item: ReadItem) -> np.ndarray | None:
+        """A private buffer for the region of ``item``, within ``max_inflight_bytes`` per I/O thread; else ``None``.
+
+        Its bytes are read once, verified, and kept until the read pass copies
+        them into the target (see :meth:`_keep_priority` for which regions).
+        """
         nbytes = math.prod(item.lengths) * check.itemsize
-        with self._kept_lock:
-            if self._kept_bytes + nbytes > self.max_inflight_bytes:
+        with self._kept_lock:  # max_inflight_bytes per I/O thread
+            if self._kept_bytes + nbytes > self.max_inflight_bytes * self.thread_count:
                 return None
             self._kept_bytes += nbytes
         stored = self.metadata.state_dict_metadata[check.fqn]

@@ -327,6 +327,10 @@ class FileSystemWriter(StorageWriter):
             loads[target] += pair[0]
         jobs = []
         for counter, pairs in enumerate(b for b in bins if b):
+            # Chunks of whole pages first: each then starts on a page (the data region does), so a
+            # resharded load reads page-aligned rows; safetensors allows no padding between chunks.
+            # Empty items stay last (they share the end offset).
+            pairs.sort(key=lambda pair: (pair[0] == 0, pair[0] % DATA_ALIGNMENT != 0))
             name = f"r{self.rank:05d}_{counter:03d}.{save_id}.safetensors"
             jobs.append(_FileJob(name=name, items=tuple(item for _, item in pairs),
                                  sizes=tuple(size for size, _ in pairs)))
