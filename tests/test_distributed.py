@@ -47,9 +47,11 @@ def two_last(base, four, tmp_path_factory):
 
 def test_two_rank_save_commits_before_return(two_first):
     check_scenarios(two_first, ["save_y"])
-    for value in scenario_values(two_first, "save_y"):
+    for rank, value in enumerate(scenario_values(two_first, "save_y")):
         assert value["committed"]
         assert sum(value["bytes_per_rank"]) == 8 * 12 * 4 + 8 * 4 * 2 + 8 * 4 + 1
+        # The ranks sent layout-form plans and the coordinator merged them per layout (no fallback).
+        assert value["layout_merges"] == ([1, 0] if rank == 0 else [0, 0]), value
 
 
 def test_repeated_layout_reuses_the_plan_on_every_rank(two_first):
@@ -67,6 +69,18 @@ def test_async_saves_in_a_loop_keep_their_own_step(two_first):
         assert value["loaded"] == [{"step": step, "values": [float(step * 100 + rank)]} for step in range(5)]
     for value in scenario_values(two_first, "async_deleted_tensors"):
         assert value == {"a": 3.0, "b": [5] * 10}
+
+
+def test_async_early_copies_only_what_the_rank_writes(two_first):
+    check_scenarios(two_first, ["async_early_copies"])
+    values = scenario_values(two_first, "async_early_copies")
+    for rank_value in values:
+        assert rank_value["loaded"] == [[0.0], [10.0], [20.0]]  # the values of each call, on every rank
+        assert rank_value["counts"][0] == [0, 0]  # a first save of a rank in a job of several copies nothing early
+        for copied, used in rank_value["counts"][1:]:
+            assert copied == used  # nothing copied in vain: exactly the replicas this rank writes
+    for step in (1, 2):  # each of the 6 replicated Parameters is written (and copied early) by one rank
+        assert sum(value["counts"][step][0] for value in values) == 6
 
 
 def test_async_background_failure_surfaces_on_every_rank(two_first):

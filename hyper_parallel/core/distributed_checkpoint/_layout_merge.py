@@ -61,7 +61,24 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, WriteItem
 from hyper_parallel.platform.tensor import DTYPE_NAMES
 
-__all__ = ["merge_layout_plans", "keep_masks"]
+__all__ = ["LayoutMergeStats", "MERGE_STATS", "merge_layout_plans", "keep_masks"]
+
+
+@dataclass
+class LayoutMergeStats:
+    """Counts of this process's merges of layout-form plans (for tests and benchmarks).
+
+    Attributes:
+        by_layout: Merges decided per layout.
+        fell_back: Merges that expanded the plans and ran the per-item merge.
+    """
+
+    by_layout: int = 0
+    fell_back: int = 0
+
+
+#: This process's counts.
+MERGE_STATS = LayoutMergeStats()
 
 
 class _Irregular(Exception):
@@ -120,9 +137,11 @@ def merge_layout_plans(
     """
     with paused_gc():
         try:
-            return _Merge(plans, remove_redundancy, save_to_minimum_rank).run(planner_data)
+            merged = _Merge(plans, remove_redundancy, save_to_minimum_rank).run(planner_data)
+            MERGE_STATS.by_layout += 1
+            return merged
         except _Irregular:
-            pass
+            MERGE_STATS.fell_back += 1
         expanded = [expand_save_plan(plan, rank=rank) for rank, plan in enumerate(plans)]
         final, metadata = build_global_save_plan(
             expanded,
