@@ -183,3 +183,60 @@ def test_first_call_prefaults_a_fresh_arena_sized_from_the_layout(tmp_path):
     assert pool.arenas == arenas + 1, "one arena, mapped while planning, used by the staging"
     assert nbytes <= pool.capacity < nbytes + (4 << 20)
     assert all(np.all(v == 3.0 + (int(n[1:]) if n != "big" else 0)) for n, v in _values(tmp_path / "a", state).items())
+
+
+def test_whole_tensors_are_copied_while_planning_and_keep_the_values_of_the_call(tmp_path):
+    pool = _engine._POOL  # pylint: disable=protected-access
+    pool.release()
+    clear_plan_cache()
+    state = _state(2.0)
+    state["flat"] = ShardedTensor(key="flat", data=np.full(10, 9.0, np.float32), dtype=None, local_shape=(2, 5),
+                                  global_shape=(2, 5), global_offset=(0, 0), axis_fragmentations=None,
+                                  flattened_range=slice(0, 10))
+    state["step"] = 3
+    for step in range(2):  # the first call (fresh arena, no cached plan) and a reused plan
+        copied, used = pool.early_copied, pool.early_items
+        handle = dcp.async_save(state, checkpoint_id=tmp_path / f"s{step}", no_dist=True)
+        _mutate(state, -5.0)
+        state["flat"].data[...] = -5.0
+        handle.result()
+        assert (pool.early_copied - copied, pool.early_items - used) == (13, 13)  # every Parameter, none in vain
+        found = _values(tmp_path / f"s{step}", state)
+        assert all(np.all(v == (2.0 if step == 0 else -5.0) + (int(n[1:]) if n[0] == "p" and step == 0 else 0))
+                   for n, v in found.items()), {n: v.ravel()[0] for n, v in found.items()}
+        target = {"flat": np.zeros((2, 5), np.float32), "step": 0}
+        dcp.load(target, checkpoint_id=tmp_path / f"s{step}", no_dist=True,
+                 planner=dcp.StandardLoadPlanner(allow_partial_load=True))
+        assert target["flat"].ravel().tolist() == [9.0 if step == 0 else -5.0] * 10 and target["step"] == 3
+
+
+def test_a_state_outgrowing_the_arena_while_copied_early_is_staged_whole(tmp_path):
+    pool = _engine._POOL  # pylint: disable=protected-access
+    pool.release()
+    clear_plan_cache()
+    small = {"a": _param("a", (64, 64), 1.0)}
+    dcp.async_save(small, checkpoint_id=tmp_path / "small", no_dist=True).result()
+    capacity = pool.capacity
+    grown = {"a": _param("a", (64, 64), 2.0)}  # copied early into the old arena, then the rest does not fit
+    grown.update({f"b{i}": _param(f"b{i}", (512, 1024), 3.0 + i) for i in range(4)})
+    handle = dcp.async_save(grown, checkpoint_id=tmp_path / "grown", no_dist=True)
+    _mutate(grown, 0.0)
+    handle.result()
+    assert pool.capacity > capacity
+    found = _values(tmp_path / "grown", grown)
+    assert np.all(found["a"] == 2.0) and all(np.all(found[f"b{i}"] == 3.0 + i) for i in range(4))
+
+
+def test_a_save_failing_after_early_copies_began_leaves_the_next_save_correct(tmp_path):
+    clear_plan_cache()
+    state = _state(1.0)
+    dcp.async_save(state, checkpoint_id=tmp_path / "a", no_dist=True).result()
+    state["zz_bad"] = np.zeros(4, np.complex64)  # met last: every Parameter was already being copied early
+    with pytest.raises(dcp.UnsupportedTypeError, match="zz_bad"):
+        dcp.async_save(state, checkpoint_id=tmp_path / "b", no_dist=True)
+    del state["zz_bad"]
+    _mutate(state, 6.0)
+    handle = dcp.async_save(state, checkpoint_id=tmp_path / "c", no_dist=True)
+    _mutate(state, 0.0)
+    handle.result()
+    assert all(np.all(v == 6.0) for v in _values(tmp_path / "c", state).values())

@@ -71,6 +71,18 @@ def test_async_saves_in_a_loop_keep_their_own_step(two_first):
         assert value == {"a": 3.0, "b": [5] * 10}
 
 
+def test_async_early_copies_only_what_the_rank_writes(two_first):
+    check_scenarios(two_first, ["async_early_copies"])
+    values = scenario_values(two_first, "async_early_copies")
+    for rank_value in values:
+        assert rank_value["loaded"] == [[0.0], [10.0], [20.0]]  # the values of each call, on every rank
+        assert rank_value["counts"][0] == [0, 0]  # a first save of a rank in a job of several copies nothing early
+        for copied, used in rank_value["counts"][1:]:
+            assert copied == used  # nothing copied in vain: exactly the replicas this rank writes
+    for step in (1, 2):  # each of the 6 replicated Parameters is written (and copied early) by one rank
+        assert sum(value["counts"][step][0] for value in values) == 6
+
+
 def test_async_background_failure_surfaces_on_every_rank(two_first):
     check_scenarios(two_first, ["async_write_failure"])
     for value in scenario_values(two_first, "async_write_failure"):

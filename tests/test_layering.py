@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                            "_safe_files", "_save_lease", "_file_ops", "_data_file", "_commit_cleanup", "_device_reads",
                            "_verify_reads"})),
     ("object storage", frozenset({"_object_io", "_fsspec_writer", "_fsspec_reader", "_object_steps"})),
-    ("engine", frozenset({"_collectives", "_engine", "_staging", "_fork_writer", "_async_queue", "_plan_cache"})),
+    ("engine", frozenset({"_collectives", "_engine", "_staging", "_stage_copies", "_fork_writer", "_async_queue", "_plan_cache"})),
     ("strategies", frozenset({"strategies"})),
     ("public API", frozenset({"api", "async_checkpoint", "_one_line", "manager", "_manager_record", "callback", ""})),
 )

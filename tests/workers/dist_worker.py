@@ -160,6 +160,36 @@ def plan_cache() -> dict:
     return {"counts": [[r - counts[0][0], e - counts[0][1]] for r, e in counts], "loaded": loaded}
 
 
+def async_early_copies() -> dict:
+    """Repeated async saves of replicated Parameters: from the second save on, each rank copies early (while
+    planning) exactly the replicas it writes; the checkpoints hold the values of each call."""
+    from hyper_parallel.core.distributed_checkpoint import _engine  # noqa: PLC0415
+
+    pool = _engine._POOL  # pylint: disable=protected-access
+    layout = Layout((2,), (0, -1))
+    state = {f"r{i}": _param(np.zeros((8, 4 + i), np.float32), f"r{i}") for i in range(6)}
+    state["w"] = _dtensor(FULL_Y, layout, "w")
+    counts = []
+    for step in range(3):
+        for param in state.values():
+            (param.to_local() if isinstance(param, DTensor) else param).asnumpy()[...] = step * 10.0
+        before = (pool.early_copied, pool.early_items)
+        handle = dcp.async_save(state, checkpoint_id=BASE / "early" / f"s{step}")
+        for param in state.values():
+            (param.to_local() if isinstance(param, DTensor) else param).asnumpy()[...] = -1.0
+        handle.result()
+        counts.append([pool.early_copied - before[0], pool.early_items - before[1]])
+    loaded = []
+    for step in range(3):
+        target = {f"r{i}": _param(np.ones((8, 4 + i), np.float32), f"r{i}") for i in range(6)}
+        target["w"] = _zero_dtensor(FULL_Y, layout, "w")
+        dcp.load(target, checkpoint_id=BASE / "early" / f"s{step}")
+        values = {float(v) for p in target.values()
+                  for v in np.unique((p.to_local() if isinstance(p, DTensor) else p).asnumpy())}
+        loaded.append(sorted(values))
+    return {"counts": counts, "loaded": loaded}
+
+
 def async_deleted_tensors() -> dict:
     state = {"a": ms.Tensor(np.full((64, 64), 3.0, np.float32)), "b": np.full(10, 5, np.int64)}
     handle = dcp.async_save(state, checkpoint_id=BASE / "async_del")
@@ -363,7 +393,7 @@ def load_mapping_on_two() -> dict:
 
 
 PHASES = {
-    "two_first": [save_y, async_loop, async_deleted_tensors, async_write_failure, no_collectives, one_liners,
+    "two_first": [save_y, async_loop, async_early_copies, async_deleted_tensors, async_write_failure, no_collectives, one_liners,
                   plan_cache],
     "four": [load_y_on_four, replicated_bytes, dedup_modes, save_x, save_failure_planning, save_failure_write,
              save_failure_commit, load_failure_missing_key, load_failure_read, differing_value, save_mapping,

@@ -46,6 +46,7 @@ from hyper_parallel.core.distributed_checkpoint._plan_cache import (
     exchange_digest,
     plan_cache_for,
 )
+from hyper_parallel.core.distributed_checkpoint._save_layout import LayoutListener
 from hyper_parallel.core.distributed_checkpoint._staging import StagedSavePlanner, StagingPool, staged_views
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, PlanValidationError
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
@@ -251,7 +252,7 @@ def plan_save(
     writer: StorageWriter,
     planner: SavePlanner,
     options: SaveOptions,
-    on_layout: Callable[[int], None] | None = None,
+    listener: LayoutListener | None = None,
 ) -> SaveSession:
     """Plan a save: local plans, the coordinator's merge, final plans. All ranks call it.
 
@@ -260,9 +261,8 @@ def plan_save(
     plans are reused and no local plan is built.
 
     Args:
-        on_layout: Called with the bytes of tensor data this rank offers, as
-            soon as they are known (the staging of an async save prepares its
-            memory meanwhile); cached planners only.
+        listener: Told about this rank's layout as the layout pass meets it
+            (the staging of an async save copies tensors meanwhile); cached planners only.
     """
     dist = DistWrapper(use_dist=not options.no_dist and options.use_collectives)
     alone = _rank_alone(options.no_dist, options.use_collectives)
@@ -295,10 +295,7 @@ def plan_save(
 
     def layout_step() -> PlanMessage:
         set_up()
-        layout = planner.describe_layout()
-        if on_layout is not None:
-            on_layout(layout.tensor_bytes)
-        return cache.message(layout)
+        return cache.message(planner.describe_layout(listener))
 
     compact = dist.use_dist and _layout_exchange(planner, writer)
     cache = plan_cache_for(writer, planner, options, rank=dist.rank, world_size=dist.world_size)
@@ -424,14 +421,23 @@ def plan_async_save(
     or ``use_collectives=False``) commits in the background right after
     writing.
     """
-    prepare = _POOL.prepare if staging == "copy" else None
-    session = plan_save(state_dict, writer=writer, planner=planner, options=options, on_layout=prepare)
+    early = None
+    if staging == "copy":  # tensors are copied into the arena while the plan is made (_stage_copies)
+        alone = options.no_dist or not options.use_collectives or platform.get_world_size() <= 1
+        early = _POOL.early_copies(every_leaf=alone)
+    try:
+        session = plan_save(state_dict, writer=writer, planner=planner, options=options, listener=early)
+    except BaseException:
+        if early is not None:
+            early.abandon()
+        raise
     background: list[Callable[[], list[WriteResult]]] = []
 
     def stage_step() -> None:
         items = session.plan.items
-        if staging == "copy":
-            staged = StagedSavePlanner(session.planner, _POOL.stage(items, _sources(items, session.planner)))
+        if early is not None:
+            sources = _sources(items, session.planner)
+            staged = StagedSavePlanner(session.planner, _POOL.stage(items, sources, _leaves(items, session.planner), early))
             background.append(lambda: write_local(session, staged))
         else:
             views = staged_views(items, _sources(items, session.planner), session.planner)
@@ -440,6 +446,8 @@ def plan_async_save(
     try:
         session.dist.agree("stage", stage_step)
     except BaseException:
+        if early is not None:
+            early.abandon()
         session.writer.abort()
         raise
 
@@ -470,6 +478,13 @@ def _sources(items: tuple[Any, ...], planner: SavePlanner) -> Iterable[Any]:
     if isinstance(planner, StandardSavePlanner):
         return planner.stage_arrays(items)
     return (planner.get_data(item) for item in items)
+
+
+def _leaves(items: tuple[Any, ...], planner: SavePlanner) -> tuple[str | None, ...]:
+    """The whole-tensor leaf each item is, for the standard planner (whose early copies can stand for it)."""
+    if isinstance(planner, StandardSavePlanner):
+        return planner.leaf_names(items)
+    return (None,) * len(items)
 
 
 def _committed(metadata: Metadata, error: BaseException | None) -> Metadata:

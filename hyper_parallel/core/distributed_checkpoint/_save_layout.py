@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import pickle
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import xxhash
@@ -41,7 +41,7 @@ from hyper_parallel.core.distributed_checkpoint.mapping import ShardedTensor
 from hyper_parallel.core.dtensor import DTensor
 from hyper_parallel.platform.tensor import DTYPE_NAMES, is_tensor, shared_view, to_numpy
 
-__all__ = ["LayoutDescription", "LeafSource", "describe_layout", "plain_tensor", "leaf_array", "host_array", "piece_array"]
+__all__ = ["LayoutDescription", "LayoutListener", "LeafSource", "describe_layout", "plain_tensor", "leaf_array", "host_array", "piece_array"]
 
 
 @dataclass(frozen=True)
@@ -53,11 +53,23 @@ class LayoutDescription:
         replica_digests: Digests of the possibly replicated tensor pieces,
             in local plan order (empty unless ``check_replicas`` and several ranks).
         tensor_bytes: Bytes of the tensor pieces this rank offers (sizes the staging arena).
+        pieces: Number of those pieces.
     """
 
     digest: str
     replica_digests: tuple[str, ...]
     tensor_bytes: int
+    pieces: int = 0
+
+
+class LayoutListener(Protocol):
+    """Told about a save's layout as the layout pass meets it (the staging of an async save)."""
+
+    def leaf(self, name: str, array: np.ndarray) -> None:
+        """A whole tensor in host memory: its C-contiguous data, valid while the save blocks."""
+
+    def described(self, layout: LayoutDescription) -> None:
+        """The pass is over."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +124,7 @@ def leaf_array(value: Any) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
-def describe_layout(planner: Any) -> LayoutDescription:
+def describe_layout(planner: Any, listener: LayoutListener | None = None) -> LayoutDescription:
     """Digest the layout of the planner's flattened state (after ``configure_planner``). All ranks.
 
     Serialises non-tensor values (their payloads are kept by the planner for
@@ -121,10 +133,15 @@ def describe_layout(planner: Any) -> LayoutDescription:
     up again) and, with ``check_replicas`` on several ranks, hashes every
     possibly replicated piece (kept by the planner for its local plan).
 
+    Args:
+        planner: A configured :class:`.StandardSavePlanner`.
+        listener: Told each whole tensor in host memory as it is met, then the result.
+
     Raises:
         UnsupportedTypeError: A value or dtype no checkpoint stores (names the key).
     """
     flat = planner.flat
+    pieces = 0
     rows: list[tuple[Any, ...]] = []
     replicas: list[str] = []
     check = planner.check_replicas and planner.world_size > 1
@@ -141,10 +158,14 @@ def describe_layout(planner: Any) -> LayoutDescription:
             else:
                 shape = array.shape
                 arrays[name] = array
+                if listener is not None:
+                    listener.leaf(name, array)
             rows.append((name, fqn, dtype, shape))
             total += math.prod(shape) * DTYPE_NAMES[dtype]
+            pieces += 1
             if check:
-                found = digest(memoryview((array if array is not None else leaf_array(value)).reshape(-1).view(np.uint8)))
+                whole = array if array is not None else leaf_array(value)
+                found = digest(memoryview(whole.reshape(-1).view(np.uint8)))
                 planner.keep_replica_digest(fqn, (0,) * len(shape), found)
                 replicas.append(found)
             continue
@@ -152,12 +173,13 @@ def describe_layout(planner: Any) -> LayoutDescription:
         if isinstance(entry, SkipEntry):
             rows.append((name, fqn, "skip"))
         elif isinstance(entry, TensorEntry):
-            pieces = tuple((p.offsets, p.sizes, p.flat_start) for p in entry.pieces)
-            rows.append((name, fqn, "tensor", entry.dtype, entry.global_shape, entry.local_shape, pieces,
+            boxes = tuple((p.offsets, p.sizes, p.flat_start) for p in entry.pieces)
+            rows.append((name, fqn, "tensor", entry.dtype, entry.global_shape, entry.local_shape, boxes,
                          entry.write, entry.may_be_replicated, entry.layout))
             if not entry.write:
                 continue
             total += sum(math.prod(p.sizes) for p in entry.pieces) * DTYPE_NAMES[entry.dtype]
+            pieces += len(entry.pieces)
             if check and entry.may_be_replicated:
                 for piece in entry.pieces:
                     found = digest(memoryview(piece_array(entry, piece).reshape(-1).view(np.uint8)))
@@ -171,7 +193,10 @@ def describe_layout(planner: Any) -> LayoutDescription:
             rows.append(row)
     rows.append(("aliases", tuple(sorted(flat.aliases.items()))))
     layout = xxhash.xxh3_128_hexdigest(pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL))
-    return LayoutDescription(digest=layout, replica_digests=tuple(replicas), tensor_bytes=total)
+    found = LayoutDescription(digest=layout, replica_digests=tuple(replicas), tensor_bytes=total, pieces=pieces)
+    if listener is not None:
+        listener.described(found)
+    return found
 
 
 def piece_array(entry: TensorEntry, piece: TensorPiece) -> np.ndarray:

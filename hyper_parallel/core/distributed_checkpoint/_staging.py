@@ -16,12 +16,18 @@ from __future__ import annotations
 import math
 import mmap
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable
 
 import numpy as np
 
 from hyper_parallel.platform.tensor import DTYPE_NAMES, numpy_dtype
+from hyper_parallel.core.distributed_checkpoint._stage_copies import (
+    ALIGN,
+    STAGING_THREADS,
+    Copier,
+    EarlyCopies,
+    round_up,
+)
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
@@ -39,16 +45,21 @@ class StagingPool:
     arena is kept for the next save and replaced by a larger one (with
     :data:`ARENA_HEADROOM` to spare) only when the state grows past it.
 
-    A first save maps the arena as soon as its size is known
-    (:meth:`prepare`, while the plan is still being made) and a thread
-    touches its pages meanwhile (numpy releases the GIL), so that the page
-    faults of fresh memory overlap the planning instead of the copies.
+    A save begins with :meth:`early_copies`: whole tensors are copied into
+    the arena while the plan is still being made (:mod:`._stage_copies`), so
+    the copies (and a fresh arena's page faults, taken by the copying
+    threads) overlap the planning. :meth:`stage` then copies only the items
+    not copied early. When no leaf is copied early (the first save of a rank
+    in a job of several), a thread touches a fresh arena's pages meanwhile
+    (:meth:`prefault`).
 
     Attributes:
         reused: Items staged into an arena already mapped by an earlier save.
         allocated: Items staged into a freshly mapped arena.
         arenas: Arenas mapped so far.
-        layouts_reused: Saves whose items repeated the previous save's, staged at its offsets.
+        layouts_reused: Saves whose items and early copies repeated the previous save's (views reused).
+        early_copied: Whole tensors copied early (while planning).
+        early_items: Items staged by an early copy.
     """
 
     def __init__(self) -> None:
@@ -56,12 +67,16 @@ class StagingPool:
         self._fresh = False
         self._prefault: threading.Thread | None = None
         self._items: tuple[WriteItem, ...] | None = None
+        self._placed: dict[str, tuple[int, int]] = {}
         self._layout: list[tuple[MetadataIndex, np.ndarray | None, int]] = []
         self._views: dict[MetadataIndex, Any] = {}
+        self._written_leaves: frozenset[str] = frozenset()
         self.reused = 0
         self.allocated = 0
         self.arenas = 0
         self.layouts_reused = 0
+        self.early_copied = 0
+        self.early_items = 0
 
     @property
     def capacity(self) -> int:
@@ -72,18 +87,29 @@ class StagingPool:
         """Drop the arena (unmapped once no staged view of it is left); the next save maps a fresh one."""
         self._join_prefault()
         self._arena = None
-        self._items, self._layout, self._views = None, [], {}
+        self._forget_layout()
 
-    def prepare(self, nbytes: int, items: int = 0) -> None:
-        """Map an arena for about ``nbytes`` of ``items`` tensors now and touch its pages in a thread. Caller's thread.
+    def _forget_layout(self) -> None:
+        self._items, self._placed, self._layout, self._views = None, {}, [], {}
 
-        Does nothing when the current arena is large enough. :meth:`stage`
-        waits for the touching to end before it copies.
+    def early_copies(self, *, every_leaf: bool) -> EarlyCopies:
+        """Start a save's early copies (:class:`.EarlyCopies`). Caller's thread.
+
+        Args:
+            every_leaf: Copy every whole tensor (a job of one rank); else only
+                the leaves this rank wrote in its previous save.
         """
-        needed = nbytes + items * _ALIGN
-        if self._arena is not None and self._arena.size >= needed:
+        self._join_prefault()
+        return EarlyCopies(self._arena, None if every_leaf else self._written_leaves, self._grow, self.prefault)
+
+    def _grow(self, nbytes: int) -> np.ndarray:
+        return self._reserve(nbytes)[0]
+
+    def prefault(self, nbytes: int) -> None:
+        """Map an arena of ``nbytes`` now if the current one is smaller, and touch its pages in a thread."""
+        if self._arena is not None and self._arena.size >= nbytes:
             return
-        self._reserve(needed)
+        self._reserve(nbytes)
         self._prefault = threading.Thread(target=_touch, args=(self._arena,), name="hp-ckpt-prefault", daemon=True)
         self._prefault.start()
 
@@ -98,102 +124,134 @@ class StagingPool:
             fresh, self._fresh = self._fresh, False
             return self._arena, not fresh
         self._join_prefault()
-        size = _round_up(int(nbytes * ARENA_HEADROOM) if self._arena is not None else nbytes, _HUGE_PAGE)
+        size = round_up(int(nbytes * ARENA_HEADROOM) if self._arena is not None else nbytes, _HUGE_PAGE)
         self._arena = None  # the old arena is unmapped once the last staged view of it is gone
-        self._items, self._layout, self._views = None, [], {}
+        self._forget_layout()
         self._arena = _map_arena(max(size, _HUGE_PAGE))
         self._fresh = True
         self.arenas += 1
         return self._arena, False
 
-    def stage(self, items: tuple[WriteItem, ...], sources: Iterable[Any]) -> dict[MetadataIndex, Any]:
-        """Copy every item's data into the arena; return the staged views. Caller's thread.
+    def stage(
+        self,
+        items: tuple[WriteItem, ...],
+        sources: Iterable[Any],
+        leaves: tuple[str | None, ...],
+        early: EarlyCopies,
+    ) -> dict[MetadataIndex, Any]:
+        """Stage every item: its early copy, or a copy now; return the staged views. Caller's thread.
 
         Args:
             items: The items this rank writes.
             sources: The data of each item, in order (e.g. ``planner.get_data`` of each).
+            leaves: The whole-tensor leaf each item is, or ``None``, in order.
+            early: This save's early copies (waited for here, also on failure).
 
-        The arena offsets come from the plan alone, so the copies start while
-        the caller's thread is still resolving later items: batches of about
-        :data:`_BATCH_BYTES` go to :data:`STAGING_THREADS` threads (numpy
-        releases the GIL while copying), and the per-item Python overlaps
-        the copying instead of adding to it. Items identical to the previous
-        save's (a reused plan) are staged at the same offsets into the same views.
+        The offsets come from the plan alone, so the copies start while the
+        caller's thread is still resolving later items (batches go to
+        :data:`STAGING_THREADS` threads; numpy releases the GIL while
+        copying). Items and early copies identical to the previous save's
+        (a reused plan) are staged at the same offsets into the same views.
         """
         self._join_prefault()
-        if items is self._items and self._arena is not None:
-            layout, staged, mapped = self._layout, dict(self._views), True
-            self.layouts_reused += 1
-        else:
-            layout, staged, mapped = self._plan_layout(items)
-        pending: list[Future[None]] = []
-        batch: list[tuple[np.ndarray, np.ndarray]] = []
-        batch_bytes = 0
-        counted = 0
         try:
-            for (index, target, nbytes), data in zip(layout, sources):
-                if target is None:
-                    staged[index] = bytes(data)
-                    continue
-                counted += 1
-                if data.nbytes != nbytes:  # pragma: no cover - a dtype of unknown size, or a planner serving other sizes than it planned
-                    staged[index] = np.array(data, order="C", copy=True)
-                    continue
-                source = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-                for start in range(0, nbytes, _PIECE_BYTES):
-                    batch.append((target[start : start + _PIECE_BYTES], source[start : start + _PIECE_BYTES]))
-                    batch_bytes += min(_PIECE_BYTES, nbytes - start)
-                    if batch_bytes >= _BATCH_BYTES:
-                        pending.append(_copy_pool().submit(_copy_all, batch))
-                        batch, batch_bytes = [], 0
-            if batch:
-                _copy_all(batch)  # the caller's thread takes the last batch itself
+            if items is self._items and early.arena is self._arena and early.placed == self._placed:
+                layout, staged, mapped = self._layout, dict(self._views), True
+                self._fresh = False
+                self.layouts_reused += 1
+            else:
+                layout, staged, mapped = self._plan_layout(items, leaves, early)
+            counted, early_items = self._copy(layout, sources, staged)
         finally:
-            for future in pending:
-                future.result()
+            early.wait()
+        self.early_copied += len(early.placed)
+        self.early_items += early_items
+        self._written_leaves = frozenset(leaf for leaf in leaves if leaf is not None)
         if mapped:
             self.reused += counted
         else:
             self.allocated += counted
         return staged
 
+    @staticmethod
+    def _copy(
+        layout: list[tuple[MetadataIndex, np.ndarray | None, int]], sources: Iterable[Any], staged: dict[MetadataIndex, Any]
+    ) -> tuple[int, int]:
+        """Copy each item without an early copy; values become bytes. Returns the tensors staged, and those early."""
+        copier = Copier(caller_share=True)
+        counted = early = 0
+        try:
+            for (index, target, nbytes), data in zip(layout, sources):
+                if target is None:
+                    if nbytes == _BYTES:
+                        staged[index] = bytes(data)
+                    elif nbytes == _PRIVATE:  # pragma: no cover - a planner serving more than it offered
+                        staged[index] = np.array(data, order="C", copy=True)
+                    else:
+                        counted += 1
+                        early += 1
+                    continue
+                counted += 1
+                if data.nbytes != nbytes:  # pragma: no cover - a planner serving other sizes than it planned
+                    staged[index] = np.array(data, order="C", copy=True)
+                    continue
+                copier.add(target, np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+        finally:
+            copier.finish()
+        return counted, early
+
     def _plan_layout(
-        self, items: tuple[WriteItem, ...]
+        self, items: tuple[WriteItem, ...], leaves: tuple[str | None, ...], early: EarlyCopies
     ) -> tuple[list[tuple[MetadataIndex, np.ndarray | None, int]], dict[MetadataIndex, Any], bool]:
-        """Arena offsets and staged views of ``items``, kept for a next save of the same items."""
+        """Offsets (after the early copies) and staged views of ``items``, kept for a next save of the same items."""
         placed: list[tuple[MetadataIndex, WriteItem, int, int]] = []
-        total = 0
-        for item in items:
+        total = early.end
+        for item, leaf in zip(items, leaves):
             index = MetadataIndex(item.index.fqn, item.index.offset)
             if item.type == WriteItemType.BYTE_IO:
-                placed.append((index, item, -1, 0))
+                placed.append((index, item, 0, _BYTES))
                 continue
-            data_spec = item.tensor_data
-            nbytes = math.prod(data_spec.chunk.sizes) * DTYPE_NAMES.get(data_spec.properties.dtype, 0)
+            spec = item.tensor_data
+            nbytes = math.prod(spec.chunk.sizes) * DTYPE_NAMES.get(spec.properties.dtype, 0)
+            copied = early.placed.get(leaf) if leaf is not None else None
+            if copied is not None and copied[1] == nbytes:
+                placed.append((index, item, copied[0], _EARLY))
+                continue
             placed.append((index, item, total, nbytes))
-            total += _round_up(nbytes, _ALIGN)
-        arena, mapped = self._reserve(total)
+            total += round_up(nbytes, ALIGN)
+        if early.placed:  # the early copies sized the arena for every piece offered
+            arena, mapped = early.arena, not self._fresh
+            self._fresh = False
+        else:
+            arena, mapped = self._reserve(total)
         layout: list[tuple[MetadataIndex, np.ndarray | None, int]] = []
         views: dict[MetadataIndex, Any] = {}
         for index, item, offset, nbytes in placed:
-            if offset < 0:
-                layout.append((index, None, 0))
+            if nbytes == _BYTES:
+                layout.append((index, None, _BYTES))
                 continue
-            target = arena[offset : offset + nbytes]
-            layout.append((index, target, nbytes))
             spec = item.tensor_data
-            views[index] = target.view(numpy_dtype(spec.properties.dtype)).reshape(spec.chunk.sizes)
-        self._items, self._layout, self._views = items, layout, views
+            size = math.prod(spec.chunk.sizes) * DTYPE_NAMES.get(spec.properties.dtype, 0)
+            if nbytes == _EARLY:
+                layout.append((index, None, _EARLY))
+            elif offset + size > arena.size:  # pragma: no cover - a planner serving more than it offered
+                layout.append((index, None, _PRIVATE))
+                continue
+            else:
+                layout.append((index, arena[offset : offset + size], size))
+            views[index] = arena[offset : offset + size].view(numpy_dtype(spec.properties.dtype)).reshape(
+                spec.chunk.sizes)
+        self._items, self._placed, self._layout, self._views = items, dict(early.placed), layout, views
         return layout, dict(views), mapped
+
+
+#: Marks in a staging layout: a value (bytes), an item staged by an early copy, an item given its own buffer.
+_BYTES, _EARLY, _PRIVATE = -1, -2, -3
 
 
 def _touch(arena: np.ndarray) -> None:
     """Fault every page of ``arena`` in (a strided write: numpy releases the GIL meanwhile)."""
     arena[::_PAGE] = 0
-
-
-def _round_up(value: int, unit: int) -> int:
-    return -(-value // unit) * unit
 
 
 def _map_arena(nbytes: int) -> np.ndarray:
@@ -210,29 +268,10 @@ def _map_arena(nbytes: int) -> np.ndarray:
     return np.frombuffer(arena, dtype=np.uint8)
 
 
-#: Threads copying into staging buffers.
-STAGING_THREADS = 2
 #: A grown arena is this much larger than the state that outgrew the last one.
 ARENA_HEADROOM = 1.25
-_PIECE_BYTES = 32 << 20
-#: Bytes of copies handed to a staging thread at a time.
-_BATCH_BYTES = 8 << 20
-_ALIGN = 64
 _PAGE = 4096
 _HUGE_PAGE = 2 << 20
-_COPY_POOL: ThreadPoolExecutor | None = None
-
-
-def _copy_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
-    for target, source in pairs:
-        np.copyto(target, source)
-
-
-def _copy_pool() -> ThreadPoolExecutor:
-    global _COPY_POOL  # pylint: disable=global-statement
-    if _COPY_POOL is None:
-        _COPY_POOL = ThreadPoolExecutor(max_workers=STAGING_THREADS, thread_name_prefix="hp-ckpt-stage")
-    return _COPY_POOL
 
 
 class StagedSavePlanner(SavePlanner):

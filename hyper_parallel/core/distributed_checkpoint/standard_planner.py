@@ -34,6 +34,7 @@ from hyper_parallel.core.distributed_checkpoint._flatten import FlatStateDict, f
 from hyper_parallel.core.distributed_checkpoint._global_plan import build_global_save_plan
 from hyper_parallel.core.distributed_checkpoint._save_layout import (
     LayoutDescription,
+    LayoutListener,
     LeafSource,
     describe_layout,
     leaf_array,
@@ -178,7 +179,7 @@ class StandardSavePlanner(SavePlanner):
         self.leaf_arrays = {}
         self._layouts.clear()
 
-    def describe_layout(self) -> LayoutDescription:
+    def describe_layout(self, listener: LayoutListener | None = None) -> LayoutDescription:
         """Digest this rank's layout without building a plan (:mod:`._save_layout`). All ranks.
 
         Called after :meth:`configure_planner`; a save whose layout repeats the
@@ -186,12 +187,15 @@ class StandardSavePlanner(SavePlanner):
         :meth:`build_local_plan`, which reuses the values serialised and the
         replicas hashed here.
 
+        Args:
+            listener: Told each whole tensor in host memory as it is met, then the result.
+
         Raises:
             UnsupportedTypeError: A value or dtype no checkpoint stores (names the key).
         """
         if self.flat is None:
             raise CheckpointValueError("configure_planner must be called before describe_layout")
-        return describe_layout(self)
+        return describe_layout(self, listener)
 
     def classify(self, fqn: str, value: Any) -> TensorEntry | ValueEntry | SkipEntry:
         """Classify one leaf stored under ``fqn`` (:func:`._state_items.make_entry`)."""
@@ -243,18 +247,22 @@ class StandardSavePlanner(SavePlanner):
 
     def stage_arrays(self, items: tuple[WriteItem, ...]) -> Iterator[np.ndarray | bytes]:
         """Yield the data of ``items`` in order, as :meth:`get_data` would (one tight loop for a reused plan)."""
-        if self._bound is None or self._bound[0] is not items:
-            yield from (self.get_data(item) for item in items)
-            return
         arrays = self.leaf_arrays
-        for item, source in zip(items, self._bound[1]):
-            if source is None:
-                yield self._bytes[MetadataIndex(item.index.fqn, item.index.offset)]
-            elif source.plain:
+        for item, source in zip(items, self._item_sources(items)):
+            if source is None or not source.plain:
+                yield self.get_data(item)
+            else:
                 array = arrays.get(source.name)
                 yield array if array is not None else leaf_array(self.flat.values[source.name])
-            else:
-                yield self._leaf_piece(source)
+
+    def _item_sources(self, items: tuple[WriteItem, ...]) -> tuple[LeafSource | None, ...]:
+        if self._bound is not None and self._bound[0] is items:
+            return self._bound[1]
+        return self.sources_for(items)
+
+    def leaf_names(self, items: tuple[WriteItem, ...]) -> tuple[str | None, ...]:
+        """The whole-tensor leaf each item is (``None`` for pieces and values), in order."""
+        return tuple(s.name if s is not None and s.plain else None for s in self._item_sources(items))
 
     def _leaf_piece(self, source: LeafSource) -> np.ndarray:
         entry = _classify(self.flat.storage_keys[source.name], self.flat.values[source.name])

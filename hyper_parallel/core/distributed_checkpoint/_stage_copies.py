@@ -1,0 +1,180 @@
+"""Copies into the staging arena: batched to threads, and started while the save is still planned.
+
+:class:`Copier` hands batches of copies to :data:`STAGING_THREADS` threads
+(numpy releases the GIL while copying); the caller's thread may copy a share
+itself. :class:`EarlyCopies` starts copying whole tensors into the arena as
+soon as the layout pass (:func:`._save_layout.describe_layout`) meets them,
+in leaf order, while the caller's thread goes on planning (digest round,
+merge, metadata): when the plan is known, the items whose leaf was copied
+early are staged already, and only the rest is copied then.
+
+Which leaves are copied early: every whole tensor in a job of one rank (it
+writes everything); with several ranks only the leaves this rank wrote in its
+previous save (with an unchanged layout, exactly the ones it writes now; a
+rank never copies replicas another rank writes). An early copy holds the
+bytes the tensor had during the call, so using it is correct whatever the
+plan turns out to be; a leaf copied for nothing only costs its copy.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import numpy as np
+
+__all__ = ["STAGING_THREADS", "Copier", "EarlyCopies", "round_up", "ALIGN"]
+
+#: Threads copying into staging buffers.
+STAGING_THREADS = 2
+#: Items are placed in the arena at offsets aligned to this many bytes.
+ALIGN = 64
+_PIECE_BYTES = 32 << 20
+#: Bytes of copies handed to a staging thread at a time.
+_BATCH_BYTES = 8 << 20
+_COPY_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def round_up(value: int, unit: int) -> int:
+    """``value`` rounded up to a multiple of ``unit``."""
+    return -(-value // unit) * unit
+
+
+def _copy_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    for target, source in pairs:
+        np.copyto(target, source)
+
+
+def _copy_pool() -> ThreadPoolExecutor:
+    global _COPY_POOL  # pylint: disable=global-statement
+    with _POOL_LOCK:
+        if _COPY_POOL is None:
+            _COPY_POOL = ThreadPoolExecutor(max_workers=STAGING_THREADS, thread_name_prefix="hp-ckpt-stage")
+        return _COPY_POOL
+
+
+class Copier:
+    """Copies handed to the staging threads in batches of about :data:`_BATCH_BYTES`.
+
+    Args:
+        caller_share: The caller's thread copies every ``STAGING_THREADS + 1``-th
+            batch itself (when it has nothing else to do meanwhile).
+    """
+
+    def __init__(self, *, caller_share: bool) -> None:
+        self._caller_share = caller_share
+        self._pending: list[Future[None]] = []
+        self._batch: list[tuple[np.ndarray, np.ndarray]] = []
+        self._batch_bytes = 0
+        self._turn = 0
+
+    def add(self, target: np.ndarray, source: np.ndarray) -> None:
+        """Copy the uint8 array ``source`` into ``target`` (same size), soon."""
+        nbytes = source.size
+        for start in range(0, nbytes, _PIECE_BYTES):
+            self._batch.append((target[start : start + _PIECE_BYTES], source[start : start + _PIECE_BYTES]))
+            self._batch_bytes += min(_PIECE_BYTES, nbytes - start)
+            if self._batch_bytes >= _BATCH_BYTES:
+                self._flush()
+
+    def _flush(self) -> None:
+        batch, self._batch, self._batch_bytes = self._batch, [], 0
+        self._turn += 1
+        if self._caller_share and self._turn % (STAGING_THREADS + 1) == 0:
+            _copy_all(batch)
+        else:
+            self._pending.append(_copy_pool().submit(_copy_all, batch))
+
+    def finish(self) -> None:
+        """Copy what is left on the caller's thread and wait for every copy (re-raises a copy's error)."""
+        batch, self._batch, self._batch_bytes = self._batch, [], 0
+        pending, self._pending = self._pending, []
+        try:
+            _copy_all(batch)
+        finally:
+            for future in pending:
+                future.result()
+
+
+class EarlyCopies:
+    """Whole tensors copied into the arena while the save is planned. Caller's thread.
+
+    Args:
+        arena: The arena as mapped now (``None``: none yet; copies wait for :meth:`described`).
+        wanted: Leaf names to copy (``None``: every whole tensor).
+        reserve: Maps an arena of at least the given bytes (when the one at hand is too small).
+        prefault: Maps an arena of at least the given bytes and touches its pages meanwhile
+            (when no leaf is copied early).
+
+    Attributes:
+        placed: Leaf name -> ``(offset, nbytes)`` of its early copy in :attr:`arena`.
+        end: Bytes of the arena the early copies take (aligned).
+        arena: The arena holding the early copies.
+    """
+
+    def __init__(
+        self,
+        arena: np.ndarray | None,
+        wanted: frozenset[str] | None,
+        reserve: Callable[[int], np.ndarray],
+        prefault: Callable[[int], None],
+    ) -> None:
+        self.arena = arena
+        self.placed: dict[str, tuple[int, int]] = {}
+        self.end = 0
+        self._wanted = wanted
+        self._reserve = reserve
+        self._prefault = prefault
+        self._arrays: list[tuple[int, np.ndarray]] = []
+        self._issued = 0  # early copies issued so far (the first ones in leaf order)
+        self._copier = Copier(caller_share=False)
+        self._done = False
+
+    def leaf(self, name: str, array: np.ndarray) -> None:
+        """Place a whole tensor's C-contiguous data (the layout pass meets it); copy it if the arena fits."""
+        if self._wanted is not None and name not in self._wanted:
+            return
+        source = array.reshape(-1).view(np.uint8)
+        offset = self.end
+        self.end = offset + round_up(source.size, ALIGN)
+        self.placed[name] = (offset, source.size)
+        self._arrays.append((offset, source))
+        if self.arena is not None and self._issued == len(self._arrays) - 1 and self.end <= self.arena.size:
+            self._copier.add(self.arena[offset : offset + source.size], source)
+            self._issued += 1
+
+    def described(self, layout: Any) -> None:
+        """The layout pass is over (``layout``: its :class:`.LayoutDescription`).
+
+        Makes the arena large enough for every piece offered and copies what
+        is not copied yet; with nothing to copy early, prefaults a fresh arena.
+        """
+        needed = max(self.end, layout.tensor_bytes + layout.pieces * ALIGN)
+        if not self.placed:
+            self._prefault(needed)
+            return
+        if self.arena is None or self.arena.size < needed:
+            self._copier.finish()  # nothing may still be copying into the arena that is replaced
+            self.arena = self._reserve(needed)
+            self._issued = 0
+        for offset, source in self._arrays[self._issued :]:
+            self._copier.add(self.arena[offset : offset + source.size], source)
+        self._issued = len(self._arrays)
+        self._arrays = []
+
+    def wait(self) -> None:
+        """Wait for every early copy (re-raises a copy's error). Idempotent."""
+        if not self._done:
+            self._done = True
+            self._arrays = []
+            self._copier.finish()
+
+    def abandon(self) -> None:
+        """Wait for the copies in flight, ignoring their errors (the save failed anyway)."""
+        try:
+            self.wait()
+        except Exception:  # pylint: disable=broad-except
+            pass
+
