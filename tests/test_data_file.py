@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import mindspore
@@ -27,14 +28,19 @@ from hyper_parallel.platform.tensor import DTYPE_NAMES
 
 
 class CountingFileOps(FileOps):
-    """The operating system's file operations, counting the early-writeback requests (each one really made)."""
+    """The operating system's file operations, noting early-writeback requests and page drops (each really made)."""
 
     def __init__(self) -> None:
         self.writebacks: list[tuple[int, int]] = []
+        self.drops: list[tuple[int, str]] = []
 
     def start_writeback(self, fd: int, offset: int, length: int) -> None:
         super().start_writeback(fd, offset, length)
         self.writebacks.append((offset, length))
+
+    def drop_cache(self, fd: int) -> None:
+        super().drop_cache(fd)
+        self.drops.append((os.fstat(fd).st_size, threading.current_thread().name))
 
 
 def _tensor_item(name: str, array: np.ndarray, dtype: str, offset: tuple[int, ...] = ()) -> WriteItem:
@@ -140,3 +146,22 @@ def test_save_of_many_parameters_reads_back_bit_exact_with_writeback(tmp_path: P
     dcp.load(target, checkpoint_id=tmp_path / "c", no_dist=True)
     for name, param in state.items():
         assert np.array_equal(target[name].float().asnumpy(), param.float().asnumpy()), name
+
+
+@pytest.mark.parametrize("drop", [True, False])
+def test_pages_of_a_durable_save_are_dropped_off_the_critical_path(tmp_path: Path, drop: bool) -> None:
+    state = {f"w{i}": np.full((256, 1024), i, np.float32) for i in range(4)}
+    ops = CountingFileOps()
+    writer = dcp.FileSystemWriter(tmp_path / "c", thread_count=2, file_ops=ops, drop_page_cache=drop)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    writer.wait_page_drop()
+    sizes = sorted(path.stat().st_size for path in (tmp_path / "c").glob("*.safetensors"))
+    if not drop:
+        assert ops.drops == []
+        return
+    # Once per data file, whole, on the background thread (never on the saving thread).
+    assert sorted(size for size, _ in ops.drops) == sizes and len(sizes) == 2
+    assert {name for _, name in ops.drops} == {"hp-ckpt-drop-pages"}
+    dcp.save(state, storage_writer=writer, no_dist=True)  # a second save waits for the first advice first
+    writer.wait_page_drop()
+    assert len(ops.drops) == 4

@@ -61,7 +61,7 @@ from hyper_parallel.core.distributed_checkpoint._fsspec_writer import FsspecWrit
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
-from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
+from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardLoadPlanner, StandardSavePlanner
 from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, StorageReader, StorageWriter, WriteResult
 
 __all__ = [
@@ -553,7 +553,12 @@ def run_load(
         final = reader.prepare_global_plan(planner.build_global_plan(all_plans))
         return [None if f is p else f for f, p in zip(final, all_plans)]
 
-    received = dist.reduce_scatter("load plan", local_step, global_step)
+    if _plans_stay_local(planner, reader):
+        # The coordinator would hand every rank its own plan back: only failures travel.
+        dist.agree("load plan", local_step)
+        received = None
+    else:
+        received = dist.reduce_scatter("load plan", local_step, global_step)
     plan = planner.finalize_plan(received if received is not None else local_plans[0])
     # Every rank verifies every byte it will read before any rank copies one:
     # a corrupt checkpoint fails the load with every target unchanged.
@@ -563,6 +568,20 @@ def run_load(
         _read_round(dist, reader, planner, round_plan, index, last=index == len(rounds) - 1)
     if targets[0] is not state_dict:
         copy_back_values(targets[0], state_dict)
+
+
+def _plans_stay_local(planner: LoadPlanner, reader: StorageReader) -> bool:
+    """Whether the load plan's global step returns every rank's plan unchanged.
+
+    True for the standard load planner without shared reads and a reader whose
+    global step changes nothing (the filesystem and fsspec readers): then no
+    plan needs to go to the coordinator.
+    """
+    return (
+        type(planner) is StandardLoadPlanner  # pylint: disable=unidiomatic-typecheck
+        and not planner.shares_reads
+        and type(reader).prepare_global_plan is FileSystemReader.prepare_global_plan
+    )
 
 
 def _read_round(

@@ -56,6 +56,9 @@ def _child(writer: StorageWriter, plan: SavePlan, planner: SavePlanner, out_fd: 
     while view:
         view = view[os.write(out_fd, view):]
     os.close(out_fd)
+    wait_page_drop = getattr(writer, "wait_page_drop", None)
+    if wait_page_drop is not None:  # the results are reported: give the page cache advice before leaving
+        wait_page_drop()
 
 
 def fork_write(writer: StorageWriter, plan: SavePlan, planner: SavePlanner, *, rank: int) -> Callable[[], Any]:

@@ -161,7 +161,7 @@ class FsspecWriter(FileSystemWriter):
         """Start the upload of data object ``name``."""
         return ObjectSink(self.fs, self._object(name), part_bytes=self.part_bytes, connections=self.connections)
 
-    def _data_durable(self) -> None:
+    def _data_durable(self, jobs: list[_FileJob]) -> None:
         """Nothing to do: a completed upload is durable."""
 
     def _discard(self, jobs: list[_FileJob]) -> None:
