@@ -61,7 +61,7 @@ def test_two_ranks_commit_in_the_background(tmp_path: Path) -> None:
         assert value["world"] == 2 and value["same_as_committed"] and value["values_ok"], value
         assert value["records"] == [], value
         if rank == 0:
-            assert value["saw_flag"] == [True], "the commit ran before rank 1's result() returned"
+            assert value["saw_flag"] == [True], "the commit ran before every rank's result() returned"
         failed = outcome["commit_failure_reaches_all_at_next_step"]
         assert failed["ok"], failed["traceback"]
         value = failed["value"]

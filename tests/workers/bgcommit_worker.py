@@ -95,16 +95,16 @@ def main() -> None:
                 "left": sorted(p.name for p in path.iterdir()) if path.exists() else []}
 
     class SlowCommitWriter(dcp.FileSystemWriter):
-        """The coordinator's commit waits (at most 30 s) until rank 1 says its result() returned."""
+        """The coordinator's commit waits (at most 30 s) until every rank says its result() returned."""
 
-        flag = shared / "rank1.result_returned"
+        flags = [shared / f"rank{r}.result_returned" for r in range(world)]
         saw_flag: list[bool] = []
 
         def finish(self, metadata: Any, results: Any, *, background_cleanup: bool = False) -> Any:
             deadline = time.monotonic() + 30
-            while not self.flag.exists() and time.monotonic() < deadline:
+            while not all(f.exists() for f in self.flags) and time.monotonic() < deadline:
                 time.sleep(0.01)
-            self.saw_flag.append(self.flag.exists())
+            self.saw_flag.append(all(f.exists() for f in self.flags))
             return super().finish(metadata, results, background_cleanup=background_cleanup)
 
     class FailingCommitWriter(dcp.FileSystemWriter):
@@ -134,11 +134,10 @@ def main() -> None:
         path = shared / "c4"
         request = dcp.async_save(state(4), storage_writer=SlowCommitWriter(path))
         start = time.monotonic()
-        metadata = request.result()  # no rank waits for the commit, held back until rank 1 got here
+        metadata = request.result()  # no rank waits for the commit, held back until every rank got here
         blocked = time.monotonic() - start
         committed_at_return = (path / "metadata.json").exists()
-        if rank == 1:
-            SlowCommitWriter.flag.write_text("1")
+        SlowCommitWriter.flags[rank].write_text("1")
         target = zeros()
         dcp.load(target, checkpoint_id=path)  # the next collective step: waits for the commit's outcome
         return {"blocked": blocked, "committed_at_return": committed_at_return, "saw_flag": SlowCommitWriter.saw_flag,
