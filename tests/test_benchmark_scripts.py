@@ -43,6 +43,7 @@ RESHARD_FIGURES = (
     "reshard reader bytes / needed, verify on, worst rank",
     "reshard /proc read / needed, verify on, worst rank",
     "reshard /proc read / needed, verify off, worst rank",
+    "reshard /proc read / needed, verify on, 2x max_inflight_bytes, worst rank",
 )
 
 
