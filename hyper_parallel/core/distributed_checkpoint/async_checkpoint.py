@@ -1,17 +1,22 @@
-"""``async_save``: stage to host memory, write in the background, commit later.
+"""``async_save``: stage to host memory, write and commit in the background.
 
 ``async_save`` blocks only to plan (the collective part of a save) and to
 stage the items this rank writes (:mod:`._staging`). It then returns an
 :class:`AsyncSaveHandle`; a background thread writes the data files. The
-background never runs a collective. With several ranks the commit, which
-needs every rank's write results, is the same collective step as a sync
-save's (:func:`._engine.commit_save`), run on the caller's thread at
-``handle.result()`` or at the next ``async_save`` (which first finishes the
-previous save). A save without collectives (one process, ``no_dist``, or
-``use_collectives=False``) commits on the background thread right after
-writing: the step is durable once ``done()`` is true, even if ``result()``
-is never called. ``handle.done()`` tells, without blocking or
-communicating, whether this rank's background work is over.
+background never runs a collective. A save without collectives (one
+process, ``no_dist``, or ``use_collectives=False``) commits on that thread
+right after writing. With several ranks and a writer keeping rank records
+(the filesystem and fsspec writers), every rank records its write results
+in the storage and the coordinator's background thread commits from them
+(:mod:`._background_commit`): either way the step is durable once the
+writing is over, even if ``result()`` is never called. ``result()`` then
+only waits for this rank's writing and runs one short collective step; a
+failed background commit is raised on every rank by the next collective
+step. With a writer without rank records, the commit is the same
+collective step as a sync save's (:func:`._engine.commit_save`), run at
+``handle.result()`` or at the next ``async_save``. ``handle.done()`` tells,
+without blocking or communicating, whether this rank's background work is
+over.
 
 The work itself is the registered save strategy's
 (:meth:`.strategies.SaveStrategyBase.async_save`): it returns an
@@ -54,8 +59,9 @@ def default_queue() -> AsyncCallsQueue:
 class AsyncSaveHandle:
     """The future of one async save.
 
-    ``result()`` and the next ``async_save`` run the commit, a collective
-    step: every rank must call them at the same point of its program.
+    With several ranks ``result()`` and the next ``async_save`` run a
+    collective step: every rank must call them at the same point of its
+    program.
     """
 
     def __init__(self, call: AsyncCall) -> None:
@@ -64,20 +70,30 @@ class AsyncSaveHandle:
     def done(self) -> bool:
         """True when this rank's background work is over (no blocking, no communication).
 
-        With several ranks ``result()`` then only runs the short commit
-        step; without collectives the save is then already committed.
+        On the coordinator, and without collectives, the commit is then
+        over too (committed or failed); on other ranks of a writer with rank
+        records, this rank's results record is stored. ``result()`` then
+        only runs one short collective step.
         """
         return self._call.background_done()
 
     def result(self, timeout: float | None = None) -> Metadata:
-        """Wait for the writing, commit (collective), return the metadata. All ranks call it.
+        """Wait for this rank's writing, then share every rank's outcome; return the metadata. All ranks call it.
+
+        With several ranks and a writer with rank records, the commit runs in
+        the coordinator's background thread and no rank waits for it here:
+        the metadata returned is the one being committed, and a failed commit
+        is raised on every rank by the next collective step (the next save
+        or load, ``CheckpointManager.wait``). Otherwise this returns after
+        the commit.
 
         Args:
             timeout: Seconds to wait for this rank's background writing.
 
         Raises:
             TimeoutError: the background writing did not end within ``timeout``.
-            CheckpointError: on every rank, if any rank failed (names the ranks).
+            CheckpointError: on every rank, if any rank's writing (or the commit, when it runs
+                here) failed (names the ranks).
         """
         if not self._call.finalized() and not self._call.wait(timeout):
             raise TimeoutError(f"async save still writing after {timeout} s")
