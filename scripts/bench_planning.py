@@ -18,7 +18,9 @@ all-gather of every plan). With ``--general-up-to M`` the per-item merge of
 expanded plans (the general path) is timed too for N <= M, and the results
 of both are compared. The last columns time the coordinator's side of a
 repeated save's digest round (every rank's layout digest and replica
-digests in, the replica check with this save's digests, one decision out).
+digests in, the replica check with this save's digests, one decision out),
+and "rank ms" what one rank spends compacting and pickling its plan (on
+every rank in parallel, outside the coordinator's time).
 
 Run: ``python scripts/bench_planning.py [--ranks 64 256 1024 4096 10240] [--tensors 1000]``.
 """
@@ -71,16 +73,21 @@ def local_plan(rank: int, ranks: int, tensors: int) -> tuple[SavePlan, dict[Meta
     return SavePlan(items=tuple(items)), layouts
 
 
-def rank_blobs(ranks: int, tensors: int) -> list[bytes]:
+def rank_blobs(ranks: int, tensors: int, timing: dict[str, float] | None = None) -> list[bytes]:
     """What each rank sends: its layout-form plan, pickled on its own.
 
     Ranks 0, 1 and the last compact their real local plans; the others reuse
-    rank 0's table (equal bytes, checked) with their own digests.
+    rank 0's table (equal bytes, checked) with their own digests. ``timing``
+    receives the seconds one rank spends compacting and pickling its plan.
     """
     real = {}
     for rank in sorted({0, 1, ranks - 1}):
         plan, layouts = local_plan(rank, ranks, tensors)
+        start = time.perf_counter()
         real[rank] = compact_save_plan(plan, layouts, rank=rank, world_size=ranks)
+        pickle.dumps(real[rank], protocol=pickle.HIGHEST_PROTOCOL)
+        if timing is not None and rank == 0:
+            timing["rank_send_seconds"] = time.perf_counter() - start
         assert isinstance(real[rank], LayoutSavePlan)
         assert real[rank].table == real[0].table and real[rank].digests == real[0].digests
     template = real[0]
@@ -152,7 +159,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     rows = []
     for ranks in args.ranks:
-        blobs = rank_blobs(ranks, args.tensors)
+        timing: dict[str, float] = {}
+        blobs = rank_blobs(ranks, args.tensors, timing)
         runs = []
         for _ in range(args.repeat):  # each run unpickles fresh objects from the blobs
             gc.collect()
@@ -169,6 +177,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "ranks": ranks, "items": items, "seconds": side["total"], "us_per_item": side["total"] / items * 1e6,
             "unpickle_seconds": side["unpickle"], "merge_seconds": side["merge"],
             "results_seconds": side["results"],
+            # on each rank, in parallel (not part of the coordinator's time): compacting and pickling its plan
+            "rank_send_seconds": timing["rank_send_seconds"],
             "written_items": sum(sum(bin(b).count("1") for b in mask) for mask in side["masks"]),
             "tensors": len(side["metadata"].state_dict_metadata),
             "bytes_sent_per_rank": max(map(len, blobs)),
@@ -179,12 +189,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "bytes_received_per_noncoordinator_rank_allgather": sum(map(len, blobs)) + sum(
                 map(len, side["result_blobs"])),
         }
-        gc.disable()
-        try:
-            row["reuse_seconds"], row["reuse_bytes_sent_per_rank"], row["reuse_bytes_received_per_rank"] = (
-                _reuse_round(side["plans"], ranks, args.tensors))
-        finally:
-            gc.enable()
+        reuses = []
+        for _ in range(args.repeat):
+            gc.collect()
+            gc.disable()
+            try:
+                reuses.append(_reuse_round(side["plans"], ranks, args.tensors))
+            finally:
+                gc.enable()
+        reuses.sort()
+        row["reuse_seconds"], row["reuse_bytes_sent_per_rank"], row["reuse_bytes_received_per_rank"] = (
+            reuses[len(reuses) // 2])
         row["reuse_us_per_item"] = row["reuse_seconds"] / items * 1e6
         if ranks <= args.general_up_to:
             seconds, masks, metadata = _general(ranks, args.tensors)
@@ -203,14 +218,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
 def _print(rows: list[dict]) -> None:
     print(f"{'ranks':>6} {'items':>9} {'total s':>8} {'us/item':>8} {'unpickle':>8} {'merge':>7} {'results':>7} "
           f"{'sent B/rank':>11} {'recv B/rank':>11} {'recv B all-gather':>17} {'general us/item':>15} "
-          f"{'reuse s':>7} {'reuse us/item':>13}")
+          f"{'reuse s':>7} {'reuse us/item':>13} {'rank ms':>7}")
     for row in rows:
         general = f"{row['general_us_per_item']:.2f}" if "general_us_per_item" in row else "-"
         print(f"{row['ranks']:>6} {row['items']:>9} {row['seconds']:>8.2f} {row['us_per_item']:>8.3f} "
               f"{row['unpickle_seconds']:>8.2f} {row['merge_seconds']:>7.2f} {row['results_seconds']:>7.2f} "
               f"{row['bytes_sent_per_rank']:>11} {row['bytes_received_per_noncoordinator_rank']:>11} "
               f"{row['bytes_received_per_noncoordinator_rank_allgather']:>17} {general:>15} "
-              f"{row['reuse_seconds']:>7.2f} {row['reuse_us_per_item']:>13.3f}")
+              f"{row['reuse_seconds']:>7.2f} {row['reuse_us_per_item']:>13.3f} {row['rank_send_seconds'] * 1e3:>7.1f}")
     growth = max(row["us_per_item"] for row in rows) / rows[0]["us_per_item"]
     spread = max(row["us_per_item"] for row in rows) / min(row["us_per_item"] for row in rows)
     print(f"time per item, largest over the rank counts / at {rows[0]['ranks']} ranks: {growth:.2f} "

@@ -551,6 +551,13 @@ def reshard_ratios(reshard: dict[str, Any]) -> list[tuple[str, float, str, bool 
                         worst <= 1.05))
         slowest = max(r[f"verify {verify}"]["median_s"] for r in reshard["ranks"])
         out.append((f"reshard load seconds, verify {verify}, slowest rank", slowest, "", None))
+    setting = "verify on, 2x max_inflight_bytes"
+    if all(setting in r for r in reshard["ranks"]):
+        worst = max(r[setting]["/proc read_bytes"] / r["needed_bytes"] for r in reshard["ranks"])
+        out.append((f"reshard /proc read / needed, {setting}, worst rank", worst, "<= 1.05 (knob)", worst <= 1.05))
+    if all("async_result_s" in r for r in reshard["ranks"]):
+        out.append((f"async result() ms after done(), {len(reshard['ranks'])} ranks, small state, slowest rank",
+                    max(r["async_result_s"] for r in reshard["ranks"]) * 1e3, "", None))
     return out
 
 

@@ -20,6 +20,7 @@ import pytest
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel import DTensor, Layout
 from hyper_parallel.core.distributed_checkpoint.metadata import FORMAT_VERSION
+from hyper_parallel.core.distributed_checkpoint._rank_records import RankRecord, encode_rank_record, wait_for_rank_records
 from hyper_parallel.core.distributed_checkpoint.strategies import LoadOptions, check_load_compatible
 from hyper_parallel.platform import numpy_dtype
 
@@ -180,6 +181,39 @@ class StorageContract:
         target = _zeros(_state(2.0))
         self.load(target, checkpoint_id)
         assert np.array_equal(target["w"], FULL * 2)
+
+    def test_rank_records_commit_a_save_of_simulated_ranks(self):
+        """Backends with rank records: each rank records its results, the coordinator commits from them alone."""
+        checkpoint_id = self.make_id("records")
+        states = [_state(4.0), _state(4.0)]
+        writers, planners, plans = [], [], []
+        for rank, state in enumerate(states):
+            writer = self.make_writer(checkpoint_id)
+            writer.set_up_storage_writer(rank == 0, rank=rank, world_size=2)
+            planner = dcp.StandardSavePlanner()
+            planner.configure_planner(state, rank=rank, world_size=2, is_coordinator=rank == 0)
+            writers.append(writer)
+            planners.append(planner)
+            plans.append(writer.prepare_local_plan(planner.build_local_plan()))
+        if not writers[0].supports_rank_records():
+            with pytest.raises(NotImplementedError):
+                writers[0].read_rank_record(0)
+            pytest.skip("this backend keeps no rank records: its multi-rank async saves commit in result()")
+        final, metadata = planners[0].build_global_plan(plans)
+        final = writers[0].prepare_global_plan(final)
+        save_id = getattr(final[0].storage_data, "save_id", "")
+        assert writers[0].read_rank_record(1) is None
+        for rank, (writer, planner, plan) in enumerate(zip(writers, planners, final)):
+            plan = planner.finalize_plan(plan)
+            results = tuple(writer.write_data(plan, planner).result())
+            writer.write_rank_record(rank, encode_rank_record(RankRecord(save_id, rank, results)), plan=plan)
+        gathered = wait_for_rank_records(writers[0], save_id=save_id, world_size=2, timeout=10)
+        writers[0].finish(metadata, gathered)
+        writers[0].remove_rank_records(2)
+        assert writers[0].read_rank_record(0) is None and writers[0].read_rank_record(1) is None
+        target = _zeros(_state(4.0))
+        self.load(target, checkpoint_id)
+        assert np.array_equal(target["w"], FULL * 4)
 
     def test_an_uncommitted_save_leaves_the_previous_checkpoint(self):
         checkpoint_id = self.make_id("previous")

@@ -170,7 +170,7 @@ def test_sync_save_after_a_reused_plan_serves_every_leaf(tmp_path):
     assert target["flat"].ravel().tolist() == list(range(10))
 
 
-def test_first_call_prefaults_a_fresh_arena_sized_from_the_layout(tmp_path):
+def test_first_call_maps_one_arena_sized_from_the_layout(tmp_path):
     pool = _engine._POOL  # pylint: disable=protected-access
     pool.release()
     clear_plan_cache()
@@ -180,7 +180,7 @@ def test_first_call_prefaults_a_fresh_arena_sized_from_the_layout(tmp_path):
     _mutate(state, 0.0)
     handle.result()
     nbytes = sum(p.asnumpy().nbytes for p in state.values())
-    assert pool.arenas == arenas + 1, "one arena, mapped while planning, used by the staging"
+    assert pool.arenas == arenas + 1, "one arena, mapped once the layout is known (early copies), used by the staging"
     assert nbytes <= pool.capacity < nbytes + (4 << 20)
     assert all(np.all(v == 3.0 + (int(n[1:]) if n != "big" else 0)) for n, v in _values(tmp_path / "a", state).items())
 

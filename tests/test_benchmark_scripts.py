@@ -43,6 +43,7 @@ RESHARD_FIGURES = (
     "reshard reader bytes / needed, verify on, worst rank",
     "reshard /proc read / needed, verify on, worst rank",
     "reshard /proc read / needed, verify off, worst rank",
+    "reshard /proc read / needed, verify on, 2x max_inflight_bytes, worst rank",
 )
 
 
@@ -79,6 +80,8 @@ def test_benchmark_reports_every_figure_for_both_states(tmp_path):
     for name in RESHARD_FIGURES:
         assert math.isfinite(reshard[name]["value"]) and reshard[name]["value"] >= 0.99, name
     assert "w_bf16_1024" in result["reshard"]["description"]  # narrow rows are measured
+    result_ms = reshard["async result() ms after done(), 2 ranks, small state, slowest rank"]["value"]
+    assert math.isfinite(result_ms) and result_ms > 0  # what result() of a multi-rank async save still blocks
 
 
 def _run_small(script: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -98,6 +101,7 @@ def test_bench_planning_reports_time_and_bytes_per_rank(tmp_path):
     for row in rows:
         assert row["items"] == row["ranks"] * 20 and row["seconds"] > 0 and row["unpickle_seconds"] > 0
         assert row["merge_seconds"] > 0 and row["general_seconds"] > 0 and row["reuse_seconds"] > 0
+        assert row["rank_send_seconds"] > 0
         assert row["reuse_bytes_received_per_rank"] < row["reuse_bytes_sent_per_rank"] * row["ranks"]
         assert row["tensors"] == 20 and row["written_items"] == 10 + 10 * row["ranks"]
         assert row["same_result_as_general"] is True  # the layout merge decides what the per-item merge decides

@@ -75,7 +75,7 @@ def test_async_early_copies_only_what_the_rank_writes(two_first):
     check_scenarios(two_first, ["async_early_copies"])
     values = scenario_values(two_first, "async_early_copies")
     for rank_value in values:
-        assert rank_value["loaded"] == [[0.0], [10.0], [20.0]]  # the values of each call, on every rank
+        assert rank_value["loaded"] == [[0.0], [10.0], [20.0], [30.0]]  # the values of each call, on every rank
         assert rank_value["counts"][0] == [0, 0]  # a first save of a rank in a job of several copies nothing early
         for copied, used in rank_value["counts"][1:]:
             assert copied == used  # nothing copied in vain: exactly the replicas this rank writes

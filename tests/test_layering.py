@@ -28,9 +28,11 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                                       "_layout_plan", "_layout_merge", "_save_layout"})),
     ("storage", frozenset({"storage", "filesystem_writer", "filesystem_reader", "_run_reads",
                            "_safe_files", "_save_lease", "_file_ops", "_data_file", "_commit_cleanup", "_device_reads",
+                           "_rank_records",
                            "_verify_reads"})),
     ("object storage", frozenset({"_object_io", "_fsspec_writer", "_fsspec_reader", "_object_steps"})),
-    ("engine", frozenset({"_collectives", "_engine", "_staging", "_stage_copies", "_fork_writer", "_async_queue", "_plan_cache"})),
+    ("engine", frozenset({"_collectives", "_engine", "_staging", "_stage_copies", "_fork_writer", "_async_queue",
+                         "_plan_cache", "_background_commit"})),
     ("strategies", frozenset({"strategies"})),
     ("public API", frozenset({"api", "async_checkpoint", "_one_line", "manager", "_manager_record", "callback", ""})),
 )

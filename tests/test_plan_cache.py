@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mindspore as ms
 import numpy as np
+import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.core.distributed_checkpoint import _plan_cache
@@ -108,3 +109,11 @@ def test_async_save_without_collectives_commits_in_the_background(tmp_path):
     target = {"w": ms.Tensor(np.zeros((8, 8), np.float32))}
     dcp.load(target, checkpoint_id=tmp_path / "b", no_dist=True)
     assert float(target["w"].asnumpy()[7, 7]) == 5.0
+
+
+def test_taking_an_exchange_this_rank_does_not_hold_is_refused():
+    from hyper_parallel.core.distributed_checkpoint._plan_cache import PlanCache  # noqa: PLC0415
+
+    clear_plan_cache()
+    with pytest.raises(dcp.PlanValidationError, match="rank 3: the coordinator reuses the cached plan"):
+        PlanCache((3, 4, None)).take("f00d")

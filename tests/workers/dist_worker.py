@@ -179,10 +179,21 @@ def async_early_copies() -> dict:
             (param.to_local() if isinstance(param, DTensor) else param).asnumpy()[...] = -1.0
         handle.result()
         counts.append([pool.early_copied - before[0], pool.early_items - before[1]])
+    # A grown state: the early copies fill the arena, the new 4 MiB replica gets a buffer of its own.
+    state["big"] = _param(np.full((1024, 1024), 30.0, np.float32), "big")
+    for name, param in state.items():
+        if name != "big":
+            (param.to_local() if isinstance(param, DTensor) else param).asnumpy()[...] = 30.0
+    handle = dcp.async_save(state, checkpoint_id=BASE / "early" / "s3")
+    for param in state.values():
+        (param.to_local() if isinstance(param, DTensor) else param).asnumpy()[...] = -1.0
+    handle.result()
     loaded = []
-    for step in range(3):
+    for step in range(4):
         target = {f"r{i}": _param(np.ones((8, 4 + i), np.float32), f"r{i}") for i in range(6)}
         target["w"] = _zero_dtensor(FULL_Y, layout, "w")
+        if step == 3:
+            target["big"] = _param(np.zeros((1024, 1024), np.float32), "big")
         dcp.load(target, checkpoint_id=BASE / "early" / f"s{step}")
         values = {float(v) for p in target.values()
                   for v in np.unique((p.to_local() if isinstance(p, DTensor) else p).asnumpy())}

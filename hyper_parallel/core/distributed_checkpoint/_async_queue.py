@@ -37,11 +37,18 @@ class AsyncRequest:
         finalize_fns: Run in order on the caller's thread, each with the
             previous one's result (the first gets ``async_fn``'s result, or
             the exception it raised, as ``(value, error)``).
+        ready: Set by ``async_fn`` once the finalize functions may run while
+            it goes on (a multi-rank async save: after this rank's writing,
+            while the coordinator's commit continues); they then get
+            ``(None, None)`` and take the outcome from the request's own
+            state. ``None`` (default): they run once ``async_fn`` returned.
+            Set in any case when ``async_fn`` ends.
     """
 
     async_fn: Callable[..., Any]
     async_fn_args: tuple[Any, ...] = ()
     finalize_fns: tuple[Callable[[Any, BaseException | None], Any], ...] = field(default_factory=tuple)
+    ready: threading.Event | None = None
 
 
 class AsyncCall:
@@ -57,6 +64,7 @@ class AsyncCall:
         self._lock = threading.Lock()
         #: Whether a failure of this call has been raised to the caller.
         self.error_seen = False
+        self._ready = request.ready
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def _run(self) -> None:
@@ -65,6 +73,9 @@ class AsyncCall:
         except BaseException as exc:  # pylint: disable=broad-except
             _LOG.warning("background call %s failed: %s", self.thread.name, exc)
             self._error = exc
+        finally:
+            if self._ready is not None:
+                self._ready.set()
 
     def background_done(self) -> bool:
         """True once the background function returned or raised."""
@@ -75,20 +86,23 @@ class AsyncCall:
         return self._finalized
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the background function; return whether it finished."""
+        """Wait until the call can be finalized (see ``AsyncRequest.ready``); return whether it can."""
+        if self._ready is not None:
+            return self._ready.wait(timeout)
         self.thread.join(timeout)
         return not self.thread.is_alive()
 
     def finalize(self, seen: bool = True) -> Any:
         """Wait for the background work, then run the finalize functions once.
 
-        Called on the caller's thread. Re-raises the outcome on every call;
+        Called on the caller's thread; waits only until ``AsyncRequest.ready``
+        when the request has one. Re-raises the outcome on every call;
         ``seen`` marks a raised failure as seen by the caller.
         """
         with self._lock:
             if not self._finalized:
-                self.thread.join()
-                value, error = self._value, self._error
+                self.wait()
+                value, error = (None, None) if self.thread.is_alive() else (self._value, self._error)
                 self._error = None
                 try:
                     for fn in self.request.finalize_fns:
@@ -173,8 +187,8 @@ class AsyncCallsQueue:
     def _drain_at_exit(cls) -> None:
         for queue in list(cls._instances):
             for call in queue._calls:  # pylint: disable=protected-access
-                if not call.finalized():
-                    call.wait()
+                if not call.finalized() or call.thread.is_alive():
+                    call.thread.join()  # the whole background work, a commit after ``ready`` included
 
 
 atexit.register(AsyncCallsQueue._drain_at_exit)  # pylint: disable=protected-access

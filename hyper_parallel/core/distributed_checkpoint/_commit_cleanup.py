@@ -63,7 +63,7 @@ def committed_save_id(path: Path) -> str | None:
 
 
 def garbage_files(directory: Path, save_ids: set[str], *, rank: int | None = None) -> list[Path]:
-    """Data and temporary files of ``save_ids`` in ``directory`` (of ``rank`` only, if given)."""
+    """Data, temporary and results-record files of ``save_ids`` in ``directory`` (of ``rank`` only, if given)."""
     wanted = {i for i in save_ids if i}
     if not wanted:
         return []
@@ -81,6 +81,8 @@ def garbage_files(directory: Path, save_ids: set[str], *, rank: int | None = Non
                 found.append(Path(entry.path))
         elif name.startswith(".") and name.endswith(".partial") and name.split(".")[-2] in wanted:
             found.append(Path(entry.path))
+        elif name.startswith(".") and name.endswith(".results") and name.split(".")[1] in wanted and rank is None:
+            found.append(Path(entry.path))  # a rank's results record of a multi-rank async save
     return found
 
 

@@ -31,6 +31,12 @@ from typing import Any, Callable, Iterable
 
 from hyper_parallel import platform
 from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncRequest
+from hyper_parallel.core.distributed_checkpoint._background_commit import (
+    background_commit_request,
+    raise_commit_failures,
+    settle_background_commits,
+    take_pending_commits,
+)
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._fork_writer import fork_write
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import (
@@ -55,7 +61,7 @@ from hyper_parallel.core.distributed_checkpoint._fsspec_writer import FsspecWrit
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
-from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
+from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardLoadPlanner, StandardSavePlanner
 from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, StorageReader, StorageWriter, WriteResult
 
 __all__ = [
@@ -256,6 +262,10 @@ def plan_save(
 ) -> SaveSession:
     """Plan a save: local plans, the coordinator's merge, final plans. All ranks call it.
 
+    Its first step also shares the outcome of an earlier async save's
+    background commit (the coordinator waits for it before taking the
+    lease), so a failed one raises on every rank.
+
     A planner whose plans are cached (:mod:`._plan_cache`) first digests its
     layout; when every rank repeats the previous save's layout, the cached
     plans are reused and no local plan is built.
@@ -265,11 +275,13 @@ def plan_save(
             (the staging of an async save copies tensors meanwhile); cached planners only.
     """
     dist = DistWrapper(use_dist=not options.no_dist and options.use_collectives)
+    pending = take_pending_commits() if dist.use_dist else []
     alone = _rank_alone(options.no_dist, options.use_collectives)
     local_plans: list[SavePlan] = []
     merged: list[Metadata] = []
 
     def set_up() -> None:
+        raise_commit_failures(pending)  # inside the first step: a failed earlier commit raises on every rank
         writer.set_up_storage_writer(
             dist.is_coordinator,
             rank=dist.rank if alone is None else alone,
@@ -413,13 +425,15 @@ def plan_async_save(
     """Plan and stage a save; return the request that writes and then commits it. All ranks.
 
     The request's background function writes this rank's data (from staged
-    copies, or in a forked process whose memory is the snapshot). With
-    several ranks its finalize function is :func:`commit_save`, a collective
-    step run on the caller's thread (``result()`` or the next async save):
-    the background thread never runs a collective, which could interleave
-    with the training job's own. A save without collectives (one process,
-    or ``use_collectives=False``) commits in the background right after
-    writing.
+    copies, or in a forked process whose memory is the snapshot). A save
+    without collectives (one process, or ``use_collectives=False``) commits
+    in the background right after writing. With several ranks and a writer
+    that keeps rank records, the coordinator's background thread commits
+    from every rank's results record (:mod:`._background_commit`). With a
+    writer without them, the finalize function is :func:`commit_save`, a
+    collective step run on the caller's thread (``result()`` or the next
+    async save). The background thread never runs a collective, which could
+    interleave with the training job's own.
     """
     early = None
     if staging == "copy":  # tensors are copied into the arena while the plan is made (_stage_copies)
@@ -462,6 +476,10 @@ def plan_async_save(
 
         return AsyncRequest(async_fn=write_and_commit, finalize_fns=(_committed,))
 
+    if session.writer.supports_rank_records():
+        return background_commit_request(dist=session.dist, writer=session.writer, plan=session.plan,
+                                         metadata=session.metadata, write=background[0])
+
     def commit(results: list[WriteResult], error: BaseException | None) -> Metadata:
         def local_results() -> list[WriteResult]:
             if error is not None:
@@ -495,8 +513,14 @@ def _committed(metadata: Metadata, error: BaseException | None) -> Metadata:
 
 
 def read_checkpoint_metadata(reader: StorageReader, options: LoadOptions) -> Metadata:
-    """Read the committed metadata on every rank (a step: one rank's failure fails all). All ranks."""
+    """Read the committed metadata on every rank (a step: one rank's failure fails all). All ranks.
+
+    First shares the outcome of an earlier async save's background commit
+    (:func:`settle_background_commits`): a step saved just before is committed.
+    """
     dist = DistWrapper(use_dist=not options.no_dist and options.use_collectives)
+    if dist.use_dist:
+        settle_background_commits()
     rank = _rank_alone(options.no_dist, options.use_collectives)
     found: list[Metadata] = []
     dist.agree("read metadata", lambda: found.append(reader.read_metadata(rank=rank)))
@@ -529,7 +553,12 @@ def run_load(
         final = reader.prepare_global_plan(planner.build_global_plan(all_plans))
         return [None if f is p else f for f, p in zip(final, all_plans)]
 
-    received = dist.reduce_scatter("load plan", local_step, global_step)
+    if _plans_stay_local(planner, reader):
+        # The coordinator would hand every rank its own plan back: only failures travel.
+        dist.agree("load plan", local_step)
+        received = None
+    else:
+        received = dist.reduce_scatter("load plan", local_step, global_step)
     plan = planner.finalize_plan(received if received is not None else local_plans[0])
     # Every rank verifies every byte it will read before any rank copies one:
     # a corrupt checkpoint fails the load with every target unchanged.
@@ -539,6 +568,20 @@ def run_load(
         _read_round(dist, reader, planner, round_plan, index, last=index == len(rounds) - 1)
     if targets[0] is not state_dict:
         copy_back_values(targets[0], state_dict)
+
+
+def _plans_stay_local(planner: LoadPlanner, reader: StorageReader) -> bool:
+    """Whether the load plan's global step returns every rank's plan unchanged.
+
+    True for the standard load planner without shared reads and a reader whose
+    global step changes nothing (the filesystem and fsspec readers): then no
+    plan needs to go to the coordinator.
+    """
+    return (
+        type(planner) is StandardLoadPlanner  # pylint: disable=unidiomatic-typecheck
+        and not planner.shares_reads
+        and type(reader).prepare_global_plan is FileSystemReader.prepare_global_plan
+    )
 
 
 def _read_round(

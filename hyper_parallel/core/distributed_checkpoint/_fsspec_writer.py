@@ -39,8 +39,15 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
     CheckpointIOError,
     ConcurrentSaveError,
+    UnsafeCheckpointError,
 )
-from hyper_parallel.core.distributed_checkpoint.filesystem_writer import DATA_FILE_PATTERN, FileSystemWriter, _FileJob
+from hyper_parallel.core.distributed_checkpoint.filesystem_writer import (
+    DATA_FILE_PATTERN,
+    MAX_RECORD_BYTES,
+    FileSystemPlanData,
+    FileSystemWriter,
+    _FileJob,
+)
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner
 from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, WriteResult
@@ -189,7 +196,7 @@ class FsspecWriter(FileSystemWriter):
                 this save began (this save's data objects are removed).
             CheckpointIOError: the metadata object could not be written.
         """
-        committed = self._committed_metadata(metadata, results)
+        committed = self.committed_metadata(metadata, results)
         name = self._metadata_name()
         ours = sorted({result.storage_data.relative_path for chunk in results for result in chunk})
         try:
@@ -236,6 +243,37 @@ class FsspecWriter(FileSystemWriter):
             if match and match.group(3) == self.save_id and (not self.rank_local or int(match.group(1)) == self.rank):
                 doomed.append(self._object(name))
         remove_objects(self.fs, doomed)
+
+    def write_rank_record(self, rank: int, data: bytes, *, plan: SavePlan) -> None:
+        """Store ``rank``'s record as one object (a PUT is whole and durable once it returns). The rank itself.
+
+        Raises:
+            CheckpointIOError: the store refused it.
+        """
+        save_id = plan.storage_data.save_id if isinstance(plan.storage_data, FileSystemPlanData) else self.save_id
+        try:
+            self.fs.pipe_file(self._object(f".{save_id}.rank{rank:05d}.results"), data)
+        except Exception as exc:  # pylint: disable=broad-except
+            raise CheckpointIOError(f"writing the results record of rank {rank} under {self.path} failed: {exc}") from exc
+
+    def read_rank_record(self, rank: int) -> bytes | None:
+        """``rank``'s record object, or ``None`` while absent. Coordinator.
+
+        Raises:
+            UnsafeCheckpointError: the record is larger than allowed.
+            CheckpointIOError: the store cannot be read.
+        """
+        try:
+            found = get_with_tag(self.fs, self._object(f".{self.save_id}.rank{rank:05d}.results"))
+        except Exception as exc:  # pylint: disable=broad-except
+            raise CheckpointIOError(f"reading the results record of rank {rank} under {self.path} failed: {exc}") from exc
+        if found is not None and len(found.data) > MAX_RECORD_BYTES:
+            raise UnsafeCheckpointError(f"{self.path}: the results record of rank {rank} is larger than allowed")
+        return None if found is None else found.data
+
+    def remove_rank_records(self, world_size: int) -> None:
+        """Delete this save's record objects (best effort, never raises). Coordinator."""
+        remove_objects(self.fs, [self._object(f".{self.save_id}.rank{rank:05d}.results") for rank in range(world_size)])
 
     def _superseded_files(self) -> set[str]:
         """Data objects listed by the metadata this commit replaced (empty if it is unreadable)."""

@@ -105,8 +105,6 @@ class EarlyCopies:
         arena: The arena as mapped now (``None``: none yet; copies wait for :meth:`described`).
         wanted: Leaf names to copy (``None``: every whole tensor).
         reserve: Maps an arena of at least the given bytes (when the one at hand is too small).
-        prefault: Maps an arena of at least the given bytes and touches its pages meanwhile
-            (when no leaf is copied early).
 
     Attributes:
         placed: Leaf name -> ``(offset, nbytes)`` of its early copy in :attr:`arena`.
@@ -119,14 +117,12 @@ class EarlyCopies:
         arena: np.ndarray | None,
         wanted: frozenset[str] | None,
         reserve: Callable[[int], np.ndarray],
-        prefault: Callable[[int], None],
     ) -> None:
         self.arena = arena
         self.placed: dict[str, tuple[int, int]] = {}
         self.end = 0
         self._wanted = wanted
         self._reserve = reserve
-        self._prefault = prefault
         self._arrays: list[tuple[int, np.ndarray]] = []
         self._issued = 0  # early copies issued so far (the first ones in leaf order)
         self._copier = Copier(caller_share=False)
@@ -148,13 +144,16 @@ class EarlyCopies:
     def described(self, layout: Any) -> None:
         """The layout pass is over (``layout``: its :class:`.LayoutDescription`).
 
-        Makes the arena large enough for every piece offered and copies what
-        is not copied yet; with nothing to copy early, prefaults a fresh arena.
+        Makes the arena large enough and copies what is not copied yet: in a
+        job of one rank, which writes every piece it offers, for every piece
+        (the page faults of a fresh arena are then taken by the copying
+        threads while the plan is made); with several ranks, which write a
+        part only, for the early copies (the other items of a grown state get
+        buffers of their own at staging).
         """
-        needed = max(self.end, layout.tensor_bytes + layout.pieces * ALIGN)
         if not self.placed:
-            self._prefault(needed)
             return
+        needed = max(self.end, layout.tensor_bytes + layout.pieces * ALIGN) if self._wanted is None else self.end
         if self.arena is None or self.arena.size < needed:
             self._copier.finish()  # nothing may still be copying into the arena that is replaced
             self.arena = self._reserve(needed)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import mmap
-import threading
 from typing import Any, Iterable
 
 import numpy as np
@@ -49,9 +48,7 @@ class StagingPool:
     the arena while the plan is still being made (:mod:`._stage_copies`), so
     the copies (and a fresh arena's page faults, taken by the copying
     threads) overlap the planning. :meth:`stage` then copies only the items
-    not copied early. When no leaf is copied early (the first save of a rank
-    in a job of several), a thread touches a fresh arena's pages meanwhile
-    (:meth:`prefault`).
+    not copied early.
 
     Attributes:
         reused: Items staged into an arena already mapped by an earlier save.
@@ -65,7 +62,6 @@ class StagingPool:
     def __init__(self) -> None:
         self._arena: np.ndarray | None = None
         self._fresh = False
-        self._prefault: threading.Thread | None = None
         self._items: tuple[WriteItem, ...] | None = None
         self._placed: dict[str, tuple[int, int]] = {}
         self._layout: list[tuple[MetadataIndex, np.ndarray | None, int]] = []
@@ -85,7 +81,6 @@ class StagingPool:
 
     def release(self) -> None:
         """Drop the arena (unmapped once no staged view of it is left); the next save maps a fresh one."""
-        self._join_prefault()
         self._arena = None
         self._forget_layout()
 
@@ -99,31 +94,16 @@ class StagingPool:
             every_leaf: Copy every whole tensor (a job of one rank); else only
                 the leaves this rank wrote in its previous save.
         """
-        self._join_prefault()
-        return EarlyCopies(self._arena, None if every_leaf else self._written_leaves, self._grow, self.prefault)
+        return EarlyCopies(self._arena, None if every_leaf else self._written_leaves, self._grow)
 
     def _grow(self, nbytes: int) -> np.ndarray:
         return self._reserve(nbytes)[0]
-
-    def prefault(self, nbytes: int) -> None:
-        """Map an arena of ``nbytes`` now if the current one is smaller, and touch its pages in a thread."""
-        if self._arena is not None and self._arena.size >= nbytes:
-            return
-        self._reserve(nbytes)
-        self._prefault = threading.Thread(target=_touch, args=(self._arena,), name="hp-ckpt-prefault", daemon=True)
-        self._prefault.start()
-
-    def _join_prefault(self) -> None:
-        if self._prefault is not None:
-            self._prefault.join()
-            self._prefault = None
 
     def _reserve(self, nbytes: int) -> tuple[np.ndarray, bool]:
         """The arena, grown to at least ``nbytes``; and whether it was already mapped by an earlier save."""
         if self._arena is not None and self._arena.size >= nbytes:
             fresh, self._fresh = self._fresh, False
             return self._arena, not fresh
-        self._join_prefault()
         size = round_up(int(nbytes * ARENA_HEADROOM) if self._arena is not None else nbytes, _HUGE_PAGE)
         self._arena = None  # the old arena is unmapped once the last staged view of it is gone
         self._forget_layout()
@@ -153,7 +133,6 @@ class StagingPool:
         copying). Items and early copies identical to the previous save's
         (a reused plan) are staged at the same offsets into the same views.
         """
-        self._join_prefault()
         try:
             if items is self._items and early.arena is self._arena and early.placed == self._placed:
                 layout, staged, mapped = self._layout, dict(self._views), True
@@ -185,7 +164,7 @@ class StagingPool:
                 if target is None:
                     if nbytes == _BYTES:
                         staged[index] = bytes(data)
-                    elif nbytes == _PRIVATE:  # pragma: no cover - a planner serving more than it offered
+                    elif nbytes == _PRIVATE:
                         staged[index] = np.array(data, order="C", copy=True)
                     else:
                         counted += 1
@@ -234,7 +213,7 @@ class StagingPool:
             size = math.prod(spec.chunk.sizes) * DTYPE_NAMES.get(spec.properties.dtype, 0)
             if nbytes == _EARLY:
                 layout.append((index, None, _EARLY))
-            elif offset + size > arena.size:  # pragma: no cover - a planner serving more than it offered
+            elif offset + size > arena.size:  # a grown state on a rank of several: the early copies hold the arena
                 layout.append((index, None, _PRIVATE))
                 continue
             else:
@@ -247,11 +226,6 @@ class StagingPool:
 
 #: Marks in a staging layout: a value (bytes), an item staged by an early copy, an item given its own buffer.
 _BYTES, _EARLY, _PRIVATE = -1, -2, -3
-
-
-def _touch(arena: np.ndarray) -> None:
-    """Fault every page of ``arena`` in (a strided write: numpy releases the GIL meanwhile)."""
-    arena[::_PAGE] = 0
 
 
 def _map_arena(nbytes: int) -> np.ndarray:
@@ -270,7 +244,6 @@ def _map_arena(nbytes: int) -> np.ndarray:
 
 #: A grown arena is this much larger than the state that outgrew the last one.
 ARENA_HEADROOM = 1.25
-_PAGE = 4096
 _HUGE_PAGE = 2 << 20
 
 

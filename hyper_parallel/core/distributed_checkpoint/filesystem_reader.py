@@ -159,6 +159,8 @@ class FileSystemReader(StorageReader):
         self._headers: dict[str, dict[int, HeaderSpan]] = {}  # data file -> its header, read once per load
         self._header_checked: set[int] = set()  # id() of the read items checked against their file's header
         self._chunk_index: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}  # fqn -> chunk offsets -> sizes
+        self._infos: dict[int, tuple[MetadataIndex, StorageInfo]] = {}  # id(index) -> (index, its storage entry)
+        self._in_part: dict[str, bool] = {}  # data file -> read without readahead (decided once per load)
 
     def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
         """Start a new load, optionally from another directory. All ranks."""
@@ -243,6 +245,8 @@ class FileSystemReader(StorageReader):
         self._headers.clear()
         self._header_checked.clear()
         self._chunk_index.clear()
+        self._infos.clear()
+        self._in_part.clear()
         self._kept.clear()
         self._kept_bytes = 0
 
@@ -439,6 +443,9 @@ class FileSystemReader(StorageReader):
                            offsets=tuple(item.storage_offsets), lengths=tuple(item.lengths))
 
     def _info(self, index: MetadataIndex) -> StorageInfo:
+        hit = self._infos.get(id(index))  # the passes ask again for the same items' indexes
+        if hit is not None and hit[0] is index:
+            return hit[1]
         info = self.metadata.storage_data.get(index)  # equality ignores the index hint
         if info is None and not isinstance(index.offset, tuple):
             info = self.metadata.storage_data.get(MetadataIndex(index.fqn, tuple(index.offset)))
@@ -446,6 +453,7 @@ class FileSystemReader(StorageReader):
             raise CorruptCheckpointError(
                 f"key '{index.fqn}': chunk at offset {list(index.offset)} has no storage entry in the metadata"
             )
+        self._infos[id(index)] = (index, info)  # holding the index keeps its id unique
         return info
 
     def _read_group(self, files: list[tuple[str, list[ReadItem]]], planner: LoadPlanner) -> int:
@@ -473,7 +481,7 @@ class FileSystemReader(StorageReader):
         try:
             source = FileSource(fd)
             size = os.fstat(fd).st_size
-            if self._reads_in_part(items, size) and hasattr(os, "posix_fadvise"):
+            if self._reads_in_part(relative_path, items, size) and hasattr(os, "posix_fadvise"):
                 # Kernel readahead would also fetch the ranges a reshard skips.
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
                 source.exact = True
@@ -482,10 +490,13 @@ class FileSystemReader(StorageReader):
         finally:
             os.close(fd)
 
-    def _reads_in_part(self, items: list[ReadItem], file_size: int) -> bool:
-        """Whether a file is read without readahead (see ``no_readahead``)."""
+    def _reads_in_part(self, relative_path: str, items: list[ReadItem], file_size: int) -> bool:
+        """Whether a file is read without readahead (see ``no_readahead``); decided once per file and load."""
         if self.no_readahead is not None:
             return self.no_readahead
+        decided = self._in_part.get(relative_path)
+        if decided is not None:
+            return decided
         needed = 0
         for item in items:
             info = self._info(item.storage_index)
@@ -494,7 +505,8 @@ class FileSystemReader(StorageReader):
                 needed += info.length
             else:
                 needed += math.prod(item.lengths) * DTYPE_NAMES.get(stored.properties.dtype, 1)
-        return needed < _SEQUENTIAL_SHARE * file_size
+        self._in_part[relative_path] = decided = needed < _SEQUENTIAL_SHARE * file_size
+        return decided
 
     def _read_small_whole_items(
         self, source: FileSource, path: Path, file_size: int, items: list[ReadItem], planner: LoadPlanner

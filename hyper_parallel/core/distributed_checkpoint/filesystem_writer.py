@@ -48,6 +48,7 @@ from hyper_parallel.core.distributed_checkpoint._data_file import (
     write_all,
 )
 from hyper_parallel.core.distributed_checkpoint._format.checksum import DEFAULT_BLOCK_BYTES
+from hyper_parallel.core.distributed_checkpoint._safe_files import read_regular
 from hyper_parallel.core.distributed_checkpoint._save_lease import DEFAULT_LEASE_TIMEOUT, LeaseHolder, SaveLease
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
@@ -68,6 +69,7 @@ from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, Sto
 
 __all__ = [
     "AUTO_THREAD_BYTES",
+    "MAX_RECORD_BYTES",
     "DATA_ALIGNMENT",
     "METADATA_FILE",
     "DATA_FILE_PATTERN",
@@ -77,6 +79,9 @@ __all__ = [
     "write_atomically",
     "fsync_directory",
 ]
+
+#: Largest results record of one rank that is read (one entry per item it wrote).
+MAX_RECORD_BYTES = 1 << 30
 
 #: Name of the committed metadata of a collective save.
 METADATA_FILE = "metadata.json"
@@ -478,7 +483,7 @@ class FileSystemWriter(StorageWriter):
                 :meth:`set_up_storage_writer` (names it); nothing of this save is committed.
             CheckpointIOError: the metadata cannot be written.
         """
-        committed = self._committed_metadata(metadata, results)
+        committed = self.committed_metadata(metadata, results)
         name = self._metadata_name()
         replaced = self._check_commit(name)
         if self._lease is not None and replaced:
@@ -514,8 +519,8 @@ class FileSystemWriter(StorageWriter):
         self._cleanup.start()
         return committed
 
-    def _committed_metadata(self, metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
-        """The metadata to commit: every rank's storage entries, this save's id."""
+    def committed_metadata(self, metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
+        """The metadata :meth:`finish` commits: every rank's storage entries, this save's id. Coordinator; pure."""
         storage_data: dict[MetadataIndex, StorageInfo] = {}
         for rank_results in results:
             for result in rank_results:
@@ -566,6 +571,47 @@ class FileSystemWriter(StorageWriter):
             except OSError:
                 pass
             self._created_directory = False
+
+    def supports_rank_records(self) -> bool:
+        """Records are hidden files ``.<save id>.rank<r>.results`` in the directory. Any rank."""
+        return True
+
+    def _record_path(self, rank: int, save_id: str | None = None) -> Path:
+        return self.path / f".{save_id or self.save_id}.rank{rank:05d}.results"
+
+    def write_rank_record(self, rank: int, data: bytes, *, plan: SavePlan) -> None:
+        """Write ``rank``'s record atomically (temporary file, rename), named by the plan's save id. The rank itself.
+
+        No ``fsync``: the record is written after this rank's data files are
+        durable and is only a message to the coordinator's commit; a record
+        lost in a crash means no commit, and after the commit it is deleted.
+
+        Raises:
+            CheckpointIOError: it cannot be written.
+        """
+        save_id = plan.storage_data.save_id if isinstance(plan.storage_data, FileSystemPlanData) else self.save_id
+        try:
+            write_atomically(self._record_path(rank, save_id), data, sync=False, tag=save_id, ops=self.file_ops)
+        except OSError as exc:
+            raise CheckpointIOError(f"writing the results record of rank {rank} in {self.path} failed: {exc}") from exc
+
+    def read_rank_record(self, rank: int) -> bytes | None:
+        """``rank``'s record, or ``None`` while absent (a regular file of bounded size). Coordinator.
+
+        Raises:
+            UnsafeCheckpointError: the name holds something else than a regular file, or too much.
+            CheckpointIOError: it cannot be read.
+        """
+        try:
+            return read_regular(self._record_path(rank), limit=MAX_RECORD_BYTES)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise CheckpointIOError(f"reading the results record of rank {rank} in {self.path} failed: {exc}") from exc
+
+    def remove_rank_records(self, world_size: int) -> None:
+        """Delete the records of this save (regular files only; logs the rest). Coordinator."""
+        remove_files([self._record_path(rank) for rank in range(world_size)], unlink=self.file_ops.unlink)
 
     def wait_cleanup(self) -> None:
         """Wait until the files of older saves are deleted. Coordinator."""

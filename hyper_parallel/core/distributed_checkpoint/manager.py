@@ -48,6 +48,7 @@ from hyper_parallel.core.distributed_checkpoint.api import read_metadata
 from hyper_parallel.core.distributed_checkpoint.api import save as dcp_save
 from hyper_parallel.core.distributed_checkpoint.async_checkpoint import AsyncSaveHandle
 from hyper_parallel.core.distributed_checkpoint.async_checkpoint import async_save as dcp_async_save
+from hyper_parallel.core.distributed_checkpoint._background_commit import settle_background_commits
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
@@ -361,13 +362,16 @@ class CheckpointManager:
         """Finish the in-flight async save: write, commit, then retention. All ranks call it.
 
         Does nothing without one. A failed save is raised once (on every
-        rank); its directory stays uncommitted and is cleaned up later.
+        rank); its directory stays uncommitted and is cleaned up later. The
+        commit runs in the background; this waits for its outcome on every
+        rank (a failed commit raises everywhere) before retention.
         """
         handle, self._handle = self._handle, None
         if handle is None:
             return
         try:
             handle.result()
+            settle_background_commits()
         except BaseException:
             self._committing = None
             raise

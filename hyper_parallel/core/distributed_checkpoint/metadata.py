@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Sequence, Union
 
 __all__ = [
     "FORMAT_VERSION",
@@ -85,12 +85,15 @@ class TensorStorageMetadata:
     Attributes:
         properties: dtype and other properties.
         size: Global shape.
-        chunks: The distinct stored boxes; together they cover ``size`` exactly.
+        chunks: The distinct stored boxes; together they cover ``size``
+            exactly. A tuple; for a tensor a save split evenly by a layout,
+            a ``GridChunks`` sequence of the same chunks made on access (it
+            equals the tuple and is written as the same list).
     """
 
     properties: TensorProperties
     size: tuple[int, ...]
-    chunks: tuple[ChunkStorageMetadata, ...]
+    chunks: Sequence[ChunkStorageMetadata]
 
 
 @dataclass(frozen=True, slots=True)

@@ -149,6 +149,49 @@ class StorageWriter(abc.ABC):
         when any step failed; it must not raise. The default does nothing.
         """
 
+    def supports_rank_records(self) -> bool:
+        """Whether the rank-record methods below work (then a multi-rank ``async_save`` commits in the background).
+
+        A backend without them still works: its multi-rank async saves commit
+        in ``result()`` through a collective step. Any rank.
+        """
+        return False
+
+    def write_rank_record(self, rank: int, data: bytes, *, plan: SavePlan) -> None:
+        """Store ``data`` as ``rank``'s results record of the save ``plan`` belongs to, whole or not at all.
+
+        Called by rank ``rank`` itself, on its background thread, after its
+        data is durable; ``plan`` is its final plan (its storage data names
+        the save, as for ``write_data``). The coordinator must never read a
+        partial record; the record itself need not survive a crash.
+
+        Raises:
+            NotImplementedError: the backend keeps no records (see :meth:`supports_rank_records`).
+        """
+        raise NotImplementedError(f"{type(self).__name__} keeps no rank records")
+
+    def read_rank_record(self, rank: int) -> bytes | None:
+        """``rank``'s results record of the coordinator's current save, or ``None`` while it is not stored. Coordinator.
+
+        Raises:
+            NotImplementedError: the backend keeps no records.
+        """
+        raise NotImplementedError(f"{type(self).__name__} keeps no rank records")
+
+    def remove_rank_records(self, world_size: int) -> None:  # noqa: B027 - nothing stored by default
+        """Delete every rank's record of the current save; never raises. Coordinator, after commit or failure."""
+
+    def committed_metadata(self, metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
+        """The metadata :meth:`finish` commits for ``results``, without storing anything. Coordinator.
+
+        A multi-rank ``async_save`` returns it from ``result()`` while the
+        commit may still run in the background (backends with rank records).
+
+        Raises:
+            NotImplementedError: the backend keeps no rank records.
+        """
+        raise NotImplementedError(f"{type(self).__name__} keeps no rank records")
+
     @classmethod
     @abc.abstractmethod
     def validate_checkpoint_id(cls, checkpoint_id: CheckpointId) -> bool:

@@ -37,6 +37,8 @@ __all__ = [
     "MAX_TENSOR_BYTES",
     "metadata_to_json",
     "metadata_from_json",
+    "storage_entry_to_json",
+    "storage_entry_from_json",
     "check_relative_path",
     "check_consistency",
     "save_id_from_head",
@@ -67,27 +69,7 @@ def metadata_to_json(metadata: Metadata) -> bytes:
                 "global_shape": list(item.global_shape),
                 "shard_offsets": [list(o) for o in item.shard_offsets],
             }
-    storage = []
-    for index, info in (metadata.storage_data or {}).items():
-        entry: dict[str, Any] = {
-            "fqn": index.fqn,
-            "offset": list(index.offset),
-            "file": info.relative_path,
-            "byte_offset": info.offset,
-            "length": info.length,
-        }
-        if info.checksum is not None:
-            entry["checksum"] = {
-                "algorithm": info.checksum.algorithm,
-                "block_bytes": info.checksum.block_bytes,
-                "digests": list(info.checksum.digests),
-            }
-            if info.checksum.block_shape:
-                entry["checksum"]["block_shape"] = list(info.checksum.block_shape)
-        if info.compression is not None:
-            entry["compression"] = info.compression
-            entry["raw_length"] = info.raw_length
-        storage.append(entry)
+    storage = [storage_entry_to_json(index, info) for index, info in (metadata.storage_data or {}).items()]
     meta = metadata.storage_meta
     document = {
         "format": FORMAT_NAME,
@@ -101,6 +83,38 @@ def metadata_to_json(metadata: Metadata) -> bytes:
         "planner_data": metadata.planner_data,
     }
     return json.dumps(document, separators=(",", ":")).encode("utf-8")
+
+
+def storage_entry_to_json(index: MetadataIndex, info: StorageInfo) -> dict[str, Any]:
+    """One ``storage_data`` entry as the JSON object of docs/format.md."""
+    entry: dict[str, Any] = {
+        "fqn": index.fqn,
+        "offset": list(index.offset),
+        "file": info.relative_path,
+        "byte_offset": info.offset,
+        "length": info.length,
+    }
+    if info.checksum is not None:
+        entry["checksum"] = {
+            "algorithm": info.checksum.algorithm,
+            "block_bytes": info.checksum.block_bytes,
+            "digests": list(info.checksum.digests),
+        }
+        if info.checksum.block_shape:
+            entry["checksum"]["block_shape"] = list(info.checksum.block_shape)
+    if info.compression is not None:
+        entry["compression"] = info.compression
+        entry["raw_length"] = info.raw_length
+    return entry
+
+
+def storage_entry_from_json(raw: Any, *, position: int, source: str) -> tuple[MetadataIndex, StorageInfo]:
+    """Decode and check one ``storage_data`` entry (as :func:`metadata_from_json` does each).
+
+    Raises:
+        CorruptCheckpointError / UnsafeCheckpointError: as :func:`metadata_from_json`.
+    """
+    return _storage_entry(raw, position, source, {})
 
 
 def check_relative_path(path: Any, where: str) -> str:
@@ -117,29 +131,39 @@ def check_relative_path(path: Any, where: str) -> str:
     return path
 
 
-def _ints(value: Any, where: str, *, minimum: int = 0) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(type(v) is int and v >= minimum for v in value):
-        raise CorruptCheckpointError(f"{where}: expected a list of integers >= {minimum}, got {value!r:.80}")
+def _field(where: str, what: Any) -> str:
+    """``where`` and ``what`` (words, or a tuple of them), for a message; built only when one is raised."""
+    return " ".join((where, *map(str, what))) if isinstance(what, tuple) else f"{where} {what}".rstrip()
+
+
+def _ints(value: Any, where: str, what: Any = "", *, minimum: int = 0) -> tuple[int, ...]:
+    if type(value) is not list:
+        raise CorruptCheckpointError(f"{_field(where, what)}: expected a list of integers >= {minimum}, "
+                                     f"got {value!r:.80}")
+    for v in value:
+        if type(v) is not int or v < minimum:
+            raise CorruptCheckpointError(f"{_field(where, what)}: expected a list of integers >= {minimum}, "
+                                         f"got {value!r:.80}")
     return tuple(value)
 
 
-def _int(value: Any, where: str) -> int:
+def _int(value: Any, where: str, what: Any = "") -> int:
     if type(value) is not int or value < 0:
-        raise CorruptCheckpointError(f"{where}: expected an integer >= 0, got {value!r:.80}")
+        raise CorruptCheckpointError(f"{_field(where, what)}: expected an integer >= 0, got {value!r:.80}")
     return value
 
 
-def _str(value: Any, where: str) -> str:
-    if not isinstance(value, str):
-        raise CorruptCheckpointError(f"{where}: expected a string, got {value!r:.80}")
+def _str(value: Any, where: str, what: Any = "") -> str:
+    if type(value) is not str and not isinstance(value, str):
+        raise CorruptCheckpointError(f"{_field(where, what)}: expected a string, got {value!r:.80}")
     return value
 
 
 def _tensor_entry(fqn: str, raw: dict, where: str, shared: dict) -> TensorStorageMetadata:
-    dtype = shared.setdefault(_str(raw.get("dtype"), f"{where} dtype"), raw["dtype"])
+    dtype = shared.setdefault(_str(raw.get("dtype"), where, "dtype"), raw["dtype"])
     if dtype not in DTYPE_NAMES:
         raise CorruptCheckpointError(f"{where}: unknown dtype {dtype!r}")
-    size = shared.setdefault(size := _ints(raw.get("size"), f"{where} size"), size)
+    size = shared.setdefault(size := _ints(raw.get("size"), where, "size"), size)
     if math.prod(size) * DTYPE_NAMES[dtype] > MAX_TENSOR_BYTES:
         raise UnsafeCheckpointError(f"{where}: declared size {list(size)} is absurdly large; refused")
     chunks = []
@@ -149,13 +173,12 @@ def _tensor_entry(fqn: str, raw: dict, where: str, shared: dict) -> TensorStorag
     for position, pair in enumerate(raw_chunks):
         if not isinstance(pair, list) or len(pair) != 2:
             raise CorruptCheckpointError(f"{where}: chunk {position} must be [offsets, sizes]")
-        offsets = _ints(pair[0], f"{where} chunk {position} offsets")
+        offsets = _ints(pair[0], where, ("chunk", position, "offsets"))
         offsets = shared.setdefault(offsets, offsets)
-        sizes = _ints(pair[1], f"{where} chunk {position} sizes")
+        sizes = _ints(pair[1], where, ("chunk", position, "sizes"))
         sizes = shared.setdefault(sizes, sizes)
-        if len(offsets) != len(size) or len(sizes) != len(size) or any(
-            o + s > full for o, s, full in zip(offsets, sizes, size)
-        ):
+        if len(offsets) != len(size) or len(sizes) != len(size) or (
+            sizes != size or any(offsets)) and any(o + s > full for o, s, full in zip(offsets, sizes, size)):
             raise CorruptCheckpointError(f"{where}: chunk {position} {offsets}+{sizes} lies outside {list(size)}")
         chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=sizes))
     return TensorStorageMetadata(properties=TensorProperties(dtype=dtype), size=size, chunks=tuple(chunks))
@@ -165,23 +188,26 @@ def _storage_entry(raw: Any, position: int, source: str, shared: dict) -> tuple[
     where = f"{source}: storage_data[{position}]"
     if not isinstance(raw, dict):
         raise CorruptCheckpointError(f"{where}: expected an object")
-    fqn = _str(raw.get("fqn"), f"{where} fqn")
+    fqn = _str(raw.get("fqn"), where, "fqn")
     fqn = shared.setdefault(fqn, fqn)
-    offset = _ints(raw.get("offset"), f"{where} offset")
+    offset = _ints(raw.get("offset"), where, "offset")
     index = MetadataIndex(fqn, shared.setdefault(offset, offset))
-    path = check_relative_path(raw.get("file"), f"{where} (key '{fqn}')")
-    path = shared.setdefault(path, path)
+    path = raw.get("file")
+    checked = shared.get(("file", path)) if type(path) is str else None  # a file's entries share its name
+    if checked is None:
+        checked = shared[("file", path)] = check_relative_path(path, f"{where} (key '{fqn}')")
+    path = checked
     checksum = None
     if raw.get("checksum") is not None:
         chk = raw["checksum"]
         if not isinstance(chk, dict):
             raise CorruptCheckpointError(f"{where}: checksum must be an object")
-        block = _int(chk.get("block_bytes"), f"{where} block_bytes")
+        block = _int(chk.get("block_bytes"), where, "block_bytes")
         digests = chk.get("digests")
         if block <= 0 or not isinstance(digests, list) or not all(isinstance(d, str) for d in digests):
             raise CorruptCheckpointError(f"{where}: malformed checksum for key '{fqn}'")
-        block_shape = _ints(chk.get("block_shape", []), f"{where} block_shape", minimum=1)
-        algorithm = _str(chk.get("algorithm"), f"{where} algorithm")
+        block_shape = _ints(chk.get("block_shape", []), where, "block_shape", minimum=1)
+        algorithm = _str(chk.get("algorithm"), where, "algorithm")
         checksum = ChunkChecksum(
             algorithm=shared.setdefault(algorithm, algorithm),
             block_bytes=block,
@@ -193,11 +219,11 @@ def _storage_entry(raw: Any, position: int, source: str, shared: dict) -> tuple[
         raise CorruptCheckpointError(f"{where}: unknown compression {compression!r} for key '{fqn}'")
     info = StorageInfo(
         relative_path=path,
-        offset=_int(raw.get("byte_offset"), f"{where} byte_offset"),
-        length=_int(raw.get("length"), f"{where} length"),
+        offset=_int(raw.get("byte_offset"), where, "byte_offset"),
+        length=_int(raw.get("length"), where, "length"),
         checksum=checksum,
         compression=compression,
-        raw_length=_int(raw.get("raw_length"), f"{where} raw_length") if compression else None,
+        raw_length=_int(raw.get("raw_length"), where, "raw_length") if compression else None,
     )
     if info.length > MAX_TENSOR_BYTES or info.offset > MAX_TENSOR_BYTES:
         raise UnsafeCheckpointError(f"{where}: absurd byte offset or length for key '{fqn}'; refused")
@@ -206,6 +232,7 @@ def _storage_entry(raw: Any, position: int, source: str, shared: dict) -> tuple[
 
 _DECODER = json.JSONDecoder()
 _SPACE = re.compile(r"[ \t\n\r]*")
+_WHITE = frozenset(" \t\n\r")
 
 
 class _Cursor:
@@ -218,8 +245,11 @@ class _Cursor:
 
     def skip(self) -> str:
         """Skip white space; return the next character ('' at the end)."""
-        self.position = _SPACE.match(self.text, self.position).end()
-        return self.text[self.position : self.position + 1]
+        char = self.text[self.position : self.position + 1]
+        if char in _WHITE:  # compact JSON (this writer's) has none: no regex then
+            self.position = _SPACE.match(self.text, self.position).end()
+            char = self.text[self.position : self.position + 1]
+        return char
 
     def expect(self, char: str) -> None:
         if self.skip() != char:
@@ -284,9 +314,9 @@ def _decode_items(cursor: _Cursor, shared: dict) -> dict[str, TensorStorageMetad
             if not isinstance(offsets, list):
                 raise CorruptCheckpointError(f"{where}: shard_offsets must be a list")
             items[fqn] = BytesStorageMetadata(
-                type_name=_str(raw.get("type"), f"{where} type"),
-                global_shape=_ints(raw.get("global_shape", []), f"{where} global_shape"),
-                shard_offsets=tuple(_ints(o, f"{where} shard offset") for o in offsets),
+                type_name=_str(raw.get("type"), where, "type"),
+                global_shape=_ints(raw.get("global_shape", []), where, "global_shape"),
+                shard_offsets=tuple(_ints(o, where, "shard offset") for o in offsets),
             )
         else:
             raise CorruptCheckpointError(f"{where}: unknown kind {raw.get('kind')!r}")
@@ -365,12 +395,12 @@ def metadata_from_json(data: bytes | bytearray | mmap.mmap, *, source: str = "me
         state_dict_metadata=items,
         planner_data=document.get("planner_data"),
         storage_data=storage,
-        version=_str(document.get("version"), f"{source} version"),
+        version=_str(document.get("version"), source, "version"),
         storage_meta=StorageMeta(
-            backend=_str(document.get("backend"), f"{source} backend"),
-            save_id=_str(document.get("save_id", ""), f"{source} save_id"),
-            world_size=_int(document.get("world_size", 1), f"{source} world_size"),
-            bytes_per_rank=_ints(document.get("bytes_per_rank", []), f"{source} bytes_per_rank"),
+            backend=_str(document.get("backend"), source, "backend"),
+            save_id=_str(document.get("save_id", ""), source, "save_id"),
+            world_size=_int(document.get("world_size", 1), source, "world_size"),
+            bytes_per_rank=_ints(document.get("bytes_per_rank", []), source, "bytes_per_rank"),
         ),
     )
 

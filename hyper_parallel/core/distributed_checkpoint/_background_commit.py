@@ -1,0 +1,231 @@
+"""A multi-rank ``async_save`` that commits in the background, through per-rank results records.
+
+Each rank's background thread writes its data, then (other than the
+coordinator) its durable results record, or a record of its failure
+(:mod:`._rank_records`). The coordinator's background thread then goes on:
+it waits for every other rank's record, commits with the writer's
+:meth:`~.storage.StorageWriter.finish` (lease and ownership checks included)
+and removes the records. No collective runs off the caller's thread, and the
+step is durable whether or not ``result()`` is ever called.
+
+``result()`` waits only for this rank's writing, then runs one collective
+step, "async write": every rank's write results reach the coordinator (a
+failure on any rank raises on every rank, naming it, and nothing is
+committed), which answers each rank with the metadata being committed. No
+rank waits there for the commit itself. The commit's own outcome (a racing
+save took the lease, the metadata could not be written) is shared by the
+next collective step of the process: the plan step of the next save with
+collectives (:func:`raise_commit_failures` in its map), or
+:func:`settle_background_commits`, called first by every load with
+collectives and by ``CheckpointManager.wait``; a failed commit raises there
+on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncRequest
+from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper, collective_timeout
+from hyper_parallel.core.distributed_checkpoint._rank_records import (
+    RankRecord,
+    collect_rank_records,
+    encode_rank_record,
+    results_of,
+)
+from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
+from hyper_parallel.core.distributed_checkpoint.planner import SavePlan
+from hyper_parallel.core.distributed_checkpoint.storage import StorageWriter, WriteResult
+
+__all__ = [
+    "BackgroundCommit",
+    "background_commit_request",
+    "raise_commit_failures",
+    "settle_background_commits",
+    "take_pending_commits",
+]
+
+_LOG = logging.getLogger(__name__)
+
+#: Saves whose ``result()`` succeeded while their commit may still run (every rank holds the same list).
+_PENDING: list["BackgroundCommit"] = []
+_PENDING_LOCK = threading.Lock()
+
+
+class BackgroundCommit:
+    """One multi-rank async save of a backend with rank records: its write, its record, its commit.
+
+    Args:
+        dist: The save's collectives.
+        writer: This rank's writer (keeps rank records).
+        plan: This rank's final plan (its storage data names the save).
+        metadata: The coordinator's planned metadata (``None`` elsewhere).
+        write: Writes this rank's data (staged copies or a forked writer); returns its results.
+    """
+
+    def __init__(
+        self,
+        *,
+        dist: DistWrapper,
+        writer: StorageWriter,
+        plan: SavePlan,
+        metadata: Metadata | None,
+        write: Callable[[], list[WriteResult]],
+    ) -> None:
+        self.dist, self.writer, self.plan, self.metadata = dist, writer, plan, metadata
+        self._write: Callable[[], list[WriteResult]] | None = write
+        self.save_id: str = getattr(plan.storage_data, "save_id", "")
+        self.written = threading.Event()  # this rank's data and record are durable, or failed
+        self.finished = threading.Event()  # this rank's background work is over (the coordinator's commit too)
+        self._wake = threading.Event()
+        self._cancel = threading.Event()
+        self._timeout = collective_timeout()
+        self.results: list[WriteResult] | None = None
+        self.local_error: BaseException | None = None
+        self.commit_error: BaseException | None = None
+
+    def run(self) -> Metadata | None:
+        """The background function. Every rank, on its background thread; never runs a collective."""
+        rank = self.dist.rank
+        try:
+            try:
+                write, self._write = self._write, None  # the staged data is released with it
+                assert write is not None, "a background commit runs once"
+                self.results = write()
+                if not self.dist.is_coordinator:
+                    record = RankRecord(self.save_id, rank, tuple(self.results))
+                    self.writer.write_rank_record(rank, encode_rank_record(record), plan=self.plan)
+            except BaseException as exc:  # pylint: disable=broad-except
+                self.local_error = exc
+                if not self.dist.is_coordinator:
+                    self._record_failure(exc)
+            finally:
+                self.written.set()
+            if self.dist.is_coordinator:
+                return self._commit()  # aborts if anything failed, its own writing included
+            if self.local_error is not None:
+                raise self.local_error
+            return None
+        finally:
+            self.finished.set()
+
+    def _record_failure(self, exc: BaseException) -> None:
+        """Tell the coordinator's thread that this rank failed (best effort: ``result()`` tells it too)."""
+        rank = self.dist.rank
+        try:
+            record = RankRecord(self.save_id, rank, None, f"{type(exc).__name__}: {exc}")
+            self.writer.write_rank_record(rank, encode_rank_record(record), plan=self.plan)
+        except BaseException as record_error:  # pylint: disable=broad-except
+            _LOG.warning("rank %d: recording its failed write failed too: %s", rank, record_error)
+
+    def _commit(self) -> Metadata | None:
+        """Coordinator: wait for every rank's record (any outcome), then commit, or abort if any failed."""
+        writer, world = self.writer, self.dist.world_size
+        try:
+            records = collect_rank_records(writer, save_id=self.save_id, ranks=range(1, world),
+                                           timeout=self._timeout, wake=self._wake, cancel=self._cancel)
+            if self.local_error is not None:
+                raise self.local_error  # after every other rank's outcome: their files are complete to delete
+            if self._cancel.is_set():
+                return None  # result() raised another rank's write failure on every rank
+            records[0] = RankRecord(self.save_id, 0, tuple(self.results or ()))
+            all_results = results_of(records, save_id=self.save_id, world_size=world)
+            return writer.finish(self.metadata, all_results)
+        except BaseException as exc:
+            if exc is not self.local_error:
+                self.commit_error = exc
+            raise
+        finally:
+            if self.commit_error is not None or self.local_error is not None or self._cancel.is_set():
+                writer.abort()
+            writer.remove_rank_records(world)
+
+    def confirm(self, _value: Any, _error: BaseException | None) -> Metadata:
+        """Finalize on the caller's thread (``result()``): the "async write" step. All ranks.
+
+        Raises every rank's write failure on every rank (nothing is then
+        committed); otherwise returns the metadata the coordinator commits,
+        without waiting for that commit.
+        """
+        dist = self.dist
+
+        def local() -> list[WriteResult]:
+            if self.local_error is not None:
+                raise self.local_error
+            return self.results or []
+
+        def reduce(all_results: list[list[WriteResult]]) -> list[Metadata]:
+            self._wake.set()  # every record is stored: the commit need not wait for its next look
+            committed = self.writer.committed_metadata(self.metadata, all_results)
+            return [committed] * len(all_results)
+
+        try:
+            metadata = dist.reduce_scatter("async write", local, reduce)
+        except BaseException:
+            self._cancel.set()
+            self._wake.set()
+            if dist.is_coordinator:
+                self.finished.wait()  # its abort is done before the error reaches the caller
+            else:
+                self.writer.abort()
+            raise
+        with _PENDING_LOCK:
+            _PENDING.append(self)
+        return metadata
+
+    def outcome(self) -> None:
+        """Wait for the commit and raise its failure. Coordinator (other ranks return at once)."""
+        if not self.dist.is_coordinator:
+            return
+        self.finished.wait()
+        if self.commit_error is not None:
+            raise self.commit_error
+
+
+def background_commit_request(
+    *,
+    dist: DistWrapper,
+    writer: StorageWriter,
+    plan: SavePlan,
+    metadata: Metadata | None,
+    write: Callable[[], list[WriteResult]],
+) -> AsyncRequest:
+    """The :class:`AsyncRequest` of a multi-rank async save that commits in the background. All ranks.
+
+    Arguments as :class:`BackgroundCommit`.
+    """
+    commit = BackgroundCommit(dist=dist, writer=writer, plan=plan, metadata=metadata, write=write)
+    return AsyncRequest(async_fn=commit.run, finalize_fns=(commit.confirm,), ready=commit.written)
+
+
+def take_pending_commits() -> list[BackgroundCommit]:
+    """The commits whose outcome no collective step shared yet; the list is emptied. All ranks alike."""
+    with _PENDING_LOCK:
+        pending = list(_PENDING)
+        _PENDING.clear()
+    return pending
+
+
+def raise_commit_failures(pending: list[BackgroundCommit]) -> None:
+    """Coordinator: wait for these commits to end, raise the first failure. Other ranks: return at once.
+
+    Run inside a collective step's map (the failure then raises on every rank).
+    """
+    for commit in pending:
+        commit.outcome()
+
+
+def settle_background_commits() -> None:
+    """Share the outcome of commits still unconfirmed: one collective step if there are any. All ranks.
+
+    Called first by every load with collectives and by
+    ``CheckpointManager.wait`` (a save does it inside its plan step): the
+    coordinator waits for its background commits to end. A failed commit
+    raises on every rank (a :class:`CollectiveStepError` naming the
+    coordinator and its error).
+    """
+    pending = take_pending_commits()
+    if pending:
+        pending[-1].dist.agree("background commit", lambda: raise_commit_failures(pending))

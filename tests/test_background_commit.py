@@ -1,0 +1,162 @@
+"""A multi-rank ``async_save`` commits in the background: durable without ``result()`` (2 msrun ranks).
+
+The worker is ``tests/workers/bgcommit_worker.py``. Before this, the commit of
+a multi-rank async save ran inside ``result()``, so a job killed after the
+save had finished writing, but before the next ``result()``, lost the step.
+Also unit checks of the per-rank results records (``_rank_records``).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel.core.distributed_checkpoint._rank_records import (
+    RankRecord,
+    collect_rank_records,
+    decode_rank_record,
+    encode_rank_record,
+    wait_for_rank_records,
+)
+from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemPlanData
+from hyper_parallel.core.distributed_checkpoint.metadata import MetadataIndex, StorageInfo
+from hyper_parallel.core.distributed_checkpoint.planner import SavePlan
+from hyper_parallel.core.distributed_checkpoint.storage import WriteResult
+from msrun_harness import run_workers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
+from bgcommit_worker import full_value  # noqa: E402  pylint: disable=wrong-import-position
+
+WORKER = Path(__file__).resolve().parent / "workers" / "bgcommit_worker.py"
+
+
+def test_two_ranks_commit_in_the_background(tmp_path: Path) -> None:
+    with pytest.raises(AssertionError, match="msrun launch failed"):  # the job ends SIGKILLed, as planned
+        run_workers(WORKER, workers=2, tmp_path=tmp_path, timeout=600)
+    results = [pickle.loads((tmp_path / "results" / f"rank_{rank}.pkl").read_bytes()) for rank in range(2)]
+    for rank, outcome in enumerate(results):
+        first = outcome["commit_without_result"]
+        assert first["ok"], first["traceback"]
+        value = first["value"]
+        assert value["committed_before_result"], f"rank {rank}: not committed when done() was true"
+        assert value["records"] == [], value  # removed by the coordinator after the commit
+        assert value["result_is_metadata"] and value["values_ok"], value
+        second = outcome["failure_reaches_all"]
+        assert second["ok"], second["traceback"]
+        assert "disk full (injected on rank 1)" in second["value"]["raised"], (rank, second["value"])
+        assert not second["value"]["committed"]
+        assert not [n for n in second["value"]["left"] if n.endswith((".results", ".safetensors", ".lease"))]
+    for rank, outcome in enumerate(results):
+        waited = outcome["result_does_not_wait_for_commit"]
+        assert waited["ok"], waited["traceback"]
+        value = waited["value"]
+        assert not value["committed_at_return"], f"rank {rank}: result() waited for the held-back commit"
+        assert value["world"] == 2 and value["same_as_committed"] and value["values_ok"], value
+        assert value["records"] == [], value
+        if rank == 0:
+            assert value["saw_flag"] == [True], "the commit ran before every rank's result() returned"
+        failed = outcome["commit_failure_reaches_all_at_next_step"]
+        assert failed["ok"], failed["traceback"]
+        value = failed["value"]
+        assert value["raised"]["failed_ranks"] == [0], value
+        assert "I/O error during commit (injected)" in value["raised"]["message"], value
+        assert value["old_ok"] and value["left"] == [], value
+        assert value["raised_by_save"]["failed_ranks"] == [0], value
+        assert "I/O error during commit (injected)" in value["raised_by_save"]["message"], value
+        assert not value["raised_by_save"]["committed"], value
+        coordinator = outcome["coordinator_failure_reaches_all"]
+        assert coordinator["ok"], coordinator["traceback"]
+        value = coordinator["value"]
+        assert value["raised"]["failed_ranks"] == [0], value
+        assert "disk full (injected on rank 0)" in value["raised"]["message"], value
+        assert value["left"] == [] and value["resave_ok"], value
+        managed = outcome["manager_reports_lost_lease"]
+        assert managed["ok"], managed["traceback"]
+        value = managed["value"]
+        assert value["raised"]["type"] == "CollectiveConcurrentSaveError", value
+        assert value["raised"]["failed_ranks"] == [0] and "lease" in value["raised"]["message"], value
+        assert value["steps"] == [1], value
+    shared = tmp_path / "shared" / "bgcommit"
+    assert (shared / "rank0.done").exists() and (shared / "rank1.done").exists()
+    # The job exited without result(): the step is committed and loads bit-exact.
+    target = {"w": np.zeros((64, 6), np.float32), "bias": np.zeros(5, np.float32), "step": 0}
+    dcp.load(target, checkpoint_id=shared / "c3", no_dist=True)
+    np.testing.assert_array_equal(target["w"], full_value(3))
+    assert (target["bias"] == 3).all() and target["step"] == 3
+    assert not list((shared / "c3").glob(".*"))  # no record, lease or partial left
+
+
+def _result(fqn: str, offset: int) -> WriteResult:
+    info = StorageInfo(relative_path="r00000_000.0123456789ab.safetensors", offset=offset, length=16)
+    return WriteResult(index=MetadataIndex(fqn, (0,)), size_in_bytes=16, storage_data=info)
+
+
+def test_records_round_trip_and_refuse_damage() -> None:
+    record = RankRecord("0123456789ab", 1, (_result("a", 4096), _result("b", 4112)))
+    assert decode_rank_record(encode_rank_record(record), source="r") == record
+    failed = RankRecord("0123456789ab", 2, None, "OSError: disk full")
+    assert decode_rank_record(encode_rank_record(failed), source="r") == failed
+    raw = json.loads(encode_rank_record(record))
+    for damage in ({"format": "x"}, {"rank": "1"}, {"results": None}, {"results": [{"size": -1}]},
+                   {"results": [{"size": 1, "entry": {"fqn": "a"}}]}):
+        with pytest.raises(dcp.CorruptCheckpointError, match="record"):
+            decode_rank_record(json.dumps({**raw, **damage}).encode(), source="record of rank 1")
+    with pytest.raises(dcp.CorruptCheckpointError):
+        decode_rank_record(b"\xff", source="r")
+
+
+def test_waiting_names_missing_and_failed_ranks(tmp_path: Path) -> None:
+    writer = dcp.FileSystemWriter(tmp_path / "c")
+    writer.set_up_storage_writer(True, rank=0, world_size=3)
+    plan = SavePlan(items=[], storage_data=FileSystemPlanData(save_id=writer.save_id))
+    writer.write_rank_record(0, encode_rank_record(RankRecord(writer.save_id, 0, (_result("a", 4096),))), plan=plan)
+    writer.write_rank_record(2, encode_rank_record(RankRecord("another-save", 2, ())), plan=plan)  # not this save's
+    ticks = iter(range(100))
+    with pytest.raises(dcp.CollectiveTimeoutError, match=r"rank\(s\) \[1, 2\]"):
+        wait_for_rank_records(writer, save_id=writer.save_id, world_size=3, timeout=3, clock=lambda: next(ticks))
+    writer.write_rank_record(1, encode_rank_record(RankRecord(writer.save_id, 1, None, "OSError: disk full")), plan=plan)
+    cancel = threading.Event()
+    cancel.set()  # cancelled: one more look, then what was found (rank 2's record is another save's)
+    found = collect_rank_records(writer, save_id=writer.save_id, ranks=range(3), timeout=None, cancel=cancel)
+    assert sorted(found) == [0, 1] and found[1].error == "OSError: disk full"
+    writer.write_rank_record(2, encode_rank_record(RankRecord(writer.save_id, 2, (_result("b", 4112),))), plan=plan)
+    with pytest.raises(dcp.CheckpointError, match=r"rank\(s\) \[1\] failed.*rank 1: OSError: disk full"):
+        wait_for_rank_records(writer, save_id=writer.save_id, world_size=3, timeout=None)
+    writer.write_rank_record(1, encode_rank_record(RankRecord(writer.save_id, 1, ())), plan=plan)
+    found = wait_for_rank_records(writer, save_id=writer.save_id, world_size=3, timeout=None)
+    assert [len(r) for r in found] == [1, 0, 1] and found[2][0].index.fqn == "b"
+    writer.remove_rank_records(3)
+    assert not list((tmp_path / "c").glob(".*.results"))
+    writer.abort()
+
+
+def test_a_ready_request_finalizes_while_its_background_goes_on() -> None:
+    from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncCallsQueue, AsyncRequest
+
+    ready, release, seen = threading.Event(), threading.Event(), []
+
+    def work() -> str:
+        ready.set()  # what result() waits for is over; the rest (a commit) goes on
+        release.wait(30)
+        return "late"
+
+    def finalize(value, error):
+        seen.append((value, error))
+        return "confirmed"
+
+    queue = AsyncCallsQueue()
+    call = queue.schedule_async_request(AsyncRequest(async_fn=work, finalize_fns=(finalize,), ready=ready))
+    assert call.wait(10)
+    assert call.finalize() == "confirmed" and seen == [(None, None)]
+    assert not call.background_done()
+    release.set()
+    call.thread.join(10)
+    assert call.background_done() and call.finalize() == "confirmed" and len(seen) == 1
+    queue.close()

@@ -1,0 +1,229 @@
+"""msrun worker for ``tests/test_background_commit.py``: a multi-rank async save commits in the background.
+
+Scenarios, in order, on every rank (row-sharded DTensor + replicated tensor):
+``commit_without_result`` waits until its request is ``done()`` and looks,
+before any ``result()``, for the committed metadata and for leftover results
+records; ``failure_reaches_all`` makes rank 1's write fail and reports what
+``result()`` raised on each rank. Then (after the report) a last save waits
+for ``done()`` and every rank SIGKILLs itself without calling ``result()``:
+the pytest side loads that checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from worker_lib import init_worker, run_scenarios, scenario_tmp_dir
+
+__all__ = ["main", "full_value"]
+
+LAYOUT_ARGS = ((2,), (0, -1))
+
+
+def full_value(seed: int) -> np.ndarray:
+    """The global tensor a scenario saves."""
+    return np.arange(64 * 6, dtype=np.float32).reshape(64, 6) + seed
+
+
+def _wait_done(request: Any, timeout: float = 120.0) -> float:
+    start = time.monotonic()
+    while not request.done():
+        if time.monotonic() - start > timeout:
+            raise AssertionError("async save not done in time")
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+def main() -> None:
+    """Run the scenarios on this rank."""
+    rank, world = init_worker()
+    import mindspore  # pylint: disable=import-outside-toplevel
+
+    import hyper_parallel  # pylint: disable=import-outside-toplevel
+    import hyper_parallel.core.distributed_checkpoint as dcp  # pylint: disable=import-outside-toplevel
+
+    layout = hyper_parallel.Layout(*LAYOUT_ARGS)
+    shared = scenario_tmp_dir("bgcommit")
+
+    def state(seed: int) -> dict[str, Any]:
+        return {"w": hyper_parallel.DTensor.from_global(mindspore.Tensor(full_value(seed)), layout, rank=rank),
+                "bias": mindspore.Tensor(np.full(5, seed, np.float32)), "step": seed}
+
+    class FailingWriter(dcp.FileSystemWriter):
+        """Fails writing on rank 1 only."""
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            if rank == 1:
+                raise OSError("disk full (injected on rank 1)")
+            return super().write_data(plan, planner)
+
+    def commit_without_result() -> dict[str, Any]:
+        path = shared / "c1"
+        request = dcp.async_save(state(1), checkpoint_id=path)
+        _wait_done(request)
+        committed = rank != 0 or (path / "metadata.json").exists()  # rank 0's done(): its thread committed
+        metadata = request.result()  # the coordinator's outcome reached every rank: its records are gone
+        records = sorted(p.name for p in path.glob(".*.results"))
+        target = {"w": hyper_parallel.DTensor.from_global(mindspore.Tensor(np.zeros((64, 6), np.float32)), layout,
+                                                          rank=rank),
+                  "bias": mindspore.Tensor(np.zeros(5, np.float32)), "step": 0}
+        dcp.load(target, checkpoint_id=path)
+        expected = full_value(1)[rank * 32:(rank + 1) * 32]
+        return {"committed_before_result": committed, "records": records,
+                "result_is_metadata": metadata.storage_meta.world_size == world,
+                "values_ok": bool(np.array_equal(target["w"].to_local().asnumpy(), expected))
+                and bool((target["bias"].asnumpy() == 1).all()) and target["step"] == 1}
+
+    def failure_reaches_all() -> dict[str, Any]:
+        path = shared / "c2"
+        request = dcp.async_save(state(2), storage_writer=FailingWriter(path))
+        _wait_done(request)
+        try:
+            request.result()
+            raised = ""
+        except dcp.CheckpointError as exc:
+            raised = f"{type(exc).__name__}: {exc}"
+        hyper_parallel.platform.barrier()  # the coordinator's abort is over on every rank
+        return {"raised": raised, "committed": (path / "metadata.json").exists(),
+                "left": sorted(p.name for p in path.iterdir()) if path.exists() else []}
+
+    class SlowCommitWriter(dcp.FileSystemWriter):
+        """The coordinator's commit waits (at most 30 s) until every rank says its result() returned."""
+
+        flags = [shared / f"rank{r}.result_returned" for r in range(world)]
+        saw_flag: list[bool] = []
+
+        def finish(self, metadata: Any, results: Any, *, background_cleanup: bool = False) -> Any:
+            deadline = time.monotonic() + 30
+            while not all(f.exists() for f in self.flags) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.saw_flag.append(all(f.exists() for f in self.flags))
+            return super().finish(metadata, results, background_cleanup=background_cleanup)
+
+    class FailingCommitWriter(dcp.FileSystemWriter):
+        """The coordinator's background commit fails."""
+
+        def finish(self, metadata: Any, results: Any, *, background_cleanup: bool = False) -> Any:
+            raise OSError(5, "I/O error during commit (injected)")
+
+    class LeaseThiefWriter(dcp.FileSystemWriter):
+        """The save lease disappears before the background commit (another process judged it stale)."""
+
+        def finish(self, metadata: Any, results: Any, *, background_cleanup: bool = False) -> Any:
+            (self.path / ".metadata.json.lease").unlink()
+            return super().finish(metadata, results, background_cleanup=background_cleanup)
+
+    def zeros() -> dict[str, Any]:
+        return {"w": hyper_parallel.DTensor.from_global(mindspore.Tensor(np.zeros((64, 6), np.float32)), layout,
+                                                        rank=rank),
+                "bias": mindspore.Tensor(np.zeros(5, np.float32)), "step": -1}
+
+    def loaded_ok(target: dict[str, Any], seed: int) -> bool:
+        expected = full_value(seed)[rank * 32:(rank + 1) * 32]
+        return (bool(np.array_equal(target["w"].to_local().asnumpy(), expected))
+                and bool((target["bias"].asnumpy() == seed).all()) and target["step"] == seed)
+
+    def result_does_not_wait_for_commit() -> dict[str, Any]:
+        path = shared / "c4"
+        request = dcp.async_save(state(4), storage_writer=SlowCommitWriter(path))
+        start = time.monotonic()
+        metadata = request.result()  # no rank waits for the commit, held back until every rank got here
+        blocked = time.monotonic() - start
+        committed_at_return = (path / "metadata.json").exists()
+        SlowCommitWriter.flags[rank].write_text("1")
+        target = zeros()
+        dcp.load(target, checkpoint_id=path)  # the next collective step: waits for the commit's outcome
+        return {"blocked": blocked, "committed_at_return": committed_at_return, "saw_flag": SlowCommitWriter.saw_flag,
+                "world": metadata.storage_meta.world_size,
+                "same_as_committed": metadata == dcp.read_metadata(path),
+                "values_ok": loaded_ok(target, 4), "records": sorted(p.name for p in path.glob(".*.results"))}
+
+    def commit_failure_reaches_all_at_next_step() -> dict[str, Any]:
+        path = shared / "c5"
+        dcp.save(state(5), checkpoint_id=path)  # an earlier complete checkpoint
+        request = dcp.async_save(state(6), storage_writer=FailingCommitWriter(path))
+        request.result()  # the writes all succeeded: the commit's outcome comes with the next step
+        try:
+            dcp.load(zeros(), checkpoint_id=path)
+            raised: dict[str, Any] = {}
+        except dcp.CheckpointError as exc:
+            raised = {"type": type(exc).__name__, "message": str(exc),
+                      "failed_ranks": list(getattr(exc, "failed_ranks", ()))}
+        target = zeros()
+        dcp.load(target, checkpoint_id=path)  # settled: the earlier checkpoint loads whole
+        dcp.async_save(state(6), storage_writer=FailingCommitWriter(path)).result()
+        try:  # a save's plan step shares the commit's outcome, before that save takes its directory
+            dcp.save(state(9), checkpoint_id=shared / "c6")
+            raised_by_save: dict[str, Any] = {}
+        except dcp.CheckpointError as exc:
+            raised_by_save = {"failed_ranks": list(getattr(exc, "failed_ranks", ())), "message": str(exc),
+                              "committed": (shared / "c6" / "metadata.json").exists()}
+        dcp.save(state(9), checkpoint_id=shared / "c6")
+        hyper_parallel.platform.barrier()
+        return {"raised": raised, "raised_by_save": raised_by_save, "old_ok": loaded_ok(target, 5),
+                "left": sorted(p.name for p in path.iterdir() if p.name.endswith((".results", ".lease")))}
+
+    def manager_reports_lost_lease() -> dict[str, Any]:
+        root = shared / "managed"
+        manager = dcp.CheckpointManager(root, async_save=True)
+        manager.save(1, state(1))
+        manager.save(2, state(2), storage_writer=LeaseThiefWriter(manager.directory(2)))  # waits for step 1 first
+        try:
+            manager.wait()
+            raised: dict[str, Any] = {}
+        except dcp.ConcurrentSaveError as exc:
+            raised = {"type": type(exc).__name__, "failed_ranks": list(getattr(exc, "failed_ranks", ())),
+                      "message": str(exc)}
+        return {"raised": raised, "steps": manager.all_steps()}
+
+    class CoordinatorFailingWriter(dcp.FileSystemWriter):
+        """Fails writing on rank 0 (the coordinator) only."""
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            if rank == 0:
+                raise OSError("disk full (injected on rank 0)")
+            return super().write_data(plan, planner)
+
+    def coordinator_failure_reaches_all() -> dict[str, Any]:
+        path = shared / "c7"
+        request = dcp.async_save(state(7), storage_writer=CoordinatorFailingWriter(path))
+        try:
+            request.result()
+            raised: dict[str, Any] = {}
+        except dcp.CheckpointError as exc:
+            raised = {"failed_ranks": list(getattr(exc, "failed_ranks", ())), "message": str(exc)}
+        hyper_parallel.platform.barrier()  # the coordinator's abort is over
+        left = sorted(p.name for p in path.iterdir()) if path.exists() else []
+        hyper_parallel.platform.barrier()  # every rank looked before the next save takes the directory
+        dcp.save(state(8), checkpoint_id=path)  # the lease was released: a new save takes the directory
+        target = zeros()
+        dcp.load(target, checkpoint_id=path)
+        return {"raised": raised, "left": left, "resave_ok": loaded_ok(target, 8)}
+
+    run_scenarios({"commit_without_result": commit_without_result, "failure_reaches_all": failure_reaches_all,
+                   "coordinator_failure_reaches_all": coordinator_failure_reaches_all,
+                   "result_does_not_wait_for_commit": result_does_not_wait_for_commit,
+                   "commit_failure_reaches_all_at_next_step": commit_failure_reaches_all_at_next_step,
+                   "manager_reports_lost_lease": manager_reports_lost_lease})
+    # Last: the step must survive a job killed after the save, with no result() on any rank.
+    path = shared / "c3"
+    request = dcp.async_save(state(3), checkpoint_id=path)
+    waited = _wait_done(request)
+    (shared / f"rank{rank}.done").write_text(f"{waited:.3f}")
+    if rank != 0:  # msrun kills every worker once one dies: let rank 0's done() (its commit) come first
+        deadline = time.monotonic() + 120
+        while not (shared / "rank0.done").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    main()
