@@ -141,9 +141,14 @@ class LocalDataFile:
             self.started = self.position
 
     def write(self, view: memoryview) -> None:
-        """Append ``view``."""
-        write_all(self.fd, view, self.ops)
-        self._wrote(len(view))
+        """Append ``view`` (a synced file: in steps of :data:`WRITEBACK_BYTES`, each then sent to the device)."""
+        if not self.sync:
+            write_all(self.fd, view, self.ops)
+            return
+        for start in range(0, len(view), WRITEBACK_BYTES):
+            piece = view[start : start + WRITEBACK_BYTES]
+            write_all(self.fd, piece, self.ops)
+            self._wrote(len(piece))
 
     def write_many(self, views: list[memoryview], nbytes: int) -> None:
         """Append ``views`` (``nbytes`` in all) with one ``writev``, uncopied."""

@@ -450,8 +450,8 @@ def plan_async_save(
     def stage_step() -> None:
         items = session.plan.items
         if early is not None:
-            sources = _sources(items, session.planner)
-            staged = StagedSavePlanner(session.planner, _POOL.stage(items, sources, _leaves(items, session.planner), early))
+            staged = StagedSavePlanner(session.planner, _POOL.stage(
+                items, session.planner.get_data, lambda: _leaves(items, session.planner), early))
             background.append(lambda: write_local(session, staged))
         else:
             views = staged_views(items, _sources(items, session.planner), session.planner)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import mmap
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -64,7 +64,8 @@ class StagingPool:
         self._fresh = False
         self._items: tuple[WriteItem, ...] | None = None
         self._placed: dict[str, tuple[int, int]] = {}
-        self._layout: list[tuple[MetadataIndex, np.ndarray | None, int]] = []
+        self._layout: list[tuple[MetadataIndex, WriteItem, np.ndarray | None, int]] = []
+        self._early_items = 0
         self._views: dict[MetadataIndex, Any] = {}
         self._written_leaves: frozenset[str] = frozenset()
         self.reused = 0
@@ -86,6 +87,7 @@ class StagingPool:
 
     def _forget_layout(self) -> None:
         self._items, self._placed, self._layout, self._views = None, {}, [], {}
+        self._early_items = 0
 
     def early_copies(self, *, every_leaf: bool) -> EarlyCopies:
         """Start a save's early copies (:class:`.EarlyCopies`). Caller's thread.
@@ -115,16 +117,17 @@ class StagingPool:
     def stage(
         self,
         items: tuple[WriteItem, ...],
-        sources: Iterable[Any],
-        leaves: tuple[str | None, ...],
+        data_of: Callable[[WriteItem], Any],
+        leaves_of: Callable[[], tuple[str | None, ...]],
         early: EarlyCopies,
     ) -> dict[MetadataIndex, Any]:
         """Stage every item: its early copy, or a copy now; return the staged views. Caller's thread.
 
         Args:
             items: The items this rank writes.
-            sources: The data of each item, in order (e.g. ``planner.get_data`` of each).
-            leaves: The whole-tensor leaf each item is, or ``None``, in order.
+            data_of: An item's data (``planner.get_data``); asked only for items without an early copy.
+            leaves_of: The whole-tensor leaf each item is, or ``None``, in order (asked unless the
+                items and early copies repeat the previous save's).
             early: This save's early copies (waited for here, also on failure).
 
         The offsets come from the plan alone, so the copies start while the
@@ -139,13 +142,15 @@ class StagingPool:
                 self._fresh = False
                 self.layouts_reused += 1
             else:
+                leaves = leaves_of()
+                self._written_leaves = frozenset(leaf for leaf in leaves if leaf is not None)
                 layout, staged, mapped = self._plan_layout(items, leaves, early)
-            counted, early_items = self._copy(layout, sources, staged)
+            counted = self._copy(layout, data_of, staged)
         finally:
             early.wait()
         self.early_copied += len(early.placed)
-        self.early_items += early_items
-        self._written_leaves = frozenset(leaf for leaf in leaves if leaf is not None)
+        self.early_items += self._early_items
+        counted += self._early_items
         if mapped:
             self.reused += counted
         else:
@@ -154,21 +159,22 @@ class StagingPool:
 
     @staticmethod
     def _copy(
-        layout: list[tuple[MetadataIndex, np.ndarray | None, int]], sources: Iterable[Any], staged: dict[MetadataIndex, Any]
-    ) -> tuple[int, int]:
-        """Copy each item without an early copy; values become bytes. Returns the tensors staged, and those early."""
+        layout: list[tuple[MetadataIndex, WriteItem, np.ndarray | None, int]],
+        data_of: Callable[[WriteItem], Any],
+        staged: dict[MetadataIndex, Any],
+    ) -> int:
+        """Copy each item without an early copy; values become bytes. Returns the tensors copied."""
         copier = Copier(caller_share=True)
-        counted = early = 0
+        counted = 0
         try:
-            for (index, target, nbytes), data in zip(layout, sources):
+            for index, item, target, nbytes in layout:
+                data = data_of(item)
                 if target is None:
                     if nbytes == _BYTES:
                         staged[index] = bytes(data)
-                    elif nbytes == _PRIVATE:
+                    else:  # _PRIVATE
                         staged[index] = np.array(data, order="C", copy=True)
-                    else:
                         counted += 1
-                        early += 1
                     continue
                 counted += 1
                 if data.nbytes != nbytes:  # pragma: no cover - a planner serving other sizes than it planned
@@ -177,12 +183,15 @@ class StagingPool:
                 copier.add(target, np.ascontiguousarray(data).reshape(-1).view(np.uint8))
         finally:
             copier.finish()
-        return counted, early
+        return counted
 
     def _plan_layout(
         self, items: tuple[WriteItem, ...], leaves: tuple[str | None, ...], early: EarlyCopies
-    ) -> tuple[list[tuple[MetadataIndex, np.ndarray | None, int]], dict[MetadataIndex, Any], bool]:
-        """Offsets (after the early copies) and staged views of ``items``, kept for a next save of the same items."""
+    ) -> tuple[list[tuple[MetadataIndex, WriteItem, np.ndarray | None, int]], dict[MetadataIndex, Any], bool]:
+        """Offsets (after the early copies) and staged views of ``items``, kept for a next save of the same items.
+
+        The layout lists only the items to copy at staging (not those an early copy stands for).
+        """
         placed: list[tuple[MetadataIndex, WriteItem, int, int]] = []
         total = early.end
         for item, leaf in zip(items, leaves):
@@ -203,21 +212,22 @@ class StagingPool:
             self._fresh = False
         else:
             arena, mapped = self._reserve(total)
-        layout: list[tuple[MetadataIndex, np.ndarray | None, int]] = []
+        layout: list[tuple[MetadataIndex, WriteItem, np.ndarray | None, int]] = []
         views: dict[MetadataIndex, Any] = {}
+        self._early_items = 0
         for index, item, offset, nbytes in placed:
             if nbytes == _BYTES:
-                layout.append((index, None, _BYTES))
+                layout.append((index, item, None, _BYTES))
                 continue
             spec = item.tensor_data
             size = math.prod(spec.chunk.sizes) * DTYPE_NAMES.get(spec.properties.dtype, 0)
             if nbytes == _EARLY:
-                layout.append((index, None, _EARLY))
+                self._early_items += 1
             elif offset + size > arena.size:  # a grown state on a rank of several: the early copies hold the arena
-                layout.append((index, None, _PRIVATE))
+                layout.append((index, item, None, _PRIVATE))
                 continue
             else:
-                layout.append((index, arena[offset : offset + size], size))
+                layout.append((index, item, arena[offset : offset + size], size))
             views[index] = arena[offset : offset + size].view(numpy_dtype(spec.properties.dtype)).reshape(
                 spec.chunk.sizes)
         self._items, self._placed, self._layout, self._views = items, dict(early.placed), layout, views
@@ -225,6 +235,7 @@ class StagingPool:
 
 
 #: Marks in a staging layout: a value (bytes), an item staged by an early copy, an item given its own buffer.
+#: (Early items are left out of the kept layout; their count is kept.)
 _BYTES, _EARLY, _PRIVATE = -1, -2, -3
 
 

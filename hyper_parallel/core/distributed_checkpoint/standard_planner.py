@@ -370,6 +370,9 @@ class StandardSavePlanner(SavePlanner):
         key = item.index  # its ``index`` hint takes no part in lookups
         if item.type == WriteItemType.BYTE_IO:
             return self._bytes[key]
+        source = self._sources.get(key)
+        if source is not None and source.plain and source.name in self.leaf_arrays:
+            return self.leaf_arrays[source.name]  # the layout pass resolved it already
         found = self._tensors.get(key)
         if found is None:  # a reused plan: no entries were built (bind_sources)
             source = self._bound_of[key]
