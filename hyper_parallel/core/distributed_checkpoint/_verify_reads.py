@@ -174,7 +174,7 @@ class _Window:
 
 #: Largest window hashed at once (fits the CPU cache of common machines).
 _CACHE_WINDOW = 8 << 20
-#: Blocks closer than this in the file share one mapped window (thousands of small items: few maps).
+#: Blocks closer than this in the file share one window (thousands of small items: few reads).
 _GAP_BYTES = 1 << 20
 #: Bytes announced to the kernel (``POSIX_FADV_WILLNEED``) ahead of the window being hashed, so the
 #: device reads the next windows while this one is hashed (a cold load overlaps reading and hashing).
@@ -254,6 +254,20 @@ def _bad_tile(view: memoryview, slab: _Slab) -> int | None:
     return None
 
 
+def _mismatch(view: memoryview, window: _Window) -> str | None:
+    """The key and the tile or bytes of ``window`` whose digest does not match, for a message; ``None`` if all do."""
+    if window.slab is not None:
+        column = _bad_tile(view, window.slab)
+        if column is None:
+            return None
+        return (f"key '{window.slab.check.fqn}' (tile {window.slab.slab},{column} of the chunk at byte "
+                f"{window.slab.check.info.offset})")
+    for block in window.blocks:
+        if digest(view[block.start - window.start : block.end - window.start]) != block.digest:
+            return f"key '{block.check.fqn}' (bytes {block.start}..{block.end})"
+    return None
+
+
 def lookahead_limits(sizes: list[int], lookahead: int) -> list[int]:
     """For each window, how many windows are announced once it is being hashed.
 
@@ -298,20 +312,9 @@ def _hash_windows(source: FileSource, path: Path, windows: list[_Window]) -> int
         _announce(fd, windows[announced : limits[position]])
         announced = limits[position]
         with _window(source, path, window.start, window.end, window.ranges) as view:
-            if window.slab is not None:
-                bad_column = _bad_tile(view, window.slab)
-                bad = None if bad_column is None else f"tile {window.slab.slab},{bad_column} of the chunk at byte " \
-                    f"{window.slab.check.info.offset}"
-                fqn = window.slab.check.fqn
-            else:
-                block = next((b for b in window.blocks
-                              if digest(view[b.start - window.start : b.end - window.start]) != b.digest), None)
-                bad = None if block is None else f"bytes {block.start}..{block.end}"
-                fqn = block.check.fqn if block is not None else ""
-        if bad is not None:
-            raise CorruptCheckpointError(
-                f"checksum mismatch in data file {path}, key '{fqn}' ({bad}): {_NO_TARGET_CHANGED}"
-            )
+            problem = _mismatch(view, window)
+        if problem is not None:
+            raise CorruptCheckpointError(f"checksum mismatch in data file {path}, {problem}: {_NO_TARGET_CHANGED}")
         hashed += window.hashed
     return hashed
 

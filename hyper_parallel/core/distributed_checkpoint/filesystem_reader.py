@@ -362,11 +362,11 @@ class FileSystemReader(StorageReader):
                 if not self.verify_checksums:
                     continue
                 checks = []
-                regions = [(self._keep_priority(check, item, source), position, item, check)
-                           for position, (item, check) in enumerate((i, self._region_check(path, size, i))
-                                                                     for i in items)]
-                # The regions the page cache would read most wastefully get the private budget first.
-                for priority, _, item, check in sorted(regions, key=lambda entry: (-entry[0], entry[1])):
+                checked = [(item, self._region_check(path, size, item)) for item in items]
+                regions = [(self._keep_priority(check, item, source), item, check) for item, check in checked]
+                # The regions the page cache would read most wastefully get the private budget first
+                # (the sort is stable: file order among equals).
+                for priority, item, check in sorted(regions, key=lambda entry: -entry[0]):
                     kept = self._keep_buffer(check, item) if priority else None
                     if kept is None:
                         checks.append(check)

@@ -154,7 +154,7 @@ def _int(value: Any, where: str, what: Any = "") -> int:
 
 
 def _str(value: Any, where: str, what: Any = "") -> str:
-    if type(value) is not str and not isinstance(value, str):
+    if not isinstance(value, str):
         raise CorruptCheckpointError(f"{_field(where, what)}: expected a string, got {value!r:.80}")
     return value
 
