@@ -77,6 +77,15 @@ def test_two_ranks_commit_in_the_background(tmp_path: Path) -> None:
         assert value["raised"]["failed_ranks"] == [0], value
         assert "disk full (injected on rank 0)" in value["raised"]["message"], value
         assert value["left"] == [] and value["resave_ok"], value
+        reads = outcome["reads_after_result_see_the_commit"]
+        assert reads["ok"], reads["traceback"]
+        value = reads["value"]
+        assert value["first_ok"] and value["second_ok"], value
+        if rank == 0:
+            assert value["read"] == {"world": 2}, value
+        else:
+            assert "still be committing it in the background" in value["read"]["error"], value
+            assert "CheckpointManager.wait()" in value["read"]["error"], value
         managed = outcome["manager_reports_lost_lease"]
         assert managed["ok"], managed["traceback"]
         value = managed["value"]

@@ -207,7 +207,36 @@ def main() -> None:
         dcp.load(target, checkpoint_id=path)
         return {"raised": raised, "left": left, "resave_ok": loaded_ok(target, 8)}
 
-    run_scenarios({"commit_without_result": commit_without_result, "failure_reaches_all": failure_reaches_all,
+    class DelayedCommitWriter(dcp.FileSystemWriter):
+        """The coordinator's commit waits (at most 3 s) for a flag file of this save."""
+
+        def finish(self, metadata: Any, results: Any, *, background_cleanup: bool = False) -> Any:
+            deadline = time.monotonic() + 3
+            while not (self.path.parent / f"{self.path.name}.go").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return super().finish(metadata, results, background_cleanup=background_cleanup)
+
+    def reads_after_result_see_the_commit() -> dict[str, Any]:
+        path = shared / "c9"
+        dcp.async_save(state(9), storage_writer=DelayedCommitWriter(path)).result()
+        try:  # rank 0 waits for its own commit; rank 1 cannot know it without a collective step
+            read = {"world": dcp.read_metadata(path).storage_meta.world_size}
+        except dcp.IncompleteCheckpointError as exc:
+            read = {"error": str(exc)}
+        (shared / "c9.go").write_text("1")
+        loaded = hyper_parallel.load_checkpoint(str(path))  # every rank: settles the commit first
+        path = shared / "c10"  # no flag: the commit takes 3 s, and load_checkpoint must wait for it
+        dcp.async_save(state(10), storage_writer=DelayedCommitWriter(path)).result()
+        again = hyper_parallel.load_checkpoint(str(path))
+        step = loaded["step"]
+        return {"read": read,
+                "first_ok": bool(np.array_equal(loaded["w"].asnumpy(), full_value(9)))
+                and int(np.asarray(step.asnumpy() if hasattr(step, "asnumpy") else step)) == 9,
+                "second_ok": bool(np.array_equal(again["w"].asnumpy(), full_value(10)))
+                and bool((again["bias"].asnumpy() == 10).all())}
+
+    run_scenarios({"commit_without_result": commit_without_result,
+                   "reads_after_result_see_the_commit": reads_after_result_see_the_commit, "failure_reaches_all": failure_reaches_all,
                    "coordinator_failure_reaches_all": coordinator_failure_reaches_all,
                    "result_does_not_wait_for_commit": result_does_not_wait_for_commit,
                    "commit_failure_reaches_all_at_next_step": commit_failure_reaches_all_at_next_step,

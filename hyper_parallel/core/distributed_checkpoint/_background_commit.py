@@ -41,6 +41,7 @@ from hyper_parallel.core.distributed_checkpoint.storage import StorageWriter, Wr
 
 __all__ = [
     "BackgroundCommit",
+    "await_own_commits",
     "background_commit_request",
     "raise_commit_failures",
     "settle_background_commits",
@@ -206,6 +207,22 @@ def take_pending_commits() -> list[BackgroundCommit]:
         pending = list(_PENDING)
         _PENDING.clear()
     return pending
+
+
+def await_own_commits() -> bool:
+    """Wait, without collectives, for what this rank can: True if a commit may still run elsewhere.
+
+    The coordinator waits for its background commits to end (their outcome
+    stays pending, for the next collective step to share). Another rank
+    cannot learn a commit's outcome without a collective step: it returns
+    whether any commit of this process is still unconfirmed.
+    """
+    with _PENDING_LOCK:
+        pending = list(_PENDING)
+    for commit in pending:
+        if commit.dist.is_coordinator:
+            commit.finished.wait()
+    return any(not commit.dist.is_coordinator for commit in pending)
 
 
 def raise_commit_failures(pending: list[BackgroundCommit]) -> None:

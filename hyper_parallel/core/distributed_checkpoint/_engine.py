@@ -76,6 +76,7 @@ __all__ = [
     "run_save",
     "plan_async_save",
     "read_checkpoint_metadata",
+    "settle_before_load",
     "run_load",
 ]
 
@@ -512,6 +513,18 @@ def _committed(metadata: Metadata, error: BaseException | None) -> Metadata:
     return metadata
 
 
+def settle_before_load(*, no_dist: bool, use_collectives: bool) -> None:
+    """Share the outcome of earlier async saves' background commits before a load reads. All ranks.
+
+    A load with collectives first runs :func:`settle_background_commits`: a
+    step saved just before (``result()`` returned) is then committed on every
+    rank, or its commit failure raises on every rank. Without collectives
+    nothing runs.
+    """
+    if DistWrapper(use_dist=not no_dist and use_collectives).use_dist:
+        settle_background_commits()
+
+
 def read_checkpoint_metadata(reader: StorageReader, options: LoadOptions) -> Metadata:
     """Read the committed metadata on every rank (a step: one rank's failure fails all). All ranks.
 
@@ -519,8 +532,7 @@ def read_checkpoint_metadata(reader: StorageReader, options: LoadOptions) -> Met
     (:func:`settle_background_commits`): a step saved just before is committed.
     """
     dist = DistWrapper(use_dist=not options.no_dist and options.use_collectives)
-    if dist.use_dist:
-        settle_background_commits()
+    settle_before_load(no_dist=options.no_dist, use_collectives=options.use_collectives)
     rank = _rank_alone(options.no_dist, options.use_collectives)
     found: list[Metadata] = []
     dist.agree("read metadata", lambda: found.append(reader.read_metadata(rank=rank)))

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from hyper_parallel import platform
+from hyper_parallel.core.distributed_checkpoint._background_commit import await_own_commits
 from hyper_parallel.core.distributed_checkpoint._engine import (
     LoadOptions,
     SaveOptions,
@@ -132,8 +133,18 @@ def read_metadata(checkpoint_id: CheckpointId) -> Metadata:
         CheckpointNotFoundError / IncompleteCheckpointError / CorruptCheckpointError.
     """
     reader = reader_for(checkpoint_id, None)
+    committing_elsewhere = await_own_commits()
     try:
         return reader.read_metadata()
-    except IncompleteCheckpointError:
-        # A checkpoint saved with use_collectives=False has rank-local metadata only.
-        return reader.read_metadata(rank=platform.get_rank())
+    except IncompleteCheckpointError as exc:
+        try:
+            # A checkpoint saved with use_collectives=False has rank-local metadata only.
+            return reader.read_metadata(rank=platform.get_rank())
+        except IncompleteCheckpointError:
+            if not committing_elsewhere:
+                raise
+            raise IncompleteCheckpointError(
+                f"{exc}; an async save of this process may still be committing it in the background on "
+                f"rank 0 (rank {platform.get_rank()} cannot see that without a collective step): call "
+                "CheckpointManager.wait() or hyper_parallel.load (on every rank) first, or read it on rank 0"
+            ) from exc
