@@ -12,8 +12,6 @@ other rows are verified in place. Device reads are measured from
 
 from __future__ import annotations
 
-import os
-
 import mindspore as ms
 import numpy as np
 import pytest
@@ -23,6 +21,7 @@ from hyper_parallel import DTensor, Layout
 from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import read_header
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 from sim_ranks import simulate_save
+from device_io import device_counts, drop_cache, read_bytes
 
 #: Tile slabs of 64 rows for the narrow matrices (tiles of about 64 KiB).
 _BLOCK = 64 << 10
@@ -65,34 +64,12 @@ def _local(targets: dict, name: str) -> np.ndarray:
     return targets[name].to_local().asnumpy().astype(np.float32)
 
 
-def _read_bytes() -> int:
-    with open("/proc/self/io", encoding="ascii") as handle:
-        return int(dict(line.split(": ") for line in handle.read().splitlines())["read_bytes"])
-
-
-def _drop_cache(directory) -> None:
-    for path in directory.iterdir():
-        if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-
-
-def _device_counts(directory) -> bool:
-    """Whether a cold read of this directory's files shows in read_bytes (not on tmpfs)."""
-    path = next(directory.glob("*.safetensors"))
-    _drop_cache(directory)
-    before = _read_bytes()
-    path.read_bytes()
-    return _read_bytes() - before >= path.stat().st_size // 2
-
-
 def _cold_load(path, rank: int, **options) -> tuple[dict, int]:
     targets = _targets(rank)
-    _drop_cache(path)
-    before = _read_bytes()
+    drop_cache(path)
+    before = read_bytes()
     dcp.load(targets, storage_reader=dcp.FileSystemReader(path, **options), no_dist=True)
-    fetched = _read_bytes() - before
+    fetched = read_bytes() - before
     for name, (shape, _) in _SHAPES.items():
         half = shape[1] // 2
         assert np.array_equal(_local(targets, name), _values(name)[:, rank * half:(rank + 1) * half]), (name, rank)
@@ -102,7 +79,7 @@ def _cold_load(path, rank: int, **options) -> tuple[dict, int]:
 def test_row_split_loads_column_split_bit_exact_and_reads_the_needed_bytes(tmp_path):
     """Default settings (everything fits the budget), then budgets that fit one and a half narrow chunks."""
     _save_row_split(tmp_path)
-    counts = _device_counts(tmp_path)
+    counts = device_counts(tmp_path)
     for rank in range(2):
         _, fetched = _cold_load(tmp_path, rank)
         if counts:  # metadata and headers: a few KiB on top
