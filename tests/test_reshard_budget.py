@@ -64,16 +64,23 @@ def _local(targets: dict, name: str) -> np.ndarray:
     return targets[name].to_local().asnumpy().astype(np.float32)
 
 
-def _cold_load(path, rank: int, **options) -> tuple[dict, int]:
-    targets = _targets(rank)
-    drop_cache(path)
-    before = read_bytes()
-    dcp.load(targets, storage_reader=dcp.FileSystemReader(path, **options), no_dist=True)
-    fetched = read_bytes() - before
-    for name, (shape, _) in _SHAPES.items():
-        half = shape[1] // 2
-        assert np.array_equal(_local(targets, name), _values(name)[:, rank * half:(rank + 1) * half]), (name, rank)
-    return targets, fetched
+def _cold_load(path, rank: int, **options) -> int:
+    """Device bytes of a cold column-split load on ``rank`` (bit-exact checked), the fewer of two loads.
+
+    Two tries: another process of a shared machine may drop the page cache system-wide
+    (``/proc/sys/vm/drop_caches``) between the verify pass and the read pass; that only adds reads.
+    """
+    fetched = []
+    for _ in range(2):
+        targets = _targets(rank)
+        drop_cache(path)
+        before = read_bytes()
+        dcp.load(targets, storage_reader=dcp.FileSystemReader(path, **options), no_dist=True)
+        fetched.append(read_bytes() - before)
+        for name, (shape, _) in _SHAPES.items():
+            half = shape[1] // 2
+            assert np.array_equal(_local(targets, name), _values(name)[:, rank * half:(rank + 1) * half]), name
+    return min(fetched)
 
 
 def test_row_split_loads_column_split_bit_exact_and_reads_the_needed_bytes(tmp_path):
@@ -81,12 +88,12 @@ def test_row_split_loads_column_split_bit_exact_and_reads_the_needed_bytes(tmp_p
     _save_row_split(tmp_path)
     counts = device_counts(tmp_path)
     for rank in range(2):
-        _, fetched = _cold_load(tmp_path, rank)
+        fetched = _cold_load(tmp_path, rank)
         if counts:  # metadata and headers: a few KiB on top
             assert fetched <= 1.05 * _NEEDED, (rank, fetched / _NEEDED)
     for threads, inflight in ((1, 5 << 19), (2, 5 << 18)):  # 2.5 MiB of private buffers in all
         budget = threads * inflight
-        _, fetched = _cold_load(tmp_path, 0, thread_count=threads, max_inflight_bytes=inflight)
+        fetched = _cold_load(tmp_path, 0, thread_count=threads, max_inflight_bytes=inflight)
         if not counts:
             continue
         # Bytes beyond the budget cost their pages' other halves (2x); a region that does not fit whole keeps
