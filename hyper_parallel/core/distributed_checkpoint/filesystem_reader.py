@@ -71,8 +71,10 @@ __all__ = ["FileSystemReader", "MAX_METADATA_BYTES", "DEFAULT_MAX_INFLIGHT_BYTES
 
 #: Metadata files larger than this are refused as hostile.
 MAX_METADATA_BYTES = 1 << 30
-#: Default bound on bytes buffered at once per I/O thread while verifying.
-DEFAULT_MAX_INFLIGHT_BYTES = 64 << 20
+#: Default bound on bytes buffered at once per I/O thread. With verification on, ``thread_count`` times
+#: this holds the verified narrow regions of a resharded load (read once, exactly); narrow bytes beyond it
+#: are read twice from the device (see ``FileSystemReader._keep_buffer``).
+DEFAULT_MAX_INFLIGHT_BYTES = 128 << 20
 #: Whole chunks up to this size (one flat checksum block) are read many per system call.
 _SMALL_ITEM_BYTES = 1 << 20
 #: Most buffers in one ``preadv`` (Linux ``IOV_MAX``).
