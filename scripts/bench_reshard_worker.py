@@ -10,8 +10,11 @@ and the time of a collective load (all ranks at once), and the
 time of a load run by each rank alone, so that no rank's reads warm another's
 cache. The verified load alone is also measured with twice the default
 ``max_inflight_bytes`` and with each ``--inflight-mb`` (the private-buffer
-budget of narrow regions is ``thread_count x max_inflight_bytes``). Rank 0
-writes every rank's figures as JSON to ``--out``.
+budget of narrow regions is ``thread_count x max_inflight_bytes``); each rank
+reports its narrow bytes needed against that budget (narrow bytes beyond it
+are read twice: amplification >= 1 + excess / needed) and the peak extra RSS
+of its verified load at default settings. Rank 0 writes every rank's figures
+as JSON to ``--out``.
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ import numpy as np
 from mindspore.communication import get_group_size, get_rank, init
 
 import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel.core.distributed_checkpoint._device_reads import MAX_PAGE_AMPLIFICATION, page_amplification
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import DEFAULT_MAX_INFLIGHT_BYTES
 from hyper_parallel import DTensor, Layout, platform
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark import GIB, data_files, drop_page_cache, pretouch, read_io_bytes  # noqa: E402
+from benchmark import GIB, data_files, drop_page_cache, peak_extra_rss, pretouch, read_io_bytes  # noqa: E402
 
 __all__ = ["main"]
 
@@ -123,6 +127,37 @@ def _alone_figures(args: argparse.Namespace, shapes: dict, layout: Layout, rank:
             "alone median_s": statistics.median(r[1] for r in runs)}
 
 
+def _narrow_bytes(shapes: dict, rank: int, world: int) -> int:
+    """Bytes of this rank's column shards whose rows share pages with bytes it does not need.
+
+    These are the regions a verified load reads with exact device reads into
+    private buffers (within ``thread_count x max_inflight_bytes``); the rest of
+    them is read twice. Chunks of whole pages start on a page (the writer's rule).
+    """
+    total = 0
+    for (rows, cols), dtype in shapes.values():
+        itemsize = 4 if dtype == "float32" else 2
+        width = cols // world * itemsize
+        starts = np.arange(min(rows, 256), dtype=np.int64) * cols * itemsize + rank * width
+        if page_amplification(starts, width) > MAX_PAGE_AMPLIFICATION:
+            total += rows * width
+    return total
+
+
+def _alone_memory(directory: Path, shapes: dict, layout: Layout, rank: int, world: int) -> tuple[int, str]:
+    """Peak RSS above the start of a cold verified load run by each rank alone (targets allocated before)."""
+    targets = _targets(shapes, layout, world)
+    extra, method = 0, ""
+    for turn in range(world):
+        if turn == rank:
+            drop_page_cache(data_files(directory))
+            reader = dcp.FileSystemReader(directory)
+            extra, method = peak_extra_rss(lambda: dcp.load(targets, storage_reader=reader, use_collectives=False))
+            _check(targets, shapes, rank, world)
+        platform.barrier()
+    return extra, method
+
+
 def _async_result_seconds(directory: Path, *, runs: int) -> float:
     """Median seconds ``result()`` of a multi-rank async save blocks once this rank's writing is over.
 
@@ -175,7 +210,10 @@ def main() -> None:
 
     needed = sum(rows * (cols // world) * (4 if dtype == "float32" else 2)
                  for (rows, cols), dtype in shapes.values())
-    figures = {"rank": rank, "needed_bytes": needed, "save_s": save_seconds, "async_result_s": result_seconds}
+    defaults = dcp.FileSystemReader(args.dir)
+    figures = {"rank": rank, "needed_bytes": needed, "save_s": save_seconds, "async_result_s": result_seconds,
+               "narrow_needed_bytes": _narrow_bytes(shapes, rank, world),
+               "private_budget_bytes": defaults.thread_count * defaults.max_inflight_bytes}
     for verify in (True, False):
         runs = [_collective_load(args.dir, shapes, cols_split, rank, world, verify, args.pretouch_gb)
                 for _ in range(args.runs)]
@@ -190,6 +228,8 @@ def main() -> None:
     # and with each --inflight-mb asked for:
     figures["verify on, 2x max_inflight_bytes"] = _alone_figures(args, shapes, cols_split, rank, world, True,
                                                                  2 * DEFAULT_MAX_INFLIGHT_BYTES)
+    extra, method = _alone_memory(args.dir, shapes, cols_split, rank, world)
+    figures["verify on, alone extra RSS"] = {"extra_bytes": extra, "method": method}
     for mib in args.inflight_mb:
         figures[f"verify on, max_inflight_bytes {mib:g} MiB"] = _alone_figures(
             args, shapes, cols_split, rank, world, True, int(mib * (1 << 20)))

@@ -560,6 +560,10 @@ def reshard_ratios(reshard: dict[str, Any]) -> list[tuple[str, float, str, bool 
             worst = max(r[setting]["/proc read_bytes"] / r["needed_bytes"] for r in reshard["ranks"])
             out.append((f"reshard /proc read / needed, {setting}, worst rank", worst, "<= 1.05 (knob)",
                         worst <= 1.05))
+    if all("verify on, alone extra RSS" in r for r in reshard["ranks"]):
+        worst = max(r["verify on, alone extra RSS"]["extra_bytes"] / r["private_budget_bytes"]
+                    for r in reshard["ranks"])
+        out.append(("reshard load extra memory / private budget, verify on, worst rank", worst, "<= 1", worst <= 1))
     if all("async_result_s" in r for r in reshard["ranks"]):
         out.append((f"async result() ms after done(), {len(reshard['ranks'])} ranks, small state, slowest rank",
                     max(r["async_result_s"] for r in reshard["ranks"]) * 1e3, "", None))
@@ -585,6 +589,13 @@ def print_reshard(reshard: dict[str, Any]) -> None:
             print(f"{r['rank']:<5} {verify:<7} {r['needed_bytes'] / 2**20:>10.1f} "
                   f"{fig['reader bytes_read'] / 2**20:>10.1f} {fig['/proc read_bytes'] / 2**20:>10.1f} "
                   f"{fig['median_s']:>9.3f}")
+    for r in reshard["ranks"]:
+        if "narrow_needed_bytes" in r:
+            excess = max(0, r["narrow_needed_bytes"] - r["private_budget_bytes"])
+            memory = r.get("verify on, alone extra RSS", {}).get("extra_bytes", 0)
+            print(f"rank {r['rank']}: narrow bytes needed {r['narrow_needed_bytes'] / 2**20:.1f} MiB, private budget "
+                  f"{r['private_budget_bytes'] / 2**20:.0f} MiB (thread_count x max_inflight_bytes): verified load "
+                  f">= {1 + excess / r['needed_bytes']:.3f} x needed; extra RSS {memory / 2**20:.1f} MiB")
 
 
 def print_ratios(title: str, table: list[tuple[str, float, str, bool | None]]) -> None:
