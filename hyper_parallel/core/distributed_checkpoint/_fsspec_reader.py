@@ -16,6 +16,7 @@ from typing import Any, Iterator
 
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import metadata_from_json
 from hyper_parallel.core.distributed_checkpoint._fsspec_writer import is_object_url
+from hyper_parallel.core.distributed_checkpoint._read_items import read_small_whole
 from hyper_parallel.core.distributed_checkpoint._object_io import (
     DEFAULT_CONNECTIONS,
     DEFAULT_PART_BYTES,
@@ -186,7 +187,8 @@ class FsspecReader(FileSystemReader):
         with ThreadPoolExecutor(max_workers=self.connections, thread_name_prefix="hp-ckpt-get") as pool:
             for relative_path, items in files:
                 with self._open_source(relative_path, items) as (source, path, size):
-                    count, rest = self._read_small_whole_items(source, path, size, items, planner)
+                    count, rest = read_small_whole(source, path, size, items, self._items, planner,
+                                                   verified=self.verify_checksums)
                     futures = [pool.submit(self._read_item, source, path, size, item, planner, dest)
                                for item, dest in rest]
                     total += count + sum(future.result() for future in futures)
