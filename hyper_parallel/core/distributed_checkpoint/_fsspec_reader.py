@@ -16,7 +16,6 @@ from typing import Any, Iterator
 
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import metadata_from_json
 from hyper_parallel.core.distributed_checkpoint._fsspec_writer import is_object_url
-from hyper_parallel.core.distributed_checkpoint._read_items import read_small_whole
 from hyper_parallel.core.distributed_checkpoint._object_io import (
     DEFAULT_CONNECTIONS,
     DEFAULT_PART_BYTES,
@@ -25,6 +24,7 @@ from hyper_parallel.core.distributed_checkpoint._object_io import (
     get_with_tag,
     locate,
 )
+from hyper_parallel.core.distributed_checkpoint._read_items import read_small_whole
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
     CheckpointIOError,
