@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import mindspore as ms
 import numpy as np
 import pytest
@@ -13,27 +11,7 @@ from hyper_parallel import DTensor, Layout
 from hyper_parallel.core.distributed_checkpoint._device_reads import _ranges, page_amplification
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import DATA_ALIGNMENT
 from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import read_header
-
-
-def _read_bytes() -> int:
-    with open("/proc/self/io", encoding="ascii") as handle:
-        return int(dict(line.split(": ") for line in handle.read().splitlines())["read_bytes"])
-
-
-def _drop_cache(directory) -> None:
-    for path in directory.iterdir():
-        with open(path, "rb") as handle:
-            os.fsync(handle.fileno())
-            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-
-
-def _device_counts(directory) -> bool:
-    """Whether a cold read of this directory's files shows in read_bytes (not on tmpfs)."""
-    path = next(directory.glob("*.safetensors"))
-    _drop_cache(directory)
-    before = _read_bytes()
-    path.read_bytes()
-    return _read_bytes() - before >= path.stat().st_size // 2
+from device_io import device_counts, drop_cache, read_bytes
 
 
 def test_merged_ranges_and_page_amplification_by_hand():
@@ -62,17 +40,17 @@ def test_column_shard_of_row_major_chunks_reads_about_the_needed_bytes(tmp_path,
     full = {f"w{cols}_{np.dtype(dtype).name}": (np.arange(1024 * cols, dtype=np.float32) % 2039).reshape(1024, cols)
             .astype(dtype) for cols, dtype in SHAPES}
     dcp.save({name: ms.Tensor(values) for name, values in full.items()}, checkpoint_id=tmp_path, no_dist=True)
-    if not _device_counts(tmp_path):
+    if not device_counts(tmp_path):
         pytest.skip("the filesystem of tmp_path does not count device reads (tmpfs)")
     layout = Layout((2,), (-1, 0))
     for rank in range(2):
         targets = {name: DTensor(ms.Tensor(np.zeros((1024, values.shape[1] // 2), values.dtype)), layout,
                                  values.shape, rank=rank) for name, values in full.items()}
         needed = sum(values.nbytes // 2 for values in full.values())
-        _drop_cache(tmp_path)
-        before = _read_bytes()
+        drop_cache(tmp_path)
+        before = read_bytes()
         dcp.load(targets, storage_reader=dcp.FileSystemReader(tmp_path, verify_checksums=verify), no_dist=True)
-        fetched = _read_bytes() - before
+        fetched = read_bytes() - before
         for name, values in full.items():
             half = values.shape[1] // 2
             assert np.array_equal(targets[name].to_local().asnumpy(), values[:, rank * half:(rank + 1) * half])
@@ -84,13 +62,13 @@ def test_readahead_kept_on_request_reads_much_more(tmp_path):
     """The measurement can fail: with readahead (``no_readahead=False``) the same kind of load reads 2x or more."""
     values = np.arange(1024 * 1024, dtype=np.float32).reshape(1024, 1024)
     dcp.save({"w": ms.Tensor(values), "v": ms.Tensor(values)}, checkpoint_id=tmp_path, no_dist=True)
-    if not _device_counts(tmp_path):
+    if not device_counts(tmp_path):
         pytest.skip("the filesystem of tmp_path does not count device reads (tmpfs)")
     target = DTensor(ms.Tensor(np.zeros((1024, 512), np.float32)), Layout((2,), (-1, 0)), values.shape, rank=0)
-    _drop_cache(tmp_path)
-    before = _read_bytes()
+    drop_cache(tmp_path)
+    before = read_bytes()
     dcp.load({"w": target}, storage_reader=dcp.FileSystemReader(tmp_path, no_readahead=False), no_dist=True)
-    assert _read_bytes() - before >= 2 * values.nbytes // 2
+    assert read_bytes() - before >= 2 * values.nbytes // 2
     assert np.array_equal(target.to_local().asnumpy(), values[:, :512])
 
 
@@ -124,18 +102,18 @@ def test_private_budget_goes_to_the_narrowest_regions_first(tmp_path):
     full = {"b": (np.arange(342 * 3072) % 2039).reshape(342, 3072).astype(np.float32),
             "a": (np.arange(2048 * 1024) % 2039).reshape(2048, 1024).astype(np.float16)}
     dcp.save({name: ms.Tensor(values) for name, values in full.items()}, checkpoint_id=tmp_path, no_dist=True)
-    if not _device_counts(tmp_path):
+    if not device_counts(tmp_path):
         pytest.skip("the filesystem of tmp_path does not count device reads (tmpfs)")
     needed = {name: values.nbytes // 2 for name, values in full.items()}
     targets = {name: DTensor(ms.Tensor(np.zeros((values.shape[0], values.shape[1] // 2), values.dtype)),
                              Layout((2,), (-1, 0)), values.shape, rank=0) for name, values in full.items()}
-    _drop_cache(tmp_path)
-    before = _read_bytes()
+    drop_cache(tmp_path)
+    before = read_bytes()
     # Room for either region (b's is the larger, its chunk and its item come first), not for both.
     assert needed["b"] > needed["a"]
     reader = dcp.FileSystemReader(tmp_path, thread_count=1, max_inflight_bytes=needed["b"] + 4096)
     dcp.load(targets, storage_reader=reader, no_dist=True)
-    fetched = _read_bytes() - before
+    fetched = read_bytes() - before
     for name, values in full.items():
         half = values.shape[1] // 2
         assert np.array_equal(targets[name].to_local().asnumpy(), values[:, :half])

@@ -26,11 +26,11 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
+from hyper_parallel.core.distributed_checkpoint._lazy_pool import lazy_executor
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 
 __all__ = [
@@ -51,8 +51,6 @@ MAX_PAGE_AMPLIFICATION = 1.05
 _DIRECT_READ_BYTES = 8 << 20
 #: Threads issuing ``O_DIRECT`` reads at once (the device's queue depth, not CPU work).
 _DIRECT_THREADS = 8
-_DIRECT_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
 _LOCAL = threading.local()
 
 
@@ -99,14 +97,6 @@ def read_runs_exact(fd: int, path: Path, fqn: str, starts: np.ndarray, length: i
     for position, start in enumerate(starts.tolist()):
         if os.preadv(fd, [target[position]], start) != length:
             raise CorruptCheckpointError(f"data file {path} is truncated while reading key '{fqn}'")
-
-
-def _direct_pool() -> ThreadPoolExecutor:
-    global _DIRECT_POOL  # pylint: disable=global-statement
-    with _POOL_LOCK:
-        if _DIRECT_POOL is None:
-            _DIRECT_POOL = ThreadPoolExecutor(max_workers=_DIRECT_THREADS, thread_name_prefix="hp-ckpt-direct")
-        return _DIRECT_POOL
 
 
 def _aligned_buffer(nbytes: int) -> memoryview:
@@ -161,6 +151,6 @@ def _read_direct(path: Path, fqn: str, starts: np.ndarray, length: int, target: 
         if len(groups) < 4 * _DIRECT_THREADS:
             return read(groups)
         shares = [groups[i::_DIRECT_THREADS] for i in range(_DIRECT_THREADS)]
-        return all(list(_direct_pool().map(read, shares)))
+        return all(list(lazy_executor("direct", _DIRECT_THREADS).map(read, shares)))
     finally:
         os.close(fd)

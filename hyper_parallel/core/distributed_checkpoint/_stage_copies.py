@@ -18,11 +18,12 @@ plan turns out to be; a leaf copied for nothing only costs its copy.
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Callable
 
 import numpy as np
+
+from hyper_parallel.core.distributed_checkpoint._lazy_pool import lazy_executor
 
 __all__ = ["STAGING_THREADS", "Copier", "EarlyCopies", "round_up", "ALIGN"]
 
@@ -33,8 +34,6 @@ ALIGN = 64
 _PIECE_BYTES = 32 << 20
 #: Bytes of copies handed to a staging thread at a time.
 _BATCH_BYTES = 8 << 20
-_COPY_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
 
 
 def round_up(value: int, unit: int) -> int:
@@ -45,14 +44,6 @@ def round_up(value: int, unit: int) -> int:
 def _copy_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
     for target, source in pairs:
         np.copyto(target, source)
-
-
-def _copy_pool() -> ThreadPoolExecutor:
-    global _COPY_POOL  # pylint: disable=global-statement
-    with _POOL_LOCK:
-        if _COPY_POOL is None:
-            _COPY_POOL = ThreadPoolExecutor(max_workers=STAGING_THREADS, thread_name_prefix="hp-ckpt-stage")
-        return _COPY_POOL
 
 
 class Copier:
@@ -85,7 +76,7 @@ class Copier:
         if self._caller_share and self._turn % (STAGING_THREADS + 1) == 0:
             _copy_all(batch)
         else:
-            self._pending.append(_copy_pool().submit(_copy_all, batch))
+            self._pending.append(lazy_executor("stage", STAGING_THREADS).submit(_copy_all, batch))
 
     def finish(self) -> None:
         """Copy what is left on the caller's thread and wait for every copy (re-raises a copy's error)."""
@@ -162,6 +153,20 @@ class EarlyCopies:
             self._copier.add(self.arena[offset : offset + source.size], source)
         self._issued = len(self._arrays)
         self._arrays = []
+
+    def snapshot(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+        """The early copies as arrays shaped like ``arrays`` (leaf name -> its source), after :meth:`wait`.
+
+        ``None`` when a leaf of ``arrays`` has no early copy of its size.
+        """
+        views: dict[str, np.ndarray] = {}
+        arena = self.arena
+        for name, array in arrays.items():
+            placed = self.placed.get(name)
+            if arena is None or placed is None or placed[1] != array.nbytes:
+                return None
+            views[name] = arena[placed[0] : placed[0] + placed[1]].view(array.dtype).reshape(array.shape)
+        return views
 
     def wait(self) -> None:
         """Wait for every early copy (re-raises a copy's error). Idempotent."""

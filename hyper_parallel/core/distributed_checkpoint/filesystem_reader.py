@@ -13,6 +13,7 @@ changes no target. The run-level reading is in :mod:`._run_reads`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import mmap
 import os
@@ -86,6 +87,39 @@ def _check_within(path: Any, file_size: int, fqn: str, info: StorageInfo) -> Non
             f"data file {path} is truncated: key '{fqn}' needs bytes {info.offset}..{info.offset + info.length} "
             f"but the file has {file_size}"
         )
+
+
+def _kept_rows(kept: np.ndarray, item: ReadItem) -> int:
+    """Leading rows of ``item``'s region a private buffer holds (all of a 0-d region)."""
+    return kept.shape[0] if kept.ndim else (item.lengths[0] if item.lengths else 0)
+
+
+def _leading_rows(item: ReadItem, rows: int) -> ReadItem:
+    """``item`` cut to its first ``rows`` rows (the whole item if it has as many)."""
+    if not item.lengths or rows == item.lengths[0]:
+        return item
+    return dataclasses.replace(item, lengths=(rows,) + tuple(item.lengths[1:]))
+
+
+def _rows_after(check: RegionCheck, rows: int) -> RegionCheck:
+    """The part of ``check``'s region after its first ``rows`` rows."""
+    return dataclasses.replace(check, offsets=(check.offsets[0] + rows,) + tuple(check.offsets[1:]),
+                               lengths=(check.lengths[0] - rows,) + tuple(check.lengths[1:]))
+
+
+def _fitting_rows(check: RegionCheck, item: ReadItem, room: int) -> int:
+    """Leading rows of a tiled region that fit ``room`` bytes and end on a slab edge of its tile grid; 0 if none.
+
+    Flat-verified regions are kept whole or not at all (their blocks cut across rows).
+    """
+    info = check.info
+    if room <= 0 or check.sizes is None or info.checksum is None or not info.checksum.block_shape:
+        return 0
+    row_bytes = math.prod(item.lengths[1:]) * check.itemsize
+    slab = info.checksum.block_shape[0]
+    first = item.storage_offsets[0]
+    end = (first + room // max(row_bytes, 1)) // slab * slab
+    return max(0, min(end - first, item.lengths[0] - 1))
 
 
 def _not_a_directory(path: Path) -> str:
@@ -365,9 +399,12 @@ class FileSystemReader(StorageReader):
                     if kept is None:
                         checks.append(check)
                         continue
-                    total += self._read_kept(source, path, check, item, kept)
+                    rows = _kept_rows(kept, item)
+                    total += self._read_kept(source, path, check, _leading_rows(item, rows), kept)
                     with self._kept_lock:
                         self._kept[item] = kept
+                    if rows < item.lengths[0]:  # the rest of the region is verified in place
+                        checks.append(_rows_after(check, rows))
                 total += verify_regions(source, path, checks, self.max_inflight_bytes)
         return total
 
@@ -407,14 +444,24 @@ class FileSystemReader(StorageReader):
 
         Its bytes are read once, verified, and kept until the read pass copies
         them into the target (see :meth:`_keep_priority` for which regions).
+        When the whole region does not fit what is left of the budget, a tiled
+        region gets a buffer for its leading rows up to a slab edge of its tile
+        grid (so no tile is read both ways); the caller verifies the other rows
+        in place.
         """
         nbytes = math.prod(item.lengths) * check.itemsize
+        shape = tuple(item.lengths)
         with self._kept_lock:  # max_inflight_bytes per I/O thread
-            if self._kept_bytes + nbytes > self.max_inflight_bytes * self.thread_count:
-                return None
+            room = self.max_inflight_bytes * self.thread_count - self._kept_bytes
+            if nbytes > room:
+                rows = _fitting_rows(check, item, room)
+                if not rows:
+                    return None
+                shape = (rows,) + shape[1:]
+                nbytes = math.prod(shape) * check.itemsize
             self._kept_bytes += nbytes
         stored = self.metadata.state_dict_metadata[check.fqn]
-        return np.empty(item.lengths, dtype=numpy_dtype(stored.properties.dtype))
+        return np.empty(shape, dtype=numpy_dtype(stored.properties.dtype))
 
     def _region_check(self, path: Path, file_size: int, item: ReadItem) -> RegionCheck:
         """What to verify for ``item``, after checking it fits its file and chunk."""
@@ -507,15 +554,20 @@ class FileSystemReader(StorageReader):
         with self._kept_lock:
             kept = self._kept.pop(item, None)
             self._kept_bytes -= kept.nbytes if kept is not None else 0
+        skip = 0  # leading rows of the region read by the verify pass
         if kept is not None:  # verified and read by the verify pass
-            np.copyto(dest, kept, casting="unsafe")
-            planner.apply_tensor(item, dest)
-            return 0
+            skip = _kept_rows(kept, item)
+            np.copyto(dest[:skip] if dest.ndim else dest, kept, casting="unsafe")
+            if skip == (item.lengths[0] if item.lengths else 0):
+                planner.apply_tensor(item, dest)
+                return 0
+        rest = _leading_rows(item, item.lengths[0] - skip).lengths if skip else item.lengths
         dtype = stored_dtype(stored.properties.dtype)
         count = 0
         # Pieces of at most max_inflight_bytes: a cast or scattered target never
         # needs a staging buffer larger than that, whatever the tensor size.
-        for sub_offsets, sub_lengths in split_box(item.lengths, itemsize, self.max_inflight_bytes):
+        for sub_offsets, sub_lengths in split_box(rest, itemsize, self.max_inflight_bytes):
+            sub_offsets = (sub_offsets[0] + skip,) + tuple(sub_offsets[1:]) if skip else sub_offsets
             offsets = tuple(o + s for o, s in zip(item.storage_offsets, sub_offsets))
             runs = box_runs(chunk_sizes, itemsize, offsets, sub_lengths)
             if runs.total == 0:

@@ -212,6 +212,19 @@ class StandardSavePlanner(SavePlanner):
             raise CheckpointValueError("configure_planner must be called before describe_layout")
         return describe_layout(self, listener)
 
+    def snapshot_leaves(self, arrays: dict[str, np.ndarray]) -> None:
+        """Plan and serve the named whole tensors from ``arrays`` from now on (copies taken at call time).
+
+        After :meth:`describe_layout`: a plan built later (off the blocking
+        part of an async save) then sees the state as it was at the call,
+        never the caller's tensors, which may have changed (or been replaced)
+        since. Whoever plans the save calls it.
+        """
+        values = self.flat.values
+        for name, array in arrays.items():
+            values[name] = array
+        self.leaf_arrays.update(arrays)
+
     def classify(self, fqn: str, value: Any) -> TensorEntry | ValueEntry | SkipEntry:
         """Classify one leaf stored under ``fqn`` (:func:`._state_items.make_entry`)."""
         return _classify(fqn, value)
