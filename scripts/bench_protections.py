@@ -30,7 +30,7 @@ from hyper_parallel.core.distributed_checkpoint import _data_file
 from hyper_parallel.core.distributed_checkpoint._save_lease import SaveLease
 from hyper_parallel.core.distributed_checkpoint.metadata import ChunkChecksum
 
-__all__ = ["TimedWriter", "no_checksums", "phase_protections", "plain_write_early_writeback"]
+__all__ = ["TimedWriter", "no_checksums", "phase_protections", "plain_write_early_writeback", "verified_read_floor"]
 
 
 class TimedWriter(dcp.FileSystemWriter):
@@ -109,6 +109,58 @@ def plain_write_early_writeback(path: Path, source: Any, nbytes: int) -> Callabl
             os.close(fd)
 
     return write
+
+
+def verified_read_floor(path: Path, target: Any, *, threads: int) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The least work of a warm load into ``target`` without and with verify-before-land, on ``threads`` threads.
+
+    Returns ``(read, verified)``. ``read``: each thread ``pread``\ s its share
+    of the file into ``target`` (one page-cache read). ``verified``: a hash
+    pass first (each thread reads its share in 8 MiB windows into a cache-sized
+    buffer and hashes every 1 MiB with xxh3, as the load's verify pass does
+    for flat blocks, without tiles), then the same read. Holding every
+    verified byte instead would need memory the size of the load: with
+    memory bounded by the in-flight limit, a load that lands no byte before
+    every byte is verified reads the page cache twice. The ratio of these two
+    to a memcpy is this machine's floor for the contract's warm-load figure.
+    """
+    import os  # pylint: disable=import-outside-toplevel
+    from concurrent.futures import ThreadPoolExecutor  # pylint: disable=import-outside-toplevel
+
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import xxhash  # pylint: disable=import-outside-toplevel
+
+    nbytes = target.nbytes
+    window, block = 8 << 20, 1 << 20
+    bounds = [(nbytes * i // threads // block * block, nbytes * (i + 1) // threads // block * block)
+              for i in range(threads)]
+    bounds[-1] = (bounds[-1][0], nbytes)
+    scratch = [np.empty(window, np.uint8) for _ in range(threads)]
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="bench-floor")
+
+    def part(fd: int, index: int, hashing: bool) -> None:
+        low, high = bounds[index]
+        flat = target.reshape(-1).view(np.uint8)
+        for start in range(low, high, window):
+            count = min(window, high - start)
+            if hashing:
+                buffer = scratch[index][:count]
+                os.preadv(fd, [buffer], start)
+                for offset in range(0, count, block):
+                    xxhash.xxh3_64_intdigest(buffer[offset:offset + block])
+            else:
+                os.preadv(fd, [flat[start:start + count]], start)
+
+    def run(hashing: bool) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if hashing:
+                list(pool.map(lambda i: part(fd, i, True), range(threads)))
+            list(pool.map(lambda i: part(fd, i, False), range(threads)))
+        finally:
+            os.close(fd)
+
+    return (lambda: run(False)), (lambda: run(True))
 
 
 def phase_protections(state: dict[str, Any], work: Path, load_path: Path, *, threads: int, runs: int,

@@ -180,6 +180,11 @@ def phase_baseline(work: Path, nbytes: int, args: argparse.Namespace) -> tuple[d
         pretouch_gb=args.pretouch_gb, setup=lambda: remove(path))
     times["cold sequential read"] = timed(read, runs=args.runs, pretouch_gb=args.pretouch_gb, setup=cold_setup)
     times["warm sequential read"] = timed(read, runs=args.runs, pretouch_gb=args.pretouch_gb)
+    floor_read, floor_verified = bench_protections.verified_read_floor(path, target, threads=args.threads)
+    times[f"warm read floor ({args.threads} threads)"] = timed(floor_read, runs=args.runs,
+                                                               pretouch_gb=args.pretouch_gb)
+    times[f"warm verified read floor ({args.threads} threads)"] = timed(floor_verified, runs=args.runs,
+                                                                        pretouch_gb=args.pretouch_gb)
     if not np.array_equal(source[:CHUNK], target[:CHUNK]):
         raise RuntimeError("baseline read returned other bytes than written")
     remove(path)
@@ -532,6 +537,13 @@ def ratios(t: dict[str, float], args: argparse.Namespace, memory: dict[str, Any]
             t[f"dcp.load cold, verify {verify} ({T} threads)"] / t["cold sequential read"], 1.2)
         add(f"warm load / memcpy, verify {verify}",
             t[f"dcp.load warm, verify {verify} ({T} threads)"] / t["host memcpy"], 1.5)
+    # This machine's floor for a warm load (page-cache reads; with verify-before-land, a hash pass first).
+    add(f"warm read floor ({T} threads) / memcpy", t[f"warm read floor ({T} threads)"] / t["host memcpy"], None)
+    add(f"warm verified read floor ({T} threads) / memcpy",
+        t[f"warm verified read floor ({T} threads)"] / t["host memcpy"], None)
+    for verify, floor in (("on", "warm verified read floor"), ("off", "warm read floor")):
+        add(f"warm load, verify {verify} / its floor", t[f"dcp.load warm, verify {verify} ({T} threads)"]
+            / t[f"{floor} ({T} threads)"], None)
     for cache in ("cold", "warm"):  # the price of verify-before-a-byte-lands (no target written before all checks)
         add(f"protection: verify, {cache} load on / off", t[f"dcp.load {cache}, verify on ({T} threads)"]
             / t[f"dcp.load {cache}, verify off ({T} threads)"], None)

@@ -38,6 +38,10 @@ STATE_FIGURES = (
     "protection: header check / warm load, verify off (2 threads)",
     "commit (writer.finish) / dcp.save (thread_count=2)",
     "best dcp.save / plain write with early writeback",
+    "warm read floor (2 threads) / memcpy",
+    "warm verified read floor (2 threads) / memcpy",
+    "warm load, verify on / its floor",
+    "warm load, verify off / its floor",
 )
 RESHARD_FIGURES = (
     "reshard reader bytes / needed, verify on, worst rank",

@@ -19,20 +19,20 @@ PACKAGE = "hyper_parallel.core.distributed_checkpoint"
 #: Layers of the checkpoint package, bottom first. A module may import its own
 #: layer or a lower one. Names are module paths relative to PACKAGE.
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
-    ("errors and metadata", frozenset({"errors", "metadata", "_options", "_gc_pause", "_grid_chunks"})),
+    ("errors and metadata", frozenset({"errors", "metadata", "_options", "_gc_pause", "_grid_chunks", "_lazy_pool"})),
     ("on-disk format", frozenset({"_format", "_format.safetensors_file", "_format.metadata_json",
                                   "_format.checksum", "_format.byte_ranges", "_format.cover",
                                   "_format.header_check"})),
     ("plans and planners", frozenset({"planner", "mapping", "_chunk_search", "type_handlers", "_builtin_handlers", "_flatten", "_mindspore_sliced", "_device_targets",
                                       "_state_items", "_global_plan", "_replicated_read", "standard_planner",
                                       "_layout_plan", "_layout_merge", "_save_layout"})),
-    ("storage", frozenset({"storage", "filesystem_writer", "filesystem_reader", "_run_reads",
+    ("storage", frozenset({"storage", "filesystem_writer", "filesystem_reader", "_run_reads", "_read_items",
                            "_safe_files", "_save_lease", "_file_ops", "_data_file", "_commit_cleanup", "_device_reads",
                            "_rank_records",
                            "_verify_reads"})),
     ("object storage", frozenset({"_object_io", "_fsspec_writer", "_fsspec_reader", "_object_steps"})),
     ("engine", frozenset({"_collectives", "_engine", "_staging", "_stage_copies", "_fork_writer", "_async_queue",
-                         "_plan_cache", "_background_commit"})),
+                         "_deferred_save", "_plan_cache", "_background_commit"})),
     ("strategies", frozenset({"strategies"})),
     ("public API", frozenset({"api", "async_checkpoint", "_one_line", "manager", "_manager_record", "callback", ""})),
 )

@@ -38,6 +38,7 @@ from hyper_parallel.core.distributed_checkpoint._background_commit import (
     take_pending_commits,
 )
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
+from hyper_parallel.core.distributed_checkpoint._deferred_save import deferred_request
 from hyper_parallel.core.distributed_checkpoint._fork_writer import fork_write
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import (
     LayoutArgument,
@@ -234,6 +235,49 @@ class SaveSession:
     metadata: Metadata | None
 
 
+@dataclass(frozen=True)
+class PlannedSave:
+    """What a one-rank save's planning made (picklable: a forked writer sends it back).
+
+    Attributes:
+        plan: This rank's final plan.
+        metadata: The metadata.
+        all_final: Every rank's final plan (this rank's).
+        local_plans: Every rank's local plan (this rank's).
+        sources: The leaf of each item of ``plan`` (``None`` for values).
+    """
+
+    plan: SavePlan
+    metadata: Metadata
+    all_final: list[SavePlan]
+    local_plans: list[SavePlan]
+    sources: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class DeferredPlan:
+    """A save without collectives whose layout is new: planned later, off the blocking part of an async save.
+
+    The caller snapshots the state first (:meth:`.StandardSavePlanner.snapshot_leaves`),
+    then calls :attr:`make` (on a background thread, or in a forked writer)
+    and :attr:`adopt` (in this process) with its result.
+
+    Attributes:
+        writer: The storage writer (set up: the lease is held).
+        planner: The planner (configured; the layout described).
+        layout: This rank's layout (:class:`.LayoutDescription`).
+        make: Builds the plan and the metadata; no collective, no side effect outside the planner
+            (on failure the caller aborts the writer).
+        adopt: Keeps a :class:`PlannedSave` in the plan cache; returns the planned session.
+    """
+
+    writer: StorageWriter
+    planner: SavePlanner
+    layout: Any
+    make: Callable[[], PlannedSave]
+    adopt: Callable[[PlannedSave], SaveSession]
+
+
 #: Variables msrun (and other MindSpore launchers) set in every worker of a job.
 _JOB_SIZE_VARIABLES = ("MS_WORKER_NUM", "RANK_SIZE")
 
@@ -260,7 +304,8 @@ def plan_save(
     planner: SavePlanner,
     options: SaveOptions,
     listener: LayoutListener | None = None,
-) -> SaveSession:
+    may_defer: bool = False,
+) -> SaveSession | DeferredPlan:
     """Plan a save: local plans, the coordinator's merge, final plans. All ranks call it.
 
     Its first step also shares the outcome of an earlier async save's
@@ -274,6 +319,8 @@ def plan_save(
     Args:
         listener: Told about this rank's layout as the layout pass meets it
             (the staging of an async save copies tensors meanwhile); cached planners only.
+        may_defer: A save without collectives whose layout is not cached returns a
+            :class:`DeferredPlan` after the layout pass instead of planning now.
     """
     dist = DistWrapper(use_dist=not options.no_dist and options.use_collectives)
     pending = take_pending_commits() if dist.use_dist else []
@@ -306,9 +353,12 @@ def plan_save(
         set_up()
         return build_local()
 
+    layouts: list[Any] = []
+
     def layout_step() -> PlanMessage:
         set_up()
-        return cache.message(planner.describe_layout(listener))
+        layouts.append(planner.describe_layout(listener))
+        return cache.message(layouts[0])
 
     compact = dist.use_dist and _layout_exchange(planner, writer)
     cache = plan_cache_for(writer, planner, options, rank=dist.rank, world_size=dist.world_size)
@@ -331,6 +381,12 @@ def plan_save(
         all_local.append(all_plans)
         return [_compress(local, final) for local, final in zip(all_plans, final_plans)]
 
+    def make_plan() -> PlannedSave:  # a deferred plan: one rank, no collective (the merge runs here)
+        received = dist.reduce_scatter("plan", build_local, global_step)
+        plan = _expand(local_plans[0], received)
+        return PlannedSave(plan=plan, metadata=merged[0], all_final=all_final[0], local_plans=all_local[0],
+                           sources=planner.sources_for(plan.items))
+
     try:
         if cache is None:
             received = dist.reduce_scatter("plan", local_step, global_step)
@@ -344,6 +400,8 @@ def plan_save(
                 cached = cache.take(decision.exchange)
                 plan = replace(cached.final, storage_data=decision.storage_data)
                 planner.bind_sources(plan.items, cached.sources, cached.source_of)
+            elif may_defer and not dist.use_dist:
+                return _deferred(dist, writer, planner, cache, decision.exchange, layouts[0], make_plan)
             else:
                 received = dist.reduce_scatter("plan", build_local, global_step)
                 plan = _expand(local_plans[0], received)
@@ -355,6 +413,26 @@ def plan_save(
         writer.abort()
         raise
     return SaveSession(dist=dist, writer=writer, planner=planner, plan=plan, metadata=merged[0] if merged else None)
+
+
+def _deferred(
+    dist: DistWrapper,
+    writer: StorageWriter,
+    planner: SavePlanner,
+    cache: PlanCache,
+    exchange: str,
+    layout: Any,
+    make_plan: Callable[[], PlannedSave],
+) -> DeferredPlan:
+    """The rest of a one-rank :func:`plan_save`, to run later (see :class:`DeferredPlan`)."""
+
+    def adopt(planned: PlannedSave) -> SaveSession:
+        cache.store(exchange, planned.plan, planned.all_final, planned.metadata, planned.local_plans,
+                    sources=planned.sources)
+        return SaveSession(dist=dist, writer=writer, planner=planner, plan=planner.finalize_plan(planned.plan),
+                           metadata=planned.metadata)
+
+    return DeferredPlan(writer=writer, planner=planner, layout=layout, make=make_plan, adopt=adopt)
 
 
 def _decide(
@@ -441,7 +519,15 @@ def plan_async_save(
         alone = options.no_dist or not options.use_collectives or platform.get_world_size() <= 1
         early = _POOL.early_copies(every_leaf=alone)
     try:
-        session = plan_save(state_dict, writer=writer, planner=planner, options=options, listener=early)
+        session = plan_save(state_dict, writer=writer, planner=planner, options=options, listener=early,
+                            may_defer=True)
+        if isinstance(session, DeferredPlan):  # one rank, a new layout: planned after the snapshot (_deferred_save)
+            request = deferred_request(session, early=early, pool=_POOL, finalize=_committed,
+                                       commit=lambda planned, write: commit_save(planned, write,
+                                                                                 step="async write and commit"))
+            if request is not None:
+                return request
+            session = _plan_now(session)
     except BaseException:
         if early is not None:
             early.abandon()
@@ -490,6 +576,15 @@ def plan_async_save(
         return commit_save(session, local_results, step="async write and commit", background_cleanup=True)
 
     return AsyncRequest(async_fn=background[0], finalize_fns=(commit,))
+
+
+def _plan_now(deferred: DeferredPlan) -> SaveSession:
+    """Make a deferred plan at once (a state :mod:`._deferred_save` cannot snapshot). Caller's thread."""
+    try:
+        return deferred.adopt(deferred.make())
+    except BaseException:
+        deferred.writer.abort()
+        raise
 
 
 def _sources(items: tuple[Any, ...], planner: SavePlanner) -> Iterable[Any]:

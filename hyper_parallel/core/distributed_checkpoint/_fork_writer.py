@@ -26,7 +26,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError, C
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner
 from hyper_parallel.core.distributed_checkpoint.storage import StorageWriter, WriteResult
 
-__all__ = ["fork_write"]
+__all__ = ["fork_run", "fork_write"]
 
 
 @dataclass(frozen=True)
@@ -46,9 +46,9 @@ class _ChildOutcome:
     io_error: bool = False
 
 
-def _child(writer: StorageWriter, plan: SavePlan, planner: SavePlanner, out_fd: int) -> None:
+def _child(work: Callable[[], Any], writer: StorageWriter, out_fd: int) -> None:
     try:
-        payload = pickle.dumps(_ChildOutcome(results=writer.write_data(plan, planner).result()))
+        payload = pickle.dumps(_ChildOutcome(results=work()))
     except BaseException as exc:  # pylint: disable=broad-except
         payload = pickle.dumps(_ChildOutcome(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(),
                                              io_error=isinstance(exc, OSError)))
@@ -68,13 +68,22 @@ def fork_write(writer: StorageWriter, plan: SavePlan, planner: SavePlanner, *, r
     background thread and returns the write results, or raises the child's
     error (a :class:`CheckpointIOError` for I/O errors).
     """
+    return fork_run(lambda: writer.write_data(plan, planner).result(), writer, rank=rank)
+
+
+def fork_run(work: Callable[[], Any], writer: StorageWriter, *, rank: int) -> Callable[[], Any]:
+    """Fork a child that runs ``work`` (which writes with ``writer``); return the function that waits for its result.
+
+    As :func:`fork_write`; ``work`` returns a picklable value (the write
+    results, and what else the parent needs). Caller's thread.
+    """
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: write, report, leave without running any parent cleanup
         status = 0
         try:
             os.close(read_fd)
-            _child(writer, plan, planner, write_fd)
+            _child(work, writer, write_fd)
         except BaseException:  # pylint: disable=broad-except
             status = 1
         os._exit(status)  # pylint: disable=protected-access

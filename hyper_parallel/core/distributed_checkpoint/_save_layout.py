@@ -101,7 +101,8 @@ def host_array(value: Any) -> np.ndarray | None:
         return None
     if not array.dtype.isnative:  # stored little-endian, as safetensors requires
         array = array.astype(array.dtype.newbyteorder("="))
-    return np.ascontiguousarray(array)
+    # Not np.ascontiguousarray, which makes a 0-d array 1-d: the array keeps the tensor's own shape.
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
 
 def _dtype_name(dtype: np.dtype) -> str | None:

@@ -154,6 +154,20 @@ class EarlyCopies:
         self._issued = len(self._arrays)
         self._arrays = []
 
+    def snapshot(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+        """The early copies as arrays shaped like ``arrays`` (leaf name -> its source), after :meth:`wait`.
+
+        ``None`` when a leaf of ``arrays`` has no early copy of its size.
+        """
+        views: dict[str, np.ndarray] = {}
+        arena = self.arena
+        for name, array in arrays.items():
+            placed = self.placed.get(name)
+            if arena is None or placed is None or placed[1] != array.nbytes:
+                return None
+            views[name] = arena[placed[0] : placed[0] + placed[1]].view(array.dtype).reshape(array.shape)
+        return views
+
     def wait(self) -> None:
         """Wait for every early copy (re-raises a copy's error). Idempotent."""
         if not self._done:
