@@ -20,6 +20,7 @@ import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel import DTensor, Layout
 from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import read_header
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
+from s3_server import s3_endpoint, s3_url  # noqa: F401  (fixtures)
 from sim_ranks import simulate_save
 from device_io import device_counts, drop_cache, read_bytes
 
@@ -137,3 +138,17 @@ def test_corruption_in_a_partly_kept_region_raises_and_changes_no_target(tmp_pat
     assert "'a'" in str(caught.value) and ".safetensors" in str(caught.value), caught.value
     for name in _SHAPES:
         assert np.all(_local(targets, name) == 5.0), name
+
+
+def test_object_storage_keeps_the_leading_slabs_and_fetches_only_the_rest_twice(s3_url):
+    """Without a page cache every verified region is worth keeping: what does not fit is fetched once to be
+    verified and once more to be copied. A region of two tile slabs (8 MiB) with 5 MiB of private buffer keeps
+    its first slab (4 MiB): 12 MiB fetched instead of 16."""
+    full = (np.arange(4096 * 1024, dtype=np.int64) % 65521).astype(np.float32).reshape(4096, 1024)  # slabs of 1024 rows
+    dcp.save({"w": ms.Tensor(full)}, checkpoint_id=s3_url, no_dist=True)
+    target = DTensor(ms.Tensor(np.zeros((2048, 1024), np.float32)), Layout((2,), (0, -1)), full.shape, rank=0)
+    reader = dcp.FsspecReader(s3_url, thread_count=1, max_inflight_bytes=5 << 20)
+    dcp.load({"w": target}, storage_reader=reader, no_dist=True)
+    np.testing.assert_array_equal(target.to_local().asnumpy(), full[:2048])
+    header = 4096  # the data file's safetensors header, checked against the metadata
+    assert reader.bytes_fetched - header == (4 << 20) + 2 * (4 << 20), reader.bytes_fetched
