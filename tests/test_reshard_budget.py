@@ -22,7 +22,7 @@ from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import 
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 from s3_server import s3_endpoint, s3_url  # noqa: F401  (fixtures)
 from sim_ranks import simulate_save
-from device_io import device_counts, drop_cache, read_bytes
+from device_io import device_counts, fewest_device_bytes
 
 #: Tile slabs of 64 rows for the narrow matrices (tiles of about 64 KiB).
 _BLOCK = 64 << 10
@@ -66,22 +66,16 @@ def _local(targets: dict, name: str) -> np.ndarray:
 
 
 def _cold_load(path, rank: int, **options) -> int:
-    """Device bytes of a cold column-split load on ``rank`` (bit-exact checked), the fewer of two loads.
+    """Device bytes of a cold column-split load on ``rank`` (bit-exact checked)."""
 
-    Two tries: another process of a shared machine may drop the page cache system-wide
-    (``/proc/sys/vm/drop_caches``) between the verify pass and the read pass; that only adds reads.
-    """
-    fetched = []
-    for _ in range(2):
+    def load() -> None:
         targets = _targets(rank)
-        drop_cache(path)
-        before = read_bytes()
         dcp.load(targets, storage_reader=dcp.FileSystemReader(path, **options), no_dist=True)
-        fetched.append(read_bytes() - before)
         for name, (shape, _) in _SHAPES.items():
             half = shape[1] // 2
             assert np.array_equal(_local(targets, name), _values(name)[:, rank * half:(rank + 1) * half]), name
-    return min(fetched)
+
+    return fewest_device_bytes(path, load)
 
 
 def test_row_split_loads_column_split_bit_exact_and_reads_the_needed_bytes(tmp_path):
