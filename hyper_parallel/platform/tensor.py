@@ -33,6 +33,7 @@ __all__ = [
     "is_cell",
     "to_numpy",
     "writable_view",
+    "writable_views",
     "shared_view",
     "host_memory_shared",
     "assign_region",
@@ -83,6 +84,11 @@ def host_memory_shared(value: Any) -> bool:
         return True
     if os.environ.get(DEVICE_COPIES_ENV) == "1":
         return False
+    return _on_host(value)
+
+
+def _on_host(value: Any) -> bool:
+    """Whether a tensor's ``device`` is the CPU (or says nothing)."""
     device = getattr(value, "device", None)
     return not (isinstance(device, str) and device and not device.upper().startswith("CPU"))
 
@@ -173,7 +179,7 @@ def writable_view(value: Any) -> np.ndarray | None:
         return value if value.flags.writeable else None
     if not is_tensor(value) or not host_memory_shared(value):
         return None
-    view = shared_view(value)
+    view = _host_view(value)  # shared_view() of a tensor known to be in host memory
     if view is not None:
         return view
     first = value.asnumpy()
@@ -182,6 +188,21 @@ def writable_view(value: Any) -> np.ndarray | None:
     second = value.asnumpy()  # no data_ptr: a second view has the same memory if it is shared
     same = first.__array_interface__["data"][0] == second.__array_interface__["data"][0]
     return first if same and first.flags.writeable else None
+
+
+def writable_views(values: list[Any]) -> list[np.ndarray | None]:
+    """:func:`writable_view` of each value, the environment read once (a load's targets, in one pass)."""
+    forced = os.environ.get(DEVICE_COPIES_ENV) == "1"
+    views: list[np.ndarray | None] = []
+    for value in values:
+        if isinstance(value, np.ndarray):
+            views.append(value if value.flags.writeable else None)
+        elif forced or not is_tensor(value) or not _on_host(value):
+            views.append(None)
+        else:
+            view = _host_view(value)
+            views.append(view if view is not None else writable_view(value))
+    return views
 
 
 def from_numpy(array: np.ndarray, *, copy: bool = False) -> Any:
@@ -255,9 +276,15 @@ def dtype_name(value: Any) -> str:
     return name
 
 
+_MS_DTYPE_NAMES: dict[Any, str] = {}  # MindSpore dtype -> its name (str() of a dtype costs a microsecond)
+
+
 def _ms_dtype_name(dtype: Any) -> str:
-    text = str(dtype).lower()
-    return {"bool_": "bool", "bool": "bool"}.get(text, text)
+    name = _MS_DTYPE_NAMES.get(dtype)  # MindSpore dtypes are hashable singletons
+    if name is None:
+        text = str(dtype).lower()
+        name = _MS_DTYPE_NAMES[dtype] = {"bool_": "bool", "bool": "bool"}.get(text, text)
+    return name
 
 
 def numpy_dtype(name: str) -> np.dtype:

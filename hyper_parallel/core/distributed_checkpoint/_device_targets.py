@@ -38,6 +38,10 @@ class DeviceRegions:
     def __contains__(self, name: str) -> bool:
         return name in self._names
 
+    def __bool__(self) -> bool:
+        """Whether the load has a device target at all (most CPU loads have none)."""
+        return bool(self._names)
+
     def plan(self, name: str, entry: TensorEntry, reads: list[ReadItem], region_bytes: int) -> list[ReadItem]:
         """Return ``reads``, cut into regions of at most ``region_bytes`` when ``entry`` is a device target.
 
@@ -75,7 +79,7 @@ class DeviceRegions:
 
     def holds(self, item: ReadItem) -> bool:
         """Whether ``item``'s region waits in a host buffer."""
-        return item in self._buffers
+        return bool(self._buffers) and item in self._buffers  # hashing a read item costs: skip it when none wait
 
     def write(self, item: ReadItem, entry: TensorEntry, value: np.ndarray | None = None) -> None:
         """Copy a region into the device tensor (``value``, or the item's buffer, then dropped)."""

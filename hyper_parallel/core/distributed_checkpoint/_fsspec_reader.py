@@ -24,6 +24,7 @@ from hyper_parallel.core.distributed_checkpoint._object_io import (
     get_with_tag,
     locate,
 )
+from hyper_parallel.core.distributed_checkpoint._read_items import read_small_whole
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
     CheckpointIOError,
@@ -186,7 +187,8 @@ class FsspecReader(FileSystemReader):
         with ThreadPoolExecutor(max_workers=self.connections, thread_name_prefix="hp-ckpt-get") as pool:
             for relative_path, items in files:
                 with self._open_source(relative_path, items) as (source, path, size):
-                    count, rest = self._read_small_whole_items(source, path, size, items, planner)
+                    count, rest = read_small_whole(source, path, size, items, self._items, planner,
+                                                   verified=self.verify_checksums)
                     futures = [pool.submit(self._read_item, source, path, size, item, planner, dest)
                                for item, dest in rest]
                     total += count + sum(future.result() for future in futures)

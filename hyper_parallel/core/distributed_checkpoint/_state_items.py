@@ -203,7 +203,7 @@ def _make_entry(fqn: str, value: Any) -> TensorEntry | ValueEntry | SkipEntry:
     if isinstance(value, ShardedTensor):
         return _sharded_tensor_entry(fqn, value)
     if is_tensor(value) or isinstance(value, np.ndarray):
-        shape = tuple(int(s) for s in value.shape)
+        shape = tuple(map(int, value.shape))
         if isinstance(value, np.ndarray) and value.dtype == object:
             return ValueEntry(fqn=fqn, value=value)
         return TensorEntry(

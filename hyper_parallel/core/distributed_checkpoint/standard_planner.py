@@ -77,7 +77,15 @@ from hyper_parallel.core.distributed_checkpoint._state_items import (
     piece_view,
 )
 from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value, serialize_value
-from hyper_parallel.platform.tensor import DTYPE_NAMES, assign, dtype_name, numpy_dtype, to_numpy, writable_view
+from hyper_parallel.platform.tensor import (
+    DTYPE_NAMES,
+    assign,
+    dtype_name,
+    numpy_dtype,
+    to_numpy,
+    writable_view,
+    writable_views,
+)
 
 __all__ = ["AliasData", "StandardSavePlanner", "StandardLoadPlanner"]
 
@@ -114,6 +122,13 @@ def _classify(fqn: str, value: Any) -> TensorEntry | ValueEntry | SkipEntry:
         raise UnsupportedTypeError(
             f"checkpoint item {fqn!r}: {exc}; convert it to bool, an integer or float dtype, or bfloat16"
         ) from exc
+
+
+def _fitted(array: np.ndarray, entry: TensorEntry) -> np.ndarray:
+    """A target's array in its local shape (a flat-range target keeps its flat array)."""
+    if entry.pieces[0].flat_start is None and tuple(array.shape) != entry.local_shape:
+        return array.reshape(entry.local_shape)
+    return array
 
 
 def _merged_aliases(all_plans: list[Any]) -> dict[str, Any] | None:
@@ -530,12 +545,20 @@ class StandardLoadPlanner(LoadPlanner):
     def build_local_plan(self) -> LoadPlan:
         """Return the overlap of every target piece with every stored chunk. All ranks."""
         items: list[ReadItem] = []
+        # One pass over the targets: the memory of each tensor numpy can write in place (none: a device tensor).
+        tensors = [(name, entry) for name, entry in self._entries.items() if isinstance(entry, TensorEntry)]
+        views = dict(zip((name for name, _ in tensors), writable_views([entry.local for _, entry in tensors])))
         for name, entry in list(self._entries.items()):
             fqn = entry.fqn
             stored = self.metadata.state_dict_metadata[fqn] if not isinstance(entry, SkipEntry) else None
             if isinstance(entry, TensorEntry) and isinstance(stored, TensorStorageMetadata):
                 reads = self._tensor_reads(name, entry, stored)
-                items.extend(self._device.plan(name, entry, reads, self.device_region_bytes))
+                view = views[name]
+                if view is None:  # device memory (or a copy): regions may go through host buffers
+                    items.extend(self._device.plan(name, entry, reads, self.device_region_bytes))
+                    continue
+                self._targets[name] = _fitted(view, entry)
+                items.extend(reads)
             elif isinstance(entry, ValueEntry) and isinstance(stored, BytesStorageMetadata):
                 if entry.offset not in stored.shard_offsets:
                     raise MissingKeyError(
@@ -650,15 +673,13 @@ class StandardLoadPlanner(LoadPlanner):
                 self._fill(item, value)
 
     def _target(self, name: str, entry: TensorEntry) -> np.ndarray:
-        array = self._targets.get(name)
+        array = self._targets.get(name)  # most were found by build_local_plan's pass
         if array is None:
             array = writable_view(entry.local)
             if array is None:
                 array = np.array(to_numpy(entry.local), copy=True)
                 self._staged.add(name)
-            if entry.pieces[0].flat_start is None and tuple(array.shape) != entry.local_shape:
-                array = array.reshape(entry.local_shape)
-            self._targets[name] = array
+            array = self._targets[name] = _fitted(array, entry)
         return array
 
     def acquire_tensor(self, read_item: ReadItem, shared: bool = True) -> np.ndarray:
@@ -674,14 +695,17 @@ class StandardLoadPlanner(LoadPlanner):
         if name in self._device:
             return self._device.buffer(read_item, entry)
         region = piece_view(self._target(name, entry), entry, piece)
-        slices = tuple(slice(o, o + n) for o, n in zip(read_item.dest_offsets, read_item.lengths))
-        return region[slices] if slices else region
+        if tuple(read_item.lengths) == region.shape and not any(read_item.dest_offsets):  # the whole piece
+            return region
+        return region[tuple(slice(o, o + n) for o, n in zip(read_item.dest_offsets, read_item.lengths))]
 
     def apply_tensor(self, read_item: ReadItem, tensor: np.ndarray) -> None:
         """Keep a region read for others, copy a device target's region in; else it was filled in place.
 
         Called by the reader after the region is read (and verified).
         """
+        if self._exchange is None and not self._device:  # a region read in place: nothing left to do
+            return
         key = region_key(read_item) if self._exchange is not None else None
         if key is not None and key in self._exchange.send:
             self._fill(read_item, tensor)

@@ -406,18 +406,18 @@ def metadata_from_json(data: bytes | bytearray | mmap.mmap, *, source: str = "me
 
 
 def _entry_of(
-    storage: dict[MetadataIndex, StorageInfo],
+    storage: dict[tuple[str, tuple[int, ...]], StorageInfo],
     fqn: str,
     offset: tuple[int, ...],
     where: str,
-    claimed: set[MetadataIndex],
+    claimed: set[tuple[str, tuple[int, ...]]],
     sizes: tuple[int, ...] | None = None,
 ) -> StorageInfo:
-    index = MetadataIndex(fqn, tuple(offset))
-    info = storage.get(index)
+    key = (fqn, tuple(offset))
+    info = storage.get(key)
     if info is None:
         raise CorruptCheckpointError(f"{where}: the chunk at offset {list(offset)} has no storage entry")
-    claimed.add(index)
+    claimed.add(key)
     if info.checksum is not None:
         checksum = info.checksum
         if checksum.algorithm != ALGORITHM:
@@ -457,18 +457,20 @@ def check_consistency(metadata: Metadata, *, source: str = "metadata") -> None:
         CorruptCheckpointError: the first mismatch found (names ``source`` and the key).
     """
     storage = metadata.storage_data or {}
-    claimed: set[MetadataIndex] = set()
+    # Plain (key, offset) tuples: hashing and comparing them is C, a MetadataIndex's is Python.
+    by_key = {(index.fqn, tuple(index.offset)): info for index, info in storage.items()}
+    claimed: set[tuple[str, tuple[int, ...]]] = set()
     for fqn, item in metadata.state_dict_metadata.items():
         where = f"{source}: key '{fqn}'"
         if not isinstance(item, TensorStorageMetadata):
             for offset in item.shard_offsets:
-                _entry_of(storage, fqn, offset, where, claimed)
+                _entry_of(by_key, fqn, offset, where, claimed)
             continue
         itemsize = DTYPE_NAMES.get(item.properties.dtype)
         if itemsize is None:
             raise CorruptCheckpointError(f"{where}: unknown dtype {item.properties.dtype!r}")
         for chunk in item.chunks:
-            info = _entry_of(storage, fqn, chunk.offsets, where, claimed, tuple(chunk.sizes))
+            info = _entry_of(by_key, fqn, chunk.offsets, where, claimed, tuple(chunk.sizes))
             length = info.raw_length if info.compression else info.length
             if length != math.prod(chunk.sizes) * itemsize:
                 raise CorruptCheckpointError(
@@ -480,7 +482,9 @@ def check_consistency(metadata: Metadata, *, source: str = "metadata") -> None:
         if problems:
             raise CorruptCheckpointError(f"{where}: the stored chunks do not tile the tensor: {problems[0]}")
     if len(claimed) != len(storage):
-        orphan = next(index for index in storage if index not in claimed)
+        orphan = next((index for index in storage if (index.fqn, tuple(index.offset)) not in claimed), None)
+        if orphan is None:  # two entries of one chunk (an offset given as a list and as a tuple)
+            raise CorruptCheckpointError(f"{source}: storage_data lists a chunk twice")
         raise CorruptCheckpointError(
             f"{source}: storage entry of key '{orphan.fqn}' at offset {list(orphan.offset)} belongs to no item"
         )

@@ -122,11 +122,12 @@ def header_bytes(
 
 def _naturals(value: object, count: int | None = None) -> bool:
     """True for a list of integers >= 0 (of ``count`` items when given)."""
-    return (
-        isinstance(value, list)
-        and (count is None or len(value) == count)
-        and all(type(v) is int and v >= 0 for v in value)
-    )
+    if type(value) is not list or (count is not None and len(value) != count):
+        return False
+    for v in value:
+        if type(v) is not int or v < 0:
+            return False
+    return True
 
 
 def read_header(path: str | os.PathLike) -> tuple[dict[str, dict], int]:
@@ -201,25 +202,22 @@ def read_header_at(
     if not isinstance(file_metadata, dict) or not all(isinstance(v, str) for v in file_metadata.values()):
         raise CorruptCheckpointError(f"{path}: safetensors __metadata__ must map strings to strings")
     data_start = 8 + length
+    from hyper_parallel.platform.tensor import DTYPE_NAMES  # pylint: disable=import-outside-toplevel
+
+    sizes = {code: DTYPE_NAMES[name] for code, name in DTYPE_FROM_SAFETENSORS.items()}
     spans = []
     for name, entry in header.items():
-        if (
-            not isinstance(entry, dict)
-            or not _naturals(entry.get("data_offsets"), 2)
-            or not _naturals(entry.get("shape"))
-            or not isinstance(entry.get("dtype"), str)
-            or entry["dtype"] not in DTYPE_FROM_SAFETENSORS
-        ):
+        offsets = entry.get("data_offsets") if type(entry) is dict else None
+        shape = entry.get("shape") if offsets is not None else None
+        dtype = entry.get("dtype") if shape is not None else None
+        itemsize = sizes.get(dtype) if type(dtype) is str else None
+        if itemsize is None or not _naturals(offsets, 2) or not _naturals(shape):
             raise CorruptCheckpointError(
                 f"{path}: malformed safetensors entry '{name}' (needs a known dtype, a shape and two data "
                 "offsets, as integers >= 0)"
             )
-        begin, end = entry["data_offsets"]
-        dtype = DTYPE_FROM_SAFETENSORS[entry["dtype"]]
-        shape = tuple(entry["shape"])
-        from hyper_parallel.platform.tensor import DTYPE_NAMES  # pylint: disable=import-outside-toplevel
-
-        if end - begin != math.prod(shape) * DTYPE_NAMES[dtype] or begin > end:
+        begin, end = offsets
+        if end - begin != math.prod(shape) * itemsize or begin > end:
             raise CorruptCheckpointError(f"{path}: entry '{name}' offsets {begin}..{end} do not match its shape")
         spans.append((begin, end))
     spans.sort()

@@ -1,0 +1,213 @@
+"""What a load knows of each read item, looked up once; small whole chunks read many per system call.
+
+A reader's passes over a plan (header check, verify, read) all need the same
+facts of every item: its storage entry, the stored key, the chunk's sizes,
+the bytes it reads. :class:`ItemFacts` looks them up once per item and load,
+so a state of thousands of small tensors pays for each lookup once, not once
+per pass. :func:`read_small_whole` reads the items that are whole small chunks
+of a file with one ``preadv`` per run of adjacent chunks, straight into their
+targets.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM
+from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
+from hyper_parallel.core.distributed_checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageInfo,
+    TensorStorageMetadata,
+)
+from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+from hyper_parallel.platform.tensor import DTYPE_NAMES, numpy_dtype
+
+__all__ = ["ItemFacts", "ItemIndex", "SMALL_ITEM_BYTES", "read_small_whole", "stored_dtype"]
+
+#: Whole chunks up to this size (one flat checksum block) are read many per system call.
+SMALL_ITEM_BYTES = 1 << 20
+#: Most buffers in one ``preadv`` (Linux ``IOV_MAX``).
+_IOV_MAX = 1024
+
+
+@functools.cache
+def stored_dtype(name: str) -> np.dtype:
+    """:func:`numpy_dtype` of a stored dtype name, looked up once per name (bfloat16 imports MindSpore's)."""
+    return numpy_dtype(name)
+
+
+@dataclass(frozen=True, slots=True)
+class ItemFacts:
+    """What the reader needs of one read item.
+
+    Attributes:
+        info: The storage entry of the item's chunk.
+        stored: The metadata's entry of the item's key (``None`` if it has none).
+        sizes: The stored chunk's sizes when the key is a tensor; ``None`` otherwise.
+        itemsize: Bytes per element of the stored dtype (1 for values).
+        nbytes: Bytes the item reads (stored bytes for values and compressed chunks).
+        small: A tensor chunk of at most :data:`SMALL_ITEM_BYTES`, uncompressed, with a
+            known checksum algorithm, read whole: :func:`read_small_whole` reads it.
+    """
+
+    info: StorageInfo
+    stored: Any
+    sizes: tuple[int, ...] | None
+    itemsize: int
+    nbytes: int
+    small: bool
+
+
+class ItemIndex:
+    """The facts of one load's read items, each looked up once (reader threads share it).
+
+    Args:
+        metadata: The checkpoint's metadata (checked by ``check_consistency``).
+    """
+
+    def __init__(self, metadata: Metadata) -> None:
+        self.metadata = metadata
+        self._facts: dict[int, tuple[ReadItem, ItemFacts]] = {}  # id(item) -> (item, its facts)
+        self._by_key: dict[tuple[str, tuple[int, ...]], StorageInfo] | None = None  # (key, offset) -> storage entry
+        self._chunks: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}  # fqn -> chunk offsets -> sizes
+
+    def facts(self, item: ReadItem) -> ItemFacts:
+        """The facts of ``item`` (a dict write is atomic across reading threads).
+
+        Raises:
+            CorruptCheckpointError: no storage entry or no chunk for the item (names the key and offset).
+        """
+        hit = self._facts.get(id(item))
+        if hit is not None and hit[0] is item:
+            return hit[1]
+        index = item.storage_index
+        info = self.info(index)
+        stored = self.metadata.state_dict_metadata.get(index.fqn)
+        if isinstance(stored, TensorStorageMetadata):
+            sizes = self.chunk_sizes(stored, index)
+            itemsize = DTYPE_NAMES.get(stored.properties.dtype, 1)
+        else:
+            sizes, itemsize = None, 1
+        tensor = item.type != LoadItemType.BYTE_IO and sizes is not None and not info.compression
+        nbytes = math.prod(item.lengths) * itemsize if tensor else info.length
+        checksum = info.checksum
+        small = (
+            tensor
+            and item.type == LoadItemType.TENSOR
+            and info.length <= SMALL_ITEM_BYTES
+            and (checksum is None or checksum.algorithm == ALGORITHM)
+            and tuple(item.lengths) == sizes
+            and not any(item.storage_offsets)
+            and info.length == nbytes
+        )
+        facts = ItemFacts(info=info, stored=stored, sizes=sizes, itemsize=itemsize, nbytes=nbytes, small=small)
+        self._facts[id(item)] = (item, facts)  # holding the item keeps its id unique
+        return facts
+
+    def info(self, index: MetadataIndex) -> StorageInfo:
+        """The storage entry of chunk ``index``.
+
+        Raises:
+            CorruptCheckpointError: the metadata has none (names the key and offset).
+        """
+        if self._by_key is None:  # plain tuple keys: hashing a MetadataIndex runs Python code
+            storage = self.metadata.storage_data or {}
+            self._by_key = {(key.fqn, tuple(key.offset)): info for key, info in storage.items()}
+        info = self._by_key.get((index.fqn, tuple(index.offset)))
+        if info is None:
+            raise CorruptCheckpointError(
+                f"key '{index.fqn}': chunk at offset {list(index.offset)} has no storage entry in the metadata"
+            )
+        return info
+
+    def chunk_sizes(self, stored: TensorStorageMetadata, index: MetadataIndex) -> tuple[int, ...]:
+        """The sizes of the stored chunk at ``index``.
+
+        Raises:
+            CorruptCheckpointError: the key has no chunk there.
+        """
+        offset = tuple(index.offset)
+        chunks = stored.chunks
+        if len(chunks) == 1 and chunks[0].offsets == offset:  # most keys: one chunk, no table
+            return tuple(chunks[0].sizes)
+        table = self._chunks.get(index.fqn)
+        if table is None:
+            table = self._chunks[index.fqn] = {tuple(chunk.offsets): tuple(chunk.sizes) for chunk in chunks}
+        sizes = table.get(offset)
+        if sizes is None:
+            raise CorruptCheckpointError(f"key '{index.fqn}': no chunk at offset {list(index.offset)}")
+        return sizes
+
+
+def read_small_whole(
+    source: Any,
+    path: Path | str,
+    file_size: int,
+    items: list[ReadItem],
+    index: ItemIndex,
+    planner: LoadPlanner,
+    *,
+    verified: bool,
+) -> tuple[int, list[tuple[ReadItem, np.ndarray | None]]]:
+    """Read the small whole chunks of ``items`` (one file) many per system call, straight into their targets.
+
+    A chunk qualifies when :attr:`ItemFacts.small` holds, it lies inside the
+    file, and its target region is contiguous, writable and of the stored
+    dtype. Chunks adjacent in the file are read by one ``preadv`` (one buffer
+    per target, up to ``IOV_MAX``). The bytes must be verified before (the
+    verify pass) when the load verifies. Called by the reader, per file.
+
+    Args:
+        verified: The chunks with checksums were verified and counted by the verify pass.
+
+    Returns:
+        The bytes read (not counting verified ones) and the other items, each
+        with its target when it was acquired already (``None`` otherwise).
+
+    Raises:
+        CorruptCheckpointError: the file ends early (names the file and key).
+    """
+    batch: list[tuple[int, int, ReadItem, np.ndarray, StorageInfo]] = []
+    rest: list[tuple[ReadItem, np.ndarray | None]] = []
+    facts_of = index.facts
+    for item in items:
+        facts = facts_of(item)
+        info = facts.info
+        if not facts.small or info.offset + info.length > file_size:
+            rest.append((item, None))
+            continue
+        dest = planner.acquire_tensor(item)
+        flags = dest.flags
+        if dest.dtype != stored_dtype(facts.stored.properties.dtype) or not (flags.c_contiguous and flags.writeable):
+            rest.append((item, dest))
+            continue
+        batch.append((info.offset, info.length, item, dest, info))
+    batch.sort(key=lambda entry: entry[0])
+    total = 0
+    start = 0
+    while start < len(batch):
+        end = start + 1
+        while end < len(batch) and end - start < _IOV_MAX and batch[end][0] == batch[end - 1][0] + batch[end - 1][1]:
+            end += 1
+        group = batch[start:end]
+        length = sum(entry[1] for entry in group)
+        if length:
+            views = [entry[3].reshape(-1).view(np.uint8) for entry in group if entry[1]]
+            if source.readinto_many(views, group[0][0]) != length:
+                raise CorruptCheckpointError(
+                    f"data file {path} is truncated while reading key '{group[0][2].storage_index.fqn}'"
+                )
+        for _, nbytes, item, dest, info in group:
+            if not (verified and info.checksum is not None):
+                total += nbytes  # verified bytes were counted by the verify pass
+            planner.apply_tensor(item, dest)
+        start = end
+    return total, rest
