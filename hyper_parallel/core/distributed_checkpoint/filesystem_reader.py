@@ -391,6 +391,10 @@ class FileSystemReader(StorageReader):
                     continue
                 checks = []
                 checked = [(item, self._region_check(path, size, item)) for item in items]
+                if isinstance(source, FileSource) and not source.exact:
+                    # Read with readahead: no region gains from a private buffer (see _keep_priority).
+                    total += verify_regions(source, path, [check for _, check in checked], self.max_inflight_bytes)
+                    continue
                 regions = [(self._keep_priority(check, item, source), item, check) for item, check in checked]
                 # The regions the page cache would read most wastefully get the private budget first
                 # (the sort is stable: file order among equals).
