@@ -6,9 +6,15 @@ the mesh) of a few matrices, then loads column shards (``Layout((N,), (-1, 0))``
 with a cold page cache, verification on and off. Per rank it measures the bytes
 read from storage against the bytes of its shard: the reader's ``bytes_read``
 and the time of a collective load (all ranks at once), and the
-``/proc/self/io`` read_bytes delta (page cache and readahead included) of a
-load run by each rank alone, so that no rank's reads warm another's cache. Rank 0
-writes every rank's figures as JSON to ``--out``.
+``/proc/self/io`` read_bytes delta (page cache and readahead included) and the
+time of a load run by each rank alone, so that no rank's reads warm another's
+cache. The verified load alone is also measured with twice the default
+``max_inflight_bytes`` and with each ``--inflight-mb`` (the private-buffer
+budget of narrow regions is ``thread_count x max_inflight_bytes``); each rank
+reports its narrow bytes needed against that budget (narrow bytes beyond it
+are read twice: amplification >= 1 + excess / needed) and the peak extra RSS
+of its verified load at default settings. Rank 0 writes every rank's figures
+as JSON to ``--out``.
 """
 
 from __future__ import annotations
@@ -25,11 +31,12 @@ import numpy as np
 from mindspore.communication import get_group_size, get_rank, init
 
 import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel.core.distributed_checkpoint._device_reads import MAX_PAGE_AMPLIFICATION, page_amplification
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import DEFAULT_MAX_INFLIGHT_BYTES
 from hyper_parallel import DTensor, Layout, platform
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark import GIB, data_files, drop_page_cache, pretouch, read_io_bytes  # noqa: E402
+from benchmark import GIB, data_files, drop_page_cache, peak_extra_rss, pretouch, read_io_bytes  # noqa: E402
 
 __all__ = ["main"]
 
@@ -93,21 +100,62 @@ def _collective_load(directory: Path, shapes: dict, layout: Layout, rank: int, w
 
 
 def _alone_load(directory: Path, shapes: dict, layout: Layout, rank: int, world: int, verify: bool,
-                inflight: int = DEFAULT_MAX_INFLIGHT_BYTES) -> int:
+                inflight: int = DEFAULT_MAX_INFLIGHT_BYTES) -> tuple[int, float]:
     """Cold loads one rank at a time (``use_collectives=False``), so that no rank's
-    readahead fills another's page cache; returns this rank's ``/proc/self/io`` read_bytes delta."""
+    readahead fills another's page cache; returns this rank's ``/proc/self/io`` read_bytes delta and seconds."""
     targets = _targets(shapes, layout, world)
-    fetched = 0
+    fetched, seconds = 0, 0.0
     for turn in range(world):
         if turn == rank:
             drop_page_cache(data_files(directory))
             before = read_io_bytes()
+            start = time.perf_counter()
             reader = dcp.FileSystemReader(directory, verify_checksums=verify, max_inflight_bytes=inflight)
             dcp.load(targets, storage_reader=reader, use_collectives=False)
+            seconds = time.perf_counter() - start
             fetched = read_io_bytes() - before
             _check(targets, shapes, rank, world)
         platform.barrier()
-    return fetched
+    return fetched, seconds
+
+
+def _alone_figures(args: argparse.Namespace, shapes: dict, layout: Layout, rank: int, world: int, verify: bool,
+                   inflight: int = DEFAULT_MAX_INFLIGHT_BYTES) -> dict:
+    """Medians of ``--runs`` alone loads: device bytes and seconds (the time exact narrow reads cost)."""
+    runs = [_alone_load(args.dir, shapes, layout, rank, world, verify, inflight) for _ in range(args.runs)]
+    return {"/proc read_bytes": statistics.median(r[0] for r in runs), "/proc runs": [r[0] for r in runs],
+            "alone median_s": statistics.median(r[1] for r in runs)}
+
+
+def _narrow_bytes(shapes: dict, rank: int, world: int) -> int:
+    """Bytes of this rank's column shards whose rows share pages with bytes it does not need.
+
+    These are the regions a verified load reads with exact device reads into
+    private buffers (within ``thread_count x max_inflight_bytes``); the rest of
+    them is read twice. Chunks of whole pages start on a page (the writer's rule).
+    """
+    total = 0
+    for (rows, cols), dtype in shapes.values():
+        itemsize = 4 if dtype == "float32" else 2
+        width = cols // world * itemsize
+        starts = np.arange(min(rows, 256), dtype=np.int64) * cols * itemsize + rank * width
+        if page_amplification(starts, width) > MAX_PAGE_AMPLIFICATION:
+            total += rows * width
+    return total
+
+
+def _alone_memory(directory: Path, shapes: dict, layout: Layout, rank: int, world: int) -> tuple[int, str]:
+    """Peak RSS above the start of a cold verified load run by each rank alone (targets allocated before)."""
+    targets = _targets(shapes, layout, world)
+    extra, method = 0, ""
+    for turn in range(world):
+        if turn == rank:
+            drop_page_cache(data_files(directory))
+            reader = dcp.FileSystemReader(directory)
+            extra, method = peak_extra_rss(lambda: dcp.load(targets, storage_reader=reader, use_collectives=False))
+            _check(targets, shapes, rank, world)
+        platform.barrier()
+    return extra, method
 
 
 def _async_result_seconds(directory: Path, *, runs: int) -> float:
@@ -140,6 +188,9 @@ def main() -> None:
     parser.add_argument("--size-gb", type=float, default=1.0, help="global size of the matrices in GiB")
     parser.add_argument("--runs", type=int, default=3, help="loads per setting (medians reported)")
     parser.add_argument("--pretouch-gb", type=float, default=3.0, help="GiB touched before each load")
+    parser.add_argument("--inflight-mb", type=float, nargs="*", default=[],
+                        help="also measure the verified load alone with these max_inflight_bytes (MiB); e.g. the "
+                             "default scaled to a smaller --size-gb (16 at 0.25 GiB is what 64 is at 1 GiB)")
     args = parser.parse_args()
     ms.set_device("CPU")
     init()
@@ -159,23 +210,29 @@ def main() -> None:
 
     needed = sum(rows * (cols // world) * (4 if dtype == "float32" else 2)
                  for (rows, cols), dtype in shapes.values())
-    figures = {"rank": rank, "needed_bytes": needed, "save_s": save_seconds, "async_result_s": result_seconds}
+    defaults = dcp.FileSystemReader(args.dir)
+    figures = {"rank": rank, "needed_bytes": needed, "save_s": save_seconds, "async_result_s": result_seconds,
+               "narrow_needed_bytes": _narrow_bytes(shapes, rank, world),
+               "private_budget_bytes": defaults.thread_count * defaults.max_inflight_bytes}
     for verify in (True, False):
         runs = [_collective_load(args.dir, shapes, cols_split, rank, world, verify, args.pretouch_gb)
                 for _ in range(args.runs)]
-        fetched = [_alone_load(args.dir, shapes, cols_split, rank, world, verify) for _ in range(args.runs)]
         figures[f"verify {'on' if verify else 'off'}"] = {
             "median_s": statistics.median(r[0] for r in runs),
             "reader bytes_read": statistics.median(r[1] for r in runs),
-            "/proc read_bytes": statistics.median(fetched),
             "runs": runs,
-            "/proc runs": fetched,
+            **_alone_figures(args, shapes, cols_split, rank, world, verify),
         }
     # Verified narrow regions are read once into private buffers of thread_count x max_inflight_bytes;
-    # what does not fit costs its pages' other bytes. The same load with twice the default in-flight bound:
-    fetched = [_alone_load(args.dir, shapes, cols_split, rank, world, True, 2 * DEFAULT_MAX_INFLIGHT_BYTES)
-               for _ in range(args.runs)]
-    figures["verify on, 2x max_inflight_bytes"] = {"/proc read_bytes": statistics.median(fetched), "/proc runs": fetched}
+    # what does not fit costs its pages' other bytes. The same load with twice the default in-flight bound,
+    # and with each --inflight-mb asked for:
+    figures["verify on, 2x max_inflight_bytes"] = _alone_figures(args, shapes, cols_split, rank, world, True,
+                                                                 2 * DEFAULT_MAX_INFLIGHT_BYTES)
+    extra, method = _alone_memory(args.dir, shapes, cols_split, rank, world)
+    figures["verify on, alone extra RSS"] = {"extra_bytes": extra, "method": method}
+    for mib in args.inflight_mb:
+        figures[f"verify on, max_inflight_bytes {mib:g} MiB"] = _alone_figures(
+            args, shapes, cols_split, rank, world, True, int(mib * (1 << 20)))
     everyone = platform.all_gather_object(figures)
     if rank == 0:
         description = ", ".join(f"{n} {list(s)} {d}" for n, (s, d) in shapes.items())

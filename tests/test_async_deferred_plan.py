@@ -13,6 +13,7 @@ cannot stand for is planned in the blocking part as before.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 
@@ -153,3 +154,22 @@ def test_a_state_with_sharded_pieces_is_planned_before_the_call_returns(tmp_path
     handle.result()
     expected["sharded"] = full
     _assert_saved(tmp_path / "s", expected)
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_fork_that_fails_raises_at_the_call_names_the_fix_and_frees_the_directory(tmp_path, monkeypatch, cached):
+    clear_plan_cache()
+    state = _state()
+    if cached:  # the plan is cached: the fork happens after planning (the steady path)
+        dcp.async_save(state, checkpoint_id=tmp_path / "warm", no_dist=True, staging="fork").result()
+
+    def no_fork():
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    with pytest.raises(dcp.CheckpointIOError, match=r"rank 0: cannot fork .*Cannot allocate memory.*staging='copy'"):
+        dcp.async_save(state, checkpoint_id=tmp_path / "f", no_dist=True, staging="fork")
+    assert not (tmp_path / "f" / "metadata.json").exists()
+    assert not (tmp_path / "f").exists() or list((tmp_path / "f").glob(".*lease*")) == []  # the lease is released
+    dcp.async_save(state, checkpoint_id=tmp_path / "f", no_dist=True, staging="copy").result()
+    _assert_saved(tmp_path / "f", _snapshot(state))

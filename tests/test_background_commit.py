@@ -169,3 +169,33 @@ def test_a_ready_request_finalizes_while_its_background_goes_on() -> None:
     call.thread.join(10)
     assert call.background_done() and call.finalize() == "confirmed" and len(seen) == 1
     queue.close()
+
+
+def test_reading_one_checkpoint_waits_only_for_commits_to_it(tmp_path: Path) -> None:
+    """The coordinator's read_metadata waits for its own pending commit to that checkpoint, not to others."""
+    from hyper_parallel.core.distributed_checkpoint import _background_commit as bg
+    from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
+
+    commits = []
+    for name in ("a", "b"):
+        commit = bg.BackgroundCommit(dist=DistWrapper(use_dist=False), writer=dcp.FileSystemWriter(tmp_path / name),
+                                     plan=SavePlan(items=[]), metadata=None, write=lambda: [])
+        commits.append(commit)
+    with bg._PENDING_LOCK:
+        bg._PENDING.extend(commits)
+    try:
+        assert bg.await_own_commits(tmp_path / "c") is False  # nothing pending there: no wait
+        waiter = threading.Thread(target=bg.await_own_commits, args=(str(tmp_path / "b") + "/",))
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive()  # b's commit has not ended
+        commits[0].finished.set()
+        waiter.join(0.5)
+        assert waiter.is_alive()  # a's end does not release a reader of b
+        commits[1].finished.set()
+        waiter.join(10)
+        assert not waiter.is_alive()
+        assert bg._same_location("s3://bucket/x/", "s3://bucket/x") and not bg._same_location("s3://b/x", "s3://b/y")
+        assert bg._same_location(None, tmp_path)  # a writer without a path: waited for, to be safe
+    finally:
+        assert bg.take_pending_commits() == commits

@@ -11,7 +11,7 @@ from hyper_parallel import DTensor, Layout
 from hyper_parallel.core.distributed_checkpoint._device_reads import _ranges, page_amplification
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import DATA_ALIGNMENT
 from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import read_header
-from device_io import device_counts, drop_cache, read_bytes
+from device_io import device_counts, drop_cache, fewest_device_bytes, read_bytes
 
 
 def test_merged_ranges_and_page_amplification_by_hand():
@@ -47,10 +47,8 @@ def test_column_shard_of_row_major_chunks_reads_about_the_needed_bytes(tmp_path,
         targets = {name: DTensor(ms.Tensor(np.zeros((1024, values.shape[1] // 2), values.dtype)), layout,
                                  values.shape, rank=rank) for name, values in full.items()}
         needed = sum(values.nbytes // 2 for values in full.values())
-        drop_cache(tmp_path)
-        before = read_bytes()
-        dcp.load(targets, storage_reader=dcp.FileSystemReader(tmp_path, verify_checksums=verify), no_dist=True)
-        fetched = read_bytes() - before
+        fetched = fewest_device_bytes(tmp_path, lambda t=targets: dcp.load(
+            t, storage_reader=dcp.FileSystemReader(tmp_path, verify_checksums=verify), no_dist=True))
         for name, values in full.items():
             half = values.shape[1] // 2
             assert np.array_equal(targets[name].to_local().asnumpy(), values[:, rank * half:(rank + 1) * half])
@@ -107,13 +105,11 @@ def test_private_budget_goes_to_the_narrowest_regions_first(tmp_path):
     needed = {name: values.nbytes // 2 for name, values in full.items()}
     targets = {name: DTensor(ms.Tensor(np.zeros((values.shape[0], values.shape[1] // 2), values.dtype)),
                              Layout((2,), (-1, 0)), values.shape, rank=0) for name, values in full.items()}
-    drop_cache(tmp_path)
-    before = read_bytes()
     # Room for either region (b's is the larger, its chunk and its item come first), not for both.
     assert needed["b"] > needed["a"]
-    reader = dcp.FileSystemReader(tmp_path, thread_count=1, max_inflight_bytes=needed["b"] + 4096)
-    dcp.load(targets, storage_reader=reader, no_dist=True)
-    fetched = read_bytes() - before
+    fetched = fewest_device_bytes(tmp_path, lambda: dcp.load(
+        targets, storage_reader=dcp.FileSystemReader(tmp_path, thread_count=1, max_inflight_bytes=needed["b"] + 4096),
+        no_dist=True))
     for name, values in full.items():
         half = values.shape[1] // 2
         assert np.array_equal(targets[name].to_local().asnumpy(), values[:, :half])

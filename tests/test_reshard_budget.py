@@ -20,8 +20,9 @@ import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel import DTensor, Layout
 from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import read_header
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
+from s3_server import s3_endpoint, s3_url  # noqa: F401  (fixtures)
 from sim_ranks import simulate_save
-from device_io import device_counts, drop_cache, read_bytes
+from device_io import device_counts, fewest_device_bytes
 
 #: Tile slabs of 64 rows for the narrow matrices (tiles of about 64 KiB).
 _BLOCK = 64 << 10
@@ -64,16 +65,17 @@ def _local(targets: dict, name: str) -> np.ndarray:
     return targets[name].to_local().asnumpy().astype(np.float32)
 
 
-def _cold_load(path, rank: int, **options) -> tuple[dict, int]:
-    targets = _targets(rank)
-    drop_cache(path)
-    before = read_bytes()
-    dcp.load(targets, storage_reader=dcp.FileSystemReader(path, **options), no_dist=True)
-    fetched = read_bytes() - before
-    for name, (shape, _) in _SHAPES.items():
-        half = shape[1] // 2
-        assert np.array_equal(_local(targets, name), _values(name)[:, rank * half:(rank + 1) * half]), (name, rank)
-    return targets, fetched
+def _cold_load(path, rank: int, **options) -> int:
+    """Device bytes of a cold column-split load on ``rank`` (bit-exact checked)."""
+
+    def load() -> None:
+        targets = _targets(rank)
+        dcp.load(targets, storage_reader=dcp.FileSystemReader(path, **options), no_dist=True)
+        for name, (shape, _) in _SHAPES.items():
+            half = shape[1] // 2
+            assert np.array_equal(_local(targets, name), _values(name)[:, rank * half:(rank + 1) * half]), name
+
+    return fewest_device_bytes(path, load)
 
 
 def test_row_split_loads_column_split_bit_exact_and_reads_the_needed_bytes(tmp_path):
@@ -81,12 +83,12 @@ def test_row_split_loads_column_split_bit_exact_and_reads_the_needed_bytes(tmp_p
     _save_row_split(tmp_path)
     counts = device_counts(tmp_path)
     for rank in range(2):
-        _, fetched = _cold_load(tmp_path, rank)
+        fetched = _cold_load(tmp_path, rank)
         if counts:  # metadata and headers: a few KiB on top
             assert fetched <= 1.05 * _NEEDED, (rank, fetched / _NEEDED)
     for threads, inflight in ((1, 5 << 19), (2, 5 << 18)):  # 2.5 MiB of private buffers in all
         budget = threads * inflight
-        _, fetched = _cold_load(tmp_path, 0, thread_count=threads, max_inflight_bytes=inflight)
+        fetched = _cold_load(tmp_path, 0, thread_count=threads, max_inflight_bytes=inflight)
         if not counts:
             continue
         # Bytes beyond the budget cost their pages' other halves (2x); a region that does not fit whole keeps
@@ -130,3 +132,28 @@ def test_corruption_in_a_partly_kept_region_raises_and_changes_no_target(tmp_pat
     assert "'a'" in str(caught.value) and ".safetensors" in str(caught.value), caught.value
     for name in _SHAPES:
         assert np.all(_local(targets, name) == 5.0), name
+
+
+def test_object_storage_keeps_the_leading_slabs_and_fetches_only_the_rest_twice(s3_url):
+    """Without a page cache every verified region is worth keeping: what does not fit is fetched once to be
+    verified and once more to be copied. A region of two tile slabs (8 MiB) with 5 MiB of private buffer keeps
+    its first slab (4 MiB): 12 MiB fetched instead of 16."""
+    full = (np.arange(4096 * 1024, dtype=np.int64) % 65521).astype(np.float32).reshape(4096, 1024)  # slabs of 1024 rows
+    dcp.save({"w": ms.Tensor(full)}, checkpoint_id=s3_url, no_dist=True)
+    target = DTensor(ms.Tensor(np.zeros((2048, 1024), np.float32)), Layout((2,), (0, -1)), full.shape, rank=0)
+    reader = dcp.FsspecReader(s3_url, thread_count=1, max_inflight_bytes=5 << 20)
+    dcp.load({"w": target}, storage_reader=reader, no_dist=True)
+    np.testing.assert_array_equal(target.to_local().asnumpy(), full[:2048])
+    header = 4096  # the data file's safetensors header, checked against the metadata
+    assert reader.bytes_fetched - header == (4 << 20) + 2 * (4 << 20), reader.bytes_fetched
+
+
+def test_object_storage_keeps_a_0d_tensor_whole(s3_url):
+    """A 0-d tensor is kept whole (it has no rows to split), next to a region split by the budget."""
+    full = (np.arange(4096 * 1024, dtype=np.int64) % 65521).astype(np.float32).reshape(4096, 1024)
+    dcp.save({"w": ms.Tensor(full), "s": ms.Tensor(np.float32(2.5))}, checkpoint_id=s3_url, no_dist=True)
+    targets = {"s": ms.Tensor(np.float32(0)), "w": ms.Tensor(np.zeros((4096, 1024), np.float32))}
+    reader = dcp.FsspecReader(s3_url, thread_count=1, max_inflight_bytes=5 << 20)
+    dcp.load(targets, storage_reader=reader, no_dist=True)
+    assert float(targets["s"].asnumpy()) == 2.5
+    np.testing.assert_array_equal(targets["w"].asnumpy(), full)

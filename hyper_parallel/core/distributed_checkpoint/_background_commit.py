@@ -24,6 +24,7 @@ on every rank.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any, Callable
 
@@ -209,16 +210,30 @@ def take_pending_commits() -> list[BackgroundCommit]:
     return pending
 
 
-def await_own_commits() -> bool:
-    """Wait, without collectives, for what this rank can: True if a commit may still run elsewhere.
+def _same_location(written: Any, read: Any) -> bool:
+    """Whether a writer's ``path`` and a reader's name one checkpoint (a writer without one: assume so)."""
+    if written is None or read is None:
+        return True
+    written, read = os.fspath(written), os.fspath(read)
+    if "://" in written or "://" in read:
+        return written.rstrip("/") == read.rstrip("/")
+    return os.path.realpath(written) == os.path.realpath(read)
 
-    The coordinator waits for its background commits to end (their outcome
-    stays pending, for the next collective step to share). Another rank
-    cannot learn a commit's outcome without a collective step: it returns
-    whether any commit of this process is still unconfirmed.
+
+def await_own_commits(location: Any) -> bool:
+    """Wait, without collectives, for what this rank can of the commits to ``location``.
+
+    Returns True if such a commit may still run on another rank. The
+    coordinator waits for its background commits to ``location`` to end
+    (their outcome stays pending, for the next collective step to share);
+    commits to other checkpoints are not waited for. Another rank cannot
+    learn a commit's outcome without a collective step.
+
+    Args:
+        location: The checkpoint's path or URL (a reader's ``path``).
     """
     with _PENDING_LOCK:
-        pending = list(_PENDING)
+        pending = [c for c in _PENDING if _same_location(getattr(c.writer, "path", None), location)]
     for commit in pending:
         if commit.dist.is_coordinator:
             commit.finished.wait()

@@ -522,9 +522,7 @@ def plan_async_save(
         session = plan_save(state_dict, writer=writer, planner=planner, options=options, listener=early,
                             may_defer=True)
         if isinstance(session, DeferredPlan):  # one rank, a new layout: planned after the snapshot (_deferred_save)
-            request = deferred_request(session, early=early, pool=_POOL, finalize=_committed,
-                                       commit=lambda planned, write: commit_save(planned, write,
-                                                                                 step="async write and commit"))
+            request = _deferred_or_none(session, early)
             if request is not None:
                 return request
             session = _plan_now(session)
@@ -576,6 +574,16 @@ def plan_async_save(
         return commit_save(session, local_results, step="async write and commit", background_cleanup=True)
 
     return AsyncRequest(async_fn=background[0], finalize_fns=(commit,))
+
+
+def _deferred_or_none(deferred: DeferredPlan, early: Any) -> AsyncRequest | None:
+    """:func:`._deferred_save.deferred_request`; the writer is aborted if taking the snapshot fails."""
+    try:
+        return deferred_request(deferred, early=early, pool=_POOL, finalize=_committed,
+                                commit=lambda planned, write: commit_save(planned, write, step="async write and commit"))
+    except BaseException:
+        deferred.writer.abort()
+        raise
 
 
 def _plan_now(deferred: DeferredPlan) -> SaveSession:

@@ -78,7 +78,14 @@ def fork_run(work: Callable[[], Any], writer: StorageWriter, *, rank: int) -> Ca
     results, and what else the parent needs). Caller's thread.
     """
     read_fd, write_fd = os.pipe()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError as exc:  # no memory or process slot for the child (a strict overcommit policy)
+        os.close(read_fd)
+        os.close(write_fd)
+        raise CheckpointIOError(
+            f"rank {rank}: cannot fork the async save writer process: {exc}; pass staging='copy' to async_save"
+        ) from exc
     if pid == 0:  # the child: write, report, leave without running any parent cleanup
         status = 0
         try:

@@ -133,7 +133,7 @@ def read_metadata(checkpoint_id: CheckpointId) -> Metadata:
         CheckpointNotFoundError / IncompleteCheckpointError / CorruptCheckpointError.
     """
     reader = reader_for(checkpoint_id, None)
-    committing_elsewhere = await_own_commits()
+    committing_elsewhere = await_own_commits(getattr(reader, "path", None))
     try:
         return reader.read_metadata()
     except IncompleteCheckpointError as exc:

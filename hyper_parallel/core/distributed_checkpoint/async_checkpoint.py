@@ -1,7 +1,9 @@
 """``async_save``: stage to host memory, write and commit in the background.
 
 ``async_save`` blocks only to plan (the collective part of a save) and to
-stage the items this rank writes (:mod:`._staging`). It then returns an
+stage the items this rank writes (:mod:`._staging`); a save without
+collectives whose layout is not cached is planned after it returns, from
+its snapshot (:mod:`._deferred_save`). It then returns an
 :class:`AsyncSaveHandle`; a background thread writes the data files. The
 background never runs a collective. A save without collectives (one
 process, ``no_dist``, or ``use_collectives=False``) commits on that thread
@@ -116,9 +118,11 @@ def async_save(
 ) -> AsyncSaveHandle:
     """Save ``state_dict`` in the background. All ranks call it.
 
-    Returns once the state is planned and staged: the caller may change or
-    delete its tensors; the checkpoint keeps the values at call time. A
-    previous async save is finished (committed) first.
+    Returns once the state is planned and staged (a save without
+    collectives whose layout is not cached is planned afterwards, from the
+    staged snapshot): the caller may change or delete its tensors; the
+    checkpoint keeps the values at call time. A previous async save is
+    finished (committed) first.
 
     Args:
         staging: ``"copy"`` (default): copy the state into reused host

@@ -72,8 +72,10 @@ __all__ = ["FileSystemReader", "MAX_METADATA_BYTES", "DEFAULT_MAX_INFLIGHT_BYTES
 
 #: Metadata files larger than this are refused as hostile.
 MAX_METADATA_BYTES = 1 << 30
-#: Default bound on bytes buffered at once per I/O thread while verifying.
-DEFAULT_MAX_INFLIGHT_BYTES = 64 << 20
+#: Default bound on bytes buffered at once per I/O thread. With verification on, ``thread_count`` times
+#: this holds the verified narrow regions of a resharded load (read once, exactly); narrow bytes beyond it
+#: are read twice from the device (see ``FileSystemReader._keep_buffer``).
+DEFAULT_MAX_INFLIGHT_BYTES = 128 << 20
 #: First read of a data file's header: the writer starts the data region at 4096.
 _HEADER_READ_BYTES = 4096
 #: A file of which a rank needs at least this share is read with kernel readahead.
@@ -407,7 +409,7 @@ class FileSystemReader(StorageReader):
                     total += self._read_kept(source, path, check, _leading_rows(item, rows), kept)
                     with self._kept_lock:
                         self._kept[item] = kept
-                    if rows < item.lengths[0]:  # the rest of the region is verified in place
+                    if item.lengths and rows < item.lengths[0]:  # the rest of the region is verified in place
                         checks.append(_rows_after(check, rows))
                 total += verify_regions(source, path, checks, self.max_inflight_bytes)
         return total
