@@ -78,6 +78,9 @@ def test_benchmark_reports_every_figure_for_both_states(tmp_path):
             assert name in figures, (kind, name)
             assert math.isfinite(figures[name]["value"]) and figures[name]["value"] > 0, (kind, name)
         assert figures["async blocking (first call) / memcpy"]["target"] == "<= 1"  # the first call is rated
+        for verify in ("on", "off"):  # a cold load's device reads per run, against the files' size
+            runs = state["notes"][f"device bytes / file bytes, dcp.load cold, verify {verify} (2 threads)"].split()
+            assert runs and all(float(r) > 0 for r in runs), (kind, verify, runs)
         assert state["notes"]["async commit thread"] != "MainThread"  # the commit is timed and runs off the caller
         assert f"ratios, state '{kind}'" in proc.stdout
     reshard = {row["figure"]: row for row in result["reshard_ratios"]}

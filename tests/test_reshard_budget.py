@@ -146,3 +146,14 @@ def test_object_storage_keeps_the_leading_slabs_and_fetches_only_the_rest_twice(
     np.testing.assert_array_equal(target.to_local().asnumpy(), full[:2048])
     header = 4096  # the data file's safetensors header, checked against the metadata
     assert reader.bytes_fetched - header == (4 << 20) + 2 * (4 << 20), reader.bytes_fetched
+
+
+def test_object_storage_keeps_a_0d_tensor_whole(s3_url):
+    """A 0-d tensor is kept whole (it has no rows to split), next to a region split by the budget."""
+    full = (np.arange(4096 * 1024, dtype=np.int64) % 65521).astype(np.float32).reshape(4096, 1024)
+    dcp.save({"w": ms.Tensor(full), "s": ms.Tensor(np.float32(2.5))}, checkpoint_id=s3_url, no_dist=True)
+    targets = {"s": ms.Tensor(np.float32(0)), "w": ms.Tensor(np.zeros((4096, 1024), np.float32))}
+    reader = dcp.FsspecReader(s3_url, thread_count=1, max_inflight_bytes=5 << 20)
+    dcp.load(targets, storage_reader=reader, no_dist=True)
+    assert float(targets["s"].asnumpy()) == 2.5
+    np.testing.assert_array_equal(targets["w"].asnumpy(), full)

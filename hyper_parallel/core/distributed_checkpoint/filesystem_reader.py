@@ -405,7 +405,7 @@ class FileSystemReader(StorageReader):
                     total += self._read_kept(source, path, check, _leading_rows(item, rows), kept)
                     with self._kept_lock:
                         self._kept[item] = kept
-                    if rows < item.lengths[0]:  # the rest of the region is verified in place
+                    if item.lengths and rows < item.lengths[0]:  # the rest of the region is verified in place
                         checks.append(_rows_after(check, rows))
                 total += verify_regions(source, path, checks, self.max_inflight_bytes)
         return total
