@@ -36,10 +36,11 @@ def device_counts(directory: Path) -> bool:
 def fewest_device_bytes(directory: Path, load: Callable[[], None], tries: int = 2) -> int:
     """The fewest device bytes of ``tries`` cold runs of ``load`` (``directory`` dropped from the cache before each).
 
-    Another process of a shared machine may drop the page cache system-wide
-    (``/proc/sys/vm/drop_caches``, as ``scripts/benchmark.py`` does as root) while a load
-    runs, between its verify pass and its read pass: that only adds reads, so the fewer
-    is the load's own figure.
+    Pages may leave the page cache between a load's verify pass and its read pass
+    for reasons outside the load: another process dropping the cache system-wide
+    (``/proc/sys/vm/drop_caches``, as ``scripts/benchmark.py`` does as root), or this
+    VM's DAMON pageout of page cache it judges cold. That only adds reads, so the
+    fewer is the load's own figure.
     """
     counts = []
     for _ in range(tries):
