@@ -36,6 +36,9 @@ from hyper_parallel.core.distributed_checkpoint._rank_records import (
     encode_rank_record,
     results_of,
 )
+from hyper_parallel.core.distributed_checkpoint._format.cover import MAX_REPORTED_PROBLEMS
+from hyper_parallel.core.distributed_checkpoint._global_plan import replica_problems
+from hyper_parallel.core.distributed_checkpoint.errors import PlanValidationError
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan
 from hyper_parallel.core.distributed_checkpoint.storage import StorageWriter, WriteResult
@@ -44,6 +47,7 @@ __all__ = [
     "BackgroundCommit",
     "await_own_commits",
     "background_commit_request",
+    "check_record_replicas",
     "raise_commit_failures",
     "settle_background_commits",
     "take_pending_commits",
@@ -65,6 +69,8 @@ class BackgroundCommit:
         plan: This rank's final plan (its storage data names the save).
         metadata: The coordinator's planned metadata (``None`` elsewhere).
         write: Writes this rank's data (staged copies or a forked writer); returns its results.
+        replicas: After ``write``, this rank's replica digests made by its writer (see
+            :attr:`.RankRecord.replicas`): the coordinator compares them before it commits.
     """
 
     def __init__(
@@ -75,9 +81,12 @@ class BackgroundCommit:
         plan: SavePlan,
         metadata: Metadata | None,
         write: Callable[[], list[WriteResult]],
+        replicas: Callable[[], tuple[tuple[str, tuple[int, ...], str], ...]] | None = None,
     ) -> None:
         self.dist, self.writer, self.plan, self.metadata = dist, writer, plan, metadata
         self._write: Callable[[], list[WriteResult]] | None = write
+        self._replicas = replicas
+        self.replicas: tuple[tuple[str, tuple[int, ...], str], ...] = ()
         self.save_id: str = getattr(plan.storage_data, "save_id", "")
         self.written = threading.Event()  # this rank's data and record are durable, or failed
         self.finished = threading.Event()  # this rank's background work is over (the coordinator's commit too)
@@ -96,8 +105,9 @@ class BackgroundCommit:
                 write, self._write = self._write, None  # the staged data is released with it
                 assert write is not None, "a background commit runs once"
                 self.results = write()
+                self.replicas = self._replicas() if self._replicas is not None else ()
                 if not self.dist.is_coordinator:
-                    record = RankRecord(self.save_id, rank, tuple(self.results))
+                    record = RankRecord(self.save_id, rank, tuple(self.results), replicas=self.replicas)
                     self.writer.write_rank_record(rank, encode_rank_record(record), plan=self.plan)
             except BaseException as exc:  # pylint: disable=broad-except
                 self.local_error = exc
@@ -132,8 +142,9 @@ class BackgroundCommit:
                 raise self.local_error  # after every other rank's outcome: their files are complete to delete
             if self._cancel.is_set():
                 return None  # result() raised another rank's write failure on every rank
-            records[0] = RankRecord(self.save_id, 0, tuple(self.results or ()))
+            records[0] = RankRecord(self.save_id, 0, tuple(self.results or ()), replicas=self.replicas)
             all_results = results_of(records, save_id=self.save_id, world_size=world)
+            check_record_replicas(records)
             return writer.finish(self.metadata, all_results)
         except BaseException as exc:
             if exc is not self.local_error:
@@ -193,13 +204,33 @@ def background_commit_request(
     plan: SavePlan,
     metadata: Metadata | None,
     write: Callable[[], list[WriteResult]],
+    replicas: Callable[[], tuple[tuple[str, tuple[int, ...], str], ...]] | None = None,
 ) -> AsyncRequest:
     """The :class:`AsyncRequest` of a multi-rank async save that commits in the background. All ranks.
 
     Arguments as :class:`BackgroundCommit`.
     """
-    commit = BackgroundCommit(dist=dist, writer=writer, plan=plan, metadata=metadata, write=write)
+    commit = BackgroundCommit(dist=dist, writer=writer, plan=plan, metadata=metadata, write=write,
+                              replicas=replicas)
     return AsyncRequest(async_fn=commit.run, finalize_fns=(commit.confirm,), ready=commit.written)
+
+
+def check_record_replicas(records: Any) -> None:
+    """Compare the replica digests of every rank's record (rank -> :class:`.RankRecord`). Coordinator; pure.
+
+    Raises:
+        PlanValidationError: Replicas of a chunk differ (names the key, the chunk and the ranks).
+    """
+    holders: dict[tuple[str, tuple[int, ...]], list[tuple[int, str]]] = {}
+    for rank in sorted(records):
+        for key, offsets, found in records[rank].replicas:
+            holders.setdefault((key, offsets), []).append((rank, found))
+    problems = [p for key, found in holders.items() if len(found) > 1 for p in replica_problems(key, found)]
+    if problems:
+        shown = problems[:MAX_REPORTED_PROBLEMS]
+        raise PlanValidationError(
+            f"the save was not committed: replicas differ ({len(problems)} problem(s)):\n  " + "\n  ".join(shown)
+        )
 
 
 def take_pending_commits() -> list[BackgroundCommit]:

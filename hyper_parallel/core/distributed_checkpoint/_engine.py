@@ -39,7 +39,7 @@ from hyper_parallel.core.distributed_checkpoint._background_commit import (
 )
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._deferred_save import deferred_request
-from hyper_parallel.core.distributed_checkpoint._fork_writer import fork_write
+from hyper_parallel.core.distributed_checkpoint._fork_writer import fork_run, fork_write
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import (
     LayoutArgument,
     apply_mindspore_layouts,
@@ -514,6 +514,13 @@ def plan_async_save(
     async save). The background thread never runs a collective, which could
     interleave with the training job's own.
     """
+    # A forked writer of a job of several ranks hashes the replicas of its snapshot; the coordinator compares
+    # them before it commits (_background_commit): the blocking part hashes nothing.
+    later = (staging == "fork" and type(planner) is StandardSavePlanner  # pylint: disable=unidiomatic-typecheck
+             and planner.check_replicas and writer.supports_rank_records()
+             and DistWrapper(use_dist=not options.no_dist and options.use_collectives).use_dist)
+    if type(planner) is StandardSavePlanner:  # pylint: disable=unidiomatic-typecheck
+        planner.digest_replicas_later(later)
     early = None
     if staging == "copy":  # tensors are copied into the arena while the plan is made (_stage_copies)
         alone = options.no_dist or not options.use_collectives or platform.get_world_size() <= 1
@@ -531,6 +538,7 @@ def plan_async_save(
             early.abandon()
         raise
     background: list[Callable[[], list[WriteResult]]] = []
+    replicas: list[Any] = []  # the replica digests a forked writer made (``later``)
 
     def stage_step() -> None:
         items = session.plan.items
@@ -538,6 +546,8 @@ def plan_async_save(
             staged = StagedSavePlanner(session.planner, _POOL.stage(
                 items, session.planner.get_data, lambda: _leaves(items, session.planner), early))
             background.append(lambda: write_local(session, staged))
+        elif later:
+            background.append(_fork_write_and_hash(session, replicas))
         else:
             views = staged_views(items, _sources(items, session.planner), session.planner)
             background.append(fork_write(session.writer, session.plan, views, rank=session.dist.rank))
@@ -563,7 +573,8 @@ def plan_async_save(
 
     if session.writer.supports_rank_records():
         return background_commit_request(dist=session.dist, writer=session.writer, plan=session.plan,
-                                         metadata=session.metadata, write=background[0])
+                                         metadata=session.metadata, write=background[0],
+                                         replicas=(lambda: replicas[0] if replicas else ()) if later else None)
 
     def commit(results: list[WriteResult], error: BaseException | None) -> Metadata:
         def local_results() -> list[WriteResult]:
@@ -574,6 +585,25 @@ def plan_async_save(
         return commit_save(session, local_results, step="async write and commit", background_cleanup=True)
 
     return AsyncRequest(async_fn=background[0], finalize_fns=(commit,))
+
+
+def _fork_write_and_hash(session: SaveSession, replicas: list[Any]) -> Callable[[], list[WriteResult]]:
+    """Fork a writer that writes this rank's plan and hashes the replicas of its snapshot. Caller's thread.
+
+    Returns the function (background thread) that waits for the writer's
+    results, putting its replica digests into ``replicas``.
+    """
+    planner = session.planner
+    views = staged_views(session.plan.items, _sources(session.plan.items, planner), planner)
+    wait = fork_run(lambda: (session.writer.write_data(session.plan, views).result(), planner.replica_digests()),
+                    session.writer, rank=session.dist.rank)
+
+    def results() -> list[WriteResult]:
+        written, digests = wait()
+        replicas.append(digests)
+        return written
+
+    return results
 
 
 def _deferred_or_none(deferred: DeferredPlan, early: Any) -> AsyncRequest | None:

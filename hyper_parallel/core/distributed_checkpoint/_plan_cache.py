@@ -294,7 +294,9 @@ def plan_cache_for(
     """The plan cache of this kind of save, or ``None`` when its plans are not cached."""
     if type(planner) is not StandardSavePlanner:  # pylint: disable=unidiomatic-typecheck
         return None
-    key = (rank, world_size, options, type(writer), planner.allow_pickle, planner.check_replicas)
+    # Plans made with replicas hashed later carry no replica digests: they are never reused for a save that hashes now.
+    key = (rank, world_size, options, type(writer), planner.allow_pickle, planner.check_replicas,
+           planner.later_replicas is not None)
     try:
         hash(key)
     except TypeError:  # an option given as a mutable object (a dict of layouts): not cached

@@ -59,12 +59,15 @@ class RankRecord:
         rank: The rank that wrote it.
         results: Its write results; ``None`` when it failed.
         error: What failed (type and message); ``None`` on success.
+        replicas: ``(key, chunk offset, xxh3 digest)`` of every possibly replicated
+            tensor piece this rank holds, hashed by its writer (empty: hashed while planning).
     """
 
     save_id: str
     rank: int
     results: tuple[WriteResult, ...] | None
     error: str | None = None
+    replicas: tuple[tuple[str, tuple[int, ...], str], ...] = ()
 
 
 def encode_rank_record(record: RankRecord) -> bytes:
@@ -75,6 +78,8 @@ def encode_rank_record(record: RankRecord) -> bytes:
                    for r in record.results]
     document = {"format": RECORD_FORMAT, "save_id": record.save_id, "rank": record.rank, "results": results,
                 "error": record.error}
+    if record.replicas:
+        document["replicas"] = [[key, list(offsets), found] for key, offsets, found in record.replicas]
     return json.dumps(document, separators=(",", ":")).encode("utf-8")
 
 
@@ -94,15 +99,29 @@ def decode_rank_record(data: bytes, *, source: str) -> RankRecord:
     if not isinstance(save_id, str) or type(rank) is not int or not (raw is None or isinstance(raw, list)) or not (
             error is None or isinstance(error, str)) or (raw is None) == (error is None):
         raise CorruptCheckpointError(f"{source}: malformed rank results record")
+    replicas = _replicas(document.get("replicas", []), source)
     if raw is None:
-        return RankRecord(save_id, rank, None, error)
+        return RankRecord(save_id, rank, None, error, replicas)
     results = []
     for position, item in enumerate(raw):
         if not isinstance(item, dict) or type(item.get("size")) is not int or item["size"] < 0:
             raise CorruptCheckpointError(f"{source}: malformed result {position}")
         index, info = storage_entry_from_json(item.get("entry"), position=position, source=source)
         results.append(WriteResult(index=index, size_in_bytes=item["size"], storage_data=info))
-    return RankRecord(save_id, rank, tuple(results))
+    return RankRecord(save_id, rank, tuple(results), None, replicas)
+
+
+def _replicas(raw: object, source: str) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+    """A record's ``replicas`` list, checked (``[key, [offsets], digest]`` each)."""
+    if not isinstance(raw, list):
+        raise CorruptCheckpointError(f"{source}: malformed replica digests")
+    found = []
+    for position, item in enumerate(raw):
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and isinstance(item[1], list)
+                and all(type(o) is int for o in item[1]) and isinstance(item[2], str)):
+            raise CorruptCheckpointError(f"{source}: malformed replica digest {position}")
+        found.append((item[0], tuple(item[1]), item[2]))
+    return tuple(found)
 
 
 def collect_rank_records(

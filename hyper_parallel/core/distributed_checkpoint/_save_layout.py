@@ -132,7 +132,9 @@ def describe_layout(planner: Any, listener: LayoutListener | None = None) -> Lay
     writing), keeps the numpy view of every whole tensor in host memory
     (``planner.leaf_arrays``, so the staging of a reused plan looks nothing
     up again) and, with ``check_replicas`` on several ranks, hashes every
-    possibly replicated piece (kept by the planner for its local plan).
+    possibly replicated piece (kept by the planner for its local plan), or,
+    when the planner hashes them later (``planner.later_replicas``, a forked
+    writer hashing its snapshot), keeps the pieces for it.
 
     Args:
         planner: A configured :class:`.StandardSavePlanner`.
@@ -146,6 +148,7 @@ def describe_layout(planner: Any, listener: LayoutListener | None = None) -> Lay
     rows: list[tuple[Any, ...]] = []
     replicas: list[str] = []
     check = planner.check_replicas and planner.world_size > 1
+    later = planner.later_replicas if check else None  # kept for the writer to hash (a forked writer's snapshot)
     total = 0
     storage_keys = flat.storage_keys
     arrays = planner.leaf_arrays
@@ -164,7 +167,9 @@ def describe_layout(planner: Any, listener: LayoutListener | None = None) -> Lay
             rows.append((name, fqn, dtype, shape))
             total += math.prod(shape) * DTYPE_NAMES[dtype]
             pieces += 1
-            if check:
+            if later is not None:
+                later.append((fqn, (0,) * len(shape), array if array is not None else leaf_array(value)))
+            elif check:
                 whole = array if array is not None else leaf_array(value)
                 found = digest(memoryview(whole.reshape(-1).view(np.uint8)))
                 planner.keep_replica_digest(fqn, (0,) * len(shape), found)
@@ -181,7 +186,9 @@ def describe_layout(planner: Any, listener: LayoutListener | None = None) -> Lay
                 continue
             total += sum(math.prod(p.sizes) for p in entry.pieces) * DTYPE_NAMES[entry.dtype]
             pieces += len(entry.pieces)
-            if check and entry.may_be_replicated:
+            if later is not None and entry.may_be_replicated:
+                later.extend((fqn, piece.offsets, piece_array(entry, piece)) for piece in entry.pieces)
+            elif check and entry.may_be_replicated:
                 for piece in entry.pieces:
                     found = digest(memoryview(piece_array(entry, piece).reshape(-1).view(np.uint8)))
                     planner.keep_replica_digest(fqn, piece.offsets, found)

@@ -169,6 +169,8 @@ class StandardSavePlanner(SavePlanner):
         self._bound_of: dict[MetadataIndex, LeafSource] = {}
         self.leaf_arrays: dict[str, np.ndarray] = {}
         self._layouts: dict[MetadataIndex, Any] = {}
+        #: ``None``: replicas are hashed while planning; else the pieces to hash later (:meth:`digest_replicas_later`).
+        self.later_replicas: list[tuple[str, tuple[int, ...], np.ndarray]] | None = None
 
     def configure_planner(
         self,
@@ -193,6 +195,8 @@ class StandardSavePlanner(SavePlanner):
         self._bound, self._bound_of = None, {}
         self.leaf_arrays = {}
         self._layouts.clear()
+        if self.later_replicas is not None:
+            self.later_replicas = []
 
     def describe_layout(self, listener: LayoutListener | None = None) -> LayoutDescription:
         """Digest this rank's layout without building a plan (:mod:`._save_layout`). All ranks.
@@ -211,6 +215,24 @@ class StandardSavePlanner(SavePlanner):
         if self.flat is None:
             raise CheckpointValueError("configure_planner must be called before describe_layout")
         return describe_layout(self, listener)
+
+    def digest_replicas_later(self, later: bool) -> None:
+        """Whether the layout pass keeps the possibly replicated pieces instead of hashing them. All ranks, before planning.
+
+        With ``later``, the plans carry no replica digests: the writer hashes
+        its snapshot of the kept pieces (:meth:`replica_digests`) and the
+        coordinator compares them before it commits (a multi-rank async save
+        with a forked writer, :mod:`._background_commit`).
+        """
+        self.later_replicas = [] if later else None
+
+    def replica_digests(self) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+        """``(key, chunk offset, xxh3 digest)`` of each piece the layout pass kept (:meth:`digest_replicas_later`).
+
+        Called by the writer that holds the snapshot (a forked writer process).
+        """
+        return tuple((fqn, offsets, digest(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))))
+                     for fqn, offsets, array in self.later_replicas or ())
 
     def snapshot_leaves(self, arrays: dict[str, np.ndarray]) -> None:
         """Plan and serve the named whole tensors from ``arrays`` from now on (copies taken at call time).
@@ -318,7 +340,7 @@ class StandardSavePlanner(SavePlanner):
 
     def _tensor_items(self, entry: TensorEntry, name: str, plain: bool) -> list[WriteItem]:
         items = []
-        check = self.check_replicas and self.world_size > 1 and entry.may_be_replicated
+        check = self.check_replicas and self.world_size > 1 and entry.may_be_replicated and self.later_replicas is None
         for position, piece in enumerate(entry.pieces):
             index = MetadataIndex(entry.fqn, piece.offsets)
             whole = piece.sizes == entry.global_shape
