@@ -390,6 +390,28 @@ def phase_load(state: dict[str, Any], path: Path, args: argparse.Namespace,
     return times
 
 
+def phase_small_load(state: dict[str, Any], work: Path, args: argparse.Namespace) -> tuple[dict[str, list[float]], int]:
+    """Warm ``dcp.load`` of the state's small Parameters (its vectors) alone, saved on their own: their bytes
+    are a few MiB, so the time per tensor is the per-tensor cost of a load. Returns the times and the count."""
+    small = {name: param for name, param in state.items() if len(param.shape) == 1}
+    if not small:
+        return {}, 0
+    path = work / "small_ckpt"
+    remove(path)
+    dcp.save(small, storage_writer=dcp.FileSystemWriter(path, thread_count=args.threads), no_dist=True)
+    files = data_files(path)
+    times = {}
+    for verify in (True, False):
+        def load(verify: bool = verify) -> None:
+            reader = dcp.FileSystemReader(path, verify_checksums=verify, thread_count=args.threads)
+            dcp.load(small, storage_reader=reader, no_dist=True)
+
+        label = f"dcp.load warm, small Parameters alone, verify {'on' if verify else 'off'} ({args.threads} threads)"
+        times[label] = timed(load, runs=args.runs, pretouch_gb=args.pretouch_gb, setup=lambda: warm_cache(files))
+    remove(path)
+    return times, len(small)
+
+
 def _proc_status(field: str) -> int:
     """A byte figure of ``/proc/self/status`` (VmRSS, VmHWM)."""
     with open("/proc/self/status", encoding="ascii") as handle:
@@ -504,9 +526,12 @@ def phase_profile(state: dict[str, Any], work: Path, path: Path) -> list[str]:
     return texts
 
 
-def ratios(t: dict[str, float], args: argparse.Namespace, memory: dict[str, Any]
+def ratios(t: dict[str, float], args: argparse.Namespace, memory: dict[str, Any], small_count: int = 0
            ) -> list[tuple[str, float, str, bool | None]]:
-    """One state's contract ratios: (figure, value, target text, met or None when there is no target)."""
+    """One state's contract ratios: (figure, value, target text, met or None when there is no target).
+
+    ``small_count``: the small Parameters loaded alone (per-tensor cost figures; 0: none).
+    """
     T = args.threads
     out: list[tuple[str, float, str, bool | None]] = []
 
@@ -563,6 +588,9 @@ def ratios(t: dict[str, float], args: argparse.Namespace, memory: dict[str, Any]
     for verify, floor in (("on", "warm verified read floor"), ("off", "warm read floor")):
         add(f"warm load, verify {verify} / its floor", t[f"dcp.load warm, verify {verify} ({T} threads)"]
             / t[f"{floor} ({T} threads)"], None)
+    for verify in ("on", "off") if small_count else ():  # time per tensor of a load of small tensors alone
+        add(f"warm load, small Parameters alone, verify {verify}: us per tensor",
+            t[f"dcp.load warm, small Parameters alone, verify {verify} ({T} threads)"] / small_count * 1e6, None)
     for cache in ("cold", "warm"):  # the price of verify-before-a-byte-lands (no target written before all checks)
         add(f"protection: verify, {cache} load on / off", t[f"dcp.load {cache}, verify on ({T} threads)"]
             / t[f"dcp.load {cache}, verify off ({T} threads)"], None)
@@ -674,6 +702,8 @@ def run_state(kind: str, work: Path, args: argparse.Namespace) -> dict[str, Any]
     load_path = save_for_load(state, work, args.threads)
     check_files("checkpoint of the load phases", load_path, args.threads)
     times.update(phase_load(state, load_path, args, notes))
+    small_times, small_count = phase_small_load(state, work, args)
+    times.update(small_times)
     times.update(bench_protections.phase_protections(
         state, work, load_path, threads=args.threads, runs=args.runs, before_each=lambda: pretouch(args.pretouch_gb),
         remove=remove, warm=lambda: warm_cache(data_files(load_path))))
@@ -682,8 +712,8 @@ def run_state(kind: str, work: Path, args: argparse.Namespace) -> dict[str, Any]
     remove(load_path)
     times.update(phase_mindspore(state, work, args))
     medians = {name: statistics.median(runs) for name, runs in times.items()}
-    table = ratios(medians, args, memory)
-    return {"tensors": len(state), "state_bytes": nbytes, "cold_cache_method": cold_method, "times_s": times,
+    table = ratios(medians, args, memory, small_count)
+    return {"tensors": len(state), "small_tensors_loaded_alone": small_count, "state_bytes": nbytes, "cold_cache_method": cold_method, "times_s": times,
             "median_s": medians, "memory": memory, "profiles": profiles, "notes": notes,
             "ratios": [{"figure": n, "value": v, "target": tg, "met": m} for n, v, tg, m in table]}
 

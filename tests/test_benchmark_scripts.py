@@ -83,6 +83,10 @@ def test_benchmark_reports_every_figure_for_both_states(tmp_path):
             assert runs and all(float(r) > 0 for r in runs), (kind, verify, runs)
         assert state["notes"]["async commit thread"] != "MainThread"  # the commit is timed and runs off the caller
         assert f"ratios, state '{kind}'" in proc.stdout
+    many = {row["figure"]: row["value"] for row in result["states"]["many"]["ratios"]}
+    assert result["states"]["many"]["small_tensors_loaded_alone"] >= 200  # the per-tensor cost of a load
+    for verify in ("on", "off"):
+        assert 0 < many[f"warm load, small Parameters alone, verify {verify}: us per tensor"] < 1e5
     reshard = {row["figure"]: row for row in result["reshard_ratios"]}
     for name in RESHARD_FIGURES:
         assert math.isfinite(reshard[name]["value"]) and reshard[name]["value"] >= 0.99, name

@@ -6,6 +6,8 @@ loads are checked to leave every target as it was.
 
 from __future__ import annotations
 
+import json
+import tempfile
 from pathlib import Path
 
 import mindspore as ms
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel.core.distributed_checkpoint._format import metadata_json
 from hyper_parallel.core.distributed_checkpoint._read_items import SMALL_ITEM_BYTES, ItemIndex
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, ReadItem
 from hyper_parallel.platform.tensor import DEVICE_COPIES_ENV, writable_views
@@ -205,3 +208,45 @@ def test_zstd_compressed_small_items_take_the_general_path(tmp_path: Path) -> No
     targets = {k: ms.Parameter(ms.Tensor(np.zeros(50, np.float32)), name=k) for k in values}
     dcp.load(targets, checkpoint_id=tmp_path, no_dist=True)
     assert all(np.array_equal(targets[k].asnumpy(), v) for k, v in values.items())
+
+
+def _document(entries: int) -> bytes:
+    """Metadata of ``entries`` one-chunk tensors and a value, in the writer's compact form."""
+    state = {f"m.{i}": np.full((2, 3), i, np.float32) for i in range(entries)}
+    state["step"] = 7
+    with tempfile.TemporaryDirectory() as directory:
+        dcp.save(state, checkpoint_id=directory, no_dist=True)
+        return (Path(directory) / "metadata.json").read_bytes()
+
+
+def _decoded(data: bytes, batch: int, monkeypatch: pytest.MonkeyPatch) -> object:
+    """The decoded metadata, or the message of the error it raises, with members decoded ``batch`` per JSON call."""
+    monkeypatch.setattr(metadata_json, "_BATCH", batch)
+    try:
+        return metadata_json.metadata_from_json(data)
+    except dcp.CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 7])
+def test_batched_metadata_decode_equals_member_by_member(monkeypatch: pytest.MonkeyPatch, batch: int) -> None:
+    data = _document(40)
+    reference = _decoded(data, 10**9, monkeypatch)  # no batch: member by member
+    assert isinstance(reference, dcp.Metadata) and len(reference.storage_data) == 41
+    assert _decoded(data, batch, monkeypatch) == reference
+    document = json.loads(data)
+    first = next(iter(document["state_dict_metadata"]))
+    hostile = [
+        # A key and a type name holding the boundaries; a nested object starting with "fqn" in an entry.
+        data.replace(b'"m.5"', b'"m.5},\\"x\\":{\\"fqn\\":"', 2),
+        data.replace(b'"kind":"tensor"', b'"kind":"tensor","x":{"fqn":1},"y":[{"a":1},{"fqn":2}]', 3),
+        # A duplicate key whose first member is bad: member by member names it; so must a batch.
+        data.replace(b'{"' + first.encode() + b'":', b'{"' + first.encode() + b'":{"kind":"nope"},"'
+                     + first.encode() + b'":', 1),
+        data.replace(b'"length":24', b'"length":-1', 1),
+        data.replace(b'},{"fqn":', b'}, {"fqn":', 5),  # other spacing
+        data.replace(b'},{"fqn":', b'},{"fqn":[', 1),  # bad JSON inside a batch
+    ]
+    for text in hostile:
+        assert text != data
+        assert _decoded(text, batch, monkeypatch) == _decoded(text, 10**9, monkeypatch)

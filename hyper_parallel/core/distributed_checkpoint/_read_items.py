@@ -108,7 +108,7 @@ class ItemIndex:
             and not any(item.storage_offsets)
             and info.length == nbytes
         )
-        facts = ItemFacts(info=info, stored=stored, sizes=sizes, itemsize=itemsize, nbytes=nbytes, small=small)
+        facts = ItemFacts(info, stored, sizes, itemsize, nbytes, small)  # positional: the fields in order
         self._facts[id(item)] = (item, facts)  # holding the item keeps its id unique
         return facts
 
@@ -134,7 +134,7 @@ class ItemIndex:
         Raises:
             CorruptCheckpointError: the key has no chunk there.
         """
-        offset = tuple(index.offset)
+        offset = index.offset if type(index.offset) is tuple else tuple(index.offset)
         chunks = stored.chunks
         if len(chunks) == 1 and chunks[0].offsets == offset:  # most keys: one chunk, no table
             return tuple(chunks[0].sizes)

@@ -14,7 +14,7 @@ import math
 import mmap
 import posixpath
 import re
-from typing import Any
+from typing import Any, Iterator
 
 from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, expected_blocks
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
@@ -294,32 +294,71 @@ class _Cursor:
         return name
 
 
+#: Members decoded by one JSON call while the text is in the writer's compact form (a bounded batch:
+#: the decode stays streaming, with less Python per member).
+_BATCH = 256
+
+
+def _batches(cursor: _Cursor, boundary: str, wrap: str) -> Iterator[Any]:
+    """Decode the next members of the array or object just opened, ``_BATCH`` at a time, by one JSON call each.
+
+    A batch ends at the ``_BATCH``-th ``boundary`` (``},{"fqn":`` between storage entries, ``},"``
+    between items) and is decoded wrapped in ``wrap``. Decoding from a member's start succeeds only
+    when the cut is between two members of this level (a cut inside a string or a nested value leaves
+    it unclosed), so a decoded batch is exactly the next ``_BATCH`` members. Stops at the first batch
+    that is not (another spacing, a nested match, the last members, bad JSON): the caller decodes the
+    rest member by member, which also reports any error.
+    """
+    text = cursor.text
+    while True:
+        start = cut = cursor.position
+        for _ in range(_BATCH):
+            cut = text.find(boundary, cut + 1)
+            if cut < 0:
+                return
+        try:
+            batch = json.loads(wrap[0] + text[start : cut + 1] + wrap[1])
+        except (ValueError, RecursionError):
+            return
+        if len(batch) != _BATCH:  # an object's duplicate keys, or a match inside a value: member by member
+            return
+        cursor.position = cut + 2
+        yield batch
+
+
+def _item(fqn: str, raw: Any, source: str, shared: dict) -> TensorStorageMetadata | BytesStorageMetadata:
+    """Decode and check one ``state_dict_metadata`` member."""
+    where = f"{source}: key '{fqn}'"
+    if not isinstance(raw, dict):
+        raise CorruptCheckpointError(f"{where}: expected an object")
+    if raw.get("kind") == "tensor":
+        return _tensor_entry(fqn, raw, where, shared)
+    if raw.get("kind") == "bytes":
+        offsets = raw.get("shard_offsets", [[]])
+        if not isinstance(offsets, list):
+            raise CorruptCheckpointError(f"{where}: shard_offsets must be a list")
+        return BytesStorageMetadata(
+            type_name=_str(raw.get("type"), where, "type"),
+            global_shape=_ints(raw.get("global_shape", []), where, "global_shape"),
+            shard_offsets=tuple(_ints(o, where, "shard offset") for o in offsets),
+        )
+    raise CorruptCheckpointError(f"{where}: unknown kind {raw.get('kind')!r}")
+
+
 def _decode_items(cursor: _Cursor, shared: dict) -> dict[str, TensorStorageMetadata | BytesStorageMetadata]:
     source = cursor.source
     if cursor.skip() != "{":
         raise CorruptCheckpointError(f"{source}: state_dict_metadata must be an object")
     cursor.position += 1
     items: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    for batch in _batches(cursor, '},"', "{}"):
+        for fqn, raw in batch.items():
+            fqn = shared.setdefault(fqn, fqn)
+            items[fqn] = _item(fqn, raw, source, shared)
     for _ in cursor.members("}"):
         fqn = cursor.key()
         fqn = shared.setdefault(fqn, fqn)
-        raw = cursor.value()
-        where = f"{source}: key '{fqn}'"
-        if not isinstance(raw, dict):
-            raise CorruptCheckpointError(f"{where}: expected an object")
-        if raw.get("kind") == "tensor":
-            items[fqn] = _tensor_entry(fqn, raw, where, shared)
-        elif raw.get("kind") == "bytes":
-            offsets = raw.get("shard_offsets", [[]])
-            if not isinstance(offsets, list):
-                raise CorruptCheckpointError(f"{where}: shard_offsets must be a list")
-            items[fqn] = BytesStorageMetadata(
-                type_name=_str(raw.get("type"), where, "type"),
-                global_shape=_ints(raw.get("global_shape", []), where, "global_shape"),
-                shard_offsets=tuple(_ints(o, where, "shard offset") for o in offsets),
-            )
-        else:
-            raise CorruptCheckpointError(f"{where}: unknown kind {raw.get('kind')!r}")
+        items[fqn] = _item(fqn, cursor.value(), source, shared)
     return items
 
 
@@ -330,6 +369,11 @@ def _decode_storage(cursor: _Cursor, shared: dict) -> dict[MetadataIndex, Storag
     cursor.position += 1
     storage: dict[MetadataIndex, StorageInfo] = {}
     count = 0
+    for batch in _batches(cursor, '},{"fqn":', "[]"):
+        for raw in batch:
+            index, info = _storage_entry(raw, count, source, shared)
+            storage[index] = info
+            count += 1
     for _ in cursor.members("]"):
         index, info = _storage_entry(cursor.value(), count, source, shared)
         storage[index] = info
@@ -343,7 +387,9 @@ def metadata_from_json(data: bytes | bytearray | mmap.mmap, *, source: str = "me
     """Decode and check metadata written by :func:`metadata_to_json`.
 
     The two large members (``state_dict_metadata``, ``storage_data``) are
-    decoded one entry at a time, each turned into its typed record at once,
+    decoded a bounded batch of entries at a time (``_BATCH`` per JSON call
+    while the text is in this writer's compact form, else one at a time),
+    each entry turned into its typed record at once,
     so the whole JSON document never exists as Python objects: peak memory is
     the text plus the records, and time is linear. A ``bytearray`` is emptied
     and an anonymous ``mmap`` closed as soon as it is decoded to text (the
