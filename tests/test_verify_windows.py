@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import threading
 
 import mindspore as ms
 import numpy as np
 import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
-from hyper_parallel.core.distributed_checkpoint._verify_reads import lookahead_limits
+from hyper_parallel.core.distributed_checkpoint._verify_reads import _Block, _flat_windows, announces, lookahead_limits
 
 ms.set_device("CPU")
 
@@ -103,3 +105,109 @@ def test_damage_in_a_later_window_leaves_every_target_unchanged(tmp_path, key, w
     # with verification off the same bytes load (the damage is only in the data, not the header)
     dcp.load(target, storage_reader=dcp.FileSystemReader(path, verify_checksums=False), no_dist=True)
     assert not np.array_equal(_values(target)[key], _values(saved)[key])
+
+
+def test_announce_policy_leaves_whole_windows_to_kernel_readahead():
+    # POSIX_FADV_WILLNEED fills the page cache with single pages (slow to read and to copy out of); the
+    # kernel's own readahead uses large folios, so a window read whole from a readahead file is left to it
+    assert not announces(whole=True, readahead=True)
+    assert announces(whole=False, readahead=True)  # sparse: mapped without read-around
+    assert announces(whole=True, readahead=False)  # a file read without readahead fetches nothing ahead
+    assert announces(whole=False, readahead=False)
+
+
+def _blocks(*spans):
+    return [_Block(start, end, digest="", check=None, index=i) for i, (start, end) in enumerate(spans)]
+
+
+def test_flat_windows_span_small_gaps_but_not_a_window_hashed_apart():
+    blocks = _blocks((0, 4 * MIB), (5 * MIB, 5 * MIB + 100), (5 * MIB + 200, 5 * MIB + 300))
+    # gaps under 1 MiB are read along: one window, sparse (its hashed ranges are the blocks)
+    (window,) = _flat_windows(blocks, 8 * MIB)
+    assert (window.start, window.end) == (0, 5 * MIB + 300)
+    assert window.ranges == ((0, 4 * MIB), (5 * MIB, 5 * MIB + 100), (5 * MIB + 200, 5 * MIB + 300))
+    # a tile slab hashed in its own window starts in the first gap: the flat windows stop there, and the
+    # one before it is read whole (one range: left to kernel readahead, not mapped)
+    first, second = _flat_windows(blocks, 8 * MIB, [4 * MIB])
+    assert first.ranges == ((0, 4 * MIB),) and (first.start, first.end) == (0, 4 * MIB)
+    assert (second.start, second.end) == (5 * MIB, 5 * MIB + 300) and len(second.ranges) == 2
+    # a window elsewhere does not split; the size bound still does
+    assert len(_flat_windows(blocks, 8 * MIB, [6 * MIB])) == 1
+    assert [(w.start, w.end) for w in _flat_windows(blocks, 4 * MIB)] == [(0, 4 * MIB), (5 * MIB, 5 * MIB + 300)]
+
+
+def _willneed_in_verify_pass(monkeypatch):
+    """Record (file, offset, length) of every POSIX_FADV_WILLNEED the verify threads issue; the call goes through."""
+    calls = []
+    real = os.posix_fadvise
+
+    def recording(fd, offset, length, advice):
+        if advice == os.POSIX_FADV_WILLNEED and "verify" in threading.current_thread().name:
+            calls.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), offset, length))
+        return real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", recording)
+    return calls
+
+
+def _stored_bytes(path, keys):
+    """(file name, start, end) of each key's stored bytes."""
+    meta = json.loads((path / "metadata.json").read_text())
+    return {e["fqn"]: (e["file"], e["byte_offset"], e["byte_offset"] + e["length"])
+            for e in meta["storage_data"] if e["fqn"] in keys}
+
+
+def test_whole_file_load_announces_nothing_and_is_bit_exact(tmp_path, monkeypatch):
+    saved = _state(0)
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(tmp_path / "ckpt", thread_count=2), no_dist=True)
+    calls = _willneed_in_verify_pass(monkeypatch)
+    target = _state(1)
+    reader = dcp.FileSystemReader(tmp_path / "ckpt", thread_count=2, no_readahead=False)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert calls == []  # every window is read whole: the kernel's readahead fetches ahead
+    expected = _values(saved)
+    for name, values in _values(target).items():
+        assert np.array_equal(values, expected[name]), name
+    assert reader.bytes_verified == sum(v.nbytes for v in expected.values())
+
+
+def test_without_readahead_every_hashed_byte_is_announced_once(tmp_path, monkeypatch):
+    saved = _state(0)
+    path = tmp_path / "ckpt"
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(path, thread_count=2), no_dist=True)
+    calls = _willneed_in_verify_pass(monkeypatch)
+    target = _state(1)
+    reader = dcp.FileSystemReader(path, thread_count=2, no_readahead=True)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    expected = _values(saved)
+    for name, values in _values(target).items():
+        assert np.array_equal(values, expected[name]), name
+    stored = _stored_bytes(path, set(saved))
+    for name in {file for file, _, _ in stored.values()}:
+        announced = sorted((offset, offset + length) for file, offset, length in calls if file == name)
+        assert all(a[1] <= b[0] for a, b in zip(announced, announced[1:]))  # no byte announced twice
+        keys = sorted((start, end) for file, start, end in stored.values() if file == name)
+        assert sum(e - s for s, e in announced) == sum(e - s for s, e in keys)  # exactly the bytes hashed
+        assert announced[0][0] == keys[0][0] and announced[-1][1] == keys[-1][1]
+
+
+def test_sparse_window_of_a_readahead_file_announces_only_loaded_bytes(tmp_path, monkeypatch):
+    saved = _state(0)
+    path = tmp_path / "ckpt"
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(path, thread_count=2), no_dist=True)
+    skipped = {f"small{i}" for i in range(1, 40, 2)}
+    calls = _willneed_in_verify_pass(monkeypatch)
+    target = _state(1)
+    wanted = {name: p for name, p in target.items() if name not in skipped}
+    before = _values(target)
+    dcp.load(wanted, storage_reader=dcp.FileSystemReader(path, thread_count=2, no_readahead=False), no_dist=True)
+    expected, loaded = _values(saved), _values(target)
+    for name in target:
+        assert np.array_equal(loaded[name], before[name] if name in skipped else expected[name]), name
+    # the small keys left out make their window sparse (mapped without read-around): announced, but only
+    # the loaded keys' bytes; windows read whole ("big", "wide") are left to the kernel's readahead
+    stored = _stored_bytes(path, set(saved))
+    assert calls
+    for file, offset, length in calls:
+        inside = [k for k, (f, s, e) in stored.items() if f == file and s < offset + length and offset < e]
+        assert inside and not set(inside) & (skipped | {"big", "wide"}), inside
