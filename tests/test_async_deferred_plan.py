@@ -173,3 +173,22 @@ def test_a_fork_that_fails_raises_at_the_call_names_the_fix_and_frees_the_direct
     assert not (tmp_path / "f").exists() or list((tmp_path / "f").glob(".*lease*")) == []  # the lease is released
     dcp.async_save(state, checkpoint_id=tmp_path / "f", no_dist=True, staging="copy").result()
     _assert_saved(tmp_path / "f", _snapshot(state))
+
+
+def test_a_fork_with_a_writer_subclass_is_planned_before_the_call_returns(tmp_path, monkeypatch):
+    class StampingWriter(dcp.FileSystemWriter):
+        """A writer whose global plan step is its own (it might keep state a forked process would not share)."""
+
+        def prepare_global_plan(self, plans):
+            return super().prepare_global_plan(plans)
+
+    clear_plan_cache()
+    seen = _where_plans(monkeypatch)
+    state = _state()
+    expected = _snapshot(state)
+    handle = dcp.async_save(state, storage_writer=StampingWriter(tmp_path / "w"), no_dist=True, staging="fork")
+    assert seen == [(os.getpid(), threading.current_thread().name)]  # planned in the blocking part
+    state["big"].asnumpy()[...] = -3
+    handle.result()
+    _assert_saved(tmp_path / "w", expected)
+
