@@ -38,8 +38,8 @@ from hyper_parallel.core.distributed_checkpoint._background_commit import (
     take_pending_commits,
 )
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
-from hyper_parallel.core.distributed_checkpoint._deferred_save import deferred_request
-from hyper_parallel.core.distributed_checkpoint._fork_writer import fork_run, fork_write
+from hyper_parallel.core.distributed_checkpoint._deferred_save import DeferredPlan, PlannedSave, deferred_request
+from hyper_parallel.core.distributed_checkpoint._fork_writer import fork_write, fork_write_and_hash
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import (
     LayoutArgument,
     apply_mindspore_layouts,
@@ -233,49 +233,6 @@ class SaveSession:
     planner: SavePlanner
     plan: SavePlan
     metadata: Metadata | None
-
-
-@dataclass(frozen=True)
-class PlannedSave:
-    """What a one-rank save's planning made (picklable: a forked writer sends it back).
-
-    Attributes:
-        plan: This rank's final plan.
-        metadata: The metadata.
-        all_final: Every rank's final plan (this rank's).
-        local_plans: Every rank's local plan (this rank's).
-        sources: The leaf of each item of ``plan`` (``None`` for values).
-    """
-
-    plan: SavePlan
-    metadata: Metadata
-    all_final: list[SavePlan]
-    local_plans: list[SavePlan]
-    sources: tuple[Any, ...]
-
-
-@dataclass(frozen=True)
-class DeferredPlan:
-    """A save without collectives whose layout is new: planned later, off the blocking part of an async save.
-
-    The caller snapshots the state first (:meth:`.StandardSavePlanner.snapshot_leaves`),
-    then calls :attr:`make` (on a background thread, or in a forked writer)
-    and :attr:`adopt` (in this process) with its result.
-
-    Attributes:
-        writer: The storage writer (set up: the lease is held).
-        planner: The planner (configured; the layout described).
-        layout: This rank's layout (:class:`.LayoutDescription`).
-        make: Builds the plan and the metadata; no collective, no side effect outside the planner
-            (on failure the caller aborts the writer).
-        adopt: Keeps a :class:`PlannedSave` in the plan cache; returns the planned session.
-    """
-
-    writer: StorageWriter
-    planner: SavePlanner
-    layout: Any
-    make: Callable[[], PlannedSave]
-    adopt: Callable[[PlannedSave], SaveSession]
 
 
 #: Variables msrun (and other MindSpore launchers) set in every worker of a job.
@@ -546,8 +503,10 @@ def plan_async_save(
             staged = StagedSavePlanner(session.planner, _POOL.stage(
                 items, session.planner.get_data, lambda: _leaves(items, session.planner), early))
             background.append(lambda: write_local(session, staged))
-        elif later:
-            background.append(_fork_write_and_hash(session, replicas))
+        elif later:  # the forked writer also hashes the replicas of its snapshot
+            views = staged_views(items, _sources(items, session.planner), session.planner)
+            background.append(fork_write_and_hash(session.writer, session.plan, views, session.planner.replica_digests,
+                                                  rank=session.dist.rank, replicas=replicas))
         else:
             views = staged_views(items, _sources(items, session.planner), session.planner)
             background.append(fork_write(session.writer, session.plan, views, rank=session.dist.rank))
@@ -585,25 +544,6 @@ def plan_async_save(
         return commit_save(session, local_results, step="async write and commit", background_cleanup=True)
 
     return AsyncRequest(async_fn=background[0], finalize_fns=(commit,))
-
-
-def _fork_write_and_hash(session: SaveSession, replicas: list[Any]) -> Callable[[], list[WriteResult]]:
-    """Fork a writer that writes this rank's plan and hashes the replicas of its snapshot. Caller's thread.
-
-    Returns the function (background thread) that waits for the writer's
-    results, putting its replica digests into ``replicas``.
-    """
-    planner = session.planner
-    views = staged_views(session.plan.items, _sources(session.plan.items, planner), planner)
-    wait = fork_run(lambda: (session.writer.write_data(session.plan, views).result(), planner.replica_digests()),
-                    session.writer, rank=session.dist.rank)
-
-    def results() -> list[WriteResult]:
-        written, digests = wait()
-        replicas.append(digests)
-        return written
-
-    return results
 
 
 def _deferred_or_none(deferred: DeferredPlan, early: Any) -> AsyncRequest | None:
