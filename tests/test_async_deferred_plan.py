@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
-from hyper_parallel.core.distributed_checkpoint import _engine
+from hyper_parallel.core.distributed_checkpoint import _async_engine
 from hyper_parallel.core.distributed_checkpoint._plan_cache import STATS, clear_plan_cache
 from hyper_parallel.core.distributed_checkpoint.mapping import ShardedTensor
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
@@ -89,7 +89,7 @@ def _where_plans(monkeypatch) -> list[tuple[int, str]]:
 def test_a_first_save_plans_off_the_caller_and_keeps_the_values_and_shapes_of_the_call(tmp_path, monkeypatch,
                                                                                        staging):
     clear_plan_cache()
-    _engine._POOL.release()  # pylint: disable=protected-access
+    _async_engine._POOL.release()  # pylint: disable=protected-access
     seen = _where_plans(monkeypatch)
     state = _state()
     expected = _snapshot(state)

@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                            "_rank_records",
                            "_verify_reads"})),
     ("object storage", frozenset({"_object_io", "_fsspec_writer", "_fsspec_reader", "_object_steps"})),
-    ("engine", frozenset({"_collectives", "_engine", "_staging", "_stage_copies", "_fork_writer", "_async_queue",
+    ("engine", frozenset({"_collectives", "_engine", "_load_engine", "_async_engine", "_storage_choice", "_staging", "_stage_copies", "_fork_writer", "_async_queue",
                          "_deferred_save", "_plan_cache", "_background_commit"})),
     ("strategies", frozenset({"strategies"})),
     ("public API", frozenset({"api", "async_checkpoint", "_one_line", "manager", "_manager_record", "callback", ""})),
