@@ -43,7 +43,7 @@ import psutil
 import bench_ms_import
 import bench_protections
 import hyper_parallel.core.distributed_checkpoint as dcp
-from hyper_parallel.core.distributed_checkpoint import _engine
+from hyper_parallel.core.distributed_checkpoint import _async_engine
 from hyper_parallel.core.distributed_checkpoint._plan_cache import clear_plan_cache
 
 __all__ = ["STATES", "build_state", "drop_page_cache", "main", "pretouch", "read_io_bytes"]
@@ -305,7 +305,7 @@ def phase_async(state: dict[str, Any], work: Path, args: argparse.Namespace,
     for staging in ("copy", "fork"):
         # A first call plans from nothing and maps a fresh staging arena, as the first save of a job does,
         # even when the sync saves of this run (same layout) left a cached plan and an arena behind.
-        _engine._POOL.release()  # pylint: disable=protected-access
+        _async_engine._POOL.release()  # pylint: disable=protected-access
         clear_plan_cache()
         blocking: list[float] = []
         background: list[float] = []

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
-from hyper_parallel.core.distributed_checkpoint import _engine
+from hyper_parallel.core.distributed_checkpoint import _async_engine
 from hyper_parallel.core.distributed_checkpoint.metadata import FORMAT_VERSION
 from hyper_parallel.core.distributed_checkpoint.strategies import (
     StandardLoadStrategy,
@@ -37,11 +37,11 @@ def test_async_save_keeps_values_at_call_time_and_reuses_staging(tmp_path):
     array[...] = -1
     metadata = handle.result()
     assert handle.done() and metadata.storage_meta.world_size == 1
-    reused_before = _engine._POOL.reused  # pylint: disable=protected-access
+    reused_before = _async_engine._POOL.reused  # pylint: disable=protected-access
     handle2 = dcp.async_save({"p": param, "a": array, "step": 2}, checkpoint_id=tmp_path / "s2")
     param.asnumpy()[...] = 9.0
     handle2.result()
-    assert _engine._POOL.reused - reused_before == 2, "same shapes: both staging buffers reused"
+    assert _async_engine._POOL.reused - reused_before == 2, "same shapes: both staging buffers reused"
     for path, p_value, a_value, step in ((tmp_path / "s1", 1.0, list(range(10)), 1),
                                          (tmp_path / "s2", 5.0, [-1] * 10, 2)):
         target = {"p": np.zeros((32, 32), np.float32), "a": np.zeros(10, np.int64), "step": 0}

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
-from hyper_parallel.core.distributed_checkpoint import _engine
+from hyper_parallel.core.distributed_checkpoint import _async_engine
 from hyper_parallel.core.distributed_checkpoint._plan_cache import STATS, clear_plan_cache
 from hyper_parallel.core.distributed_checkpoint.mapping import ShardedTensor
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
@@ -89,7 +89,7 @@ def _where_plans(monkeypatch) -> list[tuple[int, str]]:
 def test_a_first_save_plans_off_the_caller_and_keeps_the_values_and_shapes_of_the_call(tmp_path, monkeypatch,
                                                                                        staging):
     clear_plan_cache()
-    _engine._POOL.release()  # pylint: disable=protected-access
+    _async_engine._POOL.release()  # pylint: disable=protected-access
     seen = _where_plans(monkeypatch)
     state = _state()
     expected = _snapshot(state)
@@ -173,3 +173,22 @@ def test_a_fork_that_fails_raises_at_the_call_names_the_fix_and_frees_the_direct
     assert not (tmp_path / "f").exists() or list((tmp_path / "f").glob(".*lease*")) == []  # the lease is released
     dcp.async_save(state, checkpoint_id=tmp_path / "f", no_dist=True, staging="copy").result()
     _assert_saved(tmp_path / "f", _snapshot(state))
+
+
+def test_a_fork_with_a_writer_subclass_is_planned_before_the_call_returns(tmp_path, monkeypatch):
+    class StampingWriter(dcp.FileSystemWriter):
+        """A writer whose global plan step is its own (it might keep state a forked process would not share)."""
+
+        def prepare_global_plan(self, plans):
+            return super().prepare_global_plan(plans)
+
+    clear_plan_cache()
+    seen = _where_plans(monkeypatch)
+    state = _state()
+    expected = _snapshot(state)
+    handle = dcp.async_save(state, storage_writer=StampingWriter(tmp_path / "w"), no_dist=True, staging="fork")
+    assert seen == [(os.getpid(), threading.current_thread().name)]  # planned in the blocking part
+    state["big"].asnumpy()[...] = -3
+    handle.result()
+    _assert_saved(tmp_path / "w", expected)
+

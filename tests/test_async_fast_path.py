@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
-from hyper_parallel.core.distributed_checkpoint import _engine
+from hyper_parallel.core.distributed_checkpoint import _async_engine
 from hyper_parallel.core.distributed_checkpoint._plan_cache import STATS, clear_plan_cache
 from hyper_parallel.core.distributed_checkpoint.mapping import ShardedTensor
 
@@ -47,10 +47,10 @@ def _mutate(state: dict, value: float) -> None:
 @pytest.mark.parametrize("staging", ["copy", "fork"])
 def test_repeated_layout_reuses_plan_and_offsets_and_keeps_values_at_call(tmp_path, staging):
     clear_plan_cache()
-    _engine._POOL.release()  # pylint: disable=protected-access
+    _async_engine._POOL.release()  # pylint: disable=protected-access
     state = _state(1.0)
     reused, exchanged = STATS.reused, STATS.exchanged
-    layouts = _engine._POOL.layouts_reused  # pylint: disable=protected-access
+    layouts = _async_engine._POOL.layouts_reused  # pylint: disable=protected-access
     for step in range(3):
         _mutate(state, float(step + 1))
         handle = dcp.async_save(state, checkpoint_id=tmp_path / f"s{step}", no_dist=True, staging=staging)
@@ -58,7 +58,7 @@ def test_repeated_layout_reuses_plan_and_offsets_and_keeps_values_at_call(tmp_pa
         handle.result()
     assert (STATS.reused - reused, STATS.exchanged - exchanged) == (2, 1)
     if staging == "copy":  # the second and third saves stage at the first one's offsets
-        assert _engine._POOL.layouts_reused - layouts == 2  # pylint: disable=protected-access
+        assert _async_engine._POOL.layouts_reused - layouts == 2  # pylint: disable=protected-access
     for step in range(3):
         found = _values(tmp_path / f"s{step}", state)
         assert sorted(found) == sorted(state)
@@ -171,7 +171,7 @@ def test_sync_save_after_a_reused_plan_serves_every_leaf(tmp_path):
 
 
 def test_first_call_maps_one_arena_sized_from_the_layout(tmp_path):
-    pool = _engine._POOL  # pylint: disable=protected-access
+    pool = _async_engine._POOL  # pylint: disable=protected-access
     pool.release()
     clear_plan_cache()
     state = _state(3.0)
@@ -186,7 +186,7 @@ def test_first_call_maps_one_arena_sized_from_the_layout(tmp_path):
 
 
 def test_whole_tensors_are_copied_while_planning_and_keep_the_values_of_the_call(tmp_path):
-    pool = _engine._POOL  # pylint: disable=protected-access
+    pool = _async_engine._POOL  # pylint: disable=protected-access
     pool.release()
     clear_plan_cache()
     state = _state(2.0)
@@ -211,7 +211,7 @@ def test_whole_tensors_are_copied_while_planning_and_keep_the_values_of_the_call
 
 
 def test_a_state_outgrowing_the_arena_while_copied_early_is_staged_whole(tmp_path):
-    pool = _engine._POOL  # pylint: disable=protected-access
+    pool = _async_engine._POOL  # pylint: disable=protected-access
     pool.release()
     clear_plan_cache()
     small = {"a": _param("a", (64, 64), 1.0)}

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mindspore as ms
+import numpy as np
 import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.core.distributed_checkpoint._background_commit import check_record_replicas
 from hyper_parallel.core.distributed_checkpoint._rank_records import RankRecord, decode_rank_record, encode_rank_record
+from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
 from msrun_harness import run_workers, scenario_values
 
 WORKER = Path(__file__).resolve().parent / "workers" / "replicas_later_worker.py"
@@ -56,3 +59,26 @@ def test_forked_writers_hash_the_replicas_and_a_divergence_fails_every_rank(tmp_
         assert "PlanValidationError: checkpoint step 'background commit' failed on rank(s) 0" in raised, (rank, value)
         assert "'big': replicas differ between ranks (ranks [0]; ranks [1] each agree)" in raised, (rank, value)
         assert value["after_ok"], (rank, value)
+
+
+def test_replicas_kept_for_the_writer_hash_to_the_digests_planning_makes():
+    from hyper_parallel import DTensor, Layout  # pylint: disable=import-outside-toplevel
+
+    full = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+    state = {"d": DTensor.from_global(ms.Tensor(full), Layout((2, 2), (1, -1)), rank=0),  # 2 shards on 4 ranks
+             "p": ms.Parameter(ms.Tensor(np.linspace(0, 1, 12, dtype=np.float32).reshape(3, 4)), name="p"),
+             "step": 1}
+    now = StandardSavePlanner()
+    now.configure_planner(state, rank=0, world_size=4)
+    hashed_now = now.describe_layout().replica_digests
+    later = StandardSavePlanner()
+    later.digest_replicas_later(True)
+    later.configure_planner(state, rank=0, world_size=4)
+    assert later.describe_layout().replica_digests == ()  # nothing hashed by the layout pass
+    digests = later.replica_digests()  # what the forked writer computes from its snapshot
+    assert [(key, offsets) for key, offsets, _ in digests] == [("d", (0, 0)), ("p", (0, 0))]
+    assert tuple(found for _, _, found in digests) == hashed_now and len(hashed_now) == 2
+    assert all(i.tensor_data is None or i.tensor_data.replica_digest is None for i in later.build_local_plan().items)
+    assert sum(1 for i in now.build_local_plan().items if i.tensor_data and i.tensor_data.replica_digest) == 2
+    later.digest_replicas_later(False)
+    assert later.replica_digests() == ()

@@ -4,7 +4,7 @@ import mindspore as ms
 import numpy as np
 
 from hyper_parallel.core import distributed_checkpoint as dcp
-from hyper_parallel.core.distributed_checkpoint import _engine
+from hyper_parallel.core.distributed_checkpoint import _async_engine
 from hyper_parallel.core.distributed_checkpoint._staging import StagingPool
 
 ms.set_device("CPU")
@@ -17,7 +17,7 @@ def _load(path, template):
 
 
 def test_arena_is_reused_then_grown_and_keeps_pre_mutation_bytes(tmp_path):
-    pool: StagingPool = _engine._POOL  # pylint: disable=protected-access
+    pool: StagingPool = _async_engine._POOL  # pylint: disable=protected-access
     rng = np.random.default_rng(0)
     params = {f"p{i}": ms.Parameter(ms.Tensor(rng.standard_normal((64, 33)).astype(np.float32)), name=f"p{i}")
               for i in range(5)}

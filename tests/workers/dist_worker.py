@@ -163,9 +163,9 @@ def plan_cache() -> dict:
 def async_early_copies() -> dict:
     """Repeated async saves of replicated Parameters: from the second save on, each rank copies early (while
     planning) exactly the replicas it writes; the checkpoints hold the values of each call."""
-    from hyper_parallel.core.distributed_checkpoint import _engine  # noqa: PLC0415
+    from hyper_parallel.core.distributed_checkpoint import _async_engine  # noqa: PLC0415
 
-    pool = _engine._POOL  # pylint: disable=protected-access
+    pool = _async_engine._POOL  # pylint: disable=protected-access
     layout = Layout((2,), (0, -1))
     state = {f"r{i}": _param(np.zeros((8, 4 + i), np.float32), f"r{i}") for i in range(6)}
     state["w"] = _dtensor(FULL_Y, layout, "w")

@@ -6,9 +6,12 @@
 
 Where things are: planning in :mod:`.planner` (types), :mod:`.standard_planner`
 and :mod:`._global_plan` (the coordinator's merge); bytes written in
-:mod:`.filesystem_writer`; bytes read in :mod:`.filesystem_reader` and :mod:`._run_reads`;
-the on-disk format (spec: docs/format.md) in :mod:`._format`; layouts cut
-in :mod:`hyper_parallel.core.layout`; the steps in order in :mod:`.api`.
+:mod:`.filesystem_writer` (data files laid out and streamed in :mod:`._data_writing`,
+the commit guarded in :mod:`._commit_guard`); bytes read in :mod:`.filesystem_reader`
+and :mod:`._run_reads`; the on-disk format (spec: docs/format.md) in :mod:`._format`;
+layouts cut in :mod:`hyper_parallel.core.layout`; the steps in order in :mod:`.api`,
+then :mod:`._engine` (save), :mod:`._async_engine` (async save) and
+:mod:`._load_engine` (load).
 Modules whose name starts with ``_`` are internal. ``CheckpointCallback``
 (a ``mindspore.train.Callback``, so it imports MindSpore) is loaded on first
 use.

@@ -26,6 +26,7 @@ is planned in the blocking part as before (:func:`deferred_request` returns
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncRequest
@@ -35,18 +36,63 @@ from hyper_parallel.core.distributed_checkpoint._staging import StagedSavePlanne
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
+from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
-from hyper_parallel.core.distributed_checkpoint.storage import WriteResult
+from hyper_parallel.core.distributed_checkpoint.storage import StorageWriter, WriteResult
 
-__all__ = ["deferred_request"]
+__all__ = ["DeferredPlan", "PlannedSave", "deferred_request"]
+
+
+@dataclass(frozen=True)
+class PlannedSave:
+    """What a one-rank save's planning made (picklable: a forked writer sends it back).
+
+    Attributes:
+        plan: This rank's final plan.
+        metadata: The metadata.
+        all_final: Every rank's final plan (this rank's).
+        local_plans: Every rank's local plan (this rank's).
+        sources: The leaf of each item of ``plan`` (``None`` for values).
+    """
+
+    plan: SavePlan
+    metadata: Metadata
+    all_final: list[SavePlan]
+    local_plans: list[SavePlan]
+    sources: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class DeferredPlan:
+    """A save without collectives whose layout is new: planned later, off the blocking part of an async save.
+
+    The caller snapshots the state first (:meth:`.StandardSavePlanner.snapshot_leaves`),
+    then calls :attr:`make` (on a background thread, or in a forked writer)
+    and :attr:`adopt` (in this process) with its result.
+
+    Attributes:
+        writer: The storage writer (set up: the lease is held).
+        planner: The planner (configured; the layout described).
+        layout: This rank's layout (:class:`.LayoutDescription`).
+        make: Builds the plan and the metadata; no collective, no side effect outside the planner
+            (on failure the caller aborts the writer).
+        adopt: Keeps a :class:`PlannedSave` in the plan cache; returns the planned :class:`._engine.SaveSession`.
+    """
+
+    writer: StorageWriter
+    planner: SavePlanner
+    layout: Any
+    make: Callable[[], PlannedSave]
+    adopt: Callable[[PlannedSave], Any]
+
 
 #: Commits a planned session with this rank's write results (``_engine.commit_save`` for one rank).
 Commit = Callable[[Any, Callable[[], list[WriteResult]]], Metadata]
 
 
-def deferred_request(deferred: Any, *, early: EarlyCopies | None, pool: StagingPool, commit: Commit,
+def deferred_request(deferred: DeferredPlan, *, early: EarlyCopies | None, pool: StagingPool, commit: Commit,
                      finalize: Callable[[Any, BaseException | None], Any]) -> AsyncRequest | None:
-    """The request that plans, writes and commits ``deferred`` (a :class:`._engine.DeferredPlan`). Caller's thread.
+    """The request that plans, writes and commits ``deferred`` (a :class:`DeferredPlan`). Caller's thread.
 
     Args:
         deferred: The save, planned up to its layout.
@@ -58,15 +104,13 @@ def deferred_request(deferred: Any, *, early: EarlyCopies | None, pool: StagingP
     Returns:
         ``None`` when the plan must be made now (see the module docstring).
     """
-    planner = deferred.planner
-    if type(planner) is not StandardSavePlanner:  # pylint: disable=unidiomatic-typecheck
-        return None
+    planner: StandardSavePlanner = deferred.planner  # only plans of this planner are cached, hence deferred
     arrays = dict(planner.leaf_arrays)  # every whole tensor in host memory, as the layout pass met it
     if deferred.layout.pieces != len(arrays):  # pieces of sharded tensors, or tensors in device memory
         return None
     writer = deferred.writer
     if early is not None:
-        if early.placed.keys() != arrays.keys():
+        if early.placed.keys() != arrays.keys():  # pragma: no cover - one rank copies every leaf it meets early
             return None
         early.wait()  # the snapshot: every tensor's bytes at the call
 

@@ -14,37 +14,26 @@ the background write of an async save):
 
 When any step of a save fails, every rank calls the writer's ``abort``.
 
-Load (:func:`read_checkpoint_metadata`, then :func:`run_load`): every rank
-reads the metadata, plans the regions it needs, and reads them into its
-tensors in place, in rounds when the planner shares reads between ranks.
+The load steps are in :mod:`._load_engine`; the blocking part of an async
+save (planning, then staging the snapshot) in :mod:`._async_engine`; the
+choice of the storage from a ``checkpoint_id`` in :mod:`._storage_choice`.
 
 Every step runs through :class:`._collectives.DistWrapper`, so a failure on
 any rank raises the same error on every rank. This module knows storage only
-through the :class:`.StorageWriter` / :class:`.StorageReader` methods.
+through the :class:`.StorageWriter` methods.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from hyper_parallel import platform
-from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncRequest
-from hyper_parallel.core.distributed_checkpoint._background_commit import (
-    background_commit_request,
-    raise_commit_failures,
-    settle_background_commits,
-    take_pending_commits,
-)
+from hyper_parallel.core.distributed_checkpoint._background_commit import raise_commit_failures, take_pending_commits
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
-from hyper_parallel.core.distributed_checkpoint._deferred_save import deferred_request
-from hyper_parallel.core.distributed_checkpoint._fork_writer import fork_run, fork_write
-from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import (
-    LayoutArgument,
-    apply_mindspore_layouts,
-    copy_back_values,
-)
+from hyper_parallel.core.distributed_checkpoint._deferred_save import DeferredPlan, PlannedSave
+from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutArgument, apply_mindspore_layouts
 from hyper_parallel.core.distributed_checkpoint._plan_cache import (
     PlanCache,
     PlanDecision,
@@ -54,36 +43,22 @@ from hyper_parallel.core.distributed_checkpoint._plan_cache import (
     plan_cache_for,
 )
 from hyper_parallel.core.distributed_checkpoint._save_layout import LayoutListener
-from hyper_parallel.core.distributed_checkpoint._staging import StagedSavePlanner, StagingPool, staged_views
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, PlanValidationError
-from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
-from hyper_parallel.core.distributed_checkpoint._fsspec_reader import FsspecReader
-from hyper_parallel.core.distributed_checkpoint._fsspec_writer import FsspecWriter
+from hyper_parallel.core.distributed_checkpoint._storage_choice import rank_alone
+from hyper_parallel.core.distributed_checkpoint.errors import PlanValidationError
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
-from hyper_parallel.core.distributed_checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
-from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardLoadPlanner, StandardSavePlanner
-from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, StorageReader, StorageWriter, WriteResult
+from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner
+from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
+from hyper_parallel.core.distributed_checkpoint.storage import StorageWriter, WriteResult
 
 __all__ = [
     "SaveOptions",
-    "LoadOptions",
     "SaveSession",
-    "writer_for",
-    "reader_for",
     "plan_save",
     "write_local",
     "commit_save",
     "run_save",
-    "plan_async_save",
-    "read_checkpoint_metadata",
-    "settle_before_load",
-    "run_load",
 ]
-
-#: Storage classes tried in order when only a ``checkpoint_id`` is given.
-WRITER_CLASSES: list[type[StorageWriter]] = [FsspecWriter, FileSystemWriter]
-READER_CLASSES: list[type[StorageReader]] = [FsspecReader, FileSystemReader]
 
 
 @dataclass(frozen=True)
@@ -103,54 +78,6 @@ class SaveOptions:
     remove_redundancy: bool = True
     save_to_minimum_rank: bool = False
     strategy_file: LayoutArgument = None
-
-
-@dataclass(frozen=True)
-class LoadOptions:
-    """How a load runs (the arguments of ``dcp.load`` besides state and storage).
-
-    Attributes:
-        no_dist: One process, no collectives.
-        use_collectives: ``False``: each rank loads alone (rank-local metadata first).
-        strategy_file: Layouts of Parameters MindSpore sliced (``strategy_file=``).
-    """
-
-    no_dist: bool = False
-    use_collectives: bool = True
-    strategy_file: LayoutArgument = None
-
-
-def _rank_alone(no_dist: bool, use_collectives: bool) -> int | None:
-    """This rank's number when it saves or loads on its own in a job of several ranks."""
-    if no_dist or use_collectives or platform.get_world_size() <= 1:
-        return None
-    return platform.get_rank()
-
-
-def _pick(checkpoint_id: CheckpointId | None, storage: Any, classes: list[type], kind: str, verb: str) -> Any:
-    if storage is not None:
-        if checkpoint_id is not None:
-            storage.reset(checkpoint_id)
-        return storage
-    if checkpoint_id is None:
-        raise CheckpointValueError(f"{verb} needs a checkpoint_id (a directory path) or a {kind}")
-    for cls in classes:
-        if cls.validate_checkpoint_id(checkpoint_id):
-            return cls(checkpoint_id)
-    raise CheckpointValueError(
-        f"checkpoint_id {checkpoint_id!r} is not a filesystem path nor a storage URL this installation "
-        f"handles; pass a directory path or a {kind}"
-    )
-
-
-def writer_for(checkpoint_id: CheckpointId | None, storage_writer: StorageWriter | None) -> StorageWriter:
-    """The caller's writer (reset to ``checkpoint_id``), or the first storage that takes the id."""
-    return _pick(checkpoint_id, storage_writer, WRITER_CLASSES, "storage_writer", "save")
-
-
-def reader_for(checkpoint_id: CheckpointId | None, storage_reader: StorageReader | None) -> StorageReader:
-    """The caller's reader (reset to ``checkpoint_id``), or the first storage that takes the id."""
-    return _pick(checkpoint_id, storage_reader, READER_CLASSES, "storage_reader", "load")
 
 
 @dataclass(frozen=True)
@@ -235,49 +162,6 @@ class SaveSession:
     metadata: Metadata | None
 
 
-@dataclass(frozen=True)
-class PlannedSave:
-    """What a one-rank save's planning made (picklable: a forked writer sends it back).
-
-    Attributes:
-        plan: This rank's final plan.
-        metadata: The metadata.
-        all_final: Every rank's final plan (this rank's).
-        local_plans: Every rank's local plan (this rank's).
-        sources: The leaf of each item of ``plan`` (``None`` for values).
-    """
-
-    plan: SavePlan
-    metadata: Metadata
-    all_final: list[SavePlan]
-    local_plans: list[SavePlan]
-    sources: tuple[Any, ...]
-
-
-@dataclass(frozen=True)
-class DeferredPlan:
-    """A save without collectives whose layout is new: planned later, off the blocking part of an async save.
-
-    The caller snapshots the state first (:meth:`.StandardSavePlanner.snapshot_leaves`),
-    then calls :attr:`make` (on a background thread, or in a forked writer)
-    and :attr:`adopt` (in this process) with its result.
-
-    Attributes:
-        writer: The storage writer (set up: the lease is held).
-        planner: The planner (configured; the layout described).
-        layout: This rank's layout (:class:`.LayoutDescription`).
-        make: Builds the plan and the metadata; no collective, no side effect outside the planner
-            (on failure the caller aborts the writer).
-        adopt: Keeps a :class:`PlannedSave` in the plan cache; returns the planned session.
-    """
-
-    writer: StorageWriter
-    planner: SavePlanner
-    layout: Any
-    make: Callable[[], PlannedSave]
-    adopt: Callable[[PlannedSave], SaveSession]
-
-
 #: Variables msrun (and other MindSpore launchers) set in every worker of a job.
 _JOB_SIZE_VARIABLES = ("MS_WORKER_NUM", "RANK_SIZE")
 
@@ -324,7 +208,7 @@ def plan_save(
     """
     dist = DistWrapper(use_dist=not options.no_dist and options.use_collectives)
     pending = take_pending_commits() if dist.use_dist else []
-    alone = _rank_alone(options.no_dist, options.use_collectives)
+    alone = rank_alone(options.no_dist, options.use_collectives)
     local_plans: list[SavePlan] = []
     merged: list[Metadata] = []
 
@@ -492,264 +376,3 @@ def run_save(
     """Plan, write and commit a save. All ranks call it; returns after the commit."""
     session = plan_save(state_dict, writer=writer, planner=planner, options=options)
     return commit_save(session, lambda: write_local(session), step="write")
-
-
-#: Host buffers of ``staging="copy"``, kept for the next async save.
-_POOL = StagingPool()
-
-
-def plan_async_save(
-    state_dict: dict[str, Any], *, writer: StorageWriter, planner: SavePlanner, options: SaveOptions, staging: str
-) -> AsyncRequest:
-    """Plan and stage a save; return the request that writes and then commits it. All ranks.
-
-    The request's background function writes this rank's data (from staged
-    copies, or in a forked process whose memory is the snapshot). A save
-    without collectives (one process, or ``use_collectives=False``) commits
-    in the background right after writing. With several ranks and a writer
-    that keeps rank records, the coordinator's background thread commits
-    from every rank's results record (:mod:`._background_commit`). With a
-    writer without them, the finalize function is :func:`commit_save`, a
-    collective step run on the caller's thread (``result()`` or the next
-    async save). The background thread never runs a collective, which could
-    interleave with the training job's own.
-    """
-    # A forked writer of a job of several ranks hashes the replicas of its snapshot; the coordinator compares
-    # them before it commits (_background_commit): the blocking part hashes nothing.
-    later = (staging == "fork" and type(planner) is StandardSavePlanner  # pylint: disable=unidiomatic-typecheck
-             and planner.check_replicas and writer.supports_rank_records()
-             and DistWrapper(use_dist=not options.no_dist and options.use_collectives).use_dist)
-    if type(planner) is StandardSavePlanner:  # pylint: disable=unidiomatic-typecheck
-        planner.digest_replicas_later(later)
-    early = None
-    if staging == "copy":  # tensors are copied into the arena while the plan is made (_stage_copies)
-        alone = options.no_dist or not options.use_collectives or platform.get_world_size() <= 1
-        early = _POOL.early_copies(every_leaf=alone)
-    try:
-        session = plan_save(state_dict, writer=writer, planner=planner, options=options, listener=early,
-                            may_defer=True)
-        if isinstance(session, DeferredPlan):  # one rank, a new layout: planned after the snapshot (_deferred_save)
-            request = _deferred_or_none(session, early)
-            if request is not None:
-                return request
-            session = _plan_now(session)
-    except BaseException:
-        if early is not None:
-            early.abandon()
-        raise
-    background: list[Callable[[], list[WriteResult]]] = []
-    replicas: list[Any] = []  # the replica digests a forked writer made (``later``)
-
-    def stage_step() -> None:
-        items = session.plan.items
-        if early is not None:
-            staged = StagedSavePlanner(session.planner, _POOL.stage(
-                items, session.planner.get_data, lambda: _leaves(items, session.planner), early))
-            background.append(lambda: write_local(session, staged))
-        elif later:
-            background.append(_fork_write_and_hash(session, replicas))
-        else:
-            views = staged_views(items, _sources(items, session.planner), session.planner)
-            background.append(fork_write(session.writer, session.plan, views, rank=session.dist.rank))
-
-    try:
-        session.dist.agree("stage", stage_step)
-    except BaseException:
-        if early is not None:
-            early.abandon()
-        session.writer.abort()
-        raise
-
-    if not session.dist.use_dist:
-        # No other rank takes part in the commit: the background thread commits right after writing,
-        # so the step is durable as soon as done() is true, whether or not result() is ever called.
-        write = background[0]
-
-        def write_and_commit() -> Metadata:
-            # The write runs inside the commit step, so a failed write aborts the save like any step.
-            return commit_save(session, write, step="async write and commit")
-
-        return AsyncRequest(async_fn=write_and_commit, finalize_fns=(_committed,))
-
-    if session.writer.supports_rank_records():
-        return background_commit_request(dist=session.dist, writer=session.writer, plan=session.plan,
-                                         metadata=session.metadata, write=background[0],
-                                         replicas=(lambda: replicas[0] if replicas else ()) if later else None)
-
-    def commit(results: list[WriteResult], error: BaseException | None) -> Metadata:
-        def local_results() -> list[WriteResult]:
-            if error is not None:
-                raise error
-            return results
-
-        return commit_save(session, local_results, step="async write and commit", background_cleanup=True)
-
-    return AsyncRequest(async_fn=background[0], finalize_fns=(commit,))
-
-
-def _fork_write_and_hash(session: SaveSession, replicas: list[Any]) -> Callable[[], list[WriteResult]]:
-    """Fork a writer that writes this rank's plan and hashes the replicas of its snapshot. Caller's thread.
-
-    Returns the function (background thread) that waits for the writer's
-    results, putting its replica digests into ``replicas``.
-    """
-    planner = session.planner
-    views = staged_views(session.plan.items, _sources(session.plan.items, planner), planner)
-    wait = fork_run(lambda: (session.writer.write_data(session.plan, views).result(), planner.replica_digests()),
-                    session.writer, rank=session.dist.rank)
-
-    def results() -> list[WriteResult]:
-        written, digests = wait()
-        replicas.append(digests)
-        return written
-
-    return results
-
-
-def _deferred_or_none(deferred: DeferredPlan, early: Any) -> AsyncRequest | None:
-    """:func:`._deferred_save.deferred_request`; the writer is aborted if taking the snapshot fails."""
-    try:
-        return deferred_request(deferred, early=early, pool=_POOL, finalize=_committed,
-                                commit=lambda planned, write: commit_save(planned, write, step="async write and commit"))
-    except BaseException:
-        deferred.writer.abort()
-        raise
-
-
-def _plan_now(deferred: DeferredPlan) -> SaveSession:
-    """Make a deferred plan at once (a state :mod:`._deferred_save` cannot snapshot). Caller's thread."""
-    try:
-        return deferred.adopt(deferred.make())
-    except BaseException:
-        deferred.writer.abort()
-        raise
-
-
-def _sources(items: tuple[Any, ...], planner: SavePlanner) -> Iterable[Any]:
-    """The data of each item, in order: one loop over a reused plan's leaves for the standard planner."""
-    if isinstance(planner, StandardSavePlanner):
-        return planner.stage_arrays(items)
-    return (planner.get_data(item) for item in items)
-
-
-def _leaves(items: tuple[Any, ...], planner: SavePlanner) -> tuple[str | None, ...]:
-    """The whole-tensor leaf each item is, for the standard planner (whose early copies can stand for it)."""
-    if isinstance(planner, StandardSavePlanner):
-        return planner.leaf_names(items)
-    return (None,) * len(items)
-
-
-def _committed(metadata: Metadata, error: BaseException | None) -> Metadata:
-    """Finalize of an async save committed in the background: hand over its metadata or its error."""
-    if error is not None:
-        raise error
-    return metadata
-
-
-def settle_before_load(*, no_dist: bool, use_collectives: bool) -> None:
-    """Share the outcome of earlier async saves' background commits before a load reads. All ranks.
-
-    A load with collectives first runs :func:`settle_background_commits`: a
-    step saved just before (``result()`` returned) is then committed on every
-    rank, or its commit failure raises on every rank. Without collectives
-    nothing runs.
-    """
-    if DistWrapper(use_dist=not no_dist and use_collectives).use_dist:
-        settle_background_commits()
-
-
-def read_checkpoint_metadata(reader: StorageReader, options: LoadOptions) -> Metadata:
-    """Read the committed metadata on every rank (a step: one rank's failure fails all). All ranks.
-
-    First shares the outcome of an earlier async save's background commit
-    (:func:`settle_background_commits`): a step saved just before is committed.
-    """
-    dist = DistWrapper(use_dist=not options.no_dist and options.use_collectives)
-    settle_before_load(no_dist=options.no_dist, use_collectives=options.use_collectives)
-    rank = _rank_alone(options.no_dist, options.use_collectives)
-    found: list[Metadata] = []
-    dist.agree("read metadata", lambda: found.append(reader.read_metadata(rank=rank)))
-    return found[0]
-
-
-def run_load(
-    state_dict: dict[str, Any],
-    *,
-    reader: StorageReader,
-    planner: LoadPlanner,
-    metadata: Metadata,
-    options: LoadOptions,
-) -> None:
-    """Plan and read a load into ``state_dict`` in place. All ranks call it."""
-    dist = DistWrapper(use_dist=not options.no_dist and options.use_collectives)
-    local_plans: list[LoadPlan] = []
-    targets: list[dict[str, Any]] = []
-
-    def local_step() -> LoadPlan:
-        reader.set_up_storage_reader(metadata, dist.is_coordinator)
-        targets.append(apply_mindspore_layouts(state_dict, source=options.strategy_file, rank=platform.get_rank()))
-        planner.configure_planner(
-            targets[0], metadata, rank=dist.rank, world_size=dist.world_size, is_coordinator=dist.is_coordinator
-        )
-        local_plans.append(reader.prepare_local_plan(planner.build_local_plan()))
-        return local_plans[0]
-
-    def global_step(all_plans: list[LoadPlan]) -> list[Any]:
-        final = reader.prepare_global_plan(planner.build_global_plan(all_plans))
-        return [None if f is p else f for f, p in zip(final, all_plans)]
-
-    if _plans_stay_local(planner, reader):
-        # The coordinator would hand every rank its own plan back: only failures travel.
-        dist.agree("load plan", local_step)
-        received = None
-    else:
-        received = dist.reduce_scatter("load plan", local_step, global_step)
-    plan = planner.finalize_plan(received if received is not None else local_plans[0])
-    # Every rank verifies every byte it will read before any rank copies one:
-    # a corrupt checkpoint fails the load with every target unchanged.
-    dist.agree("verify", lambda: reader.verify_data(plan).result())
-    rounds = planner.read_rounds(plan)
-    for index, round_plan in enumerate(rounds):
-        _read_round(dist, reader, planner, round_plan, index, last=index == len(rounds) - 1)
-    if targets[0] is not state_dict:
-        copy_back_values(targets[0], state_dict)
-
-
-def _plans_stay_local(planner: LoadPlanner, reader: StorageReader) -> bool:
-    """Whether the load plan's global step returns every rank's plan unchanged.
-
-    True for the standard load planner without shared reads and a reader whose
-    global step changes nothing (the filesystem and fsspec readers): then no
-    plan needs to go to the coordinator.
-    """
-    return (
-        type(planner) is StandardLoadPlanner  # pylint: disable=unidiomatic-typecheck
-        and not planner.shares_reads
-        and type(reader).prepare_global_plan is FileSystemReader.prepare_global_plan
-    )
-
-
-def _read_round(
-    dist: DistWrapper, reader: StorageReader, planner: LoadPlanner, plan: LoadPlan, index: int, *, last: bool
-) -> None:
-    """Read one round; a planner that shares reads then hands regions between ranks. All ranks."""
-
-    def read_step() -> None:
-        reader.read_data(plan, planner).result()
-        if last and not planner.shares_reads:
-            planner.finish_load()
-
-    dist.agree("read", read_step)
-    if not planner.shares_reads:
-        return
-    shared = dist.all_gather("share reads", lambda: planner.outgoing(index))
-
-    def receive_step() -> None:
-        merged: dict[int, Any] = {}
-        for payload in shared:
-            merged.update(payload)
-        planner.incoming(index, merged)
-        if last:
-            planner.finish_load()
-
-    dist.agree("receive reads", receive_step)

@@ -26,7 +26,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError, C
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner
 from hyper_parallel.core.distributed_checkpoint.storage import StorageWriter, WriteResult
 
-__all__ = ["fork_run", "fork_write"]
+__all__ = ["fork_run", "fork_write", "fork_write_and_hash"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,25 @@ def fork_write(writer: StorageWriter, plan: SavePlan, planner: SavePlanner, *, r
     error (a :class:`CheckpointIOError` for I/O errors).
     """
     return fork_run(lambda: writer.write_data(plan, planner).result(), writer, rank=rank)
+
+
+def fork_write_and_hash(
+    writer: StorageWriter, plan: SavePlan, planner: SavePlanner, digests: Callable[[], Any], *, rank: int,
+    replicas: list[Any],
+) -> Callable[[], Any]:
+    """:func:`fork_write`, whose child also returns ``digests()`` (the replica digests of its snapshot).
+
+    The returned function (background thread) returns the write results and
+    appends the digests to ``replicas``. Caller's thread.
+    """
+    wait = fork_run(lambda: (writer.write_data(plan, planner).result(), digests()), writer, rank=rank)
+
+    def results() -> Any:
+        written, found = wait()
+        replicas.append(found)
+        return written
+
+    return results
 
 
 def fork_run(work: Callable[[], Any], writer: StorageWriter, *, rank: int) -> Callable[[], Any]:

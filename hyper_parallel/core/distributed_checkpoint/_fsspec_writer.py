@@ -41,12 +41,12 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     ConcurrentSaveError,
     UnsafeCheckpointError,
 )
+from hyper_parallel.core.distributed_checkpoint._data_writing import FileJob
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import (
     DATA_FILE_PATTERN,
     MAX_RECORD_BYTES,
     FileSystemPlanData,
     FileSystemWriter,
-    _FileJob,
 )
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner
@@ -161,10 +161,10 @@ class FsspecWriter(FileSystemWriter):
         """Start the upload of data object ``name``."""
         return ObjectSink(self.fs, self._object(name), part_bytes=self.part_bytes, connections=self.connections)
 
-    def _data_durable(self, jobs: list[_FileJob]) -> None:
+    def _data_durable(self, jobs: list[FileJob]) -> None:
         """Nothing to do: a completed upload is durable."""
 
-    def _discard(self, jobs: list[_FileJob]) -> None:
+    def _discard(self, jobs: list[FileJob]) -> None:
         """Remove this rank's data objects of the failed save (best effort)."""
         remove_objects(self.fs, [self._object(job.name) for job in jobs])
 

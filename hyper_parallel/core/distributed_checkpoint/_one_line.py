@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint import api
-from hyper_parallel.core.distributed_checkpoint._engine import settle_before_load
+from hyper_parallel.core.distributed_checkpoint._load_engine import settle_before_load
 from hyper_parallel.core.distributed_checkpoint._flatten import flatten_state_dict, set_by_path
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutSources, cells_in
 from hyper_parallel.core.distributed_checkpoint.errors import (

@@ -4,7 +4,7 @@
 format version; ``load`` reads the checkpoint's metadata (on every rank, one
 step) and calls the load strategy registered for the backend and format
 version recorded there (:mod:`.strategies`). The built-in strategies run the
-steps of :mod:`._engine`: every rank plans, the coordinator merges, every
+steps of :mod:`._engine` and :mod:`._load_engine`: every rank plans, the coordinator merges, every
 rank writes (or reads), the coordinator commits.
 """
 
@@ -14,15 +14,11 @@ from typing import Any
 
 from hyper_parallel import platform
 from hyper_parallel.core.distributed_checkpoint._background_commit import await_own_commits
-from hyper_parallel.core.distributed_checkpoint._engine import (
-    LoadOptions,
-    SaveOptions,
-    read_checkpoint_metadata,
-    reader_for,
-    writer_for,
-)
+from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions
+from hyper_parallel.core.distributed_checkpoint._load_engine import LoadOptions, read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutArgument
+from hyper_parallel.core.distributed_checkpoint._storage_choice import reader_for, writer_for
 from hyper_parallel.core.distributed_checkpoint.errors import IncompleteCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlanner, SavePlanner

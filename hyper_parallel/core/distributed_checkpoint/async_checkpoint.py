@@ -32,9 +32,10 @@ import threading
 from typing import Any
 
 from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncCall, AsyncCallsQueue
-from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions, writer_for
+from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions
 from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutArgument
+from hyper_parallel.core.distributed_checkpoint._storage_choice import writer_for
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlanner

@@ -12,19 +12,15 @@ its presence is the commit. Data files of an earlier save to the same
 directory stay untouched until then, so a crash at any moment leaves either
 the old checkpoint or the new one, complete.
 
-Racing saves: the coordinator holds the directory's save lease
-(:mod:`._save_lease`) from its set-up to the end of its cleanup, so a second
-save to the same id fails at once with :class:`ConcurrentSaveError`. At the
-commit it checks, compare-and-swap style, that the committed metadata is
-still the one it saw at its set-up and that the lease still names it. After
-the commit it deletes only the files of the save it replaced
-(:mod:`._commit_cleanup`).
+Racing saves: the coordinator holds the directory's save lease and checks,
+compare-and-swap style, before it commits (:mod:`._commit_guard`); after the
+commit it deletes only the files of the save it replaced
+(:mod:`._commit_cleanup`). How items become data files: :mod:`._data_writing`.
 """
 
 from __future__ import annotations
 
 import os
-import stat
 import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,24 +34,26 @@ from hyper_parallel.core.distributed_checkpoint._commit_cleanup import (
     garbage_files,
     remove_files,
 )
+from hyper_parallel.core.distributed_checkpoint._commit_guard import check_commit, clean_up_after_commit, drop_dead_save, file_signature
 from hyper_parallel.core.distributed_checkpoint._file_ops import OS_FILE_OPS, FileOps, make_directories
 from hyper_parallel.core.distributed_checkpoint._options import check_option
-from hyper_parallel.core.distributed_checkpoint._data_file import (
-    CoalescingWriter,
-    LocalDataFile,
-    byte_view,
-    lay_out,
-    write_all,
+from hyper_parallel.core.distributed_checkpoint._data_file import LocalDataFile, write_all
+from hyper_parallel.core.distributed_checkpoint._data_writing import (
+    AUTO_THREAD_BYTES,
+    DATA_ALIGNMENT,
+    FileJob,
+    drop_pages_in_background,
+    file_jobs,
+    write_data_file,
+    zstd_module,
 )
 from hyper_parallel.core.distributed_checkpoint._format.checksum import DEFAULT_BLOCK_BYTES
 from hyper_parallel.core.distributed_checkpoint._safe_files import read_regular
-from hyper_parallel.core.distributed_checkpoint._save_lease import DEFAULT_LEASE_TIMEOUT, LeaseHolder, SaveLease
+from hyper_parallel.core.distributed_checkpoint._save_lease import DEFAULT_LEASE_TIMEOUT, SaveLease
 from hyper_parallel.core.distributed_checkpoint.errors import (
-    CheckpointError,
     CheckpointExistsError,
     CheckpointIOError,
     CheckpointValueError,
-    ConcurrentSaveError,
 )
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BACKEND_NAME,
@@ -64,7 +62,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     StorageInfo,
 )
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import metadata_to_json
-from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner, WriteItem
+from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner
 from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, StorageWriter, WriteResult
 
 __all__ = [
@@ -85,10 +83,6 @@ MAX_RECORD_BYTES = 1 << 30
 
 #: Name of the committed metadata of a collective save.
 METADATA_FILE = "metadata.json"
-#: The data region of every data file starts at a multiple of this (a page; see ``build_header``).
-DATA_ALIGNMENT = 4096
-#: With ``thread_count=None`` a rank writing at least this many bytes uses 2 files and threads.
-AUTO_THREAD_BYTES = 64 << 20
 
 
 def rank_metadata_file(rank: int) -> str:
@@ -129,23 +123,6 @@ def write_atomically(
         raise
     if sync:
         fsync_directory(path.parent, ops)
-
-
-def _zstd():
-    try:
-        import zstandard  # pylint: disable=import-outside-toplevel
-    except ImportError as exc:
-        raise CheckpointValueError(
-            "compression='zstd' needs the zstandard package: pip install 'hyper_parallel[zstd]'"
-        ) from exc
-    return zstandard
-
-
-@dataclass(frozen=True)
-class _FileJob:
-    name: str
-    items: tuple[WriteItem, ...]
-    sizes: tuple[int, ...] = ()  # each item's storage size (from the plan)
 
 
 @dataclass(frozen=True)
@@ -217,7 +194,7 @@ class FileSystemWriter(StorageWriter):
         if compression not in (None, "zstd"):
             raise CheckpointValueError(f"compression must be None or 'zstd', got {compression!r}")
         if compression:
-            _zstd()
+            zstd_module()
         self.path = Path(os.fspath(path))
         self.sync_files = sync_files
         self.thread_count = thread_count
@@ -297,16 +274,10 @@ class FileSystemWriter(StorageWriter):
             self._lease.release()  # this writer's earlier save never finished nor aborted
         name = self._metadata_name()
         self._lease, broken = SaveLease.acquire(self.path, name, self.save_id, timeout=self.lease_timeout)
-        self._base = _signature(self.path / name)
+        self._base = file_signature(self.path / name)
         if broken is not None:
-            self._drop_dead_save(broken, name)
-
-    def _drop_dead_save(self, dead: LeaseHolder, name: str) -> None:
-        """Delete the files of the dead save whose stale lease was broken, unless they are committed."""
-        committed = committed_save_id(self.path / name)
-        garbage = {dead.save_id, dead.base_save_id} - {committed or "", self.save_id}
-        remove_files(garbage_files(self.path, garbage, rank=self.rank if self.rank_local else None),
-                     unlink=self.file_ops.unlink)
+            drop_dead_save(self.path, name, broken, save_id=self.save_id,
+                           rank=self.rank if self.rank_local else None, unlink=self.file_ops.unlink)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Return the plan unchanged: file names are given by the coordinator. All ranks call it."""
@@ -316,80 +287,25 @@ class FileSystemWriter(StorageWriter):
         """Give every plan the coordinator's save id (:class:`FileSystemPlanData`). Coordinator only."""
         return [replace(plan, storage_data=FileSystemPlanData(save_id=self.save_id)) for plan in plans]
 
-    def _jobs(self, plan: SavePlan) -> list[_FileJob]:
+    def _jobs(self, plan: SavePlan) -> list[FileJob]:
         if isinstance(plan.storage_data, FileSystemPlanData):
             self.save_id = plan.storage_data.save_id
-        save_id = self.save_id
-        threads = self.thread_count
-        sized = sorted(((item.storage_size(), item) for item in plan.items), key=lambda pair: -pair[0])
-        if threads is None:
-            threads = 2 if sum(size for size, _ in sized) >= self.auto_thread_bytes else 1
-        bins: list[list[tuple[int, WriteItem]]] = [[] for _ in range(threads)]
-        loads = [0] * threads
-        for pair in sized:
-            target = loads.index(min(loads)) if threads > 1 else 0
-            bins[target].append(pair)
-            loads[target] += pair[0]
-        jobs = []
-        for counter, pairs in enumerate(b for b in bins if b):
-            # Chunks of whole pages first: each then starts on a page (the data region does), so a
-            # resharded load reads page-aligned rows; safetensors allows no padding between chunks.
-            # Empty items stay last (they share the end offset).
-            pairs.sort(key=lambda pair: (pair[0] == 0, pair[0] % DATA_ALIGNMENT != 0))
-            name = f"r{self.rank:05d}_{counter:03d}.{save_id}.safetensors"
-            jobs.append(_FileJob(name=name, items=tuple(item for _, item in pairs),
-                                 sizes=tuple(size for size, _ in pairs)))
-        return jobs
+        return file_jobs(plan.items, rank=self.rank, save_id=self.save_id, thread_count=self.thread_count,
+                         auto_thread_bytes=self.auto_thread_bytes)
 
-    def _stored_views(self, job: _FileJob, planner: SavePlanner) -> list[tuple[memoryview, int]]:
-        """Each item's stored bytes (compressed when asked) and its raw length."""
-        views = []
-        for item, size in zip(job.items, job.sizes):
-            view = byte_view(planner.get_data(item))
-            if len(view) != size:
-                raise CheckpointError(
-                    f"key '{item.index.fqn}': planner returned {len(view)} bytes, plan says {size}"
-                )
-            raw_length = len(view)
-            if self.compression == "zstd":
-                view = memoryview(_zstd().ZstdCompressor(level=self.compression_level).compress(view))
-            views.append((view, raw_length))
-        return views
-
-    def _write_file(self, job: _FileJob, planner: SavePlanner) -> list[WriteResult]:
-        stored = self._stored_views(job, planner)
-        views = [view for view, _ in stored]
-        layout = lay_out(
-            job.items, views, file_metadata={"format": "hyper_parallel", "save_id": self.save_id},
-            align=DATA_ALIGNMENT, block_bytes=self.checksum_block_bytes,
-            tiles=self.tile_checksums and not self.compression, stored_as_bytes=bool(self.compression),
+    def _write_file(self, job: FileJob, planner: SavePlanner) -> list[WriteResult]:
+        return write_data_file(
+            job, planner, self._open_data_file, save_id=self.save_id, compression=self.compression,
+            compression_level=self.compression_level, block_bytes=self.checksum_block_bytes,
+            tiles=self.tile_checksums,
         )
-        sink = self._open_data_file(job.name)
-        try:
-            out = CoalescingWriter(sink)
-            out.write(memoryview(layout.header))
-            for view in views:
-                out.write(view)
-            out.flush()
-        except BaseException:
-            sink.abort()
-            raise
-        sink.commit()
-        compression = self.compression
-        return [
-            WriteResult(index=item.index, size_in_bytes=len(view), storage_data=StorageInfo(
-                relative_path=job.name, offset=offset, length=len(view), checksum=checksum,
-                compression=compression, raw_length=raw_length if compression else None,
-            ))
-            for item, (view, raw_length), offset, checksum in zip(job.items, stored, layout.offsets, layout.checksums)
-        ]
 
     def _open_data_file(self, name: str) -> LocalDataFile:
         """Open data file ``name`` of this save for streaming (the object backend opens an upload)."""
         # The pages are dropped after the whole save is durable, off its critical path (_drop_pages_later).
         return LocalDataFile(self.path / name, self.file_ops, sync=self.sync_files, drop_page_cache=False)
 
-    def _data_durable(self, jobs: list[_FileJob]) -> None:
+    def _data_durable(self, jobs: list[FileJob]) -> None:
         """Make the names of the data files just written durable (fsync the directory); then let their pages go."""
         if self.sync_files:
             fsync_directory(self.path, self.file_ops)
@@ -397,27 +313,9 @@ class FileSystemWriter(StorageWriter):
                 self._drop_pages_later([self.path / job.name for job in jobs])
 
     def _drop_pages_later(self, paths: list[Path]) -> None:
-        """Advise the kernel, on a background thread, that the (durable, clean) pages of ``paths`` may go.
-
-        Advisory only: durability was settled by the fsyncs; a file removed
-        meanwhile is skipped. At most one such thread per writer runs.
-        """
-        def run() -> None:
-            for path in paths:
-                try:
-                    fd = self.file_ops.open(path, os.O_RDONLY)
-                except OSError:
-                    continue
-                try:
-                    self.file_ops.drop_cache(fd)
-                except OSError:
-                    pass
-                finally:
-                    self.file_ops.close(fd)
-
+        """Let the pages of ``paths`` go, on a background thread; at most one such thread per writer runs."""
         self.wait_page_drop()
-        self._page_drop = threading.Thread(target=run, name="hp-ckpt-drop-pages", daemon=True)
-        self._page_drop.start()
+        self._page_drop = drop_pages_in_background(paths, self.file_ops)
 
     def wait_page_drop(self) -> None:
         """Wait until the page cache advice of the last save's data files is given. Any rank."""
@@ -436,7 +334,7 @@ class FileSystemWriter(StorageWriter):
         """
         future: Future[list[WriteResult]] = Future()
         self._created_directory = False  # writing began: a failure leaves the directory to the next save
-        jobs: list[_FileJob] = []
+        jobs: list[FileJob] = []
         try:
             while self._unsynced_parents:  # the checkpoint directory's own entry first (set_up_storage_writer)
                 self.file_ops.fsync_directory(self._unsynced_parents.pop(0))
@@ -459,7 +357,7 @@ class FileSystemWriter(StorageWriter):
             future.set_exception(exc)
         return future
 
-    def _discard(self, jobs: list[_FileJob]) -> None:
+    def _discard(self, jobs: list[FileJob]) -> None:
         for job in jobs:
             try:
                 self.file_ops.unlink(self.path / job.name)
@@ -485,7 +383,7 @@ class FileSystemWriter(StorageWriter):
         """
         committed = self.committed_metadata(metadata, results)
         name = self._metadata_name()
-        replaced = self._check_commit(name)
+        replaced = check_commit(self.path, name, lease=self._lease, base=self._base, save_id=self.save_id)
         if self._lease is not None and replaced:
             self._lease.record_base(replaced)
         failure: CheckpointIOError | None = None
@@ -509,12 +407,12 @@ class FileSystemWriter(StorageWriter):
         self.wait_cleanup()
         stale = self._stale_files(replaced)
         if not background_cleanup or failure is not None:
-            _clean_up(stale, lease, self.file_ops)
+            clean_up_after_commit(stale, lease, self.file_ops.unlink)
             if failure is not None:
                 raise failure
             return committed
         self._cleanup = threading.Thread(
-            target=_clean_up, args=(stale, lease, self.file_ops), name="hp-ckpt-cleanup", daemon=True
+            target=clean_up_after_commit, args=(stale, lease, self.file_ops.unlink), name="hp-ckpt-cleanup", daemon=True
         )
         self._cleanup.start()
         return committed
@@ -530,22 +428,6 @@ class FileSystemWriter(StorageWriter):
             storage_data=storage_data,
             storage_meta=replace(metadata.storage_meta, backend=BACKEND_NAME, save_id=self.save_id),
         )
-
-    def _check_commit(self, name: str) -> str | None:
-        """Compare-and-swap check before the commit; return the save id of the metadata being replaced."""
-        if self._lease is not None and not self._lease.holds():
-            raise ConcurrentSaveError(
-                f"checkpoint {self.path}: the save lease {self._lease.path} of this save (save id {self.save_id}) "
-                "was removed or taken by another save while it ran (another process judged it stale, or a "
-                "CheckpointManager deleted the directory); nothing was committed: save again"
-            )
-        if _signature(self.path / name) != self._base:
-            replaced = committed_save_id(self.path / name)
-            raise ConcurrentSaveError(
-                f"checkpoint {self.path} was committed by another save (save id {replaced}) while this save "
-                f"(save id {self.save_id}) ran; nothing of this save was committed: save again, or to another id"
-            )
-        return committed_save_id(self.path / name)
 
     def abort(self) -> None:
         """Undo a failed save: delete its files, release its lease, remove the directory if planning failed.
@@ -634,23 +516,3 @@ class FileSystemWriter(StorageWriter):
         if isinstance(checkpoint_id, os.PathLike):
             return True
         return isinstance(checkpoint_id, str) and bool(checkpoint_id) and "://" not in checkpoint_id
-
-
-def _clean_up(paths: list[Path], lease: SaveLease | None, ops: FileOps) -> None:
-    try:
-        remove_files(paths, unlink=ops.unlink)
-    finally:
-        if lease is not None:
-            lease.release()
-
-
-def _signature(path: Path) -> tuple[int, ...] | None:
-    """Identity of the file at ``path`` (device, inode, size, mtime) or ``None`` if absent: a commit replaces it."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return (-1,)
-    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, stat.S_IFMT(info.st_mode))
-

@@ -609,9 +609,9 @@ class StandardLoadPlanner(LoadPlanner):
             if len(chunks) == 1 and chunks[0].offsets == piece.offsets and chunks[0].sizes == piece.sizes:
                 if math.prod(piece.sizes):  # the common case, a piece stored as one chunk: read it whole
                     zero = (0,) * len(piece.sizes)
-                    reads.append(ReadItem(type=LoadItemType.TENSOR, dest_index=dest, dest_offsets=zero,
-                                          storage_index=MetadataIndex(entry.fqn, chunks[0].offsets),
-                                          storage_offsets=zero, lengths=tuple(piece.sizes)))
+                    # Positional: type, dest_index, dest_offsets, storage_index, storage_offsets, lengths.
+                    reads.append(ReadItem(LoadItemType.TENSOR, dest, zero, MetadataIndex(entry.fqn, chunks[0].offsets),
+                                          zero, tuple(piece.sizes)))
                 continue
             for chunk in overlapping_chunks(chunks, piece.offsets, piece.sizes):
                 lo = tuple(max(a, b) for a, b in zip(piece.offsets, chunk.offsets))

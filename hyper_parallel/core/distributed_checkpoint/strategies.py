@@ -5,7 +5,8 @@ format version. ``dcp.load`` reads the metadata and calls the load strategy
 registered for them (refusing, with a clear error, a backend or version
 nobody registered); ``dcp.save`` and ``dcp.async_save`` call the save
 strategy registered for this package's backend and :data:`FORMAT_VERSION`.
-The built-in strategies run the steps of :mod:`._engine` with whatever
+The built-in strategies run the steps of :mod:`._engine` (save),
+:mod:`._async_engine` (async save) and :mod:`._load_engine` (load) with whatever
 storage writer or reader the caller chose; they are registered here as
 backend ``"filesystem"``.
 """
@@ -17,13 +18,9 @@ import enum
 from typing import Any
 
 from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncCallsQueue, AsyncRequest
-from hyper_parallel.core.distributed_checkpoint._engine import (
-    LoadOptions,
-    SaveOptions,
-    plan_async_save,
-    run_load,
-    run_save,
-)
+from hyper_parallel.core.distributed_checkpoint._async_engine import plan_async_save
+from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions, run_save
+from hyper_parallel.core.distributed_checkpoint._load_engine import LoadOptions, run_load
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, UnsupportedFormatError
 from hyper_parallel.core.distributed_checkpoint.metadata import BACKEND_NAME, FORMAT_VERSION, Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlanner, SavePlanner
@@ -169,7 +166,7 @@ class StandardSaveStrategy(SaveStrategyBase):
         options: SaveOptions,
         staging: str,
     ) -> AsyncRequest:
-        """Plan and stage (:func:`._engine.plan_async_save`). All ranks call it."""
+        """Plan and stage (:func:`._async_engine.plan_async_save`). All ranks call it."""
         return plan_async_save(state_dict, writer=storage_writer, planner=planner, options=options, staging=staging)
 
 
@@ -185,7 +182,7 @@ class StandardLoadStrategy(LoadStrategyBase):
         metadata: Metadata,
         options: LoadOptions,
     ) -> None:
-        """Run the load steps (:func:`._engine.run_load`). All ranks call it."""
+        """Run the load steps (:func:`._load_engine.run_load`). All ranks call it."""
         run_load(state_dict, reader=storage_reader, planner=planner, metadata=metadata, options=options)
 
 

@@ -180,8 +180,11 @@ def _tensor_entry(fqn: str, raw: dict, where: str, shared: dict) -> TensorStorag
         if len(offsets) != len(size) or len(sizes) != len(size) or (
             sizes != size or any(offsets)) and any(o + s > full for o, s, full in zip(offsets, sizes, size)):
             raise CorruptCheckpointError(f"{where}: chunk {position} {offsets}+{sizes} lies outside {list(size)}")
-        chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=sizes))
-    return TensorStorageMetadata(properties=TensorProperties(dtype=dtype), size=size, chunks=tuple(chunks))
+        chunks.append(ChunkStorageMetadata(offsets, sizes))  # positional: cheaper per entry
+    properties = shared.get(("properties", dtype))
+    if properties is None:  # one record per dtype (records are immutable)
+        properties = shared[("properties", dtype)] = TensorProperties(dtype)
+    return TensorStorageMetadata(properties, size, tuple(chunks))  # properties, size, chunks
 
 
 def _storage_entry(raw: Any, position: int, source: str, shared: dict) -> tuple[MetadataIndex, StorageInfo]:
@@ -208,22 +211,18 @@ def _storage_entry(raw: Any, position: int, source: str, shared: dict) -> tuple[
             raise CorruptCheckpointError(f"{where}: malformed checksum for key '{fqn}'")
         block_shape = _ints(chk.get("block_shape", []), where, "block_shape", minimum=1)
         algorithm = _str(chk.get("algorithm"), where, "algorithm")
-        checksum = ChunkChecksum(
-            algorithm=shared.setdefault(algorithm, algorithm),
-            block_bytes=block,
-            digests=tuple(digests),
-            block_shape=block_shape,
-        )
+        # Positional (cheaper per entry): algorithm, block_bytes, digests, block_shape.
+        checksum = ChunkChecksum(shared.setdefault(algorithm, algorithm), block, tuple(digests), block_shape)
     compression = raw.get("compression")
     if compression is not None and compression != "zstd":
         raise CorruptCheckpointError(f"{where}: unknown compression {compression!r} for key '{fqn}'")
-    info = StorageInfo(
-        relative_path=path,
-        offset=_int(raw.get("byte_offset"), where, "byte_offset"),
-        length=_int(raw.get("length"), where, "length"),
-        checksum=checksum,
-        compression=compression,
-        raw_length=_int(raw.get("raw_length"), where, "raw_length") if compression else None,
+    info = StorageInfo(  # positional (cheaper per entry): relative_path, offset, length, checksum, compression, raw_length
+        path,
+        _int(raw.get("byte_offset"), where, "byte_offset"),
+        _int(raw.get("length"), where, "length"),
+        checksum,
+        compression,
+        _int(raw.get("raw_length"), where, "raw_length") if compression else None,
     )
     if info.length > MAX_TENSOR_BYTES or info.offset > MAX_TENSOR_BYTES:
         raise UnsafeCheckpointError(f"{where}: absurd byte offset or length for key '{fqn}'; refused")

@@ -1,0 +1,163 @@
+"""Planning and staging an async save: the blocking part of ``async_save``.
+
+:func:`plan_async_save` plans the save (:func:`._engine.plan_save`), takes
+this rank's snapshot (staged copies in the host buffers of :data:`_POOL`, or
+a forked writer process whose memory is the snapshot), and returns the
+:class:`.AsyncRequest` whose background function writes it; how it commits
+depends on the job (see the function). A save without collectives whose
+layout is new is planned after the snapshot (:mod:`._deferred_save`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+from hyper_parallel import platform
+from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncRequest
+from hyper_parallel.core.distributed_checkpoint._background_commit import background_commit_request
+from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
+from hyper_parallel.core.distributed_checkpoint._deferred_save import DeferredPlan, deferred_request
+from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions, SaveSession, commit_save, plan_save, write_local
+from hyper_parallel.core.distributed_checkpoint._fork_writer import fork_write, fork_write_and_hash
+from hyper_parallel.core.distributed_checkpoint._staging import StagedSavePlanner, StagingPool, staged_views
+from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
+from hyper_parallel.core.distributed_checkpoint.planner import SavePlanner
+from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
+from hyper_parallel.core.distributed_checkpoint.storage import StorageWriter, WriteResult
+
+__all__ = ["plan_async_save"]
+
+
+#: Host buffers of ``staging="copy"``, kept for the next async save.
+_POOL = StagingPool()
+
+
+def plan_async_save(
+    state_dict: dict[str, Any], *, writer: StorageWriter, planner: SavePlanner, options: SaveOptions, staging: str
+) -> AsyncRequest:
+    """Plan and stage a save; return the request that writes and then commits it. All ranks.
+
+    The request's background function writes this rank's data (from staged
+    copies, or in a forked process whose memory is the snapshot). A save
+    without collectives (one process, or ``use_collectives=False``) commits
+    in the background right after writing. With several ranks and a writer
+    that keeps rank records, the coordinator's background thread commits
+    from every rank's results record (:mod:`._background_commit`). With a
+    writer without them, the finalize function is :func:`commit_save`, a
+    collective step run on the caller's thread (``result()`` or the next
+    async save). The background thread never runs a collective, which could
+    interleave with the training job's own.
+    """
+    # A forked writer of a job of several ranks hashes the replicas of its snapshot; the coordinator compares
+    # them before it commits (_background_commit): the blocking part hashes nothing.
+    later = (staging == "fork" and type(planner) is StandardSavePlanner  # pylint: disable=unidiomatic-typecheck
+             and planner.check_replicas and writer.supports_rank_records()
+             and DistWrapper(use_dist=not options.no_dist and options.use_collectives).use_dist)
+    if type(planner) is StandardSavePlanner:  # pylint: disable=unidiomatic-typecheck
+        planner.digest_replicas_later(later)
+    early = None
+    if staging == "copy":  # tensors are copied into the arena while the plan is made (_stage_copies)
+        alone = options.no_dist or not options.use_collectives or platform.get_world_size() <= 1
+        early = _POOL.early_copies(every_leaf=alone)
+    try:
+        session = plan_save(state_dict, writer=writer, planner=planner, options=options, listener=early,
+                            may_defer=True)
+        if isinstance(session, DeferredPlan):  # one rank, a new layout: planned after the snapshot (_deferred_save)
+            request = _deferred_or_none(session, early)
+            if request is not None:
+                return request
+            session = _plan_now(session)
+    except BaseException:
+        if early is not None:
+            early.abandon()
+        raise
+    background: list[Callable[[], list[WriteResult]]] = []
+    replicas: list[Any] = []  # the replica digests a forked writer made (``later``)
+
+    def stage_step() -> None:
+        items = session.plan.items
+        if early is not None:
+            staged = StagedSavePlanner(session.planner, _POOL.stage(
+                items, session.planner.get_data, lambda: _leaves(items, session.planner), early))
+            background.append(lambda: write_local(session, staged))
+        elif later:  # the forked writer also hashes the replicas of its snapshot
+            views = staged_views(items, _sources(items, session.planner), session.planner)
+            background.append(fork_write_and_hash(session.writer, session.plan, views, session.planner.replica_digests,
+                                                  rank=session.dist.rank, replicas=replicas))
+        else:
+            views = staged_views(items, _sources(items, session.planner), session.planner)
+            background.append(fork_write(session.writer, session.plan, views, rank=session.dist.rank))
+
+    try:
+        session.dist.agree("stage", stage_step)
+    except BaseException:
+        if early is not None:
+            early.abandon()
+        session.writer.abort()
+        raise
+
+    if not session.dist.use_dist:
+        # No other rank takes part in the commit: the background thread commits right after writing,
+        # so the step is durable as soon as done() is true, whether or not result() is ever called.
+        write = background[0]
+
+        def write_and_commit() -> Metadata:
+            # The write runs inside the commit step, so a failed write aborts the save like any step.
+            return commit_save(session, write, step="async write and commit")
+
+        return AsyncRequest(async_fn=write_and_commit, finalize_fns=(_committed,))
+
+    if session.writer.supports_rank_records():
+        return background_commit_request(dist=session.dist, writer=session.writer, plan=session.plan,
+                                         metadata=session.metadata, write=background[0],
+                                         replicas=(lambda: replicas[0] if replicas else ()) if later else None)
+
+    def commit(results: list[WriteResult], error: BaseException | None) -> Metadata:
+        def local_results() -> list[WriteResult]:
+            if error is not None:
+                raise error
+            return results
+
+        return commit_save(session, local_results, step="async write and commit", background_cleanup=True)
+
+    return AsyncRequest(async_fn=background[0], finalize_fns=(commit,))
+
+
+def _deferred_or_none(deferred: DeferredPlan, early: Any) -> AsyncRequest | None:
+    """:func:`._deferred_save.deferred_request`; the writer is aborted if taking the snapshot fails."""
+    try:
+        return deferred_request(deferred, early=early, pool=_POOL, finalize=_committed,
+                                commit=lambda planned, write: commit_save(planned, write, step="async write and commit"))
+    except BaseException:
+        deferred.writer.abort()
+        raise
+
+
+def _plan_now(deferred: DeferredPlan) -> SaveSession:
+    """Make a deferred plan at once (a state :mod:`._deferred_save` cannot snapshot). Caller's thread."""
+    try:
+        return deferred.adopt(deferred.make())
+    except BaseException:
+        deferred.writer.abort()
+        raise
+
+
+def _sources(items: tuple[Any, ...], planner: SavePlanner) -> Iterable[Any]:
+    """The data of each item, in order: one loop over a reused plan's leaves for the standard planner."""
+    if isinstance(planner, StandardSavePlanner):
+        return planner.stage_arrays(items)
+    return (planner.get_data(item) for item in items)
+
+
+def _leaves(items: tuple[Any, ...], planner: SavePlanner) -> tuple[str | None, ...]:
+    """The whole-tensor leaf each item is, for the standard planner (whose early copies can stand for it)."""
+    if isinstance(planner, StandardSavePlanner):
+        return planner.leaf_names(items)
+    return (None,) * len(items)
+
+
+def _committed(metadata: Metadata, error: BaseException | None) -> Metadata:
+    """Finalize of an async save committed in the background: hand over its metadata or its error."""
+    if error is not None:
+        raise error
+    return metadata

@@ -1,0 +1,155 @@
+"""The steps of a load, in order: the one place they run.
+
+:func:`read_checkpoint_metadata` first (every rank reads the committed
+metadata, after the outcome of an earlier async save's background commit is
+shared), then :func:`run_load`: every rank plans the regions it needs, every
+rank verifies every byte it will read, then reads them into its tensors in
+place, in rounds when the planner shares reads between ranks.
+
+Every step runs through :class:`._collectives.DistWrapper`, so a failure on
+any rank raises the same error on every rank. This module knows storage only
+through the :class:`.StorageReader` methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hyper_parallel import platform
+from hyper_parallel.core.distributed_checkpoint._background_commit import settle_background_commits
+from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
+from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutArgument, apply_mindspore_layouts, copy_back_values
+from hyper_parallel.core.distributed_checkpoint._storage_choice import rank_alone
+from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
+from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
+from hyper_parallel.core.distributed_checkpoint.planner import LoadPlan, LoadPlanner
+from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardLoadPlanner
+from hyper_parallel.core.distributed_checkpoint.storage import StorageReader
+
+__all__ = ["LoadOptions", "read_checkpoint_metadata", "settle_before_load", "run_load"]
+
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How a load runs (the arguments of ``dcp.load`` besides state and storage).
+
+    Attributes:
+        no_dist: One process, no collectives.
+        use_collectives: ``False``: each rank loads alone (rank-local metadata first).
+        strategy_file: Layouts of Parameters MindSpore sliced (``strategy_file=``).
+    """
+
+    no_dist: bool = False
+    use_collectives: bool = True
+    strategy_file: LayoutArgument = None
+
+
+def settle_before_load(*, no_dist: bool, use_collectives: bool) -> None:
+    """Share the outcome of earlier async saves' background commits before a load reads. All ranks.
+
+    A load with collectives first runs :func:`settle_background_commits`: a
+    step saved just before (``result()`` returned) is then committed on every
+    rank, or its commit failure raises on every rank. Without collectives
+    nothing runs.
+    """
+    if DistWrapper(use_dist=not no_dist and use_collectives).use_dist:
+        settle_background_commits()
+
+
+def read_checkpoint_metadata(reader: StorageReader, options: LoadOptions) -> Metadata:
+    """Read the committed metadata on every rank (a step: one rank's failure fails all). All ranks.
+
+    First shares the outcome of an earlier async save's background commit
+    (:func:`settle_background_commits`): a step saved just before is committed.
+    """
+    dist = DistWrapper(use_dist=not options.no_dist and options.use_collectives)
+    settle_before_load(no_dist=options.no_dist, use_collectives=options.use_collectives)
+    rank = rank_alone(options.no_dist, options.use_collectives)
+    found: list[Metadata] = []
+    dist.agree("read metadata", lambda: found.append(reader.read_metadata(rank=rank)))
+    return found[0]
+
+
+def run_load(
+    state_dict: dict[str, Any],
+    *,
+    reader: StorageReader,
+    planner: LoadPlanner,
+    metadata: Metadata,
+    options: LoadOptions,
+) -> None:
+    """Plan and read a load into ``state_dict`` in place. All ranks call it."""
+    dist = DistWrapper(use_dist=not options.no_dist and options.use_collectives)
+    local_plans: list[LoadPlan] = []
+    targets: list[dict[str, Any]] = []
+
+    def local_step() -> LoadPlan:
+        reader.set_up_storage_reader(metadata, dist.is_coordinator)
+        targets.append(apply_mindspore_layouts(state_dict, source=options.strategy_file, rank=platform.get_rank()))
+        planner.configure_planner(
+            targets[0], metadata, rank=dist.rank, world_size=dist.world_size, is_coordinator=dist.is_coordinator
+        )
+        local_plans.append(reader.prepare_local_plan(planner.build_local_plan()))
+        return local_plans[0]
+
+    def global_step(all_plans: list[LoadPlan]) -> list[Any]:
+        final = reader.prepare_global_plan(planner.build_global_plan(all_plans))
+        return [None if f is p else f for f, p in zip(final, all_plans)]
+
+    if _plans_stay_local(planner, reader):
+        # The coordinator would hand every rank its own plan back: only failures travel.
+        dist.agree("load plan", local_step)
+        received = None
+    else:
+        received = dist.reduce_scatter("load plan", local_step, global_step)
+    plan = planner.finalize_plan(received if received is not None else local_plans[0])
+    # Every rank verifies every byte it will read before any rank copies one:
+    # a corrupt checkpoint fails the load with every target unchanged.
+    dist.agree("verify", lambda: reader.verify_data(plan).result())
+    rounds = planner.read_rounds(plan)
+    for index, round_plan in enumerate(rounds):
+        _read_round(dist, reader, planner, round_plan, index, last=index == len(rounds) - 1)
+    if targets[0] is not state_dict:
+        copy_back_values(targets[0], state_dict)
+
+
+def _plans_stay_local(planner: LoadPlanner, reader: StorageReader) -> bool:
+    """Whether the load plan's global step returns every rank's plan unchanged.
+
+    True for the standard load planner without shared reads and a reader whose
+    global step changes nothing (the filesystem and fsspec readers): then no
+    plan needs to go to the coordinator.
+    """
+    return (
+        type(planner) is StandardLoadPlanner  # pylint: disable=unidiomatic-typecheck
+        and not planner.shares_reads
+        and type(reader).prepare_global_plan is FileSystemReader.prepare_global_plan
+    )
+
+
+def _read_round(
+    dist: DistWrapper, reader: StorageReader, planner: LoadPlanner, plan: LoadPlan, index: int, *, last: bool
+) -> None:
+    """Read one round; a planner that shares reads then hands regions between ranks. All ranks."""
+
+    def read_step() -> None:
+        reader.read_data(plan, planner).result()
+        if last and not planner.shares_reads:
+            planner.finish_load()
+
+    dist.agree("read", read_step)
+    if not planner.shares_reads:
+        return
+    shared = dist.all_gather("share reads", lambda: planner.outgoing(index))
+
+    def receive_step() -> None:
+        merged: dict[int, Any] = {}
+        for payload in shared:
+            merged.update(payload)
+        planner.incoming(index, merged)
+        if last:
+            planner.finish_load()
+
+    dist.agree("receive reads", receive_step)
