@@ -1,4 +1,4 @@
-"""The steps of a save and of a load, in order: the one place they run.
+"""The steps of a save, in order: the one place they run.
 
 Save (:func:`run_save`, or :func:`plan_save` + :func:`commit_save` around
 the background write of an async save):
