@@ -45,6 +45,8 @@ _GROUPS = (
     ("metadata", "Metadata (module `metadata`)"),
     ("planner", "Plans and abstract planners (module `planner`)"),
     ("standard_planner", "Default planners (module `standard_planner`)"),
+    ("_load_planner", "Default planners (module `standard_planner`)"),
+    ("_save_planner", "Default planners (module `standard_planner`)"),
     ("storage", "Abstract storage (module `storage`)"),
     ("filesystem_writer", "Filesystem storage"),
     ("filesystem_reader", "Filesystem storage"),

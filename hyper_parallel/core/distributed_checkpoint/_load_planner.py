@@ -1,0 +1,402 @@
+"""The default load planner: where to load into.
+
+:class:`StandardLoadPlanner` reads, for every piece of every target tensor,
+the overlap with each stored chunk, straight into the target's memory when the
+framework shares it (CPU), otherwise into a staging copy assigned back at the
+end. Non-tensor values are replaced in the caller's (nested) dict.
+Re-exported by :mod:`.standard_planner`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import numpy as np
+
+from hyper_parallel.core.distributed_checkpoint._device_targets import DeviceRegions
+from hyper_parallel.core.distributed_checkpoint.errors import (
+    CheckpointValueError,
+    MissingKeyError,
+    ShapeMismatchError,
+    UnsafeCheckpointError,
+)
+from hyper_parallel.core.distributed_checkpoint._chunk_search import overlapping_chunks
+from hyper_parallel.core.distributed_checkpoint._flatten import FlatStateDict, flatten_state_dict, set_by_path
+from hyper_parallel.core.distributed_checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from hyper_parallel.core.distributed_checkpoint._replicated_read import (
+    ReadExchange,
+    plan_single_replica_reads,
+    region_key,
+)
+from hyper_parallel.core.distributed_checkpoint._state_items import (
+    SkipEntry,
+    TensorEntry,
+    TensorPiece,
+    ValueEntry,
+    make_entry,
+    piece_view,
+)
+from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value
+from hyper_parallel.platform.tensor import DTYPE_NAMES, assign, numpy_dtype, to_numpy, writable_view, writable_views
+from hyper_parallel.core.distributed_checkpoint._leaf_entry import classify_leaf
+
+__all__ = ["StandardLoadPlanner"]
+
+_LOG = logging.getLogger(__name__)
+
+
+def _shown(keys: list[str], limit: int = 20) -> str:
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(f"'{k}'" for k in keys[:limit]) + more
+
+
+
+def _fitted(array: np.ndarray, entry: TensorEntry) -> np.ndarray:
+    """A target's array in its local shape (a flat-range target keeps its flat array)."""
+    if entry.pieces[0].flat_start is None and tuple(array.shape) != entry.local_shape:
+        return array.reshape(entry.local_shape)
+    return array
+
+
+
+class StandardLoadPlanner(LoadPlanner):
+    """Plans a load into a (nested) state dict, in place.
+
+    Args:
+        allow_partial_load: Skip target keys missing from the checkpoint
+            instead of raising :class:`MissingKeyError`.
+        allow_pickle: Unpickle stored pickled values (trusted checkpoints only).
+        single_replica_read: A region several ranks need is read from storage
+            by one of them and sent to the others over the collective.
+        exchange_round_bytes: Most bytes a rank sends per exchange round
+            (bounds the extra memory of ``single_replica_read``).
+        device_region_bytes: For a target tensor in device memory (not
+            shared with host memory, e.g. on Ascend): reads are cut into regions
+            of at most this many bytes, each read into a host buffer and
+            copied into its region of the tensor, so the host memory a load
+            needs stays bounded whatever the tensor size.
+    """
+
+    def __init__(
+        self,
+        *,
+        allow_partial_load: bool = False,
+        allow_pickle: bool = False,
+        single_replica_read: bool = False,
+        exchange_round_bytes: int = 256 << 20,
+        device_region_bytes: int = 16 << 20,
+    ) -> None:
+        if device_region_bytes < 1:
+            raise CheckpointValueError(f"device_region_bytes must be >= 1, got {device_region_bytes}")
+        self.allow_partial_load = allow_partial_load
+        self.device_region_bytes = device_region_bytes
+        self._device = DeviceRegions()
+        self.allow_pickle = allow_pickle
+        self.shares_reads = single_replica_read
+        self.exchange_round_bytes = exchange_round_bytes
+        self._exchange: ReadExchange | None = None
+        self._outbox: dict[int, tuple[int, Any]] = {}
+        self.state_dict: dict[str, Any] | None = None
+        self.flat: FlatStateDict | None = None
+        self.metadata: Metadata | None = None
+        self.rank = 0
+        self.missing_keys: list[str] = []
+        # Everything below is keyed by the leaf's dotted name in the state dict
+        # (several ShardedTensors/ShardedObjects may share one checkpoint key).
+        self._entries: dict[str, TensorEntry | ValueEntry | SkipEntry] = {}
+        self._targets: dict[str, np.ndarray] = {}
+        self._staged: set[str] = set()
+        self._pieces: dict[tuple[str, tuple[int, ...]], tuple[str, TensorEntry, TensorPiece]] = {}
+        self._value_names: dict[tuple[str, tuple[int, ...]], str] = {}
+        self._values: dict[str, Any] = {}
+
+    def configure_planner(
+        self,
+        state_dict: dict[str, Any],
+        metadata: Metadata,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        is_coordinator: bool = True,
+    ) -> None:
+        """Flatten the target and check it against the metadata. All ranks call it.
+
+        Raises:
+            MissingKeyError: keys missing from the checkpoint (all listed).
+            ShapeMismatchError: a global shape differs (names key and shapes).
+        """
+        self.state_dict = state_dict
+        self.flat = flatten_state_dict(state_dict)
+        self.metadata = metadata
+        self.rank = rank
+        self.missing_keys = []
+        self._entries.clear()
+        self._targets.clear()
+        self._staged.clear()
+        self._device = DeviceRegions()
+        self._pieces.clear()
+        self._value_names.clear()
+        self._values.clear()
+        problems = []
+        stored_aliases = metadata.planner_data.get("aliases", {}) if isinstance(metadata.planner_data, dict) else {}
+        for name, value in self.flat.values.items():
+            fqn = self.flat.storage_keys[name]
+            if fqn not in metadata.state_dict_metadata and stored_aliases.get(fqn) in metadata.state_dict_metadata:
+                fqn = stored_aliases[fqn]  # a Parameter saved once under another path (e.g. the model's)
+            entry = classify_leaf(fqn, value)
+            if isinstance(entry, SkipEntry):
+                self._entries[name] = entry
+                continue
+            stored = metadata.state_dict_metadata.get(fqn)
+            if stored is None:
+                self.missing_keys.append(fqn)
+                continue
+            if isinstance(entry, TensorEntry):
+                if not isinstance(stored, TensorStorageMetadata):
+                    problems.append(f"key '{fqn}': the target is a tensor but the checkpoint stores a value")
+                    continue
+                if isinstance(entry.local, np.ndarray) and not entry.local.flags.writeable:
+                    problems.append(f"key '{fqn}': the target numpy array is read-only; pass a writable array")
+                    continue
+                if tuple(stored.size) != entry.global_shape and not entry.allow_shape_mismatch:
+                    raise ShapeMismatchError(
+                        f"key '{fqn}': checkpoint global shape {list(stored.size)} differs from the target's "
+                        f"global shape {list(entry.global_shape)}"
+                    )
+            self._entries[name] = entry
+        if problems:
+            raise CheckpointValueError("; ".join(problems))
+        if self.missing_keys:
+            self._report_missing(metadata, rank)
+
+    def _report_missing(self, metadata: Metadata, rank: int) -> None:
+        """Say what matched and what did not; refuse a load that would load nothing, even partial."""
+        matched = sorted(e.fqn for e in self._entries.values() if not isinstance(e, SkipEntry))
+        stored = sorted(metadata.state_dict_metadata)
+        summary = (
+            f"rank {rank}: {len(self.missing_keys)} of {len(self.missing_keys) + len(matched)} requested key(s) are "
+            f"not in the checkpoint: {_shown(self.missing_keys)}; matched: {_shown(matched) or 'none'}; "
+            f"the checkpoint holds {len(stored)} key(s), e.g. {_shown(stored, 5) or 'none'}"
+        )
+        if not matched:
+            raise MissingKeyError(
+                f"{summary}. Nothing would load, even with allow_partial_load=True: this checkpoint is of "
+                "another model, or its keys carry another prefix (save and load the same structure, e.g. both "
+                "{'model': net}, or use hyper_parallel.load_checkpoint(path, net), which matches MindSpore names)"
+            )
+        if not self.allow_partial_load:
+            raise MissingKeyError(
+                f"{summary}. Pass StandardLoadPlanner(allow_partial_load=True) to load only the matched keys"
+            )
+        _LOG.warning("%s; loading only the matched keys (allow_partial_load=True)", summary)
+
+    def build_local_plan(self) -> LoadPlan:
+        """Return the overlap of every target piece with every stored chunk. All ranks."""
+        items: list[ReadItem] = []
+        # One pass over the targets: the memory of each tensor numpy can write in place (none: a device tensor).
+        tensors = [(name, entry) for name, entry in self._entries.items() if isinstance(entry, TensorEntry)]
+        views = dict(zip((name for name, _ in tensors), writable_views([entry.local for _, entry in tensors])))
+        for name, entry in list(self._entries.items()):
+            fqn = entry.fqn
+            stored = self.metadata.state_dict_metadata[fqn] if not isinstance(entry, SkipEntry) else None
+            if isinstance(entry, TensorEntry) and isinstance(stored, TensorStorageMetadata):
+                reads = self._tensor_reads(name, entry, stored)
+                view = views[name]
+                if view is None:  # device memory (or a copy): regions may go through host buffers
+                    items.extend(self._device.plan(name, entry, reads, self.device_region_bytes))
+                    continue
+                self._targets[name] = _fitted(view, entry)
+                items.extend(reads)
+            elif isinstance(entry, ValueEntry) and isinstance(stored, BytesStorageMetadata):
+                if entry.offset not in stored.shard_offsets:
+                    raise MissingKeyError(
+                        f"key '{fqn}': grid position {list(entry.offset)} is not in the checkpoint "
+                        f"(stored: {[list(o) for o in stored.shard_offsets]})"
+                    )
+                index = MetadataIndex(fqn, entry.offset)
+                self._value_names[(fqn, entry.offset)] = name
+                items.append(ReadItem(LoadItemType.BYTE_IO, index, (), index, (), ()))
+            elif isinstance(entry, ValueEntry) and isinstance(stored, TensorStorageMetadata):
+                items.extend(self._new_tensor_reads(name, fqn, stored))
+        return LoadPlan(items=tuple(items))
+
+    def _tensor_reads(self, name: str, entry: TensorEntry, stored: TensorStorageMetadata) -> list[ReadItem]:
+        reads = []
+        for position, piece in enumerate(entry.pieces):
+            dest = MetadataIndex(entry.fqn, piece.offsets, index=position)
+            if (entry.fqn, piece.offsets) in self._pieces:
+                other = self._pieces[(entry.fqn, piece.offsets)][0]
+                raise CheckpointValueError(
+                    f"state_dict entries '{other}' and '{name}' both ask for key '{entry.fqn}' at offset "
+                    f"{list(piece.offsets)}; load it once"
+                )
+            self._pieces[(entry.fqn, piece.offsets)] = (name, entry, piece)
+            chunks = stored.chunks
+            if len(chunks) == 1 and chunks[0].offsets == piece.offsets and chunks[0].sizes == piece.sizes:
+                if math.prod(piece.sizes):  # the common case, a piece stored as one chunk: read it whole
+                    zero = (0,) * len(piece.sizes)
+                    # Positional: type, dest_index, dest_offsets, storage_index, storage_offsets, lengths.
+                    reads.append(ReadItem(LoadItemType.TENSOR, dest, zero, MetadataIndex(entry.fqn, chunks[0].offsets),
+                                          zero, tuple(piece.sizes)))
+                continue
+            for chunk in overlapping_chunks(chunks, piece.offsets, piece.sizes):
+                lo = tuple(max(a, b) for a, b in zip(piece.offsets, chunk.offsets))
+                hi = tuple(
+                    min(a + s, b + t) for a, s, b, t in zip(piece.offsets, piece.sizes, chunk.offsets, chunk.sizes)
+                )
+                if math.prod(piece.sizes) == 0 or any(h <= l for l, h in zip(lo, hi)):
+                    continue
+                reads.append(
+                    ReadItem(
+                        type=LoadItemType.TENSOR,
+                        dest_index=dest,
+                        dest_offsets=tuple(l - p for l, p in zip(lo, piece.offsets)),
+                        storage_index=MetadataIndex(entry.fqn, chunk.offsets),
+                        storage_offsets=tuple(l - c for l, c in zip(lo, chunk.offsets)),
+                        lengths=tuple(h - l for l, h in zip(lo, hi)),
+                    )
+                )
+        return reads
+
+    def _new_tensor_reads(self, name: str, fqn: str, stored: TensorStorageMetadata) -> list[ReadItem]:
+        """A non-tensor placeholder (e.g. ``None``) receives the whole stored tensor as numpy."""
+        try:
+            array = np.zeros(stored.size, dtype=numpy_dtype(stored.properties.dtype))
+        except MemoryError as exc:  # sizes come from the checkpoint: refuse, do not crash
+            raise UnsafeCheckpointError(
+                f"key '{fqn}': the checkpoint declares a {stored.properties.dtype} tensor of shape "
+                f"{list(stored.size)}, too large to allocate; pass a target tensor or check the checkpoint"
+            ) from exc
+        entry = make_entry(fqn, array)
+        self._entries[name] = entry
+        self._values[name] = array
+        return self._tensor_reads(name, entry, stored)
+
+    def build_global_plan(self, all_plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Keep every rank's plan, or share replicated reads. Coordinator only."""
+        if not self.shares_reads:
+            return all_plans
+        return plan_single_replica_reads(all_plans, round_bytes=self.exchange_round_bytes, item_bytes=self._item_bytes)
+
+    def _item_bytes(self, item: ReadItem) -> int:
+        stored = self.metadata.state_dict_metadata[item.storage_index.fqn]
+        if isinstance(stored, TensorStorageMetadata):
+            return math.prod(item.lengths) * DTYPE_NAMES[stored.properties.dtype]
+        info = (self.metadata.storage_data or {}).get(MetadataIndex(item.storage_index.fqn, item.storage_index.offset))
+        return info.length if info is not None else 0
+
+    def finalize_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Accept the final plan. All ranks call it."""
+        self._exchange = plan.planner_data if isinstance(plan.planner_data, ReadExchange) else None
+        self._outbox = {}
+        return plan
+
+    def read_rounds(self, plan: LoadPlan) -> list[LoadPlan]:
+        """One plan per exchange round (items read in that round). All ranks."""
+        if self._exchange is None:
+            return [plan]
+        rounds: list[list[ReadItem]] = [[] for _ in range(self._exchange.rounds)]
+        for item, round_index in zip(plan.items, self._exchange.item_rounds):
+            rounds[round_index].append(item)
+        return [LoadPlan(items=tuple(items)) for items in rounds]
+
+    def outgoing(self, round_index: int) -> dict[int, Any]:
+        """The regions read for others in this round (stored dtype), by slot. All ranks."""
+        out = {slot: value for slot, (rnd, value) in self._outbox.items() if rnd == round_index}
+        for slot in out:
+            del self._outbox[slot]
+        return out
+
+    def incoming(self, round_index: int, payloads: dict[int, Any]) -> None:
+        """Apply the regions other ranks read for this one. All ranks."""
+        if self._exchange is None:
+            return
+        for slot, rnd, item in self._exchange.receive:
+            if rnd != round_index:
+                continue
+            value = payloads[slot]
+            if item.type == LoadItemType.BYTE_IO:
+                self.apply_bytes(item, value)
+            else:
+                self._fill(item, value)
+
+    def _target(self, name: str, entry: TensorEntry) -> np.ndarray:
+        array = self._targets.get(name)  # most were found by build_local_plan's pass
+        if array is None:
+            array = writable_view(entry.local)
+            if array is None:
+                array = np.array(to_numpy(entry.local), copy=True)
+                self._staged.add(name)
+            array = self._targets[name] = _fitted(array, entry)
+        return array
+
+    def acquire_tensor(self, read_item: ReadItem, shared: bool = True) -> np.ndarray:
+        """Return the writable target region of ``read_item``. Called by the reader.
+
+        A region this rank reads for others gets a buffer of the stored dtype
+        instead (copied into the target by :meth:`apply_tensor`).
+        """
+        if shared and self._exchange is not None and region_key(read_item) in self._exchange.send:
+            stored = self.metadata.state_dict_metadata[read_item.storage_index.fqn]
+            return np.empty(read_item.lengths, dtype=numpy_dtype(stored.properties.dtype))
+        name, entry, piece = self._pieces[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
+        if name in self._device:
+            return self._device.buffer(read_item, entry)
+        region = piece_view(self._target(name, entry), entry, piece)
+        if tuple(read_item.lengths) == region.shape and not any(read_item.dest_offsets):  # the whole piece
+            return region
+        return region[tuple(slice(o, o + n) for o, n in zip(read_item.dest_offsets, read_item.lengths))]
+
+    def apply_tensor(self, read_item: ReadItem, tensor: np.ndarray) -> None:
+        """Keep a region read for others, copy a device target's region in; else it was filled in place.
+
+        Called by the reader after the region is read (and verified).
+        """
+        if self._exchange is None and not self._device:  # a region read in place: nothing left to do
+            return
+        key = region_key(read_item) if self._exchange is not None else None
+        if key is not None and key in self._exchange.send:
+            self._fill(read_item, tensor)
+            slot, round_index = self._exchange.send[key]
+            self._outbox[slot] = (round_index, tensor)
+        elif self._device.holds(read_item):
+            self._device.write(read_item, self._pieces[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))][1])
+
+    def _fill(self, read_item: ReadItem, value: np.ndarray) -> None:
+        """Copy ``value`` into the target region of ``read_item`` (a device target: copied in)."""
+        name, entry, _ = self._pieces[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
+        if name in self._device:
+            self._device.write(read_item, entry, value)
+        else:
+            np.copyto(self.acquire_tensor(read_item, shared=False), value, casting="unsafe")
+
+    def apply_bytes(self, read_item: ReadItem, value: bytes) -> None:
+        """Decode a stored value with its type handler. Called by the reader."""
+        fqn = read_item.dest_index.fqn
+        stored = self.metadata.state_dict_metadata[fqn]
+        if self._exchange is not None and region_key(read_item) in self._exchange.send:
+            slot, round_index = self._exchange.send[region_key(read_item)]
+            self._outbox[slot] = (round_index, value)
+        name = self._value_names[(fqn, tuple(read_item.dest_index.offset))]
+        self._values[name] = deserialize_value(
+            stored.type_name, value, key=fqn, allow_pickle=self.allow_pickle
+        )
+
+    def finish_load(self) -> None:
+        """Assign staged tensors and put new values into the caller's dict. All ranks."""
+        for name in self._staged:
+            entry = self._entries[name]
+            assign(entry.local, self._targets[name].reshape(np.shape(to_numpy(entry.local))))
+        for name, entry in self._entries.items():
+            if isinstance(entry, SkipEntry):
+                set_by_path(self.state_dict, self.flat.paths[name], entry.value)
+            elif name in self._values:
+                set_by_path(self.state_dict, self.flat.paths[name], self._values[name])
