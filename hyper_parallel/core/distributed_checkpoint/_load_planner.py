@@ -24,6 +24,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
 )
 from hyper_parallel.core.distributed_checkpoint._chunk_search import overlapping_chunks
 from hyper_parallel.core.distributed_checkpoint._flatten import FlatStateDict, flatten_state_dict, set_by_path
+from hyper_parallel.core.distributed_checkpoint._leaf_entry import classify_leaf
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -46,7 +47,6 @@ from hyper_parallel.core.distributed_checkpoint._state_items import (
 )
 from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value
 from hyper_parallel.platform.tensor import DTYPE_NAMES, assign, numpy_dtype, to_numpy, writable_view, writable_views
-from hyper_parallel.core.distributed_checkpoint._leaf_entry import classify_leaf
 
 __all__ = ["StandardLoadPlanner"]
 
@@ -58,13 +58,11 @@ def _shown(keys: list[str], limit: int = 20) -> str:
     return ", ".join(f"'{k}'" for k in keys[:limit]) + more
 
 
-
 def _fitted(array: np.ndarray, entry: TensorEntry) -> np.ndarray:
     """A target's array in its local shape (a flat-range target keeps its flat array)."""
     if entry.pieces[0].flat_start is None and tuple(array.shape) != entry.local_shape:
         return array.reshape(entry.local_shape)
     return array
-
 
 
 class StandardLoadPlanner(LoadPlanner):

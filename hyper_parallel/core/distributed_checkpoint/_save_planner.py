@@ -17,6 +17,7 @@ import numpy as np
 from hyper_parallel.core.distributed_checkpoint._format.checksum import digest
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, UnsupportedTypeError
 from hyper_parallel.core.distributed_checkpoint._flatten import FlatStateDict, flatten_state_dict
+from hyper_parallel.core.distributed_checkpoint._leaf_entry import classify_leaf
 from hyper_parallel.core.distributed_checkpoint._global_plan import build_global_save_plan
 from hyper_parallel.core.distributed_checkpoint._save_layout import (
     LayoutDescription,
@@ -36,17 +37,11 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     TensorProperties,
 )
 from hyper_parallel.core.distributed_checkpoint.planner import (
-    BytesWriteData,
-    SavePlan,
-    SavePlanner,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
+    BytesWriteData, SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType,
 )
 from hyper_parallel.core.distributed_checkpoint._state_items import SkipEntry, TensorEntry, TensorPiece, ValueEntry
 from hyper_parallel.core.distributed_checkpoint.type_handlers import serialize_value
 from hyper_parallel.platform.tensor import dtype_name
-from hyper_parallel.core.distributed_checkpoint._leaf_entry import classify_leaf
 
 __all__ = ["AliasData", "StandardSavePlanner"]
 
