@@ -83,17 +83,16 @@ def _flat_blocks(check: RegionCheck) -> range | np.ndarray:
 
 
 @contextlib.contextmanager
-def _window(source: FileSource, path: Path, start: int, end: int,
-            ranges: tuple[tuple[int, int], ...]) -> Iterator[memoryview]:
-    """Bytes ``[start, end)`` of the source (``ranges``: the parts actually hashed).
+def _window(source: FileSource, path: Path, window: _Window) -> Iterator[memoryview]:
+    """The bytes of ``window`` in the source.
 
     Read into a scratch buffer, or mapped read-only when sparse (a file that
     cannot be mapped, or a source without a file descriptor, is read).
     """
     fd = getattr(source, "fd", None)
     mapped = None
-    sparse = not (len(ranges) == 1 and ranges[0] == (start, end))
-    if fd is not None and sparse:  # the caller announced ``ranges`` to the kernel (POSIX_FADV_WILLNEED)
+    start, end = window.start, window.end
+    if fd is not None and not window.whole:  # the caller announced ``window.ranges`` to the kernel (POSIX_FADV_WILLNEED)
         # A sparse window is mapped and faults page by page without read-around, so the device
         # reads only the ranges announced. A window hashed whole is read into a cache-sized
         # scratch buffer instead: measured faster than mapping it (page faults; tiles are gathered
@@ -173,6 +172,11 @@ class _Window:
     blocks: tuple[_Block, ...] = ()
     slab: _Slab | None = None
     hashed: int = 0
+
+    @property
+    def whole(self) -> bool:
+        """Whether every byte of the window is hashed (one range: the window itself)."""
+        return self.ranges == ((self.start, self.end),)
 
 
 #: Largest window hashed at once (fits the CPU cache of common machines).
@@ -337,7 +341,7 @@ def _announce(fd: int | None, windows: list[_Window], readahead: bool) -> None:
     if fd is None or not hasattr(os, "posix_fadvise"):
         return
     for window in windows:
-        if not announces(whole=window.ranges == ((window.start, window.end),), readahead=readahead):
+        if not announces(whole=window.whole, readahead=readahead):
             continue
         for low, high in window.ranges:
             os.posix_fadvise(fd, low, high - low, os.POSIX_FADV_WILLNEED)
@@ -353,7 +357,7 @@ def _hash_windows(source: FileSource, path: Path, windows: list[_Window]) -> int
     for position, window in enumerate(windows):
         _announce(fd, windows[announced : limits[position]], readahead)
         announced = limits[position]
-        with _window(source, path, window.start, window.end, window.ranges) as view:
+        with _window(source, path, window) as view:
             problem = _mismatch(view, window)
         if problem is not None:
             raise CorruptCheckpointError(f"checksum mismatch in data file {path}, {problem}: {_NO_TARGET_CHANGED}")

@@ -48,7 +48,6 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import METADATA_FILE, rank_metadata_file
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     Metadata,
-    MetadataIndex,
     StorageInfo,
     TensorStorageMetadata,
 )
@@ -505,9 +504,6 @@ class FileSystemReader(StorageReader):
         return RegionCheck(fqn=fqn, info=info, sizes=chunk_sizes, itemsize=itemsize,
                            offsets=tuple(item.storage_offsets), lengths=tuple(item.lengths))
 
-    def _info(self, index: MetadataIndex) -> StorageInfo:
-        return self._items.info(index)
-
     def _read_group(self, files: list[tuple[str, list[ReadItem]]], planner: LoadPlanner) -> int:
         total = 0
         for relative_path, items in files:
@@ -633,7 +629,7 @@ class FileSystemReader(StorageReader):
         stored = self.metadata.state_dict_metadata.get(fqn)
         if not isinstance(stored, TensorStorageMetadata):
             raise CorruptCheckpointError(f"key '{fqn}' is read as a tensor but stored as a value")
-        chunk_sizes = self._chunk_sizes(stored, item.storage_index)
+        chunk_sizes = self._items.chunk_sizes(stored, item.storage_index)
         if raw_length != math.prod(chunk_sizes) * DTYPE_NAMES[stored.properties.dtype]:
             raise CorruptCheckpointError(f"key '{fqn}': raw length {raw_length} does not match its chunk")
         chunk = np.frombuffer(raw, dtype=numpy_dtype(stored.properties.dtype)).reshape(chunk_sizes)
@@ -642,9 +638,6 @@ class FileSystemReader(StorageReader):
         np.copyto(dest, region, casting="unsafe")
         planner.apply_tensor(item, dest)
         return count
-
-    def _chunk_sizes(self, stored: TensorStorageMetadata, index: MetadataIndex) -> tuple[int, ...]:
-        return self._items.chunk_sizes(stored, index)
 
     def _check_header(self, source: Any, path: Any, size: int, relative_path: str, items: list[ReadItem]) -> None:
         """Refuse ``items`` whose entry in their file's safetensors header differs from the metadata's.
