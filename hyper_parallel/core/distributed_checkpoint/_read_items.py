@@ -89,6 +89,31 @@ class ItemIndex:
         hit = self._facts.get(id(item))
         if hit is not None and hit[0] is item:
             return hit[1]
+        return self._new_facts(item)
+
+    def by_file(self, items: tuple[ReadItem, ...] | list[ReadItem], *, skip: set[int] | None = None) -> dict[str, list[ReadItem]]:
+        """``items`` grouped by data file, in plan order within a file; items whose ``id`` is in ``skip`` left out.
+
+        Raises:
+            CorruptCheckpointError: as :meth:`facts`.
+        """
+        groups: dict[str, list[ReadItem]] = {}
+        cached = self._facts.get
+        new_facts = self._new_facts
+        for item in items:
+            key = id(item)
+            if skip is not None and key in skip:
+                continue
+            hit = cached(key)
+            facts = hit[1] if hit is not None and hit[0] is item else new_facts(item)
+            group = groups.get(facts.info.relative_path)
+            if group is None:
+                groups[facts.info.relative_path] = [item]
+            else:
+                group.append(item)
+        return groups
+
+    def _new_facts(self, item: ReadItem) -> ItemFacts:
         index = item.storage_index
         info = self.info(index)
         stored = self.metadata.state_dict_metadata.get(index.fqn)
@@ -97,17 +122,19 @@ class ItemIndex:
             itemsize = DTYPE_NAMES.get(stored.properties.dtype, 1)
         else:
             sizes, itemsize = None, 1
-        tensor = item.type != LoadItemType.BYTE_IO and sizes is not None and not info.compression
-        nbytes = math.prod(item.lengths) * itemsize if tensor else info.length
+        kind = item.type
+        tensor = kind is not LoadItemType.BYTE_IO and sizes is not None and not info.compression
+        lengths = item.lengths
+        nbytes = math.prod(lengths) * itemsize if tensor else info.length
         checksum = info.checksum
         small = (
             tensor
-            and item.type == LoadItemType.TENSOR
+            and kind is LoadItemType.TENSOR
             and info.length <= SMALL_ITEM_BYTES
-            and (checksum is None or checksum.algorithm == ALGORITHM)
-            and tuple(item.lengths) == sizes
-            and not any(item.storage_offsets)
             and info.length == nbytes
+            and (checksum is None or checksum.algorithm == ALGORITHM)
+            and (lengths if type(lengths) is tuple else tuple(lengths)) == sizes
+            and not any(item.storage_offsets)
         )
         facts = ItemFacts(info, stored, sizes, itemsize, nbytes, small)  # positional: the fields in order
         self._facts[id(item)] = (item, facts)  # holding the item keeps its id unique
