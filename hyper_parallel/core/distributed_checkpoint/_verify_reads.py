@@ -18,7 +18,7 @@ is verified and no readahead. The pages stay in the page cache, where the
 reading pass then finds them: the load costs one hash pass (through the CPU
 cache) and one copy into the targets. The reader
 keeps some regions instead of hashing them here (see
-``FileSystemReader._keep_buffer``): read once, verified in a private buffer,
+``_reader_verify.VerifyPass._keep_buffer``): read once, verified in a private buffer,
 copied into the target by the read pass.
 """
 
