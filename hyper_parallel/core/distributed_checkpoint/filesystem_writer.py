@@ -188,6 +188,11 @@ class FileSystemWriter(StorageWriter):
         self.rank = 0
         self.save_id = uuid.uuid4().hex[:12]
 
+    @property
+    def backend_name(self) -> str:
+        """The backend this writer records in the metadata (``"filesystem"``). Any rank; no file access."""
+        return BACKEND_NAME
+
     def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
         """Start a new save (new save id), optionally to a new path. All ranks."""
         if checkpoint_id is not None:
@@ -397,7 +402,7 @@ class FileSystemWriter(StorageWriter):
                 storage_data.setdefault(key, result.storage_data)
         return metadata.replace(
             storage_data=storage_data,
-            storage_meta=replace(metadata.storage_meta, backend=BACKEND_NAME, save_id=self.save_id),
+            storage_meta=replace(metadata.storage_meta, backend=self.backend_name, save_id=self.save_id),
         )
 
     def abort(self) -> None:
