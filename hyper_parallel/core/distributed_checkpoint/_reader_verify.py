@@ -89,12 +89,14 @@ class VerifyPass:
             with self._open_source(relative_path, items) as (source, path, size):  # checks the file's header
                 if not self.verify_checksums:
                     continue
-                checks = []
-                checked = [(item, self._region_check(path, size, item)) for item in items]
+                whole, rest = self._small_flat(source, size, items)
+                checked = [(item, self._region_check(path, size, item)) for item in rest]
                 if isinstance(source, FileSource) and not source.exact:
                     # Read with readahead: no region gains from a private buffer (see _keep_priority).
-                    total += verify_regions(source, path, [check for _, check in checked], self.max_inflight_bytes)
+                    total += verify_regions(source, path, [check for _, check in checked], self.max_inflight_bytes,
+                                            whole=whole)
                     continue
+                checks = []
                 regions = [(self._keep_priority(check, item, source), item, check) for item, check in checked]
                 # The regions the page cache would read most wastefully get the private budget first
                 # (the sort is stable: file order among equals).
@@ -109,8 +111,35 @@ class VerifyPass:
                         self._kept[item] = kept
                     if item.lengths and rows < item.lengths[0]:  # the rest of the region is verified in place
                         checks.append(_rows_after(check, rows))
-                total += verify_regions(source, path, checks, self.max_inflight_bytes)
+                total += verify_regions(source, path, checks, self.max_inflight_bytes, whole=whole)
         return total
+
+    def _small_flat(self, source: Any, file_size: int, items: list[ReadItem]
+                    ) -> tuple[list[tuple[str, StorageInfo]], list[ReadItem]]:
+        """Split a file's items into the small whole chunks with flat checksums, as ``(key, chunk)``, and the rest.
+
+        The former (most of a state's Parameters) are verified in place without a
+        :class:`RegionCheck` each: :attr:`._read_items.ItemFacts.small` already
+        holds what :meth:`_region_check` checks (known algorithm, length of the
+        chunk's sizes), the header check found them inside the file, and the
+        page cache never reads them wastefully (whole chunks). A source
+        without a page cache (object storage) takes them all the other way.
+        """
+        if not isinstance(source, FileSource):
+            return [], items
+        whole: list[tuple[str, StorageInfo]] = []
+        rest: list[ReadItem] = []
+        facts_of = self._items.facts
+        for item in items:
+            facts = facts_of(item)
+            info = facts.info
+            checksum = info.checksum
+            if (facts.small and (checksum is None or not checksum.block_shape)
+                    and info.offset + info.length <= file_size):
+                whole.append((item.storage_index.fqn, info))
+            else:
+                rest.append(item)
+        return whole, rest
 
     def _read_kept(self, source: FileSource, path: Path, check: RegionCheck, item: ReadItem, kept: np.ndarray) -> int:
         """Read ``item``'s region into the private buffer ``kept``, verifying every block or tile it touches."""
