@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import defaultdict
 from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -106,6 +105,8 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         #: Bytes hashed by the verify passes.
         self.bytes_verified = 0
         self._verified: set[int] = set()  # id() of the read items verified (alive until the load ends)
+        self._plan_checked: tuple[ReadItem, ...] | None = None  # the items of the last plan verify_data checked
+        self._grouped: tuple[tuple[ReadItem, ...], list[Any]] | None = None  # a plan's items, by file and thread
         self._kept: dict[ReadItem, np.ndarray] = {}  # verified regions kept for the read pass
         self._kept_bytes = 0
         self._kept_lock = threading.Lock()
@@ -154,6 +155,8 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         check_consistency(metadata, source=f"{self.path}/{self.metadata_file}")
         self.metadata = metadata
         self._verified.clear()
+        self._plan_checked = None
+        self._grouped = None
         self._headers.clear()
         self._header_checked.clear()
         self._items = ItemIndex(metadata)
@@ -234,14 +237,11 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         try:
             if self.metadata is None or self.metadata.storage_data is None:
                 raise CheckpointValueError(f"{verb} called before set_up_storage_reader")
-            by_file: dict[str, list[ReadItem]] = defaultdict(list)
-            for item in plan.items:
-                if verb == "verify" and id(item) in self._verified:
-                    continue
-                by_file[self._items.facts(item).info.relative_path].append(item)
-            groups: list[list[tuple[str, list[ReadItem]]]] = [[] for _ in range(self.thread_count)]
-            for position, entry in enumerate(sorted(by_file.items())):
-                groups[position % self.thread_count].append(entry)
+            items = plan.items
+            if verb == "verify" and items is self._plan_checked:  # read_data after verify_data of this plan
+                future.set_result(None)
+                return future
+            groups = self._file_groups(items, skip=self._verified if verb == "verify" else None)
             work = [g for g in groups if g]
             if len(work) <= 1:
                 counts = [work_fn(g) for g in work]
@@ -253,7 +253,8 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
             else:
                 self.bytes_verified += sum(counts)
                 self.bytes_read += sum(counts)
-                self._verified.update(id(item) for group in work for _, items in group for item in items)
+                self._verified.update(id(item) for group in work for _, file_items in group for item in file_items)
+                self._plan_checked = items
             release_scratch()  # do not keep the caller thread's scratch after the load
             future.set_result(None)
         except OSError as exc:
@@ -264,6 +265,22 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         except BaseException as exc:  # pylint: disable=broad-except
             future.set_exception(exc)
         return future
+
+    def _file_groups(self, items: tuple[ReadItem, ...], *, skip: set[int] | None) -> list[list[tuple[str, list[ReadItem]]]]:
+        """``items`` (but those whose ``id`` is in ``skip``) by data file, the files dealt to ``thread_count`` groups.
+
+        The grouping of a whole plan is kept for the next pass over the same plan (verify, then read).
+        """
+        cached = self._grouped
+        if not skip and cached is not None and cached[0] is items:
+            return cached[1]
+        by_file = self._items.by_file(items, skip=skip or None)
+        groups: list[list[tuple[str, list[ReadItem]]]] = [[] for _ in range(self.thread_count)]
+        for position, entry in enumerate(sorted(by_file.items())):
+            groups[position % self.thread_count].append(entry)
+        if not skip:
+            self._grouped = (items, groups)
+        return groups
 
     @contextmanager
     def _open_source(self, relative_path: str, items: list[ReadItem]) -> Iterator[tuple[FileSource, Path, int]]:

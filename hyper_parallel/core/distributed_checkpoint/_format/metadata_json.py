@@ -161,6 +161,36 @@ def _str(value: Any, where: str, what: Any = "") -> str:
     return value
 
 
+def _naturals(values: list) -> bool:
+    """Whether every element of ``values`` is an ``int`` >= 0 (``bool`` is not)."""
+    for value in values:
+        if type(value) is not int or value < 0:  # pylint: disable=unidiomatic-typecheck
+            return False
+    return True
+
+
+def _whole_tensor_key(raw: dict) -> tuple[Any, ...] | None:
+    """For a tensor item stored as one whole chunk (most items): a key its decoded record is shared under.
+
+    Items with equal keys decode to equal records (records are immutable), so
+    only the first of them takes :func:`_tensor_entry`'s checks. ``None`` for
+    anything else (every item then takes the full checks).
+    """
+    dtype, size, chunks = raw.get("dtype"), raw.get("size"), raw.get("chunks")
+    if type(size) is not list or type(chunks) is not list or len(chunks) != 1:  # pylint: disable=unidiomatic-typecheck
+        return None
+    pair = chunks[0]
+    if type(pair) is not list or len(pair) != 2:  # pylint: disable=unidiomatic-typecheck
+        return None
+    offsets, sizes = pair
+    if (type(offsets) is not list or type(sizes) is not list or len(offsets) != len(size)  # pylint: disable=unidiomatic-typecheck
+            or sizes != size or any(offsets) or type(dtype) is not str):  # pylint: disable=unidiomatic-typecheck
+        return None
+    if not (_naturals(size) and _naturals(sizes) and _naturals(offsets)):
+        return None
+    return ("whole tensor", dtype, tuple(size))
+
+
 def _tensor_entry(fqn: str, raw: dict, where: str, shared: dict) -> TensorStorageMetadata:
     dtype = shared.setdefault(_str(raw.get("dtype"), where, "dtype"), raw["dtype"])
     if dtype not in DTYPE_NAMES:
@@ -189,7 +219,42 @@ def _tensor_entry(fqn: str, raw: dict, where: str, shared: dict) -> TensorStorag
     return TensorStorageMetadata(properties, size, tuple(chunks))  # properties, size, chunks
 
 
+def _flat_checked_entry(raw: Any, shared: dict) -> tuple[MetadataIndex, StorageInfo] | None:
+    """A storage entry of the usual form (uncompressed, flat checksum blocks, a data file seen before); else ``None``.
+
+    A fast path of :func:`_storage_entry`: it accepts only what that function's
+    checks would, and returns ``None`` for everything else (which then takes
+    the full checks and their messages).
+    """
+    if type(raw) is not dict or len(raw) != 6:  # pylint: disable=unidiomatic-typecheck
+        return None
+    fqn, offset, start, length = raw.get("fqn"), raw.get("offset"), raw.get("byte_offset"), raw.get("length")
+    chk = raw.get("checksum")
+    if (type(fqn) is not str or type(offset) is not list or type(start) is not int  # pylint: disable=unidiomatic-typecheck
+            or type(length) is not int or type(chk) is not dict or len(chk) != 3):  # pylint: disable=unidiomatic-typecheck
+        return None
+    path = raw.get("file")
+    path = shared.get(("file", path)) if type(path) is str else None  # pylint: disable=unidiomatic-typecheck
+    algorithm, block, digests = chk.get("algorithm"), chk.get("block_bytes"), chk.get("digests")
+    if (path is None or not 0 <= start <= MAX_TENSOR_BYTES or not 0 <= length <= MAX_TENSOR_BYTES
+            or type(algorithm) is not str or type(block) is not int or block <= 0  # pylint: disable=unidiomatic-typecheck
+            or type(digests) is not list or not _naturals(offset)):  # pylint: disable=unidiomatic-typecheck
+        return None
+    for digest in digests:
+        if type(digest) is not str:  # pylint: disable=unidiomatic-typecheck
+            return None
+    offset = tuple(offset)
+    # Positional (cheaper per entry): algorithm, block_bytes, digests, block_shape; relative_path, offset,
+    # length, checksum, compression, raw_length.
+    checksum = ChunkChecksum(shared.setdefault(algorithm, algorithm), block, tuple(digests), ())
+    return (MetadataIndex(shared.setdefault(fqn, fqn), shared.setdefault(offset, offset)),
+            StorageInfo(path, start, length, checksum, None, None))
+
+
 def _storage_entry(raw: Any, position: int, source: str, shared: dict) -> tuple[MetadataIndex, StorageInfo]:
+    found = _flat_checked_entry(raw, shared)
+    if found is not None:
+        return found
     where = f"{source}: storage_data[{position}]"
     if not isinstance(raw, dict):
         raise CorruptCheckpointError(f"{where}: expected an object")
@@ -233,11 +298,20 @@ def _storage_entry(raw: Any, position: int, source: str, shared: dict) -> tuple[
 
 def _item(fqn: str, raw: Any, source: str, shared: dict) -> TensorStorageMetadata | BytesStorageMetadata:
     """Decode and check one ``state_dict_metadata`` member."""
+    key = None
+    if type(raw) is dict and raw.get("kind") == "tensor" and len(raw) == 4:  # pylint: disable=unidiomatic-typecheck
+        key = _whole_tensor_key(raw)
+        record = shared.get(key) if key is not None else None
+        if record is not None:
+            return record
     where = f"{source}: key '{fqn}'"
     if not isinstance(raw, dict):
         raise CorruptCheckpointError(f"{where}: expected an object")
     if raw.get("kind") == "tensor":
-        return _tensor_entry(fqn, raw, where, shared)
+        record = _tensor_entry(fqn, raw, where, shared)
+        if key is not None:
+            shared[key] = record
+        return record
     if raw.get("kind") == "bytes":
         offsets = raw.get("shard_offsets", [[]])
         if not isinstance(offsets, list):
