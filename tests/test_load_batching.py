@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
-from hyper_parallel.core.distributed_checkpoint._format import metadata_json
+from hyper_parallel.core.distributed_checkpoint._format import json_stream, metadata_json
 from hyper_parallel.core.distributed_checkpoint._read_items import SMALL_ITEM_BYTES, ItemIndex
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, ReadItem
 from hyper_parallel.platform.tensor import DEVICE_COPIES_ENV, writable_views
@@ -221,7 +221,7 @@ def _document(entries: int) -> bytes:
 
 def _decoded(data: bytes, batch: int, monkeypatch: pytest.MonkeyPatch) -> object:
     """The decoded metadata, or the message of the error it raises, with members decoded ``batch`` per JSON call."""
-    monkeypatch.setattr(metadata_json, "_BATCH", batch)
+    monkeypatch.setattr(json_stream, "_BATCH", batch)
     try:
         return metadata_json.metadata_from_json(data)
     except dcp.CheckpointError as exc:

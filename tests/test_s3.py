@@ -377,7 +377,9 @@ def test_other_fsspec_filesystems_use_the_same_backend() -> None:
     url = f"memory://hp-ckpt-{os.getpid()}/ckpt"
     fs = fsspec.filesystem("memory")
     state = _state(20)
-    dcp.save(state, storage_writer=dcp.FsspecWriter(url, filesystem=fs), no_dist=True)
+    committed = dcp.save(state, storage_writer=dcp.FsspecWriter(url, filesystem=fs), no_dist=True)
+    assert committed.storage_meta.backend == "fsspec"
+    assert json.loads(fs.cat_file(f"{url}/metadata.json"))["backend"] == "fsspec"
     loaded = _blank()
     dcp.load(loaded, storage_reader=dcp.FsspecReader(url, filesystem=fs), no_dist=True)
     _assert_same(loaded, state)
@@ -395,7 +397,7 @@ def test_other_fsspec_filesystems_use_the_same_backend() -> None:
 class TestS3Storage(StorageContract):
     """The shared storage contract, on the moto S3 endpoint."""
 
-    backend = "filesystem"  # the same format as a directory, so the same load strategy
+    backend = "s3"  # what an S3 save records; the same format as a directory, read by the same load strategy
 
     @pytest.fixture(autouse=True)
     def _bucket(self, s3_url: str) -> None:
@@ -498,3 +500,31 @@ def test_missing_bucket_fails_with_checkpoint_errors(s3_endpoint) -> None:  # no
     assert url in str(caught.value)
     with pytest.raises(dcp.CheckpointNotFoundError, match="does not exist"):
         dcp.load(_blank(), checkpoint_id=url, no_dist=True)
+
+
+def test_s3_checkpoints_record_their_backend_and_load_once_copied_to_disk(s3_url: str, tmp_path: Path) -> None:
+    """An S3 save records backend "s3" (metadata object and ``read_metadata``); a directory save "filesystem".
+
+    The same files copied from S3 into a directory load there (the backend names where it was
+    written, not another format), and hp-ckpt inspect shows the backend.
+    """
+    state = _state(30)
+    committed = dcp.save(state, checkpoint_id=s3_url, no_dist=True)
+    fs = new_filesystem()
+    assert committed.storage_meta.backend == "s3"
+    assert json.loads(fs.cat_file(f"{s3_url[5:]}/metadata.json"))["backend"] == "s3"
+    assert dcp.read_metadata(s3_url).storage_meta.backend == "s3"
+    disk = tmp_path / "on_disk"
+    assert dcp.save(_state(30), checkpoint_id=disk, no_dist=True).storage_meta.backend == "filesystem"
+    copied = tmp_path / "copied_from_s3"
+    copied.mkdir()
+    for name in _objects(s3_url):
+        (copied / name).write_bytes(fs.cat_file(f"{s3_url[5:]}/{name}"))
+    assert dcp.read_metadata(copied).storage_meta.backend == "s3"
+    loaded = _blank()
+    dcp.load(loaded, checkpoint_id=copied, no_dist=True)
+    _assert_same(loaded, state)
+    shown = subprocess.run([sys.executable, "-m", "hyper_parallel.cli.main", "inspect", str(copied), "--json"],
+                           capture_output=True, text=True, check=True, cwd=tmp_path,
+                           env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert json.loads(shown.stdout)["backend"] == "s3"

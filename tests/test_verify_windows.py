@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
-from hyper_parallel.core.distributed_checkpoint._verify_reads import _Block, _flat_windows, announces, lookahead_limits
+from hyper_parallel.core.distributed_checkpoint._verify_reads import _Blocks, _flat_windows, announces, lookahead_limits
 
 ms.set_device("CPU")
 
@@ -117,7 +117,8 @@ def test_announce_policy_leaves_whole_windows_to_kernel_readahead():
 
 
 def _blocks(*spans):
-    return [_Block(start, end, digest="", check=None, index=i) for i, (start, end) in enumerate(spans)]
+    return _Blocks(starts=np.array([s for s, _ in spans], dtype=np.int64), ends=np.array([e for _, e in spans], dtype=np.int64),
+                   digests=[""] * len(spans), keys=[""] * len(spans))
 
 
 def test_flat_windows_span_small_gaps_but_not_a_window_hashed_apart():

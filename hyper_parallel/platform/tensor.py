@@ -18,6 +18,7 @@ importing it.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -276,19 +277,24 @@ def dtype_name(value: Any) -> str:
     return name
 
 
-_MS_DTYPE_NAMES: dict[Any, str] = {}  # MindSpore dtype -> its name (str() of a dtype costs a microsecond)
+# id() of a MindSpore dtype -> (the dtype, its name): str() of a dtype costs a microsecond and hashing one
+# half of that; the dtype is held, so the identity check below makes a reused id harmless.
+_MS_DTYPE_NAMES: dict[int, tuple[Any, str]] = {}
 
 
 def _ms_dtype_name(dtype: Any) -> str:
-    name = _MS_DTYPE_NAMES.get(dtype)  # MindSpore dtypes are hashable singletons
-    if name is None:
-        text = str(dtype).lower()
-        name = _MS_DTYPE_NAMES[dtype] = {"bool_": "bool", "bool": "bool"}.get(text, text)
+    hit = _MS_DTYPE_NAMES.get(id(dtype))
+    if hit is not None and hit[0] is dtype:
+        return hit[1]
+    text = str(dtype).lower()
+    name = {"bool_": "bool", "bool": "bool"}.get(text, text)
+    _MS_DTYPE_NAMES[id(dtype)] = (dtype, name)
     return name
 
 
+@functools.cache
 def numpy_dtype(name: str) -> np.dtype:
-    """Return the numpy dtype for a stored dtype name (bfloat16 needs MindSpore)."""
+    """Return the numpy dtype for a stored dtype name (bfloat16 needs MindSpore); looked up once per name."""
     if name == "bfloat16":
         from mindspore.common import np_dtype  # pylint: disable=import-outside-toplevel
 

@@ -73,7 +73,7 @@ POINTS: list[tuple[str, dict, bool]] = [
      False),
     ("commit.before_rename", {"target": "fs.os.replace", "when": "before"}, False),
     ("commit.after_rename", {"target": "fs.os.replace", "when": "after"}, True),
-    ("commit.before_directory_sync", {"target": "fs.fsync_directory", "within": "fs.write_atomically",
+    ("commit.before_directory_sync", {"target": "fs.os.fsync_directory", "within": "fs.write_atomically",
                                       "when": "before"}, True),
     ("commit.before_cleanup", {"target": "fs.write_atomically", "when": "after"}, True),
     ("cleanup.start", {"target": "FileSystemWriter._stale_files", "when": "before"}, True),
@@ -108,7 +108,7 @@ OTHER_CASES: list[tuple[str, str, dict, object]] = [
     ("auto_threads_resave", "after_rename", {"target": "fs.os.replace", "when": "after"}, True),
     ("auto_threads_resave", "first_old_file_removed", {"target": "fs.os.unlink", "nth": 1, "when": "after"}, True),
     ("manager", "step3_half_written", {"target": "fs.os.write", "at_byte": "0.5"}, [1, 2]),
-    ("manager", "retention_before_rename", {"target": "manager.os.rename", "when": "before"}, [1, 2, 3]),
+    ("manager", "retention_before_rename", {"target": "step_dirs.os.rename", "when": "before"}, [1, 2, 3]),
     ("manager", "retention_mid_delete", {"target": "os.unlink", "nth": 1, "when": "after"}, [2, 3]),
 ]
 

@@ -19,28 +19,17 @@ from itertools import accumulate
 
 import numpy as np
 
-from hyper_parallel.core.distributed_checkpoint._file_ops import FileOps
+from hyper_parallel.core.distributed_checkpoint._file_ops import FileOps, write_all
 from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, chunk_checksum, digest, tile_shape
 from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import header_bytes
 from hyper_parallel.core.distributed_checkpoint.metadata import ChunkChecksum, MetadataIndex
 from hyper_parallel.core.distributed_checkpoint.planner import WriteItem, WriteItemType
 from hyper_parallel.platform.tensor import DTYPE_NAMES
 
-__all__ = ["WRITEBACK_BYTES", "CoalescingWriter", "FileLayout", "LocalDataFile", "byte_view", "lay_out", "write_all"]
+__all__ = ["WRITEBACK_BYTES", "CoalescingWriter", "FileLayout", "LocalDataFile", "byte_view", "lay_out"]
 
-_WRITE_CHUNK = 1 << 30
 #: A file that is to be fsynced asks the device to start writing after every this many bytes.
 WRITEBACK_BYTES = 8 << 20
-
-
-def write_all(fd: int, view: memoryview, ops: FileOps) -> None:
-    """Write all of ``view`` at ``fd``'s position (in chunks, retrying short writes)."""
-    position = 0
-    while position < len(view):
-        written = ops.write(fd, view[position : position + _WRITE_CHUNK])
-        if written <= 0:
-            raise OSError("short write")
-        position += written
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,9 @@ writes, syncs, renames, unlinks and creates directories through a
 :class:`RecordingFileOps` runs them too and keeps a log of every call
 (:class:`FileOp`, with the bytes of each write), from which the power-loss
 tests build the crash states the file system allows (``tests/fault``).
+The compound operations built on them live here too: writing a whole
+buffer (:func:`write_all`) and replacing a file atomically
+(:func:`write_atomically`: temporary file, fsync, rename, directory fsync).
 
 Durability rules the writer follows (and the tests check): a file's bytes
 are durable after ``fsync`` of the file; a name created, renamed or removed
@@ -17,10 +20,22 @@ from __future__ import annotations
 
 import os
 import threading
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["FileOp", "FileOps", "RecordingFileOps", "OS_FILE_OPS", "make_directories"]
+__all__ = [
+    "FileOp",
+    "FileOps",
+    "RecordingFileOps",
+    "OS_FILE_OPS",
+    "make_directories",
+    "write_all",
+    "write_atomically",
+    "fsync_directory",
+]
+
+_WRITE_CHUNK = 1 << 30
 
 
 class FileOps:
@@ -262,3 +277,48 @@ def make_directories(ops: FileOps, path: Path, *, sync: bool, deferred: list[Pat
         elif sync:
             ops.fsync_directory(directory.parent)
     return created
+
+
+def write_all(fd: int, view: memoryview, ops: FileOps) -> None:
+    """Write all of ``view`` at ``fd``'s position (in chunks, retrying short writes)."""
+    position = 0
+    while position < len(view):
+        written = ops.write(fd, view[position : position + _WRITE_CHUNK])
+        if written <= 0:
+            raise OSError("short write")
+        position += written
+
+
+def fsync_directory(path: Path, ops: FileOps = OS_FILE_OPS) -> None:
+    """Make the entries of directory ``path`` durable."""
+    ops.fsync_directory(path)
+
+
+def write_atomically(
+    path: Path, data: bytes, *, sync: bool = True, tag: str | None = None, ops: FileOps = OS_FILE_OPS
+) -> None:
+    """Write ``data`` to ``path`` via a temporary file and a rename.
+
+    Readers see either the old file or the whole new one. The temporary file
+    (``.<name>.<tag>.partial``, a random tag by default) is removed on failure.
+    With ``sync`` the file's bytes are durable before the rename and the
+    rename is durable (directory fsync) before returning.
+    """
+    partial = path.with_name(f".{path.name}.{tag or uuid.uuid4().hex[:8]}.partial")
+    try:
+        fd = ops.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            write_all(fd, memoryview(data), ops)
+            if sync:
+                ops.fsync(fd)
+        finally:
+            ops.close(fd)
+        ops.replace(partial, path)
+    except BaseException:
+        try:
+            ops.unlink(partial)
+        except OSError:
+            pass  # never created, or a later save sweeps it
+        raise
+    if sync:
+        ops.fsync_directory(path.parent)

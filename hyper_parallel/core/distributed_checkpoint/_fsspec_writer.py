@@ -48,7 +48,7 @@ from hyper_parallel.core.distributed_checkpoint.filesystem_writer import (
     FileSystemPlanData,
     FileSystemWriter,
 )
-from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
+from hyper_parallel.core.distributed_checkpoint.metadata import FSSPEC_BACKEND_NAME, S3_BACKEND_NAME, Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner
 from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, WriteResult
 
@@ -126,6 +126,13 @@ class FsspecWriter(FileSystemWriter):
             self.path, self.fs, self.root = locate(checkpoint_id, self._given_filesystem, self.storage_options)
         self.save_id = uuid.uuid4().hex[:12]
         self._seen = None
+
+    @property
+    def backend_name(self) -> str:
+        """The backend recorded in the metadata: ``"s3"`` on S3, ``"fsspec"`` on another fsspec filesystem. Any rank."""
+        protocols = getattr(self.fs, "protocol", ())
+        protocols = (protocols,) if isinstance(protocols, str) else tuple(protocols)
+        return S3_BACKEND_NAME if {"s3", "s3a"} & set(protocols) else FSSPEC_BACKEND_NAME
 
     def set_up_storage_writer(
         self, is_coordinator: bool, *, rank: int = 0, world_size: int = 1, rank_local: bool = False

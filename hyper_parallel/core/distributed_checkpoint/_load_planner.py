@@ -48,7 +48,7 @@ from hyper_parallel.core.distributed_checkpoint._state_items import (
 from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value
 from hyper_parallel.platform.tensor import DTYPE_NAMES, assign, numpy_dtype, to_numpy, writable_view, writable_views
 
-__all__ = ["StandardLoadPlanner"]
+__all__ = ["StandardLoadPlanner", "direct_targets"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -111,6 +111,7 @@ class StandardLoadPlanner(LoadPlanner):
         # (several ShardedTensors/ShardedObjects may share one checkpoint key).
         self._entries: dict[str, TensorEntry | ValueEntry | SkipEntry] = {}
         self._targets: dict[str, np.ndarray] = {}
+        self._direct: dict[int, tuple[ReadItem, np.ndarray]] = {}  # see direct_targets(); by id() of the item
         self._staged: set[str] = set()
         self._pieces: dict[tuple[str, tuple[int, ...]], tuple[str, TensorEntry, TensorPiece]] = {}
         self._value_names: dict[tuple[str, tuple[int, ...]], str] = {}
@@ -138,6 +139,7 @@ class StandardLoadPlanner(LoadPlanner):
         self.missing_keys = []
         self._entries.clear()
         self._targets.clear()
+        self._direct.clear()
         self._staged.clear()
         self._device = DeviceRegions()
         self._pieces.clear()
@@ -202,12 +204,21 @@ class StandardLoadPlanner(LoadPlanner):
         # One pass over the targets: the memory of each tensor numpy can write in place (none: a device tensor).
         tensors = [(name, entry) for name, entry in self._entries.items() if isinstance(entry, TensorEntry)]
         views = dict(zip((name for name, _ in tensors), writable_views([entry.local for _, entry in tensors])))
+        stored_of = self.metadata.state_dict_metadata
+        direct = self._direct
         for name, entry in list(self._entries.items()):
             fqn = entry.fqn
-            stored = self.metadata.state_dict_metadata[fqn] if not isinstance(entry, SkipEntry) else None
+            stored = stored_of[fqn] if not isinstance(entry, SkipEntry) else None
             if isinstance(entry, TensorEntry) and isinstance(stored, TensorStorageMetadata):
-                reads = self._tensor_reads(name, entry, stored)
                 view = views[name]
+                if view is not None:
+                    item = self._whole_read(name, entry, stored, view)
+                    if item is not None:  # the common case, in one step
+                        items.append(item)
+                        if view.flags.c_contiguous and view.dtype == numpy_dtype(stored.properties.dtype):
+                            direct[id(item)] = (item, view)
+                        continue
+                reads = self._tensor_reads(name, entry, stored)
                 if view is None:  # device memory (or a copy): regions may go through host buffers
                     items.extend(self._device.plan(name, entry, reads, self.device_region_bytes))
                     continue
@@ -225,6 +236,25 @@ class StandardLoadPlanner(LoadPlanner):
             elif isinstance(entry, ValueEntry) and isinstance(stored, TensorStorageMetadata):
                 items.extend(self._new_tensor_reads(name, fqn, stored))
         return LoadPlan(items=tuple(items))
+
+    def _whole_read(
+        self, name: str, entry: TensorEntry, stored: TensorStorageMetadata, view: np.ndarray
+    ) -> ReadItem | None:
+        """The one read of a whole host target stored as one chunk of its shape (most targets); else ``None``."""
+        pieces, chunks = entry.pieces, stored.chunks
+        if len(pieces) != 1 or len(chunks) != 1:
+            return None
+        piece, chunk = pieces[0], chunks[0]
+        key = (entry.fqn, piece.offsets)
+        if (piece.flat_start is not None or chunk.offsets != piece.offsets or chunk.sizes != piece.sizes
+                or not math.prod(piece.sizes) or key in self._pieces):
+            return None
+        self._pieces[key] = (name, entry, piece)
+        self._targets[name] = view if view.shape == entry.local_shape else view.reshape(entry.local_shape)
+        zero = (0,) * len(piece.sizes)
+        # Positional: type, dest_index, dest_offsets, storage_index, storage_offsets, lengths.
+        return ReadItem(LoadItemType.TENSOR, MetadataIndex(entry.fqn, piece.offsets, 0), zero,
+                        MetadataIndex(entry.fqn, chunk.offsets), zero, piece.sizes)
 
     def _tensor_reads(self, name: str, entry: TensorEntry, stored: TensorStorageMetadata) -> list[ReadItem]:
         reads = []
@@ -398,3 +428,23 @@ class StandardLoadPlanner(LoadPlanner):
                 set_by_path(self.state_dict, self.flat.paths[name], entry.value)
             elif name in self._values:
                 set_by_path(self.state_dict, self.flat.paths[name], self._values[name])
+
+
+def direct_targets(planner: LoadPlanner) -> dict[int, tuple[ReadItem, np.ndarray]]:
+    """The plan's items the reader may read straight into their target's memory, by ``id`` of the item.
+
+    Each value is the item and its target: a writable, C-contiguous host
+    array of the stored dtype holding the whole stored chunk, filled by
+    reading the chunk's bytes into it; such an item needs no
+    ``acquire_tensor`` / ``apply_tensor`` call. Empty for any planner but a
+    :class:`StandardLoadPlanner` whose subclass (if any) keeps both methods,
+    and for a load that shares reads between ranks: the reader then calls
+    them for every item. Called by the reader after ``finalize_plan``.
+    """
+    if not isinstance(planner, StandardLoadPlanner) or planner._exchange is not None:  # pylint: disable=protected-access
+        return {}
+    kind = type(planner)
+    if kind.acquire_tensor is not StandardLoadPlanner.acquire_tensor or (
+            kind.apply_tensor is not StandardLoadPlanner.apply_tensor):
+        return {}
+    return planner._direct  # pylint: disable=protected-access

@@ -306,14 +306,15 @@ class RangedSource:
         return self.read_rows([buffer], [offset])
 
     def readinto_many(self, buffers: list[np.ndarray], offset: int) -> int:
-        """Fill ``buffers`` one after the other from consecutive bytes at ``offset`` (one ranged read)."""
-        total = sum(b.size for b in buffers)
-        span = np.empty(total, dtype=np.uint8)
+        """Fill ``buffers`` (contiguous arrays of any dtype) one after the other from consecutive bytes at
+        ``offset`` (one ranged read)."""
+        views = [buffer.reshape(-1).view(np.uint8) for buffer in buffers]
+        span = np.empty(sum(view.size for view in views), dtype=np.uint8)
         got = self.readinto(span, offset)
         position = 0
-        for buffer in buffers:
-            buffer.reshape(-1)[...] = span[position : position + buffer.size]
-            position += buffer.size
+        for view in views:
+            view[...] = span[position : position + view.size]
+            position += view.size
         return got
 
     def read_rows(self, rows: list[np.ndarray], offsets: list[int]) -> int:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM
+from hyper_parallel.core.distributed_checkpoint._load_planner import direct_targets
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     Metadata,
@@ -88,6 +89,31 @@ class ItemIndex:
         hit = self._facts.get(id(item))
         if hit is not None and hit[0] is item:
             return hit[1]
+        return self._new_facts(item)
+
+    def by_file(self, items: tuple[ReadItem, ...] | list[ReadItem], *, skip: set[int] | None = None) -> dict[str, list[ReadItem]]:
+        """``items`` grouped by data file, in plan order within a file; items whose ``id`` is in ``skip`` left out.
+
+        Raises:
+            CorruptCheckpointError: as :meth:`facts`.
+        """
+        groups: dict[str, list[ReadItem]] = {}
+        cached = self._facts.get
+        new_facts = self._new_facts
+        for item in items:
+            key = id(item)
+            if skip is not None and key in skip:
+                continue
+            hit = cached(key)
+            facts = hit[1] if hit is not None and hit[0] is item else new_facts(item)
+            group = groups.get(facts.info.relative_path)
+            if group is None:
+                groups[facts.info.relative_path] = [item]
+            else:
+                group.append(item)
+        return groups
+
+    def _new_facts(self, item: ReadItem) -> ItemFacts:
         index = item.storage_index
         info = self.info(index)
         stored = self.metadata.state_dict_metadata.get(index.fqn)
@@ -96,17 +122,19 @@ class ItemIndex:
             itemsize = DTYPE_NAMES.get(stored.properties.dtype, 1)
         else:
             sizes, itemsize = None, 1
-        tensor = item.type != LoadItemType.BYTE_IO and sizes is not None and not info.compression
-        nbytes = math.prod(item.lengths) * itemsize if tensor else info.length
+        kind = item.type
+        tensor = kind is not LoadItemType.BYTE_IO and sizes is not None and not info.compression
+        lengths = item.lengths
+        nbytes = math.prod(lengths) * itemsize if tensor else info.length
         checksum = info.checksum
         small = (
             tensor
-            and item.type == LoadItemType.TENSOR
+            and kind is LoadItemType.TENSOR
             and info.length <= SMALL_ITEM_BYTES
-            and (checksum is None or checksum.algorithm == ALGORITHM)
-            and tuple(item.lengths) == sizes
-            and not any(item.storage_offsets)
             and info.length == nbytes
+            and (checksum is None or checksum.algorithm == ALGORITHM)
+            and (lengths if type(lengths) is tuple else tuple(lengths)) == sizes
+            and not any(item.storage_offsets)
         )
         facts = ItemFacts(info, stored, sizes, itemsize, nbytes, small)  # positional: the fields in order
         self._facts[id(item)] = (item, facts)  # holding the item keeps its id unique
@@ -175,39 +203,51 @@ def read_small_whole(
     Raises:
         CorruptCheckpointError: the file ends early (names the file and key).
     """
-    batch: list[tuple[int, int, ReadItem, np.ndarray, StorageInfo]] = []
+    # Offset, length, item, target, whether the planner is told (apply_tensor), whether the item has a checksum.
+    batch: list[tuple[int, int, ReadItem, np.ndarray, bool, bool]] = []
     rest: list[tuple[ReadItem, np.ndarray | None]] = []
     facts_of = index.facts
+    direct = direct_targets(planner)  # targets known writable, contiguous, of the stored dtype
     for item in items:
         facts = facts_of(item)
         info = facts.info
         if not facts.small or info.offset + info.length > file_size:
             rest.append((item, None))
             continue
+        hit = direct.get(id(item))
+        if hit is not None and hit[0] is item:
+            batch.append((info.offset, info.length, item, hit[1], False, info.checksum is not None))
+            continue
         dest = planner.acquire_tensor(item)
         flags = dest.flags
         if dest.dtype != stored_dtype(facts.stored.properties.dtype) or not (flags.c_contiguous and flags.writeable):
             rest.append((item, dest))
             continue
-        batch.append((info.offset, info.length, item, dest, info))
-    batch.sort(key=lambda entry: entry[0])
+        batch.append((info.offset, info.length, item, dest, True, info.checksum is not None))
+    batch.sort(key=_first)
     total = 0
     start = 0
-    while start < len(batch):
+    count = len(batch)
+    while start < count:
         end = start + 1
-        while end < len(batch) and end - start < _IOV_MAX and batch[end][0] == batch[end - 1][0] + batch[end - 1][1]:
+        following = batch[start][0] + batch[start][1]
+        while end < count and end - start < _IOV_MAX and batch[end][0] == following:
+            following += batch[end][1]
             end += 1
         group = batch[start:end]
-        length = sum(entry[1] for entry in group)
-        if length:
-            views = [entry[3].reshape(-1).view(np.uint8) for entry in group if entry[1]]
-            if source.readinto_many(views, group[0][0]) != length:
-                raise CorruptCheckpointError(
-                    f"data file {path} is truncated while reading key '{group[0][2].storage_index.fqn}'"
-                )
-        for _, nbytes, item, dest, info in group:
-            if not (verified and info.checksum is not None):
+        length = following - group[0][0]
+        if source.readinto_many([entry[3] for entry in group], group[0][0]) != length:
+            raise CorruptCheckpointError(
+                f"data file {path} is truncated while reading key '{group[0][2].storage_index.fqn}'"
+            )
+        for _, nbytes, item, dest, apply, checksummed in group:
+            if apply:
+                planner.apply_tensor(item, dest)
+            if not (verified and checksummed):
                 total += nbytes  # verified bytes were counted by the verify pass
-            planner.apply_tensor(item, dest)
         start = end
     return total, rest
+
+
+def _first(entry: tuple[Any, ...]) -> Any:
+    return entry[0]

@@ -54,7 +54,8 @@ class FileSource:
         return got
 
     def readinto_many(self, buffers: list[np.ndarray], offset: int) -> int:
-        """Fill ``buffers`` one after the other from consecutive bytes at ``offset``; return the bytes got."""
+        """Fill ``buffers`` (contiguous arrays of any dtype) one after the other from consecutive bytes at
+        ``offset``; return the bytes got."""
         return os.preadv(self.fd, buffers, offset)
 
 

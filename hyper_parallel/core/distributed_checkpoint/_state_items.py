@@ -206,14 +206,10 @@ def _make_entry(fqn: str, value: Any) -> TensorEntry | ValueEntry | SkipEntry:
         shape = tuple(map(int, value.shape))
         if isinstance(value, np.ndarray) and value.dtype == object:
             return ValueEntry(fqn=fqn, value=value)
+        # Positional (one per leaf of a state of thousands): fqn, dtype, global_shape, pieces, local,
+        # local_shape, write, allow_shape_mismatch, may_be_replicated.
         return TensorEntry(
-            fqn=fqn,
-            dtype=dtype_name(value),
-            global_shape=shape,
-            pieces=(TensorPiece(offsets=(0,) * len(shape), sizes=shape),),
-            local=value,
-            local_shape=shape,
-            may_be_replicated=True,
+            fqn, dtype_name(value), shape, (TensorPiece((0,) * len(shape), shape),), value, shape, True, False, True
         )
     if isinstance(value, ShardedObject):
         return ValueEntry(

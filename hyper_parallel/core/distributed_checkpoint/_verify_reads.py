@@ -18,25 +18,24 @@ is verified and no readahead. The pages stay in the page cache, where the
 reading pass then finds them: the load costs one hash pass (through the CPU
 cache) and one copy into the targets. The reader
 keeps some regions instead of hashing them here (see
-``FileSystemReader._keep_buffer``): read once, verified in a private buffer,
+``_reader_verify.VerifyPass._keep_buffer``): read once, verified in a private buffer,
 copied into the target by the read pass.
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import math
 import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._format.byte_ranges import box_runs
-from hyper_parallel.core.distributed_checkpoint._format.checksum import digest, grid_shape
+from hyper_parallel.core.distributed_checkpoint._format.checksum import digest, digests_of, grid_shape
 from hyper_parallel.core.distributed_checkpoint._run_reads import FileSource, scratch
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import StorageInfo
@@ -68,14 +67,14 @@ class RegionCheck:
 
 
 def _flat_blocks(check: RegionCheck) -> range | np.ndarray:
-    """Indices of the flat blocks the region touches."""
+    """Indices of the flat blocks the region touches (a ``range`` when it covers the whole chunk)."""
     block = check.info.checksum.block_bytes
     count = max(1, -(-check.info.length // block))
     if check.sizes is None or math.prod(check.lengths) * check.itemsize == check.info.length:
         return range(count)
     runs = box_runs(check.sizes, check.itemsize, check.offsets, check.lengths)
     if runs.total == 0:
-        return range(0)
+        return np.zeros(0, dtype=np.int64)
     marks = np.zeros(count + 1, dtype=np.int64)
     np.add.at(marks, runs.starts // block, 1)
     np.add.at(marks, (runs.starts + runs.length - 1) // block + 1, -1)
@@ -124,14 +123,23 @@ def _window(source: FileSource, path: Path, window: _Window) -> Iterator[memoryv
 
 
 @dataclass(frozen=True)
-class _Block:
-    """One flat checksum block to hash: absolute bytes ``[start, end)`` of the file."""
+class _Blocks:
+    """The flat checksum blocks of one file a load verifies, sorted by position (one entry per block).
 
-    start: int
-    end: int
-    digest: str
-    check: RegionCheck
-    index: int
+    Parallel sequences, so that thousands of small chunks cost a few array
+    operations, not an object each.
+
+    Attributes:
+        starts: First byte of each block in the file (``int64``, sorted).
+        ends: End of each block (``int64``).
+        digests: Expected digest of each block.
+        keys: The key each block belongs to (for messages).
+    """
+
+    starts: np.ndarray
+    ends: np.ndarray
+    digests: Sequence[str]
+    keys: Sequence[str]
 
 
 @dataclass(frozen=True)
@@ -161,7 +169,8 @@ class _Window:
         start: First byte of the window.
         end: End of the window.
         ranges: The parts of the window actually hashed (announced to the kernel ahead).
-        blocks: The flat blocks in the window.
+        first: Index of the window's first flat block in the file's :class:`_Blocks`.
+        stop: End of the window's flat blocks (``first == stop``: none).
         slab: The tiles in the window (instead of blocks).
         hashed: Bytes the window verifies.
     """
@@ -169,7 +178,8 @@ class _Window:
     start: int
     end: int
     ranges: tuple[tuple[int, int], ...]
-    blocks: tuple[_Block, ...] = ()
+    first: int = 0
+    stop: int = 0
     slab: _Slab | None = None
     hashed: int = 0
 
@@ -189,32 +199,43 @@ _GAP_BYTES = 1 << 20
 _LOOKAHEAD_BYTES = 32 << 20
 
 
-def _flat_windows(blocks: list[_Block], window: int, others: Sequence[int] = ()) -> list[_Window]:
+def _flat_windows(blocks: _Blocks, window: int, others: Sequence[int] = ()) -> list[_Window]:
     """Group ``blocks`` (sorted by position) into windows of at most ``window`` bytes.
 
     Blocks less than ``_GAP_BYTES`` apart share a window (the gap is read
     along), unless one of ``others`` (sorted starts of windows hashed apart,
     tile slabs) lies in the gap: those bytes are read by their own window, and
-    a window with a gap is sparse (mapped, announced page by page).
+    a window with a gap is sparse (mapped, announced page by page). The work
+    is a few array operations per window, none per block.
     """
+    starts, ends = blocks.starts, blocks.ends
+    count = starts.size
+    if not count:
+        return []
+    reach = np.maximum.accumulate(ends)  # end of the bytes covered so far (blocks never overlap in a sound file)
+    fresh = np.ones(count, dtype=bool)  # block k starts a new hashed range (a gap before it)
+    fresh[1:] = starts[1:] > reach[:-1]
+    apart = np.zeros(count, dtype=bool)  # block k must start a new window
+    apart[1:] = starts[1:] - reach[:-1] > _GAP_BYTES
+    if len(others):
+        marks = np.asarray(others, dtype=np.int64)
+        apart[1:] |= np.searchsorted(marks, reach[:-1]) < np.searchsorted(marks, starts[1:])
+    forced = np.flatnonzero(apart)
+    hashed = np.zeros(count + 1, dtype=np.int64)
+    np.cumsum(ends - starts, out=hashed[1:])
     windows = []
     position = 0
-    while position < len(blocks):
-        first = blocks[position]
-        stop = position + 1
-        while (stop < len(blocks) and blocks[stop].start - blocks[stop - 1].end <= _GAP_BYTES
-               and blocks[stop].end - first.start <= window
-               and not _starts_within(others, blocks[stop - 1].end, blocks[stop].start)):
-            stop += 1
-        group = blocks[position:stop]
-        ranges: list[tuple[int, int]] = []
-        for block in group:
-            if ranges and block.start <= ranges[-1][1]:
-                ranges[-1] = (ranges[-1][0], max(ranges[-1][1], block.end))
-            else:
-                ranges.append((block.start, block.end))
-        windows.append(_Window(start=first.start, end=group[-1].end, ranges=tuple(ranges), blocks=tuple(group),
-                               hashed=sum(b.end - b.start for b in group)))
+    while position < count:
+        following = int(np.searchsorted(forced, position, side="right"))
+        stop = int(forced[following]) if following < forced.size else count
+        fitting = int(np.searchsorted(reach, int(starts[position]) + window, side="right"))
+        stop = max(position + 1, min(stop, fitting))
+        heads = np.flatnonzero(fresh[position + 1 : stop]) + position + 1
+        first = [position] + heads.tolist()
+        last = (heads - 1).tolist() + [stop - 1]
+        ranges = tuple(zip(starts[first].tolist(), reach[last].tolist()))
+        windows.append(_Window(start=ranges[0][0], end=ranges[-1][1], ranges=ranges, first=position, stop=stop,
+                               hashed=int(hashed[stop] - hashed[position])))
         position = stop
     return windows
 
@@ -275,7 +296,22 @@ def _bad_tile(view: memoryview, slab: _Slab) -> int | None:
     return None
 
 
-def _mismatch(view: memoryview, window: _Window) -> str | None:
+def _bad_block(view: memoryview, window: _Window, blocks: _Blocks) -> int | None:
+    """Index (in ``blocks``) of the first of the window's flat blocks whose digest does not match, or ``None``.
+
+    The window's blocks are hashed in one pass over the buffer with no Python per block
+    (:func:`.checksum.digests_of`); the lists of digests are compared at once.
+    """
+    first, stop = window.first, window.stop
+    base = window.start
+    got = digests_of(view, (blocks.starts[first:stop] - base).tolist(), (blocks.ends[first:stop] - base).tolist())
+    expected = blocks.digests[first:stop]
+    if got == expected:
+        return None
+    return first + next(k for k, (mine, theirs) in enumerate(zip(got, expected)) if mine != theirs)
+
+
+def _mismatch(view: memoryview, window: _Window, blocks: _Blocks) -> str | None:
     """The key and the tile or bytes of ``window`` whose digest does not match, for a message; ``None`` if all do."""
     if window.slab is not None:
         column = _bad_tile(view, window.slab)
@@ -283,10 +319,10 @@ def _mismatch(view: memoryview, window: _Window) -> str | None:
             return None
         return (f"key '{window.slab.check.fqn}' (tile {window.slab.slab},{column} of the chunk at byte "
                 f"{window.slab.check.info.offset})")
-    for block in window.blocks:
-        if digest(view[block.start - window.start : block.end - window.start]) != block.digest:
-            return f"key '{block.check.fqn}' (bytes {block.start}..{block.end})"
-    return None
+    bad = _bad_block(view, window, blocks)
+    if bad is None:
+        return None
+    return f"key '{blocks.keys[bad]}' (bytes {int(blocks.starts[bad])}..{int(blocks.ends[bad])})"
 
 
 def lookahead_limits(sizes: list[int], lookahead: int) -> list[int]:
@@ -347,7 +383,7 @@ def _announce(fd: int | None, windows: list[_Window], readahead: bool) -> None:
             os.posix_fadvise(fd, low, high - low, os.POSIX_FADV_WILLNEED)
 
 
-def _hash_windows(source: FileSource, path: Path, windows: list[_Window]) -> int:
+def _hash_windows(source: FileSource, path: Path, windows: list[_Window], blocks: _Blocks) -> int:
     """Hash ``windows`` in file order, announcing the next ones ahead; return the bytes hashed."""
     fd = getattr(source, "fd", None)
     readahead = not getattr(source, "exact", False)
@@ -358,14 +394,82 @@ def _hash_windows(source: FileSource, path: Path, windows: list[_Window]) -> int
         _announce(fd, windows[announced : limits[position]], readahead)
         announced = limits[position]
         with _window(source, path, window) as view:
-            problem = _mismatch(view, window)
+            problem = _mismatch(view, window, blocks)
         if problem is not None:
             raise CorruptCheckpointError(f"checksum mismatch in data file {path}, {problem}: {_NO_TARGET_CHANGED}")
         hashed += window.hashed
     return hashed
 
 
-def verify_regions(source: FileSource, path: Path, checks: list[RegionCheck], window: int) -> int:
+def _empty_chunk(path: Path, fqn: str, info: StorageInfo) -> None:
+    """Refuse a chunk stored in 0 bytes whose checksum is not that of no bytes (the length itself may be the damage)."""
+    if info.checksum.digests != (digest(b""),):
+        raise CorruptCheckpointError(
+            f"checksum mismatch in data file {path}, key '{fqn}': the metadata says it stores 0 "
+            f"bytes, its checksum says otherwise; {_NO_TARGET_CHANGED}"
+        )
+
+
+class _BlockList:
+    """The flat blocks of one file collected for hashing, each (chunk, block) once; :meth:`done` sorts them."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.digests: list[str] = []
+        self.keys: list[str] = []
+        self.whole: set[int] = set()  # id() of the chunks listed whole
+        self.partial: dict[int, tuple[str, StorageInfo, set[int]]] = {}  # id(chunk) -> key, chunk, blocks
+
+    def add_whole(self, fqn: str, info: StorageInfo) -> None:
+        """Every block of the chunk ``info`` (non-empty, flat checksum)."""
+        if id(info) in self.whole:
+            return
+        self.whole.add(id(info))
+        checksum, offset, length = info.checksum, info.offset, info.length
+        block = checksum.block_bytes
+        if length <= block:  # the usual small chunk: one block
+            self.starts.append(offset)
+            self.ends.append(offset + length)
+            self.digests.append(checksum.digests[0])
+            self.keys.append(fqn)
+            return
+        count = -(-length // block)
+        starts = range(offset, offset + length, block)
+        self.starts.extend(starts)
+        self.ends.extend(min(start + block, offset + length) for start in starts)
+        self.digests.extend(checksum.digests[:count])
+        self.keys.extend([fqn] * count)
+
+    def add_blocks(self, fqn: str, info: StorageInfo, indices: Sequence[int]) -> None:
+        """Blocks ``indices`` of the chunk ``info`` (a part of it is read)."""
+        entry = self.partial.setdefault(id(info), (fqn, info, set()))
+        entry[2].update(indices)
+
+    def done(self) -> _Blocks:
+        """The blocks, sorted by position."""
+        for key, (fqn, info, indices) in self.partial.items():
+            if key in self.whole:
+                continue
+            block = info.checksum.block_bytes
+            for index in sorted(indices):
+                start = info.offset + index * block
+                self.starts.append(start)
+                self.ends.append(min(start + block, info.offset + info.length))
+                self.digests.append(info.checksum.digests[index])
+                self.keys.append(fqn)
+        starts = np.array(self.starts, dtype=np.int64)
+        ends = np.array(self.ends, dtype=np.int64)
+        if starts.size > 1 and bool((starts[1:] < starts[:-1]).any()):
+            order = np.argsort(starts, kind="stable")
+            rank = order.tolist()
+            return _Blocks(starts=starts[order], ends=ends[order], digests=[self.digests[i] for i in rank],
+                           keys=[self.keys[i] for i in rank])
+        return _Blocks(starts=starts, ends=ends, digests=self.digests, keys=self.keys)
+
+
+def verify_regions(source: FileSource, path: Path, checks: Sequence[RegionCheck], window: int, *,
+                   whole: Iterable[tuple[str, StorageInfo]] = ()) -> int:
     """Verify the checksum blocks of every region in ``checks`` (all in ``source``); return bytes hashed.
 
     Each block or tile of a chunk is hashed once, however many regions of it
@@ -375,34 +479,44 @@ def verify_regions(source: FileSource, path: Path, checks: list[RegionCheck], wi
     Expects offsets, lengths and digest counts already checked against the
     file size and the chunk (the reader's set-up and ``check_consistency``).
 
+    Args:
+        source: The open data file.
+        path: Its name, for messages.
+        checks: Regions to verify.
+        window: Bound on the bytes hashed at once (``max_inflight_bytes``; at most 8 MiB are).
+        whole: ``(key, chunk)`` of chunks verified whole that have flat block checksums (or none): the
+            thousands of small chunks of a state, taken without a :class:`RegionCheck` each.
+
     Raises:
         CorruptCheckpointError: a mismatch (names the file, key and bytes or tile).
     """
-    flat: dict[tuple[int, int], _Block] = {}  # (chunk, block index) -> block: each hashed once
+    flat = _BlockList()
     tiles_done: set[tuple[int, int, int]] = set()
     windows: list[_Window] = []
+    for fqn, info in whole:
+        if info.checksum is None:
+            continue
+        if not info.length:
+            _empty_chunk(path, fqn, info)
+            continue
+        flat.add_whole(fqn, info)
     for check in checks:
         info = check.info
         if info.checksum is None:
             continue
-        if info.length == 0:
-            if info.checksum.digests != (digest(b""),):  # the length itself may be the damage
-                raise CorruptCheckpointError(
-                    f"checksum mismatch in data file {path}, key '{check.fqn}': the metadata says it stores 0 "
-                    f"bytes, its checksum says otherwise; {_NO_TARGET_CHANGED}"
-                )
+        if not info.length:
+            _empty_chunk(path, check.fqn, info)
             continue
         if info.checksum.block_shape and check.sizes is not None:
             windows += _tile_windows(check, tiles_done)
             continue
-        size = info.checksum.block_bytes
-        for blk in _flat_blocks(check):
-            blk = int(blk)
-            start = info.offset + blk * size
-            flat.setdefault((id(info), blk), _Block(start, min(start + size, info.offset + info.length),
-                                                    info.checksum.digests[blk], check, blk))
+        indices = _flat_blocks(check)
+        if isinstance(indices, range):
+            flat.add_whole(check.fqn, info)
+        else:
+            flat.add_blocks(check.fqn, info, indices.tolist())
+    blocks = flat.done()
     # Windows of a few MiB: a window read into scratch stays in the CPU cache while it is hashed.
-    windows += _flat_windows(sorted(flat.values(), key=lambda b: b.start), min(window, _CACHE_WINDOW),
-                             sorted(w.start for w in windows))
+    windows += _flat_windows(blocks, min(window, _CACHE_WINDOW), sorted(w.start for w in windows))
     windows.sort(key=lambda w: w.start)
-    return _hash_windows(source, path, windows)
+    return _hash_windows(source, path, windows, blocks)

@@ -35,9 +35,15 @@ from hyper_parallel.core.distributed_checkpoint._commit_cleanup import (
     remove_files,
 )
 from hyper_parallel.core.distributed_checkpoint._commit_guard import check_commit, clean_up_after_commit, drop_dead_save, file_signature
-from hyper_parallel.core.distributed_checkpoint._file_ops import OS_FILE_OPS, FileOps, make_directories
+from hyper_parallel.core.distributed_checkpoint._file_ops import (
+    OS_FILE_OPS,
+    FileOps,
+    fsync_directory,
+    make_directories,
+    write_atomically,
+)
 from hyper_parallel.core.distributed_checkpoint._options import check_option
-from hyper_parallel.core.distributed_checkpoint._data_file import LocalDataFile, write_all
+from hyper_parallel.core.distributed_checkpoint._data_file import LocalDataFile
 from hyper_parallel.core.distributed_checkpoint._data_writing import (
     AUTO_THREAD_BYTES,
     DATA_ALIGNMENT,
@@ -88,41 +94,6 @@ METADATA_FILE = "metadata.json"
 def rank_metadata_file(rank: int) -> str:
     """Name of the rank-local metadata written with ``use_collectives=False``."""
     return f"metadata.rank{rank:05d}.json"
-
-
-def fsync_directory(path: Path, ops: FileOps = OS_FILE_OPS) -> None:
-    """Make the entries of directory ``path`` durable."""
-    ops.fsync_directory(path)
-
-
-def write_atomically(
-    path: Path, data: bytes, *, sync: bool = True, tag: str | None = None, ops: FileOps = OS_FILE_OPS
-) -> None:
-    """Write ``data`` to ``path`` via a temporary file and a rename.
-
-    Readers see either the old file or the whole new one. The temporary file
-    (``.<name>.<tag>.partial``, a random tag by default) is removed on failure.
-    With ``sync`` the file's bytes are durable before the rename and the
-    rename is durable (directory fsync) before returning.
-    """
-    partial = path.with_name(f".{path.name}.{tag or uuid.uuid4().hex[:8]}.partial")
-    try:
-        fd = ops.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            write_all(fd, memoryview(data), ops)
-            if sync:
-                ops.fsync(fd)
-        finally:
-            ops.close(fd)
-        ops.replace(partial, path)
-    except BaseException:
-        try:
-            ops.unlink(partial)
-        except OSError:
-            pass  # never created, or a later save sweeps it
-        raise
-    if sync:
-        fsync_directory(path.parent, ops)
 
 
 @dataclass(frozen=True)
@@ -216,6 +187,11 @@ class FileSystemWriter(StorageWriter):
         self._page_drop: threading.Thread | None = None
         self.rank = 0
         self.save_id = uuid.uuid4().hex[:12]
+
+    @property
+    def backend_name(self) -> str:
+        """The backend this writer records in the metadata (``"filesystem"``). Any rank; no file access."""
+        return BACKEND_NAME
 
     def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
         """Start a new save (new save id), optionally to a new path. All ranks."""
@@ -426,7 +402,7 @@ class FileSystemWriter(StorageWriter):
                 storage_data.setdefault(key, result.storage_data)
         return metadata.replace(
             storage_data=storage_data,
-            storage_meta=replace(metadata.storage_meta, backend=BACKEND_NAME, save_id=self.save_id),
+            storage_meta=replace(metadata.storage_meta, backend=self.backend_name, save_id=self.save_id),
         )
 
     def abort(self) -> None:

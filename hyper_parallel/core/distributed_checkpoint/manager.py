@@ -35,43 +35,32 @@ import contextlib
 import logging
 import math
 import os
-import re
-import shutil
 import time
-import uuid
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable, Iterator, Mapping
 
 from hyper_parallel.core.distributed_checkpoint.api import load as dcp_load
-from hyper_parallel.core.distributed_checkpoint.api import read_metadata
 from hyper_parallel.core.distributed_checkpoint.api import save as dcp_save
 from hyper_parallel.core.distributed_checkpoint.async_checkpoint import AsyncSaveHandle
 from hyper_parallel.core.distributed_checkpoint.async_checkpoint import async_save as dcp_async_save
 from hyper_parallel.core.distributed_checkpoint._background_commit import settle_background_commits
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
-from hyper_parallel.core.distributed_checkpoint.errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    CheckpointValueError,
-)
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointNotFoundError, CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import METADATA_FILE, FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint._manager_record import (
     ManagerPolicy,
     ManagerRecord,
-    StepRecord,
     _Session,
     locked_record,
 )
-from hyper_parallel.core.distributed_checkpoint._save_lease import live_lease_in
-from hyper_parallel.core.distributed_checkpoint._fsspec_writer import FsspecWriter, is_object_url
-from hyper_parallel.core.distributed_checkpoint._object_steps import ObjectStepRoot
+from hyper_parallel.core.distributed_checkpoint._fsspec_writer import FsspecWriter
+from hyper_parallel.core.distributed_checkpoint._retention import plan_retention
+from hyper_parallel.core.distributed_checkpoint._step_dirs import StepDirectories
 
 __all__ = ["CheckpointManager"]
 
 _LOG = logging.getLogger(__name__)
-_STEP_DIGITS = 8
-_DELETING = ".deleting-"
 
 
 def _positive_or_none(name: str, value: int | None) -> int | None:
@@ -134,17 +123,10 @@ class CheckpointManager:
         step_prefix: str = "step_",
         writer_options: Mapping[str, Any] | None = None,
     ) -> None:
-        if not isinstance(step_prefix, str) or not step_prefix or step_prefix.startswith(".") or (
-            "/" in step_prefix or os.sep in step_prefix
-        ):
-            raise CheckpointValueError(f"step_prefix must be a plain name not starting with '.', got {step_prefix!r}")
-        self._objects: ObjectStepRoot | None = None
-        if is_object_url(root):
-            self._objects = ObjectStepRoot(str(root), METADATA_FILE)
-            self.root: Path | str = self._objects.url
-            self._memory_record = ManagerRecord()
-        else:
-            self.root = Path(os.fspath(root))
+        self._steps = StepDirectories(root, step_prefix=step_prefix, metadata_file=METADATA_FILE)
+        self._objects = self._steps.objects
+        self.root: Path | str = self._steps.root
+        self._memory_record = ManagerRecord()  # the record of an object-store root (kept in memory)
         self.max_to_keep = _positive_or_none("max_to_keep", max_to_keep)
         self.save_interval_seconds = _seconds_or_none("save_interval_seconds", save_interval_seconds)
         self.save_interval_steps = _positive_or_none("save_interval_steps", save_interval_steps)
@@ -170,10 +152,8 @@ class CheckpointManager:
             best_mode=best_mode if best_fn is not None else None,
         )
         self.step_prefix = step_prefix
-        self._pattern = re.compile(re.escape(step_prefix) + r"(\d+)")
         self._handle: AsyncSaveHandle | None = None
         self._writing: int | None = None  # the step this manager is saving, hidden from listings
-        self._verified: dict[int, object] = {}  # step -> stat (or object tag) of its checked metadata
         self._committing: tuple[int, dict[str, Any] | None] | None = None  # step and metrics awaiting retention
         self._last_save = time.monotonic()
 
@@ -190,72 +170,11 @@ class CheckpointManager:
 
     def directory(self, step: int) -> Path | str:
         """Return the checkpoint directory (or ``s3://`` id) of ``step`` (no file access). Any rank."""
-        if self._objects is not None:
-            return self._objects.location(self._name(step))
-        return self.root / self._name(step)
-
-    def _name(self, step: int) -> str:
-        return f"{self.step_prefix}{step:0{_STEP_DIGITS}d}"
-
-    def _step_of(self, name: str) -> int | None:
-        match = self._pattern.fullmatch(name)
-        if match is None or self._name(int(match.group(1))) != name:
-            return None
-        return int(match.group(1))
+        return self._steps.location(step)
 
     def _scan(self) -> tuple[list[int], list[int]]:
         """Return (committed, uncommitted) steps, sorted, without the step being written. Coordinator."""
-        if self._objects is not None:
-            return self._scan_objects()
-        committed: list[int] = []
-        uncommitted: list[int] = []
-        try:
-            entries = list(os.scandir(self.root))
-        except FileNotFoundError:
-            return committed, uncommitted
-        for entry in entries:
-            step = self._step_of(entry.name)
-            if step is None or step == self._writing or not entry.is_dir():
-                continue
-            try:
-                stat = os.stat(os.path.join(entry.path, METADATA_FILE))
-            except FileNotFoundError:
-                uncommitted.append(step)
-                continue
-            signature = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
-            if self._verified.get(step) != signature:
-                try:
-                    read_metadata(entry.path)
-                except (CheckpointError, OSError) as exc:
-                    _LOG.warning("rank 0: ignoring step directory %s: %s", entry.path, exc)
-                    continue
-                self._verified[step] = signature
-            committed.append(step)
-        self._verified = {s: sig for s, sig in self._verified.items() if s in committed}
-        return sorted(committed), sorted(uncommitted)
-
-    def _scan_objects(self) -> tuple[list[int], list[int]]:
-        """:meth:`_scan` for an object-store root; uncommitted steps only once abandoned. Coordinator."""
-        committed: list[int] = []
-        uncommitted: list[int] = []
-        for entry in self._objects.entries():
-            step = self._step_of(entry.name)
-            if step is None or step == self._writing:
-                continue
-            if entry.tag is None:
-                if self._objects.is_abandoned(entry):
-                    uncommitted.append(step)
-                continue
-            if self._verified.get(step) != entry.tag:
-                try:
-                    read_metadata(self.directory(step))
-                except CheckpointError as exc:
-                    _LOG.warning("rank 0: ignoring step %s: %s", self.directory(step), exc)
-                    continue
-                self._verified[step] = entry.tag
-            committed.append(step)
-        self._verified = {s: sig for s, sig in self._verified.items() if s in committed}
-        return sorted(committed), sorted(uncommitted)
+        return self._steps.scan(skip=self._writing)
 
     def all_steps(self) -> list[int]:
         """Return the committed steps, ascending. All ranks call it (rank 0 lists, then broadcasts).
@@ -432,29 +351,6 @@ class CheckpointManager:
 
         dist.agree("checkpoint retention", retain)
 
-    def _promised_forever(self, step: int, now: float, steps: dict[int, StepRecord]) -> bool:
-        if self.keep_every_n_steps is not None and step % self.keep_every_n_steps == 0:
-            return True
-        if self.keep_time_interval_seconds is None:
-            return False
-        last = max((r.saved_at for s, r in steps.items() if r.keep_forever and s != step), default=None)
-        return last is None or now - last >= self.keep_time_interval_seconds
-
-    def _bounded_keep(self, committed: list[int], steps: dict[int, StepRecord]) -> set[int]:
-        """The steps ``max_to_keep`` keeps: the newest, or the best by ``best_fn``."""
-        if self.max_to_keep is None:
-            return set(committed)
-        if self.best_fn is None:
-            return set(committed[-self.max_to_keep :])
-        scored = []
-        for step in committed:
-            metrics = steps[step].metrics if step in steps else None
-            if metrics is not None:
-                value = float(self.best_fn(metrics))
-                scored.append((value if self.best_mode == "max" else -value, step))
-        scored.sort(reverse=True)  # best first; a tie keeps the newer step
-        return {step for _, step in scored[: self.max_to_keep]}
-
     def _retain_on_coordinator(self, committing: tuple[int, dict[str, Any] | None] | None) -> None:
         with self._record_session() as record:
             committed, uncommitted = self._scan()
@@ -465,55 +361,13 @@ class CheckpointManager:
                     "rank 0: %s was managed with %s, now %s; steps promised 'keep forever' earlier stay",
                     self.root, record.record.policy, self.policy,
                 )
-            steps = {s: r for s, r in record.record.steps.items() if s in committed}
-            now = time.time()
-            just_saved = None
-            if committing is not None and committing[0] in committed:
-                just_saved, metrics = committing
-                old = steps.get(just_saved)
-                forever = self._promised_forever(just_saved, now, steps) or (old is not None and old.keep_forever)
-                steps[just_saved] = StepRecord(saved_at=now, keep_forever=forever, metrics=metrics)
-            keep = self._bounded_keep(committed, steps) | {committed[-1]}
-            keep.update(s for s, r in steps.items() if r.keep_forever)
-            if just_saved is not None:
-                keep.add(just_saved)
-            if self.keep_every_n_steps is not None:
-                keep.update(s for s in committed if s % self.keep_every_n_steps == 0)
-            doomed = [s for s in committed if s not in keep] + [s for s in uncommitted if s < committed[-1]]
-            for step in doomed:
-                if self._objects is not None:  # no lease there: the scan already skipped steps that may be in flight
-                    self._objects.delete(self._name(step))
-                    self._verified.pop(step, None)
+            plan = plan_retention(
+                self.policy, best_fn=self.best_fn, committed=committed, uncommitted=uncommitted,
+                recorded=record.record.steps, committing=committing, now=time.time(),
+            )
+            steps = dict(plan.steps)
+            for step in plan.doomed:
+                if self._steps.delete(step):
                     steps.pop(step, None)
-                    continue
-                holder = live_lease_in(self.directory(step))
-                if holder is not None:  # another manager or process is saving this step right now
-                    _LOG.info("rank 0: keeping %s: a save holds it (%s)", self.directory(step), holder.describe())
-                    continue
-                self._delete(self.directory(step))
-                self._verified.pop(step, None)
-                steps.pop(step, None)
             record.update(policy=self.policy, steps=steps)
-        if self._objects is not None:
-            return
-        for entry in os.scandir(self.root):  # leftovers of deletions interrupted earlier
-            if entry.name.startswith(_DELETING + self.step_prefix) and entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path, ignore_errors=True)
-
-    @staticmethod
-    def _delete(path: Path) -> None:
-        """Rename ``path`` to a hidden name, then remove it. Coordinator only."""
-        hidden = path.with_name(f"{_DELETING}{path.name}-{uuid.uuid4().hex[:8]}")
-        try:
-            os.rename(path, hidden)
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            _LOG.warning("rank 0: cannot delete old checkpoint %s: %s", path, exc)
-            return
-        try:
-            shutil.rmtree(hidden)
-        except OSError as exc:
-            _LOG.warning("rank 0: %s left behind (removed at the next retention): %s", hidden, exc)
-        else:
-            _LOG.info("rank 0: deleted old checkpoint %s", path)
+        self._steps.sweep_deletions()

@@ -14,6 +14,9 @@ from typing import Any, Sequence, Union
 __all__ = [
     "FORMAT_VERSION",
     "BACKEND_NAME",
+    "S3_BACKEND_NAME",
+    "FSSPEC_BACKEND_NAME",
+    "SAME_FORMAT_BACKENDS",
     "MetadataIndex",
     "ChunkStorageMetadata",
     "TensorProperties",
@@ -30,8 +33,15 @@ __all__ = [
 #: 2.0 added tile checksums (``checksum.block_shape``) and zstd compression,
 #: which a 1.0 reader would misread; 1.0 checkpoints still load.
 FORMAT_VERSION = "2.0"
-#: Name of the storage backend of the filesystem format.
+#: Name of the storage backend of the filesystem format (a local or shared directory).
 BACKEND_NAME = "filesystem"
+#: Backend recorded by a save to S3 (``s3://``, through fsspec): the same files as a directory.
+S3_BACKEND_NAME = "s3"
+#: Backend recorded by a save to another fsspec filesystem: the same files as a directory.
+FSSPEC_BACKEND_NAME = "fsspec"
+#: The backends this package writes. They store the same format, so one load strategy reads them all
+#: (a checkpoint copied from S3 to a directory still loads).
+SAME_FORMAT_BACKENDS = (BACKEND_NAME, S3_BACKEND_NAME, FSSPEC_BACKEND_NAME)
 
 #: A flat or nested state dict as given by the caller.
 STATE_DICT_TYPE = dict[str, Any]

@@ -17,11 +17,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Union
 
-from hyper_parallel.core.distributed_checkpoint._format.metadata_json import (
-    check_consistency,
-    metadata_from_json,
-    metadata_to_json,
-)
+from hyper_parallel.core.distributed_checkpoint._format.consistency import check_consistency
+from hyper_parallel.core.distributed_checkpoint._format.metadata_json import metadata_from_json, metadata_to_json
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex, StorageInfo
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 

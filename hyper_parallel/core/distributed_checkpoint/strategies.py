@@ -22,7 +22,12 @@ from hyper_parallel.core.distributed_checkpoint._async_engine import plan_async_
 from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions, run_save
 from hyper_parallel.core.distributed_checkpoint._load_engine import LoadOptions, run_load
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, UnsupportedFormatError
-from hyper_parallel.core.distributed_checkpoint.metadata import BACKEND_NAME, FORMAT_VERSION, Metadata
+from hyper_parallel.core.distributed_checkpoint.metadata import (
+    BACKEND_NAME,
+    FORMAT_VERSION,
+    SAME_FORMAT_BACKENDS,
+    Metadata,
+)
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlanner, SavePlanner
 from hyper_parallel.core.distributed_checkpoint.storage import StorageReader, StorageWriter
 
@@ -252,6 +257,9 @@ for _action, _cls in (
     (StrategyAction.LOAD_COMMON, StandardLoadStrategy),
 ):
     register_default_strategy(_action, BACKEND_NAME, FORMAT_VERSION, _cls(BACKEND_NAME, FORMAT_VERSION))
-for _version in READABLE_OLDER_VERSIONS:
-    for _action in (StrategyAction.LOAD_SHARDED, StrategyAction.LOAD_COMMON):
-        register_default_strategy(_action, BACKEND_NAME, _version, StandardLoadStrategy(BACKEND_NAME, _version))
+# Every backend this package writes stores the same format: the one load strategy reads them all.
+for _backend in SAME_FORMAT_BACKENDS:
+    for _version in (FORMAT_VERSION, *READABLE_OLDER_VERSIONS):
+        for _action in (StrategyAction.LOAD_SHARDED, StrategyAction.LOAD_COMMON):
+            if _backend != BACKEND_NAME or _version != FORMAT_VERSION:
+                register_default_strategy(_action, _backend, _version, StandardLoadStrategy(_backend, _version))

@@ -34,7 +34,7 @@ from typing import Any, Callable
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.core.distributed_checkpoint import _data_file as df
 from hyper_parallel.core.distributed_checkpoint import filesystem_writer as fw
-from hyper_parallel.core.distributed_checkpoint import manager as manager_module
+from hyper_parallel.core.distributed_checkpoint import _step_dirs as step_dirs_module
 from hyper_parallel.core.distributed_checkpoint._file_ops import FileOps
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
 
@@ -175,8 +175,8 @@ def arm(hook: dict[str, Any], reference: pathlib.Path) -> None:
         owner, name = target.split(".")
         cls = fw.FileSystemWriter if owner == "FileSystemWriter" else StandardSavePlanner
         setattr(cls, name, _wrap(getattr(cls, name), nth, when, active))
-    elif target == "manager.os.rename":
-        manager_module.os = _Proxy(os, {"rename": _wrap(os.rename, nth, when, active)})
+    elif target == "step_dirs.os.rename":  # the manager's retention renames a step away before deleting it
+        step_dirs_module.os = _Proxy(os, {"rename": _wrap(os.rename, nth, when, active)})
     elif target == "os.unlink":  # shutil.rmtree looks it up at call time
         os.unlink = _wrap(os.unlink, nth, when, active)
     elif target not in ("save.return", "async.done"):

@@ -3,8 +3,10 @@
 The metadata file is plain JSON (never pickle). Decoding checks every field's
 type and range and refuses paths that leave the checkpoint directory, so a
 hostile file is rejected before anything is read or allocated;
-:func:`check_consistency` then checks that items and storage entries match
-one to one (loading runs both). The format is specified in ``docs/format.md``.
+:func:`check_consistency` (:mod:`.consistency`, re-exported here) then checks
+that items and storage entries match one to one (loading runs both). The
+large members are decoded as a stream (:mod:`.json_stream`). The format is
+specified in ``docs/format.md``.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ import math
 import mmap
 import posixpath
 import re
-from typing import Any, Iterator
+from typing import Any
 
-from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, expected_blocks
+from hyper_parallel.core.distributed_checkpoint._format.consistency import check_consistency
+from hyper_parallel.core.distributed_checkpoint._format.json_stream import Cursor, batches
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
-from hyper_parallel.core.distributed_checkpoint._format.cover import check_exact_cover
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkChecksum,
@@ -159,6 +161,36 @@ def _str(value: Any, where: str, what: Any = "") -> str:
     return value
 
 
+def _naturals(values: list) -> bool:
+    """Whether every element of ``values`` is an ``int`` >= 0 (``bool`` is not)."""
+    for value in values:
+        if type(value) is not int or value < 0:  # pylint: disable=unidiomatic-typecheck
+            return False
+    return True
+
+
+def _whole_tensor_key(raw: dict) -> tuple[Any, ...] | None:
+    """For a tensor item stored as one whole chunk (most items): a key its decoded record is shared under.
+
+    Items with equal keys decode to equal records (records are immutable), so
+    only the first of them takes :func:`_tensor_entry`'s checks. ``None`` for
+    anything else (every item then takes the full checks).
+    """
+    dtype, size, chunks = raw.get("dtype"), raw.get("size"), raw.get("chunks")
+    if type(size) is not list or type(chunks) is not list or len(chunks) != 1:  # pylint: disable=unidiomatic-typecheck
+        return None
+    pair = chunks[0]
+    if type(pair) is not list or len(pair) != 2:  # pylint: disable=unidiomatic-typecheck
+        return None
+    offsets, sizes = pair
+    if (type(offsets) is not list or type(sizes) is not list or len(offsets) != len(size)  # pylint: disable=unidiomatic-typecheck
+            or sizes != size or any(offsets) or type(dtype) is not str):  # pylint: disable=unidiomatic-typecheck
+        return None
+    if not (_naturals(size) and _naturals(sizes) and _naturals(offsets)):
+        return None
+    return ("whole tensor", dtype, tuple(size))
+
+
 def _tensor_entry(fqn: str, raw: dict, where: str, shared: dict) -> TensorStorageMetadata:
     dtype = shared.setdefault(_str(raw.get("dtype"), where, "dtype"), raw["dtype"])
     if dtype not in DTYPE_NAMES:
@@ -187,7 +219,42 @@ def _tensor_entry(fqn: str, raw: dict, where: str, shared: dict) -> TensorStorag
     return TensorStorageMetadata(properties, size, tuple(chunks))  # properties, size, chunks
 
 
+def _flat_checked_entry(raw: Any, shared: dict) -> tuple[MetadataIndex, StorageInfo] | None:
+    """A storage entry of the usual form (uncompressed, flat checksum blocks, a data file seen before); else ``None``.
+
+    A fast path of :func:`_storage_entry`: it accepts only what that function's
+    checks would, and returns ``None`` for everything else (which then takes
+    the full checks and their messages).
+    """
+    if type(raw) is not dict or len(raw) != 6:  # pylint: disable=unidiomatic-typecheck
+        return None
+    fqn, offset, start, length = raw.get("fqn"), raw.get("offset"), raw.get("byte_offset"), raw.get("length")
+    chk = raw.get("checksum")
+    if (type(fqn) is not str or type(offset) is not list or type(start) is not int  # pylint: disable=unidiomatic-typecheck
+            or type(length) is not int or type(chk) is not dict or len(chk) != 3):  # pylint: disable=unidiomatic-typecheck
+        return None
+    path = raw.get("file")
+    path = shared.get(("file", path)) if type(path) is str else None  # pylint: disable=unidiomatic-typecheck
+    algorithm, block, digests = chk.get("algorithm"), chk.get("block_bytes"), chk.get("digests")
+    if (path is None or not 0 <= start <= MAX_TENSOR_BYTES or not 0 <= length <= MAX_TENSOR_BYTES
+            or type(algorithm) is not str or type(block) is not int or block <= 0  # pylint: disable=unidiomatic-typecheck
+            or type(digests) is not list or not _naturals(offset)):  # pylint: disable=unidiomatic-typecheck
+        return None
+    for digest in digests:
+        if type(digest) is not str:  # pylint: disable=unidiomatic-typecheck
+            return None
+    offset = tuple(offset)
+    # Positional (cheaper per entry): algorithm, block_bytes, digests, block_shape; relative_path, offset,
+    # length, checksum, compression, raw_length.
+    checksum = ChunkChecksum(shared.setdefault(algorithm, algorithm), block, tuple(digests), ())
+    return (MetadataIndex(shared.setdefault(fqn, fqn), shared.setdefault(offset, offset)),
+            StorageInfo(path, start, length, checksum, None, None))
+
+
 def _storage_entry(raw: Any, position: int, source: str, shared: dict) -> tuple[MetadataIndex, StorageInfo]:
+    found = _flat_checked_entry(raw, shared)
+    if found is not None:
+        return found
     where = f"{source}: storage_data[{position}]"
     if not isinstance(raw, dict):
         raise CorruptCheckpointError(f"{where}: expected an object")
@@ -229,109 +296,22 @@ def _storage_entry(raw: Any, position: int, source: str, shared: dict) -> tuple[
     return index, info
 
 
-_DECODER = json.JSONDecoder()
-_SPACE = re.compile(r"[ \t\n\r]*")
-_WHITE = frozenset(" \t\n\r")
-
-
-class _Cursor:
-    """Walks one JSON text a value at a time (the streaming half of :func:`metadata_from_json`)."""
-
-    def __init__(self, text: str, source: str) -> None:
-        self.text = text
-        self.source = source
-        self.position = 0
-
-    def skip(self) -> str:
-        """Skip white space; return the next character ('' at the end)."""
-        char = self.text[self.position : self.position + 1]
-        if char in _WHITE:  # compact JSON (this writer's) has none: no regex then
-            self.position = _SPACE.match(self.text, self.position).end()
-            char = self.text[self.position : self.position + 1]
-        return char
-
-    def expect(self, char: str) -> None:
-        if self.skip() != char:
-            raise CorruptCheckpointError(
-                f"{self.source}: not valid JSON metadata (expected {char!r} at char {self.position})"
-            )
-        self.position += 1
-
-    def value(self) -> Any:
-        """Decode the value at the cursor (any JSON value, however nested, within Python's limits)."""
-        self.skip()
-        try:
-            value, self.position = _DECODER.raw_decode(self.text, self.position)
-        except (ValueError, RecursionError) as exc:  # bad JSON, too deep, an integer too long
-            raise CorruptCheckpointError(f"{self.source}: not valid JSON metadata ({exc})") from exc
-        return value
-
-    def members(self, close: str) -> Any:
-        """Yield once per member of the object or array just opened, until ``close``; the caller decodes it."""
-        if self.skip() == close:
-            self.position += 1
-            return
-        while True:
-            yield
-            following = self.skip()
-            self.position += 1
-            if following == close:
-                return
-            if following != ",":
-                raise CorruptCheckpointError(
-                    f"{self.source}: not valid JSON metadata (expected ',' or {close!r} at char {self.position - 1})"
-                )
-
-    def key(self) -> str:
-        """Decode an object member's name and its ``:``."""
-        if self.skip() != '"':
-            raise CorruptCheckpointError(
-                f"{self.source}: not valid JSON metadata (expected a member name at char {self.position})"
-            )
-        name = self.value()
-        self.expect(":")
-        return name
-
-
-#: Members decoded by one JSON call while the text is in the writer's compact form (a bounded batch:
-#: the decode stays streaming, with less Python per member).
-_BATCH = 256
-
-
-def _batches(cursor: _Cursor, boundary: str, wrap: str) -> Iterator[Any]:
-    """Decode the next members of the array or object just opened, ``_BATCH`` at a time, by one JSON call each.
-
-    A batch ends at the ``_BATCH``-th ``boundary`` (``},{"fqn":`` between storage entries, ``},"``
-    between items) and is decoded wrapped in ``wrap``. Decoding from a member's start succeeds only
-    when the cut is between two members of this level (a cut inside a string or a nested value leaves
-    it unclosed), so a decoded batch is exactly the next ``_BATCH`` members. Stops at the first batch
-    that is not (another spacing, a nested match, the last members, bad JSON): the caller decodes the
-    rest member by member, which also reports any error.
-    """
-    text = cursor.text
-    while True:
-        start = cut = cursor.position
-        for _ in range(_BATCH):
-            cut = text.find(boundary, cut + 1)
-            if cut < 0:
-                return
-        try:
-            batch = json.loads(wrap[0] + text[start : cut + 1] + wrap[1])
-        except (ValueError, RecursionError):
-            return
-        if len(batch) != _BATCH:  # an object's duplicate keys, or a match inside a value: member by member
-            return
-        cursor.position = cut + 2
-        yield batch
-
-
 def _item(fqn: str, raw: Any, source: str, shared: dict) -> TensorStorageMetadata | BytesStorageMetadata:
     """Decode and check one ``state_dict_metadata`` member."""
+    key = None
+    if type(raw) is dict and raw.get("kind") == "tensor" and len(raw) == 4:  # pylint: disable=unidiomatic-typecheck
+        key = _whole_tensor_key(raw)
+        record = shared.get(key) if key is not None else None
+        if record is not None:
+            return record
     where = f"{source}: key '{fqn}'"
     if not isinstance(raw, dict):
         raise CorruptCheckpointError(f"{where}: expected an object")
     if raw.get("kind") == "tensor":
-        return _tensor_entry(fqn, raw, where, shared)
+        record = _tensor_entry(fqn, raw, where, shared)
+        if key is not None:
+            shared[key] = record
+        return record
     if raw.get("kind") == "bytes":
         offsets = raw.get("shard_offsets", [[]])
         if not isinstance(offsets, list):
@@ -344,13 +324,13 @@ def _item(fqn: str, raw: Any, source: str, shared: dict) -> TensorStorageMetadat
     raise CorruptCheckpointError(f"{where}: unknown kind {raw.get('kind')!r}")
 
 
-def _decode_items(cursor: _Cursor, shared: dict) -> dict[str, TensorStorageMetadata | BytesStorageMetadata]:
+def _decode_items(cursor: Cursor, shared: dict) -> dict[str, TensorStorageMetadata | BytesStorageMetadata]:
     source = cursor.source
     if cursor.skip() != "{":
         raise CorruptCheckpointError(f"{source}: state_dict_metadata must be an object")
     cursor.position += 1
     items: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
-    for batch in _batches(cursor, '},"', "{}"):
+    for batch in batches(cursor, '},"', "{}"):
         for fqn, raw in batch.items():
             fqn = shared.setdefault(fqn, fqn)
             items[fqn] = _item(fqn, raw, source, shared)
@@ -361,14 +341,14 @@ def _decode_items(cursor: _Cursor, shared: dict) -> dict[str, TensorStorageMetad
     return items
 
 
-def _decode_storage(cursor: _Cursor, shared: dict) -> dict[MetadataIndex, StorageInfo]:
+def _decode_storage(cursor: Cursor, shared: dict) -> dict[MetadataIndex, StorageInfo]:
     source = cursor.source
     if cursor.skip() != "[":
         raise CorruptCheckpointError(f"{source}: storage_data must be a list")
     cursor.position += 1
     storage: dict[MetadataIndex, StorageInfo] = {}
     count = 0
-    for batch in _batches(cursor, '},{"fqn":', "[]"):
+    for batch in batches(cursor, '},{"fqn":', "[]"):
         for raw in batch:
             index, info = _storage_entry(raw, count, source, shared)
             storage[index] = info
@@ -386,7 +366,7 @@ def metadata_from_json(data: bytes | bytearray | mmap.mmap, *, source: str = "me
     """Decode and check metadata written by :func:`metadata_to_json`.
 
     The two large members (``state_dict_metadata``, ``storage_data``) are
-    decoded a bounded batch of entries at a time (``_BATCH`` per JSON call
+    decoded a bounded batch of entries at a time (``json_stream._BATCH`` per JSON call
     while the text is in this writer's compact form, else one at a time),
     each entry turned into its typed record at once,
     so the whole JSON document never exists as Python objects: peak memory is
@@ -410,7 +390,7 @@ def metadata_from_json(data: bytes | bytearray | mmap.mmap, *, source: str = "me
             data.clear()
         elif isinstance(data, mmap.mmap):
             data.close()
-    cursor = _Cursor(text, source)
+    cursor = Cursor(text, source)
     if cursor.skip() != "{":
         cursor.value()  # says "not valid JSON" when it is not
         raise CorruptCheckpointError(f"{source}: not a hyper_parallel checkpoint metadata file")
@@ -448,108 +428,6 @@ def metadata_from_json(data: bytes | bytearray | mmap.mmap, *, source: str = "me
             bytes_per_rank=_ints(document.get("bytes_per_rank", []), source, "bytes_per_rank"),
         ),
     )
-
-
-def _entry_of(
-    storage: dict[tuple[str, tuple[int, ...]], StorageInfo],
-    fqn: str,
-    offset: tuple[int, ...],
-    where: str,
-    claimed: set[tuple[str, tuple[int, ...]]],
-    sizes: tuple[int, ...] | None = None,
-) -> StorageInfo:
-    key = (fqn, tuple(offset))
-    info = storage.get(key)
-    if info is None:
-        raise CorruptCheckpointError(f"{where}: the chunk at offset {list(offset)} has no storage entry")
-    claimed.add(key)
-    if info.checksum is not None:
-        checksum = info.checksum
-        if checksum.algorithm != ALGORITHM:
-            raise CorruptCheckpointError(f"{where}: unknown checksum algorithm {checksum.algorithm!r}")
-        if checksum.block_shape and (
-            sizes is None
-            or len(sizes) < 2
-            or info.compression
-            or len(checksum.block_shape) != len(sizes)
-            or tuple(checksum.block_shape[1:-1]) != tuple(sizes[1:-1])
-        ):
-            raise CorruptCheckpointError(
-                f"{where}: checksum tile shape {list(checksum.block_shape)} does not fit the chunk at offset "
-                f"{list(offset)}"
-            )
-        blocks = expected_blocks(checksum, sizes, info.length)
-        if len(checksum.digests) != blocks:
-            raise CorruptCheckpointError(
-                f"{where}: {len(checksum.digests)} checksums listed for the {blocks} block(s) of the chunk at "
-                f"offset {list(offset)}"
-            )
-    return info
-
-
-def check_consistency(metadata: Metadata, *, source: str = "metadata") -> None:
-    """Check that the items and the storage entries of ``metadata`` match one to one.
-
-    Every tensor chunk and every stored value has a storage entry (a chunk's of
-    exactly its byte length, with a known checksum algorithm and one digest
-    per block), every storage entry belongs to an item, and the chunks of each
-    tensor tile its global shape, and no two items share a byte of a data
-    file. Loading runs this before planning, so a damaged or hand-made file
-    can neither leave part of a target unread nor read one item's bytes into
-    another. O(n log n) in the number of entries (see ``check_exact_cover``).
-
-    Raises:
-        CorruptCheckpointError: the first mismatch found (names ``source`` and the key).
-    """
-    storage = metadata.storage_data or {}
-    # Plain (key, offset) tuples: hashing and comparing them is C, a MetadataIndex's is Python.
-    by_key = {(index.fqn, tuple(index.offset)): info for index, info in storage.items()}
-    claimed: set[tuple[str, tuple[int, ...]]] = set()
-    for fqn, item in metadata.state_dict_metadata.items():
-        where = f"{source}: key '{fqn}'"
-        if not isinstance(item, TensorStorageMetadata):
-            for offset in item.shard_offsets:
-                _entry_of(by_key, fqn, offset, where, claimed)
-            continue
-        itemsize = DTYPE_NAMES.get(item.properties.dtype)
-        if itemsize is None:
-            raise CorruptCheckpointError(f"{where}: unknown dtype {item.properties.dtype!r}")
-        for chunk in item.chunks:
-            info = _entry_of(by_key, fqn, chunk.offsets, where, claimed, tuple(chunk.sizes))
-            length = info.raw_length if info.compression else info.length
-            if length != math.prod(chunk.sizes) * itemsize:
-                raise CorruptCheckpointError(
-                    f"{where}: the chunk at offset {list(chunk.offsets)} stores {length} bytes, but its sizes "
-                    f"{list(chunk.sizes)} of {item.properties.dtype} take {math.prod(chunk.sizes) * itemsize}"
-                )
-        whole = len(item.chunks) == 1 and item.chunks[0].sizes == item.size  # (chunks lie inside size)
-        problems = [] if whole else check_exact_cover(fqn, tuple(item.size), item.chunks)
-        if problems:
-            raise CorruptCheckpointError(f"{where}: the stored chunks do not tile the tensor: {problems[0]}")
-    if len(claimed) != len(storage):
-        orphan = next((index for index in storage if (index.fqn, tuple(index.offset)) not in claimed), None)
-        if orphan is None:  # two entries of one chunk (an offset given as a list and as a tuple)
-            raise CorruptCheckpointError(f"{source}: storage_data lists a chunk twice")
-        raise CorruptCheckpointError(
-            f"{source}: storage entry of key '{orphan.fqn}' at offset {list(orphan.offset)} belongs to no item"
-        )
-    _check_disjoint_bytes(storage, source)
-
-
-def _check_disjoint_bytes(storage: dict[MetadataIndex, StorageInfo], source: str) -> None:
-    """No two stored items share a byte of one file (sorted per file: O(n log n))."""
-    ranges = sorted((
-        (info.relative_path, info.offset, info.offset + info.length, index)
-        for index, info in storage.items()
-        if info.length > 0
-    ), key=lambda entry: entry[:3])
-    for (path, _, end, first), (next_path, begin, _, second) in zip(ranges, ranges[1:]):
-        if path == next_path and begin < end:
-            raise CorruptCheckpointError(
-                f"{source}: data file {path}: key '{second.fqn}' at offset {list(second.offset)} starts at byte "
-                f"{begin}, inside the bytes of key '{first.fqn}' at offset {list(first.offset)} (up to {end}); "
-                "two items never share bytes: the metadata is damaged or forged"
-            )
 
 
 # metadata_to_json writes format, version, backend and save_id first, so the

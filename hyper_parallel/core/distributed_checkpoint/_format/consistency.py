@@ -1,0 +1,125 @@
+"""Cross-checks of decoded metadata: its items and storage entries match one to one.
+
+:func:`check_consistency` runs after :func:`.metadata_json.metadata_from_json`
+(which checks each field on its own) and before any load plan is made. The
+rules are those of docs/format.md ("Consistency").
+"""
+
+from __future__ import annotations
+
+import math
+
+from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, expected_blocks
+from hyper_parallel.core.distributed_checkpoint._format.cover import check_exact_cover
+from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
+from hyper_parallel.core.distributed_checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageInfo,
+    TensorStorageMetadata,
+)
+from hyper_parallel.platform.tensor import DTYPE_NAMES
+
+__all__ = ["check_consistency"]
+
+
+def _entry_of(
+    storage: dict[tuple[str, tuple[int, ...]], StorageInfo],
+    fqn: str,
+    offset: tuple[int, ...],
+    where: str,
+    claimed: set[tuple[str, tuple[int, ...]]],
+    sizes: tuple[int, ...] | None = None,
+) -> StorageInfo:
+    key = (fqn, tuple(offset))
+    info = storage.get(key)
+    if info is None:
+        raise CorruptCheckpointError(f"{where}: the chunk at offset {list(offset)} has no storage entry")
+    claimed.add(key)
+    if info.checksum is not None:
+        checksum = info.checksum
+        if checksum.algorithm != ALGORITHM:
+            raise CorruptCheckpointError(f"{where}: unknown checksum algorithm {checksum.algorithm!r}")
+        if checksum.block_shape and (
+            sizes is None
+            or len(sizes) < 2
+            or info.compression
+            or len(checksum.block_shape) != len(sizes)
+            or tuple(checksum.block_shape[1:-1]) != tuple(sizes[1:-1])
+        ):
+            raise CorruptCheckpointError(
+                f"{where}: checksum tile shape {list(checksum.block_shape)} does not fit the chunk at offset "
+                f"{list(offset)}"
+            )
+        blocks = expected_blocks(checksum, sizes, info.length)
+        if len(checksum.digests) != blocks:
+            raise CorruptCheckpointError(
+                f"{where}: {len(checksum.digests)} checksums listed for the {blocks} block(s) of the chunk at "
+                f"offset {list(offset)}"
+            )
+    return info
+
+
+def check_consistency(metadata: Metadata, *, source: str = "metadata") -> None:
+    """Check that the items and the storage entries of ``metadata`` match one to one.
+
+    Every tensor chunk and every stored value has a storage entry (a chunk's of
+    exactly its byte length, with a known checksum algorithm and one digest
+    per block), every storage entry belongs to an item, and the chunks of each
+    tensor tile its global shape, and no two items share a byte of a data
+    file. Loading runs this before planning, so a damaged or hand-made file
+    can neither leave part of a target unread nor read one item's bytes into
+    another. O(n log n) in the number of entries (see ``check_exact_cover``).
+
+    Raises:
+        CorruptCheckpointError: the first mismatch found (names ``source`` and the key).
+    """
+    storage = metadata.storage_data or {}
+    # Plain (key, offset) tuples: hashing and comparing them is C, a MetadataIndex's is Python.
+    by_key = {(index.fqn, tuple(index.offset)): info for index, info in storage.items()}
+    claimed: set[tuple[str, tuple[int, ...]]] = set()
+    for fqn, item in metadata.state_dict_metadata.items():
+        where = f"{source}: key '{fqn}'"
+        if not isinstance(item, TensorStorageMetadata):
+            for offset in item.shard_offsets:
+                _entry_of(by_key, fqn, offset, where, claimed)
+            continue
+        itemsize = DTYPE_NAMES.get(item.properties.dtype)
+        if itemsize is None:
+            raise CorruptCheckpointError(f"{where}: unknown dtype {item.properties.dtype!r}")
+        for chunk in item.chunks:
+            info = _entry_of(by_key, fqn, chunk.offsets, where, claimed, tuple(chunk.sizes))
+            length = info.raw_length if info.compression else info.length
+            if length != math.prod(chunk.sizes) * itemsize:
+                raise CorruptCheckpointError(
+                    f"{where}: the chunk at offset {list(chunk.offsets)} stores {length} bytes, but its sizes "
+                    f"{list(chunk.sizes)} of {item.properties.dtype} take {math.prod(chunk.sizes) * itemsize}"
+                )
+        whole = len(item.chunks) == 1 and item.chunks[0].sizes == item.size  # (chunks lie inside size)
+        problems = [] if whole else check_exact_cover(fqn, tuple(item.size), item.chunks)
+        if problems:
+            raise CorruptCheckpointError(f"{where}: the stored chunks do not tile the tensor: {problems[0]}")
+    if len(claimed) != len(storage):
+        orphan = next((index for index in storage if (index.fqn, tuple(index.offset)) not in claimed), None)
+        if orphan is None:  # two entries of one chunk (an offset given as a list and as a tuple)
+            raise CorruptCheckpointError(f"{source}: storage_data lists a chunk twice")
+        raise CorruptCheckpointError(
+            f"{source}: storage entry of key '{orphan.fqn}' at offset {list(orphan.offset)} belongs to no item"
+        )
+    _check_disjoint_bytes(storage, source)
+
+
+def _check_disjoint_bytes(storage: dict[MetadataIndex, StorageInfo], source: str) -> None:
+    """No two stored items share a byte of one file (sorted per file: O(n log n))."""
+    ranges = sorted((
+        (info.relative_path, info.offset, info.offset + info.length, index)
+        for index, info in storage.items()
+        if info.length > 0
+    ), key=lambda entry: entry[:3])
+    for (path, _, end, first), (next_path, begin, _, second) in zip(ranges, ranges[1:]):
+        if path == next_path and begin < end:
+            raise CorruptCheckpointError(
+                f"{source}: data file {path}: key '{second.fqn}' at offset {list(second.offset)} starts at byte "
+                f"{begin}, inside the bytes of key '{first.fqn}' at offset {list(first.offset)} (up to {end}); "
+                "two items never share bytes: the metadata is damaged or forged"
+            )

@@ -1,0 +1,93 @@
+"""A checkpoint's committed metadata file, read and refused when it is missing, hostile or too large."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+from hyper_parallel.core.distributed_checkpoint._format.metadata_json import metadata_from_json
+from hyper_parallel.core.distributed_checkpoint.errors import (
+    CheckpointNotFoundError,
+    IncompleteCheckpointError,
+    UnsafeCheckpointError,
+)
+from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
+
+__all__ = ["MAX_METADATA_BYTES", "not_a_directory", "read_committed_metadata"]
+
+#: Metadata files larger than this are refused as hostile.
+MAX_METADATA_BYTES = 1 << 30
+
+
+def not_a_directory(path: Path) -> str:
+    """The message for a checkpoint_id that is a file: a MindSpore file names its converter."""
+    if path.suffix in (".ckpt", ".safetensors"):
+        return (
+            f"checkpoint {path} is a file, not a directory: a MindSpore {path.suffix} file? "
+            f"Convert it once with `hp-ckpt import {path} OUT_DIR` and load OUT_DIR, or read it with "
+            "mindspore.load_checkpoint"
+        )
+    return f"checkpoint {path} is a file, not a directory; pass the checkpoint directory (it holds metadata.json)"
+
+
+def _committed_subdirectories(path: Path, metadata_file: str) -> list[str]:
+    """Names of ``path``'s subdirectories that are committed checkpoints (a manager root), sorted."""
+    try:
+        entries = sorted(e.name for e in os.scandir(path) if e.is_dir() and not e.name.startswith("."))
+    except OSError:
+        return []
+    return [name for name in entries if (path / name / metadata_file).is_file()]
+
+
+def read_committed_metadata(path: Path, metadata_file: str) -> Metadata:
+    """Read and decode ``path / metadata_file``. Any rank; no collectives.
+
+    Raises:
+        IncompleteCheckpointError: no committed metadata (names the newest step of a manager root).
+        CheckpointNotFoundError: the file was deleted while being opened.
+        UnsafeCheckpointError: a link leading outside the checkpoint, or a file larger than allowed.
+        CorruptCheckpointError: metadata that does not decode.
+    """
+    meta_path = path / metadata_file
+    if not meta_path.is_file():
+        steps = _committed_subdirectories(path, metadata_file)
+        if steps:
+            raise IncompleteCheckpointError(
+                f"{path} is a CheckpointManager root (it holds the checkpoints {', '.join(steps[-3:])}), "
+                f"not one checkpoint: pass a step directory such as {path / steps[-1]} (the newest), or "
+                f"load with CheckpointManager({str(path)!r}).load(state_dict)"
+            )
+        raise IncompleteCheckpointError(
+            f"checkpoint {path} has no {metadata_file}: the save did not commit (it crashed or "
+            "is still running); load an earlier checkpoint"
+        )
+    root = os.path.realpath(path)
+    if os.path.commonpath([root, os.path.realpath(meta_path)]) != root:
+        raise UnsafeCheckpointError(f"{meta_path} is a link leading outside checkpoint {path}; refused")
+    try:
+        fd = os.open(meta_path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(
+            f"{meta_path} was deleted while being opened (another process removed or replaced checkpoint "
+            f"{path}); load it again"
+        ) from None
+    try:
+        size = os.fstat(fd).st_size
+        if size > MAX_METADATA_BYTES:
+            raise UnsafeCheckpointError(f"{meta_path}: metadata of {size} bytes is larger than allowed; refused")
+        # An anonymous map, handed to the decoder, which unmaps it once decoded (lower peak memory).
+        # One byte more than the fstat said tells a file that grew since.
+        raw = mmap.mmap(-1, size + 1)
+        with os.fdopen(os.dup(fd), "rb") as handle:
+            count = handle.readinto(raw)
+    finally:
+        os.close(fd)
+    if count > size:
+        raw.close()
+        raise UnsafeCheckpointError(f"{meta_path}: metadata grew past the size allowed while being read; refused")
+    if count == 0:
+        raw.close()
+        return metadata_from_json(b"", source=str(meta_path))
+    raw.resize(count)
+    return metadata_from_json(raw, source=str(meta_path))

@@ -1,0 +1,146 @@
+"""The read pass of a filesystem load: verified regions copied from the data files into the targets.
+
+:class:`ReadPass` is the half of :class:`~.filesystem_reader.FileSystemReader`
+that lands bytes, after the verify pass (:mod:`._reader_verify`) checked them:
+runs of small whole items in one call (:func:`._read_items.read_small_whole`),
+every other region as byte runs read straight into the target's memory where
+dtype and layout allow (:mod:`._run_reads`), in pieces of at most
+``max_inflight_bytes``; compressed items whole, then decompressed.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from hyper_parallel.core.distributed_checkpoint._format.byte_ranges import Runs, box_runs, split_box
+from hyper_parallel.core.distributed_checkpoint._read_items import read_small_whole, stored_dtype
+from hyper_parallel.core.distributed_checkpoint._reader_verify import kept_rows, leading_rows
+from hyper_parallel.core.distributed_checkpoint._run_reads import FileSource, read_runs, run_rows, scratch
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, CorruptCheckpointError
+from hyper_parallel.core.distributed_checkpoint.metadata import StorageInfo, TensorStorageMetadata
+from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+from hyper_parallel.platform.tensor import DTYPE_NAMES, numpy_dtype
+
+__all__ = ["ReadPass"]
+
+
+class ReadPass:
+    """The read half of :class:`~.filesystem_reader.FileSystemReader` (a mixin; all ranks run it).
+
+    Uses the reader's ``metadata``, ``_items``, ``verify_checksums``,
+    ``max_inflight_bytes``, the verify pass's kept buffers (``_kept``,
+    ``_kept_bytes``, ``_kept_lock``), ``_region_check`` and ``_open_source``.
+    """
+
+    def _read_group(self, files: list[tuple[str, list[ReadItem]]], planner: LoadPlanner) -> int:
+        total = 0
+        for relative_path, items in files:
+            with self._open_source(relative_path, items) as (source, path, size):
+                count, rest = read_small_whole(source, path, size, items, self._items, planner,
+                                               verified=self.verify_checksums)
+                total += count
+                for item, dest in rest:
+                    total += self._read_item(source, path, size, item, planner, dest)
+        return total
+    def _read_item(
+        self, source: FileSource, path: Path, file_size: int, item: ReadItem, planner: LoadPlanner, dest: np.ndarray | None = None
+    ) -> int:
+        fqn = item.storage_index.fqn
+        check = self._region_check(path, file_size, item)
+        info = check.info
+        if info.compression is not None:
+            return self._read_compressed(source, path, fqn, info, item, planner)
+        if item.type == LoadItemType.BYTE_IO:
+            buffer = np.empty((1, info.length), dtype=np.uint8)
+            runs = Runs(starts=np.zeros(1 if info.length else 0, dtype=np.int64), length=info.length)
+            count = self._fill(source, path, fqn, info, runs, buffer)
+            planner.apply_bytes(item, buffer.tobytes())
+            return count
+        stored = self.metadata.state_dict_metadata.get(fqn)
+        if check.sizes is None:
+            raise CorruptCheckpointError(f"key '{fqn}' is read as a tensor but stored as a value")
+        chunk_sizes, itemsize = check.sizes, check.itemsize
+        if dest is None:
+            dest = planner.acquire_tensor(item)
+        with self._kept_lock:
+            kept = self._kept.pop(item, None)
+            self._kept_bytes -= kept.nbytes if kept is not None else 0
+        skip = 0  # leading rows of the region read by the verify pass
+        if kept is not None:  # verified and read by the verify pass
+            skip = kept_rows(kept, item)
+            np.copyto(dest[:skip] if dest.ndim else dest, kept, casting="unsafe")
+            if skip == (item.lengths[0] if item.lengths else 0):
+                planner.apply_tensor(item, dest)
+                return 0
+        rest = leading_rows(item, item.lengths[0] - skip).lengths if skip else item.lengths
+        dtype = stored_dtype(stored.properties.dtype)
+        count = 0
+        # Pieces of at most max_inflight_bytes: a cast or scattered target never
+        # needs a staging buffer larger than that, whatever the tensor size.
+        for sub_offsets, sub_lengths in split_box(rest, itemsize, self.max_inflight_bytes):
+            sub_offsets = (sub_offsets[0] + skip,) + tuple(sub_offsets[1:]) if skip else sub_offsets
+            offsets = tuple(o + s for o, s in zip(item.storage_offsets, sub_offsets))
+            runs = box_runs(chunk_sizes, itemsize, offsets, sub_lengths)
+            if runs.total == 0:
+                continue
+            region = dest[tuple(slice(o, o + n) for o, n in zip(sub_offsets, sub_lengths))] if dest.ndim else dest
+            rows = run_rows(region, runs, dtype)
+            if rows is not None:
+                count += self._fill(source, path, fqn, info, runs, rows)
+                continue
+            staging = scratch(runs.total).reshape(runs.starts.size, runs.length)
+            count += self._fill(source, path, fqn, info, runs, staging)
+            np.copyto(region, staging.view(dtype).reshape(sub_lengths), casting="unsafe")
+        planner.apply_tensor(item, dest)
+        return count
+
+    def _read_compressed(
+        self, source: FileSource, path: Path, fqn: str, info: StorageInfo, item: ReadItem, planner: LoadPlanner
+    ) -> int:
+        """Read, verify and decompress a whole compressed item, then apply its region."""
+        stored_bytes = np.empty((1, info.length), dtype=np.uint8)
+        runs = Runs(starts=np.zeros(1 if info.length else 0, dtype=np.int64), length=info.length)
+        count = self._fill(source, path, fqn, info, runs, stored_bytes)
+        raw_length = info.raw_length or 0
+        try:
+            import zstandard  # pylint: disable=import-outside-toplevel
+
+            raw = zstandard.ZstdDecompressor().decompress(stored_bytes.tobytes(), max_output_size=raw_length)
+        except ImportError as exc:
+            raise CheckpointValueError("this checkpoint is zstd-compressed: pip install zstandard") from exc
+        except zstandard.ZstdError as exc:
+            raise CorruptCheckpointError(f"data file {path}, key '{fqn}': zstd data does not decompress ({exc})") from exc
+        if len(raw) != raw_length:
+            raise CorruptCheckpointError(
+                f"data file {path}, key '{fqn}': decompressed {len(raw)} bytes, metadata says {raw_length}"
+            )
+        if item.type == LoadItemType.BYTE_IO:
+            planner.apply_bytes(item, raw)
+            return count
+        stored = self.metadata.state_dict_metadata.get(fqn)
+        if not isinstance(stored, TensorStorageMetadata):
+            raise CorruptCheckpointError(f"key '{fqn}' is read as a tensor but stored as a value")
+        chunk_sizes = self._items.chunk_sizes(stored, item.storage_index)
+        if raw_length != math.prod(chunk_sizes) * DTYPE_NAMES[stored.properties.dtype]:
+            raise CorruptCheckpointError(f"key '{fqn}': raw length {raw_length} does not match its chunk")
+        chunk = np.frombuffer(raw, dtype=numpy_dtype(stored.properties.dtype)).reshape(chunk_sizes)
+        region = chunk[tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))] if chunk.ndim else chunk
+        dest = planner.acquire_tensor(item)
+        np.copyto(dest, region, casting="unsafe")
+        planner.apply_tensor(item, dest)
+        return count
+
+    def _fill(self, source: FileSource, path: Path, fqn: str, info: StorageInfo, runs: Runs, target: np.ndarray) -> int:
+        """Fill ``target`` (``uint8``, one row per run) with the runs (verified before); return bytes read.
+
+        Verified bytes are in the page cache already (the verify pass put
+        them there): they are read from it, never again from the device.
+        """
+        if runs.total == 0:
+            return 0
+        verified = self.verify_checksums and info.checksum is not None
+        count = read_runs(source, path, fqn, info, runs, target, exact=source.exact and not verified)
+        return 0 if verified else count  # verified bytes were counted by the verify pass
