@@ -298,11 +298,13 @@ def phase_async(state: dict[str, Any], work: Path, args: argparse.Namespace,
     the commit, if it is not already done in the background), and the commit itself (``writer.finish``),
     noting in ``notes`` the thread it ran on (``MainThread``: inside ``result()``).
 
-    Both staging modes: ``copy`` (reused host buffers) and ``fork`` (copy-on-write child writer).
+    Every staging mode: ``auto`` (the default, labels without a suffix: a first call of one rank forks, and its
+    background work faults in the arena the next calls copy into), ``copy`` (reused host buffers, also on the first
+    call) and ``fork`` (copy-on-write child writer).
     """
     path = work / "async"
     out: dict[str, list[float]] = {}
-    for staging in ("copy", "fork"):
+    for staging in ("auto", "copy", "fork"):
         # A first call plans from nothing and maps a fresh staging arena, as the first save of a job does,
         # even when the sync saves of this run (same layout) left a cached plan and an arena behind.
         _async_engine._POOL.release()  # pylint: disable=protected-access
@@ -328,7 +330,7 @@ def phase_async(state: dict[str, Any], work: Path, args: argparse.Namespace,
             result.append(time.perf_counter() - start)
             commit += writer.commit_seconds
             threads.update(writer.commit_threads)
-        suffix = "" if staging == "copy" else ", fork"
+        suffix = "" if staging == "auto" else f", {staging}"
         if commit:  # the commit ran in this process (a fork child's commit is inside "background")
             out[f"dcp.async_save commit (writer.finish){suffix}"] = commit
         notes[f"async commit thread{suffix}"] = ", ".join(sorted(threads)) or "not in this process"
@@ -571,7 +573,7 @@ def ratios(t: dict[str, float], args: argparse.Namespace, memory: dict[str, Any]
     add("protection: replica check (all bytes replicated) / best dcp.save", replica_cost / best_save, None)
     add("protection: fsync, save / save without fsync (1 thread)",
         t["dcp.save (thread_count=1)"] / t["dcp.save (thread_count=1, no fsync)"], None)
-    for mode in ("", ", fork"):
+    for mode in ("", ", copy", ", fork"):  # "": the default, staging="auto"
         for when in ("first call", "steady"):
             add(f"async{mode} blocking ({when}) / memcpy", t[f"dcp.async_save blocking{mode}, {when}"]
                 / t["host memcpy"], 1.0)

@@ -25,6 +25,8 @@ STATE_FIGURES = (
     "async blocking (first call) / memcpy",
     "async blocking (steady) / memcpy",
     "async result() after done() / memcpy",
+    "async, copy blocking (first call) / memcpy",
+    "async, copy blocking (steady) / memcpy",
     "async, fork blocking (first call) / memcpy",
     "async, fork blocking (steady) / memcpy",
     "cold load / cold read, verify on",
