@@ -298,11 +298,13 @@ def phase_async(state: dict[str, Any], work: Path, args: argparse.Namespace,
     the commit, if it is not already done in the background), and the commit itself (``writer.finish``),
     noting in ``notes`` the thread it ran on (``MainThread``: inside ``result()``).
 
-    Both staging modes: ``copy`` (reused host buffers) and ``fork`` (copy-on-write child writer).
+    Every staging mode: ``auto`` (the default, labels without a suffix: a first call of one rank forks, and its
+    background work faults in the arena the next calls copy into), ``copy`` (reused host buffers, also on the first
+    call) and ``fork`` (copy-on-write child writer).
     """
     path = work / "async"
     out: dict[str, list[float]] = {}
-    for staging in ("copy", "fork"):
+    for staging in ("auto", "copy", "fork"):
         # A first call plans from nothing and maps a fresh staging arena, as the first save of a job does,
         # even when the sync saves of this run (same layout) left a cached plan and an arena behind.
         _async_engine._POOL.release()  # pylint: disable=protected-access
@@ -328,7 +330,7 @@ def phase_async(state: dict[str, Any], work: Path, args: argparse.Namespace,
             result.append(time.perf_counter() - start)
             commit += writer.commit_seconds
             threads.update(writer.commit_threads)
-        suffix = "" if staging == "copy" else ", fork"
+        suffix = "" if staging == "auto" else f", {staging}"
         if commit:  # the commit ran in this process (a fork child's commit is inside "background")
             out[f"dcp.async_save commit (writer.finish){suffix}"] = commit
         notes[f"async commit thread{suffix}"] = ", ".join(sorted(threads)) or "not in this process"
@@ -392,7 +394,9 @@ def phase_load(state: dict[str, Any], path: Path, args: argparse.Namespace,
 
 def phase_small_load(state: dict[str, Any], work: Path, args: argparse.Namespace) -> tuple[dict[str, list[float]], int]:
     """Warm ``dcp.load`` of the state's small Parameters (its vectors) alone, saved on their own: their bytes
-    are a few MiB, so the time per tensor is the per-tensor cost of a load. Returns the times and the count."""
+    are a few MiB, so the time per tensor is the per-tensor cost of a load. Verify on and off alternate run by
+    run (paired: the machine's load drifts alike for both); the process CPU time of each run is recorded too
+    (labels ending in ", CPU"). Returns the times and the count."""
     small = {name: param for name, param in state.items() if len(param.shape) == 1}
     if not small:
         return {}, 0
@@ -400,14 +404,18 @@ def phase_small_load(state: dict[str, Any], work: Path, args: argparse.Namespace
     remove(path)
     dcp.save(small, storage_writer=dcp.FileSystemWriter(path, thread_count=args.threads), no_dist=True)
     files = data_files(path)
-    times = {}
-    for verify in (True, False):
-        def load(verify: bool = verify) -> None:
+    times: dict[str, list[float]] = {}
+    for _ in range(args.runs):
+        for verify in (True, False):
+            label = (f"dcp.load warm, small Parameters alone, verify {'on' if verify else 'off'} "
+                     f"({args.threads} threads)")
             reader = dcp.FileSystemReader(path, verify_checksums=verify, thread_count=args.threads)
+            warm_cache(files)
+            pretouch(args.pretouch_gb)
+            cpu, start = time.process_time(), time.perf_counter()
             dcp.load(small, storage_reader=reader, no_dist=True)
-
-        label = f"dcp.load warm, small Parameters alone, verify {'on' if verify else 'off'} ({args.threads} threads)"
-        times[label] = timed(load, runs=args.runs, pretouch_gb=args.pretouch_gb, setup=lambda: warm_cache(files))
+            times.setdefault(label, []).append(time.perf_counter() - start)
+            times.setdefault(label + ", CPU", []).append(time.process_time() - cpu)
     remove(path)
     return times, len(small)
 
@@ -565,7 +573,7 @@ def ratios(t: dict[str, float], args: argparse.Namespace, memory: dict[str, Any]
     add("protection: replica check (all bytes replicated) / best dcp.save", replica_cost / best_save, None)
     add("protection: fsync, save / save without fsync (1 thread)",
         t["dcp.save (thread_count=1)"] / t["dcp.save (thread_count=1, no fsync)"], None)
-    for mode in ("", ", fork"):
+    for mode in ("", ", copy", ", fork"):  # "": the default, staging="auto"
         for when in ("first call", "steady"):
             add(f"async{mode} blocking ({when}) / memcpy", t[f"dcp.async_save blocking{mode}, {when}"]
                 / t["host memcpy"], 1.0)
@@ -591,6 +599,12 @@ def ratios(t: dict[str, float], args: argparse.Namespace, memory: dict[str, Any]
     for verify in ("on", "off") if small_count else ():  # time per tensor of a load of small tensors alone
         add(f"warm load, small Parameters alone, verify {verify}: us per tensor",
             t[f"dcp.load warm, small Parameters alone, verify {verify} ({T} threads)"] / small_count * 1e6, None)
+        add(f"warm load, small Parameters alone, verify {verify}: CPU us per tensor",
+            t[f"dcp.load warm, small Parameters alone, verify {verify} ({T} threads), CPU"] / small_count * 1e6, None)
+    if small_count:  # what verify-before-land adds per tensor (paired runs)
+        add("warm load, small Parameters alone: verify's own CPU us per tensor (on - off)",
+            (t[f"dcp.load warm, small Parameters alone, verify on ({T} threads), CPU"]
+             - t[f"dcp.load warm, small Parameters alone, verify off ({T} threads), CPU"]) / small_count * 1e6, 8.0)
     for cache in ("cold", "warm"):  # the price of verify-before-a-byte-lands (no target written before all checks)
         add(f"protection: verify, {cache} load on / off", t[f"dcp.load {cache}, verify on ({T} threads)"]
             / t[f"dcp.load {cache}, verify off ({T} threads)"], None)

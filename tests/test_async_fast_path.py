@@ -196,7 +196,7 @@ def test_whole_tensors_are_copied_while_planning_and_keep_the_values_of_the_call
     state["step"] = 3
     for step in range(2):  # the first call (fresh arena, no cached plan) and a reused plan
         copied, used = pool.early_copied, pool.early_items
-        handle = dcp.async_save(state, checkpoint_id=tmp_path / f"s{step}", no_dist=True)
+        handle = dcp.async_save(state, checkpoint_id=tmp_path / f"s{step}", no_dist=True, staging="copy")
         _mutate(state, -5.0)
         state["flat"].data[...] = -5.0
         handle.result()

@@ -9,6 +9,7 @@ Also unit checks of the per-rank results records (``_rank_records``).
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import sys
 import threading
@@ -92,6 +93,7 @@ def test_two_ranks_commit_in_the_background(tmp_path: Path) -> None:
         assert value["raised"]["type"] == "CollectiveConcurrentSaveError", value
         assert value["raised"]["failed_ranks"] == [0] and "lease" in value["raised"]["message"], value
         assert value["steps"] == [1], value
+        _check_explained_commit_failure(rank, outcome["commit_failure_is_explained"], tmp_path)
     shared = tmp_path / "shared" / "bgcommit"
     assert (shared / "rank0.done").exists() and (shared / "rank1.done").exists()
     # The job exited without result(): the step is committed and loads bit-exact.
@@ -100,6 +102,43 @@ def test_two_ranks_commit_in_the_background(tmp_path: Path) -> None:
     np.testing.assert_array_equal(target["w"], full_value(3))
     assert (target["bias"] == 3).all() and target["step"] == 3
     assert not list((shared / "c3").glob(".*"))  # no record, lease or partial left
+
+
+def _names_checkpoint_cause_and_fix(message: str, checkpoint: Path) -> None:
+    assert f"checkpoint {checkpoint} (save id " in message, message
+    assert "did not commit: every rank wrote its data, then its background commit on rank 0 failed" in message, message
+    assert "Is a directory" in message, message  # the cause: the kernel's EISDIR for the metadata's rename
+    assert "Fix the cause, then save this step again" in message, message
+
+
+def _check_explained_commit_failure(rank: int, outcome: dict, tmp_path: Path) -> None:
+    """A background commit failed by a real file-system condition (the metadata's rename meets a directory)."""
+    assert outcome["ok"], outcome["traceback"]
+    value = outcome["value"]
+    shared = tmp_path / "shared" / "bgcommit"
+    assert value["result_ok"] and value["uncommitted"], value
+    if rank == 0:  # the coordinator knows: read_metadata names the failure, a save alone raises it once
+        assert value["read"]["type"] == "IncompleteCheckpointError", value
+        _names_checkpoint_cause_and_fix(value["read"]["message"], shared / "c11")
+        assert value["alone_first"]["type"] == "CheckpointIOError" and not value["alone_first"]["saved"], value
+        _names_checkpoint_cause_and_fix(value["alone_first"]["message"], shared / "c11")
+        assert len(value["logged"]) == 1, value["logged"]  # logged at once (the only report at process exit)
+        _names_checkpoint_cause_and_fix(value["logged"][0], shared / "c11")
+        assert value["recorded_steps"] == [1], value  # the manager's record never counted the failed step
+    else:  # no collective step yet: rank 1 cannot know, and says so
+        assert "still be committing it in the background" in value["read"]["message"], value
+        assert value["alone_first"] == {} and value["logged"] == [], value
+    assert value["alone_second_saved"], value
+    collective = value["collective"]  # the next collective step: every rank, the same error
+    assert collective["type"] == "CollectiveCheckpointIOError" and collective["io"], collective
+    assert collective["failed_ranks"] == [0] and not collective["committed"], collective
+    _names_checkpoint_cause_and_fix(collective["message"], shared / "c11")
+    manager = value["manager"]
+    assert manager["failed_ranks"] == [0] and manager["io"], manager
+    _names_checkpoint_cause_and_fix(manager["message"], shared / "managed_blocked" / "step_00000002")
+    assert value["steps_after_failure"] == [1], value  # not counted: retention (max_to_keep=1) kept step 1
+    assert value["latest_loaded"] == 1 and value["latest_values_ok"], value
+    assert value["steps_after_resave"] == [2], value
 
 
 def _result(fqn: str, offset: int) -> WriteResult:
@@ -199,3 +238,53 @@ def test_reading_one_checkpoint_waits_only_for_commits_to_it(tmp_path: Path) -> 
         assert bg._same_location(None, tmp_path)  # a writer without a path: waited for, to be safe
     finally:
         assert bg.take_pending_commits() == commits
+
+
+def test_a_failed_commit_is_explained_and_raised_once_by_a_save_alone(tmp_path: Path) -> None:
+    """In one process: the explained error's class, read_metadata naming it, a save alone raising it once.
+
+    (The msrun test above makes a real background commit fail; this covers the rank-0 side in-process.)
+    """
+    from hyper_parallel.core.distributed_checkpoint import _background_commit as bg
+    from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
+
+    target = tmp_path / "c"
+    target.mkdir()
+    (target / "metadata.json").mkdir()  # the commit's rename meets a directory: the kernel says EISDIR
+    (tmp_path / "partial").write_bytes(b"{}")
+    with pytest.raises(OSError) as refused:
+        os.replace(tmp_path / "partial", target / "metadata.json")
+    explained = bg.explain_commit_failure(refused.value, location=target, save_id="0123456789ab")
+    assert type(explained) is dcp.CheckpointIOError and explained.__cause__ is refused.value
+    message = str(explained)
+    assert message.startswith(f"the async save to checkpoint {target} (save id 0123456789ab) did not commit")
+    assert "Is a directory" in message and message.endswith("Fix the cause, then save this step again")
+    lost = bg.explain_commit_failure(dcp.ConcurrentSaveError("lease taken"), location=target, save_id="x")
+    assert type(lost) is dcp.ConcurrentSaveError and "lease taken" in str(lost)
+    assert type(bg.explain_commit_failure(RuntimeError("bug"), location=target, save_id="x")) is dcp.CheckpointError
+    stepped = dcp.CollectiveStepError("write", {1: "boom"})  # a class with another constructor
+    assert type(bg.explain_commit_failure(stepped, location=target, save_id="x")) is dcp.CheckpointError
+
+    (target / "metadata.json").rmdir()
+    commit = bg.BackgroundCommit(dist=DistWrapper(use_dist=False), writer=dcp.FileSystemWriter(target),
+                                 plan=SavePlan(items=[]), metadata=None, write=lambda: [])
+    commit.commit_error = explained
+    commit.finished.set()
+    with bg._PENDING_LOCK:
+        bg._PENDING.append(commit)
+    try:
+        assert bg.failed_commit_to(tmp_path / "elsewhere") is None
+        with pytest.raises(dcp.IncompleteCheckpointError) as read:
+            dcp.read_metadata(target)
+        assert "has no metadata.json" in str(read.value) and str(explained) in str(read.value)
+        assert read.value.__cause__ is explained
+        state = {"w": np.arange(4, dtype=np.float32)}
+        with pytest.raises(dcp.CheckpointIOError) as raised:  # the next save alone: raised once, not run
+            dcp.save(state, checkpoint_id=tmp_path / "next", no_dist=True)
+        assert raised.value is explained and not (tmp_path / "next" / "metadata.json").exists()
+        dcp.save(state, checkpoint_id=tmp_path / "next", no_dist=True)  # once reported, saves go on
+        loaded = {"w": np.zeros(4, np.float32)}
+        dcp.load(loaded, checkpoint_id=tmp_path / "next", no_dist=True)
+        np.testing.assert_array_equal(loaded["w"], state["w"])
+    finally:
+        assert bg.take_pending_commits() == [commit]  # still pending: the next collective step shares it

@@ -11,6 +11,7 @@ the pytest side loads that checkpoint.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -235,12 +236,100 @@ def main() -> None:
                 "second_ok": bool(np.array_equal(again["w"].asnumpy(), full_value(10)))
                 and bool((again["bias"].asnumpy() == 10).all())}
 
+    from hyper_parallel.core.distributed_checkpoint._file_ops import FileOps  # pylint: disable=import-outside-toplevel
+    from hyper_parallel.core.distributed_checkpoint._manager_record import read_record  # pylint: disable=import-outside-toplevel
+
+    class BlockedCommitOps(FileOps):
+        """Once, the commit's rename of metadata.json meets a directory of that name: the kernel refuses it.
+
+        Only the coordinator commits, so only rank 0 meets it; ``step`` limits it to one step directory.
+        """
+
+        def __init__(self, step: str | None = None) -> None:
+            self.step = step
+            self.fired = False
+
+        def replace(self, source: Path, target: Path) -> None:
+            target = Path(target)
+            if target.name == "metadata.json" and not self.fired and self.step in (None, target.parent.name):
+                self.fired = True
+                os.mkdir(target)  # rename(2) of a file onto a directory: EISDIR
+            super().replace(source, target)
+
+    class ErrorLog(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.ERROR)
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    def described(exc: BaseException) -> dict[str, Any]:
+        return {"type": type(exc).__name__, "message": str(exc), "io": isinstance(exc, dcp.CheckpointIOError),
+                "failed_ranks": list(getattr(exc, "failed_ranks", ()))}
+
+    def commit_failure_is_explained() -> dict[str, Any]:
+        path = shared / "c11"
+        log = ErrorLog()
+        logging.getLogger("hyper_parallel.core.distributed_checkpoint._background_commit").addHandler(log)
+        request = dcp.async_save(state(11), storage_writer=dcp.FileSystemWriter(path, file_ops=BlockedCommitOps()))
+        out: dict[str, Any] = {"result_ok": isinstance(request.result(), dcp.Metadata)}  # every write succeeded
+        try:  # rank 0 waits for its commit and names its failure; rank 1 cannot know it without a step
+            dcp.read_metadata(path)
+            out["read"] = {}
+        except dcp.CheckpointError as exc:
+            out["read"] = described(exc)
+        local = shared / f"c11_alone_rank{rank}"
+        alone = {"bias": mindspore.Tensor(np.full(5, 12, np.float32)), "step": 12}  # no shard of other ranks
+        try:  # a save without collectives: the coordinator raises the failed commit here, once
+            dcp.save(alone, checkpoint_id=local, use_collectives=False)
+            out["alone_first"] = {}
+        except dcp.CheckpointError as exc:
+            out["alone_first"] = dict(described(exc), saved=local.exists() and any(local.glob("metadata*.json")))
+        dcp.save(alone, checkpoint_id=local, use_collectives=False)
+        out["alone_second_saved"] = (local / f"metadata.rank{rank:05d}.json").is_file()
+        try:  # the next collective step raises it on every rank, and that save does not run
+            dcp.save(state(13), checkpoint_id=shared / "c13")
+            out["collective"] = {}
+        except dcp.CheckpointError as exc:
+            out["collective"] = dict(described(exc), committed=(shared / "c13" / "metadata.json").exists())
+        out["logged"] = list(log.messages)
+        out["uncommitted"] = not (path / "metadata.json").is_file()
+        hyper_parallel.platform.barrier()
+        if rank == 0:
+            os.rmdir(path / "metadata.json")
+        hyper_parallel.platform.barrier()
+
+        root = shared / "managed_blocked"  # step 2's commit fails: the manager must not count it as saved
+        manager = dcp.CheckpointManager(root, async_save=True, max_to_keep=1,
+                                        writer_options={"file_ops": BlockedCommitOps("step_00000002")})
+        manager.save(1, state(1))
+        manager.save(2, state(2))  # finishes step 1 (committed, retained) first
+        try:
+            manager.wait()
+            out["manager"] = {}
+        except dcp.CheckpointError as exc:
+            out["manager"] = described(exc)
+        out["steps_after_failure"] = manager.all_steps()
+        target = zeros()
+        out["latest_loaded"] = manager.load(target)
+        out["latest_values_ok"] = loaded_ok(target, 1)
+        if rank == 0:
+            out["recorded_steps"] = sorted(read_record(root).steps)
+            os.rmdir(manager.directory(2) / "metadata.json")
+        hyper_parallel.platform.barrier()
+        manager.save(2, state(2))  # saved again once the cause is gone
+        manager.close()
+        out["steps_after_resave"] = manager.all_steps()
+        return out
+
     run_scenarios({"commit_without_result": commit_without_result,
                    "reads_after_result_see_the_commit": reads_after_result_see_the_commit, "failure_reaches_all": failure_reaches_all,
                    "coordinator_failure_reaches_all": coordinator_failure_reaches_all,
                    "result_does_not_wait_for_commit": result_does_not_wait_for_commit,
                    "commit_failure_reaches_all_at_next_step": commit_failure_reaches_all_at_next_step,
-                   "manager_reports_lost_lease": manager_reports_lost_lease})
+                   "manager_reports_lost_lease": manager_reports_lost_lease,
+                   "commit_failure_is_explained": commit_failure_is_explained})
     # Last: the step must survive a job killed after the save, with no result() on any rank.
     path = shared / "c3"
     request = dcp.async_save(state(3), checkpoint_id=path)

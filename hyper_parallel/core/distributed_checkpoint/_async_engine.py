@@ -10,6 +10,9 @@ layout is new is planned after the snapshot (:mod:`._deferred_save`).
 
 from __future__ import annotations
 
+import logging
+import math
+import os
 from typing import Any, Callable, Iterable
 
 from hyper_parallel import platform
@@ -19,13 +22,19 @@ from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._deferred_save import DeferredPlan, deferred_request
 from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions, SaveSession, commit_save, plan_save, write_local
 from hyper_parallel.core.distributed_checkpoint._fork_writer import fork_write, fork_write_and_hash
+from hyper_parallel.core.distributed_checkpoint._stage_copies import ALIGN, EarlyCopies
 from hyper_parallel.core.distributed_checkpoint._staging import StagedSavePlanner, StagingPool, staged_views
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointIOError
+from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
-from hyper_parallel.core.distributed_checkpoint.planner import SavePlanner
+from hyper_parallel.core.distributed_checkpoint.planner import SavePlanner, WriteItemType
+from hyper_parallel.platform.tensor import DTYPE_NAMES
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
 from hyper_parallel.core.distributed_checkpoint.storage import StorageWriter, WriteResult
 
 __all__ = ["plan_async_save"]
+
+_LOG = logging.getLogger(__name__)
 
 
 #: Host buffers of ``staging="copy"``, kept for the next async save.
@@ -47,23 +56,31 @@ def plan_async_save(
     collective step run on the caller's thread (``result()`` or the next
     async save). The background thread never runs a collective, which could
     interleave with the training job's own.
+
+    ``staging="auto"`` stages as ``"copy"``, except a save of one rank that
+    has no staging arena yet (:func:`_auto_forks`): it takes the fork's
+    copy-on-write snapshot (falling back to a copy if the system refuses the
+    fork), and its background work maps and faults in the arena the next
+    save copies into.
     """
+    alone = options.no_dist or not options.use_collectives or platform.get_world_size() <= 1
+    forked_first = staging == "auto" and alone and _auto_forks(writer, planner)
+    mode = "fork" if forked_first else ("copy" if staging == "auto" else staging)
     # A forked writer of a job of several ranks hashes the replicas of its snapshot; the coordinator compares
     # them before it commits (_background_commit): the blocking part hashes nothing.
-    later = (staging == "fork" and type(planner) is StandardSavePlanner  # pylint: disable=unidiomatic-typecheck
+    later = (mode == "fork" and type(planner) is StandardSavePlanner  # pylint: disable=unidiomatic-typecheck
              and planner.check_replicas and writer.supports_rank_records()
              and DistWrapper(use_dist=not options.no_dist and options.use_collectives).use_dist)
     if type(planner) is StandardSavePlanner:  # pylint: disable=unidiomatic-typecheck
         planner.digest_replicas_later(later)
     early = None
-    if staging == "copy":  # tensors are copied into the arena while the plan is made (_stage_copies)
-        alone = options.no_dist or not options.use_collectives or platform.get_world_size() <= 1
+    if mode == "copy":  # tensors are copied into the arena while the plan is made (_stage_copies)
         early = _POOL.early_copies(every_leaf=alone)
     try:
         session = plan_save(state_dict, writer=writer, planner=planner, options=options, listener=early,
                             may_defer=True)
         if isinstance(session, DeferredPlan):  # one rank, a new layout: planned after the snapshot (_deferred_save)
-            request = _deferred_or_none(session, early)
+            request = _deferred_or_none(session, early, forked_first)
             if request is not None:
                 return request
             session = _plan_now(session)
@@ -74,16 +91,27 @@ def plan_async_save(
     background: list[Callable[[], list[WriteResult]]] = []
     replicas: list[Any] = []  # the replica digests a forked writer made (``later``)
 
+    def copy_step(copies: EarlyCopies) -> None:
+        items = session.plan.items
+        staged = StagedSavePlanner(session.planner, _POOL.stage(
+            items, session.planner.get_data, lambda: _leaves(items, session.planner), copies))
+        background.append(lambda: write_local(session, staged))
+
     def stage_step() -> None:
         items = session.plan.items
         if early is not None:
-            staged = StagedSavePlanner(session.planner, _POOL.stage(
-                items, session.planner.get_data, lambda: _leaves(items, session.planner), early))
-            background.append(lambda: write_local(session, staged))
+            copy_step(early)
         elif later:  # the forked writer also hashes the replicas of its snapshot
             views = staged_views(items, _sources(items, session.planner), session.planner)
             background.append(fork_write_and_hash(session.writer, session.plan, views, session.planner.replica_digests,
                                                   rank=session.dist.rank, replicas=replicas))
+        elif forked_first:
+            try:
+                views = staged_views(items, _sources(items, session.planner), session.planner)
+                background.append(_then_prefault(fork_write(session.writer, session.plan, views,
+                                                            rank=session.dist.rank), lambda: _item_bytes(items)))
+            except CheckpointIOError:  # the system refused the fork (no memory for the child): copy instead
+                copy_step(_POOL.early_copies(every_leaf=True))
         else:
             views = staged_views(items, _sources(items, session.planner), session.planner)
             background.append(fork_write(session.writer, session.plan, views, rank=session.dist.rank))
@@ -123,14 +151,68 @@ def plan_async_save(
     return AsyncRequest(async_fn=background[0], finalize_fns=(commit,))
 
 
-def _deferred_or_none(deferred: DeferredPlan, early: Any) -> AsyncRequest | None:
-    """:func:`._deferred_save.deferred_request`; the writer is aborted if taking the snapshot fails."""
+def _auto_forks(writer: StorageWriter, planner: SavePlanner) -> bool:
+    """Whether a one-rank ``staging="auto"`` save takes a fork's snapshot: no arena yet, and a fork is safe.
+
+    Safe: POSIX, the built-in filesystem writer (file I/O only in the child)
+    and the standard planner (every tensor resolved to a numpy view first).
+    """
+    return (_POOL.capacity == 0 and hasattr(os, "fork")
+            and type(writer) is FileSystemWriter  # pylint: disable=unidiomatic-typecheck
+            and type(planner) is StandardSavePlanner)  # pylint: disable=unidiomatic-typecheck
+
+
+def _then_prefault(wait: Callable[[], Any], nbytes: Callable[[], int]) -> Callable[[], Any]:
+    """``wait`` (for a forked writer) after mapping and faulting in the next save's arena. Background thread."""
+
+    def prefault_then_wait() -> Any:
+        try:
+            _POOL.prefault(nbytes())
+        except Exception:  # pylint: disable=broad-except  # best effort: the next save maps its arena then
+            _LOG.debug("pre-faulting the staging arena failed", exc_info=True)
+        return wait()
+
+    return prefault_then_wait
+
+
+def _item_bytes(items: tuple[Any, ...]) -> int:
+    """Arena bytes that stage ``items`` with every whole tensor copied early (as a one-rank save does)."""
+    return sum(math.prod(item.tensor_data.chunk.sizes) * DTYPE_NAMES.get(item.tensor_data.properties.dtype, 0)
+               + ALIGN for item in items if item.type != WriteItemType.BYTE_IO)
+
+
+def _deferred_or_none(deferred: DeferredPlan, early: EarlyCopies | None, forked_first: bool) -> AsyncRequest | None:
+    """:func:`._deferred_save.deferred_request`; the writer is aborted if taking the snapshot fails.
+
+    ``forked_first`` (``staging="auto"``, no arena yet): the snapshot is a
+    fork, whose background work first faults in the next save's arena; a
+    refused fork falls back to copying every whole tensor now.
+    """
+
+    def request(copies: EarlyCopies | None) -> AsyncRequest | None:
+        return deferred_request(deferred, early=copies, pool=_POOL, finalize=_committed,
+                                commit=lambda planned, write: commit_save(planned, write, step="async write and commit"),
+                                prefault=_POOL.prefault if forked_first else None)
+
     try:
-        return deferred_request(deferred, early=early, pool=_POOL, finalize=_committed,
-                                commit=lambda planned, write: commit_save(planned, write, step="async write and commit"))
+        if not forked_first:
+            return request(early)
+        try:
+            return request(None)
+        except CheckpointIOError:  # the system refused the fork (no memory for the child): copy instead
+            return request(_copy_now(deferred))
     except BaseException:
         deferred.writer.abort()
         raise
+
+
+def _copy_now(deferred: DeferredPlan) -> EarlyCopies:
+    """Copy every whole tensor the layout pass met into the arena (what a one-rank copy save does early)."""
+    copies = _POOL.early_copies(every_leaf=True)
+    for name, array in deferred.planner.leaf_arrays.items():
+        copies.leaf(name, array)
+    copies.described(deferred.layout)
+    return copies
 
 
 def _plan_now(deferred: DeferredPlan) -> SaveSession:

@@ -18,7 +18,12 @@ next collective step of the process: the plan step of the next save with
 collectives (:func:`raise_commit_failures` in its map), or
 :func:`settle_background_commits`, called first by every load with
 collectives and by ``CheckpointManager.wait``; a failed commit raises there
-on every rank.
+on every rank. On the coordinator a failed commit also raises, once, from the
+next save without collectives (:func:`raise_local_commit_failures`), and
+``read_metadata`` of that checkpoint names it (:func:`failed_commit_to`). The
+error names the checkpoint, the cause and the fix (:func:`explain_commit_failure`),
+and is logged at once (the only report if the process ends before another
+collective step).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from hyper_parallel.core.distributed_checkpoint._rank_records import (
 )
 from hyper_parallel.core.distributed_checkpoint._format.cover import MAX_REPORTED_PROBLEMS
 from hyper_parallel.core.distributed_checkpoint._global_plan import replica_problems
-from hyper_parallel.core.distributed_checkpoint.errors import PlanValidationError
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError, CheckpointIOError, PlanValidationError
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan
 from hyper_parallel.core.distributed_checkpoint.storage import StorageWriter, WriteResult
@@ -48,6 +53,9 @@ __all__ = [
     "await_own_commits",
     "background_commit_request",
     "check_record_replicas",
+    "explain_commit_failure",
+    "failed_commit_to",
+    "raise_local_commit_failures",
     "raise_commit_failures",
     "settle_background_commits",
     "take_pending_commits",
@@ -95,7 +103,9 @@ class BackgroundCommit:
         self._timeout = collective_timeout()
         self.results: list[WriteResult] | None = None
         self.local_error: BaseException | None = None
+        #: The commit's failure, explained (:func:`explain_commit_failure`); coordinator only.
         self.commit_error: BaseException | None = None
+        self.reported_locally = False  # raised by raise_local_commit_failures (once)
 
     def run(self) -> Metadata | None:
         """The background function. Every rank, on its background thread; never runs a collective."""
@@ -135,6 +145,7 @@ class BackgroundCommit:
     def _commit(self) -> Metadata | None:
         """Coordinator: wait for every rank's record (any outcome), then commit, or abort if any failed."""
         writer, world = self.writer, self.dist.world_size
+        written_everywhere = False
         try:
             records = collect_rank_records(writer, save_id=self.save_id, ranks=range(1, world),
                                            timeout=self._timeout, wake=self._wake, cancel=self._cancel)
@@ -144,11 +155,16 @@ class BackgroundCommit:
                 return None  # result() raised another rank's write failure on every rank
             records[0] = RankRecord(self.save_id, 0, tuple(self.results or ()), replicas=self.replicas)
             all_results = results_of(records, save_id=self.save_id, world_size=world)
+            written_everywhere = True  # from here a failure is the commit's own, which result() does not report
             check_record_replicas(records)
             return writer.finish(self.metadata, all_results)
         except BaseException as exc:
             if exc is not self.local_error:
                 self.commit_error = exc
+            if written_everywhere:
+                location = getattr(writer, "path", None)
+                self.commit_error = explain_commit_failure(exc, location=location, save_id=self.save_id)
+                _LOG.error("rank %d: %s", self.dist.rank, self.commit_error)
             raise
         finally:
             if self.commit_error is not None or self.local_error is not None or self._cancel.is_set():
@@ -195,6 +211,33 @@ class BackgroundCommit:
         self.finished.wait()
         if self.commit_error is not None:
             raise self.commit_error
+
+
+def explain_commit_failure(cause: BaseException, *, location: Any, save_id: str) -> CheckpointError:
+    """The failure of a background commit, as an error naming the checkpoint, the cause and the fix.
+
+    The error is of the cause's class when it is a :class:`CheckpointError`
+    (a lost lease stays a :class:`ConcurrentSaveError`), a
+    :class:`CheckpointIOError` for an ``OSError``, else a :class:`CheckpointError`;
+    its ``__cause__`` is ``cause``. Pure.
+    """
+    message = (
+        f"the async save to checkpoint {location} (save id {save_id}) did not commit: every rank wrote its data, "
+        f"then its background commit on rank 0 failed: {type(cause).__name__}: {cause}. This step is not saved "
+        "(unless read_metadata shows this save id, the checkpoint holds what it held before: its previous "
+        "checkpoint or nothing). Fix the cause, then save this step again"
+    )
+    if isinstance(cause, CheckpointError):
+        try:
+            error: CheckpointError = type(cause)(message)
+        except TypeError:  # a class with another constructor
+            error = CheckpointError(message)
+    elif isinstance(cause, OSError):
+        error = CheckpointIOError(message)
+    else:
+        error = CheckpointError(message)
+    error.__cause__ = cause
+    return error
 
 
 def background_commit_request(
@@ -269,6 +312,36 @@ def await_own_commits(location: Any) -> bool:
         if commit.dist.is_coordinator:
             commit.finished.wait()
     return any(not commit.dist.is_coordinator for commit in pending)
+
+
+def failed_commit_to(location: Any) -> BaseException | None:
+    """The failure of this rank's pending background commit to ``location``, if one failed. Coordinator.
+
+    Other ranks (and commits still running) give ``None``; no waiting, no collectives.
+    """
+    with _PENDING_LOCK:
+        pending = [c for c in _PENDING if _same_location(getattr(c.writer, "path", None), location)]
+    for commit in pending:
+        if commit.dist.is_coordinator and commit.finished.is_set() and commit.commit_error is not None:
+            return commit.commit_error
+    return None
+
+
+def raise_local_commit_failures() -> None:
+    """Coordinator: raise a failed background commit not yet raised here. For saves without collectives.
+
+    Waits for this rank's pending commits to end (their writing is over:
+    only the commit runs). Each failure is raised here once; it stays
+    pending, so the next collective step still raises it on every rank.
+    Other ranks return at once.
+    """
+    with _PENDING_LOCK:
+        pending = [c for c in _PENDING if c.dist.is_coordinator and not c.reported_locally]
+    for commit in pending:
+        commit.finished.wait()
+        if commit.commit_error is not None:
+            commit.reported_locally = True
+            raise commit.commit_error
 
 
 def raise_commit_failures(pending: list[BackgroundCommit]) -> None:

@@ -26,12 +26,13 @@ is planned in the blocking part as before (:func:`deferred_request` returns
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncRequest
 from hyper_parallel.core.distributed_checkpoint._fork_writer import fork_run
-from hyper_parallel.core.distributed_checkpoint._stage_copies import EarlyCopies
+from hyper_parallel.core.distributed_checkpoint._stage_copies import ALIGN, EarlyCopies
 from hyper_parallel.core.distributed_checkpoint._staging import StagedSavePlanner, StagingPool
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemWriter
@@ -41,6 +42,8 @@ from hyper_parallel.core.distributed_checkpoint.standard_planner import Standard
 from hyper_parallel.core.distributed_checkpoint.storage import StorageWriter, WriteResult
 
 __all__ = ["DeferredPlan", "PlannedSave", "deferred_request"]
+
+_LOG = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,8 @@ Commit = Callable[[Any, Callable[[], list[WriteResult]]], Metadata]
 
 
 def deferred_request(deferred: DeferredPlan, *, early: EarlyCopies | None, pool: StagingPool, commit: Commit,
-                     finalize: Callable[[Any, BaseException | None], Any]) -> AsyncRequest | None:
+                     finalize: Callable[[Any, BaseException | None], Any],
+                     prefault: Callable[[int], None] | None = None) -> AsyncRequest | None:
     """The request that plans, writes and commits ``deferred`` (a :class:`DeferredPlan`). Caller's thread.
 
     Args:
@@ -100,6 +104,8 @@ def deferred_request(deferred: DeferredPlan, *, early: EarlyCopies | None, pool:
         pool: The staging pool holding the early copies.
         commit: Commits a planned session with the results of a write.
         finalize: The request's finalize function.
+        prefault: With a fork: called first by the background function with the arena bytes a
+            copying save of this layout needs (``StagingPool.prefault``: ``staging="auto"``).
 
     Returns:
         ``None`` when the plan must be made now (see the module docstring).
@@ -139,8 +145,14 @@ def deferred_request(deferred: DeferredPlan, *, early: EarlyCopies | None, pool:
         return writer.write_data(planned.plan, planner).result(), planned
 
     wait = fork_run(in_child, writer, rank=0)
+    layout = deferred.layout
 
     def commit_child() -> Metadata:
+        if prefault is not None:  # while the child writes: the next save copies into backed memory
+            try:
+                prefault(layout.tensor_bytes + layout.pieces * ALIGN)
+            except Exception:  # pylint: disable=broad-except  # best effort: the next save maps its arena then
+                _LOG.debug("pre-faulting the staging arena failed", exc_info=True)
         try:
             results, planned = wait()
             session = deferred.adopt(planned)

@@ -30,7 +30,11 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from hyper_parallel import platform
-from hyper_parallel.core.distributed_checkpoint._background_commit import raise_commit_failures, take_pending_commits
+from hyper_parallel.core.distributed_checkpoint._background_commit import (
+    raise_commit_failures,
+    raise_local_commit_failures,
+    take_pending_commits,
+)
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._deferred_save import DeferredPlan, PlannedSave
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutArgument, apply_mindspore_layouts
@@ -214,6 +218,8 @@ def plan_save(
 
     def set_up() -> None:
         raise_commit_failures(pending)  # inside the first step: a failed earlier commit raises on every rank
+        if not dist.use_dist:
+            raise_local_commit_failures()  # no step to share it: the coordinator raises it here, once
         writer.set_up_storage_writer(
             dist.is_coordinator,
             rank=dist.rank if alone is None else alone,

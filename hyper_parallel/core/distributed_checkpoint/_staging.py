@@ -13,6 +13,7 @@ part is then one loop issuing copies.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 from typing import Any, Callable, Iterable
@@ -84,6 +85,19 @@ class StagingPool:
         """Drop the arena (unmapped once no staged view of it is left); the next save maps a fresh one."""
         self._arena = None
         self._forget_layout()
+
+    def prefault(self, nbytes: int) -> None:
+        """Map (if needed) an arena of at least ``nbytes`` and fault every page in. Background thread.
+
+        Called after a first save that took a copy-on-write snapshot instead of
+        copying (``staging="auto"``): the next save then copies into memory
+        that is already backed, as a steady save does. Runs while no save
+        stages (the next ``async_save`` waits for this save's background work).
+        """
+        arena, _ = self._reserve(nbytes)
+        if not _populate(arena):  # pragma: no cover - kernels before 5.14 (no MADV_POPULATE_WRITE)
+            arena[::_PAGE] = 0  # numpy fills without the GIL
+        self._fresh = False  # the next save finds it mapped and backed
 
     def _forget_layout(self) -> None:
         self._items, self._placed, self._layout, self._views = None, {}, [], {}
@@ -253,6 +267,24 @@ def _map_arena(nbytes: int) -> np.ndarray:
     return np.frombuffer(arena, dtype=np.uint8)
 
 
+def _populate(arena: np.ndarray) -> bool:
+    """Fault in every page of the arena at once (``MADV_POPULATE_WRITE``); False where the kernel cannot.
+
+    Called through ``ctypes``, which releases the GIL for the call (the mmap
+    module's ``madvise`` holds it: the caller's thread would stop meanwhile).
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        done = libc.madvise(ctypes.c_void_p(arena.ctypes.data), ctypes.c_size_t(arena.size),
+                            ctypes.c_int(_MADV_POPULATE_WRITE))
+    except (AttributeError, OSError):  # pragma: no cover - no C library with madvise
+        return False
+    return done == 0
+
+
+#: Linux's ``MADV_POPULATE_WRITE`` (5.14+), which Python 3.11's mmap module does not name.
+_MADV_POPULATE_WRITE = 23
+_PAGE = 4096
 #: A grown arena is this much larger than the state that outgrew the last one.
 ARENA_HEADROOM = 1.25
 _HUGE_PAGE = 2 << 20

@@ -28,6 +28,7 @@ import contextlib
 import math
 import mmap
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -40,7 +41,7 @@ from hyper_parallel.core.distributed_checkpoint._run_reads import FileSource, sc
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import StorageInfo
 
-__all__ = ["RegionCheck", "announces", "lookahead_limits", "verify_regions"]
+__all__ = ["PRIME_MIN_BYTES", "RegionCheck", "announces", "lookahead_limits", "page_cached", "prime", "verify_regions"]
 
 _NO_TARGET_CHANGED = "the checkpoint is corrupt; no target was changed (a load verifies every byte before it copies any)"
 
@@ -197,6 +198,74 @@ _GAP_BYTES = 1 << 20
 #: device reads the next windows while this one is hashed (a cold load overlaps reading and hashing);
 #: windows the kernel reads ahead by itself are not announced (:func:`announces`).
 _LOOKAHEAD_BYTES = 32 << 20
+
+
+#: Bytes of a cold file read ahead by :func:`prime` while its verify pass is prepared.
+_PRIME_BYTES = 32 << 20
+#: Files needing fewer bytes are not primed (their preparation is short).
+PRIME_MIN_BYTES = 16 << 20
+#: The buffer a priming read goes through, many times over (one ``preadv``; the bytes are not kept).
+_PRIME_PIECE = 256 << 10
+
+
+def prime(source: FileSource, start: int, end: int) -> bool:
+    """Start the device on the first bytes a cold file's load needs while its verify pass is prepared.
+
+    Checking a file's header and building the windows of thousands of
+    chunks takes milliseconds in which the device would idle: a helper
+    thread reads up to ``_PRIME_BYTES`` from ``start`` (one ``preadv`` of
+    many iovecs over one small buffer, so the kernel reads ahead as for
+    any sequential read, in large folios, and the memory stays small; the
+    bytes go to the page cache, where the verify pass finds them).
+    Nothing is done for a file read without readahead (a resharded load
+    reads exactly what it needs, announced) or for fewer than
+    ``PRIME_MIN_BYTES`` needed. The caller tells a cold file first
+    (:func:`page_cached`: a warm load is not primed). The thread reads
+    from its own duplicate of the file descriptor and closes it.
+
+    Args:
+        source: The open data file (a :class:`FileSource` read with readahead).
+        start: First byte the load needs.
+        end: End of the last byte the load needs.
+
+    Returns:
+        Whether a priming read was started.
+    """
+    fd = getattr(source, "fd", None)
+    if fd is None or getattr(source, "exact", False) or end - start < PRIME_MIN_BYTES:
+        return False
+    count = -(-min(end - start, _PRIME_BYTES) // _PRIME_PIECE)
+    threading.Thread(target=_prime_read, args=(os.dup(fd), start, count), name="hp-ckpt-prime", daemon=True).start()
+    return True
+
+
+def page_cached(source: FileSource, offset: int) -> bool:
+    """Whether byte ``offset`` of ``source`` is in the page cache (``True`` where that cannot be told).
+
+    One non-blocking read of one byte (``RWF_NOWAIT``), which the kernel
+    refuses when the byte would have to come from the device.
+    """
+    fd = getattr(source, "fd", None)
+    flag = getattr(os, "RWF_NOWAIT", None)
+    if fd is None or flag is None or not hasattr(os, "preadv"):
+        return True
+    try:
+        return os.preadv(fd, [bytearray(1)], offset, flag) > 0
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def _prime_read(fd: int, start: int, count: int) -> None:
+    """Read ``count`` pieces of ``_PRIME_PIECE`` bytes from ``start`` into one throwaway buffer; close ``fd``."""
+    try:
+        piece = np.empty(_PRIME_PIECE, dtype=np.uint8)
+        os.preadv(fd, [piece] * count, start)
+    except OSError:  # only a hint: the verify pass reads (and reports) for real
+        pass
+    finally:
+        os.close(fd)
 
 
 def _flat_windows(blocks: _Blocks, window: int, others: Sequence[int] = ()) -> list[_Window]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from hyper_parallel import platform
-from hyper_parallel.core.distributed_checkpoint._background_commit import await_own_commits
+from hyper_parallel.core.distributed_checkpoint._background_commit import await_own_commits, failed_commit_to
 from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions
 from hyper_parallel.core.distributed_checkpoint._load_engine import LoadOptions, read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
@@ -125,6 +125,10 @@ def load(
 def read_metadata(checkpoint_id: CheckpointId) -> Metadata:
     """Return a checkpoint's committed metadata. No collectives, no data read.
 
+    On the coordinator, an async save of this process to the checkpoint is
+    waited for first; if its background commit failed, the
+    ``IncompleteCheckpointError`` names that failure.
+
     Raises:
         CheckpointNotFoundError / IncompleteCheckpointError / CorruptCheckpointError.
     """
@@ -137,6 +141,9 @@ def read_metadata(checkpoint_id: CheckpointId) -> Metadata:
             # A checkpoint saved with use_collectives=False has rank-local metadata only.
             return reader.read_metadata(rank=platform.get_rank())
         except IncompleteCheckpointError:
+            failure = failed_commit_to(getattr(reader, "path", None))
+            if failure is not None:
+                raise IncompleteCheckpointError(f"{exc}; {failure}") from failure
             if not committing_elsewhere:
                 raise
             raise IncompleteCheckpointError(

@@ -113,7 +113,7 @@ def async_save(
     use_collectives: bool = True,
     remove_redundancy: bool = True,
     save_to_minimum_rank: bool = False,
-    staging: str = "copy",
+    staging: str = "auto",
     strategy_file: LayoutArgument = None,
     check_replicas: bool = True,
 ) -> AsyncSaveHandle:
@@ -126,17 +126,23 @@ def async_save(
     finished (committed) first.
 
     Args:
-        staging: ``"copy"`` (default): copy the state into reused host
-            buffers, written by a background thread. ``"fork"`` (POSIX): fork
-            a writer process whose copy-on-write view of memory is the
-            snapshot; the caller blocks only for planning and the fork.
+        staging: ``"auto"`` (default): as ``"copy"``, except that a save of
+            one rank (one process, ``no_dist`` or ``use_collectives=False``)
+            that has no staging buffers yet (the first of the process) takes
+            ``"fork"``'s snapshot when that is safe (POSIX, the filesystem
+            writer, the standard planner), and its background work maps and
+            faults in the buffers the next save copies into. ``"copy"``: copy
+            the state into reused host buffers, written by a background
+            thread. ``"fork"`` (POSIX): fork a writer process whose
+            copy-on-write view of memory is the snapshot; the caller blocks
+            only for planning and the fork.
         Others: as :func:`dcp.save`.
 
     Returns:
         An :class:`AsyncSaveHandle`; ``result()`` commits and returns the metadata.
     """
-    if staging not in ("copy", "fork"):
-        raise CheckpointValueError(f"staging must be 'copy' or 'fork', got {staging!r}")
+    if staging not in ("auto", "copy", "fork"):
+        raise CheckpointValueError(f"staging must be 'auto', 'copy' or 'fork', got {staging!r}")
     if staging == "fork" and not hasattr(os, "fork"):
         raise CheckpointValueError("staging='fork' needs a POSIX system; use staging='copy'")
     with _ASYNC_LOCK:  # one async save at a time, whichever thread calls: the staging buffers are shared

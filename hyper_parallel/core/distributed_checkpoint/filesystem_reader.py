@@ -300,10 +300,13 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         try:
             source = FileSource(fd)
             size = os.fstat(fd).st_size
+            first_open = relative_path not in self._in_part
             if self._reads_in_part(relative_path, items, size) and hasattr(os, "posix_fadvise"):
                 # Kernel readahead would also fetch the ranges a reshard skips.
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
                 source.exact = True
+            elif first_open:  # a cold file: the device starts while the header and the verify pass are prepared
+                self._prime(source, size, items)
             self._check_header(source, path, size, relative_path, items)
             yield source, path, size
         finally:
