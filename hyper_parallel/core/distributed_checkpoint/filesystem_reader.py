@@ -27,6 +27,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from hyper_parallel.core.distributed_checkpoint._format.consistency import storage_by_key
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import check_consistency, metadata_from_json
 from hyper_parallel.core.distributed_checkpoint._metadata_file import (
     MAX_METADATA_BYTES,
@@ -152,14 +153,15 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         Raises:
             CorruptCheckpointError: a chunk without its storage entry, or the like (names the file and key).
         """
-        check_consistency(metadata, source=f"{self.path}/{self.metadata_file}")
+        by_key = storage_by_key(metadata)
+        check_consistency(metadata, source=f"{self.path}/{self.metadata_file}", by_key=by_key)
         self.metadata = metadata
         self._verified.clear()
         self._plan_checked = None
         self._grouped = None
         self._headers.clear()
         self._header_checked.clear()
-        self._items = ItemIndex(metadata)
+        self._items = ItemIndex(metadata, by_key=by_key)
         self._in_part.clear()
         self._resolved.clear()
         self._kept.clear()
