@@ -528,6 +528,25 @@ class _BlockList:
         self.digests.extend(checksum.digests[:count])
         self.keys.extend([fqn] * count)
 
+    def add_small(self, path: Path, chunks: Iterable[tuple[str, StorageInfo]]) -> None:
+        """Every block of each ``(key, chunk)``; the usual chunk of one block costs a few list appends."""
+        whole, starts, ends, digests, keys = self.whole, self.starts, self.ends, self.digests, self.keys
+        for fqn, info in chunks:
+            checksum = info.checksum
+            if checksum is None:
+                continue
+            length = info.length
+            if 0 < length <= checksum.block_bytes and id(info) not in whole:
+                whole.add(id(info))
+                starts.append(info.offset)
+                ends.append(info.offset + length)
+                digests.append(checksum.digests[0])
+                keys.append(fqn)
+            elif length:
+                self.add_whole(fqn, info)
+            else:
+                _empty_chunk(path, fqn, info)
+
     def add_blocks(self, fqn: str, info: StorageInfo, indices: Sequence[int]) -> None:
         """Blocks ``indices`` of the chunk ``info`` (a part of it is read)."""
         entry = self.partial.setdefault(id(info), (fqn, info, set()))
@@ -580,13 +599,7 @@ def verify_regions(source: FileSource, path: Path, checks: Sequence[RegionCheck]
     flat = _BlockList()
     tiles_done: set[tuple[int, int, int]] = set()
     windows: list[_Window] = []
-    for fqn, info in whole:
-        if info.checksum is None:
-            continue
-        if not info.length:
-            _empty_chunk(path, fqn, info)
-            continue
-        flat.add_whole(fqn, info)
+    flat.add_small(path, whole)
     for check in checks:
         info = check.info
         if info.checksum is None:
