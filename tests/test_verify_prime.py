@@ -139,3 +139,27 @@ def test_prime_skips_small_spans_exact_files_and_cached_bytes(tmp_path: Path) ->
         assert prime(source, MIB, PRIME_MIN_BYTES + MIB)  # cold
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("sendfile", ["real", "refused"])
+def test_priming_read_brings_the_bytes_into_the_page_cache(tmp_path: Path, monkeypatch, sendfile) -> None:
+    data = tmp_path / "data.bin"
+    data.write_bytes(np.arange(4 * MIB, dtype=np.uint8).tobytes())
+    if sendfile == "refused":  # a platform or filesystem without it: one preadv over a throwaway buffer
+
+        def refuse(*args):
+            raise OSError(22, "Invalid argument")
+
+        monkeypatch.setattr(_verify_reads.os, "sendfile", refuse)
+    fd = os.open(data, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        source = FileSource(fd)
+        assert not page_cached(source, 3 * MIB)
+        copy = os.dup(fd)
+        _verify_reads._prime_read(copy, MIB, 3 * MIB // _verify_reads._PRIME_PIECE)
+        assert page_cached(source, MIB) and page_cached(source, 4 * MIB - 1)
+        assert os.pread(fd, 16, 2 * MIB) == bytes(range(16))  # the file itself is untouched
+    finally:
+        os.close(fd)

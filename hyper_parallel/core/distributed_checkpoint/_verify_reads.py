@@ -204,7 +204,7 @@ _LOOKAHEAD_BYTES = 32 << 20
 _PRIME_BYTES = 32 << 20
 #: Files needing fewer bytes are not primed (their preparation is short).
 PRIME_MIN_BYTES = 16 << 20
-#: The buffer a priming read goes through, many times over (one ``preadv``; the bytes are not kept).
+#: Unit of a priming read (and the throwaway buffer of its fallback, read into many times over).
 _PRIME_PIECE = 256 << 10
 
 
@@ -213,10 +213,10 @@ def prime(source: FileSource, start: int, end: int) -> bool:
 
     Checking a file's header and building the windows of thousands of
     chunks takes milliseconds in which the device would idle: a helper
-    thread reads up to ``_PRIME_BYTES`` from ``start`` (one ``preadv`` of
-    many iovecs over one small buffer, so the kernel reads ahead as for
-    any sequential read, in large folios, and the memory stays small; the
-    bytes go to the page cache, where the verify pass finds them).
+    thread reads up to ``_PRIME_BYTES`` from ``start`` into the page cache
+    (``sendfile`` to the null device: read as any sequential read is, with
+    readahead in large folios, but copied nowhere), where the verify pass
+    finds them.
     Nothing is done for a file read without readahead (a resharded load
     reads exactly what it needs, announced) or for fewer than
     ``PRIME_MIN_BYTES`` needed. The caller tells a cold file first
@@ -258,10 +258,28 @@ def page_cached(source: FileSource, offset: int) -> bool:
 
 
 def _prime_read(fd: int, start: int, count: int) -> None:
-    """Read ``count`` pieces of ``_PRIME_PIECE`` bytes from ``start`` into one throwaway buffer; close ``fd``."""
+    """Bring ``count`` pieces of ``_PRIME_PIECE`` bytes from ``start`` into the page cache; close ``fd``.
+
+    ``sendfile`` to the null device reads the pages as an ordinary read does
+    (readahead, large folios) without copying them anywhere; where it is
+    missing or refused, one ``preadv`` over a small throwaway buffer.
+    """
     try:
-        piece = np.empty(_PRIME_PIECE, dtype=np.uint8)
-        os.preadv(fd, [piece] * count, start)
+        length = count * _PRIME_PIECE
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                done = 0
+                while done < length:
+                    sent = os.sendfile(null, fd, start + done, length - done)
+                    if sent <= 0:
+                        break
+                    done += sent
+            finally:
+                os.close(null)
+        except (AttributeError, OSError):
+            piece = np.empty(_PRIME_PIECE, dtype=np.uint8)
+            os.preadv(fd, [piece] * count, start)
     except OSError:  # only a hint: the verify pass reads (and reports) for real
         pass
     finally:
@@ -510,6 +528,25 @@ class _BlockList:
         self.digests.extend(checksum.digests[:count])
         self.keys.extend([fqn] * count)
 
+    def add_small(self, path: Path, chunks: Iterable[tuple[str, StorageInfo]]) -> None:
+        """Every block of each ``(key, chunk)``; the usual chunk of one block costs a few list appends."""
+        whole, starts, ends, digests, keys = self.whole, self.starts, self.ends, self.digests, self.keys
+        for fqn, info in chunks:
+            checksum = info.checksum
+            if checksum is None:
+                continue
+            length = info.length
+            if 0 < length <= checksum.block_bytes and id(info) not in whole:
+                whole.add(id(info))
+                starts.append(info.offset)
+                ends.append(info.offset + length)
+                digests.append(checksum.digests[0])
+                keys.append(fqn)
+            elif length:
+                self.add_whole(fqn, info)
+            else:
+                _empty_chunk(path, fqn, info)
+
     def add_blocks(self, fqn: str, info: StorageInfo, indices: Sequence[int]) -> None:
         """Blocks ``indices`` of the chunk ``info`` (a part of it is read)."""
         entry = self.partial.setdefault(id(info), (fqn, info, set()))
@@ -562,13 +599,7 @@ def verify_regions(source: FileSource, path: Path, checks: Sequence[RegionCheck]
     flat = _BlockList()
     tiles_done: set[tuple[int, int, int]] = set()
     windows: list[_Window] = []
-    for fqn, info in whole:
-        if info.checksum is None:
-            continue
-        if not info.length:
-            _empty_chunk(path, fqn, info)
-            continue
-        flat.add_whole(fqn, info)
+    flat.add_small(path, whole)
     for check in checks:
         info = check.info
         if info.checksum is None:
