@@ -246,7 +246,9 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
                 return future
             groups = self._file_groups(items, skip=self._verified if verb == "verify" else None)
             work = [g for g in groups if g]
-            if len(work) <= 1:
+            # Without checksums the verify pass is the header check: one small read per file and Python per
+            # item, which threads would only contend for (the GIL); it runs on this thread.
+            if len(work) <= 1 or (verb == "verify" and not self.verify_checksums):
                 counts = [work_fn(g) for g in work]
             else:
                 with ThreadPoolExecutor(max_workers=len(work), thread_name_prefix=f"hp-ckpt-{verb}") as pool:
