@@ -394,7 +394,9 @@ def phase_load(state: dict[str, Any], path: Path, args: argparse.Namespace,
 
 def phase_small_load(state: dict[str, Any], work: Path, args: argparse.Namespace) -> tuple[dict[str, list[float]], int]:
     """Warm ``dcp.load`` of the state's small Parameters (its vectors) alone, saved on their own: their bytes
-    are a few MiB, so the time per tensor is the per-tensor cost of a load. Returns the times and the count."""
+    are a few MiB, so the time per tensor is the per-tensor cost of a load. Verify on and off alternate run by
+    run (paired: the machine's load drifts alike for both); the process CPU time of each run is recorded too
+    (labels ending in ", CPU"). Returns the times and the count."""
     small = {name: param for name, param in state.items() if len(param.shape) == 1}
     if not small:
         return {}, 0
@@ -402,14 +404,18 @@ def phase_small_load(state: dict[str, Any], work: Path, args: argparse.Namespace
     remove(path)
     dcp.save(small, storage_writer=dcp.FileSystemWriter(path, thread_count=args.threads), no_dist=True)
     files = data_files(path)
-    times = {}
-    for verify in (True, False):
-        def load(verify: bool = verify) -> None:
+    times: dict[str, list[float]] = {}
+    for _ in range(args.runs):
+        for verify in (True, False):
+            label = (f"dcp.load warm, small Parameters alone, verify {'on' if verify else 'off'} "
+                     f"({args.threads} threads)")
             reader = dcp.FileSystemReader(path, verify_checksums=verify, thread_count=args.threads)
+            warm_cache(files)
+            pretouch(args.pretouch_gb)
+            cpu, start = time.process_time(), time.perf_counter()
             dcp.load(small, storage_reader=reader, no_dist=True)
-
-        label = f"dcp.load warm, small Parameters alone, verify {'on' if verify else 'off'} ({args.threads} threads)"
-        times[label] = timed(load, runs=args.runs, pretouch_gb=args.pretouch_gb, setup=lambda: warm_cache(files))
+            times.setdefault(label, []).append(time.perf_counter() - start)
+            times.setdefault(label + ", CPU", []).append(time.process_time() - cpu)
     remove(path)
     return times, len(small)
 
@@ -593,6 +599,12 @@ def ratios(t: dict[str, float], args: argparse.Namespace, memory: dict[str, Any]
     for verify in ("on", "off") if small_count else ():  # time per tensor of a load of small tensors alone
         add(f"warm load, small Parameters alone, verify {verify}: us per tensor",
             t[f"dcp.load warm, small Parameters alone, verify {verify} ({T} threads)"] / small_count * 1e6, None)
+        add(f"warm load, small Parameters alone, verify {verify}: CPU us per tensor",
+            t[f"dcp.load warm, small Parameters alone, verify {verify} ({T} threads), CPU"] / small_count * 1e6, None)
+    if small_count:  # what verify-before-land adds per tensor (paired runs)
+        add("warm load, small Parameters alone: verify's own CPU us per tensor (on - off)",
+            (t[f"dcp.load warm, small Parameters alone, verify on ({T} threads), CPU"]
+             - t[f"dcp.load warm, small Parameters alone, verify off ({T} threads), CPU"]) / small_count * 1e6, 8.0)
     for cache in ("cold", "warm"):  # the price of verify-before-a-byte-lands (no target written before all checks)
         add(f"protection: verify, {cache} load on / off", t[f"dcp.load {cache}, verify on ({T} threads)"]
             / t[f"dcp.load {cache}, verify off ({T} threads)"], None)

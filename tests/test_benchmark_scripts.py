@@ -89,6 +89,8 @@ def test_benchmark_reports_every_figure_for_both_states(tmp_path):
     assert result["states"]["many"]["small_tensors_loaded_alone"] >= 200  # the per-tensor cost of a load
     for verify in ("on", "off"):
         assert 0 < many[f"warm load, small Parameters alone, verify {verify}: us per tensor"] < 1e5
+        assert 0 < many[f"warm load, small Parameters alone, verify {verify}: CPU us per tensor"] < 1e5
+    assert math.isfinite(many["warm load, small Parameters alone: verify's own CPU us per tensor (on - off)"])
     reshard = {row["figure"]: row for row in result["reshard_ratios"]}
     for name in RESHARD_FIGURES:
         assert math.isfinite(reshard[name]["value"]) and reshard[name]["value"] >= 0.99, name

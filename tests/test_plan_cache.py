@@ -117,3 +117,39 @@ def test_taking_an_exchange_this_rank_does_not_hold_is_refused():
     clear_plan_cache()
     with pytest.raises(dcp.PlanValidationError, match="rank 3: the coordinator reuses the cached plan"):
         PlanCache((3, 4, None)).take("f00d")
+
+
+def _sliced_net(fill: float):
+    net = ms.nn.Cell()
+    net.w = ms.Parameter(ms.Tensor(np.full((4, 6), fill, np.float32)), name="w")
+    net.w.sliced = True
+    return net
+
+
+@pytest.mark.parametrize("form", ["list of per-stage files", "mapping of layouts"])
+def test_a_strategy_given_as_a_list_or_mapping_reuses_the_plan(tmp_path, form):
+    from hyper_parallel import Layout  # noqa: PLC0415
+    from tests.strategy_files import ParamStrategy, write_strategy_file  # noqa: PLC0415
+
+    clear_plan_cache()
+    if form == "list of per-stage files":
+        strategy = [write_strategy_file(tmp_path / "stage0.ckpt", (ParamStrategy("w", (1,), (0, -1)),))]
+        changed = [write_strategy_file(tmp_path / "other.ckpt", (ParamStrategy("w", (1,), (-1, 0)),))]
+    else:
+        strategy = {"w": Layout((1,), (0, -1))}
+        changed = {"w": Layout((1,), (-1, 0))}
+    net = _sliced_net(1.0)
+    dcp.save({"model": net}, checkpoint_id=tmp_path / "a", no_dist=True, strategy_file=strategy)
+    reused, exchanged = _counts()
+    net.w.set_data(ms.Tensor(np.full((4, 6), 2.0, np.float32)))
+    # An equal strategy in a new list/dict object: the same plan, reused.
+    again = list(strategy) if isinstance(strategy, list) else dict(strategy)
+    dcp.save({"model": net}, checkpoint_id=tmp_path / "a", no_dist=True, strategy_file=again)
+    assert _counts() == (reused + 1, exchanged)
+    # Another strategy (the same shapes, another layout): the layout digest differs, so a new exchange.
+    dcp.save({"model": net}, checkpoint_id=tmp_path / "b", no_dist=True, strategy_file=changed)
+    assert _counts() == (reused + 1, exchanged + 1)
+    for name, layout in (("a", again), ("b", changed)):
+        target = _sliced_net(0.0)
+        dcp.load({"model": target}, checkpoint_id=tmp_path / name, no_dist=True, strategy_file=layout)
+        np.testing.assert_array_equal(target.w.asnumpy(), np.full((4, 6), 2.0, np.float32))

@@ -141,7 +141,7 @@ class MsFile:
             # No read-around on a fault: only the contents asked for (see raw) are read.
             self._map.madvise(mmap.MADV_RANDOM)
 
-    def raw(self, name: str, *, prefetch: bool = False) -> np.ndarray:
+    def raw(self, name: str) -> np.ndarray:
         """Return the content bytes of ``name`` as a read-only uint8 array.
 
         A single-segment entry is a view of the mapped file (no copy); a
@@ -150,16 +150,20 @@ class MsFile:
         for are not read, except what the kernel reads ahead past the end of
         a streamed content (at most its read-ahead window).
 
+        The content is marked ``MADV_SEQUENTIAL``: the kernel reads it ahead
+        as it is used, in large folios, and lets its pages go early. It is
+        never announced whole with ``MADV_WILLNEED``: on Linux 6.18 that fills
+        the page cache with 4 KiB pages, and an import of a 256 MiB ``.ckpt``
+        took 3.5-4x the wall time and about 3x the CPU time of readahead
+        (paired runs, cold cache; docs/guide.md, "MindSpore parallel jobs").
+
         Args:
             name: The entry.
-            prefetch: Ask the kernel to read exactly this content now
-                (``MADV_WILLNEED``); without it, the content is read ahead as it
-                is used (``MADV_SEQUENTIAL``). Prefetch only what fits in memory.
         """
         entry = self.entries[name]
         if not entry.segments or entry.nbytes == 0:
             return np.empty(0, dtype=np.uint8)
-        advice = getattr(mmap, "MADV_WILLNEED" if prefetch else "MADV_SEQUENTIAL", None)
+        advice = getattr(mmap, "MADV_SEQUENTIAL", None)
         for offset, length in entry.segments if advice is not None else ():
             start = offset - offset % mmap.PAGESIZE
             self._map.madvise(advice, start, length + offset - start)

@@ -252,9 +252,6 @@ class PieceSavePlanner(SavePlanner):
 
     def __init__(self, pieces: Sequence[SourcePiece], values: Mapping[str, Any]) -> None:
         self._pieces = {MetadataIndex(p.fqn, p.offsets): p for p in pieces}
-        # The writer asks for every piece before writing: prefetch them exactly only if they fit
-        # easily in memory; otherwise each is read ahead as it is written.
-        self._prefetch = total_bytes(pieces) <= _available_memory() // 4
         self._values = dict(values)
         self._bytes: dict[MetadataIndex, bytes] = {}
 
@@ -296,19 +293,7 @@ class PieceSavePlanner(SavePlanner):
         if item.type == WriteItemType.BYTE_IO:
             return self._bytes[index]
         piece = self._pieces[index]
-        return piece.file.raw(piece.entry.name, prefetch=self._prefetch)
-
-
-def _available_memory() -> int:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes (0 where unknown: no prefetch)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+        return piece.file.raw(piece.entry.name)  # read ahead by the kernel as the writer streams it
 
 
 def total_bytes(pieces: Sequence[SourcePiece]) -> int:

@@ -88,10 +88,18 @@ def host_memory_shared(value: Any) -> bool:
     return _on_host(value)
 
 
+_HOST_DEVICES: dict[str, bool] = {}  # a tensor's ``device`` string -> whether it names the CPU
+
+
 def _on_host(value: Any) -> bool:
     """Whether a tensor's ``device`` is the CPU (or says nothing)."""
     device = getattr(value, "device", None)
-    return not (isinstance(device, str) and device and not device.upper().startswith("CPU"))
+    if not isinstance(device, str) or not device:
+        return True
+    host = _HOST_DEVICES.get(device)
+    if host is None:
+        host = _HOST_DEVICES[device] = device.upper().startswith("CPU")
+    return host
 
 
 def is_tensor(value: Any) -> bool:
@@ -194,11 +202,13 @@ def writable_view(value: Any) -> np.ndarray | None:
 def writable_views(values: list[Any]) -> list[np.ndarray | None]:
     """:func:`writable_view` of each value, the environment read once (a load's targets, in one pass)."""
     forced = os.environ.get(DEVICE_COPIES_ENV) == "1"
+    ms = _mindspore()
+    tensor_type = ms.Tensor if ms is not None else ()
     views: list[np.ndarray | None] = []
     for value in values:
         if isinstance(value, np.ndarray):
             views.append(value if value.flags.writeable else None)
-        elif forced or not is_tensor(value) or not _on_host(value):
+        elif forced or not isinstance(value, tensor_type) or not _on_host(value):
             views.append(None)
         else:
             view = _host_view(value)

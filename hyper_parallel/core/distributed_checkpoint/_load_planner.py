@@ -113,6 +113,7 @@ class StandardLoadPlanner(LoadPlanner):
         self._targets: dict[str, np.ndarray] = {}
         self._direct: dict[int, tuple[ReadItem, np.ndarray]] = {}  # see direct_targets(); by id() of the item
         self._staged: set[str] = set()
+        self._skipped: list[str] = []  # names of the SkipEntry leaves
         self._pieces: dict[tuple[str, tuple[int, ...]], tuple[str, TensorEntry, TensorPiece]] = {}
         self._value_names: dict[tuple[str, tuple[int, ...]], str] = {}
         self._values: dict[str, Any] = {}
@@ -140,6 +141,7 @@ class StandardLoadPlanner(LoadPlanner):
         self._entries.clear()
         self._targets.clear()
         self._direct.clear()
+        self._skipped.clear()
         self._staged.clear()
         self._device = DeviceRegions()
         self._pieces.clear()
@@ -154,6 +156,7 @@ class StandardLoadPlanner(LoadPlanner):
             entry = classify_leaf(fqn, value)
             if isinstance(entry, SkipEntry):
                 self._entries[name] = entry
+                self._skipped.append(name)
                 continue
             stored = metadata.state_dict_metadata.get(fqn)
             if stored is None:
@@ -252,9 +255,10 @@ class StandardLoadPlanner(LoadPlanner):
         self._pieces[key] = (name, entry, piece)
         self._targets[name] = view if view.shape == entry.local_shape else view.reshape(entry.local_shape)
         zero = (0,) * len(piece.sizes)
+        # The chunk is the piece: one index names both (its ``index`` hint, 0, is left out of equality).
+        index = MetadataIndex(entry.fqn, piece.offsets, 0)
         # Positional: type, dest_index, dest_offsets, storage_index, storage_offsets, lengths.
-        return ReadItem(LoadItemType.TENSOR, MetadataIndex(entry.fqn, piece.offsets, 0), zero,
-                        MetadataIndex(entry.fqn, chunk.offsets), zero, piece.sizes)
+        return ReadItem(LoadItemType.TENSOR, index, zero, index, zero, piece.sizes)
 
     def _tensor_reads(self, name: str, entry: TensorEntry, stored: TensorStorageMetadata) -> list[ReadItem]:
         reads = []
@@ -423,11 +427,10 @@ class StandardLoadPlanner(LoadPlanner):
         for name in self._staged:
             entry = self._entries[name]
             assign(entry.local, self._targets[name].reshape(np.shape(to_numpy(entry.local))))
-        for name, entry in self._entries.items():
-            if isinstance(entry, SkipEntry):
-                set_by_path(self.state_dict, self.flat.paths[name], entry.value)
-            elif name in self._values:
-                set_by_path(self.state_dict, self.flat.paths[name], self._values[name])
+        for name in self._skipped:
+            set_by_path(self.state_dict, self.flat.paths[name], self._entries[name].value)
+        for name, value in self._values.items():  # values decoded, tensors a placeholder received
+            set_by_path(self.state_dict, self.flat.paths[name], value)
 
 
 def direct_targets(planner: LoadPlanner) -> dict[int, tuple[ReadItem, np.ndarray]]:

@@ -36,7 +36,8 @@ keep state outside its plans).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, is_dataclass, replace
 from typing import Any
 
 import xxhash
@@ -45,6 +46,7 @@ from hyper_parallel.core.distributed_checkpoint._format.cover import MAX_REPORTE
 from hyper_parallel.core.distributed_checkpoint._global_plan import replica_problems
 from hyper_parallel.core.distributed_checkpoint._layout_merge import merge_layout_plans
 from hyper_parallel.core.distributed_checkpoint._layout_plan import DIGEST_BYTES, LayoutSavePlan, expand_save_plan
+from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutSources
 from hyper_parallel.core.distributed_checkpoint._save_layout import LayoutDescription, LeafSource
 from hyper_parallel.core.distributed_checkpoint.errors import PlanValidationError
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex
@@ -310,12 +312,34 @@ def plan_cache_for(
         return None
     # Plans made with replicas hashed later carry no replica digests: they are never reused for a save that hashes
     # now; a save hashing later reuses either (its replicas are compared before the commit).
-    key = (rank, world_size, options, type(writer), planner.allow_pickle, planner.check_replicas)
+    key = (rank, world_size, _hashable_options(options), type(writer), planner.allow_pickle, planner.check_replicas)
     try:
         hash(key)
     except TypeError:  # an option given as a mutable object (a dict of layouts): not cached
         return None
     return PlanCache(key, digests_now=planner.later_replicas is None)
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` with its lists, tuples and mappings turned into tuples (keys sorted), recursively."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(entry) for entry in value)
+    if isinstance(value, Mapping):
+        return tuple(sorted(((str(name), _frozen(entry)) for name, entry in value.items()), key=lambda pair: pair[0]))
+    if isinstance(value, LayoutSources):
+        return replace(value, strategy_file=_frozen(value.strategy_file))
+    return value
+
+
+def _hashable_options(options: Any) -> Any:
+    """Save options usable in a cache key: a strategy given as a list of per-stage files or a mapping is frozen.
+
+    The key only selects the cache; whether a plan is reused is decided by the layout digest, which
+    covers the layouts a strategy gives (so two strategies frozen alike can never share a plan).
+    """
+    if is_dataclass(options) and getattr(options, "strategy_file", None) is not None:
+        return replace(options, strategy_file=_frozen(options.strategy_file))
+    return options
 
 
 def clear_plan_cache() -> None:

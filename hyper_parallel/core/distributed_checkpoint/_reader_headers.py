@@ -9,14 +9,13 @@ import numpy as np
 from hyper_parallel.core.distributed_checkpoint._format.header_check import (
     HeaderSpan,
     expected_span,
-    header_spans,
+    header_entries,
     span_problem,
 )
 from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import SAFETENSORS_DTYPES
 from hyper_parallel.core.distributed_checkpoint._read_items import ItemFacts
 from hyper_parallel.core.distributed_checkpoint._reader_verify import check_within
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
-from hyper_parallel.core.distributed_checkpoint.metadata import StorageInfo
 from hyper_parallel.core.distributed_checkpoint.planner import ReadItem
 
 __all__ = ["HeaderCheck"]
@@ -25,27 +24,10 @@ __all__ = ["HeaderCheck"]
 _HEADER_READ_BYTES = 4096
 
 
-def _whole_tensor_entry(found: HeaderSpan, info: StorageInfo, facts: ItemFacts) -> bool:
-    """Whether ``found`` is exactly the header entry the writer makes for a whole uncompressed tensor chunk.
-
-    A shortcut of ``found == expected_span(...)`` for the usual item (no record built); anything else
-    takes the full comparison.
-    """
-    stored = facts.stored
-    return (
-        facts.sizes is not None
-        and not info.compression
-        and found.length == info.length
-        and found.shape == facts.sizes
-        and facts.sizes == tuple(stored.size)
-        and found.dtype == SAFETENSORS_DTYPES.get(stored.properties.dtype)
-    )
-
-
 class HeaderCheck:
     """The header check of :class:`~.filesystem_reader.FileSystemReader` (a mixin; all ranks run it).
 
-    Uses the reader's ``path``, ``_items``, ``_headers`` (file -> header spans,
+    Uses the reader's ``path``, ``_items``, ``_headers`` (file -> header entries,
     read once per load) and ``_header_checked`` (items checked).
     """
 
@@ -58,11 +40,12 @@ class HeaderCheck:
         Raises:
             CorruptCheckpointError: names the file, the key, both descriptions and the fix.
         """
-        todo = [item for item in items if id(item) not in self._header_checked]
+        checked = self._header_checked
+        todo = [item for item in items if id(item) not in checked]
         if not todo:
             return
-        spans = self._headers.get(relative_path)
-        if spans is None:
+        entries = self._headers.get(relative_path)
+        if entries is None:
             head = np.empty(min(size, _HEADER_READ_BYTES), dtype=np.uint8)
             head = head[: source.readinto(head, 0)].tobytes()  # one read holds the usual header (data at 4096)
 
@@ -72,24 +55,39 @@ class HeaderCheck:
                 buffer = np.empty(count, dtype=np.uint8)
                 return buffer[: source.readinto(buffer, offset)].tobytes()
 
-            spans = header_spans(str(path), size, pread, keys=[item.storage_index.fqn for item in todo])
-            self._headers[relative_path] = spans
+            entries = header_entries(str(path), size, pread, keys=[item.storage_index.fqn for item in todo])
+            self._headers[relative_path] = entries
         facts_of = self._items.facts
+        codes = SAFETENSORS_DTYPES
         for item in todo:
-            index = item.storage_index
             facts = facts_of(item)
             info = facts.info
-            check_within(path, size, index.fqn, info)
-            found = spans.get(info.offset)
-            if found is not None and found.name == index.fqn and _whole_tensor_entry(found, info, facts):
-                self._header_checked.add(id(item))  # the usual case: the very entry the writer made
+            if info.offset + info.length > size:
+                check_within(path, size, item.storage_index.fqn, info)
+            found = entries.get(info.offset)
+            sizes = facts.sizes
+            # The usual item, a whole uncompressed tensor chunk: the very entry the writer made for it.
+            if (found is not None and found[0] == info.length and found[3] == sizes and sizes is not None
+                    and found[1] == item.storage_index.fqn and not info.compression
+                    and sizes == facts.stored.size and found[2] == codes.get(facts.stored.properties.dtype)):
+                checked.add(id(item))
                 continue
-            expected = expected_span(index, info, facts.stored, facts.sizes)
-            problem = span_problem(spans, info.offset, expected)
-            if problem is not None:
-                raise CorruptCheckpointError(
-                    f"data file {path}, key '{index.fqn}' (chunk at offset {list(index.offset)}): {problem}. The "
-                    f"metadata and the data file disagree (damaged or edited); nothing was loaded from the file. "
-                    f"Run `hp-ckpt verify {self.path}` to list every problem"
-                )
-            self._header_checked.add(id(item))
+            self._check_entry(path, item, facts, found)
+            checked.add(id(item))
+
+    def _check_entry(self, path: Any, item: ReadItem, facts: ItemFacts, found: tuple[Any, ...] | None) -> None:
+        """The full comparison of ``item``'s header entry (``found``, ``None`` if there is none) with the metadata.
+
+        Raises:
+            CorruptCheckpointError: they differ (names the file, the key, both descriptions and the fix).
+        """
+        index, info = item.storage_index, facts.info
+        expected = expected_span(index, info, facts.stored, facts.sizes)
+        spans = {info.offset: HeaderSpan(*found)} if found is not None else {}
+        problem = span_problem(spans, info.offset, expected)
+        if problem is not None:
+            raise CorruptCheckpointError(
+                f"data file {path}, key '{index.fqn}' (chunk at offset {list(index.offset)}): {problem}. The "
+                f"metadata and the data file disagree (damaged or edited); nothing was loaded from the file. "
+                f"Run `hp-ckpt verify {self.path}` to list every problem"
+            )

@@ -23,7 +23,13 @@ from hyper_parallel.core.distributed_checkpoint._device_reads import MAX_PAGE_AM
 from hyper_parallel.core.distributed_checkpoint._format.byte_ranges import box_runs
 from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM
 from hyper_parallel.core.distributed_checkpoint._run_reads import FileSource, read_runs_verified, read_tiles
-from hyper_parallel.core.distributed_checkpoint._verify_reads import RegionCheck, verify_regions
+from hyper_parallel.core.distributed_checkpoint._verify_reads import (
+    PRIME_MIN_BYTES,
+    RegionCheck,
+    page_cached,
+    prime,
+    verify_regions,
+)
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import StorageInfo
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, ReadItem
@@ -113,6 +119,23 @@ class VerifyPass:
                         checks.append(_rows_after(check, rows))
                 total += verify_regions(source, path, checks, self.max_inflight_bytes, whole=whole)
         return total
+
+    def _prime(self, source: Any, file_size: int, items: list[ReadItem]) -> None:
+        """Start the device on the first bytes ``items`` need of a file just opened (see :func:`._verify_reads.prime`).
+
+        Called once per file and load, before its header is checked: the
+        device reads while the header check and the verify pass's windows
+        are prepared. Files smaller than the priming threshold are skipped
+        without looking at their items, and so is a file whose first item's
+        bytes are cached (a warm load: one probe).
+        """
+        if file_size < PRIME_MIN_BYTES or not isinstance(source, FileSource) or source.exact:
+            return
+        facts_of = self._items.facts
+        if page_cached(source, facts_of(items[0]).info.offset):
+            return
+        infos = [facts_of(item).info for item in items]
+        prime(source, min(info.offset for info in infos), max(info.offset + info.length for info in infos))
 
     def _small_flat(self, source: Any, file_size: int, items: list[ReadItem]
                     ) -> tuple[list[tuple[str, StorageInfo]], list[ReadItem]]:

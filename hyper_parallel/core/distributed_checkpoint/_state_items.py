@@ -11,6 +11,7 @@ chunks and reshards like any other box. Every other leaf becomes a
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -187,6 +188,12 @@ def make_entry(fqn: str, value: Any) -> TensorEntry | ValueEntry | SkipEntry:
         raise UnsupportedTypeError(f"key '{fqn}': {exc}; convert it to a supported dtype before saving") from exc
 
 
+@functools.lru_cache(maxsize=1024)
+def _whole_pieces(shape: tuple[int, ...]) -> tuple[TensorPiece, ...]:
+    """The pieces of a whole tensor of ``shape``: one box from the origin (records are immutable: shared)."""
+    return (TensorPiece((0,) * len(shape), shape),)
+
+
 def _make_entry(fqn: str, value: Any) -> TensorEntry | ValueEntry | SkipEntry:
     if isinstance(value, DTensor):
         local = value.to_local()
@@ -208,9 +215,7 @@ def _make_entry(fqn: str, value: Any) -> TensorEntry | ValueEntry | SkipEntry:
             return ValueEntry(fqn=fqn, value=value)
         # Positional (one per leaf of a state of thousands): fqn, dtype, global_shape, pieces, local,
         # local_shape, write, allow_shape_mismatch, may_be_replicated.
-        return TensorEntry(
-            fqn, dtype_name(value), shape, (TensorPiece((0,) * len(shape), shape),), value, shape, True, False, True
-        )
+        return TensorEntry(fqn, dtype_name(value), shape, _whole_pieces(shape), value, shape, True, False, True)
     if isinstance(value, ShardedObject):
         return ValueEntry(
             fqn=fqn,

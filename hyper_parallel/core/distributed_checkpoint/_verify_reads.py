@@ -28,6 +28,7 @@ import contextlib
 import math
 import mmap
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -40,7 +41,7 @@ from hyper_parallel.core.distributed_checkpoint._run_reads import FileSource, sc
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import StorageInfo
 
-__all__ = ["RegionCheck", "announces", "lookahead_limits", "verify_regions"]
+__all__ = ["PRIME_MIN_BYTES", "RegionCheck", "announces", "lookahead_limits", "page_cached", "prime", "verify_regions"]
 
 _NO_TARGET_CHANGED = "the checkpoint is corrupt; no target was changed (a load verifies every byte before it copies any)"
 
@@ -197,6 +198,92 @@ _GAP_BYTES = 1 << 20
 #: device reads the next windows while this one is hashed (a cold load overlaps reading and hashing);
 #: windows the kernel reads ahead by itself are not announced (:func:`announces`).
 _LOOKAHEAD_BYTES = 32 << 20
+
+
+#: Bytes of a cold file read ahead by :func:`prime` while its verify pass is prepared.
+_PRIME_BYTES = 32 << 20
+#: Files needing fewer bytes are not primed (their preparation is short).
+PRIME_MIN_BYTES = 16 << 20
+#: Unit of a priming read (and the throwaway buffer of its fallback, read into many times over).
+_PRIME_PIECE = 256 << 10
+
+
+def prime(source: FileSource, start: int, end: int) -> bool:
+    """Start the device on the first bytes a cold file's load needs while its verify pass is prepared.
+
+    Checking a file's header and building the windows of thousands of
+    chunks takes milliseconds in which the device would idle: a helper
+    thread reads up to ``_PRIME_BYTES`` from ``start`` into the page cache
+    (``sendfile`` to the null device: read as any sequential read is, with
+    readahead in large folios, but copied nowhere), where the verify pass
+    finds them.
+    Nothing is done for a file read without readahead (a resharded load
+    reads exactly what it needs, announced) or for fewer than
+    ``PRIME_MIN_BYTES`` needed. The caller tells a cold file first
+    (:func:`page_cached`: a warm load is not primed). The thread reads
+    from its own duplicate of the file descriptor and closes it.
+
+    Args:
+        source: The open data file (a :class:`FileSource` read with readahead).
+        start: First byte the load needs.
+        end: End of the last byte the load needs.
+
+    Returns:
+        Whether a priming read was started.
+    """
+    fd = getattr(source, "fd", None)
+    if fd is None or getattr(source, "exact", False) or end - start < PRIME_MIN_BYTES:
+        return False
+    count = -(-min(end - start, _PRIME_BYTES) // _PRIME_PIECE)
+    threading.Thread(target=_prime_read, args=(os.dup(fd), start, count), name="hp-ckpt-prime", daemon=True).start()
+    return True
+
+
+def page_cached(source: FileSource, offset: int) -> bool:
+    """Whether byte ``offset`` of ``source`` is in the page cache (``True`` where that cannot be told).
+
+    One non-blocking read of one byte (``RWF_NOWAIT``), which the kernel
+    refuses when the byte would have to come from the device.
+    """
+    fd = getattr(source, "fd", None)
+    flag = getattr(os, "RWF_NOWAIT", None)
+    if fd is None or flag is None or not hasattr(os, "preadv"):
+        return True
+    try:
+        return os.preadv(fd, [bytearray(1)], offset, flag) > 0
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def _prime_read(fd: int, start: int, count: int) -> None:
+    """Bring ``count`` pieces of ``_PRIME_PIECE`` bytes from ``start`` into the page cache; close ``fd``.
+
+    ``sendfile`` to the null device reads the pages as an ordinary read does
+    (readahead, large folios) without copying them anywhere; where it is
+    missing or refused, one ``preadv`` over a small throwaway buffer.
+    """
+    try:
+        length = count * _PRIME_PIECE
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                done = 0
+                while done < length:
+                    sent = os.sendfile(null, fd, start + done, length - done)
+                    if sent <= 0:
+                        break
+                    done += sent
+            finally:
+                os.close(null)
+        except (AttributeError, OSError):
+            piece = np.empty(_PRIME_PIECE, dtype=np.uint8)
+            os.preadv(fd, [piece] * count, start)
+    except OSError:  # only a hint: the verify pass reads (and reports) for real
+        pass
+    finally:
+        os.close(fd)
 
 
 def _flat_windows(blocks: _Blocks, window: int, others: Sequence[int] = ()) -> list[_Window]:
@@ -441,6 +528,25 @@ class _BlockList:
         self.digests.extend(checksum.digests[:count])
         self.keys.extend([fqn] * count)
 
+    def add_small(self, path: Path, chunks: Iterable[tuple[str, StorageInfo]]) -> None:
+        """Every block of each ``(key, chunk)``; the usual chunk of one block costs a few list appends."""
+        whole, starts, ends, digests, keys = self.whole, self.starts, self.ends, self.digests, self.keys
+        for fqn, info in chunks:
+            checksum = info.checksum
+            if checksum is None:
+                continue
+            length = info.length
+            if 0 < length <= checksum.block_bytes and id(info) not in whole:
+                whole.add(id(info))
+                starts.append(info.offset)
+                ends.append(info.offset + length)
+                digests.append(checksum.digests[0])
+                keys.append(fqn)
+            elif length:
+                self.add_whole(fqn, info)
+            else:
+                _empty_chunk(path, fqn, info)
+
     def add_blocks(self, fqn: str, info: StorageInfo, indices: Sequence[int]) -> None:
         """Blocks ``indices`` of the chunk ``info`` (a part of it is read)."""
         entry = self.partial.setdefault(id(info), (fqn, info, set()))
@@ -493,13 +599,7 @@ def verify_regions(source: FileSource, path: Path, checks: Sequence[RegionCheck]
     flat = _BlockList()
     tiles_done: set[tuple[int, int, int]] = set()
     windows: list[_Window] = []
-    for fqn, info in whole:
-        if info.checksum is None:
-            continue
-        if not info.length:
-            _empty_chunk(path, fqn, info)
-            continue
-        flat.add_whole(fqn, info)
+    flat.add_small(path, whole)
     for check in checks:
         info = check.info
         if info.checksum is None:

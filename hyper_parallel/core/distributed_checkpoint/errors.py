@@ -100,14 +100,6 @@ class CheckpointExistsError(CheckpointValueError, FileExistsError):
         return str(self.args[0]) if self.args else ""
 
 
-class ConcurrentSaveError(CheckpointError):
-    """Another save committed the same checkpoint id while this save was running.
-
-    The other save's checkpoint is whole; this save's data was removed. Raised
-    by the committing rank (on every rank under collectives).
-    """
-
-
 class CollectiveStepError(CheckpointError):
     """One or more ranks failed during a collective step.
 
@@ -164,5 +156,7 @@ class ConcurrentSaveError(CheckpointError):
     """Another save is writing the same checkpoint id (or committed it meanwhile).
 
     The message names the other save (its save id, host and process) and the
-    lease file. The checkpoint committed before either save stays intact.
+    lease file. The checkpoint committed before either save stays intact; this
+    save's data was removed. Raised by the committing rank (on every rank under
+    collectives).
     """

@@ -27,7 +27,6 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from hyper_parallel.core.distributed_checkpoint._format.header_check import HeaderSpan
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import check_consistency, metadata_from_json
 from hyper_parallel.core.distributed_checkpoint._metadata_file import (
     MAX_METADATA_BYTES,
@@ -110,10 +109,11 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         self._kept: dict[ReadItem, np.ndarray] = {}  # verified regions kept for the read pass
         self._kept_bytes = 0
         self._kept_lock = threading.Lock()
-        self._headers: dict[str, dict[int, HeaderSpan]] = {}  # data file -> its header, read once per load
+        self._headers: dict[str, dict[int, tuple[Any, ...]]] = {}  # data file -> its header entries (once per load)
         self._header_checked: set[int] = set()  # id() of the read items checked against their file's header
         self._items: ItemIndex | None = None  # the read items' facts, looked up once per load
         self._in_part: dict[str, bool] = {}  # data file -> read without readahead (decided once per load)
+        self._resolved: dict[str, Path] = {}  # data file -> its checked path (resolved once per load)
 
     def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
         """Start a new load, optionally from another directory. All ranks."""
@@ -161,6 +161,7 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         self._header_checked.clear()
         self._items = ItemIndex(metadata)
         self._in_part.clear()
+        self._resolved.clear()
         self._kept.clear()
         self._kept_bytes = 0
 
@@ -286,7 +287,9 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
     def _open_source(self, relative_path: str, items: list[ReadItem]) -> Iterator[tuple[FileSource, Path, int]]:
         """Open data file ``relative_path`` for ``items``: its byte source, its name for messages, its size."""
         fqn = items[0].storage_index.fqn
-        path = self.resolve(relative_path, fqn)
+        path = self._resolved.get(relative_path)
+        if path is None:  # resolved once per file and load (the verify pass, then the read pass)
+            path = self._resolved[relative_path] = self.resolve(relative_path, fqn)
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:  # deleted right after resolve() saw it
@@ -297,10 +300,13 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         try:
             source = FileSource(fd)
             size = os.fstat(fd).st_size
+            first_open = relative_path not in self._in_part
             if self._reads_in_part(relative_path, items, size) and hasattr(os, "posix_fadvise"):
                 # Kernel readahead would also fetch the ranges a reshard skips.
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
                 source.exact = True
+            elif first_open:  # a cold file: the device starts while the header and the verify pass are prepared
+                self._prime(source, size, items)
             self._check_header(source, path, size, relative_path, items)
             yield source, path, size
         finally:

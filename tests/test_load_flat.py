@@ -1,0 +1,204 @@
+"""The flat load path: whole host targets planned in one step and read straight into their memory.
+
+Every load is checked bit for bit; failing loads are checked to leave every
+target as it was. The fast metadata decode is checked against the full one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel.core.distributed_checkpoint._format import header_check, metadata_json
+from hyper_parallel.core.distributed_checkpoint._load_planner import direct_targets
+from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType
+
+_SHAPES = [(7,), (), (0,), (3, 5), (2, 0), (1,), (4, 2, 3)]
+_KINDS = ["parameter", "tensor", "numpy"]
+_DTYPES = [(ms.float32, np.float32), (ms.bfloat16, None), (ms.int32, np.int32), (ms.float16, np.float16),
+           (ms.bool_, np.bool_), (ms.int8, np.int8)]
+
+
+def _target(i: int, values: np.ndarray, zero: bool):
+    """Target ``i``: a Parameter, a plain Tensor or a numpy array (bf16 only as a tensor), of mixed dtypes."""
+    ms_dtype, np_dtype = _DTYPES[i % len(_DTYPES)]
+    kind = _KINDS[i % len(_KINDS)]
+    data = np.zeros_like(values) if zero else values
+    if kind == "numpy" and np_dtype is not None:
+        return data.astype(np_dtype)
+    tensor = ms.Tensor(data, ms_dtype)
+    return ms.Parameter(tensor, name=f"p{i}") if kind != "tensor" else tensor
+
+
+def _state(count: int, zero: bool = False) -> dict[str, object]:
+    rng = np.random.default_rng(7)
+    return {f"blk{i}.w": _target(i, np.asarray(rng.standard_normal(_SHAPES[i % len(_SHAPES)]) * 9, np.float32), zero)
+            for i in range(count)}
+
+
+def _bits(state: dict[str, object]) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    out = {}
+    for name, value in state.items():
+        array = value if isinstance(value, np.ndarray) else value.asnumpy()
+        out[name] = (str(array.dtype), tuple(array.shape), array.tobytes())
+    return out
+
+
+class _Recording(dcp.StandardLoadPlanner):
+    """A subclass overriding acquire_tensor: the reader must call it for every tensor item."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.acquired: list[str] = []
+
+    def acquire_tensor(self, read_item, shared=True):
+        self.acquired.append(read_item.dest_index.fqn)
+        return super().acquire_tensor(read_item, shared)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_mixed_targets_load_bit_exact_through_the_direct_path(tmp_path: Path, threads: int) -> None:
+    saved = _state(63)
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(tmp_path, thread_count=threads), no_dist=True)
+    targets = _state(63, zero=True)
+    memory = {name: (v if isinstance(v, np.ndarray) else v.asnumpy()) for name, v in targets.items()}
+    for verify in (True, False):
+        planner = dcp.StandardLoadPlanner()
+        reader = dcp.FileSystemReader(tmp_path, thread_count=threads, verify_checksums=verify)
+        dcp.load(targets, storage_reader=reader, planner=planner, no_dist=True)
+        assert _bits(targets) == _bits(saved)
+        direct = {item.dest_index.fqn for item, _ in direct_targets(planner).values()}
+        nonempty = {name for name, v in saved.items() if np.prod(np.shape(v.asnumpy() if not isinstance(v, np.ndarray) else v))}
+        assert direct == nonempty  # every non-empty target read straight into its memory (bf16, 0-d included)
+        for item, target in direct_targets(planner).values():
+            assert item.type == LoadItemType.TENSOR and target.flags.c_contiguous and target.flags.writeable
+        for name, value in targets.items():  # in place: the same memory holds the values
+            now = value if isinstance(value, np.ndarray) else value.asnumpy()
+            assert np.shares_memory(now, memory[name]) or now.size == 0, name
+
+
+def test_a_planner_overriding_acquire_tensor_gets_every_item(tmp_path: Path) -> None:
+    saved = _state(21)
+    dcp.save(saved, checkpoint_id=tmp_path, no_dist=True)
+    targets = _state(21, zero=True)
+    planner = _Recording()
+    dcp.load(targets, checkpoint_id=tmp_path, planner=planner, no_dist=True)
+    assert _bits(targets) == _bits(saved)
+    assert direct_targets(planner) == {}
+    nonempty = sorted(name for name, v in _bits(saved).items() if v[2])
+    assert sorted(planner.acquired) == nonempty
+
+
+def test_shared_reads_take_the_general_path(tmp_path: Path) -> None:
+    saved = _state(14)
+    dcp.save(saved, checkpoint_id=tmp_path, no_dist=True)
+    targets = _state(14, zero=True)
+    planner = dcp.StandardLoadPlanner(single_replica_read=True)
+    dcp.load(targets, checkpoint_id=tmp_path, planner=planner, no_dist=True)
+    assert _bits(targets) == _bits(saved)
+    assert planner._exchange is not None and direct_targets(planner) == {}  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_corrupt_byte_mid_run_changes_no_target_and_names_key_and_file(tmp_path: Path, threads: int) -> None:
+    saved = {f"n{i:03d}": _target(i, np.arange(24, dtype=np.float32) - i, zero=False) for i in range(90)}
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(tmp_path, thread_count=threads), no_dist=True)
+    victim = "n046"
+    info = dcp.read_metadata(tmp_path).storage_data[dcp.MetadataIndex(victim, (0,))]
+    path = tmp_path / info.relative_path
+    data = bytearray(path.read_bytes())
+    data[info.offset + info.length // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    targets = {k: _target(i, np.full(24, 5, np.float32), zero=False) for i, k in enumerate(saved)}
+    sentinel = _bits(targets)
+    with pytest.raises(dcp.CorruptCheckpointError) as caught:
+        dcp.load(targets, storage_reader=dcp.FileSystemReader(tmp_path, thread_count=threads), no_dist=True)
+    assert f"key '{victim}'" in str(caught.value) and info.relative_path in str(caught.value)
+    assert _bits(targets) == sentinel
+
+
+def test_a_header_entry_of_another_shape_mid_file_changes_no_target(tmp_path: Path) -> None:
+    values = {f"s{i:02d}": np.arange(6, dtype=np.float32).reshape(2, 3) + i for i in range(30)}
+    dcp.save({k: ms.Parameter(ms.Tensor(v), name=k) for k, v in values.items()}, checkpoint_id=tmp_path,
+             no_dist=True)
+    info = dcp.read_metadata(tmp_path).storage_data[dcp.MetadataIndex("s17", (0, 0))]
+    path = tmp_path / info.relative_path
+    data = path.read_bytes()
+    damaged = data.replace(b'"s17":{"dtype":"F32","shape":[2,3]', b'"s17":{"dtype":"F32","shape":[3,2]', 1)
+    assert damaged != data and len(damaged) == len(data)
+    path.write_bytes(damaged)
+    targets = {k: ms.Parameter(ms.Tensor(np.zeros((2, 3), np.float32)), name=k) for k in values}
+    with pytest.raises(dcp.CorruptCheckpointError, match=r"key 's17'.*shape \[2, 3\].*shape \[3, 2\]") as caught:
+        dcp.load(targets, storage_reader=dcp.FileSystemReader(tmp_path, verify_checksums=False), no_dist=True)
+    assert info.relative_path in str(caught.value) and "hp-ckpt verify" in str(caught.value)
+    assert all(not p.asnumpy().any() for p in targets.values())
+
+
+def test_header_entries_are_the_header_spans() -> None:
+    spans = {"a": ("F32", [2, 3], 0, 24), "b@4,0": ("BF16", [1], 24, 26)}
+    raw = _safetensors_bytes(spans)
+    entries = header_check.header_entries("f", len(raw), lambda n, o: raw[o:o + n], keys=["a"])
+    found = header_check.header_spans("f", len(raw), lambda n, o: raw[o:o + n], keys=["a"])
+    assert {k: header_check.HeaderSpan(*v) for k, v in entries.items()} == found
+    start = len(raw) - 26
+    assert entries == {start: (24, "a", "F32", (2, 3)), start + 24: (2, "b@4,0", "BF16", (1,))}
+
+
+def _safetensors_bytes(spans: dict[str, tuple[str, list[int], int, int]]) -> bytes:
+    """A safetensors file (header and zero data) holding ``spans``."""
+    header = {name: {"dtype": d, "shape": s, "data_offsets": [b, e]} for name, (d, s, b, e) in spans.items()}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    end = max(e for _, _, _, e in spans.values())
+    return len(text).to_bytes(8, "little") + text + bytes(end)
+
+
+def _slow_decode(monkeypatch: pytest.MonkeyPatch, raw: bytes) -> dcp.Metadata:
+    with monkeypatch.context() as patch:
+        patch.setattr(metadata_json, "_flat_checked_entry", lambda raw, shared: None)
+        patch.setattr(metadata_json, "_whole_tensor_key", lambda raw: None)
+        return metadata_json.metadata_from_json(raw)
+
+
+def test_fast_metadata_decode_equals_the_full_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = _state(40)
+    for rank in range(2):  # one key stored as two chunks (the full decode's path)
+        state[f"part{rank}"] = dcp.ShardedTensor.from_rank_offsets("half", np.ones((2, 3), np.float32), (0, rank, 2))
+    state["value"] = {"step": 3}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path, compression="zstd"), no_dist=True)
+    dcp.save(_state(12), checkpoint_id=tmp_path / "plain", no_dist=True)
+    for root in (tmp_path, tmp_path / "plain"):
+        raw = (root / "metadata.json").read_bytes()
+        assert metadata_json.metadata_from_json(raw) == _slow_decode(monkeypatch, raw)
+
+
+@pytest.mark.parametrize("change,error", [
+    (lambda d: d["state_dict_metadata"]["blk45.w"].update(size=[3.0, 5]), dcp.CorruptCheckpointError),
+    (lambda d: d["state_dict_metadata"]["blk45.w"]["chunks"][0].__setitem__(1, [3, 5.0]), dcp.CorruptCheckpointError),
+    (lambda d: d["state_dict_metadata"]["blk45.w"]["chunks"][0].__setitem__(0, [False, 0]), dcp.CorruptCheckpointError),
+    (lambda d: d["state_dict_metadata"]["blk45.w"].update(size=[3, -5]), dcp.CorruptCheckpointError),
+    (lambda d: d["state_dict_metadata"]["blk45.w"].update(dtype="float99"), dcp.CorruptCheckpointError),
+    (lambda d: d["storage_data"][-1].update(offset=[0.0]), dcp.CorruptCheckpointError),
+    (lambda d: d["storage_data"][-1].update(length=True), dcp.CorruptCheckpointError),
+    (lambda d: d["storage_data"][-1].update(byte_offset=-8), dcp.CorruptCheckpointError),
+    (lambda d: d["storage_data"][-1].update(length=1 << 60), dcp.UnsafeCheckpointError),
+    (lambda d: d["storage_data"][-1]["checksum"].update(digests=[7]), dcp.CorruptCheckpointError),
+    (lambda d: d["storage_data"][-1]["checksum"].update(block_bytes=0), dcp.CorruptCheckpointError),
+    (lambda d: d["storage_data"][-1].update(file="../outside.safetensors"), dcp.UnsafeCheckpointError),
+])
+def test_fast_metadata_decode_refuses_what_the_full_one_refuses(tmp_path: Path, change, error) -> None:
+    """Entries after the first of their dtype and shape, or of their file, take the fast path: it refuses the same."""
+    dcp.save(_state(60), checkpoint_id=tmp_path, no_dist=True)
+    document = json.loads((tmp_path / "metadata.json").read_bytes())
+    items = document["state_dict_metadata"]
+    assert items["blk45.w"] == items["blk3.w"]  # blk45.w repeats blk3.w's dtype and shape: decoded by the fast path
+    last = document["storage_data"][-1]
+    assert any(entry["file"] == last["file"] for entry in document["storage_data"][:-1])
+    change(document)
+    with pytest.raises(error):
+        metadata_json.metadata_from_json(json.dumps(document, separators=(",", ":")).encode())
