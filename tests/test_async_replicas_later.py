@@ -1,11 +1,14 @@
-"""A multi-rank async save with a forked writer hashes its replicas in the writer, off the blocking part.
+"""A multi-rank async save hashes its replicas off the blocking part: in the forked writer, or from the staged copies.
 
 With ``staging="fork"`` and several ranks, the layout pass keeps the possibly
 replicated pieces instead of hashing them (xxhash holds the GIL: hashing a
 data-parallel state cost the caller about 1.5x a memcpy of it); each forked
 writer hashes its copy-on-write snapshot and stores the digests in its
 results record, and the coordinator compares them before it commits
-(``_background_commit.check_record_replicas``). Diverging replicas are still
+(``_background_commit.check_record_replicas``). With ``staging="copy"`` the
+background thread hashes the staged copies (the items this rank writes, and
+copies of the replicas it holds but another rank writes, taken in the
+blocking part). Diverging replicas are still
 reported on every rank, naming the key and the ranks, at the next collective
 step, and nothing is committed. The msrun worker is
 ``tests/workers/replicas_later_worker.py``; the record format and the
@@ -46,13 +49,16 @@ def test_records_carry_replica_digests_and_the_coordinator_names_a_divergence() 
         check_record_replicas(differ)
 
 
-def test_forked_writers_hash_the_replicas_and_a_divergence_fails_every_rank(tmp_path: Path) -> None:
-    results = run_workers(WORKER, workers=2, tmp_path=tmp_path, timeout=600)
-    for rank, value in enumerate(scenario_values(results, "equal")):
-        assert value["hashed_in_call"] == [], (rank, value)  # the caller's process hashed no tensor
-        assert value["kept"] == [("bias", (0,)), ("big", (0, 0))], (rank, value)  # the DTensor shard is not a replica
-        assert value["w_ok"] and value["bias_ok"] and value["big_ok"] and value["step"] == 3, (rank, value)
-    for rank, value in enumerate(scenario_values(results, "diverging")):
+def test_writers_hash_the_replicas_off_the_call_and_a_divergence_fails_every_rank(tmp_path: Path) -> None:
+    results = run_workers(WORKER, workers=2, tmp_path=tmp_path, timeout=900)
+    for scenario, steps in (("equal", [3]), ("equal_copy", [3, 3])):
+        for rank, value in enumerate(scenario_values(results, scenario)):
+            assert value["hashed_in_call"] == [], (scenario, rank, value)  # the caller's thread hashed no tensor
+            # The DTensor shard is not a replica.
+            assert value["kept"] == [("bias", (0,)), ("big", (0, 0))], (scenario, rank, value)
+            assert value["w_ok"] and value["bias_ok"] and value["big_ok"], (scenario, rank, value)
+            assert value["steps"] == steps, (scenario, rank, value)
+    for rank, value in enumerate(scenario_values(results, "diverging") + scenario_values(results, "diverging_copy")):
         assert not value["committed"], (rank, value)
         assert value["result_error"] == "", (rank, value)  # result() does not wait for the commit
         raised = value["next_error"]  # the next collective step (a load) raises the failed commit on every rank
@@ -82,3 +88,23 @@ def test_replicas_kept_for_the_writer_hash_to_the_digests_planning_makes():
     assert sum(1 for i in now.build_local_plan().items if i.tensor_data and i.tensor_data.replica_digest) == 2
     later.digest_replicas_later(False)
     assert later.replica_digests() == ()
+
+
+def test_a_plan_made_hashing_later_is_never_reused_by_a_save_that_hashes_now():
+    from hyper_parallel.core.distributed_checkpoint._plan_cache import PlanCache, clear_plan_cache  # pylint: disable=C0415
+    from hyper_parallel.core.distributed_checkpoint._save_layout import LayoutDescription  # pylint: disable=C0415
+    from hyper_parallel.core.distributed_checkpoint.planner import SavePlan  # pylint: disable=C0415
+
+    clear_plan_cache()
+    key = ("rank 0", 2, "options")
+    layout = LayoutDescription(digest="L", replica_digests=(), tensor_bytes=0, pieces=0)
+    later = PlanCache(key, digests_now=False)
+    exchange = "E"
+    later.store(exchange, SavePlan(items=()), None, None)
+    now = PlanCache(key, digests_now=True)
+    assert now.message(layout).cached_exchange == ""  # a plan without replica digests: a save hashing now re-plans
+    assert later.message(layout).cached_exchange == exchange
+    now.store(exchange, SavePlan(items=()), None, None)
+    # A plan made with digests: both kinds of save may reuse it (one hashing later compares before the commit).
+    assert now.message(layout).cached_exchange == exchange and later.message(layout).cached_exchange == exchange
+    clear_plan_cache()

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel.core.distributed_checkpoint import _async_engine
 from hyper_parallel.core.distributed_checkpoint._file_ops import FileOps
 
 from fault_common import (
@@ -80,10 +81,17 @@ def test_disk_full_gives_a_clear_error_and_keeps_earlier_checkpoints(small_disk:
     with pytest.raises(dcp.CheckpointIOError, match="No space left on device"):
         dcp.save(big, checkpoint_id=small_disk / "A", no_dist=True)  # over the earlier checkpoint
     assert files_of(small_disk / "A") == files_a
-    handle = dcp.async_save(big, checkpoint_id=small_disk / "C", no_dist=True)
+    handle = dcp.async_save(big, checkpoint_id=small_disk / "C", no_dist=True, staging="copy")
     with pytest.raises(dcp.CheckpointIOError, match="No space left on device"):
         handle.result(timeout=60)
     _assert_not_committed(small_disk / "C")
+    # The default's first call of a process forks a writer (staging="auto"): the same error, nothing committed,
+    # no data file left (the forked writer's empty directory is removed with it).
+    _async_engine._POOL.release()  # pylint: disable=protected-access
+    handle = dcp.async_save(big, checkpoint_id=small_disk / "D", no_dist=True)
+    with pytest.raises(dcp.CheckpointIOError, match="No space left on device"):
+        handle.result(timeout=60)
+    assert not (small_disk / "D").exists() or files_of(small_disk / "D") == []
 
     assert_same_state(load_into_blank(small_disk / "A", _small(1)), _small(1))
     dcp.save(_small(3), checkpoint_id=small_disk / "B", no_dist=True)  # the space was given back

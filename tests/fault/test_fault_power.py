@@ -76,7 +76,8 @@ def _run(scenario: str, root: Path) -> tuple[list, dict, Tree, Path]:
         options["auto_thread_bytes"] = 1  # the automatic two-file, two-thread path, on a small state
     writer = dcp.FileSystemWriter(target, **options)
     if scenario == "async":
-        dcp.async_save(new, storage_writer=writer, no_dist=True).result(timeout=60)
+        # staging="copy": the writing is recorded in this process (the default's first call forks a writer).
+        dcp.async_save(new, storage_writer=writer, no_dist=True, staging="copy").result(timeout=60)
         writer.wait_cleanup()
     else:
         dcp.save(new, storage_writer=writer, no_dist=True)

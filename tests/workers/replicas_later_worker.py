@@ -1,13 +1,15 @@
 """msrun worker for ``tests/test_async_replicas_later.py``: a forked writer hashes the replicas, not the caller.
 
 Every rank saves a row-sharded DTensor, a replicated Tensor, a replicated
-Parameter and a value with ``async_save(..., staging="fork")``. Scenarios:
-``equal`` counts the digests the caller's process makes while
-``async_save`` blocks (none of a tensor), changes the replicas right after
-the call and loads the step back; ``diverging`` saves a Parameter that
-differs on rank 1, then reports what ``result()`` and the next collective
-step (a load) raised, whether the step was committed, and that a save after
-it works.
+Parameter and a value with ``async_save(..., staging="fork")``, and again
+with ``staging="copy"`` (scenarios suffixed ``_copy``: the background thread
+hashes the staged copies). Scenarios: ``equal`` counts the digests the
+caller's thread makes while ``async_save`` blocks (none of a tensor),
+changes the replicas right after the call and loads the step back (with
+``"copy"`` twice: a first save and one reusing its plan and staging layout);
+``diverging`` saves a Parameter that differs on rank 1, then reports what
+``result()`` and the next collective step (a load) raised, whether the step
+was committed, and that a save after it works.
 """
 
 from __future__ import annotations
@@ -30,18 +32,22 @@ def main() -> None:
 
     import hyper_parallel  # pylint: disable=import-outside-toplevel
     import hyper_parallel.core.distributed_checkpoint as dcp  # pylint: disable=import-outside-toplevel
-    from hyper_parallel.core.distributed_checkpoint import _save_layout  # pylint: disable=import-outside-toplevel
+    import threading  # pylint: disable=import-outside-toplevel
+
+    from hyper_parallel.core.distributed_checkpoint import _async_engine, _save_layout  # pylint: disable=C0415
 
     layout = hyper_parallel.Layout((2,), (0, -1))
     shared = scenario_tmp_dir("replicas_later")
     hashed: list[int] = []
     original_digest = _save_layout.digest
 
-    def counting_digest(data: Any) -> str:  # the layout pass's digests in this (the caller's) process
-        hashed.append(len(memoryview(data)))
+    def counting_digest(data: Any) -> str:  # digests of tensors on the caller's thread
+        if threading.current_thread() is threading.main_thread():
+            hashed.append(len(memoryview(data)))
         return original_digest(data)
 
     _save_layout.digest = counting_digest
+    _async_engine.digest = counting_digest  # the copy staging's digests (background thread)
 
     def full(seed: float) -> np.ndarray:
         return np.arange(32 * 6, dtype=np.float32).reshape(32, 6) + seed
@@ -61,27 +67,30 @@ def main() -> None:
         return {"w": target["w"].to_local().asnumpy().copy(), "bias": target["bias"].asnumpy().copy(),
                 "big": target["big"].asnumpy().copy(), "step": target["step"]}
 
-    def equal() -> dict[str, Any]:
-        saved = state(3.0)
-        planner = dcp.StandardSavePlanner()
-        hashed.clear()
-        handle = dcp.async_save(saved, checkpoint_id=shared / "equal", staging="fork", planner=planner)
-        hashed_in_call = [n for n in hashed if n > 64]  # tensor pieces; values' payloads are a few bytes
-        kept = sorted((fqn, offsets) for fqn, offsets, _ in planner.later_replicas)
-        saved["bias"].asnumpy()[...] = -1.0  # the caller changes its replicas at once
-        saved["big"].asnumpy()[...] = -1.0
-        handle.result()
-        found = load(shared / "equal")
-        expected = state(3.0)
-        return {"hashed_in_call": hashed_in_call, "kept": kept,
-                "w_ok": found["w"].tobytes() == expected["w"].to_local().asnumpy().tobytes(),
-                "bias_ok": found["bias"].tobytes() == expected["bias"].asnumpy().tobytes(),
-                "big_ok": found["big"].tobytes() == expected["big"].asnumpy().tobytes(),
-                "step": found["step"]}
+    def equal(staging: str = "fork", name: str = "equal") -> dict[str, Any]:
+        out: dict[str, Any] = {"hashed_in_call": [], "w_ok": True, "bias_ok": True, "big_ok": True, "steps": []}
+        for repeat in range(1 if staging == "fork" else 2):
+            saved = state(3.0 + repeat)
+            saved["step"] = 3  # the same layout: the second save reuses the plan and the staging layout
+            planner = dcp.StandardSavePlanner()
+            hashed.clear()
+            handle = dcp.async_save(saved, checkpoint_id=shared / f"{name}{repeat}", staging=staging, planner=planner)
+            out["hashed_in_call"] += [n for n in hashed if n > 64]  # tensor pieces; values' payloads are a few bytes
+            out["kept"] = sorted((fqn, offsets) for fqn, offsets, _ in planner.later_replicas)
+            saved["bias"].asnumpy()[...] = -1.0  # the caller changes its replicas at once
+            saved["big"].asnumpy()[...] = -1.0
+            handle.result()
+            found = load(shared / f"{name}{repeat}")
+            expected = state(3.0 + repeat)
+            out["w_ok"] &= found["w"].tobytes() == expected["w"].to_local().asnumpy().tobytes()
+            out["bias_ok"] &= found["bias"].tobytes() == expected["bias"].asnumpy().tobytes()
+            out["big_ok"] &= found["big"].tobytes() == expected["big"].asnumpy().tobytes()
+            out["steps"].append(found["step"])
+        return out
 
-    def diverging() -> dict[str, Any]:
-        path = shared / "diverging"
-        handle = dcp.async_save(state(5.0, skew=0.5 if rank == 1 else 0.0), checkpoint_id=path, staging="fork")
+    def diverging(staging: str = "fork", name: str = "diverging") -> dict[str, Any]:
+        path = shared / name
+        handle = dcp.async_save(state(5.0, skew=0.5 if rank == 1 else 0.0), checkpoint_id=path, staging=staging)
         result_error = ""
         try:
             handle.result()
@@ -93,12 +102,14 @@ def main() -> None:
         except dcp.CheckpointError as exc:
             next_error = f"{type(exc).__name__}: {exc}"
         committed = (path / "metadata.json").exists()
-        dcp.async_save(state(6.0), checkpoint_id=shared / "after", staging="fork").result()
-        after = load(shared / "after")
+        dcp.async_save(state(6.0), checkpoint_id=shared / f"after_{name}", staging=staging).result()
+        after = load(shared / f"after_{name}")
         return {"result_error": result_error, "next_error": next_error, "committed": committed,
                 "after_ok": after["big"].tobytes() == big(6.0).tobytes() and after["step"] == 6}
 
-    run_scenarios({"equal": equal, "diverging": diverging})
+    run_scenarios({"equal": equal, "diverging": diverging,
+                   "equal_copy": lambda: equal("copy", "equal_copy"),
+                   "diverging_copy": lambda: diverging("copy", "diverging_copy")})
 
 
 if __name__ == "__main__":

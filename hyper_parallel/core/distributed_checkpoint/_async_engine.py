@@ -15,6 +15,8 @@ import math
 import os
 from typing import Any, Callable, Iterable
 
+import numpy as np
+
 from hyper_parallel import platform
 from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncRequest
 from hyper_parallel.core.distributed_checkpoint._background_commit import background_commit_request
@@ -22,11 +24,12 @@ from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._deferred_save import DeferredPlan, deferred_request
 from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions, SaveSession, commit_save, plan_save, write_local
 from hyper_parallel.core.distributed_checkpoint._fork_writer import fork_write, fork_write_and_hash
-from hyper_parallel.core.distributed_checkpoint._stage_copies import ALIGN, EarlyCopies
+from hyper_parallel.core.distributed_checkpoint._stage_copies import ALIGN, EarlyCopies, round_up
 from hyper_parallel.core.distributed_checkpoint._staging import StagedSavePlanner, StagingPool, staged_views
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointIOError
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemWriter
-from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
+from hyper_parallel.core.distributed_checkpoint._format.checksum import digest
+from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlanner, WriteItemType
 from hyper_parallel.platform.tensor import DTYPE_NAMES
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
@@ -66,9 +69,10 @@ def plan_async_save(
     alone = options.no_dist or not options.use_collectives or platform.get_world_size() <= 1
     forked_first = staging == "auto" and alone and _auto_forks(writer, planner)
     mode = "fork" if forked_first else ("copy" if staging == "auto" else staging)
-    # A forked writer of a job of several ranks hashes the replicas of its snapshot; the coordinator compares
-    # them before it commits (_background_commit): the blocking part hashes nothing.
-    later = (mode == "fork" and type(planner) is StandardSavePlanner  # pylint: disable=unidiomatic-typecheck
+    # In a job of several ranks the replicas are hashed from the snapshot in the background (by the forked
+    # writer, or the background thread from the staged copies) and the coordinator compares them before it
+    # commits (_background_commit): the blocking part hashes nothing.
+    later = (type(planner) is StandardSavePlanner  # pylint: disable=unidiomatic-typecheck
              and planner.check_replicas and writer.supports_rank_records()
              and DistWrapper(use_dist=not options.no_dist and options.use_collectives).use_dist)
     if type(planner) is StandardSavePlanner:  # pylint: disable=unidiomatic-typecheck
@@ -93,15 +97,28 @@ def plan_async_save(
 
     def copy_step(copies: EarlyCopies) -> None:
         items = session.plan.items
+        pieces = session.planner.later_replicas if later else None
+        held = _held_replicas(items, pieces) if pieces else None
         staged = StagedSavePlanner(session.planner, _POOL.stage(
-            items, session.planner.get_data, lambda: _leaves(items, session.planner), copies))
-        background.append(lambda: write_local(session, staged))
+            items, session.planner.get_data, lambda: _leaves(items, session.planner), copies,
+            extra_bytes=sum(round_up(array.nbytes, ALIGN) for _, _, array in held or ())))
+        if pieces is None:
+            background.append(lambda: write_local(session, staged))
+            return
+        snapshot = _replica_snapshot(pieces, staged.staged, _POOL.snapshot([array for _, _, array in held or ()]))
+
+        def write_and_hash() -> list[WriteResult]:
+            results = write_local(session, staged)
+            replicas.append(tuple((fqn, offsets, digest(memoryview(copy))) for fqn, offsets, copy in snapshot))
+            return results
+
+        background.append(write_and_hash)
 
     def stage_step() -> None:
         items = session.plan.items
         if early is not None:
             copy_step(early)
-        elif later:  # the forked writer also hashes the replicas of its snapshot
+        elif later and mode == "fork":  # the forked writer also hashes the replicas of its snapshot
             views = staged_views(items, _sources(items, session.planner), session.planner)
             background.append(fork_write_and_hash(session.writer, session.plan, views, session.planner.replica_digests,
                                                   rank=session.dist.rank, replicas=replicas))
@@ -149,6 +166,24 @@ def plan_async_save(
         return commit_save(session, local_results, step="async write and commit", background_cleanup=True)
 
     return AsyncRequest(async_fn=background[0], finalize_fns=(commit,))
+
+
+def _held_replicas(items: tuple[Any, ...], pieces: list[tuple[str, tuple[int, ...], Any]]) -> list[Any]:
+    """The replica pieces this rank holds but does not write (``later_replicas`` entries without an item)."""
+    written = {(item.index.fqn, item.index.offset) for item in items}
+    return [piece for piece in pieces if (piece[0], piece[1]) not in written]
+
+
+def _replica_snapshot(pieces: list[tuple[str, tuple[int, ...], Any]], staged: dict[MetadataIndex, Any],
+                      held: list[np.ndarray]) -> list[tuple[str, tuple[int, ...], np.ndarray]]:
+    """Each replica piece's bytes at the call (flat uint8): its staged item, or its copy in ``held`` (in order)."""
+    copies = iter(held)
+    found = []
+    for fqn, offsets, _ in pieces:
+        view = staged.get(MetadataIndex(fqn, offsets))
+        copy = next(copies) if view is None else np.ascontiguousarray(view).reshape(-1).view(np.uint8)
+        found.append((fqn, offsets, copy))
+    return found
 
 
 def _auto_forks(writer: StorageWriter, planner: SavePlanner) -> bool:

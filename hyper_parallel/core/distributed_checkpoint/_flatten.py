@@ -64,7 +64,8 @@ def _spelled(path: tuple[PathElement, ...]) -> str:
 
 
 def _add_leaf(flat: "FlatStateDict", path: tuple[PathElement, ...], value: Any, seen: dict[int, str]) -> None:
-    name = ".".join(str(p) for p in path)
+    top = path[0]
+    name = top if len(path) == 1 and type(top) is str else ".".join(map(str, path))  # pylint: disable=unidiomatic-typecheck
     if is_parameter(value) or isinstance(value, DTensor):
         first = seen.get(id(value))
         if first is not None:

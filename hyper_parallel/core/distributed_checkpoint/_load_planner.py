@@ -208,15 +208,28 @@ class StandardLoadPlanner(LoadPlanner):
         tensors = [(name, entry) for name, entry in self._entries.items() if isinstance(entry, TensorEntry)]
         views = dict(zip((name for name, _ in tensors), writable_views([entry.local for _, entry in tensors])))
         stored_of = self.metadata.state_dict_metadata
-        direct = self._direct
+        pieces_of, targets, direct = self._pieces, self._targets, self._direct
+        tensor = LoadItemType.TENSOR
         for name, entry in list(self._entries.items()):
             fqn = entry.fqn
             stored = stored_of[fqn] if not isinstance(entry, SkipEntry) else None
             if isinstance(entry, TensorEntry) and isinstance(stored, TensorStorageMetadata):
                 view = views[name]
-                if view is not None:
-                    item = self._whole_read(name, entry, stored, view)
-                    if item is not None:  # the common case, in one step
+                pieces, chunks = entry.pieces, stored.chunks
+                if view is not None and len(pieces) == 1 and len(chunks) == 1:
+                    # The common case: a whole host target stored as one chunk of its shape, one read.
+                    piece, chunk = pieces[0], chunks[0]
+                    key = (fqn, piece.offsets)
+                    if (piece.flat_start is None and chunk.offsets == piece.offsets and chunk.sizes == piece.sizes
+                            and math.prod(piece.sizes) and key not in pieces_of):
+                        pieces_of[key] = (name, entry, piece)
+                        shape = entry.local_shape
+                        targets[name] = view if view.shape == shape else view.reshape(shape)
+                        zero = (0,) * len(piece.sizes) if any(piece.offsets) else piece.offsets
+                        # The chunk is the piece: one index names both (its ``index`` hint is left out of equality).
+                        index = MetadataIndex(fqn, piece.offsets, 0)
+                        # Positional: type, dest_index, dest_offsets, storage_index, storage_offsets, lengths.
+                        item = ReadItem(tensor, index, zero, index, zero, piece.sizes)
                         items.append(item)
                         if view.flags.c_contiguous and view.dtype == numpy_dtype(stored.properties.dtype):
                             direct[id(item)] = (item, view)
@@ -225,7 +238,7 @@ class StandardLoadPlanner(LoadPlanner):
                 if view is None:  # device memory (or a copy): regions may go through host buffers
                     items.extend(self._device.plan(name, entry, reads, self.device_region_bytes))
                     continue
-                self._targets[name] = _fitted(view, entry)
+                targets[name] = _fitted(view, entry)
                 items.extend(reads)
             elif isinstance(entry, ValueEntry) and isinstance(stored, BytesStorageMetadata):
                 if entry.offset not in stored.shard_offsets:
@@ -239,26 +252,6 @@ class StandardLoadPlanner(LoadPlanner):
             elif isinstance(entry, ValueEntry) and isinstance(stored, TensorStorageMetadata):
                 items.extend(self._new_tensor_reads(name, fqn, stored))
         return LoadPlan(items=tuple(items))
-
-    def _whole_read(
-        self, name: str, entry: TensorEntry, stored: TensorStorageMetadata, view: np.ndarray
-    ) -> ReadItem | None:
-        """The one read of a whole host target stored as one chunk of its shape (most targets); else ``None``."""
-        pieces, chunks = entry.pieces, stored.chunks
-        if len(pieces) != 1 or len(chunks) != 1:
-            return None
-        piece, chunk = pieces[0], chunks[0]
-        key = (entry.fqn, piece.offsets)
-        if (piece.flat_start is not None or chunk.offsets != piece.offsets or chunk.sizes != piece.sizes
-                or not math.prod(piece.sizes) or key in self._pieces):
-            return None
-        self._pieces[key] = (name, entry, piece)
-        self._targets[name] = view if view.shape == entry.local_shape else view.reshape(entry.local_shape)
-        zero = (0,) * len(piece.sizes)
-        # The chunk is the piece: one index names both (its ``index`` hint, 0, is left out of equality).
-        index = MetadataIndex(entry.fqn, piece.offsets, 0)
-        # Positional: type, dest_index, dest_offsets, storage_index, storage_offsets, lengths.
-        return ReadItem(LoadItemType.TENSOR, index, zero, index, zero, piece.sizes)
 
     def _tensor_reads(self, name: str, entry: TensorEntry, stored: TensorStorageMetadata) -> list[ReadItem]:
         reads = []

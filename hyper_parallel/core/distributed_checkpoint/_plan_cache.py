@@ -113,6 +113,9 @@ class CachedPlan:
             exchange: every rank's plan as sent (coordinator only).
         sources: The leaf of each item of ``final`` (``None`` for values), aligned with its items.
         source_of: The same by item index.
+        digested: Made by a save whose plans carried replica digests (else hashed later, see
+            :meth:`.StandardSavePlanner.digest_replicas_later`): only such plans are reused by a save that hashes
+            while planning, as only they let the coordinator compare this save's digests by the cached groups.
     """
 
     exchange: str
@@ -123,6 +126,7 @@ class CachedPlan:
     local_plans: tuple[LayoutSavePlan | SavePlan, ...] | None = None
     sources: tuple[LeafSource | None, ...] = ()
     source_of: dict[MetadataIndex, LeafSource] | None = None
+    digested: bool = True
 
 
 def replica_keys(plans: list[SavePlan | LayoutSavePlan]) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]:
@@ -142,6 +146,8 @@ def check_cached_replicas(cached: CachedPlan, messages: list[PlanMessage]) -> No
     Raises:
         PlanValidationError: Replicas of a chunk differ (names the key and the ranks).
     """
+    if not any(message.replica_digests for message in messages):
+        return  # nothing hashed (no replicas, or hashed later and compared before the commit)
     if cached.local_plans is not None:
         # The layout-form plans with this save's digests, merged again: the merge compares replicas per
         # layout (numpy), without a (fqn, offset) key per rank and item.
@@ -212,17 +218,24 @@ class PlanCache:
     Args:
         key: What the plans depend on besides the local plans (rank, world
             size, options, writer and planner class).
+        digests_now: This save's plans carry replica digests (see :attr:`CachedPlan.digested`).
     """
 
-    def __init__(self, key: tuple[Any, ...]) -> None:
+    def __init__(self, key: tuple[Any, ...], *, digests_now: bool = True) -> None:
         self.key = key
+        self.digests_now = digests_now
         self.local_digest = ""
+
+    def _usable(self) -> CachedPlan | None:
+        """The cached entry, if this save may reuse it (one that hashes now: only a digested one). Under ``_LOCK``."""
+        cached = _CACHE.get(self.key)
+        return cached if cached is not None and (cached.digested or not self.digests_now) else None
 
     def message(self, layout: LayoutDescription) -> PlanMessage:
         """Say which layout this rank saves and which exchange it holds. All ranks."""
         self.local_digest = layout.digest
         with _LOCK:
-            cached = _CACHE.get(self.key)
+            cached = self._usable()
         return PlanMessage(local_digest=self.local_digest, cached_exchange=cached.exchange if cached else "",
                            replica_digests=layout.replica_digests)
 
@@ -232,7 +245,7 @@ class PlanCache:
         if any(m.cached_exchange != exchange for m in messages):
             return None
         with _LOCK:
-            cached = _CACHE.get(self.key)
+            cached = self._usable()
             return cached if cached is not None and cached.exchange == exchange else None
 
     def take(self, exchange: str) -> CachedPlan:
@@ -284,6 +297,7 @@ class PlanCache:
                 MetadataIndex(item.index.fqn, item.index.offset): source
                 for item, source in zip(final.items, sources) if source is not None
             },
+            digested=self.digests_now,
         )
         with _LOCK:
             _CACHE[self.key] = entry
@@ -296,14 +310,14 @@ def plan_cache_for(
     """The plan cache of this kind of save, or ``None`` when its plans are not cached."""
     if type(planner) is not StandardSavePlanner:  # pylint: disable=unidiomatic-typecheck
         return None
-    # Plans made with replicas hashed later carry no replica digests: they are never reused for a save that hashes now.
-    key = (rank, world_size, _hashable_options(options), type(writer), planner.allow_pickle, planner.check_replicas,
-           planner.later_replicas is not None)
+    # Plans made with replicas hashed later carry no replica digests: they are never reused for a save that hashes
+    # now; a save hashing later reuses either (its replicas are compared before the commit).
+    key = (rank, world_size, _hashable_options(options), type(writer), planner.allow_pickle, planner.check_replicas)
     try:
         hash(key)
     except TypeError:  # an option given as a mutable object (a dict of layouts): not cached
         return None
-    return PlanCache(key)
+    return PlanCache(key, digests_now=planner.later_replicas is None)
 
 
 def _frozen(value: Any) -> Any:

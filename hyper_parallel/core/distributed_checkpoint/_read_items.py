@@ -72,12 +72,13 @@ class ItemIndex:
 
     Args:
         metadata: The checkpoint's metadata (checked by ``check_consistency``).
+        by_key: Its storage entries by ``(key, offset)`` (``consistency.storage_by_key``), if known.
     """
 
-    def __init__(self, metadata: Metadata) -> None:
+    def __init__(self, metadata: Metadata, *, by_key: dict[tuple[str, tuple[int, ...]], StorageInfo] | None = None) -> None:
         self.metadata = metadata
         self._facts: dict[int, tuple[ReadItem, ItemFacts]] = {}  # id(item) -> (item, its facts)
-        self._by_key: dict[tuple[str, tuple[int, ...]], StorageInfo] | None = None  # (key, offset) -> storage entry
+        self._by_key = by_key  # (key, offset) -> storage entry, built on first use if not given
         self._chunks: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}  # fqn -> chunk offsets -> sizes
 
     def facts(self, item: ReadItem) -> ItemFacts:
@@ -115,10 +116,17 @@ class ItemIndex:
 
     def _new_facts(self, item: ReadItem) -> ItemFacts:
         index = item.storage_index
-        info = self.info(index)
+        offset = index.offset if type(index.offset) is tuple else tuple(index.offset)  # pylint: disable=unidiomatic-typecheck
+        info = self._by_key.get((index.fqn, offset)) if self._by_key is not None else None
+        if info is None:
+            info = self.info(index)
         stored = self.metadata.state_dict_metadata.get(index.fqn)
         if isinstance(stored, TensorStorageMetadata):
-            sizes = self.chunk_sizes(stored, index)
+            chunks = stored.chunks
+            if len(chunks) == 1 and chunks[0].offsets == offset and type(chunks[0].sizes) is tuple:  # pylint: disable=unidiomatic-typecheck
+                sizes = chunks[0].sizes  # most keys: one chunk
+            else:
+                sizes = self.chunk_sizes(stored, index)
             itemsize = DTYPE_NAMES.get(stored.properties.dtype, 1)
         else:
             sizes, itemsize = None, 1

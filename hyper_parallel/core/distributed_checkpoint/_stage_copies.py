@@ -96,6 +96,7 @@ class EarlyCopies:
         arena: The arena as mapped now (``None``: none yet; copies wait for :meth:`described`).
         wanted: Leaf names to copy (``None``: every whole tensor).
         reserve: Maps an arena of at least the given bytes (when the one at hand is too small).
+        minimum: Arena bytes the save will need at least (several ranks: what the previous save took).
 
     Attributes:
         placed: Leaf name -> ``(offset, nbytes)`` of its early copy in :attr:`arena`.
@@ -108,8 +109,11 @@ class EarlyCopies:
         arena: np.ndarray | None,
         wanted: frozenset[str] | None,
         reserve: Callable[[int], np.ndarray],
+        *,
+        minimum: int = 0,
     ) -> None:
         self.arena = arena
+        self._minimum = minimum
         self.placed: dict[str, tuple[int, int]] = {}
         self.end = 0
         self._wanted = wanted
@@ -144,7 +148,8 @@ class EarlyCopies:
         """
         if not self.placed:
             return
-        needed = max(self.end, layout.tensor_bytes + layout.pieces * ALIGN) if self._wanted is None else self.end
+        needed = max(self.end, layout.tensor_bytes + layout.pieces * ALIGN) if self._wanted is None \
+            else max(self.end, self._minimum)
         if self.arena is None or self.arena.size < needed:
             self._copier.finish()  # nothing may still be copying into the arena that is replaced
             self.arena = self._reserve(needed)

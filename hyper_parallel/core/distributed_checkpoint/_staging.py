@@ -67,6 +67,8 @@ class StagingPool:
         self._placed: dict[str, tuple[int, int]] = {}
         self._layout: list[tuple[MetadataIndex, WriteItem, np.ndarray | None, int]] = []
         self._early_items = 0
+        self._end = 0  # arena bytes the kept layout takes (early copies and items)
+        self._needed = 0  # arena bytes the previous save took, its replica snapshots included
         self._views: dict[MetadataIndex, Any] = {}
         self._written_leaves: frozenset[str] = frozenset()
         self.reused = 0
@@ -101,7 +103,7 @@ class StagingPool:
 
     def _forget_layout(self) -> None:
         self._items, self._placed, self._layout, self._views = None, {}, [], {}
-        self._early_items = 0
+        self._early_items = self._end = 0
 
     def early_copies(self, *, every_leaf: bool) -> EarlyCopies:
         """Start a save's early copies (:class:`.EarlyCopies`). Caller's thread.
@@ -110,7 +112,8 @@ class StagingPool:
             every_leaf: Copy every whole tensor (a job of one rank); else only
                 the leaves this rank wrote in its previous save.
         """
-        return EarlyCopies(self._arena, None if every_leaf else self._written_leaves, self._grow)
+        return EarlyCopies(self._arena, None if every_leaf else self._written_leaves, self._grow,
+                           minimum=0 if every_leaf else self._needed)
 
     def _grow(self, nbytes: int) -> np.ndarray:
         return self._reserve(nbytes)[0]
@@ -134,6 +137,8 @@ class StagingPool:
         data_of: Callable[[WriteItem], Any],
         leaves_of: Callable[[], tuple[str | None, ...]],
         early: EarlyCopies,
+        *,
+        extra_bytes: int = 0,
     ) -> dict[MetadataIndex, Any]:
         """Stage every item: its early copy, or a copy now; return the staged views. Caller's thread.
 
@@ -143,6 +148,7 @@ class StagingPool:
             leaves_of: The whole-tensor leaf each item is, or ``None``, in order (asked unless the
                 items and early copies repeat the previous save's).
             early: This save's early copies (waited for here, also on failure).
+            extra_bytes: Arena bytes to keep free after the items, for :meth:`snapshot` (sizes a new arena).
 
         The offsets come from the plan alone, so the copies start while the
         caller's thread is still resolving later items (batches go to
@@ -158,7 +164,7 @@ class StagingPool:
             else:
                 leaves = leaves_of()
                 self._written_leaves = frozenset(leaf for leaf in leaves if leaf is not None)
-                layout, staged, mapped = self._plan_layout(items, leaves, early)
+                layout, staged, mapped = self._plan_layout(items, leaves, early, extra_bytes)
             counted = self._copy(layout, data_of, staged)
         finally:
             early.wait()
@@ -199,8 +205,34 @@ class StagingPool:
             copier.finish()
         return counted
 
+    def snapshot(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """Copy ``arrays`` into the arena after the staged items; return the copies (flat uint8). Caller's thread.
+
+        After :meth:`stage`, for bytes this rank must hold at the call but
+        does not write (the replicas another rank writes, hashed later from
+        these copies). The arena is kept large enough for them from the next
+        save on; what does not fit now gets a buffer of its own.
+        """
+        copier = Copier(caller_share=True)
+        copies: list[np.ndarray] = []
+        offset, arena = self._end, self._arena
+        try:
+            for array in arrays:
+                source = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+                if arena is not None and offset + source.size <= arena.size:
+                    target = arena[offset : offset + source.size]
+                    copier.add(target, source)
+                else:
+                    target = np.array(source, copy=True)
+                copies.append(target)
+                offset += round_up(source.size, ALIGN)
+        finally:
+            copier.finish()
+        self._needed = max(self._needed, offset)
+        return copies
+
     def _plan_layout(
-        self, items: tuple[WriteItem, ...], leaves: tuple[str | None, ...], early: EarlyCopies
+        self, items: tuple[WriteItem, ...], leaves: tuple[str | None, ...], early: EarlyCopies, extra_bytes: int = 0,
     ) -> tuple[list[tuple[MetadataIndex, WriteItem, np.ndarray | None, int]], dict[MetadataIndex, Any], bool]:
         """Offsets (after the early copies) and staged views of ``items``, kept for a next save of the same items.
 
@@ -225,7 +257,8 @@ class StagingPool:
             arena, mapped = early.arena, not self._fresh
             self._fresh = False
         else:
-            arena, mapped = self._reserve(total)
+            arena, mapped = self._reserve(total + extra_bytes)
+        self._end, self._needed = total, total + extra_bytes
         layout: list[tuple[MetadataIndex, WriteItem, np.ndarray | None, int]] = []
         views: dict[MetadataIndex, Any] = {}
         self._early_items = 0

@@ -27,6 +27,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from hyper_parallel.core.distributed_checkpoint._format.consistency import storage_by_key
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import check_consistency, metadata_from_json
 from hyper_parallel.core.distributed_checkpoint._metadata_file import (
     MAX_METADATA_BYTES,
@@ -152,14 +153,15 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         Raises:
             CorruptCheckpointError: a chunk without its storage entry, or the like (names the file and key).
         """
-        check_consistency(metadata, source=f"{self.path}/{self.metadata_file}")
+        by_key = storage_by_key(metadata)
+        check_consistency(metadata, source=f"{self.path}/{self.metadata_file}", by_key=by_key)
         self.metadata = metadata
         self._verified.clear()
         self._plan_checked = None
         self._grouped = None
         self._headers.clear()
         self._header_checked.clear()
-        self._items = ItemIndex(metadata)
+        self._items = ItemIndex(metadata, by_key=by_key)
         self._in_part.clear()
         self._resolved.clear()
         self._kept.clear()
@@ -244,7 +246,9 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
                 return future
             groups = self._file_groups(items, skip=self._verified if verb == "verify" else None)
             work = [g for g in groups if g]
-            if len(work) <= 1:
+            # Without checksums the verify pass is the header check: one small read per file and Python per
+            # item, which threads would only contend for (the GIL); it runs on this thread.
+            if len(work) <= 1 or (verb == "verify" and not self.verify_checksums):
                 counts = [work_fn(g) for g in work]
             else:
                 with ThreadPoolExecutor(max_workers=len(work), thread_name_prefix=f"hp-ckpt-{verb}") as pool:

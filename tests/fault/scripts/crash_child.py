@@ -228,7 +228,9 @@ def run_case(case: dict[str, Any]) -> None:
         dcp.save(make_state(1), checkpoint_id=a_dir, no_dist=True)
         target = a_dir if scenario == "async_resave" else b_dir
         arm(hook, a_dir)
-        handle = dcp.async_save(make_state(2), checkpoint_id=target, no_dist=True)
+        # staging="copy": the hooks act in this process (the default's first call would fork a writer, the
+        # "async_fork" scenario's case).
+        handle = dcp.async_save(make_state(2), checkpoint_id=target, no_dist=True, staging="copy")
         if hook["target"] == "async.done":
             while not handle.done():
                 time.sleep(0.005)

@@ -20,7 +20,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
 )
 from hyper_parallel.platform.tensor import DTYPE_NAMES
 
-__all__ = ["check_consistency"]
+__all__ = ["check_consistency", "storage_by_key"]
 
 
 def _entry_of(
@@ -60,7 +60,18 @@ def _entry_of(
     return info
 
 
-def check_consistency(metadata: Metadata, *, source: str = "metadata") -> None:
+def storage_by_key(metadata: Metadata) -> dict[tuple[str, tuple[int, ...]], StorageInfo]:
+    """``metadata.storage_data`` keyed by plain ``(key, offset)`` tuples (hashing and comparing them is C, a
+    :class:`MetadataIndex`'s is Python). Any rank; pure."""
+    return {(index.fqn, tuple(index.offset)): info for index, info in (metadata.storage_data or {}).items()}
+
+
+def check_consistency(
+    metadata: Metadata,
+    *,
+    source: str = "metadata",
+    by_key: dict[tuple[str, tuple[int, ...]], StorageInfo] | None = None,
+) -> None:
     """Check that the items and the storage entries of ``metadata`` match one to one.
 
     Every tensor chunk and every stored value has a storage entry (a chunk's of
@@ -71,12 +82,15 @@ def check_consistency(metadata: Metadata, *, source: str = "metadata") -> None:
     can neither leave part of a target unread nor read one item's bytes into
     another. O(n log n) in the number of entries (see ``check_exact_cover``).
 
+    Args:
+        by_key: :func:`storage_by_key` of ``metadata``, when the caller has it already.
+
     Raises:
         CorruptCheckpointError: the first mismatch found (names ``source`` and the key).
     """
     storage = metadata.storage_data or {}
-    # Plain (key, offset) tuples: hashing and comparing them is C, a MetadataIndex's is Python.
-    by_key = {(index.fqn, tuple(index.offset)): info for index, info in storage.items()}
+    if by_key is None:
+        by_key = storage_by_key(metadata)
     claimed: set[tuple[str, tuple[int, ...]]] = set()
     for fqn, item in metadata.state_dict_metadata.items():
         where = f"{source}: key '{fqn}'"
