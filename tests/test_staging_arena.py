@@ -83,3 +83,40 @@ def test_back_to_back_saves_never_overwrite_bytes_still_being_written(tmp_path):
         loaded = _load(tmp_path / f"s{step}", expected)
         for key, value in expected.items():
             assert loaded[key].tobytes() == value.tobytes(), (step, key)
+
+
+def test_small_copies_wait_for_the_layout_pass_then_every_byte_lands_and_the_switch_interval_is_restored():
+    import sys  # pylint: disable=import-outside-toplevel
+
+    import pytest  # pylint: disable=import-outside-toplevel
+
+    from hyper_parallel.core.distributed_checkpoint._stage_copies import Copier, gil_handoff  # pylint: disable=C0415
+
+    rng = np.random.default_rng(5)
+    sources = [rng.integers(0, 256, size, dtype=np.uint8) for size in (3, 4096, 70_000, 5 << 20, 17, 1 << 19)]
+    targets = [np.zeros_like(s) for s in sources]
+    copier = Copier(caller_share=False)
+    for target, source in zip(targets, sources):
+        copier.add(target, source)
+    held = [i for i, s in enumerate(sources) if s.size < (1 << 20)]
+    assert all(not targets[i].any() for i in held), "small copies wait while the caller's thread runs Python"
+    copier.release_small()
+    copier.finish()
+    assert all(t.tobytes() == s.tobytes() for t, s in zip(targets, sources))
+    again = [np.zeros_like(s) for s in sources]
+    copier = Copier(caller_share=True)
+    for target, source in zip(again, sources):
+        copier.add(target, source)
+    copier.finish()  # without release_small: finish copies them (threads and the caller's thread)
+    assert all(t.tobytes() == s.tobytes() for t, s in zip(again, sources))
+    previous = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.003)
+        with gil_handoff():
+            assert sys.getswitchinterval() <= 1e-4
+        assert sys.getswitchinterval() == pytest.approx(0.003)
+        with pytest.raises(RuntimeError), gil_handoff():
+            raise RuntimeError("a failed save")
+        assert sys.getswitchinterval() == pytest.approx(0.003)
+    finally:
+        sys.setswitchinterval(previous)

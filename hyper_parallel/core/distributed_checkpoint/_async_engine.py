@@ -24,7 +24,7 @@ from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._deferred_save import DeferredPlan, deferred_request
 from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions, SaveSession, commit_save, plan_save, write_local
 from hyper_parallel.core.distributed_checkpoint._fork_writer import fork_write, fork_write_and_hash
-from hyper_parallel.core.distributed_checkpoint._stage_copies import ALIGN, EarlyCopies, round_up
+from hyper_parallel.core.distributed_checkpoint._stage_copies import ALIGN, EarlyCopies, gil_handoff, round_up
 from hyper_parallel.core.distributed_checkpoint._staging import StagedSavePlanner, StagingPool, staged_views
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointIOError
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemWriter
@@ -66,6 +66,14 @@ def plan_async_save(
     fork), and its background work maps and faults in the arena the next
     save copies into.
     """
+    with gil_handoff():  # the copy threads take the GIL back at once while this thread plans
+        return _plan_and_stage(state_dict, writer=writer, planner=planner, options=options, staging=staging)
+
+
+def _plan_and_stage(
+    state_dict: dict[str, Any], *, writer: StorageWriter, planner: SavePlanner, options: SaveOptions, staging: str
+) -> AsyncRequest:
+    """:func:`plan_async_save` (see there). All ranks."""
     alone = options.no_dist or not options.use_collectives or platform.get_world_size() <= 1
     forked_first = staging == "auto" and alone and _auto_forks(writer, planner)
     mode = "fork" if forked_first else ("copy" if staging == "auto" else staging)
