@@ -191,7 +191,7 @@ def test_import_announces_each_tensor_exactly_in_bounded_ranges_and_stays_bit_ex
     """Every tensor's pages are announced (``MADV_WILLNEED``), nothing else, one read-ahead window at most per call.
 
     One call for a whole tensor made the kernel read only its first window (at most max(read-ahead
-    window, device's largest request)) and fault the rest in one 4 KiB page at a time: 3.5-4x slower.
+    window, device's largest request)) and fault the rest in one 4 KiB page at a time: 6-8x slower.
     Readahead (``MADV_SEQUENTIAL``) reads past a tensor's end: not used while the budget lasts. The
     import is bit-exact against what MindSpore saved, and MindSpore loads the same values.
     """

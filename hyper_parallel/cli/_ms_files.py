@@ -214,11 +214,13 @@ class MsFile:
         ``.ckpt`` tensor split into several values is joined into a new array.
         The device reads the pages of the content, once, and nothing else:
 
-        - the content is announced (``MADV_WILLNEED``) in ranges of 1 MiB,
-          so the kernel reads it all at once, exactly (one call reads at most
+        - the content is announced (``MADV_WILLNEED``) one read-ahead window
+          (at least 128 KiB) per call, so the kernel reads it all at once,
+          exactly, in requests as large as readahead's (one call reads at most
           the larger of the read-ahead window and the device's largest
           request: a single call for a whole tensor left the rest of it to
-          one 4 KiB fault after another, 3.5-4x slower);
+          one 4 KiB fault after another, a 256 MiB import 2.6-3.3 s instead
+          of 0.4-0.5 s; docs/guide.md, "MindSpore parallel jobs");
         - past ``budget`` (bytes announced before the writer uses them), the
           content is read ahead by the kernel as it is used
           (``MADV_SEQUENTIAL``) except its last two read-ahead windows, which
