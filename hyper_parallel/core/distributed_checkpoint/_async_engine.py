@@ -113,10 +113,11 @@ def _plan_and_stage(
         if pieces is None:
             background.append(lambda: write_local(session, staged))
             return
-        snapshot = _replica_snapshot(pieces, staged.staged, _POOL.snapshot([array for _, _, array in held or ()]))
+        copies = _POOL.snapshot([array for _, _, array in held or ()])
 
         def write_and_hash() -> list[WriteResult]:
             results = write_local(session, staged)
+            snapshot = _replica_snapshot(pieces, staged.staged, copies)
             replicas.append(tuple((fqn, offsets, digest(memoryview(copy))) for fqn, offsets, copy in snapshot))
             return results
 
