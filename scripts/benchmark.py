@@ -368,27 +368,32 @@ def phase_load(state: dict[str, Any], path: Path, args: argparse.Namespace,
                notes: dict[str, str]) -> dict[str, list[float]]:
     """``dcp.load`` into the existing Parameters, warm and cold cache, verification on and off.
 
-    A cold load's device reads over the data files' size go into ``notes``: above 1.00, pages the
-    verify pass read were evicted before the read pass (this VM's memory reclaim can do that).
+    Verify on and off alternate run by run (paired: the machine's load drifts alike for both); the
+    process CPU time of each run is recorded too (labels ending in ", CPU"). A cold load's device
+    reads over the data files' size go into ``notes``: above 1.00, pages the verify pass read were
+    evicted before the read pass (this VM's memory reclaim can do that).
     """
     files = data_files(path)
     file_bytes = sum(f.stat().st_size for f in files)
-    times = {}
-    for verify in (True, False):
-        device: list[float] = []
-
-        def load(verify: bool = verify, device: list[float] = device) -> None:
-            reader = dcp.FileSystemReader(path, verify_checksums=verify, thread_count=args.threads)
-            before = _device_read_bytes()
-            dcp.load(state, storage_reader=reader, no_dist=True)
-            device.append((_device_read_bytes() - before) / file_bytes)
-
-        for cache, setup in (("warm", lambda: warm_cache(files)), ("cold", lambda: drop_page_cache(files))):
-            label = f"dcp.load {cache}, verify {'on' if verify else 'off'} ({args.threads} threads)"
-            device.clear()
-            times[label] = timed(load, runs=args.runs, pretouch_gb=args.pretouch_gb, setup=setup)
-            if cache == "cold":
-                notes[f"device bytes / file bytes, {label}"] = " ".join(f"{d:.2f}" for d in device)
+    times: dict[str, list[float]] = {}
+    for cache, setup in (("warm", lambda: warm_cache(files)), ("cold", lambda: drop_page_cache(files))):
+        device: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(args.runs):
+            for verify in (True, False):
+                label = f"dcp.load {cache}, verify {'on' if verify else 'off'} ({args.threads} threads)"
+                reader = dcp.FileSystemReader(path, verify_checksums=verify, thread_count=args.threads)
+                setup()
+                pretouch(args.pretouch_gb)
+                before = _device_read_bytes()
+                cpu, start = time.process_time(), time.perf_counter()
+                dcp.load(state, storage_reader=reader, no_dist=True)
+                times.setdefault(label, []).append(time.perf_counter() - start)
+                times.setdefault(label + ", CPU", []).append(time.process_time() - cpu)
+                device[verify].append((_device_read_bytes() - before) / file_bytes)
+        if cache == "cold":
+            for verify, ratios_seen in device.items():
+                label = f"dcp.load cold, verify {'on' if verify else 'off'} ({args.threads} threads)"
+                notes[f"device bytes / file bytes, {label}"] = " ".join(f"{d:.2f}" for d in ratios_seen)
     return times
 
 
@@ -608,6 +613,8 @@ def ratios(t: dict[str, float], args: argparse.Namespace, memory: dict[str, Any]
     for cache in ("cold", "warm"):  # the price of verify-before-a-byte-lands (no target written before all checks)
         add(f"protection: verify, {cache} load on / off", t[f"dcp.load {cache}, verify on ({T} threads)"]
             / t[f"dcp.load {cache}, verify off ({T} threads)"], None)
+    add("protection: verify, warm load on / off, CPU time (paired)",
+        t[f"dcp.load warm, verify on ({T} threads), CPU"] / t[f"dcp.load warm, verify off ({T} threads), CPU"], None)
     for name, mem in memory.items():
         add(f"load extra memory / bound, {name.split(',')[0]}, {mem['bound_bytes'] >> 20} MiB",
             mem["extra_bytes"] / mem["bound_bytes"], 1.0)

@@ -35,6 +35,7 @@ STATE_FIGURES = (
     "warm load / memcpy, verify off",
     "protection: verify, warm load on / off",
     "protection: verify, cold load on / off",
+    "protection: verify, warm load on / off, CPU time (paired)",
     "protection: checksums, save on / off (thread_count=2, paired)",
     "protection: save lease take + release / best dcp.save",
     "protection: header check / warm load, verify off (2 threads)",

@@ -202,3 +202,18 @@ def test_fast_metadata_decode_refuses_what_the_full_one_refuses(tmp_path: Path, 
     change(document)
     with pytest.raises(error):
         metadata_json.metadata_from_json(json.dumps(document, separators=(",", ":")).encode())
+
+
+def test_a_target_given_new_data_between_loads_is_read_into_its_new_memory(tmp_path: Path) -> None:
+    """Views are cached per tensor: new data (another shape or the same) must not reuse the old view."""
+    dcp.save({"w": np.arange(12, dtype=np.float32).reshape(3, 4)}, checkpoint_id=tmp_path / "a", no_dist=True)
+    dcp.save({"w": np.arange(6, dtype=np.float32) * 2}, checkpoint_id=tmp_path / "b", no_dist=True)
+    param = ms.Parameter(ms.Tensor(np.zeros((3, 4), np.float32)), name="w")
+    dcp.load({"w": param}, checkpoint_id=tmp_path / "a", no_dist=True)
+    assert np.array_equal(param.asnumpy(), np.arange(12, dtype=np.float32).reshape(3, 4))
+    param.set_data(ms.Tensor(np.zeros(6, np.float32)))
+    dcp.load({"w": param}, checkpoint_id=tmp_path / "b", no_dist=True)
+    assert np.array_equal(param.asnumpy(), np.arange(6, dtype=np.float32) * 2)
+    param.set_data(ms.Tensor(np.full(6, 9, np.float32)))
+    dcp.load({"w": param}, checkpoint_id=tmp_path / "b", no_dist=True)
+    assert np.array_equal(param.asnumpy(), np.arange(6, dtype=np.float32) * 2)

@@ -13,12 +13,8 @@ import pytest
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, chunk_checksum, digest
 from hyper_parallel.core.distributed_checkpoint._run_reads import FileSource
-from hyper_parallel.core.distributed_checkpoint._verify_reads import (
-    RegionCheck,
-    _BlockList,
-    _flat_windows,
-    verify_regions,
-)
+from hyper_parallel.core.distributed_checkpoint._verify_reads import RegionCheck, verify_regions
+from hyper_parallel.core.distributed_checkpoint._verify_windows import BlockList, flat_windows
 from hyper_parallel.core.distributed_checkpoint.metadata import ChunkChecksum, StorageInfo
 
 ms.set_device("CPU")
@@ -158,7 +154,7 @@ def test_whole_and_partial_regions_hash_each_touched_block_once_in_any_order(tmp
         _verify(path, [part_of_c], whole=[("a", a)])
 
 
-def test_small_windows_split_a_batch_and_a_tile_slab_splits_flat_windows(tmp_path: Path) -> None:
+def test_small_windows_split_a_batch_and_a_tile_slab_splitsflat_windows(tmp_path: Path) -> None:
     path, raw, infos = _file(tmp_path)
     a, b, c, tiled = infos
     checks = [RegionCheck("t", tiled, (64, 512), 4, offsets=(32, 0), lengths=(32, 512))]
@@ -172,7 +168,7 @@ def test_small_windows_split_a_batch_and_a_tile_slab_splits_flat_windows(tmp_pat
 
 
 def test_block_list_sorts_and_windows_group_by_arrays() -> None:
-    flat = _BlockList()
+    flat = BlockList()
     digests = tuple(str(i) for i in range(3))
     late = StorageInfo("f", 3 * MIB, 3 * MIB + 5, ChunkChecksum(ALGORITHM, MIB, digests + ("3",)))
     early = StorageInfo("f", 0, 100, ChunkChecksum(ALGORITHM, MIB, ("x",)))
@@ -183,11 +179,11 @@ def test_block_list_sorts_and_windows_group_by_arrays() -> None:
     assert blocks.starts.tolist() == [0, 3 * MIB, 4 * MIB, 5 * MIB, 6 * MIB]
     assert blocks.ends.tolist() == [100, 4 * MIB, 5 * MIB, 6 * MIB, 6 * MIB + 5]
     assert blocks.keys == ["early", "late", "late", "late", "late"] and blocks.digests == ["x", "0", "1", "2", "3"]
-    windows = _flat_windows(blocks, 8 * MIB)
+    windows = flat_windows(blocks, 8 * MIB)
     # the gap of 3 MiB - 100 bytes is over the gap bound: two windows; the second read whole
     assert [(w.start, w.end, w.first, w.stop) for w in windows] == [(0, 100, 0, 1), (3 * MIB, 6 * MIB + 5, 1, 5)]
     assert windows[1].whole and windows[1].hashed == 3 * MIB + 5
-    assert [(w.first, w.stop) for w in _flat_windows(blocks, 2 * MIB)] == [(0, 1), (1, 3), (3, 5)]
+    assert [(w.first, w.stop) for w in flat_windows(blocks, 2 * MIB)] == [(0, 1), (1, 3), (3, 5)]
 
 
 def test_chunk_of_no_bytes_must_have_the_checksum_of_no_bytes(tmp_path: Path) -> None:

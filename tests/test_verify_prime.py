@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
-from hyper_parallel.core.distributed_checkpoint import _verify_reads
+from hyper_parallel.core.distributed_checkpoint import _read_priming
 from hyper_parallel.core.distributed_checkpoint._run_reads import FileSource
-from hyper_parallel.core.distributed_checkpoint._verify_reads import PRIME_MIN_BYTES, page_cached, prime
+from hyper_parallel.core.distributed_checkpoint._read_priming import PRIME_MIN_BYTES, page_cached, prime
 
 ms.set_device("CPU")
 
@@ -49,14 +49,14 @@ def _evict(path: Path) -> None:
 def _record_primes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int, str]]:
     """(file name, start, bytes, calling thread) of every priming read; the reads go through."""
     calls = []
-    real = _verify_reads._prime_read
+    real = _read_priming._prime_read
 
     def recording(fd: int, start: int, count: int) -> None:
-        calls.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), start, count * _verify_reads._PRIME_PIECE,
+        calls.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), start, count * _read_priming._PRIME_PIECE,
                       threading.current_thread().name))
         real(fd, start, count)
 
-    monkeypatch.setattr(_verify_reads, "_prime_read", recording)
+    monkeypatch.setattr(_read_priming, "_prime_read", recording)
     return calls
 
 
@@ -82,7 +82,7 @@ def test_cold_load_primes_its_first_bytes_once_and_is_bit_exact(saved, monkeypat
     # one priming read per file and load (the read pass's open finds the bytes cached), from the first
     # needed byte, bounded, on a helper thread
     assert [(name, start) for name, start, _, _ in calls] == [(data.name, first)]
-    assert 16 * MIB <= calls[0][2] <= _verify_reads._PRIME_BYTES and calls[0][3] == "hp-ckpt-prime"
+    assert 16 * MIB <= calls[0][2] <= _read_priming._PRIME_BYTES and calls[0][3] == "hp-ckpt-prime"
     assert reader.bytes_verified == sum(v.nbytes for v in expected.values())
 
 
@@ -150,7 +150,7 @@ def test_priming_read_brings_the_bytes_into_the_page_cache(tmp_path: Path, monke
         def refuse(*args):
             raise OSError(22, "Invalid argument")
 
-        monkeypatch.setattr(_verify_reads.os, "sendfile", refuse)
+        monkeypatch.setattr(_read_priming.os, "sendfile", refuse)
     fd = os.open(data, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -158,7 +158,7 @@ def test_priming_read_brings_the_bytes_into_the_page_cache(tmp_path: Path, monke
         source = FileSource(fd)
         assert not page_cached(source, 3 * MIB)
         copy = os.dup(fd)
-        _verify_reads._prime_read(copy, MIB, 3 * MIB // _verify_reads._PRIME_PIECE)
+        _read_priming._prime_read(copy, MIB, 3 * MIB // _read_priming._PRIME_PIECE)
         assert page_cached(source, MIB) and page_cached(source, 4 * MIB - 1)
         assert os.pread(fd, 16, 2 * MIB) == bytes(range(16))  # the file itself is untouched
     finally:

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
-from hyper_parallel.core.distributed_checkpoint._verify_reads import _Blocks, _flat_windows, announces, lookahead_limits
+from hyper_parallel.core.distributed_checkpoint._verify_reads import announces, lookahead_limits
+from hyper_parallel.core.distributed_checkpoint._verify_windows import Blocks, flat_windows
 
 ms.set_device("CPU")
 
@@ -117,24 +118,24 @@ def test_announce_policy_leaves_whole_windows_to_kernel_readahead():
 
 
 def _blocks(*spans):
-    return _Blocks(starts=np.array([s for s, _ in spans], dtype=np.int64), ends=np.array([e for _, e in spans], dtype=np.int64),
-                   digests=[""] * len(spans), keys=[""] * len(spans))
+    return Blocks(starts=np.array([s for s, _ in spans], dtype=np.int64),
+                  ends=np.array([e for _, e in spans], dtype=np.int64), digests=[""] * len(spans), keys=[""] * len(spans))
 
 
 def test_flat_windows_span_small_gaps_but_not_a_window_hashed_apart():
     blocks = _blocks((0, 4 * MIB), (5 * MIB, 5 * MIB + 100), (5 * MIB + 200, 5 * MIB + 300))
     # gaps under 1 MiB are read along: one window, sparse (its hashed ranges are the blocks)
-    (window,) = _flat_windows(blocks, 8 * MIB)
+    (window,) = flat_windows(blocks, 8 * MIB)
     assert (window.start, window.end) == (0, 5 * MIB + 300)
     assert window.ranges == ((0, 4 * MIB), (5 * MIB, 5 * MIB + 100), (5 * MIB + 200, 5 * MIB + 300))
     # a tile slab hashed in its own window starts in the first gap: the flat windows stop there, and the
     # one before it is read whole (one range: left to kernel readahead, not mapped)
-    first, second = _flat_windows(blocks, 8 * MIB, [4 * MIB])
+    first, second = flat_windows(blocks, 8 * MIB, [4 * MIB])
     assert first.ranges == ((0, 4 * MIB),) and (first.start, first.end) == (0, 4 * MIB)
     assert (second.start, second.end) == (5 * MIB, 5 * MIB + 300) and len(second.ranges) == 2
     # a window elsewhere does not split; the size bound still does
-    assert len(_flat_windows(blocks, 8 * MIB, [6 * MIB])) == 1
-    assert [(w.start, w.end) for w in _flat_windows(blocks, 4 * MIB)] == [(0, 4 * MIB), (5 * MIB, 5 * MIB + 300)]
+    assert len(flat_windows(blocks, 8 * MIB, [6 * MIB])) == 1
+    assert [(w.start, w.end) for w in flat_windows(blocks, 4 * MIB)] == [(0, 4 * MIB), (5 * MIB, 5 * MIB + 300)]
 
 
 def _willneed_in_verify_pass(monkeypatch, *, any_thread=False):

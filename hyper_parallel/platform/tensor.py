@@ -156,15 +156,16 @@ def shared_view(value: Any) -> np.ndarray | None:
     return _host_view(value) if host_memory_shared(value) else None
 
 
-def _host_view(value: Any) -> np.ndarray | None:
-    """:func:`shared_view` of a tensor known to be in host memory."""
+def _host_view(value: Any, shape: tuple[int, ...] | None = None) -> np.ndarray | None:
+    """:func:`shared_view` of a tensor known to be in host memory (``shape``: its shape, if just read)."""
     try:
         pointer = int(value.data_ptr())
     except (AttributeError, RuntimeError, TypeError, ValueError):
         return None
     key = id(value)
     hit = _VIEWS.get(key)
-    if hit is not None and hit[0]() is value and hit[2] == pointer and hit[1].shape == tuple(value.shape):
+    if hit is not None and hit[0]() is value and hit[2] == pointer and hit[1].shape == (
+            shape if shape is not None else tuple(value.shape)):
         return hit[1]
     view = value.asnumpy()
     if view.size == 0 or view.__array_interface__["data"][0] != pointer or not view.flags.writeable:
@@ -199,19 +200,24 @@ def writable_view(value: Any) -> np.ndarray | None:
     return first if same and first.flags.writeable else None
 
 
-def writable_views(values: list[Any]) -> list[np.ndarray | None]:
-    """:func:`writable_view` of each value, the environment read once (a load's targets, in one pass)."""
+def writable_views(values: list[Any], shapes: list[tuple[int, ...]] | None = None) -> list[np.ndarray | None]:
+    """:func:`writable_view` of each value, the environment read once (a load's targets, in one pass).
+
+    Args:
+        values: The tensors and arrays.
+        shapes: Each value's shape as the caller just read it (spares reading it again), or ``None``.
+    """
     forced = os.environ.get(DEVICE_COPIES_ENV) == "1"
     ms = _mindspore()
     tensor_type = ms.Tensor if ms is not None else ()
     views: list[np.ndarray | None] = []
-    for value in values:
+    for position, value in enumerate(values):
         if isinstance(value, np.ndarray):
             views.append(value if value.flags.writeable else None)
         elif forced or not isinstance(value, tensor_type) or not _on_host(value):
             views.append(None)
         else:
-            view = _host_view(value)
+            view = _host_view(value, shapes[position] if shapes is not None else None)
             views.append(view if view is not None else writable_view(value))
     return views
 

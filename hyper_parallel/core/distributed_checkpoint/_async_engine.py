@@ -24,7 +24,7 @@ from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._deferred_save import DeferredPlan, deferred_request
 from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions, SaveSession, commit_save, plan_save, write_local
 from hyper_parallel.core.distributed_checkpoint._fork_writer import fork_write, fork_write_and_hash
-from hyper_parallel.core.distributed_checkpoint._stage_copies import ALIGN, EarlyCopies, round_up
+from hyper_parallel.core.distributed_checkpoint._stage_copies import ALIGN, EarlyCopies, gil_handoff, round_up
 from hyper_parallel.core.distributed_checkpoint._staging import StagedSavePlanner, StagingPool, staged_views
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointIOError
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemWriter
@@ -66,6 +66,14 @@ def plan_async_save(
     fork), and its background work maps and faults in the arena the next
     save copies into.
     """
+    with gil_handoff():  # the copy threads take the GIL back at once while this thread plans
+        return _plan_and_stage(state_dict, writer=writer, planner=planner, options=options, staging=staging)
+
+
+def _plan_and_stage(
+    state_dict: dict[str, Any], *, writer: StorageWriter, planner: SavePlanner, options: SaveOptions, staging: str
+) -> AsyncRequest:
+    """:func:`plan_async_save` (see there). All ranks."""
     alone = options.no_dist or not options.use_collectives or platform.get_world_size() <= 1
     forked_first = staging == "auto" and alone and _auto_forks(writer, planner)
     mode = "fork" if forked_first else ("copy" if staging == "auto" else staging)
@@ -105,10 +113,11 @@ def plan_async_save(
         if pieces is None:
             background.append(lambda: write_local(session, staged))
             return
-        snapshot = _replica_snapshot(pieces, staged.staged, _POOL.snapshot([array for _, _, array in held or ()]))
+        copies = _POOL.snapshot([array for _, _, array in held or ()])
 
         def write_and_hash() -> list[WriteResult]:
             results = write_local(session, staged)
+            snapshot = _replica_snapshot(pieces, staged.staged, copies)
             replicas.append(tuple((fqn, offsets, digest(memoryview(copy))) for fqn, offsets, copy in snapshot))
             return results
 
@@ -201,13 +210,18 @@ def _then_prefault(wait: Callable[[], Any], nbytes: Callable[[], int]) -> Callab
     """``wait`` (for a forked writer) after mapping and faulting in the next save's arena. Background thread."""
 
     def prefault_then_wait() -> Any:
-        try:
-            _POOL.prefault(nbytes())
-        except Exception:  # pylint: disable=broad-except  # best effort: the next save maps its arena then
-            _LOG.debug("pre-faulting the staging arena failed", exc_info=True)
+        _prefault(nbytes())
         return wait()
 
     return prefault_then_wait
+
+
+def _prefault(nbytes: int) -> None:
+    """:meth:`.StagingPool.prefault` of the pool, best effort (the next save maps its arena otherwise)."""
+    try:
+        _POOL.prefault(nbytes)
+    except Exception:  # pylint: disable=broad-except
+        _LOG.debug("pre-faulting the staging arena failed", exc_info=True)
 
 
 def _item_bytes(items: tuple[Any, ...]) -> int:
@@ -227,7 +241,7 @@ def _deferred_or_none(deferred: DeferredPlan, early: EarlyCopies | None, forked_
     def request(copies: EarlyCopies | None) -> AsyncRequest | None:
         return deferred_request(deferred, early=copies, pool=_POOL, finalize=_committed,
                                 commit=lambda planned, write: commit_save(planned, write, step="async write and commit"),
-                                prefault=_POOL.prefault if forked_first else None)
+                                prefault=_prefault if forked_first else None)
 
     try:
         if not forked_first:

@@ -63,10 +63,13 @@ def _spelled(path: tuple[PathElement, ...]) -> str:
     return "state_dict" + "".join(f"[{p!r}]" for p in path)
 
 
-def _add_leaf(flat: "FlatStateDict", path: tuple[PathElement, ...], value: Any, seen: dict[int, str]) -> None:
+def _add_leaf(
+    flat: "FlatStateDict", path: tuple[PathElement, ...], value: Any, seen: dict[int, str], parameter: bool = False
+) -> None:
+    """Add leaf ``value`` at ``path`` (``parameter``: the caller knows it is a Parameter)."""
     top = path[0]
     name = top if len(path) == 1 and type(top) is str else ".".join(map(str, path))  # pylint: disable=unidiomatic-typecheck
-    if is_parameter(value) or isinstance(value, DTensor):
+    if parameter or is_parameter(value) or isinstance(value, DTensor):
         first = seen.get(id(value))
         if first is not None:
             if name != first:
@@ -129,6 +132,8 @@ def flatten_state_dict(state_dict: dict[str, Any]) -> FlatStateDict:
         elif isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
             containers[path] = "list" if isinstance(value, list) else "tuple"
             stack.extend((path + (position,), item) for position, item in reversed(list(enumerate(value))))
+        elif is_parameter(value):  # most leaves (a Parameter is no Cell)
+            _add_leaf(flat, path, value, seen, parameter=True)
         elif is_cell(value):
             containers[path] = "cell"
             for name, param in value.parameters_dict().items():

@@ -65,6 +65,15 @@ def _fitted(array: np.ndarray, entry: TensorEntry) -> np.ndarray:
     return array
 
 
+def _local_shape(entry: TensorEntry) -> tuple[int, ...] | None:
+    """The shape of a plain tensor leaf's tensor, read when its entry was made; ``None`` for other leaves.
+
+    (A plain tensor or array leaf is the entry that may be replicated and has no layout; a DTensor has a
+    layout, a ``ShardedTensor`` is never marked replicated.)
+    """
+    return entry.local_shape if entry.may_be_replicated and entry.layout is None else None
+
+
 class StandardLoadPlanner(LoadPlanner):
     """Plans a load into a (nested) state dict, in place.
 
@@ -206,7 +215,8 @@ class StandardLoadPlanner(LoadPlanner):
         items: list[ReadItem] = []
         # One pass over the targets: the memory of each tensor numpy can write in place (none: a device tensor).
         tensors = [(name, entry) for name, entry in self._entries.items() if isinstance(entry, TensorEntry)]
-        views = dict(zip((name for name, _ in tensors), writable_views([entry.local for _, entry in tensors])))
+        views = dict(zip((name for name, _ in tensors), writable_views(
+            [entry.local for _, entry in tensors], [_local_shape(entry) for _, entry in tensors])))
         stored_of = self.metadata.state_dict_metadata
         pieces_of, targets, direct = self._pieces, self._targets, self._direct
         tensor = LoadItemType.TENSOR

@@ -197,7 +197,9 @@ def read_small_whole(
 
     A chunk qualifies when :attr:`ItemFacts.small` holds, it lies inside the
     file, and its target region is contiguous, writable and of the stored
-    dtype. Chunks adjacent in the file are read by one ``preadv`` (one buffer
+    dtype. A target the planner names in :func:`._load_planner.direct_targets`
+    is read into as it is, without ``acquire_tensor`` / ``apply_tensor``; the
+    others are asked for. Chunks adjacent in the file are read by one ``preadv`` (one buffer
     per target, up to ``IOV_MAX``). The bytes must be verified before (the
     verify pass) when the load verifies. Called by the reader, per file.
 
@@ -244,7 +246,7 @@ def read_small_whole(
             end += 1
         group = batch[start:end]
         length = following - group[0][0]
-        if source.readinto_many([entry[3] for entry in group], group[0][0]) != length:
+        if length and source.readinto_many([entry[3] for entry in group], group[0][0]) != length:
             raise CorruptCheckpointError(
                 f"data file {path} is truncated while reading key '{group[0][2].storage_index.fqn}'"
             )

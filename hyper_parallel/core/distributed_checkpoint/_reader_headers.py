@@ -28,7 +28,8 @@ class HeaderCheck:
     """The header check of :class:`~.filesystem_reader.FileSystemReader` (a mixin; all ranks run it).
 
     Uses the reader's ``path``, ``_items``, ``_headers`` (file -> header entries,
-    read once per load) and ``_header_checked`` (items checked).
+    read once per load), ``_header_checked`` (items checked) and ``_header_lists`` (file -> the last list of
+    its items checked whole).
     """
 
     def _check_header(self, source: Any, path: Any, size: int, relative_path: str, items: list[ReadItem]) -> None:
@@ -40,6 +41,8 @@ class HeaderCheck:
         Raises:
             CorruptCheckpointError: names the file, the key, both descriptions and the fix.
         """
+        if self._header_lists.get(relative_path) is items:  # this very list (the read pass after the verify pass)
+            return
         checked = self._header_checked
         todo = [item for item in items if id(item) not in checked]
         if not todo:
@@ -74,6 +77,7 @@ class HeaderCheck:
                 continue
             self._check_entry(path, item, facts, found)
             checked.add(id(item))
+        self._header_lists[relative_path] = items
 
     def _check_entry(self, path: Any, item: ReadItem, facts: ItemFacts, found: tuple[Any, ...] | None) -> None:
         """The full comparison of ``item``'s header entry (``found``, ``None`` if there is none) with the metadata.

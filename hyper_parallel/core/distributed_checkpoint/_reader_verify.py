@@ -23,13 +23,8 @@ from hyper_parallel.core.distributed_checkpoint._device_reads import MAX_PAGE_AM
 from hyper_parallel.core.distributed_checkpoint._format.byte_ranges import box_runs
 from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM
 from hyper_parallel.core.distributed_checkpoint._run_reads import FileSource, read_runs_verified, read_tiles
-from hyper_parallel.core.distributed_checkpoint._verify_reads import (
-    PRIME_MIN_BYTES,
-    RegionCheck,
-    page_cached,
-    prime,
-    verify_regions,
-)
+from hyper_parallel.core.distributed_checkpoint._read_priming import PRIME_MIN_BYTES, page_cached, prime
+from hyper_parallel.core.distributed_checkpoint._verify_reads import RegionCheck, verify_regions
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import StorageInfo
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, ReadItem
@@ -121,7 +116,7 @@ class VerifyPass:
         return total
 
     def _prime(self, source: Any, file_size: int, items: list[ReadItem]) -> None:
-        """Start the device on the first bytes ``items`` need of a file just opened (see :func:`._verify_reads.prime`).
+        """Start the device on the first bytes ``items`` need of a file just opened (see :func:`._read_priming.prime`).
 
         Called once per file and load, before its header is checked: the
         device reads while the header check and the verify pass's windows

@@ -18,20 +18,26 @@ plan turns out to be; a leaf copied for nothing only costs its copy.
 
 from __future__ import annotations
 
+import sys
 from concurrent.futures import Future
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._lazy_pool import lazy_executor
 
-__all__ = ["STAGING_THREADS", "Copier", "EarlyCopies", "round_up", "ALIGN"]
+__all__ = ["STAGING_THREADS", "Copier", "EarlyCopies", "gil_handoff", "round_up", "ALIGN"]
 
 #: Threads copying into staging buffers.
 STAGING_THREADS = 2
 #: Items are placed in the arena at offsets aligned to this many bytes.
 ALIGN = 64
 _PIECE_BYTES = 32 << 20
+#: Copies smaller than this are held back while the caller's thread runs Python (:class:`Copier`).
+_SMALL_BYTES = 1 << 20
+#: The interpreter's switch interval while an async save stages (:func:`gil_handoff`).
+_HANDOFF_SECONDS = 1e-4
 #: Bytes of copies handed to a staging thread at a time.
 _BATCH_BYTES = 8 << 20
 
@@ -49,6 +55,12 @@ def _copy_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
 class Copier:
     """Copies handed to the staging threads in batches of about :data:`_BATCH_BYTES`.
 
+    Copies of less than :data:`_SMALL_BYTES` are held back until
+    :meth:`release_small` or :meth:`finish`: each needs the GIL to start and
+    end, so a thread copying them while the caller's thread runs Python (the
+    layout pass) would mostly wait for the GIL. They are then split by bytes
+    over the threads (and the caller's thread in :meth:`finish`).
+
     Args:
         caller_share: The caller's thread copies every ``STAGING_THREADS + 1``-th
             batch itself (when it has nothing else to do meanwhile).
@@ -59,11 +71,17 @@ class Copier:
         self._pending: list[Future[None]] = []
         self._batch: list[tuple[np.ndarray, np.ndarray]] = []
         self._batch_bytes = 0
+        self._small: list[tuple[np.ndarray, np.ndarray]] = []
+        self._small_bytes = 0
         self._turn = 0
 
     def add(self, target: np.ndarray, source: np.ndarray) -> None:
         """Copy the uint8 array ``source`` into ``target`` (same size), soon."""
         nbytes = source.size
+        if nbytes < _SMALL_BYTES:
+            self._small.append((target, source))
+            self._small_bytes += nbytes
+            return
         for start in range(0, nbytes, _PIECE_BYTES):
             self._batch.append((target[start : start + _PIECE_BYTES], source[start : start + _PIECE_BYTES]))
             self._batch_bytes += min(_PIECE_BYTES, nbytes - start)
@@ -76,17 +94,61 @@ class Copier:
         if self._caller_share and self._turn % (STAGING_THREADS + 1) == 0:
             _copy_all(batch)
         else:
-            self._pending.append(lazy_executor("stage", STAGING_THREADS).submit(_copy_all, batch))
+            self._submit(batch)
+
+    def _submit(self, batch: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        self._pending.append(lazy_executor("stage", STAGING_THREADS).submit(_copy_all, batch))
+
+    def _split_small(self, shares: int) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+        """The held small copies in ``shares`` runs of about equal bytes (in order); none are held after."""
+        small, total = self._small, self._small_bytes
+        self._small, self._small_bytes = [], 0
+        runs: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(shares)]
+        done, share = 0, max(1, -(-total // shares))
+        for pair in small:
+            runs[min(done // share, shares - 1)].append(pair)
+            done += pair[1].size
+        return [run for run in runs if run]
+
+    def release_small(self) -> None:
+        """Hand the held small copies to the threads now (the caller's thread stops running Python soon)."""
+        if self._small:
+            for run in self._split_small(STAGING_THREADS):
+                self._submit(run)
 
     def finish(self) -> None:
         """Copy what is left on the caller's thread and wait for every copy (re-raises a copy's error)."""
         batch, self._batch, self._batch_bytes = self._batch, [], 0
+        runs = self._split_small(STAGING_THREADS + 1) if self._small else []
+        for run in runs[1:]:
+            self._submit(run)
         pending, self._pending = self._pending, []
         try:
             _copy_all(batch)
+            if runs:
+                _copy_all(runs[0])
         finally:
             for future in pending:
                 future.result()
+
+
+@contextmanager
+def gil_handoff() -> Iterator[None]:
+    """Let the copying threads take the GIL back quickly while the body runs. Caller's thread.
+
+    A thread whose copy ended waits for the GIL while another thread runs
+    Python, up to the interpreter's switch interval (5 ms by default): a
+    copy thread then progressed at about a sixth of its speed during the
+    layout pass (measured: 64 MiB in 20 ms of the caller's Python, 320 MiB
+    with a 0.1 ms interval, 390 MiB alone). The interval is lowered for the
+    blocking part of an async save and restored after.
+    """
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(min(previous, _HANDOFF_SECONDS))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
 
 
 class EarlyCopies:
@@ -158,6 +220,7 @@ class EarlyCopies:
             self._copier.add(self.arena[offset : offset + source.size], source)
         self._issued = len(self._arrays)
         self._arrays = []
+        self._copier.release_small()
 
     def snapshot(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
         """The early copies as arrays shaped like ``arrays`` (leaf name -> its source), after :meth:`wait`.

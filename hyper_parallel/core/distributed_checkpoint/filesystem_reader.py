@@ -112,6 +112,7 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         self._kept_lock = threading.Lock()
         self._headers: dict[str, dict[int, tuple[Any, ...]]] = {}  # data file -> its header entries (once per load)
         self._header_checked: set[int] = set()  # id() of the read items checked against their file's header
+        self._header_lists: dict[str, list[ReadItem]] = {}  # data file -> the last list of its items checked whole
         self._items: ItemIndex | None = None  # the read items' facts, looked up once per load
         self._in_part: dict[str, bool] = {}  # data file -> read without readahead (decided once per load)
         self._resolved: dict[str, Path] = {}  # data file -> its checked path (resolved once per load)
@@ -161,6 +162,7 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         self._grouped = None
         self._headers.clear()
         self._header_checked.clear()
+        self._header_lists.clear()
         self._items = ItemIndex(metadata, by_key=by_key)
         self._in_part.clear()
         self._resolved.clear()
