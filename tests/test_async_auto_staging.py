@@ -144,3 +144,27 @@ def test_a_writer_subclass_or_several_ranks_are_copied_not_forked(tmp_path, fork
     _assert_saved(tmp_path / "own", expected)
     with pytest.raises(dcp.CheckpointValueError, match="'auto', 'copy' or 'fork'"):
         dcp.async_save(state, checkpoint_id=tmp_path / "x", no_dist=True, staging="pinned")
+
+
+def test_a_failed_prefault_only_leaves_the_next_save_to_map_its_arena(tmp_path, monkeypatch):
+    clear_plan_cache()
+    pool = _async_engine._POOL  # pylint: disable=protected-access
+    pool.release()
+
+    def no_memory(_nbytes: int) -> None:
+        raise MemoryError("no memory for the staging arena")
+
+    monkeypatch.setattr(pool, "prefault", no_memory)
+    state = _state(8.0)
+    expected = _expected(state)
+    handle = dcp.async_save(state, checkpoint_id=tmp_path / "a", no_dist=True)
+    _scramble(state)
+    handle.result()  # the save itself succeeded
+    _assert_saved(tmp_path / "a", expected)
+    assert pool.capacity == 0
+    monkeypatch.undo()
+    state = _state(9.0)
+    expected = _expected(state)
+    dcp.async_save(state, checkpoint_id=tmp_path / "b", no_dist=True, staging="copy").result()
+    _assert_saved(tmp_path / "b", expected)
+    assert pool.capacity > 0

@@ -120,3 +120,36 @@ def test_small_copies_wait_for_the_layout_pass_then_every_byte_lands_and_the_swi
         assert sys.getswitchinterval() == pytest.approx(0.003)
     finally:
         sys.setswitchinterval(previous)
+
+
+def test_the_kept_staging_layout_follows_a_reshaped_or_replaced_parameter(tmp_path):
+    from hyper_parallel.core.distributed_checkpoint._plan_cache import clear_plan_cache  # pylint: disable=C0415
+
+    clear_plan_cache()
+    pool: StagingPool = _async_engine._POOL  # pylint: disable=protected-access
+    rng = np.random.default_rng(9)
+    params = {f"r{i}": ms.Parameter(ms.Tensor(rng.standard_normal((32, 48)).astype(np.float32)), name=f"r{i}")
+              for i in range(4)}
+    for step in range(2):  # a first save and one reusing its plan and staging layout
+        dcp.async_save(dict(params), checkpoint_id=tmp_path / f"warm{step}", no_dist=True, staging="copy").result()
+    reused = pool.layouts_reused
+    params["r1"].set_data(ms.Tensor(rng.standard_normal((48, 32)).astype(np.float32)))  # same bytes, new shape
+    params["r2"] = ms.Parameter(ms.Tensor(rng.standard_normal((32, 48)).astype(np.float32)), name="r2")  # new memory
+    expected = {key: p.asnumpy().copy() for key, p in params.items()}
+    handle = dcp.async_save(dict(params), checkpoint_id=tmp_path / "changed", no_dist=True, staging="copy")
+    for p in params.values():
+        p.asnumpy()[...] = 0.5
+    handle.result()
+    assert pool.layouts_reused == reused, "a reshaped Parameter changes the layout: offsets and views are made anew"
+    loaded = _load(tmp_path / "changed", expected)
+    for key, value in expected.items():
+        assert loaded[key].shape == value.shape and loaded[key].tobytes() == value.tobytes(), key
+    params["r3"] = ms.Parameter(ms.Tensor(np.full((32, 48), 3.0, np.float32)), name="r3")  # same layout, new memory
+    again = {key: p.asnumpy().copy() for key, p in params.items()}
+    handle = dcp.async_save(dict(params), checkpoint_id=tmp_path / "replaced", no_dist=True, staging="copy")
+    params["r3"].asnumpy()[...] = -1.0
+    handle.result()
+    assert pool.layouts_reused == reused + 1, "the same layout: the kept offsets and views, filled from the new memory"
+    loaded = _load(tmp_path / "replaced", again)
+    for key, value in again.items():
+        assert loaded[key].tobytes() == value.tobytes(), key

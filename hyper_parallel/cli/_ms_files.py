@@ -21,6 +21,7 @@ files are opened (a FIFO or device is refused instead of blocking).
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import os
@@ -50,7 +51,10 @@ __all__ = [
     "STRING_DTYPE",
     "CKPT_CHUNK_BYTES",
     "MsEntry",
+    "ReadBudget",
     "MsFile",
+    "available_memory",
+    "read_ahead_window",
     "open_regular",
     "open_ms_file",
     "ckpt_value_bytes",
@@ -73,6 +77,10 @@ CKPT_CHUNK_BYTES = 512 * 1024 * 1024
 _CRC_TRAILER = b"crc_num"
 _CRC_TRAILER_BYTES = 17
 _WINDOW = 512
+#: Fewest bytes announced by one ``MADV_WILLNEED`` (the read-ahead window where it is larger): one
+#: call makes the kernel read at most max(read-ahead window, the device's largest request, 128 KiB
+#: or more), the rest of a longer range is left to one single-page fault after another.
+_ANNOUNCE_BYTES = 128 * 1024
 
 
 def open_regular(path: str | os.PathLike) -> int:
@@ -119,6 +127,63 @@ class MsEntry:
         return sum(length for _, length in self.segments)
 
 
+def available_memory() -> int:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (0 where unknown)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+@functools.lru_cache(maxsize=None)
+def read_ahead_window(device: int) -> int | None:
+    """Bytes the kernel reads ahead in a file on ``device`` (an ``st_dev``), or None where unknown.
+
+    The ``read_ahead_kb`` of the device's backing device (``/sys/dev/block``,
+    the whole disk for a partition, or ``/sys/class/bdi``).
+    """
+    name = f"{os.major(device)}:{os.minor(device)}"
+    for path in (f"/sys/dev/block/{name}/bdi/read_ahead_kb", f"/sys/dev/block/{name}/../bdi/read_ahead_kb",
+                 f"/sys/class/bdi/{name}/read_ahead_kb"):
+        try:
+            with open(path, encoding="ascii") as handle:
+                return int(handle.read()) * 1024
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+class ReadBudget:
+    """Bytes an import may announce to the kernel before the writer uses them. Single process.
+
+    Announced bytes (``MADV_WILLNEED``) are read at once, exactly; the writer
+    asks for every tensor before it hashes and writes them, so announcing
+    more than memory holds would evict announced pages before their use.
+
+    Args:
+        nbytes: The budget.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        self.left = nbytes
+
+    @classmethod
+    def of_memory(cls) -> "ReadBudget":
+        """A quarter of the available memory."""
+        return cls(available_memory() // 4)
+
+    def take(self, nbytes: int) -> bool:
+        """Spend ``nbytes`` if they are left; return whether they were."""
+        if nbytes > self.left:
+            return False
+        self.left -= nbytes
+        return True
+
+
 class MsFile:
     """An indexed MindSpore ``.ckpt`` or ``.safetensors`` file; tensors mapped on demand.
 
@@ -134,42 +199,70 @@ class MsFile:
         self.path = path
         self.entries = entries
         self.file_metadata = file_metadata
-        size = os.fstat(fd).st_size
-        self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else None
+        info = os.fstat(fd)
+        self._window = read_ahead_window(info.st_dev)
+        self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if info.st_size else None
         os.close(fd)
         if self._map is not None and hasattr(mmap, "MADV_RANDOM"):
             # No read-around on a fault: only the contents asked for (see raw) are read.
             self._map.madvise(mmap.MADV_RANDOM)
 
-    def raw(self, name: str) -> np.ndarray:
+    def raw(self, name: str, *, budget: ReadBudget | None = None) -> np.ndarray:
         """Return the content bytes of ``name`` as a read-only uint8 array.
 
         A single-segment entry is a view of the mapped file (no copy); a
         ``.ckpt`` tensor split into several values is joined into a new array.
-        The map reads nothing around a fault elsewhere, so entries never asked
-        for are not read, except what the kernel reads ahead past the end of
-        a streamed content (at most its read-ahead window).
+        The device reads the pages of the content, once, and nothing else:
 
-        The content is marked ``MADV_SEQUENTIAL``: the kernel reads it ahead
-        as it is used, in large folios, and lets its pages go early. It is
-        never announced whole with ``MADV_WILLNEED``: on Linux 6.18 that fills
-        the page cache with 4 KiB pages, and an import of a 256 MiB ``.ckpt``
-        took 3.5-4x the wall time and about 3x the CPU time of readahead
-        (paired runs, cold cache; docs/guide.md, "MindSpore parallel jobs").
+        - the content is announced (``MADV_WILLNEED``) one read-ahead window
+          (at least 128 KiB) per call, so the kernel reads it all at once,
+          exactly, in requests as large as readahead's (one call reads at most
+          the larger of the read-ahead window and the device's largest
+          request: a single call for a whole tensor left the rest of it to
+          one 4 KiB fault after another, a 256 MiB import 2.6-3.3 s instead
+          of 0.4-0.5 s; docs/guide.md, "MindSpore parallel jobs");
+        - past ``budget`` (bytes announced before the writer uses them), the
+          content is read ahead by the kernel as it is used
+          (``MADV_SEQUENTIAL``) except its last two read-ahead windows, which
+          are announced, so no readahead crosses its end; past the budget
+          even for those, the whole content is read ahead (the device may
+          read up to a window past its end).
+
+        The map reads nothing around a fault elsewhere, so entries never
+        asked for are not read.
 
         Args:
             name: The entry.
+            budget: Bytes that may still be announced (the import's; spent
+                here). None: announce the whole content.
         """
         entry = self.entries[name]
         if not entry.segments or entry.nbytes == 0:
             return np.empty(0, dtype=np.uint8)
-        advice = getattr(mmap, "MADV_SEQUENTIAL", None)
-        for offset, length in entry.segments if advice is not None else ():
-            start = offset - offset % mmap.PAGESIZE
-            self._map.madvise(advice, start, length + offset - start)
+        if hasattr(mmap, "MADV_WILLNEED"):
+            for offset, length in entry.segments:
+                self._advise(offset - offset % mmap.PAGESIZE, offset + length, budget)
         parts = [np.frombuffer(self._map, dtype=np.uint8, count=length, offset=offset)
                  for offset, length in entry.segments]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _advise(self, start: int, end: int, budget: ReadBudget | None) -> None:
+        """Have the kernel read the pages of ``[start, end)`` (``start`` page-aligned) and no other."""
+        if budget is None or budget.take(end - start):
+            self._announce(start, end)
+            return
+        tail = 2 * self._window if self._window else end - start
+        cut = max(start, (end - tail) // mmap.PAGESIZE * mmap.PAGESIZE)
+        if budget.take(end - cut):
+            self._announce(cut, end)
+            end = cut
+        if end > start:
+            self._map.madvise(mmap.MADV_SEQUENTIAL, start, end - start)
+
+    def _announce(self, start: int, end: int) -> None:
+        step = max(_ANNOUNCE_BYTES, self._window or 0)
+        for at in range(start, end, step):
+            self._map.madvise(mmap.MADV_WILLNEED, at, min(step, end - at))
 
     def text(self, name: str) -> str:
         """Return the string held by a ``"str"`` entry (numpy UTF-32 text)."""

@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from hyper_parallel.cli._ms_files import STRING_DTYPE, MsEntry, MsFile
+from hyper_parallel.cli._ms_files import STRING_DTYPE, MsEntry, MsFile, ReadBudget
 from hyper_parallel.core.distributed_checkpoint._format.checksum import digest
 from hyper_parallel.core.distributed_checkpoint._format.cover import check_exact_cover
 from hyper_parallel.core.distributed_checkpoint._global_plan import build_global_save_plan
@@ -254,6 +254,9 @@ class PieceSavePlanner(SavePlanner):
         self._pieces = {MetadataIndex(p.fqn, p.offsets): p for p in pieces}
         self._values = dict(values)
         self._bytes: dict[MetadataIndex, bytes] = {}
+        # The writer asks for every piece before hashing and writing them: announce (read at once,
+        # exactly) what fits in a quarter of the available memory; see MsFile.raw.
+        self._budget = ReadBudget.of_memory()
 
     def configure_planner(self, state_dict: dict[str, Any], *, rank: int = 0, world_size: int = 1,
                           is_coordinator: bool = True, remove_redundancy: bool = True,
@@ -293,7 +296,7 @@ class PieceSavePlanner(SavePlanner):
         if item.type == WriteItemType.BYTE_IO:
             return self._bytes[index]
         piece = self._pieces[index]
-        return piece.file.raw(piece.entry.name)  # read ahead by the kernel as the writer streams it
+        return piece.file.raw(piece.entry.name, budget=self._budget)
 
 
 def total_bytes(pieces: Sequence[SourcePiece]) -> int:

@@ -113,10 +113,11 @@ def _plan_and_stage(
         if pieces is None:
             background.append(lambda: write_local(session, staged))
             return
-        snapshot = _replica_snapshot(pieces, staged.staged, _POOL.snapshot([array for _, _, array in held or ()]))
+        copies = _POOL.snapshot([array for _, _, array in held or ()])
 
         def write_and_hash() -> list[WriteResult]:
             results = write_local(session, staged)
+            snapshot = _replica_snapshot(pieces, staged.staged, copies)
             replicas.append(tuple((fqn, offsets, digest(memoryview(copy))) for fqn, offsets, copy in snapshot))
             return results
 
@@ -209,13 +210,18 @@ def _then_prefault(wait: Callable[[], Any], nbytes: Callable[[], int]) -> Callab
     """``wait`` (for a forked writer) after mapping and faulting in the next save's arena. Background thread."""
 
     def prefault_then_wait() -> Any:
-        try:
-            _POOL.prefault(nbytes())
-        except Exception:  # pylint: disable=broad-except  # best effort: the next save maps its arena then
-            _LOG.debug("pre-faulting the staging arena failed", exc_info=True)
+        _prefault(nbytes())
         return wait()
 
     return prefault_then_wait
+
+
+def _prefault(nbytes: int) -> None:
+    """:meth:`.StagingPool.prefault` of the pool, best effort (the next save maps its arena otherwise)."""
+    try:
+        _POOL.prefault(nbytes)
+    except Exception:  # pylint: disable=broad-except
+        _LOG.debug("pre-faulting the staging arena failed", exc_info=True)
 
 
 def _item_bytes(items: tuple[Any, ...]) -> int:
@@ -235,7 +241,7 @@ def _deferred_or_none(deferred: DeferredPlan, early: EarlyCopies | None, forked_
     def request(copies: EarlyCopies | None) -> AsyncRequest | None:
         return deferred_request(deferred, early=copies, pool=_POOL, finalize=_committed,
                                 commit=lambda planned, write: commit_save(planned, write, step="async write and commit"),
-                                prefault=_POOL.prefault if forked_first else None)
+                                prefault=_prefault if forked_first else None)
 
     try:
         if not forked_first:

@@ -26,7 +26,6 @@ is planned in the blocking part as before (:func:`deferred_request` returns
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -42,8 +41,6 @@ from hyper_parallel.core.distributed_checkpoint.standard_planner import Standard
 from hyper_parallel.core.distributed_checkpoint.storage import StorageWriter, WriteResult
 
 __all__ = ["DeferredPlan", "PlannedSave", "deferred_request"]
-
-_LOG = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -105,7 +102,7 @@ def deferred_request(deferred: DeferredPlan, *, early: EarlyCopies | None, pool:
         commit: Commits a planned session with the results of a write.
         finalize: The request's finalize function.
         prefault: With a fork: called first by the background function with the arena bytes a
-            copying save of this layout needs (``StagingPool.prefault``: ``staging="auto"``).
+            copying save of this layout needs (``staging="auto"``; best effort, it never raises).
 
     Returns:
         ``None`` when the plan must be made now (see the module docstring).
@@ -149,10 +146,7 @@ def deferred_request(deferred: DeferredPlan, *, early: EarlyCopies | None, pool:
 
     def commit_child() -> Metadata:
         if prefault is not None:  # while the child writes: the next save copies into backed memory
-            try:
-                prefault(layout.tensor_bytes + layout.pieces * ALIGN)
-            except Exception:  # pylint: disable=broad-except  # best effort: the next save maps its arena then
-                _LOG.debug("pre-faulting the staging arena failed", exc_info=True)
+            prefault(layout.tensor_bytes + layout.pieces * ALIGN)
         try:
             results, planned = wait()
             session = deferred.adopt(planned)

@@ -301,22 +301,30 @@ def _map_arena(nbytes: int) -> np.ndarray:
 
 
 def _populate(arena: np.ndarray) -> bool:
-    """Fault in every page of the arena at once (``MADV_POPULATE_WRITE``); False where the kernel cannot.
+    """Fault in every page of the arena (``MADV_POPULATE_WRITE``); False where the kernel cannot.
 
     Called through ``ctypes``, which releases the GIL for the call (the mmap
-    module's ``madvise`` holds it: the caller's thread would stop meanwhile).
+    module's ``madvise`` holds it: the caller's thread would stop meanwhile),
+    in steps of :data:`_POPULATE_STEP` bytes: the kernel holds the process's
+    memory-map lock while it populates, and a training thread mapping or
+    unmapping memory (a large allocation) waits for it meanwhile.
     """
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        done = libc.madvise(ctypes.c_void_p(arena.ctypes.data), ctypes.c_size_t(arena.size),
-                            ctypes.c_int(_MADV_POPULATE_WRITE))
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
     except (AttributeError, OSError):  # pragma: no cover - no C library with madvise
         return False
-    return done == 0
+    start = arena.ctypes.data
+    for offset in range(0, arena.size, _POPULATE_STEP):
+        length = min(_POPULATE_STEP, arena.size - offset)
+        if madvise(ctypes.c_void_p(start + offset), ctypes.c_size_t(length), ctypes.c_int(_MADV_POPULATE_WRITE)) != 0:
+            return False  # pragma: no cover - kernels before 5.14
+    return True
 
 
 #: Linux's ``MADV_POPULATE_WRITE`` (5.14+), which Python 3.11's mmap module does not name.
 _MADV_POPULATE_WRITE = 23
+#: Bytes faulted in per ``madvise`` call (:func:`_populate`).
+_POPULATE_STEP = 16 << 20
 _PAGE = 4096
 #: A grown arena is this much larger than the state that outgrew the last one.
 ARENA_HEADROOM = 1.25
