@@ -296,3 +296,30 @@ def test_header_is_exactly_accepts_only_the_writers_header_of_every_row() -> Non
     assert not header_check.header_is_exactly(text.replace(b'"k":"v\\""', b'"k":"\\u0076\\""', 1), size, rows)
     assert not header_check.header_is_exactly(b"\xff" + text[1:], size, rows)
     assert not header_check.header_is_exactly(b'{"other":1' + text[10:], size, rows)
+
+
+def test_the_cheap_records_equal_their_classes_own() -> None:
+    """Records built without their frozen ``__init__`` (one per tensor) equal, hash and pickle as the usual ones."""
+    import dataclasses
+    import pickle
+
+    from hyper_parallel.core.distributed_checkpoint import _load_planner, _read_items, _state_items
+    from hyper_parallel.core.distributed_checkpoint.planner import ReadItem
+
+    index = dcp.MetadataIndex("w", (0, 0), 0)
+    item = _load_planner._whole_read(index, (0, 0), (2, 3))  # pylint: disable=protected-access
+    usual = ReadItem(LoadItemType.TENSOR, index, (0, 0), index, (0, 0), (2, 3))
+    assert item == usual and hash(item) == hash(usual) and pickle.loads(pickle.dumps(item)) == usual
+    assert set(vars(item)) == {f.name for f in dataclasses.fields(ReadItem)}
+    for value in (ms.Parameter(ms.Tensor(np.ones((2, 3), np.float32)), name="w"), ms.Tensor(np.ones(4), ms.bfloat16),
+                  np.ones((2, 1), np.int8)):
+        entry = _state_items.make_entry("w", value)
+        shape = tuple(value.shape)
+        usual = _state_items.TensorEntry("w", entry.dtype, shape, (_state_items.TensorPiece((0,) * len(shape), shape),),
+                                         value, shape, True, False, True)
+        assert entry == usual and set(vars(entry)) == {f.name for f in dataclasses.fields(_state_items.TensorEntry)}
+    assert _state_items.make_entry("w", ms.Tensor(np.ones(2), ms.bfloat16)).dtype == "bfloat16"
+    with pytest.raises(dcp.UnsupportedTypeError, match="key 'c'.*complex64"):
+        _state_items.make_entry("c", ms.Tensor(np.ones(2, np.complex64)))
+    facts = _read_items._new_tuple(_read_items.ItemFacts, (None, None, (2,), 4, 8, True))  # pylint: disable=protected-access
+    assert facts == _read_items.ItemFacts(None, None, (2,), 4, 8, True) and facts.small and facts.nbytes == 8

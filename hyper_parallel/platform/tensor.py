@@ -39,6 +39,7 @@ __all__ = [
     "host_memory_shared",
     "assign_region",
     "to_numpy_dtype",
+    "tensor_dtype_name",
     "DEVICE_COPIES_ENV",
     "from_numpy",
     "assign",
@@ -288,6 +289,18 @@ def dtype_name(value: Any) -> str:
     else:
         dtype = value.dtype if hasattr(value, "dtype") else np.dtype(value)
         name = np.dtype(dtype).name
+    if name not in DTYPE_NAMES:
+        raise TypeError(f"dtype {name} cannot be stored in a checkpoint")
+    return name
+
+
+def tensor_dtype_name(value: Any) -> str:
+    """:func:`dtype_name` of a value known to be a MindSpore tensor (spares the type test).
+
+    Raises:
+        TypeError: the dtype is not one the checkpoint stores.
+    """
+    name = _ms_dtype_name(value.dtype)
     if name not in DTYPE_NAMES:
         raise TypeError(f"dtype {name} cannot be stored in a checkpoint")
     return name

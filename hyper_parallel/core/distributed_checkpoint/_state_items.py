@@ -27,7 +27,7 @@ from hyper_parallel.core.distributed_checkpoint.mapping import (
     is_main_replica,
 )
 from hyper_parallel.core.dtensor import DTensor
-from hyper_parallel.platform.tensor import dtype_name, is_tensor
+from hyper_parallel.platform.tensor import dtype_name, is_tensor, tensor_dtype_name
 
 __all__ = [
     "TensorPiece",
@@ -194,7 +194,37 @@ def _whole_pieces(shape: tuple[int, ...]) -> tuple[TensorPiece, ...]:
     return (TensorPiece((0,) * len(shape), shape),)
 
 
+_new_object = object.__new__
+_set_attribute = object.__setattr__
+
+
+def _plain_tensor_entry(fqn: str, dtype: str, shape: tuple[int, ...], value: Any) -> TensorEntry:
+    """The :class:`TensorEntry` of a whole plain tensor: equal to ``TensorEntry(fqn, dtype, shape,
+    ((0,...), shape) piece, value, shape, write=True, allow_shape_mismatch=False, may_be_replicated=True)``,
+    built at a third of the frozen ``__init__``'s cost (one per leaf of a state of thousands; no
+    ``__post_init__`` is skipped: the class has none)."""
+    entry = _new_object(TensorEntry)
+    _set_attribute(entry, "__dict__", {
+        "fqn": fqn, "dtype": dtype, "global_shape": shape, "pieces": _whole_pieces(shape), "local": value,
+        "local_shape": shape, "write": True, "allow_shape_mismatch": False, "may_be_replicated": True,
+        "layout": None,
+    })
+    return entry
+
+
+#: Exact type of a leaf -> whether it is a plain MindSpore tensor (a Parameter, a Tensor; no DTensor or
+#: ShardedTensor): most leaves of a state, classified without the chain of type tests below.
+_PLAIN_TENSOR_TYPES: dict[type, bool] = {}
+
+
 def _make_entry(fqn: str, value: Any) -> TensorEntry | ValueEntry | SkipEntry:
+    kind = type(value)
+    plain = _PLAIN_TENSOR_TYPES.get(kind)
+    if plain is None:
+        plain = _PLAIN_TENSOR_TYPES[kind] = is_tensor(value) and not issubclass(kind, (DTensor, ShardedTensor))
+    if plain:
+        shape = tuple(map(int, value.shape))
+        return _plain_tensor_entry(fqn, tensor_dtype_name(value), shape, value)
     if isinstance(value, DTensor):
         local = value.to_local()
         return TensorEntry(
@@ -213,9 +243,7 @@ def _make_entry(fqn: str, value: Any) -> TensorEntry | ValueEntry | SkipEntry:
         shape = tuple(map(int, value.shape))
         if isinstance(value, np.ndarray) and value.dtype == object:
             return ValueEntry(fqn=fqn, value=value)
-        # Positional (one per leaf of a state of thousands): fqn, dtype, global_shape, pieces, local,
-        # local_shape, write, allow_shape_mismatch, may_be_replicated.
-        return TensorEntry(fqn, dtype_name(value), shape, _whole_pieces(shape), value, shape, True, False, True)
+        return _plain_tensor_entry(fqn, dtype_name(value), shape, value)
     if isinstance(value, ShardedObject):
         return ValueEntry(
             fqn=fqn,
