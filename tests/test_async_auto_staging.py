@@ -129,7 +129,7 @@ def test_a_refused_fork_falls_back_to_copying(tmp_path, monkeypatch, cached):
         dcp.async_save(_state(6.0), checkpoint_id=tmp_path / "f", no_dist=True, staging="fork")
 
 
-def test_a_writer_subclass_or_several_ranks_are_copied_not_forked(tmp_path, forks):
+def test_a_writer_subclass_is_copied_not_forked_and_an_unknown_staging_is_refused(tmp_path, forks):
     class OwnWriter(dcp.FileSystemWriter):
         """A writer of the user's: its ``write_data`` might not survive a fork."""
 
