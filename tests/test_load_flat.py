@@ -14,7 +14,13 @@ import numpy as np
 import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel.core.distributed_checkpoint import _reader_headers
 from hyper_parallel.core.distributed_checkpoint._format import header_check, metadata_json
+from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import (
+    SAFETENSORS_DTYPES,
+    HeaderEntry,
+    build_header,
+)
 from hyper_parallel.core.distributed_checkpoint._load_planner import direct_targets
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType
 
@@ -217,3 +223,76 @@ def test_a_target_given_new_data_between_loads_is_read_into_its_new_memory(tmp_p
     param.set_data(ms.Tensor(np.full(6, 9, np.float32)))
     dcp.load({"w": param}, checkpoint_id=tmp_path / "b", no_dist=True)
     assert np.array_equal(param.asnumpy(), np.arange(6, dtype=np.float32) * 2)
+
+
+def _header_damaged(tmp_path: Path, count: int, damage) -> tuple[dict[str, np.ndarray], str]:
+    """``count`` float32 (2, 3) Parameters saved in one file; ``damage`` edits the header bytes (same length)."""
+    values = {f"s{i:02d}": np.arange(6, dtype=np.float32).reshape(2, 3) + i for i in range(count)}
+    dcp.save({k: ms.Parameter(ms.Tensor(v), name=k) for k, v in values.items()}, checkpoint_id=tmp_path,
+             no_dist=True)
+    info = dcp.read_metadata(tmp_path).storage_data[dcp.MetadataIndex("s17", (0, 0))]
+    path = tmp_path / info.relative_path
+    data = path.read_bytes()
+    damaged = damage(data, info.offset - (8 + int.from_bytes(data[:8], "little")))
+    assert damaged != data and len(damaged) == len(data)
+    path.write_bytes(damaged)
+    return values, info.relative_path
+
+
+def _swap_ranges(data: bytes, begin: int) -> bytes:
+    """s17 and s18 trade byte ranges in the header (it still tiles the file)."""
+    mine, theirs = f'"data_offsets":[{begin},{begin + 24}]'.encode(), f'"data_offsets":[{begin + 24},{begin + 48}]'.encode()
+    end = 8 + int.from_bytes(data[:8], "little")
+    header = data[:end].replace(mine, b"<mine>", 1).replace(theirs, mine, 1).replace(b"<mine>", theirs, 1)
+    return header + data[end:]
+
+
+@pytest.mark.parametrize("damage,shown", [
+    (lambda data, _: data.replace(b'"s17":{"dtype":"F32"', b'"s17":{"dtype":"I32"', 1), r"F32.*I32"),
+    (lambda data, _: data.replace(b'"s17":{"dtype":"F32","shape":[2,3]', b'"s17":{"dtype":"F32","shape":[6,1]', 1),
+     r"shape \[2, 3\].*shape \[6, 1\]"),
+    (_swap_ranges, r"'s17'.*'s18'"),
+])
+@pytest.mark.parametrize("verify,threads", [(False, 1), (True, 2)])
+def test_a_header_entry_disagreeing_mid_file_is_refused_by_the_whole_file_check(
+        tmp_path: Path, damage, shown: str, verify: bool, threads: int) -> None:
+    """Another dtype, shape or byte range of one entry mid-file: the whole-file comparison fails, the entry by
+    entry check names the key and the file, and no target changes."""
+    values, relative = _header_damaged(tmp_path, 40, damage)
+    targets = {k: ms.Parameter(ms.Tensor(np.full((2, 3), 5, np.float32)), name=k) for k in values}
+    reader = dcp.FileSystemReader(tmp_path, verify_checksums=verify, thread_count=threads)
+    with pytest.raises(dcp.CorruptCheckpointError, match=r"key 's17'.*" + shown) as caught:
+        dcp.load(targets, storage_reader=reader, no_dist=True)
+    assert relative in str(caught.value) and "nothing was loaded" in str(caught.value)
+    assert all((p.asnumpy() == 5).all() for p in targets.values())
+
+
+def test_an_intact_file_is_checked_by_one_comparison(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    values = {f"s{i:02d}": np.arange(6, dtype=np.float32).reshape(2, 3) + i for i in range(40)}
+    dcp.save({k: ms.Parameter(ms.Tensor(v), name=k) for k, v in values.items()}, checkpoint_id=tmp_path,
+             no_dist=True)
+    entry_by_entry = []
+    monkeypatch.setattr(_reader_headers, "header_entries", lambda *a, **k: entry_by_entry.append(a))
+    targets = {k: ms.Parameter(ms.Tensor(np.zeros((2, 3), np.float32)), name=k) for k in values}
+    dcp.load(targets, checkpoint_id=tmp_path, no_dist=True)
+    assert entry_by_entry == [] and all(np.array_equal(targets[k].asnumpy(), v) for k, v in values.items())
+
+
+def test_header_is_exactly_accepts_only_the_writers_header_of_every_row() -> None:
+    entries = [HeaderEntry("a", "float32", (2, 3), 24), HeaderEntry("b\u00e9", "bfloat16", (1,), 2),
+               HeaderEntry("c", "int8", (), 1)]
+    header, offsets = build_header(entries, {"format": "x", "k": "v\""}, align=64)
+    size = offsets[-1] + 1
+    text = header[8:]
+    rows = [(o, e.nbytes, e.name, SAFETENSORS_DTYPES[e.dtype], e.shape) for o, e in zip(offsets, entries)]
+    assert header_check.header_is_exactly(text, size, rows)
+    assert not header_check.header_is_exactly(text, size, rows[:2])  # a partial read: rows do not tile the file
+    assert not header_check.header_is_exactly(text, size + 1, rows)  # the file holds more than the header says
+    assert not header_check.header_is_exactly(text, size, [rows[0], rows[1][:3] + ("F16", (1,)), rows[2]])
+    assert not header_check.header_is_exactly(text, size, [rows[0], rows[1][:2] + ("b", "BF16", (1,)), rows[2]])
+    assert not header_check.header_is_exactly(text, size, [rows[0], rows[1][:4] + ((2,),), rows[2]])
+    assert not header_check.header_is_exactly(text.replace(b'"b', b'"x', 1), size, rows)
+    assert not header_check.header_is_exactly(text.replace(b'"v\\""', b'"v"', 1), size, rows)  # not JSON there
+    assert not header_check.header_is_exactly(text.replace(b'"k":"v\\""', b'"k":"\\u0076\\""', 1), size, rows)
+    assert not header_check.header_is_exactly(b"\xff" + text[1:], size, rows)
+    assert not header_check.header_is_exactly(b'{"other":1' + text[10:], size, rows)

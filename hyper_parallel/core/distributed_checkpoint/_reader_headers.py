@@ -10,9 +10,11 @@ from hyper_parallel.core.distributed_checkpoint._format.header_check import (
     HeaderSpan,
     expected_span,
     header_entries,
+    header_is_exactly,
     span_problem,
 )
-from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import SAFETENSORS_DTYPES
+from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import SAFETENSORS_DTYPES, read_header_text
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint._read_items import ItemFacts
 from hyper_parallel.core.distributed_checkpoint._reader_verify import check_within
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
@@ -27,8 +29,8 @@ _HEADER_READ_BYTES = 4096
 class HeaderCheck:
     """The header check of :class:`~.filesystem_reader.FileSystemReader` (a mixin; all ranks run it).
 
-    Uses the reader's ``path``, ``_items``, ``_headers`` (file -> header entries,
-    read once per load), ``_header_checked`` (items checked) and ``_header_lists`` (file -> the last list of
+    Uses the reader's ``path``, ``_items``, ``_headers`` (file -> its header entries, or its raw header
+    when one comparison proved all its items; read once per load), ``_header_checked`` (items checked) and ``_header_lists`` (file -> the last list of
     its items checked whole).
     """
 
@@ -48,18 +50,12 @@ class HeaderCheck:
         if not todo:
             return
         entries = self._headers.get(relative_path)
-        if entries is None:
-            head = np.empty(min(size, _HEADER_READ_BYTES), dtype=np.uint8)
-            head = head[: source.readinto(head, 0)].tobytes()  # one read holds the usual header (data at 4096)
-
-            def pread(count: int, offset: int) -> bytes:
-                if offset + count <= len(head):
-                    return head[offset : offset + count]
-                buffer = np.empty(count, dtype=np.uint8)
-                return buffer[: source.readinto(buffer, offset)].tobytes()
-
-            entries = header_entries(str(path), size, pread, keys=[item.storage_index.fqn for item in todo])
-            self._headers[relative_path] = entries
+        if entries is None or type(entries) is bytes:  # pylint: disable=unidiomatic-typecheck
+            entries = self._header_entries(source, path, size, relative_path, items, todo, entries)
+            if entries is None:  # every item of the file, proven by one comparison
+                checked.update(map(id, todo))
+                self._header_lists[relative_path] = items
+                return
         facts_of = self._items.facts
         codes = SAFETENSORS_DTYPES
         for item in todo:
@@ -78,6 +74,57 @@ class HeaderCheck:
             self._check_entry(path, item, facts, found)
             checked.add(id(item))
         self._header_lists[relative_path] = items
+
+    def _header_entries(self, source: Any, path: Any, size: int, relative_path: str, items: list[ReadItem],
+                        todo: list[ReadItem], text: bytes | None) -> dict[int, tuple[Any, ...]] | None:
+        """Read (or take) the file's header once per load; ``None`` when it proves every item of ``todo`` at once.
+
+        ``text``: the raw header kept by an earlier call (``self._headers``), else ``None``. When ``todo`` is
+        every item of ``items`` and the header is exactly the writer's for them, only the raw header is kept
+        (parsed later if another item of the file comes); otherwise the header is parsed into its entries.
+
+        Raises:
+            CorruptCheckpointError: an unreadable header (names the file and keys).
+        """
+        if text is None:
+            head = np.empty(min(size, _HEADER_READ_BYTES), dtype=np.uint8)
+            head = head[: source.readinto(head, 0)].tobytes()  # one read holds the usual header (data at 4096)
+
+            def pread(count: int, offset: int) -> bytes:
+                if offset + count <= len(head):
+                    return head[offset : offset + count]
+                buffer = np.empty(count, dtype=np.uint8)
+                return buffer[: source.readinto(buffer, offset)].tobytes()
+
+            try:
+                text = read_header_text(str(path), size, pread)
+            except CheckpointError:  # header_entries says what is wrong, naming the keys
+                return header_entries(str(path), size, pread, keys=[item.storage_index.fqn for item in todo])
+            if len(todo) == len(items) and self._whole_file_matches(size, text, todo):
+                self._headers[relative_path] = text
+                return None
+        raw = len(text).to_bytes(8, "little") + text
+        entries = header_entries(str(path), size, lambda count, offset: raw[offset : offset + count],
+                                 keys=[item.storage_index.fqn for item in todo])
+        self._headers[relative_path] = entries
+        return entries
+
+    def _whole_file_matches(self, size: int, text: bytes, items: list[ReadItem]) -> bool:
+        """Whether ``items`` are every item of the file, each a whole uncompressed tensor chunk, and the file's
+        header ``text`` is exactly the writer's for them (``header_check.header_is_exactly``). ``False`` proves
+        nothing.
+        """
+        rows = []
+        facts_of = self._items.facts
+        codes = SAFETENSORS_DTYPES
+        for item in items:
+            facts = facts_of(item)
+            info, stored, sizes = facts.info, facts.stored, facts.sizes
+            if sizes is None or info.compression or sizes != stored.size:  # a value, compressed, or a shard
+                return False
+            rows.append((info.offset, info.length, item.storage_index.fqn, codes.get(stored.properties.dtype), sizes))
+        rows.sort()
+        return header_is_exactly(text, size, rows)
 
     def _check_entry(self, path: Any, item: ReadItem, facts: ItemFacts, found: tuple[Any, ...] | None) -> None:
         """The full comparison of ``item``'s header entry (``found``, ``None`` if there is none) with the metadata.

@@ -110,7 +110,7 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         self._kept: dict[ReadItem, np.ndarray] = {}  # verified regions kept for the read pass
         self._kept_bytes = 0
         self._kept_lock = threading.Lock()
-        self._headers: dict[str, dict[int, tuple[Any, ...]]] = {}  # data file -> its header entries (once per load)
+        self._headers: dict[str, dict[int, tuple[Any, ...]] | bytes] = {}  # data file -> header entries / raw header
         self._header_checked: set[int] = set()  # id() of the read items checked against their file's header
         self._header_lists: dict[str, list[ReadItem]] = {}  # data file -> the last list of its items checked whole
         self._items: ItemIndex | None = None  # the read items' facts, looked up once per load

@@ -13,7 +13,9 @@ any target changes. ``hp-ckpt verify`` uses the same rules for every item.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii
 from typing import Callable
 
 from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import SAFETENSORS_DTYPES, read_header_at
@@ -25,10 +27,13 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-__all__ = ["HeaderSpan", "expected_span", "header_entries", "header_spans", "span_problem"]
+__all__ = ["HeaderSpan", "expected_span", "header_entries", "header_is_exactly", "header_spans", "span_problem"]
 
 #: Keys named in a message about a file whose header cannot be read.
 _SHOWN_KEYS = 5
+#: How every header this package writes starts (``safetensors_file.header_bytes``).
+_HEAD = '{"__metadata__":'
+_DECODER = json.JSONDecoder()
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,3 +137,44 @@ def span_problem(spans: dict[int, HeaderSpan], offset: int, expected: HeaderSpan
         return None
     there = f"an entry {found.describe()}" if found is not None else "no entry starting"
     return f"the metadata says {expected.describe()} at byte {offset}, the file's safetensors header has {there} there"
+
+
+def header_is_exactly(text: bytes, size: int, rows: list[tuple[int, int, str, str, tuple[int, ...]]]) -> bool:
+    """Whether a data file's header is byte for byte the one the writer makes for ``rows``, which tile the file.
+
+    The bulk form of the header check, for a file whose every item a load
+    reads (one comparison of the whole text instead of parsing it and
+    comparing entry by entry). ``True`` proves every row: the file's header
+    has exactly these entries, with these names, dtypes, shapes and byte
+    ranges, and nothing else, and they fill the file's data region. ``False``
+    proves nothing (another writer's spelling, a name with ``#`` suffixes, a
+    partial read, a damaged header): the caller then checks entry by entry
+    and names what differs. Any rank; pure.
+
+    Args:
+        text: The file's raw header (``safetensors_file.read_header_text``).
+        size: The file's size in bytes.
+        rows: ``(absolute byte offset, length, name, safetensors dtype code, shape)`` of every item, sorted.
+    """
+    try:
+        header = text.decode("ascii").rstrip(" ")  # the writer escapes every non-ASCII character
+        if not header.startswith(_HEAD):
+            return False
+        file_metadata, _ = _DECODER.raw_decode(header, len(_HEAD))
+    except ValueError:
+        return False
+    if type(file_metadata) is not dict or not all(type(v) is str for v in file_metadata.values()):  # pylint: disable=unidiomatic-typecheck
+        return False
+    data_start = 8 + len(text)
+    position = 0
+    parts = [_HEAD, json.dumps(file_metadata, separators=(",", ":"))]
+    quoted = encode_basestring_ascii
+    for offset, length, name, code, shape in rows:
+        if offset - data_start != position or code is None:
+            return False
+        end = position + length
+        parts.append(f',{quoted(name)}:{{"dtype":"{code}","shape":[{",".join(map(str, shape))}],'
+                     f'"data_offsets":[{position},{end}]}}')
+        position = end
+    parts.append("}")
+    return data_start + position == size and "".join(parts) == header

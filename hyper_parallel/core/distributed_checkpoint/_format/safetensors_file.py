@@ -29,6 +29,7 @@ __all__ = [
     "read_header",
     "read_header_and_metadata",
     "read_header_at",
+    "read_header_text",
 ]
 
 #: Stored dtype name -> safetensors dtype code.
@@ -145,7 +146,12 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, dict], int]:
     return header, data_start
 
 
-def _read_raw_header(path: str | os.PathLike, size: int, pread: Callable[[int, int], bytes]) -> bytes:
+def read_header_text(path: str | os.PathLike, size: int, pread: Callable[[int, int], bytes]) -> bytes:
+    """A file's raw header JSON (its padding included; the data region starts 8 bytes after it), unparsed.
+
+    Raises:
+        CorruptCheckpointError: the file is too short for it, or its length is absurd (names the file).
+    """
     raw = pread(8, 0)
     if len(raw) < 8:
         raise CorruptCheckpointError(f"{path}: file too short for a safetensors header ({size} bytes)")
@@ -190,7 +196,7 @@ def read_header_at(
         size: The file's size in bytes.
         pread: Returns up to ``count`` bytes from byte ``offset``.
     """
-    text = _read_raw_header(path, size, pread)
+    text = read_header_text(path, size, pread)
     length = len(text)
     try:
         header = json.loads(text.decode("utf-8"))
