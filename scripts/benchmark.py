@@ -298,13 +298,17 @@ def phase_async(state: dict[str, Any], work: Path, args: argparse.Namespace,
     the commit, if it is not already done in the background), and the commit itself (``writer.finish``),
     noting in ``notes`` the thread it ran on (``MainThread``: inside ``result()``).
 
-    Every staging mode: ``auto`` (the default, labels without a suffix: a first call of one rank forks, and its
-    background work faults in the arena the next calls copy into), ``copy`` (reused host buffers, also on the first
-    call) and ``fork`` (copy-on-write child writer).
+    Every staging mode: ``copy`` (the default, labels without a suffix: reused host buffers, mapped on the first
+    call), ``auto`` (a first call of one rank forks, and its background work faults in the arena the next calls
+    copy into; with the filesystem writer itself, since a subclass is never forked for) and ``fork`` (copy-on-write
+    child writer). Right after each call returns, one byte of every page of every source tensor is written (its
+    value unchanged), as the next training step would: after a fork, each such page is copied at a page fault
+    while the child lives, a cost the call's own time does not show.
     """
     path = work / "async"
     out: dict[str, list[float]] = {}
-    for staging in ("auto", "copy", "fork"):
+    pages = _page_writers(state)
+    for staging in ("copy", "auto", "fork"):
         # A first call plans from nothing and maps a fresh staging arena, as the first save of a job does,
         # even when the sync saves of this run (same layout) left a cached plan and an arena behind.
         _async_engine._POOL.release()  # pylint: disable=protected-access
@@ -313,24 +317,30 @@ def phase_async(state: dict[str, Any], work: Path, args: argparse.Namespace,
         background: list[float] = []
         result: list[float] = []
         commit: list[float] = []
+        first_write: list[float] = []
         threads: set[str] = set()
         for _ in range(1 + args.runs):
             remove(path)
             pretouch(args.pretouch_gb)
-            writer = bench_protections.TimedWriter(path, thread_count=args.threads)
+            if staging == "auto":  # "auto" forks only for the filesystem writer itself (not a timing subclass)
+                writer = dcp.FileSystemWriter(path, thread_count=args.threads)
+            else:
+                writer = bench_protections.TimedWriter(path, thread_count=args.threads)
             start = time.perf_counter()
             handle = dcp.async_save(state, storage_writer=writer, no_dist=True, staging=staging)
             returned = time.perf_counter()
             blocking.append(returned - start)
+            pages()
+            first_write.append(time.perf_counter() - returned)
             while not handle.done():
                 time.sleep(0.0005)
             background.append(time.perf_counter() - returned)
             start = time.perf_counter()
             handle.result()
             result.append(time.perf_counter() - start)
-            commit += writer.commit_seconds
-            threads.update(writer.commit_threads)
-        suffix = "" if staging == "auto" else f", {staging}"
+            commit += getattr(writer, "commit_seconds", [])
+            threads.update(getattr(writer, "commit_threads", []))
+        suffix = "" if staging == "copy" else f", {staging}"
         if commit:  # the commit ran in this process (a fork child's commit is inside "background")
             out[f"dcp.async_save commit (writer.finish){suffix}"] = commit
         notes[f"async commit thread{suffix}"] = ", ".join(sorted(threads)) or "not in this process"
@@ -338,8 +348,22 @@ def phase_async(state: dict[str, Any], work: Path, args: argparse.Namespace,
         out[f"dcp.async_save blocking{suffix}, steady"] = blocking[1:]
         out[f"dcp.async_save background until done(){suffix}"] = background
         out[f"dcp.async_save result() after done(){suffix}"] = result
+        out[f"dcp.async_save first write to every page after the call{suffix}, first call"] = first_write[:1]
+        out[f"dcp.async_save first write to every page after the call{suffix}, steady"] = first_write[1:]
     remove(path)
     return out
+
+
+def _page_writers(state: dict[str, Any]) -> Callable[[], None]:
+    """A function writing one byte of every page of every tensor of ``state`` (values unchanged)."""
+    views = [np.asarray(value.asnumpy()).reshape(-1).view(np.uint8) for value in state.values()
+             if hasattr(value, "asnumpy")]
+
+    def write_pages() -> None:
+        for view in views:
+            view[::4096] += 0
+
+    return write_pages
 
 
 def save_for_load(state: dict[str, Any], work: Path, threads: int) -> Path:
@@ -578,12 +602,15 @@ def ratios(t: dict[str, float], args: argparse.Namespace, memory: dict[str, Any]
     add("protection: replica check (all bytes replicated) / best dcp.save", replica_cost / best_save, None)
     add("protection: fsync, save / save without fsync (1 thread)",
         t["dcp.save (thread_count=1)"] / t["dcp.save (thread_count=1, no fsync)"], None)
-    for mode in ("", ", copy", ", fork"):  # "": the default, staging="auto"
+    for mode in ("", ", auto", ", fork"):  # "": the default, staging="copy"
         for when in ("first call", "steady"):
             add(f"async{mode} blocking ({when}) / memcpy", t[f"dcp.async_save blocking{mode}, {when}"]
                 / t["host memcpy"], 1.0)
         add(f"async{mode} result() after done() / memcpy", t[f"dcp.async_save result() after done(){mode}"]
             / t["host memcpy"], None)
+        for when in ("first call", "steady"):  # the page faults a fork moves into training
+            add(f"async{mode} first write to every page after the call ({when}) / memcpy",
+                t[f"dcp.async_save first write to every page after the call{mode}, {when}"] / t["host memcpy"], None)
         add(f"async{mode} background until done() / best dcp.save",
             t[f"dcp.async_save background until done(){mode}"] / best_save, None)
         if f"dcp.async_save commit (writer.finish){mode}" in t:

@@ -200,7 +200,7 @@ def test_save_async_save_and_load_call_the_registered_strategies(tmp_path):
         dcp.async_save({"a": np.full(2, 2.0)}, checkpoint_id=tmp_path / "t").result()
         target = {"a": np.zeros(2)}
         dcp.load(target, checkpoint_id=tmp_path / "t", use_collectives=False)
-    assert calls == [("save", "FileSystemWriter", False), ("async_save", "auto"), ("load", "2.0", ["a"], False)]
+    assert calls == [("save", "FileSystemWriter", False), ("async_save", "copy"), ("load", "2.0", ["a"], False)]
     assert target["a"].tolist() == [2.0, 2.0]
     dcp.load(target, checkpoint_id=tmp_path / "s")
     assert target["a"].tolist() == [1.0, 1.0] and len(calls) == 3, "the default strategies are back"

@@ -1,4 +1,4 @@
-"""``async_save(staging="auto")``, the default: a first call of one rank snapshots by fork, later calls copy.
+"""``async_save(staging="auto")``: a first call of one rank snapshots by fork, later calls copy (the default is "copy").
 
 The first async save of a process has no staging arena: copying into fresh
 memory costs its page faults. ``"auto"`` takes the fork's copy-on-write
@@ -85,7 +85,7 @@ def test_a_first_call_forks_and_the_next_ones_copy_into_the_arena_it_faulted_in(
     arenas, reused = pool.arenas, STATS.reused
     state = _state(1.0)
     expected = _expected(state)
-    handle = dcp.async_save(state, checkpoint_id=tmp_path / "first", no_dist=True)
+    handle = dcp.async_save(state, checkpoint_id=tmp_path / "first", no_dist=True, staging="auto")
     _scramble(state)
     handle.result()
     assert len(forks) == 1, "a first call without an arena takes the fork's snapshot"
@@ -97,7 +97,7 @@ def test_a_first_call_forks_and_the_next_ones_copy_into_the_arena_it_faulted_in(
     for step in range(2):  # the next calls copy into that arena (no fork, no new arena, the cached plan)
         state = _state(2.0 + step)
         expected = _expected(state)
-        handle = dcp.async_save(state, checkpoint_id=tmp_path / f"next{step}", no_dist=True)
+        handle = dcp.async_save(state, checkpoint_id=tmp_path / f"next{step}", no_dist=True, staging="auto")
         _scramble(state)
         handle.result()
         _assert_saved(tmp_path / f"next{step}", expected)
@@ -119,7 +119,7 @@ def test_a_refused_fork_falls_back_to_copying(tmp_path, monkeypatch, cached):
     monkeypatch.setattr(os, "fork", no_fork)
     state = _state(5.0)
     expected = _expected(state)
-    handle = dcp.async_save(state, checkpoint_id=tmp_path / "c", no_dist=True)
+    handle = dcp.async_save(state, checkpoint_id=tmp_path / "c", no_dist=True, staging="auto")
     _scramble(state)
     handle.result()
     _assert_saved(tmp_path / "c", expected)
@@ -129,7 +129,7 @@ def test_a_refused_fork_falls_back_to_copying(tmp_path, monkeypatch, cached):
         dcp.async_save(_state(6.0), checkpoint_id=tmp_path / "f", no_dist=True, staging="fork")
 
 
-def test_a_writer_subclass_or_several_ranks_are_copied_not_forked(tmp_path, forks):
+def test_a_writer_subclass_is_copied_not_forked_and_an_unknown_staging_is_refused(tmp_path, forks):
     class OwnWriter(dcp.FileSystemWriter):
         """A writer of the user's: its ``write_data`` might not survive a fork."""
 
@@ -137,7 +137,7 @@ def test_a_writer_subclass_or_several_ranks_are_copied_not_forked(tmp_path, fork
     _async_engine._POOL.release()  # pylint: disable=protected-access
     state = _state(7.0)
     expected = _expected(state)
-    handle = dcp.async_save(state, storage_writer=OwnWriter(tmp_path / "own"), no_dist=True)
+    handle = dcp.async_save(state, storage_writer=OwnWriter(tmp_path / "own"), no_dist=True, staging="auto")
     _scramble(state)
     handle.result()
     assert forks == []
@@ -157,7 +157,7 @@ def test_a_failed_prefault_only_leaves_the_next_save_to_map_its_arena(tmp_path, 
     monkeypatch.setattr(pool, "prefault", no_memory)
     state = _state(8.0)
     expected = _expected(state)
-    handle = dcp.async_save(state, checkpoint_id=tmp_path / "a", no_dist=True)
+    handle = dcp.async_save(state, checkpoint_id=tmp_path / "a", no_dist=True, staging="auto")
     _scramble(state)
     handle.result()  # the save itself succeeded
     _assert_saved(tmp_path / "a", expected)
@@ -168,3 +168,17 @@ def test_a_failed_prefault_only_leaves_the_next_save_to_map_its_arena(tmp_path, 
     dcp.async_save(state, checkpoint_id=tmp_path / "b", no_dist=True, staging="copy").result()
     _assert_saved(tmp_path / "b", expected)
     assert pool.capacity > 0
+
+
+def test_the_default_staging_copies_even_a_first_call(tmp_path, forks):
+    """A fork's page faults would land in the next training step: the default never forks."""
+    clear_plan_cache()
+    pool = _async_engine._POOL  # pylint: disable=protected-access
+    pool.release()
+    state = _state(10.0)
+    expected = _expected(state)
+    handle = dcp.async_save(state, checkpoint_id=tmp_path / "d", no_dist=True)
+    _scramble(state)
+    handle.result()
+    assert forks == [] and pool.capacity > 0
+    _assert_saved(tmp_path / "d", expected)
