@@ -323,3 +323,29 @@ def test_the_cheap_records_equal_their_classes_own() -> None:
         _state_items.make_entry("c", ms.Tensor(np.ones(2, np.complex64)))
     facts = _read_items._new_tuple(_read_items.ItemFacts, (None, None, (2,), 4, 8, True))  # pylint: disable=protected-access
     assert facts == _read_items.ItemFacts(None, None, (2,), 4, 8, True) and facts.small and facts.nbytes == 8
+
+
+def _whole_entry(document: dict, fqn: str) -> dict:
+    return next(entry for entry in document["storage_data"] if entry["fqn"] == fqn)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda d: _whole_entry(d, "blk45.w")["checksum"]["digests"].append("0" * 16), r"key 'blk45.w'.*2 checksums listed"),
+    (lambda d: _whole_entry(d, "blk45.w")["checksum"].update(algorithm="crc32"), r"key 'blk45.w'.*unknown checksum"),
+    (lambda d: _whole_entry(d, "blk45.w")["checksum"].update(block_shape=[1, 1]), r"key 'blk45.w'.*1 checksums listed for the 15 block"),
+    (lambda d: _whole_entry(d, "blk45.w").update(length=_whole_entry(d, "blk45.w")["length"] - 4),
+     r"key 'blk45.w'.*stores \d+ bytes"),
+    (lambda d: _whole_entry(d, "blk45.w").update(fqn="blk45.x"), r"key 'blk45.w'.*no storage entry"),
+    (lambda d: _whole_entry(d, "blk45.w").update(byte_offset=_whole_entry(d, "blk46.w")["byte_offset"] + 4),
+     r"inside the bytes of key"),
+])
+def test_the_whole_chunk_consistency_path_refuses_what_the_full_one_refuses(tmp_path: Path, change, message) -> None:
+    """Whole one-chunk keys take a short consistency check; any doubt falls to the full one and its message."""
+    from hyper_parallel.core.distributed_checkpoint._format import consistency
+
+    dcp.save(_state(60), checkpoint_id=tmp_path, no_dist=True)
+    document = json.loads((tmp_path / "metadata.json").read_bytes())
+    consistency.check_consistency(metadata_json.metadata_from_json(json.dumps(document).encode()))
+    change(document)
+    with pytest.raises(dcp.CorruptCheckpointError, match=message):
+        consistency.check_consistency(metadata_json.metadata_from_json(json.dumps(document).encode()))

@@ -92,7 +92,22 @@ def check_consistency(
     if by_key is None:
         by_key = storage_by_key(metadata)
     claimed: set[tuple[str, tuple[int, ...]]] = set()
+    tensor_kind = TensorStorageMetadata
     for fqn, item in metadata.state_dict_metadata.items():
+        if type(item) is tensor_kind and len(item.chunks) == 1:  # pylint: disable=unidiomatic-typecheck
+            # Most keys: one whole uncompressed chunk, flat checksum blocks. Anything else (or any doubt)
+            # takes the full checks below and their messages.
+            chunk = item.chunks[0]
+            key = (fqn, chunk.offsets if type(chunk.offsets) is tuple else tuple(chunk.offsets))  # pylint: disable=unidiomatic-typecheck
+            info = by_key.get(key)
+            itemsize = DTYPE_NAMES.get(item.properties.dtype)
+            checksum = info.checksum if info is not None else None
+            if (info is not None and itemsize is not None and not info.compression and chunk.sizes == item.size
+                    and info.length == math.prod(chunk.sizes) * itemsize
+                    and (checksum is None or (checksum.algorithm == ALGORITHM and not checksum.block_shape
+                                              and len(checksum.digests) == max(1, -(-info.length // checksum.block_bytes))))):
+                claimed.add(key)
+                continue
         where = f"{source}: key '{fqn}'"
         if not isinstance(item, TensorStorageMetadata):
             for offset in item.shard_offsets:
@@ -125,13 +140,16 @@ def check_consistency(
 
 def _check_disjoint_bytes(storage: dict[MetadataIndex, StorageInfo], source: str) -> None:
     """No two stored items share a byte of one file (sorted per file: O(n log n))."""
-    ranges = sorted((
-        (info.relative_path, info.offset, info.offset + info.length, index)
-        for index, info in storage.items()
+    indexes = list(storage)
+    # The position breaks ties (MetadataIndex has no order): plain tuples sort in C, no key function.
+    ranges = sorted(
+        (info.relative_path, info.offset, info.offset + info.length, position)
+        for position, info in enumerate(storage.values())
         if info.length > 0
-    ), key=lambda entry: entry[:3])
+    )
     for (path, _, end, first), (next_path, begin, _, second) in zip(ranges, ranges[1:]):
         if path == next_path and begin < end:
+            first, second = indexes[first], indexes[second]
             raise CorruptCheckpointError(
                 f"{source}: data file {path}: key '{second.fqn}' at offset {list(second.offset)} starts at byte "
                 f"{begin}, inside the bytes of key '{first.fqn}' at offset {list(first.offset)} (up to {end}); "

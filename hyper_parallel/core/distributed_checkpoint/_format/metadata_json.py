@@ -219,6 +219,20 @@ def _tensor_entry(fqn: str, raw: dict, where: str, shared: dict) -> TensorStorag
     return TensorStorageMetadata(properties, size, tuple(chunks))  # properties, size, chunks
 
 
+# _records: the usual storage entry's three records, one of each per entry of thousands, are built by
+# setting their slots directly (about half the cost of a frozen dataclass's __init__; none of these classes
+# has a __post_init__). tests/test_load_flat.py checks the result equals the full decode's.
+_new_object = object.__new__
+_set_algorithm, _set_block_bytes, _set_digests, _set_block_shape = (
+    ChunkChecksum.algorithm.__set__, ChunkChecksum.block_bytes.__set__, ChunkChecksum.digests.__set__,
+    ChunkChecksum.block_shape.__set__)
+_set_relative_path, _set_offset, _set_length, _set_checksum, _set_compression, _set_raw_length = (
+    StorageInfo.relative_path.__set__, StorageInfo.offset.__set__, StorageInfo.length.__set__,
+    StorageInfo.checksum.__set__, StorageInfo.compression.__set__, StorageInfo.raw_length.__set__)
+_set_fqn, _set_chunk_offset, _set_index = (
+    MetadataIndex.fqn.__set__, MetadataIndex.offset.__set__, MetadataIndex.index.__set__)
+
+
 def _flat_checked_entry(raw: Any, shared: dict) -> tuple[MetadataIndex, StorageInfo] | None:
     """A storage entry of the usual form (uncompressed, flat checksum blocks, a data file seen before); else ``None``.
 
@@ -244,11 +258,24 @@ def _flat_checked_entry(raw: Any, shared: dict) -> tuple[MetadataIndex, StorageI
         if type(digest) is not str:  # pylint: disable=unidiomatic-typecheck
             return None
     offset = tuple(offset)
-    # Positional (cheaper per entry): algorithm, block_bytes, digests, block_shape; relative_path, offset,
-    # length, checksum, compression, raw_length.
-    checksum = ChunkChecksum(shared.setdefault(algorithm, algorithm), block, tuple(digests), ())
-    return (MetadataIndex(shared.setdefault(fqn, fqn), shared.setdefault(offset, offset)),
-            StorageInfo(path, start, length, checksum, None, None))
+    # The records of checked fields, built without their frozen __init__ (see _new_object above).
+    checksum = _new_object(ChunkChecksum)
+    _set_algorithm(checksum, shared.setdefault(algorithm, algorithm))
+    _set_block_bytes(checksum, block)
+    _set_digests(checksum, tuple(digests))
+    _set_block_shape(checksum, ())
+    info = _new_object(StorageInfo)
+    _set_relative_path(info, path)
+    _set_offset(info, start)
+    _set_length(info, length)
+    _set_checksum(info, checksum)
+    _set_compression(info, None)
+    _set_raw_length(info, None)
+    index = _new_object(MetadataIndex)
+    _set_fqn(index, shared.setdefault(fqn, fqn))
+    _set_chunk_offset(index, shared.setdefault(offset, offset))
+    _set_index(index, None)
+    return index, info
 
 
 def _storage_entry(raw: Any, position: int, source: str, shared: dict) -> tuple[MetadataIndex, StorageInfo]:
