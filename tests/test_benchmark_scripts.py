@@ -25,6 +25,7 @@ STATE_FIGURES = (
     "async blocking (first call) / memcpy",
     "async blocking (steady) / memcpy",
     "async result() after done() / memcpy",
+    "async blocking (first call after prepare_async_save) / memcpy",
     "async, auto blocking (first call) / memcpy",
     "async, auto blocking (steady) / memcpy",
     "async first write to every page after the call (first call) / memcpy",

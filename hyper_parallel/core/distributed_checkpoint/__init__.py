@@ -88,7 +88,7 @@ from hyper_parallel.core.distributed_checkpoint.strategies import (
 from hyper_parallel.core.distributed_checkpoint.api import load, read_metadata, save
 from hyper_parallel.core.distributed_checkpoint._one_line import load_checkpoint, save_checkpoint
 from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncCallsQueue, AsyncRequest
-from hyper_parallel.core.distributed_checkpoint.async_checkpoint import AsyncSaveHandle, async_save
+from hyper_parallel.core.distributed_checkpoint.async_checkpoint import AsyncSaveHandle, async_save, prepare_async_save
 from hyper_parallel.core.distributed_checkpoint.manager import CheckpointManager
 
 __all__ = [
@@ -96,6 +96,7 @@ __all__ = [
     "AsyncRequest",
     "AsyncSaveHandle",
     "async_save",
+    "prepare_async_save",
     "BytesStorageMetadata",
     "CheckpointCallback",
     "CheckpointManager",

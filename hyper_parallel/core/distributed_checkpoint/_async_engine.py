@@ -35,13 +35,18 @@ from hyper_parallel.platform.tensor import DTYPE_NAMES
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
 from hyper_parallel.core.distributed_checkpoint.storage import StorageWriter, WriteResult
 
-__all__ = ["plan_async_save"]
+__all__ = ["plan_async_save", "staging_pool"]
 
 _LOG = logging.getLogger(__name__)
 
 
 #: Host buffers of ``staging="copy"``, kept for the next async save.
 _POOL = StagingPool()
+
+
+def staging_pool() -> StagingPool:
+    """The process's staging buffers (one arena, reused by every ``staging="copy"`` save)."""
+    return _POOL
 
 
 def plan_async_save(

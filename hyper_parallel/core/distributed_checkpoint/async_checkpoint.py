@@ -27,12 +27,18 @@ The work itself is the registered save strategy's
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
+
 from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncCall, AsyncCallsQueue
+from hyper_parallel.core.distributed_checkpoint._async_engine import staging_pool
 from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions
+from hyper_parallel.core.distributed_checkpoint._flatten import flatten_state_dict
 from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutArgument
 from hyper_parallel.core.distributed_checkpoint._storage_choice import writer_for
@@ -43,7 +49,7 @@ from hyper_parallel.core.distributed_checkpoint.standard_planner import Standard
 from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, StorageWriter
 from hyper_parallel.core.distributed_checkpoint.strategies import save_strategy
 
-__all__ = ["AsyncSaveHandle", "async_save", "default_queue"]
+__all__ = ["AsyncSaveHandle", "async_save", "default_queue", "prepare_async_save"]
 
 
 _QUEUE: AsyncCallsQueue | None = None
@@ -168,6 +174,54 @@ def async_save(
 
 
 _ASYNC_LOCK = threading.RLock()
+_LOG = logging.getLogger(__name__)
+#: Arena bytes counted per tensor beyond its own (items are packed at 64-byte aligned offsets).
+_ITEM_ALIGNMENT = 64
+
+
+def _tensor_bytes(value: Any) -> int:
+    """Host bytes of a tensor leaf (a DTensor's local shard), 0 for a value that is not a tensor."""
+    local = value.to_local() if hasattr(value, "to_local") else value
+    if isinstance(local, np.ndarray):
+        return local.nbytes
+    nbytes = getattr(local, "nbytes", None)
+    return int(nbytes) if isinstance(nbytes, (int, np.integer)) else 0
+
+
+def prepare_async_save(state_dict: dict[str, Any]) -> "Future[int]":
+    """Map and fault in, in the background, the host buffers a first ``async_save`` of ``state_dict`` copies into.
+
+    Any rank, no collectives. The first async save of a process otherwise
+    maps fresh memory and takes its page faults inside the call, where they
+    count against training (on a VM whose host backs memory lazily: 5-20x a
+    memcpy of the state). Call it once the state exists, well before the
+    first save; :class:`.CheckpointCallback` does at train begin. The buffers
+    are sized for every tensor of ``state_dict`` on this rank (what a save of
+    one rank stages; with several ranks a rank stages at most that). An
+    ``async_save`` that starts while they are being faulted in waits for them.
+
+    Returns:
+        A future of the buffers' size in bytes. It never fails: if the
+        memory cannot be had, the first save maps its buffers itself (a
+        warning is logged).
+    """
+    flat = flatten_state_dict(state_dict)
+    nbytes = sum(_tensor_bytes(value) + _ITEM_ALIGNMENT for value in flat.values.values())
+    future: Future[int] = Future()
+
+    def prefault() -> None:
+        with _ASYNC_LOCK:  # no async save stages meanwhile: it waits for the buffers
+            pool = staging_pool()
+            try:
+                if nbytes > pool.capacity:
+                    pool.prefault(nbytes)
+            except (MemoryError, OSError) as exc:
+                _LOG.warning("prepare_async_save: no staging buffers of %d bytes (%s); the first async save "
+                             "maps its own", nbytes, exc)
+            future.set_result(pool.capacity)
+
+    threading.Thread(target=prefault, name="hp-ckpt-prepare-staging", daemon=True).start()
+    return future
 
 
 @gc_paused

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import Future
 from types import TracebackType
 from typing import Any
 
@@ -25,6 +26,7 @@ from mindspore.train import Callback, RunContext
 
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutSources, cells_in
 from hyper_parallel.core.distributed_checkpoint._one_line import mindspore_state_dict
+from hyper_parallel.core.distributed_checkpoint.async_checkpoint import prepare_async_save
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.manager import CheckpointManager
 
@@ -139,6 +141,7 @@ class CheckpointCallback(Callback):
         self._completed = 0
         self._epoch = 0
         self._state: dict[str, Any] | None = None
+        self._staging: Future[int] | None = None  # the staging buffers being prepared (async saves)
 
     def initial_epoch(self, steps_per_epoch: int) -> int:
         """The ``initial_epoch`` for ``Model.train`` that resumes at the newest committed step. All ranks.
@@ -173,6 +176,8 @@ class CheckpointCallback(Callback):
         cb_params = run_context.original_args()
         self._state = self._state_of(cb_params)
         self._completed = int(cb_params.cur_step_num)
+        if self.manager.async_save:  # the first save then copies into buffers already backed
+            self._staging = prepare_async_save(self._state)
         latest = self.manager.latest_step()
         if latest is None:
             return

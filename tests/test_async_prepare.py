@@ -1,0 +1,120 @@
+"""``prepare_async_save``: the first async save copies into buffers mapped and faulted in beforehand."""
+
+from __future__ import annotations
+
+import logging
+
+import mindspore as ms
+import numpy as np
+from mindspore import dataset as ds
+from mindspore import nn
+from mindspore.train import Callback, Model
+
+import hyper_parallel
+import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel.core.distributed_checkpoint import _async_engine
+
+ms.set_device("CPU")
+
+
+def _state(base: float) -> dict:
+    rng = np.random.default_rng(5)
+    state = {f"w{i}": ms.Parameter(ms.Tensor(rng.standard_normal((17 + i, 65)).astype(np.float32) + base,
+                                             ms.bfloat16 if i % 2 else ms.float32), name=f"w{i}") for i in range(6)}
+    state["opt"] = {"m": ms.Tensor(np.full((3, 7), base, np.float32)), "step": 4}
+    return state
+
+
+def _bytes(state: dict) -> int:
+    return sum(p.asnumpy().nbytes for p in state.values() if isinstance(p, ms.Parameter)) + state["opt"]["m"].nbytes
+
+
+def _assert_saved(path, expected: dict) -> None:
+    target = _state(0.0)
+    dcp.load(target, checkpoint_id=path, no_dist=True)
+    for name, value in expected.items():
+        got = target[name].asnumpy() if name != "m" else target["opt"]["m"].asnumpy()
+        np.testing.assert_array_equal(got.view(np.uint8), value.view(np.uint8))
+
+
+def _expected(state: dict) -> dict:
+    out = {name: p.asnumpy().copy() for name, p in state.items() if isinstance(p, ms.Parameter)}
+    out["m"] = state["opt"]["m"].asnumpy().copy()
+    return out
+
+
+def test_the_first_save_after_prepare_maps_no_arena_and_is_bit_exact(tmp_path):
+    pool = _async_engine.staging_pool()
+    pool.release()
+    state = _state(1.0)
+    arenas = pool.arenas
+    capacity = dcp.prepare_async_save(state).result(timeout=60)
+    assert capacity == pool.capacity >= _bytes(state) and pool.arenas == arenas + 1
+    expected = _expected(state)
+    handle = dcp.async_save(state, checkpoint_id=tmp_path / "a", no_dist=True)
+    for p in state.values():
+        if isinstance(p, ms.Parameter):
+            p.asnumpy()[...] = 0  # changed right after the call: the checkpoint keeps the values at call time
+    handle.result()
+    assert pool.arenas == arenas + 1, "the first save copied into the prepared arena"
+    _assert_saved(tmp_path / "a", expected)
+    assert dcp.prepare_async_save(state).result(timeout=60) == capacity  # large enough already: kept as it is
+    assert pool.arenas == arenas + 1
+
+
+def test_a_save_started_while_preparing_waits_for_the_buffers(tmp_path):
+    pool = _async_engine.staging_pool()
+    pool.release()
+    state = _state(2.0)
+    expected = _expected(state)
+    future = dcp.prepare_async_save(state)
+    dcp.async_save(state, checkpoint_id=tmp_path / "b", no_dist=True).result()  # no race on the one arena
+    assert future.done() and pool.capacity >= _bytes(state)
+    _assert_saved(tmp_path / "b", expected)
+
+
+def test_buffers_that_cannot_be_had_leave_the_first_save_to_map_its_own(tmp_path, monkeypatch, caplog):
+    pool = _async_engine.staging_pool()
+    pool.release()
+
+    def no_memory(_nbytes: int) -> None:
+        raise MemoryError("no memory for the staging arena")
+
+    monkeypatch.setattr(pool, "prefault", no_memory)
+    state = _state(3.0)
+    expected = _expected(state)
+    with caplog.at_level(logging.WARNING):
+        assert dcp.prepare_async_save(state).result(timeout=60) == 0
+    assert "no staging buffers" in caplog.text and "the first async save maps its own" in caplog.text
+    monkeypatch.undo()
+    dcp.async_save(state, checkpoint_id=tmp_path / "c", no_dist=True).result()
+    _assert_saved(tmp_path / "c", expected)
+
+
+def test_the_callback_prepares_the_buffers_at_train_begin(tmp_path):
+    pool = _async_engine.staging_pool()
+    pool.release()
+    ms.set_seed(1)
+    net = nn.Dense(64, 32)
+    opt = nn.Adam(net.trainable_params(), learning_rate=0.01)
+    model = Model(net, loss_fn=nn.MSELoss(), optimizer=opt)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 64)).astype(np.float32)
+    data = ds.NumpySlicesDataset({"x": x, "y": x[:, :32].copy()}, shuffle=False).batch(4)
+    callback = hyper_parallel.CheckpointCallback(tmp_path / "run", save_checkpoint_steps=2, keep_checkpoint_max=1)
+    arenas = pool.arenas
+    before_first_step: list[int] = []
+
+    class Probe(Callback):
+        def on_train_step_begin(self, run_context):
+            if not before_first_step:  # step 1, before any save
+                callback._staging.result(timeout=60)  # pylint: disable=protected-access
+                before_first_step.append(pool.capacity)
+
+    model.train(1, data, callbacks=[callback, Probe()], dataset_sink_mode=False)
+    callback.manager.wait()
+    # weights, bias, two Adam moments of each: in the arena mapped at train begin, before the first step
+    assert before_first_step[0] >= 3 * (64 * 32 + 32) * 4
+    assert pool.arenas == arenas + 1, "the saves copied into the arena prepared at train begin"
+    saved = dcp.read_metadata(tmp_path / "run" / "step_00000002").state_dict_metadata
+    assert any(key.endswith("weight") for key in saved)
