@@ -336,7 +336,7 @@ def _whole_entry(document: dict, fqn: str) -> dict:
     (lambda d: _whole_entry(d, "blk45.w").update(length=_whole_entry(d, "blk45.w")["length"] - 4),
      r"key 'blk45.w'.*stores \d+ bytes"),
     (lambda d: _whole_entry(d, "blk45.w").update(fqn="blk45.x"), r"key 'blk45.w'.*no storage entry"),
-    (lambda d: _whole_entry(d, "blk45.w").update(byte_offset=_whole_entry(d, "blk46.w")["byte_offset"] + 4),
+    (lambda d: _whole_entry(d, "blk45.w").update(byte_offset=_whole_entry(d, "blk42.w")["byte_offset"] + 4),
      r"inside the bytes of key"),
 ])
 def test_the_whole_chunk_consistency_path_refuses_what_the_full_one_refuses(tmp_path: Path, change, message) -> None:
