@@ -306,10 +306,11 @@ def test_the_cheap_records_equal_their_classes_own() -> None:
     from hyper_parallel.core.distributed_checkpoint import _load_planner, _read_items, _state_items
     from hyper_parallel.core.distributed_checkpoint.planner import ReadItem
 
-    index = dcp.MetadataIndex("w", (0, 0), 0)
-    item = _load_planner._whole_read(index, (0, 0), (2, 3))  # pylint: disable=protected-access
+    index = dcp.MetadataIndex("w", (4, 0), 0)
+    item = _load_planner._whole_read("w", (4, 0), (0, 0), (2, 3))  # pylint: disable=protected-access
     usual = ReadItem(LoadItemType.TENSOR, index, (0, 0), index, (0, 0), (2, 3))
     assert item == usual and hash(item) == hash(usual) and pickle.loads(pickle.dumps(item)) == usual
+    assert item.dest_index is item.storage_index and item.dest_index.index == 0 and repr(item) == repr(usual)
     assert set(vars(item)) == {f.name for f in dataclasses.fields(ReadItem)}
     for value in (ms.Parameter(ms.Tensor(np.ones((2, 3), np.float32)), name="w"), ms.Tensor(np.ones(4), ms.bfloat16),
                   np.ones((2, 1), np.int8)):

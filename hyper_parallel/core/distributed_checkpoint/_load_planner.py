@@ -69,10 +69,18 @@ _new_object = object.__new__
 _set_attribute = object.__setattr__
 
 
-def _whole_read(index: MetadataIndex, zero: tuple[int, ...], sizes: tuple[int, ...]) -> ReadItem:
-    """``ReadItem(LoadItemType.TENSOR, index, zero, index, zero, sizes)`` (a whole chunk into a whole target,
-    one index naming both), built at half the frozen ``__init__``'s cost: one per tensor of a state of
-    thousands (``ReadItem`` has no ``__post_init__`` to skip)."""
+_set_fqn, _set_offset, _set_index = MetadataIndex.fqn.__set__, MetadataIndex.offset.__set__, MetadataIndex.index.__set__
+
+
+def _whole_read(fqn: str, offsets: tuple[int, ...], zero: tuple[int, ...], sizes: tuple[int, ...]) -> ReadItem:
+    """``ReadItem(LoadItemType.TENSOR, index, zero, index, zero, sizes)`` with ``index = MetadataIndex(fqn,
+    offsets, 0)``: a whole chunk into a whole target, the chunk is the piece, so one index names both (its
+    ``index`` hint is left out of equality). Both records are built at about half their frozen ``__init__``'s
+    cost: one of each per tensor of a state of thousands (neither class has a ``__post_init__`` to skip)."""
+    index = _new_object(MetadataIndex)
+    _set_fqn(index, fqn)
+    _set_offset(index, offsets)
+    _set_index(index, 0)
     item = _new_object(ReadItem)
     _set_attribute(item, "__dict__", {"type": LoadItemType.TENSOR, "dest_index": index, "dest_offsets": zero,
                                       "storage_index": index, "storage_offsets": zero, "lengths": sizes})
@@ -249,9 +257,7 @@ class StandardLoadPlanner(LoadPlanner):
                         shape = entry.local_shape
                         targets[name] = view if view.shape == shape else view.reshape(shape)
                         zero = (0,) * len(piece.sizes) if any(piece.offsets) else piece.offsets
-                        # The chunk is the piece: one index names both (its ``index`` hint is left out of equality).
-                        index = MetadataIndex(fqn, piece.offsets, 0)
-                        item = _whole_read(index, zero, piece.sizes)
+                        item = _whole_read(fqn, piece.offsets, zero, piece.sizes)
                         items.append(item)
                         if view.flags.c_contiguous and view.dtype == numpy_dtype(stored.properties.dtype):
                             direct[id(item)] = (item, view)

@@ -177,17 +177,21 @@ def _whole_tensor_key(raw: dict) -> tuple[Any, ...] | None:
     anything else (every item then takes the full checks).
     """
     dtype, size, chunks = raw.get("dtype"), raw.get("size"), raw.get("chunks")
-    if type(size) is not list or type(chunks) is not list or len(chunks) != 1:  # pylint: disable=unidiomatic-typecheck
+    if (type(size) is not list or type(chunks) is not list or len(chunks) != 1  # pylint: disable=unidiomatic-typecheck
+            or type(dtype) is not str):  # pylint: disable=unidiomatic-typecheck
         return None
     pair = chunks[0]
     if type(pair) is not list or len(pair) != 2:  # pylint: disable=unidiomatic-typecheck
         return None
     offsets, sizes = pair
     if (type(offsets) is not list or type(sizes) is not list or len(offsets) != len(size)  # pylint: disable=unidiomatic-typecheck
-            or sizes != size or any(offsets) or type(dtype) is not str):  # pylint: disable=unidiomatic-typecheck
+            or len(sizes) != len(size)):
         return None
-    if not (_naturals(size) and _naturals(sizes) and _naturals(offsets)):
-        return None
+    # Each dim an int >= 0 in both lists and equal (a float or bool would compare equal), every offset 0.
+    for full, part, offset in zip(size, sizes, offsets):
+        if (type(full) is not int or type(part) is not int or type(offset) is not int  # pylint: disable=unidiomatic-typecheck
+                or full != part or full < 0 or offset):
+            return None
     return ("whole tensor", dtype, tuple(size))
 
 
