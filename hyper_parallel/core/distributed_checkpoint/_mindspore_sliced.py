@@ -217,7 +217,7 @@ def _parameters(obj: Any):
             stack.extend(value.values())
         elif isinstance(value, (list, tuple)):
             stack.extend(value)
+        elif is_parameter(value):  # most leaves (a Parameter is no Cell)
+            yield value
         elif is_cell(value):
             yield from value.parameters_dict().values()
-        elif is_parameter(value):
-            yield value

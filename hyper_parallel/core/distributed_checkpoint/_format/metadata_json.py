@@ -246,14 +246,16 @@ def _flat_checked_entry(raw: Any, shared: dict) -> tuple[MetadataIndex, StorageI
     """
     if type(raw) is not dict or len(raw) != 6:  # pylint: disable=unidiomatic-typecheck
         return None
-    fqn, offset, start, length = raw.get("fqn"), raw.get("offset"), raw.get("byte_offset"), raw.get("length")
-    chk = raw.get("checksum")
-    if (type(fqn) is not str or type(offset) is not list or type(start) is not int  # pylint: disable=unidiomatic-typecheck
-            or type(length) is not int or type(chk) is not dict or len(chk) != 3):  # pylint: disable=unidiomatic-typecheck
+    try:  # subscripts (cheaper than .get per field); a missing field is not the usual form
+        fqn, offset, start, length, chk, path = (
+            raw["fqn"], raw["offset"], raw["byte_offset"], raw["length"], raw["checksum"], raw["file"])
+        if (type(fqn) is not str or type(offset) is not list or type(start) is not int  # pylint: disable=unidiomatic-typecheck
+                or type(length) is not int or type(chk) is not dict or len(chk) != 3):  # pylint: disable=unidiomatic-typecheck
+            return None
+        algorithm, block, digests = chk["algorithm"], chk["block_bytes"], chk["digests"]
+    except KeyError:
         return None
-    path = raw.get("file")
     path = shared.get(("file", path)) if type(path) is str else None  # pylint: disable=unidiomatic-typecheck
-    algorithm, block, digests = chk.get("algorithm"), chk.get("block_bytes"), chk.get("digests")
     if (path is None or not 0 <= start <= MAX_TENSOR_BYTES or not 0 <= length <= MAX_TENSOR_BYTES
             or type(algorithm) is not str or type(block) is not int or block <= 0  # pylint: disable=unidiomatic-typecheck
             or type(digests) is not list or not _naturals(offset)):  # pylint: disable=unidiomatic-typecheck
