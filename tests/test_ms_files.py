@@ -12,8 +12,9 @@ from mindspore.train import checkpoint_pb2
 from safetensors.numpy import save_file
 
 import hyper_parallel.core.distributed_checkpoint as dcp
-from hyper_parallel.cli import _ms_files, import_checkpoint
-from hyper_parallel.cli._ms_files import MsItem, open_ms_file, string_item, write_ms_file
+from hyper_parallel.cli import _ms_files, _ms_write, import_checkpoint
+from hyper_parallel.cli._ms_files import open_ms_file
+from hyper_parallel.cli._ms_write import MsItem, string_item, write_ms_file
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -65,7 +66,7 @@ def test_index_reads_what_mindspore_wrote(tmp_path):
 
 
 def test_content_above_the_chunk_size_is_split_and_joined(tmp_path, monkeypatch):
-    monkeypatch.setattr(_ms_files, "CKPT_CHUNK_BYTES", 48)  # MindSpore's rule, at 512 MiB
+    monkeypatch.setattr(_ms_write, "CKPT_CHUNK_BYTES", 48)  # MindSpore's rule, at 512 MiB
     tensors = _tensors()
     write_ms_file(tmp_path / "split.ckpt", _items(tensors), fmt="ckpt")
     loaded = mindspore.load_checkpoint(str(tmp_path / "split.ckpt"))

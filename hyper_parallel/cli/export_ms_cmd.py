@@ -34,7 +34,7 @@ from hyper_parallel.cli._common import (
     read_region,
     read_stored_bytes,
 )
-from hyper_parallel.cli._ms_files import MsItem, string_item, write_ms_file
+from hyper_parallel.cli._ms_write import MsItem, string_item, write_ms_file
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
