@@ -41,6 +41,7 @@ from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions
 from hyper_parallel.core.distributed_checkpoint._flatten import flatten_state_dict
 from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutArgument
+from hyper_parallel.core.distributed_checkpoint._stage_copies import ALIGN, round_up
 from hyper_parallel.core.distributed_checkpoint._storage_choice import writer_for
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
@@ -175,8 +176,6 @@ def async_save(
 
 _ASYNC_LOCK = threading.RLock()
 _LOG = logging.getLogger(__name__)
-#: Arena bytes counted per tensor beyond its own (items are packed at 64-byte aligned offsets).
-_ITEM_ALIGNMENT = 64
 
 
 def _tensor_bytes(value: Any) -> int:
@@ -206,7 +205,7 @@ def prepare_async_save(state_dict: dict[str, Any]) -> "Future[int]":
         warning is logged).
     """
     flat = flatten_state_dict(state_dict)
-    nbytes = sum(_tensor_bytes(value) + _ITEM_ALIGNMENT for value in flat.values.values())
+    nbytes = sum(round_up(_tensor_bytes(value), ALIGN) for value in flat.values.values())  # packed as staging packs
     future: Future[int] = Future()
 
     def prefault() -> None:
