@@ -35,7 +35,7 @@ from hyper_parallel.platform.tensor import DTYPE_NAMES
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
 from hyper_parallel.core.distributed_checkpoint.storage import StorageWriter, WriteResult
 
-__all__ = ["plan_async_save", "staging_pool"]
+__all__ = ["plan_async_save", "prefault_arena", "staging_pool"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -215,18 +215,23 @@ def _then_prefault(wait: Callable[[], Any], nbytes: Callable[[], int]) -> Callab
     """``wait`` (for a forked writer) after mapping and faulting in the next save's arena. Background thread."""
 
     def prefault_then_wait() -> Any:
-        _prefault(nbytes())
+        prefault_arena(nbytes())
         return wait()
 
     return prefault_then_wait
 
 
-def _prefault(nbytes: int) -> None:
-    """:meth:`.StagingPool.prefault` of the pool, best effort (the next save maps its arena otherwise)."""
+def prefault_arena(nbytes: int) -> Exception | None:
+    """:meth:`.StagingPool.prefault` of the pool, best effort: the error if it failed, else ``None``.
+
+    A failure only leaves the next save to map its own arena. Background thread.
+    """
     try:
         _POOL.prefault(nbytes)
-    except Exception:  # pylint: disable=broad-except
+    except Exception as exc:  # pylint: disable=broad-except
         _LOG.debug("pre-faulting the staging arena failed", exc_info=True)
+        return exc
+    return None
 
 
 def _item_bytes(items: tuple[Any, ...]) -> int:
@@ -246,7 +251,7 @@ def _deferred_or_none(deferred: DeferredPlan, early: EarlyCopies | None, forked_
     def request(copies: EarlyCopies | None) -> AsyncRequest | None:
         return deferred_request(deferred, early=copies, pool=_POOL, finalize=_committed,
                                 commit=lambda planned, write: commit_save(planned, write, step="async write and commit"),
-                                prefault=_prefault if forked_first else None)
+                                prefault=prefault_arena if forked_first else None)
 
     try:
         if not forked_first:

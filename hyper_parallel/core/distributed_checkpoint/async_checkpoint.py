@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncCall, AsyncCallsQueue
-from hyper_parallel.core.distributed_checkpoint._async_engine import staging_pool
+from hyper_parallel.core.distributed_checkpoint._async_engine import prefault_arena, staging_pool
 from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions
 from hyper_parallel.core.distributed_checkpoint._flatten import flatten_state_dict
 from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
@@ -210,14 +210,11 @@ def prepare_async_save(state_dict: dict[str, Any]) -> "Future[int]":
 
     def prefault() -> None:
         with _ASYNC_LOCK:  # no async save stages meanwhile: it waits for the buffers
-            pool = staging_pool()
-            try:
-                if nbytes > pool.capacity:
-                    pool.prefault(nbytes)
-            except (MemoryError, OSError) as exc:
+            error = prefault_arena(nbytes) if nbytes > staging_pool().capacity else None
+            if error is not None:
                 _LOG.warning("prepare_async_save: no staging buffers of %d bytes (%s); the first async save "
-                             "maps its own", nbytes, exc)
-            future.set_result(pool.capacity)
+                             "maps its own", nbytes, error)
+            future.set_result(staging_pool().capacity)
 
     threading.Thread(target=prefault, name="hp-ckpt-prepare-staging", daemon=True).start()
     return future
