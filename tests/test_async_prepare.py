@@ -118,3 +118,16 @@ def test_the_callback_prepares_the_buffers_at_train_begin(tmp_path):
     assert pool.arenas == arenas + 1, "the saves copied into the arena prepared at train begin"
     saved = dcp.read_metadata(tmp_path / "run" / "step_00000002").state_dict_metadata
     assert any(key.endswith("weight") for key in saved)
+
+
+def test_the_prepared_arena_is_as_large_as_the_first_save_needs(tmp_path):
+    """Sized as staging packs a first save (every tensor at a 64-byte boundary), at a 2 MiB rounding edge."""
+    pool = _async_engine.staging_pool()
+    pool.release()
+    # 4,000 tensors of 2,052 bytes and one of 2,030,000: 64 bytes per tensor decide between 10 and 12 MiB.
+    state = {f"w{i}": ms.Parameter(ms.Tensor(np.full(513, i, np.float32)), name=f"w{i}") for i in range(4000)}
+    state["pad"] = ms.Parameter(ms.Tensor(np.ones(507_500, np.float32)), name="pad")
+    dcp.prepare_async_save(state).result(timeout=60)
+    arenas = pool.arenas
+    dcp.async_save(state, checkpoint_id=tmp_path / "edge", no_dist=True).result()
+    assert pool.arenas == arenas, "the first save mapped a new arena: the prepared one was too small"

@@ -11,7 +11,6 @@ layout is new is planned after the snapshot (:mod:`._deferred_save`).
 from __future__ import annotations
 
 import logging
-import math
 import os
 from typing import Any, Callable, Iterable
 
@@ -24,14 +23,13 @@ from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._deferred_save import DeferredPlan, deferred_request
 from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions, SaveSession, commit_save, plan_save, write_local
 from hyper_parallel.core.distributed_checkpoint._fork_writer import fork_write, fork_write_and_hash
-from hyper_parallel.core.distributed_checkpoint._stage_copies import ALIGN, EarlyCopies, gil_handoff, round_up
+from hyper_parallel.core.distributed_checkpoint._stage_copies import ALIGN, EarlyCopies, arena_bytes, gil_handoff, round_up
 from hyper_parallel.core.distributed_checkpoint._staging import StagedSavePlanner, StagingPool, staged_views
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointIOError
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint._format.checksum import digest
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlanner, WriteItemType
-from hyper_parallel.platform.tensor import DTYPE_NAMES
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
 from hyper_parallel.core.distributed_checkpoint.storage import StorageWriter, WriteResult
 
@@ -236,8 +234,8 @@ def prefault_arena(nbytes: int) -> Exception | None:
 
 def _item_bytes(items: tuple[Any, ...]) -> int:
     """Arena bytes that stage ``items`` with every whole tensor copied early (as a one-rank save does)."""
-    return sum(math.prod(item.tensor_data.chunk.sizes) * DTYPE_NAMES.get(item.tensor_data.properties.dtype, 0)
-               + ALIGN for item in items if item.type != WriteItemType.BYTE_IO)
+    sizes = [item.tensor_storage_size() for item in items if item.type != WriteItemType.BYTE_IO]
+    return arena_bytes(sum(sizes), len(sizes))
 
 
 def _deferred_or_none(deferred: DeferredPlan, early: EarlyCopies | None, forked_first: bool) -> AsyncRequest | None:

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncRequest
 from hyper_parallel.core.distributed_checkpoint._fork_writer import fork_run
-from hyper_parallel.core.distributed_checkpoint._stage_copies import ALIGN, EarlyCopies
+from hyper_parallel.core.distributed_checkpoint._stage_copies import EarlyCopies, arena_bytes
 from hyper_parallel.core.distributed_checkpoint._staging import StagedSavePlanner, StagingPool
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemWriter
@@ -146,7 +146,7 @@ def deferred_request(deferred: DeferredPlan, *, early: EarlyCopies | None, pool:
 
     def commit_child() -> Metadata:
         if prefault is not None:  # while the child writes: the next save copies into backed memory
-            prefault(layout.tensor_bytes + layout.pieces * ALIGN)
+            prefault(arena_bytes(layout.tensor_bytes, layout.pieces))
         try:
             results, planned = wait()
             session = deferred.adopt(planned)

@@ -27,7 +27,7 @@ import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._lazy_pool import lazy_executor
 
-__all__ = ["STAGING_THREADS", "Copier", "EarlyCopies", "gil_handoff", "round_up", "ALIGN"]
+__all__ = ["STAGING_THREADS", "Copier", "EarlyCopies", "arena_bytes", "gil_handoff", "round_up", "ALIGN"]
 
 #: Threads copying into staging buffers.
 STAGING_THREADS = 2
@@ -45,6 +45,11 @@ _BATCH_BYTES = 8 << 20
 def round_up(value: int, unit: int) -> int:
     """``value`` rounded up to a multiple of ``unit``."""
     return -(-value // unit) * unit
+
+
+def arena_bytes(tensor_bytes: int, pieces: int) -> int:
+    """Arena bytes that hold ``pieces`` tensors of ``tensor_bytes`` in all, each at an :data:`ALIGN` boundary."""
+    return tensor_bytes + pieces * ALIGN
 
 
 def _copy_all(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
@@ -210,7 +215,7 @@ class EarlyCopies:
         """
         if not self.placed:
             return
-        needed = max(self.end, layout.tensor_bytes + layout.pieces * ALIGN) if self._wanted is None \
+        needed = max(self.end, arena_bytes(layout.tensor_bytes, layout.pieces)) if self._wanted is None \
             else max(self.end, self._minimum)
         if self.arena is None or self.arena.size < needed:
             self._copier.finish()  # nothing may still be copying into the arena that is replaced

@@ -41,7 +41,7 @@ from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions
 from hyper_parallel.core.distributed_checkpoint._flatten import flatten_state_dict
 from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutArgument
-from hyper_parallel.core.distributed_checkpoint._stage_copies import ALIGN, round_up
+from hyper_parallel.core.distributed_checkpoint._stage_copies import arena_bytes
 from hyper_parallel.core.distributed_checkpoint._storage_choice import writer_for
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
@@ -205,7 +205,8 @@ def prepare_async_save(state_dict: dict[str, Any]) -> "Future[int]":
         warning is logged).
     """
     flat = flatten_state_dict(state_dict)
-    nbytes = sum(round_up(_tensor_bytes(value), ALIGN) for value in flat.values.values())  # packed as staging packs
+    leaves = flat.values.values()
+    nbytes = arena_bytes(sum(_tensor_bytes(value) for value in leaves), len(leaves))  # as a first save needs
     future: Future[int] = Future()
 
     def prefault() -> None:
