@@ -68,12 +68,13 @@ def _saved(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
     return path, _bytes(state)
 
 
-def test_cold_load_primes_its_first_bytes_once_and_is_bit_exact(saved, monkeypatch) -> None:
+@pytest.mark.parametrize("no_readahead", [None, False])  # False: readahead forced, decided by no file share
+def test_cold_load_primes_its_first_bytes_once_and_is_bit_exact(saved, monkeypatch, no_readahead) -> None:
     path, expected = saved
     calls = _record_primes(monkeypatch)
     _evict(path)
     target = _state(1)
-    reader = dcp.FileSystemReader(path, thread_count=2)
+    reader = dcp.FileSystemReader(path, thread_count=2, no_readahead=no_readahead)
     dcp.load(target, storage_reader=reader, no_dist=True)
     for name, values in _bytes(target).items():
         assert np.array_equal(values, expected[name]), name

@@ -285,10 +285,9 @@ def dtype_name(value: Any) -> str:
         TypeError: the dtype is not one the checkpoint stores.
     """
     if is_tensor(value):
-        name = _ms_dtype_name(value.dtype)  # no asnumpy(): building a bf16 view parses a buffer format
-    else:
-        dtype = value.dtype if hasattr(value, "dtype") else np.dtype(value)
-        name = np.dtype(dtype).name
+        return tensor_dtype_name(value)  # no asnumpy(): building a bf16 view parses a buffer format
+    dtype = value.dtype if hasattr(value, "dtype") else np.dtype(value)
+    name = np.dtype(dtype).name
     if name not in DTYPE_NAMES:
         raise TypeError(f"dtype {name} cannot be stored in a checkpoint")
     return name

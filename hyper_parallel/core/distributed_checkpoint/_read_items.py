@@ -11,7 +11,6 @@ targets.
 
 from __future__ import annotations
 
-import functools
 import math
 from operator import itemgetter
 from pathlib import Path
@@ -39,10 +38,8 @@ SMALL_ITEM_BYTES = 1 << 20
 _IOV_MAX = 1024
 
 
-@functools.cache
-def stored_dtype(name: str) -> np.dtype:
-    """:func:`numpy_dtype` of a stored dtype name, looked up once per name (bfloat16 imports MindSpore's)."""
-    return numpy_dtype(name)
+#: :func:`numpy_dtype` of a stored dtype name (itself cached per name).
+stored_dtype = numpy_dtype
 
 
 class ItemFacts(NamedTuple):

@@ -294,7 +294,8 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         """Open data file ``relative_path`` for ``items``: its byte source, its name for messages, its size."""
         fqn = items[0].storage_index.fqn
         path = self._resolved.get(relative_path)
-        if path is None:  # resolved once per file and load (the verify pass, then the read pass)
+        first_open = path is None  # of this file in this load, whatever decides its readahead
+        if first_open:  # resolved once per file and load (the verify pass, then the read pass)
             path = self._resolved[relative_path] = self.resolve(relative_path, fqn)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -306,7 +307,6 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         try:
             source = FileSource(fd)
             size = os.fstat(fd).st_size
-            first_open = relative_path not in self._in_part
             if self._reads_in_part(relative_path, items, size) and hasattr(os, "posix_fadvise"):
                 # Kernel readahead would also fetch the ranges a reshard skips.
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
