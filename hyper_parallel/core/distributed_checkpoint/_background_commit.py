@@ -306,12 +306,17 @@ def await_own_commits(location: Any) -> bool:
     Args:
         location: The checkpoint's path or URL (a reader's ``path``).
     """
-    with _PENDING_LOCK:
-        pending = [c for c in _PENDING if _same_location(getattr(c.writer, "path", None), location)]
+    pending = _pending_to(location)
     for commit in pending:
         if commit.dist.is_coordinator:
             commit.finished.wait()
     return any(not commit.dist.is_coordinator for commit in pending)
+
+
+def _pending_to(location: Any) -> list[BackgroundCommit]:
+    """This rank's pending background commits whose writer writes to ``location``."""
+    with _PENDING_LOCK:
+        return [c for c in _PENDING if _same_location(getattr(c.writer, "path", None), location)]
 
 
 def failed_commit_to(location: Any) -> BaseException | None:
@@ -319,9 +324,7 @@ def failed_commit_to(location: Any) -> BaseException | None:
 
     Other ranks (and commits still running) give ``None``; no waiting, no collectives.
     """
-    with _PENDING_LOCK:
-        pending = [c for c in _PENDING if _same_location(getattr(c.writer, "path", None), location)]
-    for commit in pending:
+    for commit in _pending_to(location):
         if commit.dist.is_coordinator and commit.finished.is_set() and commit.commit_error is not None:
             return commit.commit_error
     return None

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM
+from hyper_parallel.core.distributed_checkpoint._format.consistency import storage_by_key
 from hyper_parallel.core.distributed_checkpoint._load_planner import direct_targets
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import (
@@ -79,7 +80,7 @@ class ItemIndex:
     def __init__(self, metadata: Metadata, *, by_key: dict[tuple[str, tuple[int, ...]], StorageInfo] | None = None) -> None:
         self.metadata = metadata
         self._facts: dict[int, tuple[ReadItem, ItemFacts]] = {}  # id(item) -> (item, its facts)
-        self._by_key = by_key  # (key, offset) -> storage entry, built on first use if not given
+        self._by_key = by_key if by_key is not None else storage_by_key(metadata)  # (key, offset) -> storage entry
         self._chunks: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}  # fqn -> chunk offsets -> sizes
 
     def facts(self, item: ReadItem) -> ItemFacts:
@@ -118,7 +119,7 @@ class ItemIndex:
     def _new_facts(self, item: ReadItem) -> ItemFacts:
         index = item.storage_index
         offset = index.offset if type(index.offset) is tuple else tuple(index.offset)  # pylint: disable=unidiomatic-typecheck
-        info = self._by_key.get((index.fqn, offset)) if self._by_key is not None else None
+        info = self._by_key.get((index.fqn, offset))
         if info is None:
             info = self.info(index)
         stored = self.metadata.state_dict_metadata.get(index.fqn)
@@ -155,9 +156,6 @@ class ItemIndex:
         Raises:
             CorruptCheckpointError: the metadata has none (names the key and offset).
         """
-        if self._by_key is None:  # plain tuple keys: hashing a MetadataIndex runs Python code
-            storage = self.metadata.storage_data or {}
-            self._by_key = {(key.fqn, tuple(key.offset)): info for key, info in storage.items()}
         info = self._by_key.get((index.fqn, tuple(index.offset)))
         if info is None:
             raise CorruptCheckpointError(
