@@ -20,6 +20,8 @@ from typing import Any
 
 from hyper_parallel.core.distributed_checkpoint._format.consistency import check_consistency
 from hyper_parallel.core.distributed_checkpoint._format.json_stream import Cursor, batches
+from hyper_parallel.core.distributed_checkpoint._format.regular_runs import items_by_runs, plain_ascii, storage_by_runs
+from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import naturals
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
@@ -161,14 +163,6 @@ def _str(value: Any, where: str, what: Any = "") -> str:
     return value
 
 
-def _naturals(values: list) -> bool:
-    """Whether every element of ``values`` is an ``int`` >= 0 (``bool`` is not)."""
-    for value in values:
-        if type(value) is not int or value < 0:  # pylint: disable=unidiomatic-typecheck
-            return False
-    return True
-
-
 def _whole_tensor_key(raw: dict) -> tuple[Any, ...] | None:
     """For a tensor item stored as one whole chunk (most items): a key its decoded record is shared under.
 
@@ -258,7 +252,7 @@ def _flat_checked_entry(raw: Any, shared: dict) -> tuple[MetadataIndex, StorageI
     path = shared.get(("file", path)) if type(path) is str else None  # pylint: disable=unidiomatic-typecheck
     if (path is None or not 0 <= start <= MAX_TENSOR_BYTES or not 0 <= length <= MAX_TENSOR_BYTES
             or type(algorithm) is not str or type(block) is not int or block <= 0  # pylint: disable=unidiomatic-typecheck
-            or type(digests) is not list or not _naturals(offset)):  # pylint: disable=unidiomatic-typecheck
+            or type(digests) is not list or not naturals(offset)):  # pylint: disable=unidiomatic-typecheck
         return None
     for digest in digests:
         if type(digest) is not str:  # pylint: disable=unidiomatic-typecheck
@@ -357,12 +351,15 @@ def _item(fqn: str, raw: Any, source: str, shared: dict) -> TensorStorageMetadat
     raise CorruptCheckpointError(f"{where}: unknown kind {raw.get('kind')!r}")
 
 
-def _decode_items(cursor: Cursor, shared: dict) -> dict[str, TensorStorageMetadata | BytesStorageMetadata]:
+def _decode_items(cursor: Cursor, shared: dict, plain: bool) -> dict[str, TensorStorageMetadata | BytesStorageMetadata]:
     source = cursor.source
     if cursor.skip() != "{":
         raise CorruptCheckpointError(f"{source}: state_dict_metadata must be an object")
     cursor.position += 1
-    items: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    items = items_by_runs(cursor, shared, lambda fqn, raw: _item(fqn, raw, source, shared)) if plain else None
+    if items is not None:
+        return items
+    items = {}
     for batch in batches(cursor, '},"', "{}"):
         for fqn, raw in batch.items():
             fqn = shared.setdefault(fqn, fqn)
@@ -374,13 +371,21 @@ def _decode_items(cursor: Cursor, shared: dict) -> dict[str, TensorStorageMetada
     return items
 
 
-def _decode_storage(cursor: Cursor, shared: dict) -> dict[MetadataIndex, StorageInfo]:
+def _decode_storage(cursor: Cursor, shared: dict, plain: bool) -> dict[MetadataIndex, StorageInfo]:
     source = cursor.source
     if cursor.skip() != "[":
         raise CorruptCheckpointError(f"{source}: storage_data must be a list")
     cursor.position += 1
     storage: dict[MetadataIndex, StorageInfo] = {}
     count = 0
+    pairs = storage_by_runs(
+        cursor, shared, lambda raw: _storage_entry(raw, count, source, shared),
+        lambda path: check_relative_path(path, f"{source}: storage_data"), MAX_TENSOR_BYTES) if plain else None
+    if pairs is not None:
+        storage.update(pairs)
+        if len(storage) != len(pairs):
+            raise CorruptCheckpointError(f"{source}: storage_data lists a chunk twice")
+        return storage
     for batch in batches(cursor, '},{"fqn":', "[]"):
         for raw in batch:
             index, info = _storage_entry(raw, count, source, shared)
@@ -414,6 +419,7 @@ def metadata_from_json(data: bytes | bytearray | mmap.mmap, *, source: str = "me
         CorruptCheckpointError: not JSON, or a field of the wrong type.
         UnsafeCheckpointError: a path leaving the directory or an absurd size.
     """
+    plain = plain_ascii(data)  # no escapes or control characters: the writer's regular entries decode by runs
     try:
         text = str(data, "utf-8")
     except ValueError as exc:
@@ -435,9 +441,9 @@ def metadata_from_json(data: bytes | bytearray | mmap.mmap, *, source: str = "me
     for _ in cursor.members("}"):
         name = cursor.key()
         if name == "state_dict_metadata":
-            items = _decode_items(cursor, shared)
+            items = _decode_items(cursor, shared, plain)
         elif name == "storage_data":
-            storage = _decode_storage(cursor, shared)
+            storage = _decode_storage(cursor, shared, plain)
         else:
             document[name] = cursor.value()
     if cursor.skip():

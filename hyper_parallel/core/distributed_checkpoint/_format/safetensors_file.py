@@ -30,6 +30,7 @@ __all__ = [
     "read_header_and_metadata",
     "read_header_at",
     "read_header_text",
+    "naturals",
 ]
 
 #: Stored dtype name -> safetensors dtype code.
@@ -121,7 +122,7 @@ def header_bytes(
     return struct.pack("<Q", len(text)) + text
 
 
-def _naturals(value: object, count: int | None = None) -> bool:
+def naturals(value: object, count: int | None = None) -> bool:
     """True for a list of integers >= 0 (of ``count`` items when given)."""
     if type(value) is not list or (count is not None and len(value) != count):
         return False
@@ -217,7 +218,7 @@ def read_header_at(
         shape = entry.get("shape") if offsets is not None else None
         dtype = entry.get("dtype") if shape is not None else None
         itemsize = sizes.get(dtype) if type(dtype) is str else None
-        if itemsize is None or not _naturals(offsets, 2) or not _naturals(shape):
+        if itemsize is None or not naturals(offsets, 2) or not naturals(shape):
             raise CorruptCheckpointError(
                 f"{path}: malformed safetensors entry '{name}' (needs a known dtype, a shape and two data "
                 "offsets, as integers >= 0)"
