@@ -131,3 +131,85 @@ def test_the_prepared_arena_is_as_large_as_the_first_save_needs(tmp_path):
     arenas = pool.arenas
     dcp.async_save(state, checkpoint_id=tmp_path / "edge", no_dist=True).result()
     assert pool.arenas == arenas, "the first save mapped a new arena: the prepared one was too small"
+
+
+def _count_asnumpy(monkeypatch) -> list[int]:
+    """Count ``Tensor.asnumpy`` calls (the call itself still runs): a tensor's host memory being looked up."""
+    calls = [0]
+    real = ms.Tensor.asnumpy
+
+    def counted(self):
+        calls[0] += 1
+        return real(self)
+
+    monkeypatch.setattr(ms.Tensor, "asnumpy", counted)
+    return calls
+
+
+def test_the_first_save_after_prepare_looks_up_no_tensor_again(tmp_path, monkeypatch):
+    """prepare_async_save looks every tensor up once: the first save's layout pass finds them (as a steady save)."""
+    _async_engine.staging_pool().release()
+    state = _state(4.0)  # new Parameters: nothing looked up yet
+    expected = _expected(state)
+    dcp.prepare_async_save(state).result(timeout=60)
+    calls = _count_asnumpy(monkeypatch)
+    handle = dcp.async_save(state, checkpoint_id=tmp_path / "d", no_dist=True)
+    assert calls[0] == 0, "the first save looked a tensor up again"
+    monkeypatch.undo()
+    for p in state.values():
+        if isinstance(p, ms.Parameter):
+            p.asnumpy()[...] = 0
+    handle.result()
+    _assert_saved(tmp_path / "d", expected)
+    # Without the preparation the same save looks every tensor up inside the call.
+    fresh = _state(5.0)
+    calls = _count_asnumpy(monkeypatch)
+    dcp.async_save(fresh, checkpoint_id=tmp_path / "e", no_dist=True).result()
+    assert calls[0] >= 7
+
+
+def test_a_state_changed_between_prepare_and_save_is_saved_exactly(tmp_path):
+    """Replaced, reshaped, retyped, new and changed-in-place tensors after the preparation: the save has them all."""
+    _async_engine.staging_pool().release()
+    state = _state(6.0)
+    dcp.prepare_async_save(state).result(timeout=60)
+    rng = np.random.default_rng(9)
+    state["w0"].set_data(ms.Tensor(rng.standard_normal((17, 65)).astype(np.float32)))  # new memory, same layout
+    state["w1"].set_data(ms.Tensor(rng.standard_normal((13, 70)).astype(np.float32), ms.bfloat16))  # reshaped
+    state["w2"] = ms.Parameter(ms.Tensor(rng.standard_normal((19, 65)).astype(np.float16)), name="w2")  # new dtype
+    state["w6"] = ms.Parameter(ms.Tensor(rng.standard_normal((5, 3)).astype(np.float32)), name="w6")  # a new key
+    state["w3"].asnumpy()[...] = 2.5  # changed in place
+    del state["w5"]
+    expected = _expected(state)
+    dcp.async_save(state, checkpoint_id=tmp_path / "f", no_dist=True).result()
+    saved = dcp.read_metadata(tmp_path / "f").state_dict_metadata
+    assert "w5" not in saved and tuple(saved["w1"].size) == (13, 70) and tuple(saved["w6"].size) == (5, 3)
+    target = {name: ms.Parameter(ms.Tensor(np.zeros(p.shape, np.float32), p.dtype), name=name)
+              for name, p in state.items() if isinstance(p, ms.Parameter)}
+    dcp.load(target, checkpoint_id=tmp_path / "f", no_dist=True)
+    assert target["w2"].dtype == ms.float16
+    for name, value in expected.items():
+        if name != "m":
+            np.testing.assert_array_equal(target[name].asnumpy().view(np.uint8), value.view(np.uint8))
+
+
+def test_the_background_work_starts_after_the_call_returns(tmp_path):
+    """The writer runs only once async_save let go of the caller's thread (its lock released): no GIL tug of war."""
+    from hyper_parallel.core.distributed_checkpoint import async_checkpoint  # pylint: disable=import-outside-toplevel
+
+    seen: list[bool] = []
+
+    class Probe(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):
+            free = async_checkpoint._ASYNC_LOCK.acquire(blocking=False)  # pylint: disable=protected-access
+            if free:
+                async_checkpoint._ASYNC_LOCK.release()  # pylint: disable=protected-access
+            seen.append(free)
+            return super().write_data(plan, planner)
+
+    state = _state(7.0)
+    expected = _expected(state)
+    for name in ("g", "h"):  # the first save (planned in the background) and a steady one
+        dcp.async_save(state, storage_writer=Probe(tmp_path / name), no_dist=True).result()
+        _assert_saved(tmp_path / name, expected)
+    assert seen == [True, True]

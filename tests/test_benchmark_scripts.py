@@ -68,7 +68,8 @@ def _env() -> dict[str, str]:
 def test_benchmark_reports_every_figure_for_both_states(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / "benchmark.py"), "--size-gb", "0.004", "--runs", "1", "--pretouch-gb", "0",
+        [sys.executable, str(SCRIPTS / "benchmark.py"), "--size-gb", "0.004", "--runs", "1", "--warm-runs", "2",
+         "--pretouch-gb", "0",
          "--out", str(tmp_path / "work"), "--json", str(out), "--msrun-timeout", "400"],
         env=_env(), capture_output=True, text=True, timeout=560, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

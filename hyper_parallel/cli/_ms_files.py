@@ -8,15 +8,18 @@ Two formats, both as ``mindspore.save_checkpoint`` writes them:
   with ``dims``, ``tensor_type`` such as ``"Float32"`` and the raw
   little-endian ``tensor_content``). A tensor above 512 MiB is split into
   several consecutive values with the same tag whose contents concatenate. A
-  file saved with ``crc_check=True`` ends with ``b"crc_num"`` and 10 bytes.
+  file saved with ``crc_check=True`` ends with ``b"crc_num"`` and 10 bytes
+  (the crc32 of the bytes before them).
   A string is a value of type ``"str"`` holding numpy UTF-32 text.
-- ``.safetensors``: a safetensors file with ``{"format": "ms"}`` metadata.
+- ``.safetensors``: a safetensors file with ``{"format": "ms"}`` metadata
+  (and ``"crc_num"`` when saved with ``crc_check=True``).
 
 The ``.ckpt`` reader walks the protobuf wire format itself: it reads the
 small field headers and skips every ``tensor_content``, recording where it
 lies, so indexing a file reads a few bytes per tensor. Tensors are then
 mapped from the file (no copy, no MindSpore, no unpickling). Only regular
-files are opened (a FIFO or device is refused instead of blocking).
+files are opened (a FIFO or device is refused instead of blocking). A
+stored crc is checked as the contents are read (:mod:`._ms_crc`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hyper_parallel.cli._ms_crc import StoredCrc, ckpt_crc, safetensors_crc
 from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import (
     DTYPE_FROM_SAFETENSORS,
     read_header_and_metadata,
@@ -181,12 +185,16 @@ class MsFile:
         path: The file.
         entries: Name -> :class:`MsEntry`, in file order.
         file_metadata: The safetensors ``__metadata__`` (empty for ``.ckpt``).
+        crc: The crc MindSpore stored in the file (``crc_check=True``), checked
+            as contents are read; None when the file has none.
     """
 
-    def __init__(self, path: Path, fd: int, entries: dict[str, MsEntry], file_metadata: dict[str, str]) -> None:
+    def __init__(self, path: Path, fd: int, entries: dict[str, MsEntry], file_metadata: dict[str, str],
+                 crc: StoredCrc | None = None) -> None:
         self.path = path
         self.entries = entries
         self.file_metadata = file_metadata
+        self.crc = crc
         info = os.fstat(fd)
         self._window = read_ahead_window(info.st_dev)
         self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if info.st_size else None
@@ -217,12 +225,18 @@ class MsFile:
           read up to a window past its end).
 
         The map reads nothing around a fault elsewhere, so entries never
-        asked for are not read.
+        asked for are not read. With a stored :attr:`crc`, each segment's crc
+        is taken here, the first time it is asked for; the last one checks
+        the file.
 
         Args:
             name: The entry.
             budget: Bytes that may still be announced (the import's; spent
                 here). None: announce the whole content.
+
+        Raises:
+            CorruptCheckpointError: this was the file's last content not yet
+                read, and the file's stored crc does not match its bytes.
         """
         entry = self.entries[name]
         if not entry.segments or entry.nbytes == 0:
@@ -232,7 +246,26 @@ class MsFile:
                 self._advise(offset - offset % mmap.PAGESIZE, offset + length, budget)
         parts = [np.frombuffer(self._map, dtype=np.uint8, count=length, offset=offset)
                  for offset, length in entry.segments]
+        if self.crc is not None:
+            for (offset, _), part in zip(entry.segments, parts):
+                self.crc.read(offset, part)
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def check_crc_except(self, names: set[str]) -> None:
+        """Read, for the stored crc only, every content not of ``names`` and not read yet. Single process.
+
+        The import reads the entries it stores (``names``) as it writes them;
+        a file whose other entries (replicas) are never stored could not be
+        checked otherwise. They are read once, streamed; nothing without a crc.
+
+        Raises:
+            CorruptCheckpointError: every content is now read and the stored crc does not match.
+        """
+        if self.crc is None:
+            return
+        for name, entry in self.entries.items():
+            if name not in names and any(self.crc.pending(offset) for offset, _ in entry.segments):
+                self.raw(name, budget=ReadBudget(0))
 
     def _advise(self, start: int, end: int, budget: ReadBudget | None) -> None:
         """Have the kernel read the pages of ``[start, end)`` (``start`` page-aligned) and no other."""
@@ -375,12 +408,14 @@ def _entry_shape(path: Path, name: str, dims: list[int], dtype: str, nbytes: int
     return shape
 
 
-def _index_ckpt(fd: int, path: Path) -> dict[str, MsEntry]:
+def _index_ckpt(fd: int, path: Path) -> tuple[dict[str, MsEntry], StoredCrc | None]:
     size = os.fstat(fd).st_size
     cursor = _Cursor(fd, path)
-    end = size
-    if size >= _CRC_TRAILER_BYTES and os.pread(fd, len(_CRC_TRAILER), size - _CRC_TRAILER_BYTES) == _CRC_TRAILER:
-        end = size - _CRC_TRAILER_BYTES
+    end, expected = size, None
+    if size >= _CRC_TRAILER_BYTES:
+        trailer = os.pread(fd, _CRC_TRAILER_BYTES, size - _CRC_TRAILER_BYTES)
+        if trailer.startswith(_CRC_TRAILER):
+            end, expected = size - _CRC_TRAILER_BYTES, int.from_bytes(trailer[len(_CRC_TRAILER):], "big")
     found: dict[str, tuple[list[int], str, list[tuple[int, int]]]] = {}
     last = None
     position = 0
@@ -406,10 +441,13 @@ def _index_ckpt(fd: int, path: Path) -> dict[str, MsEntry]:
         dtype = MS_DTYPE_NAMES.get(tensor_type, STRING_DTYPE)
         nbytes = sum(length for _, length in segments)
         entries[name] = MsEntry(name, dtype, _entry_shape(path, name, dims, dtype, nbytes), tuple(segments))
-    return entries
+    if expected is None:
+        return entries, None
+    segments = [segment for entry in entries.values() for segment in entry.segments]
+    return entries, ckpt_crc(path, cursor.take, segments, end, expected)
 
 
-def _index_safetensors(fd: int, path: Path) -> tuple[dict[str, MsEntry], dict[str, str]]:
+def _index_safetensors(fd: int, path: Path) -> tuple[dict[str, MsEntry], dict[str, str], StoredCrc | None]:
     header, data_start, file_metadata = read_header_and_metadata(path, fd=fd)
     quantized = sorted(name for name, value in file_metadata.items() if value == "Int4" and name in header)
     if quantized:
@@ -419,7 +457,12 @@ def _index_safetensors(fd: int, path: Path) -> tuple[dict[str, MsEntry], dict[st
         begin, end = info["data_offsets"]
         entries[name] = MsEntry(name, DTYPE_FROM_SAFETENSORS[info["dtype"]], tuple(info["shape"]),
                                 ((data_start + begin, end - begin),))
-    return entries, file_metadata
+    stored = file_metadata.get("crc_num", "") if file_metadata.get("format") == "ms" else ""
+    if not stored.isdigit():
+        return entries, file_metadata, None
+    segments = {name: entry.segments[0] for name, entry in entries.items()}
+    counted = {name: entry.dtype for name, entry in entries.items() if entry.shape == () and "int" in entry.dtype}
+    return entries, file_metadata, safetensors_crc(path, segments, counted, int(stored))
 
 
 def open_ms_file(path: str | os.PathLike) -> MsFile:
@@ -439,10 +482,10 @@ def open_ms_file(path: str | os.PathLike) -> MsFile:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     try:
         if file_path.suffix == ".ckpt":
-            entries, file_metadata = _index_ckpt(fd, file_path), {}
+            (entries, crc), file_metadata = _index_ckpt(fd, file_path), {}
         else:
-            entries, file_metadata = _index_safetensors(fd, file_path)
+            entries, file_metadata, crc = _index_safetensors(fd, file_path)
     except BaseException:
         os.close(fd)
         raise
-    return MsFile(file_path, fd, entries, file_metadata)
+    return MsFile(file_path, fd, entries, file_metadata, crc)

@@ -20,7 +20,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -47,8 +47,8 @@ from hyper_parallel.core.distributed_checkpoint.type_handlers import serialize_v
 from hyper_parallel.core.layout import Layout
 from hyper_parallel.core.strategy_file import OPTIMIZER_STATE_PREFIXES, layout_for_state_key
 
-__all__ = ["RANK_DIR_PATTERN", "SourcePiece", "PieceSavePlanner", "find_rank_files", "plan_rank_import",
-           "total_bytes", "whole_pieces"]
+__all__ = ["RANK_DIR_PATTERN", "SourcePiece", "PieceSavePlanner", "check_unstored_crcs", "find_rank_files",
+           "plan_rank_import", "total_bytes", "whole_pieces"]
 
 #: A MindSpore per-rank directory name.
 RANK_DIR_PATTERN = re.compile(r"^rank_(\d+)$")
@@ -236,6 +236,22 @@ def whole_pieces(files: Sequence[MsFile]) -> tuple[list[SourcePiece], dict[str, 
             else:
                 pieces.append(SourcePiece(name, file, entry, (0,) * len(entry.shape), entry.shape))
     return pieces, values
+
+
+def check_unstored_crcs(files: Iterable[MsFile], pieces: Sequence[SourcePiece]) -> None:
+    """Check the stored crc of ``files`` over the entries no piece stores (replicas). Single process.
+
+    The stored entries are accounted for as the writer reads them (the last
+    one checks the file); the others are read here, once, before the save.
+
+    Raises:
+        CorruptCheckpointError: a file whose contents are all read now does not match its stored crc.
+    """
+    stored: dict[int, set[str]] = {}
+    for piece in pieces:
+        stored.setdefault(id(piece.file), set()).add(piece.entry.name)
+    for file in files:
+        file.check_crc_except(stored.get(id(file), set()))
 
 
 class PieceSavePlanner(SavePlanner):

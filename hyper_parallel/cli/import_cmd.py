@@ -34,6 +34,7 @@ from hyper_parallel.cli._ms_files import MsFile, open_ms_file, open_regular
 from hyper_parallel.cli._ms_import import (
     PieceSavePlanner,
     SourcePiece,
+    check_unstored_crcs,
     find_rank_files,
     plan_rank_import,
     total_bytes,
@@ -152,7 +153,9 @@ def _plan_source(
             files = {rank: open_ms_file(path) for rank, path in
                      progress(sorted(rank_files.items()), desc="index rank files", unit="file",
                                        enabled=show_progress)}
-            return plan_rank_import(files, records)
+            pieces, values = plan_rank_import(files, records)
+            check_unstored_crcs(files.values(), pieces)
+            return pieces, values
     if strategy_files:
         raise CheckpointValueError(
             f"--strategy applies to a directory of MindSpore per-rank files (rank_<i>/...); {src} is not one"
@@ -167,6 +170,7 @@ def _plan_source(
             "directory or a directory of MindSpore per-rank files (rank_<i>/)"
         )
     pieces, values = whole_pieces(files)
+    check_unstored_crcs(files, pieces)
     for file in files:
         for key, value in restored_values(file).items():
             values.setdefault(key, value)

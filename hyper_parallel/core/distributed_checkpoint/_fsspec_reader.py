@@ -176,6 +176,13 @@ class FsspecReader(FileSystemReader):
             return False
         return current.storage_meta.save_id != self.metadata.storage_meta.save_id
 
+    def _read_groups(self, work: list[list[tuple[str, list[ReadItem]]]], planner: LoadPlanner) -> int:
+        """Read the groups of objects, one reading thread per group; return the bytes read."""
+        if len(work) <= 1:
+            return sum(self._read_group(group, planner) for group in work)
+        with ThreadPoolExecutor(max_workers=len(work), thread_name_prefix="hp-ckpt-read") as pool:
+            return sum(pool.map(lambda group: self._read_group(group, planner), work))
+
     def _read_group(self, files: list[tuple[str, list[ReadItem]]], planner: LoadPlanner) -> int:
         """Read the files of one reading thread; the items of a file go ``connections`` at a time.
 

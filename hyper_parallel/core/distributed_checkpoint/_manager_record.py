@@ -6,9 +6,11 @@ metrics and whether it is kept forever. A manager re-created with another
 policy reads it back, so a step once promised "keep forever" (by
 ``keep_every_n_steps`` or ``keep_time_interval_seconds``) is never deleted,
 and best-k retention still knows the metrics of earlier steps. The file is
-replaced atomically (write, fsync, rename) under an advisory lock held by the
-coordinator for the whole read-retain-write, so two managers on one root do
-not lose each other's entries.
+replaced atomically (``write_atomically``: write, fsync, rename, directory
+fsync) under an advisory lock held by the coordinator for the whole
+read-retain-write, so two managers on one root do not lose each other's
+entries; the temporary file of a writer killed before its rename is removed
+by the next holder of the lock.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ import dataclasses
 import fcntl
 import json
 import os
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from hyper_parallel.core.distributed_checkpoint._file_ops import write_atomically
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 
 __all__ = ["RECORD_FILE", "ManagerPolicy", "StepRecord", "ManagerRecord", "locked_record", "read_record"]
@@ -110,17 +112,16 @@ def _write(root: Path, record: ManagerRecord) -> None:
         "policy": dataclasses.asdict(record.policy) if record.policy is not None else None,
         "steps": {str(step): dataclasses.asdict(entry) for step, entry in sorted(record.steps.items())},
     }
-    target = root / RECORD_FILE
-    partial = root / f".{RECORD_FILE}.{uuid.uuid4().hex[:8]}.partial"
-    try:
-        with open(partial, "w", encoding="utf-8") as handle:
-            json.dump(document, handle, indent=1, sort_keys=True)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(partial, target)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(partial)
+    write_atomically(root / RECORD_FILE, json.dumps(document, indent=1, sort_keys=True).encode("utf-8"))
+
+
+def _sweep_partials(root: Path) -> None:
+    """Remove temporary record files left by a writer killed before its rename (the lock is held)."""
+    prefix = f".{RECORD_FILE}."
+    for entry in os.scandir(root):
+        if entry.name.startswith(prefix) and entry.name.endswith(".partial"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
 
 
 class _Session:
@@ -140,6 +141,7 @@ def locked_record(root: Path) -> Iterator[_Session]:
     with open(root / _LOCK_FILE, "a+b") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         try:
+            _sweep_partials(root)
             before = read_record(root)
             session = _Session(before)
             yield session

@@ -11,6 +11,7 @@ dtype and layout allow (:mod:`._run_reads`), in pieces of at most
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -35,16 +36,61 @@ class ReadPass:
     ``_kept_bytes``, ``_kept_lock``), ``_region_check`` and ``_open_source``.
     """
 
-    def _read_group(self, files: list[tuple[str, list[ReadItem]]], planner: LoadPlanner) -> int:
-        total = 0
-        for relative_path, items in files:
-            with self._open_source(relative_path, items) as (source, path, size):
-                count, rest = read_small_whole(source, path, size, items, self._items, planner,
-                                               verified=self.verify_checksums)
-                total += count
-                for item, dest in rest:
-                    total += self._read_item(source, path, size, item, planner, dest)
+    def _read_groups(self, work: list[list[tuple[str, list[ReadItem]]]], planner: LoadPlanner) -> int:
+        """Read the items of every group of files; return the bytes read (verified ones not counted again).
+
+        The large items start first, one I/O thread per group, and this
+        thread meanwhile reads the small whole chunks of every file, many per
+        call (:func:`._read_items.read_small_whole`): their Python runs while
+        the large reads copy with the GIL released. Runs after every check of
+        the plan passed (the verify pass). On an error, the reads in flight
+        end before it is raised (no thread writes into a target afterwards).
+        """
+        facts_of = self._items.facts
+        small_files: list[tuple[str, list[ReadItem], list[ReadItem]]] = []
+        large_work: list[list[tuple[str, list[ReadItem], list[ReadItem]]]] = []
+        for group in work:
+            large_group = []
+            for relative_path, items in group:
+                small, large = [], []
+                for item in items:
+                    (small if facts_of(item).small else large).append(item)
+                if small:
+                    small_files.append((relative_path, items, small))
+                if large:
+                    large_group.append((relative_path, items, large))
+            if large_group:
+                large_work.append(large_group)
+        if not large_work or (len(large_work) == 1 and not small_files):  # nothing to overlap
+            return sum(self._read_small(entry, planner) for entry in small_files) + sum(
+                self._read_large(group, planner) for group in large_work)
+        pool = ThreadPoolExecutor(max_workers=len(large_work), thread_name_prefix="hp-ckpt-read")
+        try:
+            futures = [pool.submit(self._read_large, group, planner) for group in large_work]
+            total = sum(self._read_small(entry, planner) for entry in small_files)
+            return total + sum(future.result() for future in futures)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _read_small(self, entry: tuple[str, list[ReadItem], list[ReadItem]], planner: LoadPlanner) -> int:
+        """Read the small whole chunks ``entry`` names of one file (``(file, its items, the small ones)``)."""
+        relative_path, items, small = entry
+        with self._open_source(relative_path, items) as (source, path, size):
+            total, rest = read_small_whole(source, path, size, small, self._items, planner,
+                                           verified=self.verify_checksums)
+            for item, dest in rest:  # not batched after all (their target is not contiguous, say)
+                total += self._read_item(source, path, size, item, planner, dest)
         return total
+
+    def _read_large(self, group: list[tuple[str, list[ReadItem], list[ReadItem]]], planner: LoadPlanner) -> int:
+        """Read the other items of a group of files (``(file, its items, the ones to read)``), one by one."""
+        total = 0
+        for relative_path, items, large in group:
+            with self._open_source(relative_path, items) as (source, path, size):
+                for item in large:
+                    total += self._read_item(source, path, size, item, planner)
+        return total
+
     def _read_item(
         self, source: FileSource, path: Path, file_size: int, item: ReadItem, planner: LoadPlanner, dest: np.ndarray | None = None
     ) -> int:

@@ -227,17 +227,27 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
             CorruptCheckpointError: a header that disagrees with the metadata, a
                 checksum mismatch or a truncated file (names file and key).
         """
-        return self._run_per_file(plan, "verify", self._verify_group)
+        return self._run_per_file(plan, "verify", self._verify_groups)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> "Future[None]":
         """Read every region of this rank's plan into the planner, after verifying it. All ranks call it."""
         future = self.verify_data(plan)
         if future.exception() is not None:
             return future
-        return self._run_per_file(plan, "read", lambda group: self._read_group(group, planner))
+        return self._run_per_file(plan, "read", lambda work: self._read_groups(work, planner))
 
-    def _run_per_file(self, plan: LoadPlan, verb: str, work_fn: Any) -> "Future[None]":
-        """Run ``work_fn`` on the plan's items grouped by file, on up to ``thread_count`` threads."""
+    def _verify_groups(self, work: list[list[tuple[str, list[ReadItem]]]]) -> int:
+        """Run the verify pass over the groups of files, one I/O thread per group; return the bytes read."""
+        # Without checksums the verify pass is the header check: one small read per file and Python per
+        # item, which threads would only contend for (the GIL); it runs on this thread.
+        if len(work) <= 1 or not self.verify_checksums:
+            return sum(self._verify_group(group) for group in work)
+        with ThreadPoolExecutor(max_workers=len(work), thread_name_prefix="hp-ckpt-verify") as pool:
+            return sum(pool.map(self._verify_group, work))
+
+    def _run_per_file(self, plan: LoadPlan, verb: str, run: Any) -> "Future[None]":
+        """Run ``run`` on the plan's items grouped by file and dealt to ``thread_count`` groups (it returns the
+        bytes it read)."""
         future: Future[None] = Future()
         try:
             if self.metadata is None or self.metadata.storage_data is None:
@@ -248,18 +258,10 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
                 return future
             groups = self._file_groups(items, skip=self._verified if verb == "verify" else None)
             work = [g for g in groups if g]
-            # Without checksums the verify pass is the header check: one small read per file and Python per
-            # item, which threads would only contend for (the GIL); it runs on this thread.
-            if len(work) <= 1 or (verb == "verify" and not self.verify_checksums):
-                counts = [work_fn(g) for g in work]
-            else:
-                with ThreadPoolExecutor(max_workers=len(work), thread_name_prefix=f"hp-ckpt-{verb}") as pool:
-                    counts = list(pool.map(work_fn, work))
-            if verb == "read":
-                self.bytes_read += sum(counts)
-            else:
-                self.bytes_verified += sum(counts)
-                self.bytes_read += sum(counts)
+            count = run(work)
+            self.bytes_read += count
+            if verb == "verify":
+                self.bytes_verified += count
                 self._verified.update(id(item) for group in work for _, file_items in group for item in file_items)
                 self._plan_checked = items
             release_scratch()  # do not keep the caller thread's scratch after the load
