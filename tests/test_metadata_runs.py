@@ -45,7 +45,9 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
     state = _state()
     dcp.save(state, storage_writer=dcp.FileSystemWriter(root / "plain", checksum_block_bytes=4096), no_dist=True)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(root / "zstd", compression="zstd"), no_dist=True)
-    return {name: (root / name / "metadata.json").read_bytes() for name in ("plain", "zstd")}
+    tensors = {key: value for key, value in state.items() if isinstance(value, ms.Parameter) and key != "wide"}
+    dcp.save(tensors, checkpoint_id=root / "tensors", no_dist=True)  # every entry of the usual form
+    return {name: (root / name / "metadata.json").read_bytes() for name in ("plain", "zstd", "tensors")}
 
 
 def _full(raw: bytes) -> dcp.Metadata:
@@ -66,7 +68,7 @@ def _by_runs(raw: bytes) -> tuple[dcp.Metadata, list[str]]:
         return metadata_json.metadata_from_json(raw), used
 
 
-@pytest.mark.parametrize("kind", ["plain", "zstd"])
+@pytest.mark.parametrize("kind", ["plain", "zstd", "tensors"])
 def test_runs_decode_equals_the_full_decode(saved: dict[str, bytes], kind: str) -> None:
     raw = saved[kind]
     fast, used = _by_runs(raw)
@@ -83,6 +85,9 @@ def test_runs_decode_equals_the_full_decode(saved: dict[str, bytes], kind: str) 
         assert repr(info) == repr(full.storage_data[index])
         assert type(info.checksum.digests) is tuple and type(index.offset) is tuple
     stored = fast.state_dict_metadata
+    if kind == "tensors":
+        assert len(stored) == 80 and stored["tail.p79"].properties.dtype == "bfloat16"
+        return
     assert stored["layer0.p1"].properties.dtype == "bfloat16" and stored["layer0.p2"].size == ()
     assert stored["layer0.p3"].size == (0, 3) and len(stored["half"].chunks) == 3
     assert isinstance(stored["step"], dcp.BytesStorageMetadata)
@@ -132,8 +137,9 @@ _DAMAGE: list[tuple[str, Callable[[str], str]]] = [
     ("float_length", _nth('"length":', '"length":1.5e1', 25)),
     ("huge_integer", _nth('"length":', '"length":' + "9" * 5000, 25)),
     ("absurd_length", _nth('"length":', '"length":' + str(1 << 60) + ",\"x\":", 25)),
-    ("absurd_length_alone", lambda text: _absurd(text)),
-    ("zero_block_bytes", _nth('"block_bytes":', '"block_bytes":0,"_":', 25)),
+    ("absurd_length_alone", lambda text: _edited(text, lambda d: d["storage_data"][25].update(length=1 << 60))),
+    ("zero_block_bytes", lambda text: _edited(text, lambda d: d["storage_data"][25]["checksum"].update(block_bytes=0))),
+    ("block_bytes_with_extra_key", _nth('"block_bytes":', '"block_bytes":0,"_":', 25)),
     ("control_character_in_a_name", _sub('"layer5.p1"', '"layer5.\x01p1"', 2)),
     ("tab_in_a_key", _sub('"layer5.p1":', '"layer5.\tp1":')),
     ("escaped_name", _sub('"layer5.p1"', '"layer5.\\u0070\\"1"', 2)),
@@ -147,21 +153,18 @@ _DAMAGE: list[tuple[str, Callable[[str], str]]] = [
     ("chunk_outside_mid_run", _nth('"size":[6,4],"chunks":[[[0,0],[6,4]]]', '"size":[6,4],"chunks":[[[0,1],[6,4]]]', 5)),
     ("bool_in_size", _nth('"size":[5]', '"size":[true]', 4)),
     ("two_digests_not_strings", _nth('"digests":["', '"digests":[7,"', 25)),
-    ("duplicate_entry", lambda text: _duplicate(text)),
+    ("duplicate_entry", lambda text: _edited(text, lambda d: d["storage_data"].insert(30, d["storage_data"][10]))),
     ("truncated", lambda text: text[: len(text) * 2 // 3]),
+    ("first_item_unknown_dtype", _nth('"dtype":"float32"', '"dtype":"float99"', 1)),
+    ("first_entry_negative_offset", _nth('"byte_offset":', '"byte_offset":-', 1)),
+    ("empty_items", lambda text: _edited(text, lambda d: d.update(state_dict_metadata={}))),
     ("other_algorithm", _nth('"algorithm":"xxh3_64"', '"algorithm":"md5"', 25)),
 ]
 
 
-def _absurd(text: str) -> str:
+def _edited(text: str, change: Callable[[dict], None]) -> str:
     document = json.loads(text)
-    document["storage_data"][25]["length"] = 1 << 60
-    return json.dumps(document, separators=(",", ":"))
-
-
-def _duplicate(text: str) -> str:
-    document = json.loads(text)
-    document["storage_data"].insert(30, document["storage_data"][10])
+    change(document)
     return json.dumps(document, separators=(",", ":"))
 
 
@@ -182,7 +185,7 @@ def test_damage_inside_a_run_is_refused_as_the_full_decode_refuses_it(saved: dic
 
 #: Changes that leave valid metadata (a name spelled with escapes or holding braces; an unknown checksum
 #: algorithm, refused later by check_consistency): both decodes give the same records.
-_VALID = {"escaped_name", "braces_in_a_name", "braces_in_a_value_name", "other_algorithm"}
+_VALID = {"empty_items", "escaped_name", "braces_in_a_name", "braces_in_a_value_name", "other_algorithm"}
 
 
 def test_plain_ascii_tells_escapes_and_control_characters() -> None:

@@ -1,7 +1,8 @@
 """The on-disk format, all in one place; its specification is docs/format.md.
 
 - :mod:`.safetensors_file`: the data files (safetensors headers, dtype names);
-- :mod:`.metadata_json`: the committed metadata as JSON (decoded as a stream by :mod:`.json_stream`);
+- :mod:`.metadata_json`: the committed metadata as JSON (decoded as a stream by :mod:`.json_stream`,
+  its usual entries by runs by :mod:`.regular_runs`);
 - :mod:`.consistency`: the checks that a metadata's items and storage entries match;
 - :mod:`.checksum`: xxh3 digests of blocks and tiles;
 - :mod:`.byte_ranges`: which byte runs of a stored chunk hold a region;

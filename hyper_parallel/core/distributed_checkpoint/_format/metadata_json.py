@@ -5,7 +5,8 @@ type and range and refuses paths that leave the checkpoint directory, so a
 hostile file is rejected before anything is read or allocated;
 :func:`check_consistency` (:mod:`.consistency`, re-exported here) then checks
 that items and storage entries match one to one (loading runs both). The
-large members are decoded as a stream (:mod:`.json_stream`). The format is
+large members are decoded as a stream (:mod:`.json_stream`), their usual
+entries by runs (:mod:`.regular_runs`). The format is
 specified in ``docs/format.md``.
 """
 
@@ -404,8 +405,9 @@ def metadata_from_json(data: bytes | bytearray | mmap.mmap, *, source: str = "me
     """Decode and check metadata written by :func:`metadata_to_json`.
 
     The two large members (``state_dict_metadata``, ``storage_data``) are
-    decoded a bounded batch of entries at a time (``json_stream._BATCH`` per JSON call
-    while the text is in this writer's compact form, else one at a time),
+    decoded a bounded window of entries at a time: by runs (:mod:`.regular_runs`)
+    while the text is this writer's compact form without escapes, else
+    ``json_stream._BATCH`` per JSON call or one at a time,
     each entry turned into its typed record at once,
     so the whole JSON document never exists as Python objects: peak memory is
     the text plus the records, and time is linear. A ``bytearray`` is emptied
