@@ -1,4 +1,7 @@
-"""``hp-ckpt import`` checks the crc32 ``mindspore.save_checkpoint(..., crc_check=True)`` stores, MindSpore as reference."""
+"""``hp-ckpt import`` checks the crc32 that ``mindspore.save_checkpoint(..., crc_check=True)`` stores.
+
+MindSpore's own ``load_checkpoint(..., crc_check=True)`` is the reference for which files are damaged.
+"""
 
 from __future__ import annotations
 
