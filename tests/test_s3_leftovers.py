@@ -19,8 +19,10 @@ from pathlib import Path
 import fsspec
 import mindspore
 import numpy as np
+import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel.core.distributed_checkpoint import _object_steps
 from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions, commit_save, plan_save, write_local
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
 from s3_server import new_filesystem, s3_endpoint, s3_url  # noqa: F401  (fixtures)
@@ -43,7 +45,10 @@ def _loads_as(writer_url: str, seed: int, reader=None) -> None:
 
 def _names(fs, root: str) -> list[str]:
     fs.invalidate_cache(root)
-    return sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
+    try:
+        return sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
+    except FileNotFoundError:
+        return []
 
 
 def _uploads(fs, url: str) -> list[str]:
@@ -134,3 +139,26 @@ def test_other_fsspec_filesystems_sweep_the_same_way() -> None:
         _loads_as(url, 7, reader=dcp.FsspecReader(url, filesystem=fs))
     finally:
         fs.rm(f"/{root.split('/')[0]}", recursive=True)
+
+
+def test_manager_retention_deletes_an_abandoned_step_with_its_uploads(s3_url: str, s3_endpoint,  # noqa: F811
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    fs = new_filesystem()
+    manager = dcp.CheckpointManager(s3_url, max_to_keep=2)
+    manager.save(1, _state(1))
+    step2 = str(manager.directory(2))
+    child = _saved_then_ended(step2, s3_endpoint.env, "--two-objects")  # killed mid-upload, one object complete
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and child.poll() is None and not (
+                _uploads(fs, step2) and _names(fs, step2[len("s3://"):])):
+            time.sleep(0.02)
+    finally:
+        child.kill()
+        output = child.communicate()[0].decode(errors="replace")
+    assert _uploads(fs, step2) and _names(fs, step2[len("s3://"):]), output[-2000:]
+    monkeypatch.setattr(_object_steps, "UNCOMMITTED_GRACE_SECONDS", -1.0)  # abandoned at once
+    manager.save(3, _state(3))
+    assert manager.all_steps() == [1, 3]
+    assert _uploads(fs, s3_url) == [] and "step_00000002" not in _names(fs, s3_url[len("s3://"):])
+    _loads_as(manager.directory(3), 3)

@@ -31,7 +31,7 @@ from typing import Any
 from hyper_parallel.core.distributed_checkpoint._commit_cleanup import DATA_FILE_PATTERN
 from hyper_parallel.core.distributed_checkpoint._object_io import is_s3, remove_objects
 
-__all__ = ["Leftovers", "leftovers_at_start", "sweep"]
+__all__ = ["Leftovers", "abort_stale_uploads", "leftovers_at_start", "sweep"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -70,16 +70,17 @@ def _other_kind(name: str, rank: int | None) -> bool:
     return name == "metadata.json"
 
 
-def _uploads(fs: Any, root: str) -> list[tuple[str, str]]:
-    """``(key, upload id)`` of the multipart uploads in progress under ``root`` (S3; else none)."""
+def _uploads(fs: Any, root: str) -> list[tuple[str, str, float]]:
+    """``(path, upload id, start time)`` of the multipart uploads in progress under ``root`` (S3; else none)."""
     if not is_s3(fs):
         return []
     bucket, key, _ = fs.split_path(root)
-    found: list[tuple[str, str]] = []
+    found: list[tuple[str, str, float]] = []
     markers: dict[str, str] = {}
     while True:
         reply = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=f"{key}/", **markers)
-        found.extend((f"{bucket}/{u['Key']}", u["UploadId"]) for u in reply.get("Uploads", []))
+        found.extend((f"{bucket}/{u['Key']}", u["UploadId"], u["Initiated"].timestamp())
+                     for u in reply.get("Uploads", []))
         if not reply.get("IsTruncated"):
             return found
         markers = {"KeyMarker": reply["NextKeyMarker"], "UploadIdMarker": reply["NextUploadIdMarker"]}
@@ -126,7 +127,7 @@ def leftovers_at_start(fs: Any, root: str, *, save_id: str, metadata_name: str, 
         return owner is not None and owner[0] != save_id and (rank is None or owner[1] == rank)
 
     return Leftovers(objects=tuple(f"{root}/{n}" for n in sorted(names) if doomed(n)),
-                     uploads=tuple((path, upload) for path, upload in uploads if doomed(path.rsplit("/", 1)[-1])))
+                     uploads=tuple((path, upload) for path, upload, _ in uploads if doomed(path.rsplit("/", 1)[-1])))
 
 
 def sweep(fs: Any, leftovers: Leftovers, superseded: list[str]) -> None:
@@ -136,3 +137,17 @@ def sweep(fs: Any, leftovers: Leftovers, superseded: list[str]) -> None:
     """
     remove_objects(fs, sorted(set(superseded) | set(leftovers.objects)))
     _abort_uploads(fs, list(leftovers.uploads))
+
+
+def abort_stale_uploads(fs: Any, prefix: str, *, started_before: float) -> None:
+    """Abort the multipart uploads under ``prefix`` started before ``started_before`` (epoch seconds).
+
+    For a step prefix retention deletes (:mod:`._object_steps`): an upload
+    younger than that may be a save still running. Best effort, never raises.
+    """
+    try:
+        uploads = _uploads(fs, prefix)
+    except Exception as exc:  # pylint: disable=broad-except
+        _LOG.warning("cannot list the multipart uploads under %s: %s", prefix, exc)
+        return
+    _abort_uploads(fs, [(path, upload) for path, upload, started in uploads if started < started_before])
