@@ -1,4 +1,7 @@
-"""``hp-ckpt import`` checks the crc32 ``mindspore.save_checkpoint(..., crc_check=True)`` stores, MindSpore as reference."""
+"""``hp-ckpt import`` checks the crc32 that ``mindspore.save_checkpoint(..., crc_check=True)`` stores.
+
+MindSpore's own ``load_checkpoint(..., crc_check=True)`` is the reference for which files are damaged.
+"""
 
 from __future__ import annotations
 
@@ -130,3 +133,23 @@ def test_a_damaged_replica_the_import_never_stores_is_still_refused(tmp_path):
     with pytest.raises(CorruptCheckpointError, match=r"rank_1/checkpoint_1\.ckpt: the crc32"):
         import_checkpoint(src, tmp_path / "bad", strategy_files=[strategy])
     assert not os.path.exists(tmp_path / "bad") or not os.listdir(tmp_path / "bad")
+
+
+def test_a_tensor_mindspore_split_into_several_values_is_checked_across_them(tmp_path, monkeypatch):
+    """MindSpore splits a tensor above SLICE_SIZE KiB into values with the same tag (512 MiB; 2 KiB here)."""
+    from mindspore.train import serialization  # pylint: disable=import-outside-toplevel
+
+    monkeypatch.setattr(serialization, "SLICE_SIZE", 2)
+    tensors = _tensors()
+    src = _save(tmp_path / "split.ckpt", tensors, "ckpt")
+    file = open_ms_file(src)
+    segments = file.entries["net.w"].segments
+    assert len(segments) == 4  # 7680 bytes in 2 KiB values
+    import_checkpoint(src, tmp_path / "good")
+    targets = {name: None for name in tensors}
+    dcp.load(targets, checkpoint_id=tmp_path / "good", no_dist=True)
+    assert all(targets[n].tobytes() == t.asnumpy().tobytes() for n, t in tensors.items())
+    bad = _flipped(src, segments[2][0] + 7, "split_bad.ckpt")  # inside the third value's content
+    assert _refused_by_mindspore(bad)
+    with pytest.raises(CorruptCheckpointError, match=r"split_bad\.ckpt: the crc32"):
+        import_checkpoint(bad, tmp_path / "bad")

@@ -52,7 +52,6 @@ __all__ = [
     "MsEntry",
     "ReadBudget",
     "MsFile",
-    "available_memory",
     "read_ahead_window",
     "open_regular",
     "open_ms_file",
@@ -119,7 +118,7 @@ class MsEntry:
         return sum(length for _, length in self.segments)
 
 
-def available_memory() -> int:
+def _available_memory() -> int:
     """``MemAvailable`` of ``/proc/meminfo`` in bytes (0 where unknown)."""
     try:
         with open("/proc/meminfo", encoding="ascii") as handle:
@@ -166,7 +165,7 @@ class ReadBudget:
     @classmethod
     def of_memory(cls) -> "ReadBudget":
         """A quarter of the available memory."""
-        return cls(available_memory() // 4)
+        return cls(_available_memory() // 4)
 
     def take(self, nbytes: int) -> bool:
         """Spend ``nbytes`` if they are left; return whether they were."""

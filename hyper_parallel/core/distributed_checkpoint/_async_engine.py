@@ -109,40 +109,39 @@ def _plan_and_stage(
     def copy_step(copies: EarlyCopies) -> None:
         items = session.plan.items
         pieces = session.planner.later_replicas if later else None
-        held = _held_replicas(items, pieces) if pieces else None
+        held = _held_replicas(items, pieces) if pieces else []
         staged = StagedSavePlanner(session.planner, _POOL.stage(
             items, session.planner.get_data, lambda: _leaves(items, session.planner), copies,
-            extra_bytes=sum(round_up(array.nbytes, ALIGN) for _, _, array in held or ())))
+            extra_bytes=sum(round_up(pieces[at][2].nbytes, ALIGN) for at in held)))
         if pieces is None:
             background.append(lambda: write_local(session, staged))
             return
-        copies = _POOL.snapshot([array for _, _, array in held or ()])
+        held_copies = dict(zip(held, _POOL.snapshot([pieces[at][2] for at in held])))
 
         def write_and_hash() -> list[WriteResult]:
             results = write_local(session, staged)
-            snapshot = _replica_snapshot(pieces, staged.staged, copies)
+            snapshot = _replica_snapshot(pieces, staged.staged, held_copies)
             replicas.append(tuple((fqn, offsets, digest(memoryview(copy))) for fqn, offsets, copy in snapshot))
             return results
 
         background.append(write_and_hash)
 
     def stage_step() -> None:
-        items = session.plan.items
-        if early is not None:
+        if early is not None:  # mode "copy"
             copy_step(early)
-        elif later and mode == "fork":  # the forked writer also hashes the replicas of its snapshot
-            views = staged_views(items, _sources(items, session.planner), session.planner)
+            return
+        items = session.plan.items  # mode "fork": the forked writer's memory is the snapshot
+        views = staged_views(items, _sources(items, session.planner), session.planner)
+        if later:  # the forked writer also hashes the replicas of its snapshot
             background.append(fork_write_and_hash(session.writer, session.plan, views, session.planner.replica_digests,
                                                   rank=session.dist.rank, replicas=replicas))
         elif forked_first:
             try:
-                views = staged_views(items, _sources(items, session.planner), session.planner)
                 background.append(_then_prefault(fork_write(session.writer, session.plan, views,
                                                             rank=session.dist.rank), lambda: _item_bytes(items)))
             except CheckpointIOError:  # the system refused the fork (no memory for the child): copy instead
                 copy_step(_POOL.early_copies(every_leaf=True))
         else:
-            views = staged_views(items, _sources(items, session.planner), session.planner)
             background.append(fork_write(session.writer, session.plan, views, rank=session.dist.rank))
 
     try:
@@ -180,20 +179,20 @@ def _plan_and_stage(
     return AsyncRequest(async_fn=background[0], finalize_fns=(commit,))
 
 
-def _held_replicas(items: tuple[Any, ...], pieces: list[tuple[str, tuple[int, ...], Any]]) -> list[Any]:
-    """The replica pieces this rank holds but does not write (``later_replicas`` entries without an item)."""
+def _held_replicas(items: tuple[Any, ...], pieces: list[tuple[str, tuple[int, ...], Any]]) -> list[int]:
+    """Positions in ``pieces`` (``later_replicas`` entries) of the replicas this rank holds but does not write."""
     written = {(item.index.fqn, item.index.offset) for item in items}
-    return [piece for piece in pieces if (piece[0], piece[1]) not in written]
+    return [at for at, piece in enumerate(pieces) if (piece[0], piece[1]) not in written]
 
 
 def _replica_snapshot(pieces: list[tuple[str, tuple[int, ...], Any]], staged: dict[MetadataIndex, Any],
-                      held: list[np.ndarray]) -> list[tuple[str, tuple[int, ...], np.ndarray]]:
-    """Each replica piece's bytes at the call (flat uint8): its staged item, or its copy in ``held`` (in order)."""
-    copies = iter(held)
+                      held: dict[int, np.ndarray]) -> list[tuple[str, tuple[int, ...], np.ndarray]]:
+    """Each replica piece's bytes at the call (flat uint8): its copy in ``held`` (by position), else its staged item."""
     found = []
-    for fqn, offsets, _ in pieces:
-        view = staged.get(MetadataIndex(fqn, offsets))
-        copy = next(copies) if view is None else np.ascontiguousarray(view).reshape(-1).view(np.uint8)
+    for at, (fqn, offsets, _) in enumerate(pieces):
+        copy = held.get(at)
+        if copy is None:
+            copy = np.ascontiguousarray(staged[MetadataIndex(fqn, offsets)]).reshape(-1).view(np.uint8)
         found.append((fqn, offsets, copy))
     return found
 

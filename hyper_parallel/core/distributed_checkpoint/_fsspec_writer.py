@@ -10,8 +10,10 @@ On S3 the commit is a conditional PUT: ``If-None-Match: *`` when no metadata
 existed as the save began, ``If-Match: <ETag seen then>`` otherwise. A second
 save that committed in between makes the store refuse it; this save then
 removes its own data objects and raises :class:`.ConcurrentSaveError`. After
-a commit only the data objects the superseded metadata listed are deleted,
-never another live save's.
+a commit the data objects the superseded metadata listed are deleted, and the
+leftovers of saves that can no longer commit (killed ones: data objects,
+results records, multipart uploads present as this save began; see
+:mod:`._object_garbage`), never another live save's.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 from hyper_parallel.core.distributed_checkpoint._format.checksum import DEFAULT_BLOCK_BYTES
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import metadata_from_json, metadata_to_json
+from hyper_parallel.core.distributed_checkpoint._object_garbage import Leftovers, leftovers_at_start, sweep
 from hyper_parallel.core.distributed_checkpoint._object_io import (
     DEFAULT_CONNECTIONS,
     DEFAULT_PART_BYTES,
@@ -115,6 +118,7 @@ class FsspecWriter(FileSystemWriter):
         self.storage_options = dict(storage_options)
         self._given_filesystem = filesystem
         self._seen: Tagged | None = None
+        self._leftovers = Leftovers()
         self.path = ""  # set by reset: the URL, shown in messages
         self.fs: Any = None
         self.root = ""
@@ -137,10 +141,11 @@ class FsspecWriter(FileSystemWriter):
     def set_up_storage_writer(
         self, is_coordinator: bool, *, rank: int = 0, world_size: int = 1, rank_local: bool = False
     ) -> None:
-        """New save id; the committing rank notes the metadata object as it is now. All ranks call it.
+        """New save id; the committing rank notes the metadata object and the leftovers now. All ranks call it.
 
         What the coordinator sees here (absent, or its ETag) is what the
-        commit's conditional write requires to be still true. With
+        commit's conditional write requires to be still true; the leftovers
+        of other saves present now are deleted after the commit. With
         ``rank_local`` each rank commits ``metadata.rank<rank>.json`` of its own.
 
         Raises:
@@ -150,6 +155,7 @@ class FsspecWriter(FileSystemWriter):
         self.rank_local = rank_local
         self.save_id = uuid.uuid4().hex[:12]
         self._seen = None
+        self._leftovers = Leftovers()
         self._committed = False
         self._is_coordinator = is_coordinator
         if is_coordinator:
@@ -160,6 +166,10 @@ class FsspecWriter(FileSystemWriter):
                 raise
             except Exception as exc:  # pylint: disable=broad-except
                 raise CheckpointIOError(f"rank {rank}: cannot read checkpoint location {self.path}: {exc}") from exc
+            # Listed after the metadata was read: a save owning any of these began before this one's commit.
+            self._leftovers = leftovers_at_start(self.fs, self.root, save_id=self.save_id,
+                                                 metadata_name=self._metadata_name(),
+                                                 rank=rank if rank_local else None)
 
     def _object(self, name: str) -> str:
         return f"{self.root}/{name}"
@@ -193,10 +203,11 @@ class FsspecWriter(FileSystemWriter):
     def finish(
         self, metadata: Metadata, results: list[list[WriteResult]], *, background_cleanup: bool = False
     ) -> Metadata:
-        """Commit: conditionally write the metadata object, then drop the superseded data. Coordinator only.
+        """Commit: conditionally write the metadata object, then drop superseded data and leftovers. Coordinator only.
 
-        ``background_cleanup``: the superseded data objects are deleted on a
-        background thread (an async save's commit).
+        ``background_cleanup``: the superseded data objects and the leftovers
+        noted as the save began are deleted on a background thread (an async
+        save's commit).
 
         Raises:
             ConcurrentSaveError: another save committed this location since
@@ -221,11 +232,12 @@ class FsspecWriter(FileSystemWriter):
             raise
         self._committed = True
         stale = [self._object(n) for n in sorted(self._superseded_files() - set(ours))]
+        leftovers, self._leftovers = self._leftovers, Leftovers()
         self.wait_cleanup()
         if not background_cleanup:
-            remove_objects(self.fs, stale)
+            sweep(self.fs, leftovers, stale)
             return committed
-        self._cleanup = threading.Thread(target=remove_objects, args=(self.fs, stale), name="hp-ckpt-cleanup",
+        self._cleanup = threading.Thread(target=sweep, args=(self.fs, leftovers, stale), name="hp-ckpt-cleanup",
                                          daemon=True)
         self._cleanup.start()
         return committed

@@ -4,7 +4,7 @@ Each step is a prefix ``<root>/<step name>/`` holding one checkpoint. Listing
 reads, per step prefix, whether its metadata object exists (and its tag, so
 an unchanged step is not re-read); deleting removes the metadata object
 first (the step is then uncommitted for every reader), then the data
-objects. An uncommitted step is deleted only once all its objects are older
+objects, and aborts the multipart uploads a killed save left under it. An uncommitted step is deleted only once all its objects are older
 than :data:`UNCOMMITTED_GRACE_SECONDS`, because on object storage no lease
 tells whether another process is still writing it.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from hyper_parallel.core.distributed_checkpoint._object_garbage import abort_stale_uploads
 from hyper_parallel.core.distributed_checkpoint._object_io import filesystem_for, remove_objects
 
 __all__ = ["UNCOMMITTED_GRACE_SECONDS", "StepEntry", "ObjectStepRoot"]
@@ -83,14 +84,17 @@ class ObjectStepRoot:
         return f"{self.url}/{name}"
 
     def delete(self, name: str) -> None:
-        """Uncommit step ``name`` (metadata object first), then delete its data objects. Never raises."""
+        """Uncommit step ``name`` (metadata object first), then delete its data objects. Never raises.
+
+        Multipart uploads under it older than :data:`UNCOMMITTED_GRACE_SECONDS`
+        (a killed save's) are aborted; a younger one may be a save in progress.
+        """
         prefix = f"{self.root}/{name}"
         remove_objects(self.fs, [f"{prefix}/{self.metadata_name}"])
         try:
             rest = self.fs.ls(prefix, detail=False, refresh=True)
-        except FileNotFoundError:
-            return
         except Exception:  # pylint: disable=broad-except
-            return
+            rest = []  # gone already (FileNotFoundError), or unreadable: nothing listed to delete
         remove_objects(self.fs, list(rest))
+        abort_stale_uploads(self.fs, prefix, started_before=time.time() - UNCOMMITTED_GRACE_SECONDS)
 

@@ -98,7 +98,7 @@ class StagingPool:
         """
         arena, _ = self._reserve(nbytes)
         if not _populate(arena):  # pragma: no cover - kernels before 5.14 (no MADV_POPULATE_WRITE)
-            arena[::_PAGE] = 0  # numpy fills without the GIL
+            arena[::mmap.PAGESIZE] = 0  # numpy fills without the GIL
         self._fresh = False  # the next save finds it mapped and backed
 
     def _forget_layout(self) -> None:
@@ -232,7 +232,7 @@ class StagingPool:
         return copies
 
     def _plan_layout(
-        self, items: tuple[WriteItem, ...], leaves: tuple[str | None, ...], early: EarlyCopies, extra_bytes: int = 0,
+        self, items: tuple[WriteItem, ...], leaves: tuple[str | None, ...], early: EarlyCopies, extra_bytes: int,
     ) -> tuple[list[tuple[MetadataIndex, WriteItem, np.ndarray | None, int]], dict[MetadataIndex, Any], bool]:
         """Offsets (after the early copies) and staged views of ``items``, kept for a next save of the same items.
 
@@ -325,7 +325,6 @@ def _populate(arena: np.ndarray) -> bool:
 _MADV_POPULATE_WRITE = 23
 #: Bytes faulted in per ``madvise`` call (:func:`_populate`).
 _POPULATE_STEP = 16 << 20
-_PAGE = 4096
 #: A grown arena is this much larger than the state that outgrew the last one.
 ARENA_HEADROOM = 1.25
 _HUGE_PAGE = 2 << 20
