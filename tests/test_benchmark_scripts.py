@@ -96,6 +96,7 @@ def test_benchmark_reports_every_figure_for_both_states(tmp_path):
         assert 0 < many[f"warm load, small Parameters alone, verify {verify}: us per tensor"] < 1e5
         assert 0 < many[f"warm load, small Parameters alone, verify {verify}: CPU us per tensor"] < 1e5
     assert math.isfinite(many["warm load, small Parameters alone: verify's own CPU us per tensor (on - off)"])
+    assert 0 < many["read_metadata, small Parameters alone: CPU us per tensor"] < 1e4  # the decode's share
     reshard = {row["figure"]: row for row in result["reshard_ratios"]}
     for name in RESHARD_FIGURES:
         assert math.isfinite(reshard[name]["value"]) and reshard[name]["value"] >= 0.99, name
