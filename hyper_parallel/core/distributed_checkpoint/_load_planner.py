@@ -237,17 +237,19 @@ class StandardLoadPlanner(LoadPlanner):
     def build_local_plan(self) -> LoadPlan:
         """Return the overlap of every target piece with every stored chunk. All ranks."""
         items: list[ReadItem] = []
-        # One pass over the targets: the memory of each tensor numpy can write in place (none: a device tensor).
-        tensors = [(name, entry) for name, entry in self._entries.items() if isinstance(entry, TensorEntry)]
-        views = dict(zip((name for name, _ in tensors), writable_views(
-            [entry.local for _, entry in tensors], [_local_shape(entry) for _, entry in tensors])))
+        entries = list(self._entries.items())  # _new_tensor_reads replaces entries while this runs
+        # One pass over the targets: the memory of each tensor numpy can write in place (none: a device tensor),
+        # in the order of the entries.
+        tensors = [entry for _, entry in entries if isinstance(entry, TensorEntry)]
+        views = iter(writable_views([entry.local for entry in tensors], [_local_shape(entry) for entry in tensors]))
         stored_of = self.metadata.state_dict_metadata
         pieces_of, targets, direct = self._pieces, self._targets, self._direct
-        for name, entry in list(self._entries.items()):
+        for name, entry in entries:
             fqn = entry.fqn
+            tensor = isinstance(entry, TensorEntry)
+            view = next(views) if tensor else None
             stored = stored_of[fqn] if not isinstance(entry, SkipEntry) else None
-            if isinstance(entry, TensorEntry) and isinstance(stored, TensorStorageMetadata):
-                view = views[name]
+            if tensor and isinstance(stored, TensorStorageMetadata):
                 pieces, chunks = entry.pieces, stored.chunks
                 if view is not None and len(pieces) == 1 and len(chunks) == 1:
                     # The common case: a whole host target stored as one chunk of its shape, one read.

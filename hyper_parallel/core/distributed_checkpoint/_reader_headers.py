@@ -58,7 +58,7 @@ class HeaderCheck:
         if self._header_lists.get(relative_path) is items:  # this very list (the read pass after the verify pass)
             return
         checked = self._header_checked
-        todo = [item for item in items if id(item) not in checked]
+        todo = [item for item in items if id(item) not in checked] if checked else items
         if not todo:
             return
         entries = self._headers.get(relative_path)
