@@ -182,16 +182,18 @@ class StandardLoadPlanner(LoadPlanner):
         self._values.clear()
         problems = []
         stored_aliases = metadata.planner_data.get("aliases", {}) if isinstance(metadata.planner_data, dict) else {}
+        stored_of, storage_keys, entries = metadata.state_dict_metadata, self.flat.storage_keys, self._entries
         for name, value in self.flat.values.items():
-            fqn = self.flat.storage_keys[name]
-            if fqn not in metadata.state_dict_metadata and stored_aliases.get(fqn) in metadata.state_dict_metadata:
+            fqn = storage_keys[name]
+            stored = stored_of.get(fqn)
+            if stored is None and stored_aliases.get(fqn) in stored_of:
                 fqn = stored_aliases[fqn]  # a Parameter saved once under another path (e.g. the model's)
+                stored = stored_of[fqn]
             entry = classify_leaf(fqn, value)
             if isinstance(entry, SkipEntry):
-                self._entries[name] = entry
+                entries[name] = entry
                 self._skipped.append(name)
                 continue
-            stored = metadata.state_dict_metadata.get(fqn)
             if stored is None:
                 self.missing_keys.append(fqn)
                 continue
@@ -202,12 +204,14 @@ class StandardLoadPlanner(LoadPlanner):
                 if isinstance(entry.local, np.ndarray) and not entry.local.flags.writeable:
                     problems.append(f"key '{fqn}': the target numpy array is read-only; pass a writable array")
                     continue
-                if tuple(stored.size) != entry.global_shape and not entry.allow_shape_mismatch:
+                size = stored.size
+                if (size if type(size) is tuple else tuple(size)) != entry.global_shape and (  # pylint: disable=unidiomatic-typecheck
+                        not entry.allow_shape_mismatch):
                     raise ShapeMismatchError(
                         f"key '{fqn}': checkpoint global shape {list(stored.size)} differs from the target's "
                         f"global shape {list(entry.global_shape)}"
                     )
-            self._entries[name] = entry
+            entries[name] = entry
         if problems:
             raise CheckpointValueError("; ".join(problems))
         if self.missing_keys:
