@@ -160,13 +160,22 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         by_key = storage_by_key(metadata)
         check_consistency(metadata, source=f"{self.path}/{self.metadata_file}", by_key=by_key)
         self.metadata = metadata
+        self.finish_load()  # whatever an earlier load left
+        self._items = ItemIndex(metadata, by_key=by_key)
+
+    def finish_load(self) -> None:
+        """Drop the load's records (items, their facts, headers, groupings); keep ``metadata`` and the counters.
+
+        All ranks; ``load`` calls it last. A later ``verify_data`` or
+        ``read_data`` needs ``set_up_storage_reader`` first.
+        """
         self._verified.clear()
         self._plan_checked = None
         self._grouped = None
         self._headers.clear()
         self._header_checked.clear()
         self._header_lists.clear()
-        self._items = ItemIndex(metadata, by_key=by_key)
+        self._items = None
         self._in_part.clear()
         self._resolved.clear()
         self._kept.clear()
@@ -253,7 +262,7 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         bytes it read)."""
         future: Future[None] = Future()
         try:
-            if self.metadata is None or self.metadata.storage_data is None:
+            if self.metadata is None or self.metadata.storage_data is None or self._items is None:
                 raise CheckpointValueError(f"{verb} called before set_up_storage_reader")
             items = plan.items
             if verb == "verify" and items is self._plan_checked:  # read_data after verify_data of this plan
