@@ -23,7 +23,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("on-disk format", frozenset({"_format", "_format.safetensors_file", "_format.metadata_json",
                                   "_format.checksum", "_format.byte_ranges", "_format.cover",
                                   "_format.header_check", "_format.json_stream",
-                                  "_format.consistency"})),
+                                  "_format.consistency", "_format.regular_runs"})),
     ("plans and planners", frozenset({"planner", "mapping", "_chunk_search", "type_handlers", "_builtin_handlers", "_flatten", "_mindspore_sliced", "_device_targets",
                                       "_state_items", "_global_plan", "_replicated_read", "standard_planner",
                                       "_leaf_entry", "_save_planner", "_load_planner",

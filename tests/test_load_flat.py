@@ -15,13 +15,12 @@ import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.core.distributed_checkpoint import _reader_headers
-from hyper_parallel.core.distributed_checkpoint._format import header_check, metadata_json
+from hyper_parallel.core.distributed_checkpoint._format import header_check, metadata_json, safetensors_file
 from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import (
     SAFETENSORS_DTYPES,
     HeaderEntry,
     build_header,
 )
-from hyper_parallel.core.distributed_checkpoint._load_planner import direct_targets
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType
 
 _SHAPES = [(7,), (), (0,), (3, 5), (2, 0), (1,), (4, 2, 3)]
@@ -78,10 +77,10 @@ def test_mixed_targets_load_bit_exact_through_the_direct_path(tmp_path: Path, th
         reader = dcp.FileSystemReader(tmp_path, thread_count=threads, verify_checksums=verify)
         dcp.load(targets, storage_reader=reader, planner=planner, no_dist=True)
         assert _bits(targets) == _bits(saved)
-        direct = {item.dest_index.fqn for item, _ in direct_targets(planner).values()}
+        direct = {item.dest_index.fqn for item, _ in planner.direct_targets().values()}
         nonempty = {name for name, v in saved.items() if np.prod(np.shape(v.asnumpy() if not isinstance(v, np.ndarray) else v))}
         assert direct == nonempty  # every non-empty target read straight into its memory (bf16, 0-d included)
-        for item, target in direct_targets(planner).values():
+        for item, target in planner.direct_targets().values():
             assert item.type == LoadItemType.TENSOR and target.flags.c_contiguous and target.flags.writeable
         for name, value in targets.items():  # in place: the same memory holds the values
             now = value if isinstance(value, np.ndarray) else value.asnumpy()
@@ -95,7 +94,7 @@ def test_a_planner_overriding_acquire_tensor_gets_every_item(tmp_path: Path) -> 
     planner = _Recording()
     dcp.load(targets, checkpoint_id=tmp_path, planner=planner, no_dist=True)
     assert _bits(targets) == _bits(saved)
-    assert direct_targets(planner) == {}
+    assert planner.direct_targets() == {}
     nonempty = sorted(name for name, v in _bits(saved).items() if v[2])
     assert sorted(planner.acquired) == nonempty
 
@@ -107,7 +106,7 @@ def test_shared_reads_take_the_general_path(tmp_path: Path) -> None:
     planner = dcp.StandardLoadPlanner(single_replica_read=True)
     dcp.load(targets, checkpoint_id=tmp_path, planner=planner, no_dist=True)
     assert _bits(targets) == _bits(saved)
-    assert planner._exchange is not None and direct_targets(planner) == {}  # pylint: disable=protected-access
+    assert planner._exchange is not None and planner.direct_targets() == {}  # pylint: disable=protected-access
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -351,3 +350,26 @@ def test_the_whole_chunk_consistency_path_refuses_what_the_full_one_refuses(tmp_
     change(document)
     with pytest.raises(dcp.CorruptCheckpointError, match=message):
         consistency.check_consistency(metadata_json.metadata_from_json(json.dumps(document).encode()))
+
+
+def test_the_one_header_spelling_is_json_dumps_and_opens_in_safetensors(tmp_path: Path) -> None:
+    """``header_json`` (the writer's and the whole-header check's one builder) against independent references:
+    the json module's compact spelling, and the safetensors library reading a file built with it."""
+    from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
+
+    spans = {"w": ("float32", (2, 3), 0, 24), "b\u00e9\"\\x": ("int8", (), 24, 25), "e": ("float16", (0, 4), 25, 25),
+             "\U0001f600": ("int32", (1,), 25, 29)}
+    file_metadata = {"format": "pt", "k": "v\"\u00e9"}
+    reference = json.dumps({"__metadata__": file_metadata, **{
+        name: {"dtype": SAFETENSORS_DTYPES[d], "shape": list(s), "data_offsets": [b, e]}
+        for name, (d, s, b, e) in spans.items()}}, separators=(",", ":"))
+    assert safetensors_file.header_json(
+        file_metadata, [(n, SAFETENSORS_DTYPES[d], s, b, e) for n, (d, s, b, e) in spans.items()]) == reference
+    header = safetensors_file.header_bytes(spans, file_metadata, align=64)
+    assert header[8:].rstrip(b" ") == reference.encode("ascii") and len(header) % 64 == 0
+    values = np.arange(29, dtype=np.uint8)
+    (tmp_path / "f.safetensors").write_bytes(header + values.tobytes())
+    loaded = load_file(str(tmp_path / "f.safetensors"))
+    assert np.array_equal(loaded["w"], values[:24].view(np.float32).reshape(2, 3))
+    assert loaded["b\u00e9\"\\x"] == np.int8(24) and loaded["e"].shape == (0, 4)
+    assert np.array_equal(loaded["\U0001f600"], values[25:29].view(np.int32))

@@ -109,3 +109,26 @@ def test_a_failure_of_a_large_read_is_raised_after_the_small_reads(tmp_path: Pat
     after, expected = _bits(targets), _bits(saved)
     assert all(after[f"small{i}.b"] == expected[f"small{i}.b"] for i in range(40))
     assert after["big2.w"] == _bits(_state(zero=True))["big2.w"]  # the refused target is unchanged
+
+
+def test_a_kept_reader_holds_no_per_load_records_after_a_load_and_loads_again(tmp_path: Path) -> None:
+    import gc  # pylint: disable=import-outside-toplevel
+
+    saved = _state()
+    dcp.save(saved, checkpoint_id=tmp_path, no_dist=True)
+    reader = dcp.FileSystemReader(tmp_path, verify_checksums=False)
+    for failing in (None, "small3.b", None):
+        targets = _state(zero=True)
+        planner = _ThreadRecording(fail_on=failing)
+        if failing is None:
+            dcp.load(targets, storage_reader=reader, planner=planner, no_dist=True)
+            assert _bits(targets) == _bits(saved)  # the same reader loads again, bit exact
+        else:
+            with pytest.raises(dcp.CheckpointValueError):
+                dcp.load(targets, storage_reader=reader, planner=planner, no_dist=True)
+        # Dropped at the end, failed or not: the reader holds no read item, so the collector has none to walk.
+        assert reader._items is None and not reader._headers and reader._grouped is None  # pylint: disable=protected-access
+        assert not [o for o in gc.get_referents(*vars(reader).values()) if isinstance(o, dcp.ReadItem)]
+        assert reader.metadata is not None and reader.bytes_read > 0
+    with pytest.raises(dcp.CheckpointValueError, match="before set_up_storage_reader"):
+        reader.read_data(dcp.LoadPlan(items=()), dcp.StandardLoadPlanner()).result()

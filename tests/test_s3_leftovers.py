@@ -162,3 +162,14 @@ def test_manager_retention_deletes_an_abandoned_step_with_its_uploads(s3_url: st
     assert manager.all_steps() == [1, 3]
     assert _uploads(fs, s3_url) == [] and "step_00000002" not in _names(fs, s3_url[len("s3://"):])
     _loads_as(manager.directory(3), 3)
+
+
+def test_the_listing_leaves_no_stale_cache_behind(s3_url: str) -> None:
+    """s3fs answers ``exists`` from a cached listing: the one taken as the save began must not outlive it."""
+    fs = new_filesystem()  # one instance given to the writer and the reader
+    fs.pipe_file(f"{s3_url[len('s3://'):]}/README", b"not a checkpoint object")
+    # nothing to sweep: no delete refreshes the cache
+    dcp.save(_state(8), storage_writer=dcp.FsspecWriter(s3_url, filesystem=fs), no_dist=True)
+    reader = dcp.FsspecReader(s3_url, filesystem=fs)
+    assert reader.has_object("metadata.json")
+    _loads_as(s3_url, 8, reader=reader)

@@ -32,6 +32,7 @@ __all__ = [
     "is_tensor",
     "is_parameter",
     "is_cell",
+    "parameter_and_cell_types",
     "to_numpy",
     "writable_view",
     "writable_views",
@@ -119,6 +120,13 @@ def is_cell(value: Any) -> bool:
     """Tell whether ``value`` is a MindSpore ``nn.Cell`` (a network or optimizer)."""
     ms = _mindspore()
     return ms is not None and isinstance(value, ms.nn.Cell)
+
+
+def parameter_and_cell_types() -> tuple[type | tuple[()], type | tuple[()]]:
+    """MindSpore's ``Parameter`` and ``nn.Cell`` classes, for ``isinstance`` in a walk over thousands of values
+    (``()`` for each while MindSpore is not imported: nothing is an instance of it)."""
+    ms = _mindspore()
+    return (ms.Parameter, ms.nn.Cell) if ms is not None else ((), ())
 
 
 def to_numpy(value: Any) -> np.ndarray:

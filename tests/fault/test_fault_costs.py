@@ -297,13 +297,22 @@ def test_load_refuses_metadata_that_disagrees_with_the_file_header(tmp_path: Pat
     assert not verify_checkpoint(path).ok
 
 
-def test_header_is_read_once_per_file_and_load(tmp_path: Path) -> None:
+def test_header_is_read_once_per_file_and_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "c"
     state = {f"p{i}": np.full(8, i, np.float32) for i in range(50)}
     dcp.save(state, checkpoint_id=path, no_dist=True)
     reader = dcp.FileSystemReader(path)
+    read_for: list[str] = []
+    real = dcp.FileSystemReader._header_entries  # pylint: disable=protected-access
+
+    def counted(self, source, file_path, size, relative_path, *args):
+        read_for.append(relative_path)
+        return real(self, source, file_path, size, relative_path, *args)
+
+    monkeypatch.setattr(dcp.FileSystemReader, "_header_entries", counted)
     target = {key: np.zeros(8, np.float32) for key in state}
     dcp.load(target, checkpoint_id=path, no_dist=True, storage_reader=reader)
     assert all((target[key] == state[key]).all() for key in state)
     files = {info.relative_path for info in reader.metadata.storage_data.values()}
-    assert set(reader._headers) == files  # pylint: disable=protected-access
+    assert sorted(read_for) == sorted(files)  # verify pass and read pass: one header read per file
+    assert not reader._headers and reader._items is None  # pylint: disable=protected-access  # dropped at the end

@@ -80,7 +80,25 @@ def run_load(
     metadata: Metadata,
     options: LoadOptions,
 ) -> None:
-    """Plan and read a load into ``state_dict`` in place. All ranks call it."""
+    """Plan and read a load into ``state_dict`` in place. All ranks call it.
+
+    The reader's ``finish_load`` runs last, whether the load succeeded or not.
+    """
+    try:
+        _plan_and_read(state_dict, reader=reader, planner=planner, metadata=metadata, options=options)
+    finally:
+        reader.finish_load()
+
+
+def _plan_and_read(
+    state_dict: dict[str, Any],
+    *,
+    reader: StorageReader,
+    planner: LoadPlanner,
+    metadata: Metadata,
+    options: LoadOptions,
+) -> None:
+    """The steps of :func:`run_load`. All ranks."""
     dist = DistWrapper(use_dist=not options.no_dist and options.use_collectives)
     local_plans: list[LoadPlan] = []
     targets: list[dict[str, Any]] = []

@@ -48,7 +48,7 @@ from hyper_parallel.core.distributed_checkpoint._state_items import (
 from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value
 from hyper_parallel.platform.tensor import DTYPE_NAMES, assign, numpy_dtype, to_numpy, writable_view, writable_views
 
-__all__ = ["StandardLoadPlanner", "direct_targets"]
+__all__ = ["StandardLoadPlanner"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -72,15 +72,17 @@ _set_attribute = object.__setattr__
 _set_fqn, _set_offset, _set_index = MetadataIndex.fqn.__set__, MetadataIndex.offset.__set__, MetadataIndex.index.__set__
 
 
-def _whole_read(fqn: str, offsets: tuple[int, ...], zero: tuple[int, ...], sizes: tuple[int, ...]) -> ReadItem:
+def _whole_read(fqn: str, offsets: tuple[int, ...], zero: tuple[int, ...], sizes: tuple[int, ...],
+                position: int = 0) -> ReadItem:
     """``ReadItem(LoadItemType.TENSOR, index, zero, index, zero, sizes)`` with ``index = MetadataIndex(fqn,
-    offsets, 0)``: a whole chunk into a whole target, the chunk is the piece, so one index names both (its
-    ``index`` hint is left out of equality). Both records are built at about half their frozen ``__init__``'s
-    cost: one of each per tensor of a state of thousands (neither class has a ``__post_init__`` to skip)."""
+    offsets, position)``: a whole chunk into a whole piece (the target's piece ``position``, the key's only
+    chunk), so one index names both (its ``index`` hint is left out of equality). Both records are built at about
+    half their frozen ``__init__``'s cost: one of each per tensor of a state of thousands (neither class has a
+    ``__post_init__`` to skip)."""
     index = _new_object(MetadataIndex)
     _set_fqn(index, fqn)
     _set_offset(index, offsets)
-    _set_index(index, 0)
+    _set_index(index, position)
     item = _new_object(ReadItem)
     _set_attribute(item, "__dict__", {"type": LoadItemType.TENSOR, "dest_index": index, "dest_offsets": zero,
                                       "storage_index": index, "storage_offsets": zero, "lengths": sizes})
@@ -180,16 +182,18 @@ class StandardLoadPlanner(LoadPlanner):
         self._values.clear()
         problems = []
         stored_aliases = metadata.planner_data.get("aliases", {}) if isinstance(metadata.planner_data, dict) else {}
+        stored_of, storage_keys, entries = metadata.state_dict_metadata, self.flat.storage_keys, self._entries
         for name, value in self.flat.values.items():
-            fqn = self.flat.storage_keys[name]
-            if fqn not in metadata.state_dict_metadata and stored_aliases.get(fqn) in metadata.state_dict_metadata:
+            fqn = storage_keys[name]
+            stored = stored_of.get(fqn)
+            if stored is None and stored_aliases.get(fqn) in stored_of:
                 fqn = stored_aliases[fqn]  # a Parameter saved once under another path (e.g. the model's)
+                stored = stored_of[fqn]
             entry = classify_leaf(fqn, value)
             if isinstance(entry, SkipEntry):
-                self._entries[name] = entry
+                entries[name] = entry
                 self._skipped.append(name)
                 continue
-            stored = metadata.state_dict_metadata.get(fqn)
             if stored is None:
                 self.missing_keys.append(fqn)
                 continue
@@ -200,12 +204,14 @@ class StandardLoadPlanner(LoadPlanner):
                 if isinstance(entry.local, np.ndarray) and not entry.local.flags.writeable:
                     problems.append(f"key '{fqn}': the target numpy array is read-only; pass a writable array")
                     continue
-                if tuple(stored.size) != entry.global_shape and not entry.allow_shape_mismatch:
+                size = stored.size
+                if (size if type(size) is tuple else tuple(size)) != entry.global_shape and (  # pylint: disable=unidiomatic-typecheck
+                        not entry.allow_shape_mismatch):
                     raise ShapeMismatchError(
                         f"key '{fqn}': checkpoint global shape {list(stored.size)} differs from the target's "
                         f"global shape {list(entry.global_shape)}"
                     )
-            self._entries[name] = entry
+            entries[name] = entry
         if problems:
             raise CheckpointValueError("; ".join(problems))
         if self.missing_keys:
@@ -235,17 +241,19 @@ class StandardLoadPlanner(LoadPlanner):
     def build_local_plan(self) -> LoadPlan:
         """Return the overlap of every target piece with every stored chunk. All ranks."""
         items: list[ReadItem] = []
-        # One pass over the targets: the memory of each tensor numpy can write in place (none: a device tensor).
-        tensors = [(name, entry) for name, entry in self._entries.items() if isinstance(entry, TensorEntry)]
-        views = dict(zip((name for name, _ in tensors), writable_views(
-            [entry.local for _, entry in tensors], [_local_shape(entry) for _, entry in tensors])))
+        entries = list(self._entries.items())  # _new_tensor_reads replaces entries while this runs
+        # One pass over the targets: the memory of each tensor numpy can write in place (none: a device tensor),
+        # in the order of the entries.
+        tensors = [entry for _, entry in entries if isinstance(entry, TensorEntry)]
+        views = iter(writable_views([entry.local for entry in tensors], [_local_shape(entry) for entry in tensors]))
         stored_of = self.metadata.state_dict_metadata
         pieces_of, targets, direct = self._pieces, self._targets, self._direct
-        for name, entry in list(self._entries.items()):
+        for name, entry in entries:
             fqn = entry.fqn
+            tensor = isinstance(entry, TensorEntry)
+            view = next(views) if tensor else None
             stored = stored_of[fqn] if not isinstance(entry, SkipEntry) else None
-            if isinstance(entry, TensorEntry) and isinstance(stored, TensorStorageMetadata):
-                view = views[name]
+            if tensor and isinstance(stored, TensorStorageMetadata):
                 pieces, chunks = entry.pieces, stored.chunks
                 if view is not None and len(pieces) == 1 and len(chunks) == 1:
                     # The common case: a whole host target stored as one chunk of its shape, one read.
@@ -284,7 +292,6 @@ class StandardLoadPlanner(LoadPlanner):
     def _tensor_reads(self, name: str, entry: TensorEntry, stored: TensorStorageMetadata) -> list[ReadItem]:
         reads = []
         for position, piece in enumerate(entry.pieces):
-            dest = MetadataIndex(entry.fqn, piece.offsets, index=position)
             if (entry.fqn, piece.offsets) in self._pieces:
                 other = self._pieces[(entry.fqn, piece.offsets)][0]
                 raise CheckpointValueError(
@@ -295,11 +302,10 @@ class StandardLoadPlanner(LoadPlanner):
             chunks = stored.chunks
             if len(chunks) == 1 and chunks[0].offsets == piece.offsets and chunks[0].sizes == piece.sizes:
                 if math.prod(piece.sizes):  # the common case, a piece stored as one chunk: read it whole
-                    zero = (0,) * len(piece.sizes)
-                    # Positional: type, dest_index, dest_offsets, storage_index, storage_offsets, lengths.
-                    reads.append(ReadItem(LoadItemType.TENSOR, dest, zero, MetadataIndex(entry.fqn, chunks[0].offsets),
-                                          zero, tuple(piece.sizes)))
+                    reads.append(_whole_read(entry.fqn, tuple(piece.offsets), (0,) * len(piece.sizes),
+                                             tuple(piece.sizes), position))
                 continue
+            dest = MetadataIndex(entry.fqn, piece.offsets, index=position)
             for chunk in overlapping_chunks(chunks, piece.offsets, piece.sizes):
                 lo = tuple(max(a, b) for a, b in zip(piece.offsets, chunk.offsets))
                 hi = tuple(
@@ -443,6 +449,18 @@ class StandardLoadPlanner(LoadPlanner):
             stored.type_name, value, key=fqn, allow_pickle=self.allow_pickle
         )
 
+    def direct_targets(self) -> dict[int, tuple[ReadItem, np.ndarray]]:
+        """The whole host targets this planner found writable, C-contiguous and of the stored dtype, by ``id`` of
+        their item (see :meth:`LoadPlanner.direct_targets`). None when the load shares reads between ranks or a
+        subclass overrides ``acquire_tensor`` or ``apply_tensor``: the reader then asks for every item. Called
+        by the reader after ``finalize_plan``; all ranks.
+        """
+        kind = type(self)
+        if self._exchange is not None or kind.acquire_tensor is not StandardLoadPlanner.acquire_tensor or (
+                kind.apply_tensor is not StandardLoadPlanner.apply_tensor):
+            return {}
+        return self._direct
+
     def finish_load(self) -> None:
         """Assign staged tensors and put new values into the caller's dict. All ranks."""
         for name in self._staged:
@@ -453,22 +471,3 @@ class StandardLoadPlanner(LoadPlanner):
         for name, value in self._values.items():  # values decoded, tensors a placeholder received
             set_by_path(self.state_dict, self.flat.paths[name], value)
 
-
-def direct_targets(planner: LoadPlanner) -> dict[int, tuple[ReadItem, np.ndarray]]:
-    """The plan's items the reader may read straight into their target's memory, by ``id`` of the item.
-
-    Each value is the item and its target: a writable, C-contiguous host
-    array of the stored dtype holding the whole stored chunk, filled by
-    reading the chunk's bytes into it; such an item needs no
-    ``acquire_tensor`` / ``apply_tensor`` call. Empty for any planner but a
-    :class:`StandardLoadPlanner` whose subclass (if any) keeps both methods,
-    and for a load that shares reads between ranks: the reader then calls
-    them for every item. Called by the reader after ``finalize_plan``.
-    """
-    if not isinstance(planner, StandardLoadPlanner) or planner._exchange is not None:  # pylint: disable=protected-access
-        return {}
-    kind = type(planner)
-    if kind.acquire_tensor is not StandardLoadPlanner.acquire_tensor or (
-            kind.apply_tensor is not StandardLoadPlanner.apply_tensor):
-        return {}
-    return planner._direct  # pylint: disable=protected-access

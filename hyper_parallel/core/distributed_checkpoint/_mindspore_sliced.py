@@ -22,7 +22,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import LayoutError, Slice
 from hyper_parallel.core.dtensor import DTensor
 from hyper_parallel.core.layout import Layout
 from hyper_parallel.core.strategy_file import StrategySource, layout_for_state_key, layouts_from_strategy
-from hyper_parallel.platform.tensor import is_cell, is_parameter
+from hyper_parallel.platform.tensor import is_cell, is_parameter, parameter_and_cell_types
 
 __all__ = [
     "LayoutSources",
@@ -59,9 +59,12 @@ def cells_in(obj: Any) -> tuple[Any, ...]:
     """Return every ``mindspore.nn.Cell`` in ``obj`` (nested dicts, lists, tuples), outermost first."""
     found: list[Any] = []
     stack = [obj]
+    parameter_type, cell_type = parameter_and_cell_types()
     while stack:
         value = stack.pop()
-        if is_cell(value):
+        if isinstance(value, parameter_type):  # most values: a leaf (a Parameter is no Cell)
+            continue
+        if isinstance(value, cell_type):
             found.append(value)
         elif isinstance(value, dict):
             stack.extend(reversed(list(value.values())))
@@ -209,15 +212,19 @@ def copy_back_values(loaded: dict[str, Any], state_dict: dict[str, Any]) -> None
             set_by_path(state_dict, after.paths[name], value)
 
 
-def _parameters(obj: Any):
+def _parameters(obj: Any) -> list[Any]:
+    """Every Parameter in ``obj`` (nested dicts, lists, tuples, Cells)."""
+    found: list[Any] = []
     stack = [obj]
+    parameter_type, cell_type = parameter_and_cell_types()
     while stack:
         value = stack.pop()
-        if isinstance(value, dict):
+        if isinstance(value, parameter_type):  # most leaves (a Parameter is no Cell)
+            found.append(value)
+        elif isinstance(value, dict):
             stack.extend(value.values())
         elif isinstance(value, (list, tuple)):
             stack.extend(value)
-        elif is_parameter(value):  # most leaves (a Parameter is no Cell)
-            yield value
-        elif is_cell(value):
-            yield from value.parameters_dict().values()
+        elif isinstance(value, cell_type):
+            found.extend(value.parameters_dict().values())
+    return found

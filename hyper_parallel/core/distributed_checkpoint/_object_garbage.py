@@ -112,6 +112,8 @@ def leftovers_at_start(fs: Any, root: str, *, save_id: str, metadata_name: str, 
             names = [path.rstrip("/").rsplit("/", 1)[-1] for path in fs.ls(root, detail=False)]
         except FileNotFoundError:
             names = []
+        finally:
+            fs.invalidate_cache(root)  # the listing goes stale as this save writes: no later lookup may use it
         uploads = _uploads(fs, root)
     except Exception as exc:  # pylint: disable=broad-except
         _LOG.warning("checkpoint %s: cannot list it for leftovers of earlier saves (%s); none are removed", root, exc)

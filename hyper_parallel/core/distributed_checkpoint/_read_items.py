@@ -20,7 +20,6 @@ import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM
 from hyper_parallel.core.distributed_checkpoint._format.consistency import storage_by_key
-from hyper_parallel.core.distributed_checkpoint._load_planner import direct_targets
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     Metadata,
@@ -196,7 +195,7 @@ def read_small_whole(
 
     A chunk qualifies when :attr:`ItemFacts.small` holds, it lies inside the
     file, and its target region is contiguous, writable and of the stored
-    dtype. A target the planner names in :func:`._load_planner.direct_targets`
+    dtype. A target the planner names in its ``direct_targets()``
     is read into as it is, without ``acquire_tensor`` / ``apply_tensor``; the
     others are asked for. Chunks adjacent in the file are read by one ``preadv`` (one buffer
     per target, up to ``IOV_MAX``). The bytes must be verified before (the
@@ -216,7 +215,8 @@ def read_small_whole(
     batch: list[tuple[int, int, ReadItem, np.ndarray, bool, bool]] = []
     rest: list[tuple[ReadItem, np.ndarray | None]] = []
     facts_of = index.facts
-    direct = direct_targets(planner)  # targets known writable, contiguous, of the stored dtype
+    hook = getattr(planner, "direct_targets", None)  # a planner not derived from LoadPlanner may lack it
+    direct = hook() if hook is not None else {}  # targets known writable, contiguous, of the stored dtype
     for item in items:
         facts = facts_of(item)
         info = facts.info

@@ -26,6 +26,18 @@ __all__ = ["HeaderCheck"]
 _HEADER_READ_BYTES = 4096
 
 
+def _writer_row(item: ReadItem, facts: ItemFacts) -> tuple[int, int, str, str | None, tuple[int, ...]] | None:
+    """``(offset, length, name, safetensors dtype code, shape)``: the header entry the writer makes for ``item``
+    when it is a whole uncompressed tensor chunk (the usual item); ``None`` for a value, a compressed chunk or a
+    shard of a tensor (their entries are checked by the full comparison). Its last four fields are in the order of
+    a ``header_check.header_entries`` value. Pure.
+    """
+    info, stored, sizes = facts.info, facts.stored, facts.sizes
+    if sizes is None or info.compression or sizes != stored.size:
+        return None
+    return (info.offset, info.length, item.storage_index.fqn, SAFETENSORS_DTYPES.get(stored.properties.dtype), sizes)
+
+
 class HeaderCheck:
     """The header check of :class:`~.filesystem_reader.FileSystemReader` (a mixin; all ranks run it).
 
@@ -46,7 +58,7 @@ class HeaderCheck:
         if self._header_lists.get(relative_path) is items:  # this very list (the read pass after the verify pass)
             return
         checked = self._header_checked
-        todo = [item for item in items if id(item) not in checked]
+        todo = [item for item in items if id(item) not in checked] if checked else items
         if not todo:
             return
         entries = self._headers.get(relative_path)
@@ -57,21 +69,16 @@ class HeaderCheck:
                 self._header_lists[relative_path] = items
                 return
         facts_of = self._items.facts
-        codes = SAFETENSORS_DTYPES
         for item in todo:
             facts = facts_of(item)
             info = facts.info
             if info.offset + info.length > size:
                 check_within(path, size, item.storage_index.fqn, info)
             found = entries.get(info.offset)
-            sizes = facts.sizes
+            row = _writer_row(item, facts)
             # The usual item, a whole uncompressed tensor chunk: the very entry the writer made for it.
-            if (found is not None and found[0] == info.length and found[3] == sizes and sizes is not None
-                    and found[1] == item.storage_index.fqn and not info.compression
-                    and sizes == facts.stored.size and found[2] == codes.get(facts.stored.properties.dtype)):
-                checked.add(id(item))
-                continue
-            self._check_entry(path, item, facts, found)
+            if found is None or row is None or found != row[1:]:
+                self._check_entry(path, item, facts, found)
             checked.add(id(item))
         self._header_lists[relative_path] = items
 
@@ -116,13 +123,11 @@ class HeaderCheck:
         """
         rows = []
         facts_of = self._items.facts
-        codes = SAFETENSORS_DTYPES
         for item in items:
-            facts = facts_of(item)
-            info, stored, sizes = facts.info, facts.stored, facts.sizes
-            if sizes is None or info.compression or sizes != stored.size:  # a value, compressed, or a shard
+            row = _writer_row(item, facts_of(item))
+            if row is None:
                 return False
-            rows.append((info.offset, info.length, item.storage_index.fqn, codes.get(stored.properties.dtype), sizes))
+            rows.append(row)
         rows.sort()
         return header_is_exactly(text, size, rows)
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import ThreadPoolExecutor
+from itertools import compress
+from operator import attrgetter
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +28,9 @@ from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, Loa
 from hyper_parallel.platform.tensor import DTYPE_NAMES, numpy_dtype
 
 __all__ = ["ReadPass"]
+
+#: Whether an item is a small whole chunk (:attr:`._read_items.ItemFacts.small`; a C getter).
+_SMALL = attrgetter("small")
 
 
 class ReadPass:
@@ -52,13 +57,11 @@ class ReadPass:
         for group in work:
             large_group = []
             for relative_path, items in group:
-                small, large = [], []
-                for item in items:
-                    (small if facts_of(item).small else large).append(item)
+                small = list(compress(items, map(_SMALL, map(facts_of, items))))
                 if small:
                     small_files.append((relative_path, items, small))
-                if large:
-                    large_group.append((relative_path, items, large))
+                if len(small) < len(items):
+                    large_group.append((relative_path, items, [item for item in items if not facts_of(item).small]))
             if large_group:
                 large_work.append(large_group)
         if not large_work or (len(large_work) == 1 and not small_files):  # nothing to overlap

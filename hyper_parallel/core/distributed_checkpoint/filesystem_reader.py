@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
+from operator import attrgetter
 from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -61,6 +62,8 @@ __all__ = ["FileSystemReader", "MAX_METADATA_BYTES", "DEFAULT_MAX_INFLIGHT_BYTES
 DEFAULT_MAX_INFLIGHT_BYTES = 128 << 20
 #: A file of which a rank needs at least this share is read with kernel readahead.
 _SEQUENTIAL_SHARE = 0.95
+#: The bytes an item reads, of its ``ItemFacts`` (a C getter).
+_NBYTES = attrgetter("nbytes")
 
 
 class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
@@ -157,13 +160,22 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         by_key = storage_by_key(metadata)
         check_consistency(metadata, source=f"{self.path}/{self.metadata_file}", by_key=by_key)
         self.metadata = metadata
+        self.finish_load()  # whatever an earlier load left
+        self._items = ItemIndex(metadata, by_key=by_key)
+
+    def finish_load(self) -> None:
+        """Drop the load's records (items, their facts, headers, groupings); keep ``metadata`` and the counters.
+
+        All ranks; ``load`` calls it last. A later ``verify_data`` or
+        ``read_data`` needs ``set_up_storage_reader`` first.
+        """
         self._verified.clear()
         self._plan_checked = None
         self._grouped = None
         self._headers.clear()
         self._header_checked.clear()
         self._header_lists.clear()
-        self._items = ItemIndex(metadata, by_key=by_key)
+        self._items = None
         self._in_part.clear()
         self._resolved.clear()
         self._kept.clear()
@@ -250,7 +262,7 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         bytes it read)."""
         future: Future[None] = Future()
         try:
-            if self.metadata is None or self.metadata.storage_data is None:
+            if self.metadata is None or self.metadata.storage_data is None or self._items is None:
                 raise CheckpointValueError(f"{verb} called before set_up_storage_reader")
             items = plan.items
             if verb == "verify" and items is self._plan_checked:  # read_data after verify_data of this plan
@@ -262,7 +274,9 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
             self.bytes_read += count
             if verb == "verify":
                 self.bytes_verified += count
-                self._verified.update(id(item) for group in work for _, file_items in group for item in file_items)
+                for group in work:
+                    for _, file_items in group:
+                        self._verified.update(map(id, file_items))
                 self._plan_checked = items
             release_scratch()  # do not keep the caller thread's scratch after the load
             future.set_result(None)
@@ -327,8 +341,7 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         decided = self._in_part.get(relative_path)
         if decided is not None:
             return decided
-        facts = self._items.facts
-        needed = sum(facts(item).nbytes for item in items)
+        needed = sum(map(_NBYTES, map(self._items.facts, items)))
         self._in_part[relative_path] = decided = needed < _SEQUENTIAL_SHARE * file_size
         return decided
     @classmethod

@@ -271,6 +271,19 @@ class LoadPlanner(abc.ABC):
     def finish_load(self) -> None:  # noqa: B027 - optional hook
         """Called on all ranks after every item was read (commit staged values)."""
 
+    def direct_targets(self) -> dict[int, tuple[ReadItem, np.ndarray]]:
+        """Optional hook: the final plan's items the reader may read straight into memory, by ``id`` of the item.
+
+        Each value is the item and its target: a writable, C-contiguous host
+        array of the stored dtype holding the whole stored chunk, filled by
+        reading the chunk's bytes into it. The reader then calls neither
+        :meth:`acquire_tensor` nor :meth:`apply_tensor` for that item, so a
+        planner returns only items for which both do nothing else. Default:
+        none (the reader asks for every item). Called by the storage reader
+        after ``finalize_plan``, on every rank.
+        """
+        return {}
+
     # Optional hooks for planners that share reads between ranks (see
     # _replicated_read.py). ``dcp.load`` reads ``read_rounds(plan)`` one after
     # the other; after each, if ``shares_reads``, every rank's ``outgoing``

@@ -244,6 +244,14 @@ class StorageReader(abc.ABC):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> "Future[None]":
         """Read every region of this rank's plan into the planner. All ranks call it."""
 
+    def finish_load(self) -> None:  # noqa: B027 - optional hook, nothing kept by default
+        """Drop what this reader kept for the load that just ended (it succeeded or failed). All ranks call it.
+
+        ``load`` calls it last, still inside the load's pause of the cyclic
+        garbage collector, so a reader the caller keeps (``storage_reader=``)
+        does not hand the collector thousands of per-load records to walk.
+        """
+
     @classmethod
     @abc.abstractmethod
     def validate_checkpoint_id(cls, checkpoint_id: CheckpointId) -> bool:

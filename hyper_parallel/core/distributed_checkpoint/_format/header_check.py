@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from json.encoder import encode_basestring_ascii
 from typing import Callable
 
-from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import SAFETENSORS_DTYPES, read_header_at
+from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import (
+    SAFETENSORS_DTYPES,
+    header_json,
+    read_header_at,
+)
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError, CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
@@ -31,7 +34,7 @@ __all__ = ["HeaderSpan", "expected_span", "header_entries", "header_is_exactly",
 
 #: Keys named in a message about a file whose header cannot be read.
 _SHOWN_KEYS = 5
-#: How every header this package writes starts (``safetensors_file.header_bytes``).
+#: How every header this package writes starts (``safetensors_file.header_json``).
 _HEAD = '{"__metadata__":'
 _DECODER = json.JSONDecoder()
 
@@ -167,14 +170,10 @@ def header_is_exactly(text: bytes, size: int, rows: list[tuple[int, int, str, st
         return False
     data_start = 8 + len(text)
     position = 0
-    parts = [_HEAD, json.dumps(file_metadata, separators=(",", ":"))]
-    quoted = encode_basestring_ascii
+    entries = []
     for offset, length, name, code, shape in rows:
         if offset - data_start != position or code is None:
             return False
-        end = position + length
-        parts.append(f',{quoted(name)}:{{"dtype":"{code}","shape":[{",".join(map(str, shape))}],'
-                     f'"data_offsets":[{position},{end}]}}')
-        position = end
-    parts.append("}")
-    return data_start + position == size and "".join(parts) == header
+        entries.append((name, code, shape, position, position + length))
+        position += length
+    return data_start + position == size and header_json(file_metadata, entries) == header

@@ -15,7 +15,8 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from typing import Callable
+from json.encoder import encode_basestring_ascii
+from typing import Callable, Iterable
 
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, CorruptCheckpointError
 
@@ -26,6 +27,7 @@ __all__ = [
     "HeaderEntry",
     "build_header",
     "header_bytes",
+    "header_json",
     "read_header",
     "read_header_and_metadata",
     "read_header_at",
@@ -113,13 +115,27 @@ def header_bytes(
         file_metadata: The ``__metadata__`` strings.
         align: The data region starts at a multiple of this (a multiple of 8).
     """
-    header: dict[str, object] = {"__metadata__": dict(file_metadata)}
     codes = SAFETENSORS_DTYPES
-    for name, (dtype, shape, begin, end) in spans.items():
-        header[name] = {"dtype": codes[dtype], "shape": list(shape), "data_offsets": [begin, end]}
-    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text = header_json(file_metadata, ((name, codes[dtype], shape, begin, end)
+                                       for name, (dtype, shape, begin, end) in spans.items())).encode("ascii")
     text += b" " * (-(len(text) + 8) % align)
     return struct.pack("<Q", len(text)) + text
+
+
+def header_json(file_metadata: dict[str, str], entries: Iterable[tuple[str, str, tuple[int, ...], int, int]]) -> str:
+    """The header JSON this package writes, unpadded: the one spelling both the writer and the load's whole-header
+    check (``header_check.header_is_exactly``) use. Pure; any rank.
+
+    ``__metadata__`` first, then one entry per ``(name, safetensors dtype code, shape, begin, end)`` in order,
+    spelled as ``json.dumps(..., separators=(",", ":"))`` spells them (every non-ASCII character escaped).
+    """
+    quoted = encode_basestring_ascii
+    parts = ['{"__metadata__":', json.dumps(file_metadata, separators=(",", ":"))]
+    for name, code, shape, begin, end in entries:
+        parts.append(f',{quoted(name)}:{{"dtype":"{code}","shape":[{",".join(map(str, shape))}],'
+                     f'"data_offsets":[{begin},{end}]}}')
+    parts.append("}")
+    return "".join(parts)
 
 
 def naturals(value: object, count: int | None = None) -> bool:
