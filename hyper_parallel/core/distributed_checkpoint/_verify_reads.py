@@ -27,22 +27,19 @@ verified in a private buffer, copied into the target by the read pass.
 from __future__ import annotations
 
 import contextlib
-import math
 import mmap
 import os
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
-import numpy as np
-
-from hyper_parallel.core.distributed_checkpoint._format.checksum import digest, digests_of
+from hyper_parallel.core.distributed_checkpoint._format.checksum import digests_of
 from hyper_parallel.core.distributed_checkpoint._run_reads import FileSource, scratch
+from hyper_parallel.core.distributed_checkpoint._verify_tiles import bad_tile, bad_tile_scattered, scatters, tile_problem
 from hyper_parallel.core.distributed_checkpoint._verify_windows import (
     NO_TARGET_CHANGED,
     BlockList,
     Blocks,
     RegionCheck,
-    Slab,
     Window,
     empty_chunk,
     flat_blocks,
@@ -103,23 +100,6 @@ def _window(source: FileSource, path: Path, window: Window) -> Iterator[memoryvi
             pass
 
 
-def _bad_tile(view: memoryview, slab: Slab) -> int | None:
-    """The first of the slab's columns whose tile does not match its digest, or ``None``."""
-    check = slab.check
-    sizes, itemsize, info = check.sizes, check.itemsize, check.info
-    width = info.checksum.block_shape[-1]
-    inner = math.prod(sizes[1:-1])
-    cube = np.frombuffer(view, dtype=np.uint8, count=slab.rows * inner * sizes[-1] * itemsize)
-    cube = cube.reshape(slab.rows, inner, sizes[-1] * itemsize)
-    for column in slab.columns:
-        lo, hi = column * width * itemsize, min((column + 1) * width, sizes[-1]) * itemsize
-        tile = scratch(slab.rows * inner * (hi - lo), slot=3).reshape(slab.rows, inner, hi - lo)
-        np.copyto(tile, cube[:, :, lo:hi])
-        if digest(tile.reshape(-1)) != info.checksum.digests[slab.slab * slab.grid_columns + column]:
-            return column
-    return None
-
-
 def _bad_block(view: memoryview, window: Window, blocks: Blocks) -> int | None:
     """Index (in ``blocks``) of the first of the window's flat blocks whose digest does not match, or ``None``.
 
@@ -138,11 +118,7 @@ def _bad_block(view: memoryview, window: Window, blocks: Blocks) -> int | None:
 def _mismatch(view: memoryview, window: Window, blocks: Blocks) -> str | None:
     """The key and the tile or bytes of ``window`` whose digest does not match, for a message; ``None`` if all do."""
     if window.slab is not None:
-        column = _bad_tile(view, window.slab)
-        if column is None:
-            return None
-        return (f"key '{window.slab.check.fqn}' (tile {window.slab.slab},{column} of the chunk at byte "
-                f"{window.slab.check.info.offset})")
+        return tile_problem(window.slab, bad_tile(view, window.slab))
     bad = _bad_block(view, window, blocks)
     if bad is None:
         return None
@@ -217,8 +193,13 @@ def _hash_windows(source: FileSource, path: Path, windows: list[Window], blocks:
     for position, window in enumerate(windows):
         _announce(fd, windows[announced : limits[position]], readahead)
         announced = limits[position]
-        with _window(source, path, window) as view:
-            problem = _mismatch(view, window, blocks)
+        done = False
+        if scatters(source, window):  # read straight into tile order: no second pass to gather tiles
+            done, column = bad_tile_scattered(source.fd, window)
+            problem = tile_problem(window.slab, column)
+        if not done:
+            with _window(source, path, window) as view:
+                problem = _mismatch(view, window, blocks)
         if problem is not None:
             raise CorruptCheckpointError(f"checksum mismatch in data file {path}, {problem}: {NO_TARGET_CHANGED}")
         hashed += window.hashed
