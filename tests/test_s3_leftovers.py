@@ -173,3 +173,22 @@ def test_the_listing_leaves_no_stale_cache_behind(s3_url: str) -> None:
     reader = dcp.FsspecReader(s3_url, filesystem=fs)
     assert reader.has_object("metadata.json")
     _loads_as(s3_url, 8, reader=reader)
+
+
+def test_a_failed_save_removes_its_own_data_objects_and_results_records(s3_url: str) -> None:
+    from hyper_parallel.core.distributed_checkpoint.planner import SavePlan  # pylint: disable=import-outside-toplevel
+
+    fs, root = new_filesystem(), s3_url[len("s3://"):]
+    writer = dcp.FsspecWriter(s3_url, filesystem=fs)
+    writer.set_up_storage_writer(True)
+    writer.write_rank_record(1, b"{}", plan=SavePlan(items=()))  # a rank's record of a multi-rank async save
+    fs.pipe_file(f"{root}/r00001_000.{writer.save_id}.safetensors", b"written")
+    other = f"r00000_000.{'e' * 12}.safetensors"
+    fs.pipe_file(f"{root}/{other}", b"another save's")
+    probe = new_filesystem()  # lists for the test, apart from the writer's filesystem (and its cache)
+    assert len(_names(probe, root)) == 3
+    writer.abort()
+    assert _names(probe, root) == [other]
+    bucket, key = root.split("/", 1)
+    fs.call_s3("put_object", Bucket=bucket, Key=f"{key}/metadata.json", Body=b"{}")  # as another save's commit
+    assert dcp.FsspecReader(s3_url, filesystem=fs).has_object("metadata.json")  # no stale listing left by abort

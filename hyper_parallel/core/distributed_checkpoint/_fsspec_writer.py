@@ -25,7 +25,7 @@ from typing import Any
 
 from hyper_parallel.core.distributed_checkpoint._format.checksum import DEFAULT_BLOCK_BYTES
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import metadata_from_json, metadata_to_json
-from hyper_parallel.core.distributed_checkpoint._object_garbage import Leftovers, leftovers_at_start, sweep
+from hyper_parallel.core.distributed_checkpoint._object_garbage import Leftovers, leftovers_at_start, owner_of, sweep
 from hyper_parallel.core.distributed_checkpoint._object_io import (
     DEFAULT_CONNECTIONS,
     DEFAULT_PART_BYTES,
@@ -46,7 +46,6 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
 )
 from hyper_parallel.core.distributed_checkpoint._data_writing import FileJob
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import (
-    DATA_FILE_PATTERN,
     MAX_RECORD_BYTES,
     FileSystemPlanData,
     FileSystemWriter,
@@ -243,7 +242,7 @@ class FsspecWriter(FileSystemWriter):
         return committed
 
     def abort(self) -> None:
-        """Undo a failed save: the coordinator deletes every data object named with this save's id.
+        """Undo a failed save: the coordinator deletes every data object and results record named with this save's id.
 
         All ranks call it after a failed save; it never raises, and does
         nothing after a commit or on other ranks (each rank already removed
@@ -255,13 +254,14 @@ class FsspecWriter(FileSystemWriter):
             self.fs.invalidate_cache(self.root)
             names = [path.rsplit("/", 1)[-1] for path in self.fs.ls(self.root, detail=False)]
         except Exception:  # pylint: disable=broad-except
-            return  # nothing listed (or the store is unreachable): leftovers are unreferenced objects
-        doomed = []
-        for name in names:
-            match = DATA_FILE_PATTERN.match(name)
-            if match and match.group(3) == self.save_id and (not self.rank_local or int(match.group(1)) == self.rank):
-                doomed.append(self._object(name))
-        remove_objects(self.fs, doomed)
+            return  # nothing listed (or the store is unreachable): the next commit here sweeps them
+        finally:
+            self.fs.invalidate_cache(self.root)  # no later lookup may answer from this listing
+        owners = {name: owner_of(name) for name in names}
+        remove_objects(self.fs, [
+            self._object(name) for name, owner in owners.items()
+            if owner is not None and owner[0] == self.save_id and (not self.rank_local or owner[1] == self.rank)
+        ])
 
     def write_rank_record(self, rank: int, data: bytes, *, plan: SavePlan) -> None:
         """Store ``rank``'s record as one object (a PUT is whole and durable once it returns). The rank itself.

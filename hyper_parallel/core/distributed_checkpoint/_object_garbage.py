@@ -31,7 +31,7 @@ from typing import Any
 from hyper_parallel.core.distributed_checkpoint._commit_cleanup import DATA_FILE_PATTERN
 from hyper_parallel.core.distributed_checkpoint._object_io import is_s3, remove_objects
 
-__all__ = ["Leftovers", "abort_stale_uploads", "leftovers_at_start", "sweep"]
+__all__ = ["Leftovers", "abort_stale_uploads", "leftovers_at_start", "owner_of", "sweep"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class Leftovers:
     uploads: tuple[tuple[str, str], ...] = ()
 
 
-def _owner(name: str) -> tuple[str, int] | None:
+def owner_of(name: str) -> tuple[str, int] | None:
     """``(save id, rank)`` of a data object or results record name, else None."""
     match = DATA_FILE_PATTERN.match(name)
     if match:
@@ -125,7 +125,7 @@ def leftovers_at_start(fs: Any, root: str, *, save_id: str, metadata_name: str, 
         return Leftovers()
 
     def doomed(name: str) -> bool:
-        owner = _owner(name)
+        owner = owner_of(name)
         return owner is not None and owner[0] != save_id and (rank is None or owner[1] == rank)
 
     return Leftovers(objects=tuple(f"{root}/{n}" for n in sorted(names) if doomed(n)),
