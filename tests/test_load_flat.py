@@ -167,7 +167,7 @@ def _slow_decode(monkeypatch: pytest.MonkeyPatch, raw: bytes) -> dcp.Metadata:
     with monkeypatch.context() as patch:
         patch.setattr(metadata_json, "_flat_checked_entry", lambda raw, shared: None)
         patch.setattr(metadata_json, "_whole_tensor_key", lambda raw: None)
-        patch.setattr(metadata_json, "plain_ascii", lambda data: False)  # no decode by runs either
+        patch.setattr(metadata_json, "plain_text", lambda data: False)  # no decode by runs either
         return metadata_json.metadata_from_json(raw)
 
 

@@ -53,7 +53,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
 def _full(raw: bytes) -> dcp.Metadata:
     """The member-by-member decode, without runs."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(metadata_json, "plain_ascii", lambda data: False)
+        patch.setattr(metadata_json, "plain_text", lambda data: False)
         return metadata_json.metadata_from_json(raw)
 
 
@@ -188,9 +188,9 @@ def test_damage_inside_a_run_is_refused_as_the_full_decode_refuses_it(saved: dic
 _VALID = {"empty_items", "escaped_name", "braces_in_a_name", "braces_in_a_value_name", "other_algorithm"}
 
 
-def test_plain_ascii_tells_escapes_and_control_characters() -> None:
-    assert regular_runs.plain_ascii(b'{"a":[1,2]}')
-    assert not regular_runs.plain_ascii(b'{"a\\n":1}')
-    assert not regular_runs.plain_ascii(b'{"a":\n1}')
-    assert not regular_runs.plain_ascii(b"")
-    assert regular_runs.plain_ascii(bytearray(b'{"\xc3\xa9":1}'))  # UTF-8 text: every byte >= 0x20
+def test_plain_text_tells_escapes_and_control_characters() -> None:
+    assert regular_runs.plain_text(b'{"a":[1,2]}')
+    assert not regular_runs.plain_text(b'{"a\\n":1}')
+    assert not regular_runs.plain_text(b'{"a":\n1}')
+    assert not regular_runs.plain_text(b"")
+    assert regular_runs.plain_text(bytearray(b'{"\xc3\xa9":1}'))  # UTF-8 text: every byte >= 0x20

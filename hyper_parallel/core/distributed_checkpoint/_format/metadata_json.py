@@ -21,7 +21,7 @@ from typing import Any
 
 from hyper_parallel.core.distributed_checkpoint._format.consistency import check_consistency
 from hyper_parallel.core.distributed_checkpoint._format.json_stream import Cursor, batches
-from hyper_parallel.core.distributed_checkpoint._format.regular_runs import items_by_runs, plain_ascii, storage_by_runs
+from hyper_parallel.core.distributed_checkpoint._format.regular_runs import items_by_runs, plain_text, storage_by_runs
 from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import naturals
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import (
@@ -421,7 +421,7 @@ def metadata_from_json(data: bytes | bytearray | mmap.mmap, *, source: str = "me
         CorruptCheckpointError: not JSON, or a field of the wrong type.
         UnsafeCheckpointError: a path leaving the directory or an absurd size.
     """
-    plain = plain_ascii(data)  # no escapes or control characters: the writer's regular entries decode by runs
+    plain = plain_text(data)  # no escapes or control characters: the writer's regular entries decode by runs
     try:
         text = str(data, "utf-8")
     except ValueError as exc:

@@ -18,7 +18,7 @@ third alternative captures any other character, so a window either decodes
 exactly as the JSON decoder would read it, or the run is given up
 (``None``) and :mod:`.metadata_json` decodes the whole member again by its
 streaming path, which also raises the error (the run never raises one
-itself). The caller first checks (:func:`plain_ascii`) that the text holds
+itself). The caller first checks (:func:`plain_text`) that the text holds
 no backslash and no control character, so a string's text is its value.
 """
 
@@ -43,7 +43,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     StorageInfo,
 )
 
-__all__ = ["plain_ascii", "items_by_runs", "storage_by_runs", "items_run", "storage_run"]
+__all__ = ["plain_text", "items_by_runs", "storage_by_runs", "items_run", "storage_run"]
 
 #: Characters per window (a bounded batch: the columns of one window are alive at a time).
 _WINDOW = 1 << 16
@@ -71,11 +71,7 @@ _INFO_SLOTS = (StorageInfo.relative_path.__set__, StorageInfo.offset.__set__, St
 _INDEX_SLOTS = (MetadataIndex.fqn.__set__, MetadataIndex.offset.__set__, MetadataIndex.index.__set__)
 
 
-class _GiveUp(Exception):
-    """Not the writer's form (or not valid): the caller decodes the member by its streaming path."""
-
-
-def plain_ascii(data: bytes | bytearray | mmap.mmap) -> bool:
+def plain_text(data: bytes | bytearray | mmap.mmap) -> bool:
     """Whether ``data`` holds no control character and no backslash (every JSON string in it is its own text)."""
     if not data or data.find(b"\\") >= 0:
         return False
