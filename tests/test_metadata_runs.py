@@ -3,7 +3,9 @@ file the full decode refuses is refused by the same error, however it is damaged
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import tracemalloc
 from pathlib import Path
 from typing import Callable
 
@@ -194,3 +196,43 @@ def test_plain_text_tells_escapes_and_control_characters() -> None:
     assert not regular_runs.plain_text(b'{"a":\n1}')
     assert not regular_runs.plain_text(b"")
     assert regular_runs.plain_text(bytearray(b'{"\xc3\xa9":1}'))  # UTF-8 text: every byte >= 0x20
+
+
+def test_an_entry_longer_than_a_window_is_decoded_by_the_streaming_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor of more chunks than the longest window holds: its member takes the streaming path (the storage
+    entries still decode by runs); the result equals the full decode."""
+    monkeypatch.setattr(regular_runs, "_WINDOW", 1 << 10)
+    monkeypatch.setattr(regular_runs, "_WINDOW_MAX", 1 << 12)
+    raw = metadata_json.metadata_to_json(_bench_metadata().make_metadata(600, 2))  # items of ~10 KB each
+    fast, used = _by_runs(raw)
+    assert used == ["storage"]
+    assert fast == _full(raw) and len(fast.storage_data) == 1_200
+
+
+def test_hostile_text_without_boundaries_is_given_up_within_a_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Commas by the hundred thousand inside storage_data: refused as the full decode refuses it, the runs
+    never holding more than one bounded window of columns."""
+    monkeypatch.setattr(regular_runs, "_WINDOW_MAX", 1 << 14)
+    good = metadata_json.metadata_to_json(_bench_metadata().make_metadata(4, 3))
+    at = good.index(b'},{"fqn":') + 1
+    raw = good[:at] + b"," * (1 << 18) + good[at:]
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError) as caught:
+            _by_runs(raw)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    with pytest.raises(CheckpointError) as full:
+        _full(raw)
+    assert str(caught.value) == str(full.value)
+    assert peak < 6 * len(raw), peak  # the text and one window's columns, not a tuple per character
+
+
+def _bench_metadata():
+    """scripts/bench_metadata.py, whose make_metadata builds a chunk-per-rank metadata."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_metadata.py"
+    spec = importlib.util.spec_from_file_location("bench_metadata", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

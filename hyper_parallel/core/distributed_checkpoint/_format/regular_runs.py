@@ -47,6 +47,8 @@ __all__ = ["plain_text", "items_by_runs", "storage_by_runs", "items_run", "stora
 
 #: Characters per window (a bounded batch: the columns of one window are alive at a time).
 _WINDOW = 1 << 16
+#: The longest window: a text with no entry boundary for this long is not decoded by runs.
+_WINDOW_MAX = 1 << 20
 _NUMBER = r"(0|[1-9][0-9]*)"
 _ITEM = re.compile(
     r',"([^"]*)":\{"kind":"tensor","dtype":"([^"]*","size":\[[0-9,]*\],"chunks":\[\[\[[0-9,]*\],\[[0-9,]*\]\]'
@@ -83,9 +85,17 @@ def plain_text(data: bytes | bytearray | mmap.mmap) -> bool:
 
 
 def _windows(text: str, start: int, end: int, boundary: str) -> Any:
-    """``(begin, stop)`` windows of about ``_WINDOW`` characters of ``text[start:end]``, each cut before a ``boundary``."""
+    """``(begin, stop)`` windows of about ``_WINDOW`` characters of ``text[start:end]``, each cut before a ``boundary``.
+
+    Raises:
+        ValueError: no ``boundary`` within ``_WINDOW_MAX`` characters (an entry that long, or not this form):
+            the run is given up, so the columns of one window stay bounded whatever the text.
+    """
     while start < end:
-        stop = text.find(boundary, start + _WINDOW, end)
+        limit = min(end, start + _WINDOW_MAX)
+        stop = text.find(boundary, start + _WINDOW, limit)
+        if stop < 0 and limit < end:
+            raise ValueError(f"no entry boundary within {_WINDOW_MAX} characters")
         stop = end if stop < 0 else stop + 1
         yield start, stop
         start = stop
