@@ -14,7 +14,8 @@ commit does it instead:
   begun before it can no longer commit (its condition named the metadata
   object as it was before this commit), so what it noted is garbage and is
   deleted with the superseded data. Objects that appeared after this save
-  began, maybe a save that began after it, are never touched.
+  began, maybe a save that began after it, are never touched, nor anything
+  under a nested prefix (``<prefix>/best/``: a checkpoint of its own).
 
 The guarantee holds for saves committing the same metadata object. A
 location that also holds the other kind (``metadata.json`` beside
@@ -71,7 +72,10 @@ def _other_kind(name: str, rank: int | None) -> bool:
 
 
 def _uploads(fs: Any, root: str) -> list[tuple[str, str, float]]:
-    """``(path, upload id, start time)`` of the multipart uploads in progress under ``root`` (S3; else none)."""
+    """``(path, upload id, start time)`` of the multipart uploads in progress under ``root`` (S3; else none).
+
+    Also those under nested prefixes (``<root>/best/...``): the listing has no delimiter.
+    """
     if not is_s3(fs):
         return []
     bucket, key, _ = fs.split_path(root)
@@ -129,7 +133,8 @@ def leftovers_at_start(fs: Any, root: str, *, save_id: str, metadata_name: str, 
         return owner is not None and owner[0] != save_id and (rank is None or owner[1] == rank)
 
     return Leftovers(objects=tuple(f"{root}/{n}" for n in sorted(names) if doomed(n)),
-                     uploads=tuple((path, upload) for path, upload, _ in uploads if doomed(path.rsplit("/", 1)[-1])))
+                     uploads=tuple((path, upload) for path, upload, _ in uploads
+                                   if path.rsplit("/", 1)[0] == root and doomed(path.rsplit("/", 1)[-1])))
 
 
 def sweep(fs: Any, leftovers: Leftovers, superseded: list[str]) -> None:
