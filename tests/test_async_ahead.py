@@ -100,14 +100,17 @@ def test_new_memory_of_the_same_parameter_is_copied_ahead_from_its_new_memory(tm
     _assert_saved(tmp_path / "a", expected)
 
 
-@pytest.mark.parametrize("change", ["replaced", "removed"])
+@pytest.mark.parametrize("change", ["replaced", "replaced_same_size", "removed"])
 def test_a_stale_copy_ahead_is_dropped_and_the_save_is_exact(tmp_path, pool, change):
     """A large tensor replaced by another Parameter or removed after the expectation, the old one still alive."""
     state = _state(3)
     dcp.prepare_async_save(state).result(timeout=60)
+    arenas = pool.arenas
     old = state["big1"]  # kept alive: its copy ahead runs, and no leaf adopts it
-    if change == "replaced":
+    if change == "replaced":  # float32 instead of bfloat16: twice the bytes, a new place
         state["big1"] = ms.Parameter(ms.Tensor(np.full(_LARGE, -2.0, np.float32)), name="big1")
+    elif change == "replaced_same_size":  # copied again into the stale copy's place, once that copy is over
+        state["big1"] = ms.Parameter(ms.Tensor(np.full(_LARGE, -2.0, np.float32), ms.bfloat16), name="big1")
     else:
         del state["big1"]
     expected = _expected(state)
@@ -119,6 +122,8 @@ def test_a_stale_copy_ahead_is_dropped_and_the_save_is_exact(tmp_path, pool, cha
     adopted, missed = _counts(pool)
     assert (adopted, missed) == (before[0] + 2, before[1] + 1), "big1's copy ahead was missed, the others adopted"
     assert old.asnumpy().shape == _LARGE
+    if change != "replaced":
+        assert pool.arenas == arenas, "the prepared arena was large enough"
     # A wrong guess turns copying ahead off (each one costs a copy for nothing) until the next preparation.
     assert pool.expected() == []
     expected = _expected(state)

@@ -168,6 +168,12 @@ def gil_handoff() -> Iterator[None]:
 class EarlyCopies:
     """Whole tensors copied into the arena while the save is planned. Caller's thread.
 
+    Places: the copies ahead first, then the other large tensors as the
+    layout pass meets them, then (when it is over) the small ones in the
+    order met, whose copies wait for the pass's end anyway (:class:`Copier`).
+    A save whose large tensors are the ones the previous save copied (ahead)
+    thus repeats its places, and staging reuses its layout.
+
     Args:
         arena: The arena as mapped now (``None``: none yet; copies wait for :meth:`described`).
         wanted: Leaf names to copy (``None``: every whole tensor).
@@ -204,6 +210,7 @@ class EarlyCopies:
         self._copier = Copier(caller_share=False)
         self._done = False
         self._ahead: dict[str, np.ndarray] = {}
+        self._small: list[tuple[str, np.ndarray]] = []  # met, placed by described()
         self.adopted = 0
         self.missed = 0
         for name, array in ahead:
@@ -220,7 +227,14 @@ class EarlyCopies:
             if expected is array:  # copied ahead from this very view: adopted
                 self.adopted += 1
                 return
-            self.missed += expected is not None  # another array now: copied again below
+            if expected is not None:
+                self.missed += 1
+                if expected.nbytes == array.nbytes:
+                    self._copy_again(name, array)
+                    return
+        if array.nbytes < SMALL_COPY_BYTES:  # placed after the large ones, when the pass is over (see the class)
+            self._small.append((name, array))
+            return
         self._place(name, array)
 
     def _place(self, name: str, array: np.ndarray) -> None:
@@ -234,6 +248,19 @@ class EarlyCopies:
             self._copier.add(self.arena[offset : offset + source.size], source)
             self._issued += 1
 
+    def _copy_again(self, name: str, array: np.ndarray) -> None:
+        """Copy ``array`` into the place of ``name``'s stale copy ahead (of its size), once that copy is over.
+
+        Keeps the places (and the arena's size) of a save whose Parameters were replaced by new ones.
+        """
+        self._copier.finish()  # the stale copy may still be in flight into that place
+        offset = self.placed[name][0]
+        source = array.reshape(-1).view(np.uint8)
+        at = next(at for at, entry in enumerate(self._arrays) if entry[0] == name and entry[1] == offset)
+        self._arrays[at] = (name, offset, source)
+        if at < self._issued:  # else described() copies it with the others not issued yet
+            self._copier.add(self.arena[offset : offset + source.size], source)
+
     def described(self, layout: Any) -> None:
         """The layout pass is over (``layout``: its :class:`.LayoutDescription`).
 
@@ -244,6 +271,9 @@ class EarlyCopies:
         part only, for the early copies (the other items of a grown state get
         buffers of their own at staging).
         """
+        for name, array in self._small:
+            self._place(name, array)
+        self._small = []
         self.settle()
         if not self.placed:
             return

@@ -92,9 +92,13 @@ class StagingPool:
         return 0 if self._arena is None else int(self._arena.size)
 
     def release(self) -> None:
-        """Drop the arena (unmapped once no staged view of it is left); the next save maps a fresh one."""
+        """Drop the arena (unmapped once no staged view of it is left) and the tensors expected next.
+
+        The next save maps a fresh arena and copies nothing ahead.
+        """
         self._arena = None
         self._forget_layout()
+        self._expected, self._guessed_wrong = (), False
 
     def prefault(self, nbytes: int) -> None:
         """Map (if needed) an arena of at least ``nbytes`` and fault every page in. Background thread.
