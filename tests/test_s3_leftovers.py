@@ -103,11 +103,11 @@ def test_objects_that_appear_after_a_save_began_are_kept(s3_url: str) -> None:
     fs, root = new_filesystem(), s3_url[len("s3://"):]
     dcp.save(_state(3), checkpoint_id=s3_url, no_dist=True)
     # Left by killed saves (names as they write them): a data object and a results record.
-    earlier = [f"r00000_000.{'a' * 12}.safetensors", f".{'a' * 12}.rank00001.results"]
+    earlier = [f"r00000_000.{'1' * 12}.safetensors", f".{'1' * 12}.rank00001.results"]
     for name in earlier:
         fs.pipe_file(f"{root}/{name}", b"left")
     session = _prepared(s3_url, 4)  # began: notes them
-    later = f"r00000_000.{'b' * 12}.safetensors"  # a save that began after this one
+    later = f"r00000_000.{'3' * 12}.safetensors"  # a save that began after this one
     fs.pipe_file(f"{root}/{later}", b"live")
     commit_save(session, lambda: write_local(session))
     names = _names(fs, root)
@@ -131,7 +131,7 @@ def test_other_fsspec_filesystems_sweep_the_same_way() -> None:
     root = url[len("memory://"):]
     try:
         dcp.save(_state(6), storage_writer=dcp.FsspecWriter(url, filesystem=fs), no_dist=True)
-        left = f"r00000_000.{'d' * 12}.safetensors"
+        left = f"r00000_000.{'4' * 12}.safetensors"
         fs.pipe_file(f"{url}/{left}", b"left")
         dcp.save(_state(7), storage_writer=dcp.FsspecWriter(url, filesystem=fs), no_dist=True)
         names = [p.rsplit("/", 1)[-1] for p in fs.ls(url, detail=False)]

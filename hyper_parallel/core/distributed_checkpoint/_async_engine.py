@@ -24,6 +24,7 @@ from hyper_parallel.core.distributed_checkpoint._deferred_save import DeferredPl
 from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions, SaveSession, commit_save, plan_save, write_local
 from hyper_parallel.core.distributed_checkpoint._fork_writer import fork_write, fork_write_and_hash
 from hyper_parallel.core.distributed_checkpoint._stage_copies import ALIGN, EarlyCopies, arena_bytes, gil_handoff, round_up
+from hyper_parallel.core.distributed_checkpoint._save_layout import host_array
 from hyper_parallel.core.distributed_checkpoint._staging import StagedSavePlanner, StagingPool, staged_views
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointIOError
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemWriter
@@ -90,10 +91,12 @@ def _plan_and_stage(
         planner.digest_replicas_later(later)
     early = None
     if mode == "copy":  # tensors are copied into the arena while the plan is made (_stage_copies)
-        early = _POOL.early_copies(every_leaf=alone)
+        early = _POOL.early_copies(every_leaf=alone, ahead=_copies_ahead(planner, options))
     try:
         session = plan_save(state_dict, writer=writer, planner=planner, options=options, listener=early,
                             may_defer=True)
+        if early is not None:
+            _expect_next(planner, early)
         if isinstance(session, DeferredPlan):  # one rank, a new layout: planned after the snapshot (_deferred_save)
             request = _deferred_or_none(session, early, forked_first)
             if request is not None:
@@ -195,6 +198,33 @@ def _replica_snapshot(pieces: list[tuple[str, tuple[int, ...], Any]], staged: di
             copy = np.ascontiguousarray(staged[MetadataIndex(fqn, offsets)]).reshape(-1).view(np.uint8)
         found.append((fqn, offsets, copy))
     return found
+
+
+def _copies_ahead(planner: SavePlanner, options: SaveOptions) -> list[tuple[str, np.ndarray]]:
+    """The host arrays of the large tensors this save is expected to copy (:meth:`.StagingPool.expected`).
+
+    Only for the standard planner, whose layout pass tells the early copies
+    the leaves it meets, and without a strategy file (which may give the
+    leaves other tensors).
+    """
+    if type(planner) is not StandardSavePlanner or options.strategy_file is not None:  # pylint: disable=unidiomatic-typecheck
+        return []
+    found = []
+    for name, tensor in _POOL.expected():
+        array = host_array(tensor)
+        if array is not None:
+            found.append((name, array))
+    return found
+
+
+def _expect_next(planner: SavePlanner, early: EarlyCopies) -> None:
+    """Remember the tensors this save copied early, for the next save to copy ahead (after the layout pass)."""
+    flat = getattr(planner, "flat", None)
+    if flat is None or not early.placed:
+        _POOL.expect((), missed=early.missed)
+        return
+    values = flat.values
+    _POOL.expect(((name, values[name], nbytes) for name, (_, nbytes) in early.placed.items()), missed=early.missed)
 
 
 def _auto_forks(writer: StorageWriter, planner: SavePlanner) -> bool:

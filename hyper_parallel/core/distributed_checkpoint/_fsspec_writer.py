@@ -25,7 +25,13 @@ from typing import Any
 
 from hyper_parallel.core.distributed_checkpoint._format.checksum import DEFAULT_BLOCK_BYTES
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import metadata_from_json, metadata_to_json
-from hyper_parallel.core.distributed_checkpoint._object_garbage import Leftovers, leftovers_at_start, owner_of, sweep
+from hyper_parallel.core.distributed_checkpoint._object_garbage import (
+    Leftovers,
+    leftovers_at_start,
+    new_save_id,
+    owner_of,
+    sweep,
+)
 from hyper_parallel.core.distributed_checkpoint._object_io import (
     DEFAULT_CONNECTIONS,
     DEFAULT_PART_BYTES,
@@ -152,7 +158,7 @@ class FsspecWriter(FileSystemWriter):
         """
         self.rank = rank
         self.rank_local = rank_local
-        self.save_id = uuid.uuid4().hex[:12]
+        self.save_id = new_save_id(rank_local=rank_local)  # its kind keeps the other kind's sweep off it
         self._seen = None
         self._leftovers = Leftovers()
         self._committed = False

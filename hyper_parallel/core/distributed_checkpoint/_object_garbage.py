@@ -14,24 +14,32 @@ commit does it instead:
   begun before it can no longer commit (its condition named the metadata
   object as it was before this commit), so what it noted is garbage and is
   deleted with the superseded data. Objects that appeared after this save
-  began, maybe a save that began after it, are never touched.
+  began, maybe a save that began after it, are never touched, nor anything
+  under a nested prefix (``<prefix>/best/``: a checkpoint of its own).
 
-The guarantee holds for saves committing the same metadata object. A
-location that also holds the other kind (``metadata.json`` beside
-``metadata.rank<r>.json``) is not swept. Elsewhere than S3 the commit is not
+The guarantee holds for saves committing the same metadata object; a save
+committing another one (``metadata.json`` vs ``metadata.rank<r>.json``) is
+not stopped by this commit and may commit after it. So the save id tells
+which kind a save commits (:func:`new_save_id`: first hex digit 0-7, one
+metadata per checkpoint; 8-f, one per rank) and only leftovers of saves of
+this save's kind (and rank) are noted. A location that also holds a
+committed checkpoint of the other kind is not swept at all (its save ids
+may predate the kind digit). Elsewhere than S3 the commit is not
 atomic (see :func:`._object_io.put_if`), and the sweep no more than it.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from hyper_parallel.core.distributed_checkpoint._commit_cleanup import DATA_FILE_PATTERN
 from hyper_parallel.core.distributed_checkpoint._object_io import is_s3, remove_objects
 
-__all__ = ["Leftovers", "abort_stale_uploads", "leftovers_at_start", "owner_of", "sweep"]
+__all__ = ["Leftovers", "abort_stale_uploads", "commits_per_rank", "leftovers_at_start", "new_save_id", "owner_of",
+           "sweep"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -47,6 +55,20 @@ class Leftovers:
 
     objects: tuple[str, ...] = ()
     uploads: tuple[tuple[str, str], ...] = ()
+
+
+_PER_RANK_BIT = 1 << 47  # the top bit of the 12 hex digits of a save id
+
+
+def new_save_id(*, rank_local: bool) -> str:
+    """A fresh 12-hex-digit save id whose first digit tells its kind: 8-f for rank-local metadata, 0-7 otherwise."""
+    value = uuid.uuid4().int & (2 * _PER_RANK_BIT - 1)
+    return f"{value | _PER_RANK_BIT if rank_local else value & ~_PER_RANK_BIT:012x}"
+
+
+def commits_per_rank(save_id: str) -> bool:
+    """Whether the save of ``save_id`` (made by :func:`new_save_id`) commits rank-local metadata."""
+    return int(save_id[:1] or "0", 16) >= 8
 
 
 def owner_of(name: str) -> tuple[str, int] | None:
@@ -71,7 +93,10 @@ def _other_kind(name: str, rank: int | None) -> bool:
 
 
 def _uploads(fs: Any, root: str) -> list[tuple[str, str, float]]:
-    """``(path, upload id, start time)`` of the multipart uploads in progress under ``root`` (S3; else none)."""
+    """``(path, upload id, start time)`` of the multipart uploads in progress under ``root`` (S3; else none).
+
+    Also those under nested prefixes (``<root>/best/...``): the listing has no delimiter.
+    """
     if not is_s3(fs):
         return []
     bucket, key, _ = fs.split_path(root)
@@ -105,7 +130,9 @@ def leftovers_at_start(fs: Any, root: str, *, save_id: str, metadata_name: str, 
         root: The checkpoint's prefix (without protocol).
         save_id: This save's id (its own objects are never leftovers).
         metadata_name: The metadata object this save commits.
-        rank: For rank-local metadata, the only rank whose objects are noted.
+        rank: For rank-local metadata, the only rank whose objects are noted;
+            ``None``: one metadata object. Only save ids of the same kind
+            (:func:`commits_per_rank`) are noted.
     """
     try:
         try:
@@ -126,10 +153,12 @@ def leftovers_at_start(fs: Any, root: str, *, save_id: str, metadata_name: str, 
 
     def doomed(name: str) -> bool:
         owner = owner_of(name)
-        return owner is not None and owner[0] != save_id and (rank is None or owner[1] == rank)
+        return (owner is not None and owner[0] != save_id and commits_per_rank(owner[0]) == (rank is not None)
+                and (rank is None or owner[1] == rank))
 
     return Leftovers(objects=tuple(f"{root}/{n}" for n in sorted(names) if doomed(n)),
-                     uploads=tuple((path, upload) for path, upload, _ in uploads if doomed(path.rsplit("/", 1)[-1])))
+                     uploads=tuple((path, upload) for path, upload, _ in uploads
+                                   if path.rsplit("/", 1)[0] == root and doomed(path.rsplit("/", 1)[-1])))
 
 
 def sweep(fs: Any, leftovers: Leftovers, superseded: list[str]) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
+import weakref
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -23,6 +24,7 @@ import numpy as np
 from hyper_parallel.platform.tensor import DTYPE_NAMES, numpy_dtype
 from hyper_parallel.core.distributed_checkpoint._stage_copies import (
     ALIGN,
+    SMALL_COPY_BYTES,
     STAGING_THREADS,
     Copier,
     EarlyCopies,
@@ -58,6 +60,8 @@ class StagingPool:
         layouts_reused: Saves whose items and early copies repeated the previous save's (views reused).
         early_copied: Whole tensors copied early (while planning).
         early_items: Items staged by an early copy.
+        ahead_adopted: Early copies made ahead (as a save began, :meth:`expected`) that the save used.
+        ahead_missed: Copies ahead no leaf of the save used (copied for nothing).
     """
 
     def __init__(self) -> None:
@@ -71,12 +75,16 @@ class StagingPool:
         self._needed = 0  # arena bytes the previous save took, its replica snapshots included
         self._views: dict[MetadataIndex, Any] = {}
         self._written_leaves: frozenset[str] = frozenset()
+        self._expected: tuple[tuple[str, weakref.ref[Any]], ...] = ()
+        self._guessed_wrong = False
         self.reused = 0
         self.allocated = 0
         self.arenas = 0
         self.layouts_reused = 0
         self.early_copied = 0
         self.early_items = 0
+        self.ahead_adopted = 0
+        self.ahead_missed = 0
 
     @property
     def capacity(self) -> int:
@@ -84,9 +92,13 @@ class StagingPool:
         return 0 if self._arena is None else int(self._arena.size)
 
     def release(self) -> None:
-        """Drop the arena (unmapped once no staged view of it is left); the next save maps a fresh one."""
+        """Drop the arena (unmapped once no staged view of it is left) and the tensors expected next.
+
+        The next save maps a fresh arena and copies nothing ahead.
+        """
         self._arena = None
         self._forget_layout()
+        self._expected, self._guessed_wrong = (), False
 
     def prefault(self, nbytes: int) -> None:
         """Map (if needed) an arena of at least ``nbytes`` and fault every page in. Background thread.
@@ -105,15 +117,41 @@ class StagingPool:
         self._items, self._placed, self._layout, self._views = None, {}, [], {}
         self._early_items = self._end = 0
 
-    def early_copies(self, *, every_leaf: bool) -> EarlyCopies:
+    def early_copies(self, *, every_leaf: bool, ahead: Iterable[tuple[str, np.ndarray]] = ()) -> EarlyCopies:
         """Start a save's early copies (:class:`.EarlyCopies`). Caller's thread.
 
         Args:
             every_leaf: Copy every whole tensor (a job of one rank); else only
                 the leaves this rank wrote in its previous save.
+            ahead: Leaves to copy at once (:meth:`expected`, as host arrays).
         """
         return EarlyCopies(self._arena, None if every_leaf else self._written_leaves, self._grow,
-                           minimum=0 if every_leaf else self._needed)
+                           minimum=0 if every_leaf else self._needed, ahead=ahead)
+
+    def expect(self, leaves: Iterable[tuple[str, Any, int]], *, missed: int = 0, fresh: bool = False) -> None:
+        """Remember the whole tensors the next save copies ahead: ``(leaf name, tensor, bytes)``. Any thread.
+
+        Only tensors of at least :data:`.SMALL_COPY_BYTES` are kept, weakly.
+        A save whose copies ahead were not all adopted (``missed``: the state
+        changed, or another state was saved) turns copying ahead off until
+        ``fresh`` expectations come (``prepare_async_save``): a wrong guess
+        costs a copy for nothing.
+        """
+        self._guessed_wrong = (self._guessed_wrong or missed > 0) and not fresh
+        expected = []
+        for name, tensor, nbytes in leaves:
+            if nbytes >= SMALL_COPY_BYTES:
+                try:
+                    expected.append((name, weakref.ref(tensor)))
+                except TypeError:  # pragma: no cover - a tensor type without weak references
+                    continue
+        self._expected = tuple(expected)
+
+    def expected(self) -> list[tuple[str, Any]]:
+        """The remembered large tensors that still live, in order (none while copying ahead is off)."""
+        if self._guessed_wrong:
+            return []
+        return [(name, tensor) for name, ref in self._expected if (tensor := ref()) is not None]
 
     def _grow(self, nbytes: int) -> np.ndarray:
         return self._reserve(nbytes)[0]
@@ -156,6 +194,7 @@ class StagingPool:
         copying). Items and early copies identical to the previous save's
         (a reused plan) are staged at the same offsets into the same views.
         """
+        early.settle()  # a layout pass that did not tell the early copies (another planner) adopted none ahead
         try:
             if items is self._items and early.arena is self._arena and early.placed == self._placed:
                 layout, staged, mapped = self._layout, dict(self._views), True
@@ -169,6 +208,8 @@ class StagingPool:
         finally:
             early.wait()
         self.early_copied += len(early.placed)
+        self.ahead_adopted += early.adopted
+        self.ahead_missed += early.missed
         self.early_items += self._early_items
         counted += self._early_items
         if mapped:

@@ -100,12 +100,17 @@ def scatter_pieces(base: int, pieces: int, widths: tuple[int, ...]) -> np.ndarra
 def _preadv() -> Callable[..., int] | None:
     """The C library's ``preadv`` (``None`` where it cannot be called), looked up once."""
     if not _LIBC:
+        function = None
         try:
-            function = ctypes.CDLL(None, use_errno=True).preadv
-            function.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
-            function.restype = ctypes.c_ssize_t
-        except (AttributeError, OSError):  # pragma: no cover - a C library without preadv
-            function = None
+            libc = ctypes.CDLL(None, use_errno=True)
+        except (OSError, TypeError):  # pragma: no cover - no C library to load this way
+            libc = None
+        for name in ("preadv64", "preadv"):  # preadv64 takes a 64-bit offset on 32-bit systems too
+            function = getattr(libc, name, None)
+            if function is not None:
+                function.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+                function.restype = ctypes.c_ssize_t
+                break
         _LIBC.append(function)
     return _LIBC[0]
 

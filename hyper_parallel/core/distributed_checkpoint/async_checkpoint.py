@@ -42,6 +42,7 @@ from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions
 from hyper_parallel.core.distributed_checkpoint._flatten import flatten_state_dict
 from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutArgument
+from hyper_parallel.core.distributed_checkpoint._save_layout import plain_tensor
 from hyper_parallel.core.distributed_checkpoint._stage_copies import arena_bytes
 from hyper_parallel.core.distributed_checkpoint._storage_choice import writer_for
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
@@ -228,8 +229,11 @@ def prepare_async_save(state_dict: dict[str, Any]) -> "Future[int]":
         warning is logged).
     """
     flat = flatten_state_dict(state_dict)
-    leaves = flat.values.values()
-    nbytes = arena_bytes(sum(_tensor_bytes(value) for value in leaves), len(leaves))  # as a first save needs
+    sizes = {name: _tensor_bytes(value) for name, value in flat.values.items()}
+    nbytes = arena_bytes(sum(sizes.values()), len(sizes))  # as a first save needs
+    # The first save copies these at once, before its layout pass meets them (_stage_copies, "copied ahead").
+    staging_pool().expect(((name, value, sizes[name]) for name, value in flat.values.items() if plain_tensor(value)),
+                          fresh=True)
     future: Future[int] = Future()
 
     def prefault() -> None:
