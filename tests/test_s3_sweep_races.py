@@ -16,10 +16,10 @@ import mindspore
 import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
-from hyper_parallel.core.distributed_checkpoint import _storage_choice
+from hyper_parallel.core.distributed_checkpoint import _object_io, _storage_choice
 from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions, commit_save, plan_save, write_local
 from hyper_parallel.core.distributed_checkpoint._object_garbage import commits_per_rank, new_save_id
-from hyper_parallel.core.distributed_checkpoint.errors import ConcurrentSaveError
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointIOError, ConcurrentSaveError
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
 from s3_server import new_filesystem, s3_endpoint, s3_url  # noqa: F401  (fixtures)
 
@@ -176,3 +176,52 @@ def test_save_ids_tell_the_kind_and_each_kind_sweeps_its_own(s3_url: str, monkey
         names = _names(root)
         assert local_left[0] not in names and {local_left[1], whole_left} <= set(names), names  # rank 0's own kind only
         _load(s3_url, 7, use_collectives=False)
+
+
+@pytest.mark.parametrize("reply", ["retried", "lost"])
+def test_a_commit_whose_reply_is_lost_keeps_its_data(s3_url: str, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+                                                     reply: str) -> None:
+    """The store applied the conditional PUT of the metadata, its reply never came back.
+
+    ``retried``: the client's retry is refused (412: the object is no longer
+    as seen, since this very PUT changed it); ``lost``: the connection broke.
+    Either way the metadata object now lists this save's data objects: the
+    save must not delete them (it did: the checkpoint then named missing objects).
+    """
+    dcp.save(_state(1), checkpoint_id=s3_url, no_dist=True)
+    real = _object_io._s3
+
+    def reply_lost(fs, method, **kwargs):
+        if method == "put_object" and ("IfMatch" in kwargs or "IfNoneMatch" in kwargs):
+            real(fs, method, **kwargs)  # applied by the store
+            if reply == "lost":
+                raise ConnectionResetError("connection reset by peer before the reply")
+        return real(fs, method, **kwargs)
+
+    monkeypatch.setattr(_object_io, "_s3", reply_lost)
+    dcp.save(_state(2), checkpoint_id=s3_url, no_dist=True)  # committed: no error
+    monkeypatch.undo()
+    _load(s3_url, 2)
+    names = _names(s3_url[len("s3://"):])
+    assert len([n for n in names if n.endswith(".safetensors")]) == 1, names  # the superseded data swept
+
+
+def test_a_commit_of_unknown_outcome_deletes_nothing(s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """The PUT's fate is unknown and the store cannot be read back: the save raises and keeps its data objects."""
+    dcp.save(_state(1), checkpoint_id=s3_url, no_dist=True)
+    real = _object_io._s3
+    down = []
+
+    def store_gone(fs, method, **kwargs):
+        if down or (method == "put_object" and "IfMatch" in kwargs):
+            if not down:
+                real(fs, method, **kwargs)  # applied; then the store is unreachable for this save
+            down.append(method)
+            raise ConnectionResetError("connection reset by peer")
+        return real(fs, method, **kwargs)
+
+    monkeypatch.setattr(_object_io, "_s3", store_gone)
+    with pytest.raises(CheckpointIOError, match="may have committed"):
+        dcp.save(_state(2), checkpoint_id=s3_url, no_dist=True)
+    monkeypatch.undo()
+    _load(s3_url, 2)  # it had committed: every object it lists is there

@@ -24,7 +24,11 @@ from concurrent.futures import Future
 from typing import Any
 
 from hyper_parallel.core.distributed_checkpoint._format.checksum import DEFAULT_BLOCK_BYTES
-from hyper_parallel.core.distributed_checkpoint._format.metadata_json import metadata_from_json, metadata_to_json
+from hyper_parallel.core.distributed_checkpoint._format.metadata_json import (
+    metadata_from_json,
+    metadata_to_json,
+    save_id_of,
+)
 from hyper_parallel.core.distributed_checkpoint._object_garbage import (
     Leftovers,
     leftovers_at_start,
@@ -124,6 +128,7 @@ class FsspecWriter(FileSystemWriter):
         self._given_filesystem = filesystem
         self._seen: Tagged | None = None
         self._leftovers = Leftovers()
+        self._outcome_unknown = False
         self.path = ""  # set by reset: the URL, shown in messages
         self.fs: Any = None
         self.root = ""
@@ -162,6 +167,7 @@ class FsspecWriter(FileSystemWriter):
         self._seen = None
         self._leftovers = Leftovers()
         self._committed = False
+        self._outcome_unknown = False  # the commit failed with no answer whether the store applied it
         self._is_coordinator = is_coordinator
         if is_coordinator:
             try:
@@ -217,7 +223,11 @@ class FsspecWriter(FileSystemWriter):
         Raises:
             ConcurrentSaveError: another save committed this location since
                 this save began (this save's data objects are removed).
-            CheckpointIOError: the metadata object could not be written.
+            CheckpointIOError: the metadata object could not be written, or
+                the write failed and the metadata object cannot be read back
+                (the save may have committed: its data objects are kept). A
+                write that failed although the store applied it (its reply
+                lost) is a commit, and returns.
         """
         committed = self.committed_metadata(metadata, results)
         name = self._metadata_name()
@@ -226,15 +236,13 @@ class FsspecWriter(FileSystemWriter):
             put_if(self.fs, self._object(name), metadata_to_json(committed),
                    expected_tag=self._seen.tag if self._seen is not None else None)
         except PreconditionFailed as exc:
-            remove_objects(self.fs, [self._object(n) for n in ours])
-            raise ConcurrentSaveError(
+            self._undo_unless_committed(name, ours, exc, ConcurrentSaveError(
                 f"checkpoint {self.path}: another save committed it while this save (save id {self.save_id}) was "
                 f"running, so this save did not commit and its data objects were removed; the checkpoint holds "
                 "the other save, whole. Give each save its own checkpoint_id, or wait for the other save"
-            ) from exc
-        except CheckpointError:
-            remove_objects(self.fs, [self._object(n) for n in ours])
-            raise
+            ))
+        except CheckpointError as exc:
+            self._undo_unless_committed(name, ours, exc, exc)
         self._committed = True
         stale = [self._object(n) for n in sorted(self._superseded_files() - set(ours))]
         leftovers, self._leftovers = self._leftovers, Leftovers()
@@ -247,6 +255,37 @@ class FsspecWriter(FileSystemWriter):
         self._cleanup.start()
         return committed
 
+    def _undo_unless_committed(self, name: str, ours: list[str], cause: Exception, error: CheckpointError) -> None:
+        """After the conditional write failed: return if the store holds this save's metadata anyway, else undo.
+
+        The store may have applied the PUT and its reply been lost (a
+        connection reset, or the client's retry refused with 412 because this
+        very PUT changed the object): the metadata object then lists this
+        save's data objects, which must stay. Read back: this save's id there
+        means it committed (return); another content means it did not
+        (remove this save's data objects, raise ``error``); unreadable means
+        unknown (keep them, also from :meth:`abort`; raise).
+        """
+        try:
+            found = get_with_tag(self.fs, self._object(name))
+        except Exception as exc:  # pylint: disable=broad-except
+            self._outcome_unknown = True
+            raise CheckpointIOError(
+                f"checkpoint {self.path}: the commit of this save (save id {self.save_id}) failed ({cause}) and "
+                f"{name} cannot be read back ({exc}): this save may have committed, so its data objects were kept. "
+                f"Load the checkpoint to see which save it holds; save again if it is not this one"
+            ) from cause
+        try:
+            mine = found is not None and save_id_of(found.data) == self.save_id
+        except (ValueError, RecursionError):
+            mine = False
+        if mine:
+            return
+        remove_objects(self.fs, [self._object(n) for n in ours])
+        if error is cause:
+            raise error
+        raise error from cause
+
     def abort(self) -> None:
         """Undo a failed save: the coordinator deletes every data object and results record named with this save's id.
 
@@ -254,7 +293,7 @@ class FsspecWriter(FileSystemWriter):
         nothing after a commit or on other ranks (each rank already removed
         its own objects of a failed write).
         """
-        if self._committed or not getattr(self, "_is_coordinator", False):
+        if self._committed or self._outcome_unknown or not getattr(self, "_is_coordinator", False):
             return
         try:
             self.fs.invalidate_cache(self.root)
