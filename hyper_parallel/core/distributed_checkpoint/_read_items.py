@@ -81,6 +81,7 @@ class ItemIndex:
         self._facts: dict[int, tuple[ReadItem, ItemFacts]] = {}  # id(item) -> (item, its facts)
         self._by_key = by_key if by_key is not None else storage_by_key(metadata)  # (key, offset) -> storage entry
         self._chunks: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}  # fqn -> chunk offsets -> sizes
+        self._lists: dict[int, tuple[list[ReadItem], list[ItemFacts]]] = {}  # id(a by_file list) -> it, its facts
 
     def facts(self, item: ReadItem) -> ItemFacts:
         """The facts of ``item`` (a dict write is atomic across reading threads).
@@ -100,6 +101,7 @@ class ItemIndex:
             CorruptCheckpointError: as :meth:`facts`.
         """
         groups: dict[str, list[ReadItem]] = {}
+        aligned: dict[str, list[ItemFacts]] = {}  # file -> the facts of its group's items, in order
         cached = self._facts.get
         new_facts = self._new_facts
         for item in items:
@@ -111,9 +113,24 @@ class ItemIndex:
             group = groups.get(facts.info.relative_path)
             if group is None:
                 groups[facts.info.relative_path] = [item]
+                aligned[facts.info.relative_path] = [facts]
             else:
                 group.append(item)
+                aligned[facts.info.relative_path].append(facts)
+        for relative_path, group in groups.items():  # the lists live as long as this index: ids stay unique
+            self._lists[id(group)] = (group, aligned[relative_path])
         return groups
+
+    def facts_list(self, items: list[ReadItem]) -> list[ItemFacts]:
+        """The facts of ``items`` in order: kept from :meth:`by_file` when ``items`` is one of its lists.
+
+        Raises:
+            CorruptCheckpointError: as :meth:`facts`.
+        """
+        hit = self._lists.get(id(items))
+        if hit is not None and hit[0] is items:
+            return hit[1]
+        return [self.facts(item) for item in items]
 
     def _new_facts(self, item: ReadItem) -> ItemFacts:
         index = item.storage_index
@@ -190,6 +207,7 @@ def read_small_whole(
     planner: LoadPlanner,
     *,
     verified: bool,
+    facts: list[ItemFacts] | None = None,
 ) -> tuple[int, list[tuple[ReadItem, np.ndarray | None]]]:
     """Read the small whole chunks of ``items`` (one file) many per system call, straight into their targets.
 
@@ -203,6 +221,7 @@ def read_small_whole(
 
     Args:
         verified: The chunks with checksums were verified and counted by the verify pass.
+        facts: The facts of ``items`` in order, when the caller has them.
 
     Returns:
         The bytes read (not counting verified ones) and the other items, each
@@ -214,11 +233,9 @@ def read_small_whole(
     # Offset, length, item, target, whether the planner is told (apply_tensor), whether the item has a checksum.
     batch: list[tuple[int, int, ReadItem, np.ndarray, bool, bool]] = []
     rest: list[tuple[ReadItem, np.ndarray | None]] = []
-    facts_of = index.facts
     hook = getattr(planner, "direct_targets", None)  # a planner not derived from LoadPlanner may lack it
     direct = hook() if hook is not None else {}  # targets known writable, contiguous, of the stored dtype
-    for item in items:
-        facts = facts_of(item)
+    for item, facts in zip(items, facts if facts is not None else index.facts_list(items)):
         info = facts.info
         if not facts.small or info.offset + info.length > file_size:
             rest.append((item, None))

@@ -122,9 +122,8 @@ class HeaderCheck:
         nothing.
         """
         rows = []
-        facts_of = self._items.facts
-        for item in items:
-            row = _writer_row(item, facts_of(item))
+        for item, facts in zip(items, self._items.facts_list(items)):
+            row = _writer_row(item, facts)
             if row is None:
                 return False
             rows.append(row)

@@ -13,13 +13,13 @@ from __future__ import annotations
 import math
 from concurrent.futures import ThreadPoolExecutor
 from itertools import compress
-from operator import attrgetter
+from operator import attrgetter, not_
 from pathlib import Path
 
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._format.byte_ranges import Runs, box_runs, split_box
-from hyper_parallel.core.distributed_checkpoint._read_items import read_small_whole, stored_dtype
+from hyper_parallel.core.distributed_checkpoint._read_items import ItemFacts, read_small_whole, stored_dtype
 from hyper_parallel.core.distributed_checkpoint._reader_verify import kept_rows, leading_rows
 from hyper_parallel.core.distributed_checkpoint._run_reads import FileSource, read_runs, run_rows, scratch
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, CorruptCheckpointError
@@ -51,17 +51,18 @@ class ReadPass:
         the plan passed (the verify pass). On an error, the reads in flight
         end before it is raised (no thread writes into a target afterwards).
         """
-        facts_of = self._items.facts
-        small_files: list[tuple[str, list[ReadItem], list[ReadItem]]] = []
+        small_files: list[tuple[str, list[ReadItem], list[ReadItem], list[ItemFacts]]] = []
         large_work: list[list[tuple[str, list[ReadItem], list[ReadItem]]]] = []
         for group in work:
             large_group = []
             for relative_path, items in group:
-                small = list(compress(items, map(_SMALL, map(facts_of, items))))
+                facts = self._items.facts_list(items)
+                flags = list(map(_SMALL, facts))
+                small = list(compress(items, flags))
                 if small:
-                    small_files.append((relative_path, items, small))
+                    small_files.append((relative_path, items, small, list(compress(facts, flags))))
                 if len(small) < len(items):
-                    large_group.append((relative_path, items, [item for item in items if not facts_of(item).small]))
+                    large_group.append((relative_path, items, list(compress(items, map(not_, flags)))))
             if large_group:
                 large_work.append(large_group)
         if not large_work or (len(large_work) == 1 and not small_files):  # nothing to overlap
@@ -75,12 +76,14 @@ class ReadPass:
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 
-    def _read_small(self, entry: tuple[str, list[ReadItem], list[ReadItem]], planner: LoadPlanner) -> int:
-        """Read the small whole chunks ``entry`` names of one file (``(file, its items, the small ones)``)."""
-        relative_path, items, small = entry
+    def _read_small(self, entry: tuple[str, list[ReadItem], list[ReadItem], list[ItemFacts]],
+                    planner: LoadPlanner) -> int:
+        """Read the small whole chunks ``entry`` names of one file (``(file, its items, the small ones, their
+        facts)``)."""
+        relative_path, items, small, facts = entry
         with self._open_source(relative_path, items) as (source, path, size):
             total, rest = read_small_whole(source, path, size, small, self._items, planner,
-                                           verified=self.verify_checksums)
+                                           verified=self.verify_checksums, facts=facts)
             for item, dest in rest:  # not batched after all (their target is not contiguous, say)
                 total += self._read_item(source, path, size, item, planner, dest)
         return total

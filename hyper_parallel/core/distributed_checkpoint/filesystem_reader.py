@@ -341,7 +341,7 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         decided = self._in_part.get(relative_path)
         if decided is not None:
             return decided
-        needed = sum(map(_NBYTES, map(self._items.facts, items)))
+        needed = sum(map(_NBYTES, self._items.facts_list(items)))
         self._in_part[relative_path] = decided = needed < _SEQUENTIAL_SHARE * file_size
         return decided
     @classmethod
