@@ -20,7 +20,7 @@ from typing import Any, Union
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.mapping import ShardedObject, ShardedTensor
 from hyper_parallel.core.dtensor import DTensor
-from hyper_parallel.platform.tensor import is_cell, is_parameter
+from hyper_parallel.platform.tensor import is_cell, is_parameter, parameter_and_cell_types
 
 __all__ = ["PathElement", "FlatStateDict", "flatten_state_dict", "set_by_path"]
 
@@ -114,6 +114,7 @@ def flatten_state_dict(state_dict: dict[str, Any]) -> FlatStateDict:
     # cyclic garbage collection.
     stack: list[tuple[tuple[PathElement, ...], Any]] = []
     seen: dict[int, str] = {}  # id of every Parameter reached -> its first dotted name
+    parameter_type, cell_type = parameter_and_cell_types()
     for key in reversed(list(state_dict)):
         if not isinstance(key, str):
             raise CheckpointValueError(f"state_dict key {key!r} is a {type(key).__name__}; only str keys can be saved")
@@ -132,9 +133,9 @@ def flatten_state_dict(state_dict: dict[str, Any]) -> FlatStateDict:
         elif isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
             containers[path] = "list" if isinstance(value, list) else "tuple"
             stack.extend((path + (position,), item) for position, item in reversed(list(enumerate(value))))
-        elif is_parameter(value):  # most leaves (a Parameter is no Cell)
+        elif isinstance(value, parameter_type):  # most leaves (a Parameter is no Cell)
             _add_leaf(flat, path, value, seen, parameter=True)
-        elif is_cell(value):
+        elif isinstance(value, cell_type):
             containers[path] = "cell"
             for name, param in value.parameters_dict().items():
                 _add_leaf(flat, path + (name,), param, seen)

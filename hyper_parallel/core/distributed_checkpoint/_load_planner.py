@@ -252,22 +252,22 @@ class StandardLoadPlanner(LoadPlanner):
             fqn = entry.fqn
             tensor = isinstance(entry, TensorEntry)
             view = next(views) if tensor else None
-            stored = stored_of[fqn] if not isinstance(entry, SkipEntry) else None
+            stored = stored_of[fqn] if tensor or not isinstance(entry, SkipEntry) else None
             if tensor and isinstance(stored, TensorStorageMetadata):
                 pieces, chunks = entry.pieces, stored.chunks
                 if view is not None and len(pieces) == 1 and len(chunks) == 1:
                     # The common case: a whole host target stored as one chunk of its shape, one read.
                     piece, chunk = pieces[0], chunks[0]
-                    key = (fqn, piece.offsets)
-                    if (piece.flat_start is None and chunk.offsets == piece.offsets and chunk.sizes == piece.sizes
-                            and math.prod(piece.sizes) and key not in pieces_of):
+                    offsets, sizes = piece.offsets, piece.sizes
+                    key = (fqn, offsets)
+                    if (piece.flat_start is None and chunk.offsets == offsets and chunk.sizes == sizes
+                            and math.prod(sizes) and key not in pieces_of):
                         pieces_of[key] = (name, entry, piece)
                         shape = entry.local_shape
                         targets[name] = view if view.shape == shape else view.reshape(shape)
-                        zero = (0,) * len(piece.sizes) if any(piece.offsets) else piece.offsets
-                        item = _whole_read(fqn, piece.offsets, zero, piece.sizes)
+                        item = _whole_read(fqn, offsets, offsets if not any(offsets) else (0,) * len(sizes), sizes)
                         items.append(item)
-                        if view.flags.c_contiguous and view.dtype == numpy_dtype(stored.properties.dtype):
+                        if view.dtype == numpy_dtype(stored.properties.dtype) and view.flags.c_contiguous:
                             direct[id(item)] = (item, view)
                         continue
                 reads = self._tensor_reads(name, entry, stored)
