@@ -132,3 +132,25 @@ def test_a_kept_reader_holds_no_per_load_records_after_a_load_and_loads_again(tm
         assert reader.metadata is not None and reader.bytes_read > 0
     with pytest.raises(dcp.CheckpointValueError, match="before set_up_storage_reader"):
         reader.read_data(dcp.LoadPlan(items=()), dcp.StandardLoadPlanner()).result()
+
+
+def test_facts_of_a_file_list_are_kept_in_order_and_equal_the_per_item_facts(tmp_path: Path) -> None:
+    from hyper_parallel.core.distributed_checkpoint._read_items import ItemIndex  # pylint: disable=import-outside-toplevel
+
+    dcp.save(_state(), checkpoint_id=tmp_path, no_dist=True)
+    metadata = dcp.FileSystemReader(tmp_path).read_metadata()
+    planner = dcp.StandardLoadPlanner()
+    planner.configure_planner(_state(zero=True), metadata)
+    items = planner.build_local_plan().items
+    index = ItemIndex(metadata)
+    groups = index.by_file(items)
+    assert groups and sum(map(len, groups.values())) == len(items)
+    for group in groups.values():
+        kept = index.facts_list(group)
+        assert index.facts_list(group) is kept  # the by_file list: its facts, kept
+        assert kept == [ItemIndex(metadata).facts(item) for item in group]  # equal to facts looked up afresh
+        copy = list(group)
+        assert index.facts_list(copy) == kept and index.facts_list(copy) is not kept  # another list: looked up
+        assert {facts.info.relative_path for facts in kept} == {kept[0].info.relative_path}
+    small = {item.dest_index.fqn for item in items if index.facts(item).small}
+    assert small == {f"small{i}.b" for i in range(40)}
