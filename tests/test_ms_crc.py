@@ -153,3 +153,34 @@ def test_a_tensor_mindspore_split_into_several_values_is_checked_across_them(tmp
     assert _refused_by_mindspore(bad)
     with pytest.raises(CorruptCheckpointError, match=r"split_bad\.ckpt: the crc32"):
         import_checkpoint(bad, tmp_path / "bad")
+
+
+@pytest.mark.parametrize("fmt", ["ckpt", "safetensors"])
+def test_every_value_kind_mindspore_checks_imports(tmp_path, fmt):
+    """Files MindSpore's own crc check accepts are accepted: 0-d integers of each width (counted by bytes()), 0-d
+    bool and floats, empty tensors, bf16 (.ckpt; MindSpore 2.10 cannot save it as crc'd safetensors), a non-ASCII
+    name, values appended as str/int/float/bool (.ckpt); tensors MindSpore's load returns load bit-exact."""
+    kinds = {
+        "i64": np.array(1 << 20, np.int64), "i32": np.array(0, np.int32), "u8": np.array(200, np.uint8),
+        "i8": np.array(5, np.int8), "b0": np.array(True), "f0": np.array(1.5, np.float32),
+        "h0": np.array(-2.5, np.float16), "empty": np.zeros((0, 5), np.float32), "bools": np.array([True, False]),
+        "u64": np.array([1, 2], np.uint64), "é.w": np.arange(6, dtype=np.float32).reshape(2, 3),
+    }
+    tensors = {name: mindspore.Tensor(value) for name, value in kinds.items()}
+    if fmt == "ckpt":
+        tensors["bf"] = mindspore.Tensor(np.ones((3, 4), np.float32)).astype(mindspore.bfloat16)
+        tensors["bf0"] = mindspore.Tensor(np.array(1.5, np.float32)).astype(mindspore.bfloat16)
+    extra = {"append_dict": {"note": "run-7", "epoch": 3, "lr": 0.5, "flag": True}} if fmt == "ckpt" else {}
+    src = tmp_path / "src"
+    src.mkdir()
+    halves = [dict(list(tensors.items())[::2]), dict(list(tensors.items())[1::2])]
+    for i, half in enumerate(halves):
+        path = _save(src / f"part{i}.{fmt}", half, fmt, **extra)
+        assert open_ms_file(path).crc is not None and not _refused_by_mindspore(path)
+        import_checkpoint(path, tmp_path / f"one{i}")
+        kept = mindspore.load_checkpoint(str(path), crc_check=True, format=fmt)  # .ckpt drops empty tensors
+        targets = {name: None for name in half if name in kept}
+        assert len(targets) >= len(half) - 1
+        dcp.load(targets, checkpoint_id=tmp_path / f"one{i}", no_dist=True)
+        for name in targets:
+            assert targets[name].tobytes() == half[name].asnumpy().tobytes(), name
