@@ -50,6 +50,7 @@ from hyper_parallel.core.distributed_checkpoint._object_io import (
 )
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
+    CheckpointValueError,
     CheckpointIOError,
     ConcurrentSaveError,
     UnsafeCheckpointError,
@@ -228,12 +229,19 @@ class FsspecWriter(FileSystemWriter):
                 (the save may have committed: its data objects are kept). A
                 write that failed although the store applied it (its reply
                 lost) is a commit, and returns.
+            CheckpointValueError: the metadata is over ``MAX_METADATA_BYTES`` (no reader would
+                accept it); nothing of this save is committed (its data objects are removed).
         """
         committed = self.committed_metadata(metadata, results)
         name = self._metadata_name()
         ours = sorted({result.storage_data.relative_path for chunk in results for result in chunk})
         try:
-            put_if(self.fs, self._object(name), metadata_to_json(committed),
+            encoded = metadata_to_json(committed, source=self._object(name))
+        except CheckpointValueError:
+            remove_objects(self.fs, [self._object(n) for n in ours])
+            raise
+        try:
+            put_if(self.fs, self._object(name), encoded,
                    expected_tag=self._seen.tag if self._seen is not None else None)
         except PreconditionFailed as exc:
             self._undo_unless_committed(name, ours, exc, ConcurrentSaveError(

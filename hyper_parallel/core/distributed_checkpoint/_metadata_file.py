@@ -6,7 +6,7 @@ import mmap
 import os
 from pathlib import Path
 
-from hyper_parallel.core.distributed_checkpoint._format.metadata_json import metadata_from_json
+from hyper_parallel.core.distributed_checkpoint._format.metadata_json import MAX_METADATA_BYTES, metadata_from_json
 from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointNotFoundError,
@@ -17,8 +17,6 @@ from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 
 __all__ = ["MAX_METADATA_BYTES", "not_a_directory", "read_committed_metadata"]
 
-#: Metadata files larger than this are refused as hostile.
-MAX_METADATA_BYTES = 1 << 30
 _ANONYMOUS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
 
 

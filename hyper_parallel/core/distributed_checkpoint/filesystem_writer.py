@@ -356,16 +356,19 @@ class FileSystemWriter(StorageWriter):
             ConcurrentSaveError: another save took the lease or committed to this id since
                 :meth:`set_up_storage_writer` (names it); nothing of this save is committed.
             CheckpointIOError: the metadata cannot be written.
+            CheckpointValueError: the metadata is over ``MAX_METADATA_BYTES`` (no reader would
+                accept it); nothing of this save is committed.
         """
         committed = self.committed_metadata(metadata, results)
         name = self._metadata_name()
+        encoded = metadata_to_json(committed, source=str(self.path / name))
         replaced = check_commit(self.path, name, lease=self._lease, base=self._base, save_id=self.save_id)
         if self._lease is not None and replaced:
             self._lease.record_base(replaced)
         failure: CheckpointIOError | None = None
         try:
             write_atomically(
-                self.path / name, metadata_to_json(committed), sync=self.sync_files, tag=self.save_id, ops=self.file_ops
+                self.path / name, encoded, sync=self.sync_files, tag=self.save_id, ops=self.file_ops
             )
         except OSError as exc:
             failure = CheckpointIOError(f"committing checkpoint {self.path} failed: {exc}")

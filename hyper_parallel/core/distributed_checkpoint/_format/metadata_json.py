@@ -23,7 +23,11 @@ from hyper_parallel.core.distributed_checkpoint._format.consistency import check
 from hyper_parallel.core.distributed_checkpoint._format.json_stream import Cursor, batches
 from hyper_parallel.core.distributed_checkpoint._format.regular_runs import items_by_runs, plain_text, storage_by_runs
 from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import naturals
-from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
+from hyper_parallel.core.distributed_checkpoint.errors import (
+    CheckpointValueError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+)
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkChecksum,
@@ -39,6 +43,7 @@ from hyper_parallel.platform.tensor import DTYPE_NAMES
 
 __all__ = [
     "FORMAT_NAME",
+    "MAX_METADATA_BYTES",
     "MAX_TENSOR_BYTES",
     "metadata_to_json",
     "metadata_from_json",
@@ -54,10 +59,22 @@ __all__ = [
 FORMAT_NAME = "hyper_parallel.distributed_checkpoint"
 #: Largest tensor (in bytes) a checkpoint may declare; larger is refused as hostile.
 MAX_TENSOR_BYTES = 1 << 50
+#: Largest metadata file a reader accepts (larger is refused as hostile), so the largest a save commits.
+MAX_METADATA_BYTES = 1 << 30
 
 
-def metadata_to_json(metadata: Metadata) -> bytes:
-    """Encode ``metadata`` as UTF-8 JSON bytes."""
+def metadata_to_json(metadata: Metadata, *, source: str = "metadata") -> bytes:
+    """Encode ``metadata`` as UTF-8 JSON bytes. Called by the rank that commits, before it writes them.
+
+    Args:
+        metadata: The committed metadata.
+        source: The file the bytes are for (named in errors).
+
+    Raises:
+        CheckpointValueError: the bytes are over :data:`MAX_METADATA_BYTES`, which every reader
+            refuses: committing them would leave a checkpoint nobody can load, so nothing is
+            committed (names the size, the chunk count and the fix).
+    """
     tensors: dict[str, Any] = {}
     for fqn, item in metadata.state_dict_metadata.items():
         if isinstance(item, TensorStorageMetadata):
@@ -87,7 +104,17 @@ def metadata_to_json(metadata: Metadata) -> bytes:
         "storage_data": storage,
         "planner_data": metadata.planner_data,
     }
-    return json.dumps(document, separators=(",", ":")).encode("utf-8")
+    data = json.dumps(document, separators=(",", ":")).encode("utf-8")
+    if len(data) > MAX_METADATA_BYTES:
+        chunks = len(metadata.storage_data or {})
+        raise CheckpointValueError(
+            f"{source}: this save's metadata is {len(data):,} bytes ({len(tensors):,} keys stored as {chunks:,} "
+            f"chunks), over the {MAX_METADATA_BYTES:,} bytes any reader of this format accepts "
+            "(MAX_METADATA_BYTES), so it was not committed (an earlier checkpoint at this id is kept). The metadata "
+            "holds one record per stored chunk: save fewer, larger chunks (shard the large tensors over fewer ranks, "
+            "or save groups of keys, e.g. the optimizer state, as separate checkpoints)"
+        )
+    return data
 
 
 def storage_entry_to_json(index: MetadataIndex, info: StorageInfo) -> dict[str, Any]:
