@@ -87,3 +87,10 @@ def test_flat_checksums_still_load_and_option_off(tmp_path):
     dcp.load({"w": st}, storage_reader=reader, no_dist=True)
     assert np.array_equal(target, FULL[:, 2048:]) and reader.bytes_read == FULL.nbytes  # whole blocks
     assert cli_main(["verify", str(tmp_path / "flat")]) == 0
+
+
+def test_format_md_tile_example_matches_the_writer():
+    """docs/format.md section 7.2's worked example is what the writer chooses."""
+    assert tile_shape((512, 4096), 4, 1 << 20) == (512, 512)
+    assert tile_shape((512, 4096), 2, 1 << 20) == (512, 512)  # bf16: 8 groups of 1 KiB
+    assert tile_shape((512, 512), 2, 1 << 20) == ()  # rows of 1 KiB: under 2 KiB, flat blocks
