@@ -298,8 +298,9 @@ class FsspecWriter(FileSystemWriter):
         """Undo a failed save: the coordinator deletes every data object and results record named with this save's id.
 
         All ranks call it after a failed save; it never raises, and does
-        nothing after a commit or on other ranks (each rank already removed
-        its own objects of a failed write).
+        nothing after a commit, after a commit of unknown outcome (the
+        metadata object could not be read back: it may list them) or on
+        other ranks (each rank already removed its own objects of a failed write).
         """
         if self._committed or self._outcome_unknown or not getattr(self, "_is_coordinator", False):
             return
