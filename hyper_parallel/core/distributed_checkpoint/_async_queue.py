@@ -54,8 +54,10 @@ class AsyncRequest:
 class AsyncCall:
     """One scheduled request: its thread, its outcome, its finalization."""
 
-    def __init__(self, request: AsyncRequest, name: str) -> None:
+    def __init__(self, request: AsyncRequest, name: str, *, uses: object | None = None) -> None:
         self.request = request
+        #: The object the call works with (an async save's storage writer) until it is finalized.
+        self.uses = uses
         self._value: Any = None
         self._error: BaseException | None = None
         self._finalized = False
@@ -116,6 +118,7 @@ class AsyncCall:
                 self._finalized = True
                 # Release the closures (state dict, staged buffers) for the GC.
                 self.request = None  # type: ignore[assignment]
+                self.uses = None
                 self._value = None
         if self._final_error is not None:
             self.error_seen = self.error_seen or seen
@@ -136,11 +139,16 @@ class AsyncCallsQueue:
         self._counter = 0
         AsyncCallsQueue._instances.add(self)
 
-    def schedule_async_request(self, request: AsyncRequest) -> AsyncCall:
-        """Finalize any earlier call (blocking), then start ``request``. Caller's thread."""
+    def schedule_async_request(self, request: AsyncRequest, *, uses: object | None = None) -> AsyncCall:
+        """Finalize any earlier call (blocking), then start ``request``. Caller's thread.
+
+        Args:
+            request: The work.
+            uses: The object the work uses until it is finalized (see :meth:`finish_calls_using`).
+        """
         self.maybe_finalize_async_calls(blocking=True)
         self._counter += 1
-        call = AsyncCall(request, name=f"hp-ckpt-async-{self._counter}")
+        call = AsyncCall(request, name=f"hp-ckpt-async-{self._counter}", uses=uses)
         self._calls.append(call)
         call.thread.start()
         return call
@@ -174,6 +182,20 @@ class AsyncCallsQueue:
         if unseen is not None:
             raise unseen
         return sum(1 for call in kept if not call.finalized())
+
+    def finish_calls_using(self, resource: object) -> bool:
+        """Finalize every call (blocking) if one not finalized yet uses ``resource``. Caller's thread.
+
+        As :meth:`maybe_finalize_async_calls` with ``blocking``: a failure of
+        those calls nobody has seen yet is raised here.
+
+        Returns:
+            Whether a call used ``resource`` (and the calls were finalized).
+        """
+        if not any(call.uses is resource and not call.finalized() for call in self._calls):
+            return False
+        self.maybe_finalize_async_calls(blocking=True)
+        return True
 
     def get_num_unfinalized_calls(self) -> int:
         """Number of scheduled calls not finalized yet."""

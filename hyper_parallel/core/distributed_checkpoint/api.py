@@ -19,6 +19,7 @@ from hyper_parallel.core.distributed_checkpoint._load_engine import LoadOptions,
 from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutArgument
 from hyper_parallel.core.distributed_checkpoint._storage_choice import reader_for, writer_for
+from hyper_parallel.core.distributed_checkpoint.async_checkpoint import finish_async_saves_using
 from hyper_parallel.core.distributed_checkpoint.errors import IncompleteCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlanner, SavePlanner
@@ -45,6 +46,10 @@ def save(
 ) -> Metadata:
     """Save ``state_dict`` as a checkpoint. All ranks call it.
 
+    An async save of this process still running with the same
+    ``storage_writer`` object is finished (committed) first: a writer holds
+    one save's state at a time.
+
     Args:
         state_dict: The (nested) state to save; see docs for accepted values.
         checkpoint_id: The checkpoint directory.
@@ -68,11 +73,14 @@ def save(
         The committed metadata (on every rank).
 
     Raises:
-        CheckpointError: on every rank, if any rank failed (names the ranks).
+        CheckpointError: on every rank, if any rank failed (names the ranks); or the
+            async save finished first failed and its failure was not raised yet.
     """
+    writer = writer_for(checkpoint_id, storage_writer)
+    finish_async_saves_using(writer)  # a writer holds one save's state: never two saves at once
     return save_strategy().save(
         state_dict,
-        storage_writer=writer_for(checkpoint_id, storage_writer),
+        storage_writer=writer,
         planner=planner or StandardSavePlanner(check_replicas=check_replicas),
         options=SaveOptions(
             no_dist=no_dist,

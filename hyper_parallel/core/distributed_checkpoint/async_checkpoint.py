@@ -53,7 +53,7 @@ from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, Sto
 from hyper_parallel.core.distributed_checkpoint.strategies import save_strategy
 from hyper_parallel.platform.tensor import is_tensor, shared_view
 
-__all__ = ["AsyncSaveHandle", "async_save", "default_queue", "prepare_async_save"]
+__all__ = ["AsyncSaveHandle", "async_save", "default_queue", "finish_async_saves_using", "prepare_async_save"]
 
 
 _QUEUE: AsyncCallsQueue | None = None
@@ -67,6 +67,25 @@ def default_queue() -> AsyncCallsQueue:
         if _QUEUE is None:
             _QUEUE = AsyncCallsQueue()
         return _QUEUE
+
+
+def finish_async_saves_using(writer: StorageWriter) -> None:
+    """Finish (commit) this process's async save that still uses ``writer``, if any. All ranks call it.
+
+    A storage writer holds one save's state (its save id, the committed
+    metadata it saw, its leftovers): a second save given the same writer
+    object while an async save still writes with it would overwrite that
+    state under it. ``dcp.save`` calls this first (``async_save`` already
+    finishes an earlier async save before it starts). With several ranks this
+    is the same collective step as ``handle.result()``: every rank reaches it
+    in the same ``dcp.save`` call.
+
+    Raises:
+        CheckpointError: that async save failed and its failure was not
+            raised to the caller yet (so it is never lost).
+    """
+    if _QUEUE is not None:
+        _QUEUE.finish_calls_using(writer)
 
 
 class AsyncSaveHandle:
@@ -262,14 +281,15 @@ def _async_save_locked(
 ) -> AsyncSaveHandle:
     queue = default_queue()
     queue.maybe_finalize_async_calls(blocking=True)
+    writer = writer_for(checkpoint_id, storage_writer)
     request = save_strategy().async_save(
         state_dict,
-        storage_writer=writer_for(checkpoint_id, storage_writer),
+        storage_writer=writer,
         planner=planner or StandardSavePlanner(check_replicas=check_replicas),
         options=options,
         staging=staging,
     )
-    return AsyncSaveHandle(queue.schedule_async_request(_gated(request, gate)))
+    return AsyncSaveHandle(queue.schedule_async_request(_gated(request, gate), uses=writer))
 
 
 def _gated(request: AsyncRequest, gate: threading.Event) -> AsyncRequest:
