@@ -14,7 +14,8 @@ compression) is matched as a whole object and decoded by those full checks,
 in its place.
 
 The pattern admits only the writer's compact spelling of valid JSON, and a
-third alternative captures any other character, so a window either decodes
+third alternative captures the rest of the window from any other character
+on (one match, not a tuple per character), so a window either decodes
 exactly as the JSON decoder would read it, or the run is given up
 (``None``) and :mod:`.metadata_json` decodes the whole member again by its
 streaming path, which also raises the error (the run never raises one
@@ -54,13 +55,13 @@ _ITEM = re.compile(
     r',"([^"]*)":\{"kind":"tensor","dtype":"([^"]*","size":\[[0-9,]*\],"chunks":\[\[\[[0-9,]*\],\[[0-9,]*\]\]'
     r'(?:,\[\[[0-9,]*\],\[[0-9,]*\]\])*\])\}'
     r'|,("[^"]*":\{[^{}]*\})'  # any other member (a value's), decoded whole
-    r"|([\s\S])"  # anything else: not the writer's form, the run is given up
+    r"|([\s\S]+)"  # anything else: not the writer's form, the run is given up (one match: the rest of the window)
 )
 _ENTRY = re.compile(
     r',\{"fqn":"([^"]*)","offset":\[([0-9,]*)\],"file":"([^"]*)","byte_offset":' + _NUMBER + ',"length":' + _NUMBER
     + r',"checksum":\{"algorithm":"xxh3_64","block_bytes":' + _NUMBER + r',"digests":\["([^"]*)"\]\}\}'
     r'|,(\{"fqn":[^{}]*(?:\{[^{}]*\}[^{}]*)*\})'  # any other entry (tiles, compression, blocks), decoded whole
-    r"|([\s\S])"
+    r"|([\s\S]+)"
 )
 _new_object = object.__new__
 # The usual entry's three records, built by setting their slots (a frozen dataclass's __init__ costs about
