@@ -3,6 +3,7 @@ named, loads all or nothing."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 from pathlib import Path
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
-from hyper_parallel.core.distributed_checkpoint import _verify_tiles
+from hyper_parallel.core.distributed_checkpoint import _run_reads, _verify_tiles
 from hyper_parallel.core.distributed_checkpoint._run_reads import FileSource
 from hyper_parallel.core.distributed_checkpoint import _verify_reads
 from hyper_parallel.core.distributed_checkpoint._verify_tiles import (
@@ -189,3 +190,44 @@ def test_load_refuses_a_bad_tile_by_name_and_changes_no_target(saved, monkeypatc
     assert f"key '{key}' (tile {slabs - 1},{columns - 1} of the chunk" in str(info.value)
     assert data_file.name in str(info.value) and "no target was changed" in str(info.value)
     assert all(np.array_equal(got, before[name]) for name, got in _bytes(target).items())
+
+
+def test_piece_lists_are_c_iovec_arrays() -> None:
+    """Each row of a piece list reads as a C ``struct iovec`` (pointer, size_t): pointer-sized fields."""
+
+    class IoVec(ctypes.Structure):
+        _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+    pieces = scatter_pieces(1 << 20, 5, (8, 6))
+    assert pieces.dtype.itemsize == ctypes.sizeof(ctypes.c_void_p) and pieces.strides[0] == ctypes.sizeof(IoVec)
+    vectors = (IoVec * len(pieces)).from_buffer(pieces)
+    assert [(v.iov_base, v.iov_len) for v in vectors] == [tuple(row) for row in pieces.tolist()]
+
+
+@pytest.mark.parametrize("key", ["cube", "wide"])  # 3-D float32; bf16 with a short last slab (3 of 15 rows)
+def test_scattered_reads_stay_inside_the_window_of_a_larger_kept_buffer(saved, key) -> None:
+    """The slab is read into the first bytes of a kept scratch buffer larger than the window (a piece list kept
+    for that address is reused): no byte past the window changes, and the tiles read are the file's."""
+    path, _ = saved
+    data_file, check = _check(path, key)
+    windows = tile_windows(check, set())
+    guard = 1 << 16
+    buffer = np.full(max(w.end - w.start for w in windows) + guard, 0xA5, np.uint8)
+    _run_reads.SCRATCH.buffers = {2: buffer}
+    raw = np.frombuffer(data_file.read_bytes(), np.uint8)
+    fd = os.open(data_file, os.O_RDONLY)
+    try:
+        for _ in range(2):  # the second time round reuses the kept piece lists
+            for window in windows:
+                size = window.end - window.start
+                buffer[:] = 0xA5
+                assert bad_tile_scattered(fd, window) == (True, None)
+                assert (buffer[size:] == 0xA5).all(), window
+                slab = window.slab
+                rows = raw[window.start : window.end].reshape(-1, check.sizes[-1] * check.itemsize)
+                expected = np.concatenate([rows[:, lo:hi].reshape(-1) for lo, hi in (
+                    _verify_tiles._column_bytes(slab, column) for column in slab.columns)])
+                assert np.array_equal(buffer[:size], expected)
+    finally:
+        os.close(fd)
+        _run_reads.release_scratch()

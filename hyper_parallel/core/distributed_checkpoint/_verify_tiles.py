@@ -85,14 +85,15 @@ def scatter_pieces(base: int, pieces: int, widths: tuple[int, ...]) -> np.ndarra
         widths: Bytes of each tile's piece of a row, in column order.
 
     Returns:
-        ``uint64`` array of shape ``(pieces * len(widths), 2)``: a C ``struct iovec`` array.
+        Array of shape ``(pieces * len(widths), 2)`` of pointer-sized unsigned integers (``uintp``): a C
+        ``struct iovec`` array (a pointer and a ``size_t``) on 32-bit systems too.
     """
-    width = np.asarray(widths, dtype=np.uint64)
-    tile_starts = np.zeros(len(widths), dtype=np.uint64)
-    np.cumsum(width[:-1] * np.uint64(pieces), out=tile_starts[1:])
-    rows = np.arange(pieces, dtype=np.uint64)[:, None]
-    out = np.empty((pieces, len(widths), 2), dtype=np.uint64)
-    out[:, :, 0] = np.uint64(base) + tile_starts[None, :] + rows * width[None, :]
+    width = np.asarray(widths, dtype=np.uintp)
+    tile_starts = np.zeros(len(widths), dtype=np.uintp)
+    np.cumsum(width[:-1] * np.uintp(pieces), out=tile_starts[1:])
+    rows = np.arange(pieces, dtype=np.uintp)[:, None]
+    out = np.empty((pieces, len(widths), 2), dtype=np.uintp)
+    out[:, :, 0] = np.uintp(base) + tile_starts[None, :] + rows * width[None, :]
     out[:, :, 1] = width[None, :]
     return out.reshape(-1, 2)
 
@@ -105,6 +106,8 @@ def _preadv() -> Callable[..., int] | None:
             libc = ctypes.CDLL(None, use_errno=True)
         except (OSError, TypeError):  # pragma: no cover - no C library to load this way
             libc = None
+        if ctypes.sizeof(ctypes.c_size_t) != ctypes.sizeof(ctypes.c_void_p):  # pragma: no cover - no such ABI here
+            libc = None  # the piece lists (pointer-sized pairs) would not be a struct iovec array
         for name in ("preadv64", "preadv"):  # preadv64 takes a 64-bit offset on 32-bit systems too
             function = getattr(libc, name, None)
             if function is not None:
