@@ -258,6 +258,10 @@ class LoadPlanner(abc.ABC):
         """Return a writable array of shape ``read_item.lengths`` to read into.
 
         Called by the storage reader. It may alias the target's own memory.
+        The filesystem reader calls it, and :meth:`apply_tensor`, from several
+        threads at once (its I/O threads read the large items while the
+        calling thread reads the small ones, with ``thread_count=1`` too): a
+        planner that keeps state across items guards it.
         """
 
     @abc.abstractmethod
