@@ -116,3 +116,22 @@ def test_a_hostile_window_costs_no_tuple_per_character(good: str, member: str) -
         tracemalloc.stop()
     assert peak < 6 * len(raw), peak
     assert spent < 0.5, spent
+
+
+_DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("where,text", [
+    ("items", '"z":{"kind":"value","v":' + _DEEP + '},'),  # nested too deep, as the first member
+    ("items", '"z":{"kind":"value","v":tru},'),
+    ("items", '"z":{"kind":"tensor","dtype":"float32","size":[3],"chunks":[[[0],[4]]]},'),  # chunk past the size
+    ("storage", _DEEP + ","),
+    ("storage", '{"fqn":1e},'),
+    ("storage", '{"fqn":"k0","offset":[0],"file":"../x","byte_offset":0,"length":1},'),  # leaves the directory
+])
+def test_a_damaged_first_member_is_refused_as_the_full_decode_does(good: str, where: str, text: str) -> None:
+    """The first member of a run is decoded on its own before the run: its errors (also a nesting too deep
+    for the JSON decoder) are the full decode's."""
+    marker = '"state_dict_metadata":{' if where == "items" else '"storage_data":['
+    at = good.index(marker) + len(marker)
+    assert _same_verdict((good[:at] + text + good[at:]).encode()) is None
