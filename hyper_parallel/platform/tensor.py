@@ -220,14 +220,31 @@ def writable_views(values: list[Any], shapes: list[tuple[int, ...]] | None = Non
     ms = _mindspore()
     tensor_type = ms.Tensor if ms is not None else ()
     views: list[np.ndarray | None] = []
+    cached, host_devices = _VIEWS.get, _HOST_DEVICES.get
     for position, value in enumerate(values):
         if isinstance(value, np.ndarray):
             views.append(value if value.flags.writeable else None)
-        elif forced or not isinstance(value, tensor_type) or not _on_host(value):
+            continue
+        if forced or not isinstance(value, tensor_type):
             views.append(None)
-        else:
-            view = _host_view(value, shapes[position] if shapes is not None else None)
-            views.append(view if view is not None else writable_view(value))
+            continue
+        device = getattr(value, "device", None)  # _on_host(value), inlined
+        if isinstance(device, str) and device and not host_devices(device, False) and not _on_host(value):
+            views.append(None)
+            continue
+        shape = shapes[position] if shapes is not None else None
+        # A view made by an earlier load (_host_view's cache hit, inlined): the same tensor, memory and shape.
+        hit = cached(id(value))
+        if hit is not None and hit[0]() is value and shape is not None and hit[1].shape == shape:
+            try:
+                pointer = int(value.data_ptr())
+            except (AttributeError, RuntimeError, TypeError, ValueError):
+                pointer = None
+            if pointer == hit[2]:
+                views.append(hit[1])
+                continue
+        view = _host_view(value, shape)
+        views.append(view if view is not None else writable_view(value))
     return views
 
 

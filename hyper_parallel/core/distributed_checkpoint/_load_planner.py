@@ -44,6 +44,7 @@ from hyper_parallel.core.distributed_checkpoint._state_items import (
     ValueEntry,
     make_entry,
     piece_view,
+    plain_tensor_entry,
 )
 from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value
 from hyper_parallel.platform.tensor import DTYPE_NAMES, assign, numpy_dtype, to_numpy, writable_view, writable_views
@@ -189,7 +190,12 @@ class StandardLoadPlanner(LoadPlanner):
             if stored is None and stored_aliases.get(fqn) in stored_of:
                 fqn = stored_aliases[fqn]  # a Parameter saved once under another path (e.g. the model's)
                 stored = stored_of[fqn]
-            entry = classify_leaf(fqn, value)
+            entry = plain_tensor_entry(fqn, value)  # the usual leaf, in one call
+            if entry is not None and type(stored) is TensorStorageMetadata and stored.size == entry.global_shape:  # pylint: disable=unidiomatic-typecheck
+                entries[name] = entry
+                continue
+            if entry is None:
+                entry = classify_leaf(fqn, value)
             if isinstance(entry, SkipEntry):
                 entries[name] = entry
                 self._skipped.append(name)
@@ -248,6 +254,7 @@ class StandardLoadPlanner(LoadPlanner):
         views = iter(writable_views([entry.local for entry in tensors], [_local_shape(entry) for entry in tensors]))
         stored_of = self.metadata.state_dict_metadata
         pieces_of, targets, direct = self._pieces, self._targets, self._direct
+        tensor_kind = LoadItemType.TENSOR
         for name, entry in entries:
             fqn = entry.fqn
             tensor = isinstance(entry, TensorEntry)
@@ -265,7 +272,16 @@ class StandardLoadPlanner(LoadPlanner):
                         pieces_of[key] = (name, entry, piece)
                         shape = entry.local_shape
                         targets[name] = view if view.shape == shape else view.reshape(shape)
-                        item = _whole_read(fqn, offsets, offsets if not any(offsets) else (0,) * len(sizes), sizes)
+                        # _whole_read(fqn, offsets, zero, sizes), inlined (one per tensor of a state of thousands)
+                        index = _new_object(MetadataIndex)
+                        _set_fqn(index, fqn)
+                        _set_offset(index, offsets)
+                        _set_index(index, 0)
+                        item = _new_object(ReadItem)
+                        zero = offsets if not any(offsets) else (0,) * len(sizes)
+                        _set_attribute(item, "__dict__", {
+                            "type": tensor_kind, "dest_index": index, "dest_offsets": zero, "storage_index": index,
+                            "storage_offsets": zero, "lengths": sizes})
                         items.append(item)
                         if view.dtype == numpy_dtype(stored.properties.dtype) and view.flags.c_contiguous:
                             direct[id(item)] = (item, view)

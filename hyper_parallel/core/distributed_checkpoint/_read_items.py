@@ -64,6 +64,7 @@ class ItemFacts(NamedTuple):
     small: bool
 
 
+_TENSOR = LoadItemType.TENSOR
 _new_tuple = tuple.__new__  # ItemFacts(...) without its Python-level __new__
 _FIRST = itemgetter(0)  # a batch entry's file offset (a C key function)
 
@@ -74,10 +75,15 @@ class ItemIndex:
     Args:
         metadata: The checkpoint's metadata (checked by ``check_consistency``).
         by_key: Its storage entries by ``(key, offset)`` (``consistency.storage_by_key``), if known.
+        whole: ``check_consistency``'s ``whole`` table of the same metadata, if known: the facts of an item
+            reading such a key whole are looked up by its key alone.
     """
 
-    def __init__(self, metadata: Metadata, *, by_key: dict[tuple[str, tuple[int, ...]], StorageInfo] | None = None) -> None:
+    def __init__(self, metadata: Metadata, *, by_key: dict[tuple[str, tuple[int, ...]], StorageInfo] | None = None,
+                 whole: dict[str, tuple[tuple[int, ...], StorageInfo, Any]] | None = None) -> None:
         self.metadata = metadata
+        # key -> (chunk offsets, storage entry, item) of the keys stored whole, as check_consistency found them
+        self._whole = whole if whole is not None else {}
         self._facts: dict[int, tuple[ReadItem, ItemFacts]] = {}  # id(item) -> (item, its facts)
         self._by_key = by_key if by_key is not None else storage_by_key(metadata)  # (key, offset) -> storage entry
         self._chunks: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}  # fqn -> chunk offsets -> sizes
@@ -134,6 +140,19 @@ class ItemIndex:
 
     def _new_facts(self, item: ReadItem) -> ItemFacts:
         index = item.storage_index
+        hit = self._whole.get(index.fqn)
+        if hit is not None and item.type is _TENSOR and index.offset == hit[0]:
+            # A key stored as one whole chunk (check_consistency checked its entry: uncompressed, its length,
+            # flat checksum blocks), read whole: the usual item.
+            stored = hit[2]
+            sizes = stored.size
+            if item.lengths == sizes and type(sizes) is tuple and not any(item.storage_offsets):  # pylint: disable=unidiomatic-typecheck
+                info = hit[1]
+                length = info.length
+                facts = _new_tuple(ItemFacts, (info, stored, sizes, DTYPE_NAMES[stored.properties.dtype], length,
+                                               length <= SMALL_ITEM_BYTES))
+                self._facts[id(item)] = (item, facts)
+                return facts
         offset = index.offset if type(index.offset) is tuple else tuple(index.offset)  # pylint: disable=unidiomatic-typecheck
         info = self._by_key.get((index.fqn, offset))
         if info is None:

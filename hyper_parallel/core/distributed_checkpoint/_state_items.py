@@ -35,6 +35,7 @@ __all__ = [
     "ValueEntry",
     "SkipEntry",
     "make_entry",
+    "plain_tensor_entry",
     "flat_range_boxes",
     "piece_view",
 ]
@@ -217,11 +218,32 @@ def _plain_tensor_entry(fqn: str, dtype: str, shape: tuple[int, ...], value: Any
 _PLAIN_TENSOR_TYPES: dict[type, bool] = {}
 
 
+def _is_plain(kind: type, value: Any) -> bool:
+    plain = _PLAIN_TENSOR_TYPES[kind] = is_tensor(value) and not issubclass(kind, (DTensor, ShardedTensor))
+    return plain
+
+
+def plain_tensor_entry(fqn: str, value: Any) -> TensorEntry | None:
+    """:func:`make_entry` of a plain MindSpore tensor (a Parameter, a Tensor) of a dtype the checkpoint stores, in
+    one call (the usual leaf of a state of thousands); ``None`` for any other leaf, which :func:`make_entry`
+    classifies (and refuses with its message, e.g. a dtype no checkpoint stores). Pure; never raises."""
+    kind = type(value)
+    plain = _PLAIN_TENSOR_TYPES.get(kind)
+    if not (plain or plain is None and _is_plain(kind, value)):
+        return None
+    try:
+        dtype = tensor_dtype_name(value)
+    except TypeError:
+        return None
+    shape = value.shape
+    return _plain_tensor_entry(fqn, dtype, shape if type(shape) is tuple else tuple(map(int, shape)), value)  # pylint: disable=unidiomatic-typecheck
+
+
 def _make_entry(fqn: str, value: Any) -> TensorEntry | ValueEntry | SkipEntry:
     kind = type(value)
     plain = _PLAIN_TENSOR_TYPES.get(kind)
     if plain is None:
-        plain = _PLAIN_TENSOR_TYPES[kind] = is_tensor(value) and not issubclass(kind, (DTensor, ShardedTensor))
+        plain = _is_plain(kind, value)
     if plain:
         shape = tuple(map(int, value.shape))
         return _plain_tensor_entry(fqn, tensor_dtype_name(value), shape, value)

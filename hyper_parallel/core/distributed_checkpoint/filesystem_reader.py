@@ -158,10 +158,11 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
             CorruptCheckpointError: a chunk without its storage entry, or the like (names the file and key).
         """
         by_key = storage_by_key(metadata)
-        check_consistency(metadata, source=f"{self.path}/{self.metadata_file}", by_key=by_key)
+        whole: dict[str, Any] = {}
+        check_consistency(metadata, source=f"{self.path}/{self.metadata_file}", by_key=by_key, whole=whole)
         self.metadata = metadata
         self.finish_load()  # whatever an earlier load left
-        self._items = ItemIndex(metadata, by_key=by_key)
+        self._items = ItemIndex(metadata, by_key=by_key, whole=whole)
 
     def finish_load(self) -> None:
         """Drop the load's records (items, their facts, headers, groupings); keep ``metadata`` and the counters.

@@ -86,6 +86,7 @@ def check_consistency(
     *,
     source: str = "metadata",
     by_key: dict[tuple[str, tuple[int, ...]], StorageInfo] | None = None,
+    whole: dict[str, tuple[tuple[int, ...], StorageInfo, TensorStorageMetadata]] | None = None,
 ) -> None:
     """Check that the items and the storage entries of ``metadata`` match one to one.
 
@@ -99,6 +100,9 @@ def check_consistency(
 
     Args:
         by_key: :func:`storage_by_key` of ``metadata``, when the caller has it already.
+        whole: Filled, when given, for every key stored as one whole uncompressed chunk of a known dtype with
+            flat checksum blocks (or none), its length checked: ``key -> (chunk offsets, its storage entry,
+            the key's item)``. A load looks those facts up by key.
 
     Raises:
         CorruptCheckpointError: the first mismatch found (names ``source`` and the key).
@@ -123,6 +127,8 @@ def check_consistency(
                     and (checksum is None or (checksum.algorithm == ALGORITHM and not checksum.block_shape
                                               and len(checksum.digests) == max(1, -(-info.length // checksum.block_bytes))))):
                 claimed.add(key)
+                if whole is not None:
+                    whole[fqn] = (facts[0], info, item)
                 continue
         where = f"{source}: key '{fqn}'"
         if not isinstance(item, TensorStorageMetadata):
@@ -140,8 +146,8 @@ def check_consistency(
                     f"{where}: the chunk at offset {list(chunk.offsets)} stores {length} bytes, but its sizes "
                     f"{list(chunk.sizes)} of {item.properties.dtype} take {math.prod(chunk.sizes) * itemsize}"
                 )
-        whole = len(item.chunks) == 1 and item.chunks[0].sizes == item.size  # (chunks lie inside size)
-        problems = [] if whole else check_exact_cover(fqn, tuple(item.size), item.chunks)
+        one_chunk = len(item.chunks) == 1 and item.chunks[0].sizes == item.size  # (chunks lie inside size)
+        problems = [] if one_chunk else check_exact_cover(fqn, tuple(item.size), item.chunks)
         if problems:
             raise CorruptCheckpointError(f"{where}: the stored chunks do not tile the tensor: {problems[0]}")
     if len(claimed) != len(storage):

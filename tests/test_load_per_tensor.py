@@ -1,0 +1,177 @@
+"""The per-tensor shortcuts of a load: each must give what the general path gives, bit for bit.
+
+A plain tensor leaf is classified in one call (``plain_tensor_entry``), a read
+item of a key stored whole finds its facts by its key (``check_consistency``'s
+``whole`` table), a target's cached numpy view is reused only for the same
+tensor, memory and shape, and never when the device path is forced.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel.core.distributed_checkpoint import _state_items
+from hyper_parallel.core.distributed_checkpoint._format.consistency import check_consistency, storage_by_key
+from hyper_parallel.core.distributed_checkpoint._read_items import ItemIndex
+from hyper_parallel.core.distributed_checkpoint.metadata import MetadataIndex
+from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, ReadItem
+from hyper_parallel.platform.tensor import DEVICE_COPIES_ENV, writable_views
+
+_DTYPES = [ms.float32, ms.bfloat16, ms.float16, ms.int32, ms.int8, ms.bool_, ms.int64, ms.uint8]
+
+
+def _values(count: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    shapes = [(5,), (2, 3), (), (4, 1, 2), (0,), (7,)]
+    return {f"p{i}": np.asarray(rng.standard_normal(shapes[i % len(shapes)]) * 50, np.float32) for i in range(count)}
+
+
+def _params(values: dict[str, np.ndarray], zero: bool = False) -> dict[str, object]:
+    out = {}
+    for name, value in values.items():
+        i = int(name[1:])  # dtype and kind by the key's number
+        tensor = ms.Tensor(np.zeros_like(value) if zero else value, _DTYPES[i % len(_DTYPES)])
+        out[name] = ms.Parameter(tensor, name=name) if i % 3 else tensor
+    return out
+
+
+def _bits(state: dict[str, object]) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    return {k: (str(v.asnumpy().dtype), tuple(v.shape), v.asnumpy().tobytes()) for k, v in state.items()}
+
+
+def test_plain_leaf_entries_equal_make_entry_and_leave_the_rest_to_it() -> None:
+    for i, dtype in enumerate(_DTYPES):
+        for value in (ms.Tensor(np.ones((2, 3)), dtype), ms.Parameter(ms.Tensor(np.ones(4), dtype), name=f"x{i}")):
+            entry = _state_items.plain_tensor_entry("k", value)
+            assert entry == _state_items.make_entry("k", value) and entry.local is value
+            assert type(entry.global_shape) is tuple and entry.global_shape == tuple(value.shape)
+    # Not a plain tensor of a stored dtype: None, and make_entry classifies it (or refuses, naming the key).
+    for other in (np.ones(3, np.float32), 5, "text", None, {"a": 1}):
+        assert _state_items.plain_tensor_entry("k", other) is None
+    assert _state_items.plain_tensor_entry("c", ms.Tensor(np.ones(2, np.complex64))) is None
+    with pytest.raises(dcp.UnsupportedTypeError, match="'c'.*complex64"):
+        _state_items.make_entry("c", ms.Tensor(np.ones(2, np.complex64)))
+
+
+def test_loads_of_mixed_dtypes_are_bit_exact_and_refusals_unchanged(tmp_path: Path) -> None:
+    values = _values(40, 1)
+    saved = _params(values)
+    saved["step"] = 7
+    dcp.save(saved, checkpoint_id=tmp_path, no_dist=True)
+    for verify in (False, True):
+        targets = _params(values, zero=True)
+        targets["step"] = 0
+        dcp.load(targets, storage_reader=dcp.FileSystemReader(tmp_path, verify_checksums=verify), no_dist=True)
+        assert targets.pop("step") == 7
+        assert _bits(targets) == _bits({k: v for k, v in saved.items() if k != "step"})
+    wrong = _params(values, zero=True)
+    wrong["p1"] = ms.Parameter(ms.Tensor(np.zeros((3, 2), np.float32)), name="p1")  # stored (2, 3)
+    with pytest.raises(dcp.ShapeMismatchError, match="key 'p1'"):
+        dcp.load(wrong, checkpoint_id=tmp_path, no_dist=True)
+    complex_target = _params(values, zero=True)
+    complex_target["p0"] = ms.Tensor(np.zeros(5, np.complex64))
+    with pytest.raises(dcp.UnsupportedTypeError, match="p0.*complex64"):
+        dcp.load(complex_target, checkpoint_id=tmp_path, no_dist=True)
+
+
+def _index_items(tmp_path: Path):
+    values = _values(12, 2)
+    state = _params(values)
+    state["note"] = "hello"
+    dcp.save(state, checkpoint_id=tmp_path, no_dist=True)
+    metadata = dcp.FileSystemReader(tmp_path).read_metadata()
+    planner = dcp.StandardLoadPlanner()
+    planner.configure_planner(_params(values, zero=True) | {"note": ""}, metadata)
+    items = list(planner.build_local_plan().items)
+    index = MetadataIndex("p1", (0, 0))  # (2, 3): regions of it, and the whole with offsets spelled as lists
+    items += [
+        ReadItem(LoadItemType.TENSOR, index, (1, 0), index, (1, 0), (1, 3)),
+        ReadItem(LoadItemType.TENSOR, index, (0, 0), index, (0, 0), (2, 2)),
+        ReadItem(LoadItemType.TENSOR, MetadataIndex("p1", [0, 0]), [0, 0], MetadataIndex("p1", [0, 0]), [0, 0], [2, 3]),
+        ReadItem(LoadItemType.TENSOR, index, (0, 0), index, (0, 0), [2, 3]),
+    ]
+    return metadata, items
+
+
+def test_facts_found_by_key_equal_the_full_lookup(tmp_path: Path) -> None:
+    metadata, items = _index_items(tmp_path)
+    whole: dict = {}
+    check_consistency(metadata, whole=whole)
+    assert set(whole) == {k for k in metadata.state_dict_metadata if k != "note"}
+    full = ItemIndex(metadata)
+    by_key = ItemIndex(metadata, whole=whole)
+    assert [by_key.facts(item) for item in items] == [full.facts(item) for item in items]
+    assert any(facts.small for facts in map(full.facts, items))
+    # The plan's whole items need no (key, offset) lookup: with none left, they are found by key alone.
+    keyless = ItemIndex(metadata, by_key={}, whole=whole)
+    whole_items = [item for item in items[:-4] if item.type is LoadItemType.TENSOR]  # the plan's tensor items
+    assert len(whole_items) == 10  # 12 tensors, two of them empty (nothing to read)
+    assert [keyless.facts(item) for item in whole_items] == [full.facts(item) for item in whole_items]
+    for item in items:
+        if item not in whole_items:
+            with pytest.raises(dcp.CorruptCheckpointError):
+                ItemIndex(metadata, by_key={}, whole=whole).facts(item)
+    assert storage_by_key(metadata)  # the full lookup's table is not empty
+
+
+def _renew(tensor) -> None:
+    """Give ``tensor`` new memory of zeros (same object, shape and dtype)."""
+    zeros = ms.Tensor(np.zeros(tensor.shape), tensor.dtype)
+    if isinstance(tensor, ms.Parameter):
+        tensor.set_data(zeros)
+    else:
+        tensor.assign_value(zeros)
+
+
+def test_a_target_with_new_memory_or_replaced_is_never_read_through_an_old_view(tmp_path: Path) -> None:
+    """Loads reuse a target's cached numpy view; new memory of the same shape (set_data, assign_value), a new
+    tensor object at the same key (the old one kept or dropped) must each get the bytes into the tensor the caller
+    holds, and no other tensor changes."""
+    values = _values(18, 3)
+    saved = _params(values)
+    dcp.save(saved, checkpoint_id=tmp_path, no_dist=True)
+    expected = _bits(saved)
+    targets = _params(values, zero=True)
+    dcp.load(targets, checkpoint_id=tmp_path, no_dist=True)
+    assert _bits(targets) == expected
+    pointers = {name: value.data_ptr() for name, value in targets.items() if value.size}
+    for value in targets.values():
+        _renew(value)
+    assert all(targets[name].data_ptr() != pointer for name, pointer in pointers.items())
+    dcp.load(targets, checkpoint_id=tmp_path, no_dist=True)
+    assert _bits(targets) == expected
+    replaced = list(targets)[::2]
+    old = {name: targets[name] for name in replaced}
+    for name in replaced:  # new objects, same shapes and dtypes; the old ones kept and zeroed
+        targets[name] = _params({name: values[name]}, zero=True)[name]
+        _renew(old[name])
+    dcp.load(targets, checkpoint_id=tmp_path, no_dist=True)
+    assert _bits(targets) == expected
+    assert all(not old[name].asnumpy().any() for name in replaced)
+    del old
+    for name in list(targets)[1::2]:  # the old objects dropped (their ids may come back)
+        targets[name] = None
+        targets[name] = _params({name: values[name]}, zero=True)[name]
+    dcp.load(targets, checkpoint_id=tmp_path, no_dist=True)
+    assert _bits(targets) == expected
+
+
+def test_the_device_path_forced_between_loads_gets_no_cached_view(monkeypatch: pytest.MonkeyPatch) -> None:
+    tensors = [ms.Parameter(ms.Tensor(np.ones((2, 3), np.float32)), name="a"), ms.Tensor(np.ones(4), ms.bfloat16)]
+    shapes = [tuple(t.shape) for t in tensors]
+    first = writable_views(tensors, shapes)
+    assert all(view is not None and view.__array_interface__["data"][0] == t.data_ptr()
+               for view, t in zip(first, tensors))
+    assert all(again is view for again, view in zip(writable_views(tensors, shapes), first))  # the cached views
+    monkeypatch.setenv(DEVICE_COPIES_ENV, "1")  # every tensor as if in device memory
+    assert writable_views(tensors, shapes) == [None, None]
+    monkeypatch.delenv(DEVICE_COPIES_ENV)
+    _renew(tensors[0])
+    renewed = writable_views(tensors, shapes)
+    assert renewed[0] is not first[0] and renewed[0].__array_interface__["data"][0] == tensors[0].data_ptr()
+    assert renewed[1] is first[1]
