@@ -131,9 +131,13 @@ def header_json(file_metadata: dict[str, str], entries: Iterable[tuple[str, str,
     """
     quoted = encode_basestring_ascii
     parts = ['{"__metadata__":', json.dumps(file_metadata, separators=(",", ":"))]
+    spelled: dict[tuple[str, tuple[int, ...]], str] = {}  # (dtype code, shape) -> its text (most entries share one)
     for name, code, shape, begin, end in entries:
-        parts.append(f',{quoted(name)}:{{"dtype":"{code}","shape":[{",".join(map(str, shape))}],'
-                     f'"data_offsets":[{begin},{end}]}}')
+        key = (code, shape if type(shape) is tuple else tuple(shape))  # pylint: disable=unidiomatic-typecheck
+        middle = spelled.get(key)
+        if middle is None:
+            middle = spelled[key] = f'{{"dtype":"{code}","shape":[{",".join(map(str, shape))}],"data_offsets":['
+        parts.append(f",{quoted(name)}:{middle}{begin},{end}]}}")
     parts.append("}")
     return "".join(parts)
 
