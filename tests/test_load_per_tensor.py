@@ -175,3 +175,36 @@ def test_the_device_path_forced_between_loads_gets_no_cached_view(monkeypatch: p
     renewed = writable_views(tensors, shapes)
     assert renewed[0] is not first[0] and renewed[0].__array_interface__["data"][0] == tensors[0].data_ptr()
     assert renewed[1] is first[1]
+
+
+def test_top_level_parameters_flatten_as_every_leaf_does() -> None:
+    from hyper_parallel.core.distributed_checkpoint._flatten import flatten_state_dict
+
+    p, q, r = (ms.Parameter(ms.Tensor(np.ones(2, np.float32)), name=n) for n in "pqr")
+    flat = flatten_state_dict({"a": p, "b": {"c": q, "d": p}, "e": q, "f": r, "g": [r]})
+    assert flat.values == {"a": p, "b.c": q, "f": r}
+    assert flat.paths == {"a": ("a",), "b.c": ("b", "c"), "f": ("f",)}
+    assert flat.storage_keys == {"a": "a", "b.c": "b.c", "f": "f"}
+    assert flat.key_users == {"a": ["a"], "b.c": ["b.c"], "f": ["f"]}
+    assert flat.aliases == {"b.d": "a", "e": "b.c", "g.0": "f"}
+    sharded = dcp.ShardedTensor.from_rank_offsets("k", np.ones(2, np.float32))
+    for state in ({"a": sharded, "k": p}, {"k": p, "a": sharded}):
+        with pytest.raises(dcp.CheckpointValueError, match="both map to checkpoint key 'k'"):
+            flatten_state_dict(state)
+    with pytest.raises(dcp.CheckpointValueError, match="same dotted name 'x.y'"):
+        flatten_state_dict({"x.y": p, "x": {"y": q}})
+    with pytest.raises(dcp.CheckpointValueError, match="same dotted name 'x.y'"):
+        flatten_state_dict({"x": {"y": q}, "x.y": p})
+
+
+def test_a_parameter_reached_twice_loads_once_bit_exact(tmp_path: Path) -> None:
+    shared = ms.Parameter(ms.Tensor(np.arange(6, dtype=np.float32)), name="shared")
+    other = ms.Parameter(ms.Tensor(np.arange(4, dtype=np.float32) * 3, ms.bfloat16), name="other")
+    dcp.save({"shared": shared, "opt": {"m": shared, "o": other}, "o2": other}, checkpoint_id=tmp_path, no_dist=True)
+    assert set(dcp.read_metadata(tmp_path).state_dict_metadata) == {"shared", "opt.o"}
+    t_shared = ms.Parameter(ms.Tensor(np.zeros(6, np.float32)), name="shared")
+    t_other = ms.Parameter(ms.Tensor(np.zeros(4, np.float32), ms.bfloat16), name="other")
+    dcp.load({"shared": t_shared, "opt": {"m": t_shared, "o": t_other}, "o2": t_other}, checkpoint_id=tmp_path,
+             no_dist=True)
+    assert t_shared.asnumpy().tobytes() == shared.asnumpy().tobytes()
+    assert t_other.asnumpy().tobytes() == other.asnumpy().tobytes()

@@ -109,6 +109,7 @@ def flatten_state_dict(state_dict: dict[str, Any]) -> FlatStateDict:
         )
     flat = FlatStateDict(values={}, paths={}, containers={(): "dict"})
     containers = flat.containers
+    values, paths, storage_keys, key_users = flat.values, flat.paths, flat.storage_keys, flat.key_users
     # An explicit stack, not nested recursive closures: those would form a
     # reference cycle holding every tensor of the state dict until the next
     # cyclic garbage collection.
@@ -134,7 +135,17 @@ def flatten_state_dict(state_dict: dict[str, Any]) -> FlatStateDict:
             containers[path] = "list" if isinstance(value, list) else "tuple"
             stack.extend((path + (position,), item) for position, item in reversed(list(enumerate(value))))
         elif isinstance(value, parameter_type):  # most leaves (a Parameter is no Cell)
-            _add_leaf(flat, path, value, seen, parameter=True)
+            top = path[0]
+            if (len(path) == 1 and type(top) is str and id(value) not in seen  # pylint: disable=unidiomatic-typecheck
+                    and top not in values and top not in key_users):
+                # The usual leaf: a Parameter at the top, reached first, its name free (_add_leaf's steps).
+                seen[id(value)] = top
+                key_users[top] = [top]
+                values[top] = value
+                paths[top] = path
+                storage_keys[top] = top
+            else:
+                _add_leaf(flat, path, value, seen, parameter=True)
         elif isinstance(value, cell_type):
             containers[path] = "cell"
             for name, param in value.parameters_dict().items():
