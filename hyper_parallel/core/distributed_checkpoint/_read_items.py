@@ -149,9 +149,10 @@ class ItemIndex:
             if item.lengths == sizes and type(sizes) is tuple and not any(item.storage_offsets):  # pylint: disable=unidiomatic-typecheck
                 info = hit[1]
                 length = info.length
-                # Not kept in _facts: looked up again as cheaply (the by_file lists keep theirs in order).
-                return _new_tuple(ItemFacts, (info, stored, sizes, DTYPE_NAMES[stored.properties.dtype], length,
-                                              length <= SMALL_ITEM_BYTES))
+                facts = _new_tuple(ItemFacts, (info, stored, sizes, DTYPE_NAMES[stored.properties.dtype], length,
+                                               length <= SMALL_ITEM_BYTES))
+                self._facts[id(item)] = (item, facts)
+                return facts
         offset = index.offset if type(index.offset) is tuple else tuple(index.offset)  # pylint: disable=unidiomatic-typecheck
         info = self._by_key.get((index.fqn, offset))
         if info is None:
