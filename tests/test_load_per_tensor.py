@@ -208,3 +208,38 @@ def test_a_parameter_reached_twice_loads_once_bit_exact(tmp_path: Path) -> None:
              no_dist=True)
     assert t_shared.asnumpy().tobytes() == shared.asnumpy().tobytes()
     assert t_other.asnumpy().tobytes() == other.asnumpy().tobytes()
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_each_items_facts_are_looked_up_once_per_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      verify: bool) -> None:
+    """Several data files: the header check of the second file takes the facts the grouping found (it once
+    looked every item of every later file up again)."""
+    values = {k: v for k, v in _values(30, 4).items() if v.size}  # (an empty tensor has no read item)
+    saved = _params(values)
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(tmp_path, thread_count=3), no_dist=True)
+    assert len(list(tmp_path.glob("*.safetensors"))) == 3
+    calls: list[str] = []
+    new_facts = ItemIndex._new_facts
+
+    def counted(self, item):
+        calls.append(item.storage_index.fqn)
+        return new_facts(self, item)
+
+    lookups: list[str] = []
+    facts = ItemIndex.facts
+
+    def looked_up(self, item):
+        lookups.append(item.storage_index.fqn)
+        return facts(self, item)
+
+    monkeypatch.setattr(ItemIndex, "_new_facts", counted)
+    monkeypatch.setattr(ItemIndex, "facts", looked_up)
+    # (Priming a file the page cache lacks, a readahead hint, looks its items up one by one: not counted.)
+    monkeypatch.setattr(dcp.FileSystemReader, "_prime", lambda *args: None)
+    targets = _params(values, zero=True)
+    dcp.load(targets, storage_reader=dcp.FileSystemReader(tmp_path, verify_checksums=verify), no_dist=True)
+    assert _bits(targets) == _bits(saved)
+    assert sorted(calls) == sorted(values)  # once each
+    if not verify:  # the header check and the reads take the grouping's lists of facts: no lookup item by item
+        assert lookups == []

@@ -61,6 +61,8 @@ class HeaderCheck:
         todo = [item for item in items if id(item) not in checked] if checked else items
         if not todo:
             return
+        if len(todo) == len(items):  # none checked yet (another file's were): the list itself, its facts kept
+            todo = items
         entries = self._headers.get(relative_path)
         if entries is None or type(entries) is bytes:  # pylint: disable=unidiomatic-typecheck
             entries = self._header_entries(source, path, size, relative_path, items, todo, entries)
