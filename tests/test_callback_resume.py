@@ -130,6 +130,13 @@ def test_steps_per_epoch_changed_is_refused_before_anything_changes(tmp_path: Pa
         callback.initial_epoch(8)
     assert data.get_init_step() == 0 and np.array_equal(net.weight.asnumpy(), before)
     assert callback.initial_epoch(4) == 1 and callback.resume_dataset(_data()) == 1
+    ds.config.set_debug_mode(True)  # MindSpore ignores set_init_step in debug mode
+    try:
+        with pytest.raises(dcp.CheckpointValueError, match=r"after step 6: .*debug mode ignores set_init_step.*"
+                                                           r"set_debug_mode\(False\)"):
+            callback.resume_dataset(_data())
+    finally:
+        ds.config.set_debug_mode(False)
     assert not hyper_parallel.CheckpointCallback(tmp_path, resume=False).resume_dataset(data) and (
         data.get_init_step() == 0)
 

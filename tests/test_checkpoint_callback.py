@@ -179,12 +179,16 @@ def test_msrun_two_ranks_sliced_parameters_resume(tmp_path: Path) -> None:
     results = run_workers(ROOT / "tests" / "workers" / "callback_worker.py", workers=2, tmp_path=tmp_path,
                           args=[str(base)], timeout=600)
     for rank, result in enumerate(results):
-        assert sorted(result["reference"]) == list(range(1, 17)) and sorted(result["first"]) == list(range(1, 9))
-        assert result["resumed_step"] == 8 and sorted(result["resumed"]) == list(range(9, 17))
-        assert all(result["resumed"][s] == result["reference"][s] for s in range(9, 17)), f"rank {rank}"
+        assert sorted(result["reference"]) == list(range(1, 17)) and sorted(result["first"]) == list(range(1, 8))
+        assert "saved with 4 steps per epoch, but the dataset's size (get_dataset_size()) is 8" in result["refused"]
+        # newest committed step 6: 2 batches into epoch 2 of this rank's shuffled shard
+        assert result["resumed_step"] == 6 and sorted(result["resumed"]) == list(range(7, 17))
+        assert result["inputs"] == {s: result["ref_inputs"][s] for s in range(7, 17)}, f"rank {rank}: same batches"
+        assert result["resumed"] == {s: result["reference"][s] for s in range(7, 17)}, f"rank {rank}: same losses"
         np.testing.assert_array_equal(result["w"], result["ref_w"])
         np.testing.assert_array_equal(result["m1"], result["ref_m1"])
-        assert result["steps"] == [12, 16]
+        assert result["steps"] == [15, 16]
+    assert results[0]["inputs"] != results[1]["inputs"], "each rank trained its own shard"
     # The checkpoint holds the global tensors: each rank's rows, in rank order.
     np.testing.assert_array_equal(results[0]["full_w"], np.concatenate([r["w"] for r in results]))
     np.testing.assert_array_equal(results[0]["full_m1"], np.concatenate([r["m1"] for r in results]))

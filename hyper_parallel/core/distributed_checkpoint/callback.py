@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from mindspore.dataset import config as dataset_config
 from mindspore.train import Callback, RunContext
 
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutSources, cells_in
@@ -222,7 +223,8 @@ class CheckpointCallback(Callback):
         Raises:
             CheckpointValueError: The newest step was saved with another number
                 of steps per epoch than ``dataset`` has (other batch size,
-                data or number of shards).
+                data or number of shards), or MindSpore's dataset debug mode
+                is on (it ignores the initial step).
         """
         self._position = None
         if not self.resume:
@@ -232,6 +234,12 @@ class CheckpointCallback(Callback):
         if latest is None:
             return 0
         self._check_steps_per_epoch(latest, steps_per_epoch, "the dataset's size (get_dataset_size())")
+        if latest and dataset_config.get_debug_mode():
+            raise CheckpointValueError(
+                f"cannot position the dataset after step {latest}: MindSpore's dataset debug mode ignores "
+                "set_init_step (the data would restart at its first batch); call "
+                "mindspore.dataset.config.set_debug_mode(False) before resume_dataset"
+            )
         dataset.set_init_step(latest)
         self._position = _DataPosition(latest, steps_per_epoch, dataset)
         return latest // steps_per_epoch
