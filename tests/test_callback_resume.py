@@ -11,8 +11,9 @@ import pytest
 from mindspore import dataset as ds
 from mindspore import nn
 from mindspore.dataset import transforms
-from mindspore.train import Callback, Model, RunContext
+from mindspore.train import Model, RunContext
 from mindspore.train.callback import _InternalCallbackParam  # pylint: disable=protected-access
+from train_steps import StepLog
 
 import hyper_parallel
 import hyper_parallel.core.distributed_checkpoint as dcp
@@ -40,24 +41,6 @@ def _model(seed: int) -> tuple[Model, nn.Cell, nn.Optimizer]:
     return Model(net, loss_fn=nn.MSELoss(), optimizer=opt), net, opt
 
 
-class _Losses(Callback):
-    """Records every step's loss (and the first input row); raises at the end of ``crash_at``."""
-
-    def __init__(self, crash_at: int | None = None) -> None:
-        super().__init__()
-        self.losses: dict[int, float] = {}
-        self.inputs: dict[int, list[float]] = {}
-        self.crash_at = crash_at
-
-    def on_train_step_end(self, run_context):
-        params = run_context.original_args()
-        step = int(params.cur_step_num)
-        self.losses[step] = float(params.net_outputs.asnumpy())
-        self.inputs[step] = params.train_dataset_element[0].asnumpy()[:, 0].tolist()
-        if step == self.crash_at:
-            raise RuntimeError(f"killed after step {step}")
-
-
 def _state(net: nn.Cell, opt: nn.Optimizer) -> list[np.ndarray]:
     return [p.asnumpy().copy() for p in list(net.trainable_params()) + list(opt.moment1) + list(opt.moment2)] + [
         opt.global_step.asnumpy().copy()]
@@ -72,7 +55,7 @@ def _state(net: nn.Cell, opt: nn.Optimizer) -> list[np.ndarray]:
 def test_resume_after_a_kill_repeats_the_uninterrupted_run(tmp_path: Path, kind: str, save_steps: int,
                                                            crash_at: int, sink: bool, async_save: bool) -> None:
     model, net, opt = _model(1)
-    reference = _Losses()
+    reference = StepLog()
     model.train(EPOCHS, _data(kind), callbacks=[reference], dataset_sink_mode=sink)
     assert sorted(reference.losses) == list(range(1, 13))
     expected_state = _state(net, opt)
@@ -80,7 +63,7 @@ def test_resume_after_a_kill_repeats_the_uninterrupted_run(tmp_path: Path, kind:
     knobs = dict(save_checkpoint_steps=save_steps, keep_checkpoint_max=10, async_save=async_save,
                  append_info=["epoch_num", "step_num"])
     model, _, _ = _model(1)
-    killed = _Losses(crash_at)
+    killed = StepLog(crash_at)
     with pytest.raises(RuntimeError, match="killed"):
         model.train(EPOCHS, _data(kind), callbacks=[hyper_parallel.CheckpointCallback(tmp_path, **knobs), killed],
                     dataset_sink_mode=sink)
@@ -89,7 +72,7 @@ def test_resume_after_a_kill_repeats_the_uninterrupted_run(tmp_path: Path, kind:
 
     model, net, opt = _model(9)  # a new job: other initial values, a dataset built again
     callback = hyper_parallel.CheckpointCallback(tmp_path, **knobs)
-    resumed = _Losses()
+    resumed = StepLog()
     data = _data(kind)
     first = callback.resume_dataset(data)
     assert first == newest // STEPS_PER_EPOCH and data.get_init_step() == newest
@@ -114,7 +97,7 @@ def _saved_run(root: Path) -> None:
     model, _, _ = _model(1)
     with pytest.raises(RuntimeError, match="killed"):
         model.train(2, _data(), callbacks=[hyper_parallel.CheckpointCallback(root, save_checkpoint_steps=3),
-                                           _Losses(crash_at=7)], dataset_sink_mode=False)
+                                           StepLog(crash_at=7)], dataset_sink_mode=False)
 
 
 def test_steps_per_epoch_changed_is_refused_before_anything_changes(tmp_path: Path) -> None:
@@ -165,7 +148,7 @@ def test_model_train_not_matching_resume_dataset_is_refused(tmp_path: Path) -> N
         callback = hyper_parallel.CheckpointCallback(tmp_path, save_checkpoint_steps=3)
         data = _data()
         assert callback.resume_dataset(data) == 1
-        steps = _Losses()
+        steps = StepLog()
         with pytest.raises(dcp.CheckpointValueError, match=match):
             model.train(3, _data() if other else data, callbacks=[callback, steps],
                         **{"dataset_sink_mode": False, **kwargs})

@@ -25,7 +25,8 @@ RANK, WORLD = init_worker()
 import mindspore as ms  # noqa: E402  (after init_worker, which sets the device)
 from mindspore import dataset as ds  # noqa: E402
 from mindspore import nn  # noqa: E402
-from mindspore.train import Callback, Model  # noqa: E402
+from mindspore.train import Model  # noqa: E402
+from train_steps import StepLog  # noqa: E402
 
 import hyper_parallel  # noqa: E402
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError  # noqa: E402
@@ -58,22 +59,6 @@ class Rows(nn.Cell):
 CRASH_AT = 7
 
 
-class Losses(Callback):
-    def __init__(self, crash_at: int | None = None) -> None:
-        super().__init__()
-        self.losses: dict[int, float] = {}
-        self.inputs: dict[int, list[float]] = {}
-        self.crash_at = crash_at
-
-    def on_train_step_end(self, run_context):
-        params = run_context.original_args()
-        step = int(params.cur_step_num)
-        self.losses[step] = float(params.net_outputs.asnumpy())
-        self.inputs[step] = params.train_dataset_element[0].asnumpy()[:, 0].tolist()
-        if step == self.crash_at:
-            raise RuntimeError(f"killed after step {step}")
-
-
 def dataset(batch: int = 16 // STEPS_PER_EPOCH) -> ds.Dataset:
     """This rank's shard (16 of the 32 rows), shuffled anew each epoch, for this rank's outputs."""
     ds.config.set_seed(11)
@@ -83,14 +68,14 @@ def dataset(batch: int = 16 // STEPS_PER_EPOCH) -> ds.Dataset:
 
 
 def train(root: str, epochs: int, *, fresh: bool,
-          crash_at: int | None = None) -> tuple[Losses, hyper_parallel.CheckpointCallback, Rows, nn.Adam]:
+          crash_at: int | None = None) -> tuple[StepLog, hyper_parallel.CheckpointCallback, Rows, nn.Adam]:
     rows = slice(RANK * ROWS, (RANK + 1) * ROWS)
     net = Rows(np.zeros((ROWS, 4), np.float32), np.zeros(ROWS, np.float32)) if fresh else Rows(W[rows], B[rows])
     opt = nn.Adam(net.trainable_params(), learning_rate=0.05)
     data = dataset()
     callback = hyper_parallel.CheckpointCallback(root, save_checkpoint_steps=3, keep_checkpoint_max=2,
                                                  strategy_file=STRATEGY)
-    losses = Losses(crash_at)
+    losses = StepLog(crash_at)
     try:
         Model(net, loss_fn=nn.MSELoss(), optimizer=opt).train(
             epochs, data, callbacks=[callback, losses], dataset_sink_mode=False,
