@@ -181,6 +181,7 @@ def test_msrun_two_ranks_sliced_parameters_resume(tmp_path: Path) -> None:
     for rank, result in enumerate(results):
         assert sorted(result["reference"]) == list(range(1, 17)) and sorted(result["first"]) == list(range(1, 8))
         assert "saved with 4 steps per epoch, but the dataset's size (get_dataset_size()) is 8" in result["refused"]
+        assert "resume_dataset" in result["refused"] and "rank 1" in result["refused"], result["refused"]
         # newest committed step 6: 2 batches into epoch 2 of this rank's shuffled shard
         assert result["resumed_step"] == 6 and sorted(result["resumed"]) == list(range(7, 17))
         assert result["inputs"] == {s: result["ref_inputs"][s] for s in range(7, 17)}, f"rank {rank}: same batches"

@@ -29,11 +29,12 @@ import os
 from concurrent.futures import Future
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, Callable
 
 from mindspore.dataset import config as dataset_config
 from mindspore.train import Callback, RunContext
 
+from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutSources, cells_in
 from hyper_parallel.core.distributed_checkpoint._one_line import mindspore_state_dict
 from hyper_parallel.core.distributed_checkpoint.api import read_metadata
@@ -55,6 +56,11 @@ class _DataPosition:
     step: int
     steps_per_epoch: int
     dataset: Any
+
+
+def _agree(step: str, check: Callable[[], None]) -> None:
+    """Run ``check`` on every rank; a failure on any rank is raised on all of them. All ranks."""
+    DistWrapper(use_dist=True).agree(step, check)
 
 
 def _non_negative(name: str, value: int) -> int:
@@ -194,7 +200,8 @@ class CheckpointCallback(Callback):
         if latest is None:
             return 0
         steps_per_epoch = max(1, int(steps_per_epoch))
-        self._check_steps_per_epoch(latest, steps_per_epoch, "steps_per_epoch")
+        saved = self._saved_steps_per_epoch(latest)
+        _agree("initial_epoch", lambda: self._check_steps_per_epoch(latest, saved, steps_per_epoch, "steps_per_epoch"))
         return latest // steps_per_epoch
 
     def resume_dataset(self, dataset: Any) -> int:
@@ -224,7 +231,8 @@ class CheckpointCallback(Callback):
             CheckpointValueError: The newest step was saved with another number
                 of steps per epoch than ``dataset`` has (other batch size,
                 data or number of shards), or MindSpore's dataset debug mode
-                is on (it ignores the initial step).
+                is on (it ignores the initial step); on every rank when it
+                holds on any.
         """
         self._position = None
         if not self.resume:
@@ -233,30 +241,38 @@ class CheckpointCallback(Callback):
         latest = self.manager.latest_step()
         if latest is None:
             return 0
-        self._check_steps_per_epoch(latest, steps_per_epoch, "the dataset's size (get_dataset_size())")
-        if latest and dataset_config.get_debug_mode():
-            raise CheckpointValueError(
-                f"cannot position the dataset after step {latest}: MindSpore's dataset debug mode ignores "
-                "set_init_step (the data would restart at its first batch); call "
-                "mindspore.dataset.config.set_debug_mode(False) before resume_dataset"
-            )
+        saved = self._saved_steps_per_epoch(latest)
+
+        def check() -> None:
+            self._check_steps_per_epoch(latest, saved, steps_per_epoch, "the dataset's size (get_dataset_size())")
+            if latest and dataset_config.get_debug_mode():
+                raise CheckpointValueError(
+                    f"cannot position the dataset after step {latest}: MindSpore's dataset debug mode ignores "
+                    "set_init_step (the data would restart at its first batch); call "
+                    "mindspore.dataset.config.set_debug_mode(False) before resume_dataset"
+                )
+
+        _agree("resume_dataset", check)  # a rank whose shard does not fit stops every rank here
         dataset.set_init_step(latest)
         self._position = _DataPosition(latest, steps_per_epoch, dataset)
         return latest // steps_per_epoch
 
-    def _check_steps_per_epoch(self, step: int, steps_per_epoch: int, source: str) -> None:
-        """Refuse ``steps_per_epoch`` if ``step`` was saved with another number. All ranks (a collective load)."""
+    def _saved_steps_per_epoch(self, step: int) -> int | None:
+        """The steps per epoch ``step`` was saved with (``None`` before the value existed). All ranks (a load)."""
         if _STEPS_PER_EPOCH_KEY not in read_metadata(self.manager.directory(step)).state_dict_metadata:
-            return  # saved before the value existed: nothing to compare
+            return None
         saved = {_STEPS_PER_EPOCH_KEY: 0}
         self.manager.load(saved, step=step)
-        saved_steps = int(saved[_STEPS_PER_EPOCH_KEY])
-        if saved_steps != steps_per_epoch:
+        return int(saved[_STEPS_PER_EPOCH_KEY])
+
+    def _check_steps_per_epoch(self, step: int, saved: int | None, steps_per_epoch: int, source: str) -> None:
+        """Refuse ``steps_per_epoch`` if ``step`` was ``saved`` with another number (``None``: not known)."""
+        if saved is not None and saved != steps_per_epoch:
             raise CheckpointValueError(
-                f"step {step} in {self.manager.directory(step)} was saved with {saved_steps} steps per epoch, but "
-                f"{source} is {steps_per_epoch}: its data position (epoch {step // saved_steps + 1}, "
-                f"{step % saved_steps} batches in) does not exist in this dataset. Resume with the saving run's "
-                f"dataset, batch size and number of shards ({saved_steps} steps per epoch), or load the weights "
+                f"step {step} in {self.manager.directory(step)} was saved with {saved} steps per epoch, but "
+                f"{source} is {steps_per_epoch}: its data position (epoch {step // saved + 1}, "
+                f"{step % saved} batches in) does not exist in this dataset. Resume with the saving run's "
+                f"dataset, batch size and number of shards ({saved} steps per epoch), or load the weights "
                 "yourself (CheckpointManager.load) and train in a new directory"
             )
 
