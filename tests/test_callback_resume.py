@@ -46,14 +46,15 @@ def _state(net: nn.Cell, opt: nn.Optimizer) -> list[np.ndarray]:
         opt.global_step.asnumpy().copy()]
 
 
-@pytest.mark.parametrize("kind, save_steps, crash_at, sink, async_save", [
-    ("sampler", 3, 7, False, True),          # newest step 6: 2 batches into epoch 2
-    ("buffer+random", 3, 11, False, False),  # newest step 9: 1 batch into epoch 3; shuffle buffer, random op
-    ("sampler", 4, 6, True, True),           # newest step 4: an epoch end of a shuffled dataset; sink mode on CPU
-    ("sampler", 3, 10, True, False),         # newest step 9, inside epoch 3; sink mode on CPU (MindSpore does not sink)
+@pytest.mark.parametrize("kind, save_steps, crash_at, sink, async_save, exception_save", [
+    ("sampler", 3, 7, False, True, False),          # newest step 6: 2 batches into epoch 2
+    ("buffer+random", 3, 11, False, False, False),  # newest step 9: 1 batch into epoch 3; shuffle buffer, random op
+    ("sampler", 4, 6, True, True, False),           # newest step 4: an epoch end of a shuffled dataset; sink on CPU
+    ("sampler", 3, 10, True, False, False),         # newest step 9, inside epoch 3; sink on CPU (MindSpore does not sink)
+    ("sampler", 5, 7, False, True, True),           # newest step 7 (exception_save), 3 batches into epoch 2
 ])
-def test_resume_after_a_kill_repeats_the_uninterrupted_run(tmp_path: Path, kind: str, save_steps: int,
-                                                           crash_at: int, sink: bool, async_save: bool) -> None:
+def test_resume_after_a_kill_repeats_the_uninterrupted_run(tmp_path: Path, kind: str, save_steps: int, crash_at: int,
+                                                           sink: bool, async_save: bool, exception_save: bool) -> None:
     model, net, opt = _model(1)
     reference = StepLog()
     model.train(EPOCHS, _data(kind), callbacks=[reference], dataset_sink_mode=sink)
@@ -61,14 +62,15 @@ def test_resume_after_a_kill_repeats_the_uninterrupted_run(tmp_path: Path, kind:
     expected_state = _state(net, opt)
 
     knobs = dict(save_checkpoint_steps=save_steps, keep_checkpoint_max=10, async_save=async_save,
-                 append_info=["epoch_num", "step_num"])
+                 exception_save=exception_save, append_info=["epoch_num", "step_num"])
     model, _, _ = _model(1)
     killed = StepLog(crash_at)
     with pytest.raises(RuntimeError, match="killed"):
         model.train(EPOCHS, _data(kind), callbacks=[hyper_parallel.CheckpointCallback(tmp_path, **knobs), killed],
                     dataset_sink_mode=sink)
-    newest = crash_at // save_steps * save_steps
-    assert dcp.CheckpointManager(tmp_path).all_steps() == list(range(save_steps, newest + 1, save_steps))
+    newest = crash_at if exception_save else crash_at // save_steps * save_steps
+    saved_steps = sorted({*range(save_steps, crash_at + 1, save_steps), newest})
+    assert dcp.CheckpointManager(tmp_path).all_steps() == saved_steps
 
     model, net, opt = _model(9)  # a new job: other initial values, a dataset built again
     callback = hyper_parallel.CheckpointCallback(tmp_path, **knobs)
@@ -83,8 +85,7 @@ def test_resume_after_a_kill_repeats_the_uninterrupted_run(tmp_path: Path, kind:
     assert resumed.losses == {s: reference.losses[s] for s in range(newest + 1, 13)}, "same losses, bit for bit"
     for mine, theirs in zip(_state(net, opt), expected_state):
         np.testing.assert_array_equal(mine, theirs)
-    steps = list(range(save_steps, 13, save_steps))
-    assert callback.manager.all_steps() == steps + ([12] if steps[-1] != 12 else [])
+    assert callback.manager.all_steps() == sorted({*saved_steps, *range(save_steps, 13, save_steps), 12})
     for step in callback.manager.all_steps():  # the saved counters follow the uninterrupted numbering
         saved = hyper_parallel.load_checkpoint(tmp_path / f"step_{step:08d}", specify_prefix=["epoch", "step",
                                                                                               "hyper_parallel"])
