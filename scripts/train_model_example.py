@@ -7,12 +7,14 @@ one callback in place of ``ModelCheckpoint``::
     python scripts/train_model_example.py --ckpt /tmp/run --epochs 5                 # resumes, ends at 20
     python scripts/train_model_example.py --ckpt /tmp/ref --epochs 5                 # uninterrupted reference
 
-The callback saves every epoch (``save_checkpoint_steps`` = steps per epoch),
-asynchronously, into ``--ckpt/step_<n>``; a rerun loads the newest committed
-step into the network and the Adam optimizer (moments included), continues
-the step numbering after it, and starts ``Model.train`` at
-``initial_epoch=callback.initial_epoch(steps_per_epoch)``, so the resumed run
-logs the same losses as the uninterrupted one, bit for bit.
+The dataset is shuffled (4 batches per epoch, a new order each epoch) and the
+callback saves every 3 steps, asynchronously, into ``--ckpt/step_<n>``: most
+saves fall inside an epoch. A rerun positions the dataset just after the
+newest committed step (``callback.resume_dataset(dataset)``, which also
+returns the ``initial_epoch`` for ``Model.train``), loads that step into the
+network and the Adam optimizer (moments included) and continues the step
+numbering after it, so the resumed run trains on the same batches and logs the
+same losses as the uninterrupted one, bit for bit.
 
 ``--crash-at S`` kills the process (``os._exit``, no cleanup) at the end of
 step S, after the callback has started that step's save if it saves there.
@@ -38,7 +40,7 @@ import hyper_parallel
 
 __all__ = ["build", "main", "parse_args"]
 
-IN_DIM, OUT_DIM, BATCH, STEPS_PER_EPOCH, SEED = 8, 4, 16, 4, 7
+IN_DIM, OUT_DIM, BATCH, STEPS_PER_EPOCH, SAVE_EVERY, SEED = 8, 4, 16, 4, 3, 7
 
 
 class _Net(nn.Cell):
@@ -53,10 +55,11 @@ class _Net(nn.Cell):
 
 
 def _dataset() -> ds.Dataset:
+    ds.config.set_seed(SEED)  # the shuffle order of every epoch, the same in every run
     rng = np.random.default_rng(SEED)
     x = rng.standard_normal((BATCH * STEPS_PER_EPOCH, IN_DIM)).astype(np.float32)
     y = (x @ rng.standard_normal((IN_DIM, OUT_DIM)).astype(np.float32)).astype(np.float32)
-    return ds.NumpySlicesDataset({"x": x, "y": y}, shuffle=False).batch(BATCH)
+    return ds.NumpySlicesDataset({"x": x, "y": y}, shuffle=True).batch(BATCH)
 
 
 class _LossLog(Callback):
@@ -107,14 +110,15 @@ def main(argv: list[str] | None = None) -> int:
         rank = communication.get_rank()
     model, _, _ = build()
     callback = hyper_parallel.CheckpointCallback(
-        args.ckpt, save_checkpoint_steps=STEPS_PER_EPOCH, keep_checkpoint_max=3, async_save=not args.sync,
+        args.ckpt, save_checkpoint_steps=SAVE_EVERY, keep_checkpoint_max=3, async_save=not args.sync,
         append_info=["epoch_num", "step_num"],
     )
-    first = callback.initial_epoch(STEPS_PER_EPOCH)
+    dataset = _dataset()
+    first = callback.resume_dataset(dataset)  # after the newest committed step (none: epoch 0, batch 0)
     if first >= args.epochs:
         print(f"nothing to do: {args.ckpt} already holds epoch {first}")
         return 0
-    model.train(args.epochs, _dataset(), callbacks=[callback, _LossLog(args.log, args.crash_at, rank)],
+    model.train(args.epochs, dataset, callbacks=[callback, _LossLog(args.log, args.crash_at, rank)],
                 dataset_sink_mode=False, initial_epoch=first)
     if rank == 0:
         print(f"resumed from step {callback.resumed_step}; newest step {callback.manager.latest_step()}")

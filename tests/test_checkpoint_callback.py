@@ -58,7 +58,8 @@ def test_saves_train_network_like_model_checkpoint_and_resumes(tmp_path: Path) -
     stored = set(dcp.read_metadata(tmp_path / "run" / "step_00000006").state_dict_metadata)
     train_net = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), opt)
     ms.save_checkpoint(train_net, str(tmp_path / "ms.ckpt"))
-    assert stored == set(ms.load_checkpoint(str(tmp_path / "ms.ckpt"))) | {"epoch_num", "step_num", "tag"}
+    assert stored == set(ms.load_checkpoint(str(tmp_path / "ms.ckpt"))) | {
+        "epoch_num", "step_num", "tag", "hyper_parallel.steps_per_epoch"}
     values = hyper_parallel.load_checkpoint(tmp_path / "run" / "step_00000006", specify_prefix=["epoch", "step", "tag"])
     assert {k: v if isinstance(v, str) else v.asnumpy().item() for k, v in values.items()} == {
         "epoch_num": 2, "step_num": 6, "tag": "v1"}
@@ -144,6 +145,7 @@ def _losses(path: Path) -> list[tuple[int, float]]:
 
 
 def test_example_killed_and_resumed_repeats_the_uninterrupted_losses(tmp_path: Path) -> None:
+    """README's three commands: shuffled data, saves every 3 steps (inside epochs of 4), killed at step 10."""
     reference = _run(["--ckpt", str(tmp_path / "ref"), "--epochs", "5", "--log", str(tmp_path / "ref.jsonl")])
     assert reference.returncode == 0, reference.stderr[-3000:]
     expected = dict(_losses(tmp_path / "ref.jsonl"))
@@ -151,16 +153,18 @@ def test_example_killed_and_resumed_repeats_the_uninterrupted_losses(tmp_path: P
     killed = _run(["--ckpt", str(tmp_path / "run"), "--epochs", "5", "--crash-at", "10",
                    "--log", str(tmp_path / "killed.jsonl")])
     assert killed.returncode == 17, killed.stderr[-3000:]
-    assert [s for s, _ in _losses(tmp_path / "killed.jsonl")] == list(range(1, 11))
+    assert _losses(tmp_path / "killed.jsonl") == [(s, expected[s]) for s in range(1, 11)]
     resumed = _run(["--ckpt", str(tmp_path / "run"), "--epochs", "5", "--log", str(tmp_path / "resumed.jsonl")])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     logged = _losses(tmp_path / "resumed.jsonl")
     first = logged[0][0]
-    assert first in (5, 9), "resumed after the newest committed epoch-end step (4 or 8)"
-    assert [s for s, _ in logged] == list(range(first, 21))
-    assert logged == [(s, expected[s]) for s in range(first, 21)], "same losses, bit for bit"
+    assert first in (7, 10), "resumed after the newest committed step (6, or 9 if its background commit ended)"
+    assert logged == [(s, expected[s]) for s in range(first, 21)], "same batches, same losses, bit for bit"
     assert f"resumed from step {first - 1}; newest step 20" in resumed.stdout
-    assert _steps_on_disk(tmp_path / "run") == [12, 16, 20]
+    assert "exact replay" not in resumed.stderr  # no warning: the dataset was positioned
+    assert _steps_on_disk(tmp_path / "run") == [15, 18, 20]
+    again = _run(["--ckpt", str(tmp_path / "run"), "--epochs", "5"])
+    assert again.returncode == 0 and "nothing to do" in again.stdout
 
 
 def test_msrun_two_ranks_sliced_parameters_resume(tmp_path: Path) -> None:
@@ -175,12 +179,17 @@ def test_msrun_two_ranks_sliced_parameters_resume(tmp_path: Path) -> None:
     results = run_workers(ROOT / "tests" / "workers" / "callback_worker.py", workers=2, tmp_path=tmp_path,
                           args=[str(base)], timeout=600)
     for rank, result in enumerate(results):
-        assert sorted(result["reference"]) == list(range(1, 17)) and sorted(result["first"]) == list(range(1, 9))
-        assert result["resumed_step"] == 8 and sorted(result["resumed"]) == list(range(9, 17))
-        assert all(result["resumed"][s] == result["reference"][s] for s in range(9, 17)), f"rank {rank}"
+        assert sorted(result["reference"]) == list(range(1, 17)) and sorted(result["first"]) == list(range(1, 8))
+        assert "saved with 4 steps per epoch, but the dataset's size (get_dataset_size()) is 8" in result["refused"]
+        assert "resume_dataset" in result["refused"] and "rank 1" in result["refused"], result["refused"]
+        # newest committed step 6: 2 batches into epoch 2 of this rank's shuffled shard
+        assert result["resumed_step"] == 6 and sorted(result["resumed"]) == list(range(7, 17))
+        assert result["inputs"] == {s: result["ref_inputs"][s] for s in range(7, 17)}, f"rank {rank}: same batches"
+        assert result["resumed"] == {s: result["reference"][s] for s in range(7, 17)}, f"rank {rank}: same losses"
         np.testing.assert_array_equal(result["w"], result["ref_w"])
         np.testing.assert_array_equal(result["m1"], result["ref_m1"])
-        assert result["steps"] == [12, 16]
+        assert result["steps"] == [15, 16]
+    assert results[0]["inputs"] != results[1]["inputs"], "each rank trained its own shard"
     # The checkpoint holds the global tensors: each rank's rows, in rank order.
     np.testing.assert_array_equal(results[0]["full_w"], np.concatenate([r["w"] for r in results]))
     np.testing.assert_array_equal(results[0]["full_m1"], np.concatenate([r["m1"] for r in results]))

@@ -5,7 +5,8 @@ top-level ``model.`` group when the checkpoint has one (the prefix is then
 stripped), otherwise every key that is not optimizer state (the patterns of
 :data:`OPTIMIZER_PATTERNS`: MindSpore's ``moment1.`` / ``moment2.`` /
 ``beta1_power`` / ``global_step`` / ``learning_rate`` ..., an
-``optimizer.`` group, PyTorch-style ``exp_avg``); (2) ``include`` globs, if
+``optimizer.`` group, PyTorch-style ``exp_avg``; the training position
+``hyper_parallel.steps_per_epoch`` of ``CheckpointCallback``); (2) ``include`` globs, if
 any, keep only the keys matching one; (3) ``exclude`` globs drop keys; (4)
 the first matching ``strip_prefixes`` entry is cut off the name; (5) the
 first matching ``renames`` pair ``(old, new)`` replaces the prefix ``old``
@@ -22,12 +23,13 @@ from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueErr
 
 __all__ = ["OPTIMIZER_PATTERNS", "KeySelection", "parse_rename"]
 
-#: Keys that hold optimizer state rather than model weights (fnmatch globs).
+#: Keys that hold optimizer (or training loop) state rather than model weights (fnmatch globs).
 OPTIMIZER_PATTERNS: tuple[str, ...] = (
     "optimizer.*", "optim.*", "opt_state.*",
     "moment1.*", "moment2.*", "moments.*", "accum.*", "adam_m.*", "adam_v.*", "exp_avg*",
     "*.moment1.*", "*.moment2.*", "*.exp_avg", "*.exp_avg_sq", "*.momentum_buffer",
     "beta1_power", "beta2_power", "global_step", "learning_rate", "current_iterator_step", "last_overflow_iterator_step",
+    "hyper_parallel.steps_per_epoch",
 )
 _MODEL_GROUP = "model."
 

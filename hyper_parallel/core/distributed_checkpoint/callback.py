@@ -9,6 +9,14 @@ once, under MindSpore's names, as ``ModelCheckpoint`` saves them), plus the
 ``run_context.original_args()`` fields (``train_network``, ``network``,
 ``optimizer``, ``cur_step_num``, ``batch_num``), never ``Model`` internals.
 
+Exact resume: every step is saved with ``Model.train``'s steps per epoch
+(the value ``hyper_parallel.steps_per_epoch``). :meth:`CheckpointCallback.resume_dataset`
+positions the dataset just after the newest committed step with
+MindSpore's ``Dataset.set_init_step`` (a global step: the pipeline begins at
+epoch ``step // steps_per_epoch`` with that epoch's shuffle order and skips
+``step % steps_per_epoch`` batches of it), so a resumed run repeats an
+uninterrupted one even after a save inside an epoch.
+
 This module imports MindSpore when it is imported (the class derives from
 ``mindspore.train.Callback``); ``hyper_parallel.CheckpointCallback`` loads it
 on first use only.
@@ -19,13 +27,17 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import Future
+from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, Callable
 
+from mindspore.dataset import config as dataset_config
 from mindspore.train import Callback, RunContext
 
+from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutSources, cells_in
 from hyper_parallel.core.distributed_checkpoint._one_line import mindspore_state_dict
+from hyper_parallel.core.distributed_checkpoint.api import read_metadata
 from hyper_parallel.core.distributed_checkpoint.async_checkpoint import prepare_async_save
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.manager import CheckpointManager
@@ -34,6 +46,21 @@ __all__ = ["CheckpointCallback"]
 
 _LOG = logging.getLogger(__name__)
 _APPEND_NAMES = ("epoch_num", "step_num")
+_STEPS_PER_EPOCH_KEY = "hyper_parallel.steps_per_epoch"  # the value saved with every step: Model.train's batch_num
+
+
+@dataclass(frozen=True, eq=False)
+class _DataPosition:
+    """Where :meth:`CheckpointCallback.resume_dataset` put a dataset: just after ``step``."""
+
+    step: int
+    steps_per_epoch: int
+    dataset: Any
+
+
+def _agree(step: str, check: Callable[[], None]) -> None:
+    """Run ``check`` on every rank; a failure on any rank is raised on all of them. All ranks."""
+    DistWrapper(use_dist=True).agree(step, check)
 
 
 def _non_negative(name: str, value: int) -> int:
@@ -68,11 +95,14 @@ class CheckpointCallback(Callback):
     Every rank of an ``msrun`` job passes the same callback arguments. With
     ``resume=True`` training begins by loading the newest committed step of
     ``directory`` into the network and the optimizer (resharded to this job's
-    layout) and step numbers continue after it. ``Model.train`` restarts the
-    data at the start of ``initial_epoch``: pass
-    ``initial_epoch=callback.initial_epoch(steps_per_epoch)`` and save at epoch
-    ends (``save_checkpoint_steps`` a multiple of the steps per epoch) for a
-    resumed run that repeats an uninterrupted one exactly.
+    layout) and step numbers continue after it. For a resumed run that
+    repeats an uninterrupted one exactly, also from a save inside an epoch
+    and with a shuffled dataset, position the data before training: pass
+    ``initial_epoch=callback.resume_dataset(dataset)`` to ``Model.train``
+    (see :meth:`resume_dataset`).
+    (``initial_epoch=callback.initial_epoch(steps_per_epoch)`` alone restarts
+    the data at the start of that epoch, in the first epoch's shuffle order:
+    exact only for unshuffled data and saves at epoch ends.)
 
     Args:
         directory: The manager root holding one ``step_<n>`` checkpoint per saved step.
@@ -95,6 +125,8 @@ class CheckpointCallback(Callback):
 
     Raises:
         CheckpointValueError: A knob out of range, or all four save/keep knobs 0.
+            When training begins: ``resume=False`` on a directory holding newer
+            steps, or a dataset not as :meth:`resume_dataset` prepared it.
     """
 
     def __init__(
@@ -137,6 +169,8 @@ class CheckpointCallback(Callback):
             async_save=bool(async_save),
         )
         self.resumed_step: int | None = None
+        self._position: _DataPosition | None = None  # set by resume_dataset, checked at train begin
+        self._steps_per_epoch = 0  # Model.train's batch_num, saved with every step
         self._last_saved: int | None = None
         self._completed = 0
         self._epoch = 0
@@ -146,13 +180,101 @@ class CheckpointCallback(Callback):
     def initial_epoch(self, steps_per_epoch: int) -> int:
         """The ``initial_epoch`` for ``Model.train`` that resumes at the newest committed step. All ranks.
 
+        The data is not positioned: ``Model.train`` begins the epoch at its
+        start (see :meth:`resume_dataset` for an exact resume).
+
+        Args:
+            steps_per_epoch: ``Model.train``'s steps per epoch (the dataset's
+                size, or ``sink_size``).
+
         Returns:
             ``latest_step // steps_per_epoch``; 0 without a committed step or with ``resume=False``.
+
+        Raises:
+            CheckpointValueError: The newest step was saved with another
+                number of steps per epoch.
         """
         if not self.resume:
             return 0
         latest = self.manager.latest_step()
-        return 0 if latest is None else latest // max(1, int(steps_per_epoch))
+        if latest is None:
+            return 0
+        steps_per_epoch = max(1, int(steps_per_epoch))
+        saved = self._saved_steps_per_epoch(latest)
+        _agree("initial_epoch", lambda: self._check_steps_per_epoch(latest, saved, steps_per_epoch, "steps_per_epoch"))
+        return latest // steps_per_epoch
+
+    def resume_dataset(self, dataset: Any) -> int:
+        """Position ``dataset`` after the newest committed step; return ``initial_epoch``. All ranks.
+
+        Call it before ``Model.train`` with the very dataset object you pass
+        to it, and pass the returned epoch as ``initial_epoch``. It calls
+        MindSpore's ``dataset.set_init_step(step)``: the pipeline then begins
+        at epoch ``step // steps_per_epoch`` with that epoch's shuffle order
+        (the same ``mindspore.dataset.config.set_seed`` as the saving run) and
+        skips the batches the saved run had already trained, so the resumed
+        run sees the batches the uninterrupted one would have seen. Its first
+        epoch is that epoch's rest; step numbers continue after the step.
+        Every rank positions its own shard. When training begins the callback
+        loads exactly this step and checks that ``Model.train`` got this
+        dataset, ``initial_epoch`` and steps per epoch (``sink_size=-1``).
+        Nothing happens with ``resume=False`` or without a committed step.
+
+        Args:
+            dataset: The ``mindspore.dataset.Dataset`` for ``Model.train``
+                (one batch per step: ``get_dataset_size()`` is the steps per epoch).
+
+        Returns:
+            The epoch to pass as ``initial_epoch`` (0 when nothing is resumed).
+
+        Raises:
+            CheckpointValueError: The newest step was saved with another number
+                of steps per epoch than ``dataset`` has (other batch size,
+                data or number of shards), or MindSpore's dataset debug mode
+                is on (it ignores the initial step); on every rank when it
+                holds on any.
+        """
+        self._position = None
+        if not self.resume:
+            return 0
+        steps_per_epoch = int(dataset.get_dataset_size())
+        latest = self.manager.latest_step()
+        if latest is None:
+            return 0
+        saved = self._saved_steps_per_epoch(latest)
+
+        def check() -> None:
+            self._check_steps_per_epoch(latest, saved, steps_per_epoch, "the dataset's size (get_dataset_size())")
+            if latest and dataset_config.get_debug_mode():
+                raise CheckpointValueError(
+                    f"cannot position the dataset after step {latest}: MindSpore's dataset debug mode ignores "
+                    "set_init_step (the data would restart at its first batch); call "
+                    "mindspore.dataset.config.set_debug_mode(False) before resume_dataset"
+                )
+
+        _agree("resume_dataset", check)  # a rank whose shard does not fit stops every rank here
+        dataset.set_init_step(latest)
+        self._position = _DataPosition(latest, steps_per_epoch, dataset)
+        return latest // steps_per_epoch
+
+    def _saved_steps_per_epoch(self, step: int) -> int | None:
+        """The steps per epoch ``step`` was saved with (``None`` before the value existed). All ranks (a load)."""
+        if _STEPS_PER_EPOCH_KEY not in read_metadata(self.manager.directory(step)).state_dict_metadata:
+            return None
+        saved = {_STEPS_PER_EPOCH_KEY: 0}
+        self.manager.load(saved, step=step)
+        return int(saved[_STEPS_PER_EPOCH_KEY])
+
+    def _check_steps_per_epoch(self, step: int, saved: int | None, steps_per_epoch: int, source: str) -> None:
+        """Refuse ``steps_per_epoch`` if ``step`` was ``saved`` with another number (``None``: not known)."""
+        if saved is not None and saved != steps_per_epoch:
+            raise CheckpointValueError(
+                f"step {step} in {self.manager.directory(step)} was saved with {saved} steps per epoch, but "
+                f"{source} is {steps_per_epoch}: its data position (epoch {step // saved + 1}, "
+                f"{step % saved} batches in) does not exist in this dataset. Resume with the saving run's "
+                f"dataset, batch size and number of shards ({saved} steps per epoch), or load the weights "
+                "yourself (CheckpointManager.load) and train in a new directory"
+            )
 
     def _state_of(self, cb_params: Any) -> dict[str, Any]:
         """The train network and the optimizer as ``{MindSpore name: Parameter}`` (each once)."""
@@ -174,11 +296,15 @@ class CheckpointCallback(Callback):
     def on_train_begin(self, run_context: RunContext) -> None:
         """Load the newest committed step (``resume``) and continue its step numbering. All ranks."""
         cb_params = run_context.original_args()
+        self._steps_per_epoch = int(getattr(cb_params, "batch_num", 0) or 0)
+        position = self._position
+        if position is not None:
+            self._check_position(position, cb_params)
         self._state = self._state_of(cb_params)
         self._completed = int(cb_params.cur_step_num)
         if self.manager.async_save:  # the first save then copies into buffers already backed
             self._staging = prepare_async_save(self._state)
-        latest = self.manager.latest_step()
+        latest = position.step if position is not None else self.manager.latest_step()
         if latest is None:
             return
         if not self.resume:
@@ -192,14 +318,59 @@ class CheckpointCallback(Callback):
         self.manager.load(dict(self._state), step=latest, **self._io_kwargs)  # append_info values stay as saved
         cb_params.cur_step_num = latest
         self._completed = self._last_saved = self.resumed_step = latest
-        batch_num = int(getattr(cb_params, "batch_num", 0) or 0)
-        if batch_num and latest % batch_num:
-            _LOG.warning(
-                "resumed from step %d, inside epoch %d of %d steps: Model.train restarts that epoch's data from its "
-                "start; save at epoch ends (save_checkpoint_steps a multiple of %d) for an exact replay",
-                latest, latest // batch_num + 1, batch_num, batch_num,
-            )
+        if position is None:
+            self._warn_unpositioned(latest, cb_params)
         _LOG.info("resumed from %s", self.manager.directory(latest))
+
+    def _check_position(self, position: _DataPosition, cb_params: Any) -> None:
+        """Refuse a ``Model.train`` that does not iterate the dataset as :meth:`resume_dataset` positioned it."""
+        if getattr(cb_params, "train_dataset", None) is not position.dataset:
+            raise CheckpointValueError(
+                "Model.train got another dataset object than the one resume_dataset positioned after step "
+                f"{position.step}: pass the same object to both (a dataset built again starts at its first batch)"
+            )
+        if self._steps_per_epoch != position.steps_per_epoch:
+            raise CheckpointValueError(
+                f"Model.train counts {self._steps_per_epoch} steps per epoch (sink_size) but the dataset "
+                f"resume_dataset positioned after step {position.step} has "
+                f"{position.steps_per_epoch} batches: pass sink_size=-1 for an exact resume"
+            )
+        if getattr(cb_params, "dataset_sink_mode", False) and position.step % position.steps_per_epoch:
+            raise CheckpointValueError(
+                f"step {position.step} was saved inside an epoch ({position.step % position.steps_per_epoch} of "
+                f"{position.steps_per_epoch} batches), and dataset sink mode resumes only at epoch ends "
+                "(MindSpore rounds the dataset back to the epoch's start): train with dataset_sink_mode=False"
+            )
+
+    def _warn_unpositioned(self, latest: int, cb_params: Any) -> None:
+        """Warn when the data of a resumed run will not be the uninterrupted run's (no :meth:`resume_dataset`)."""
+        dataset = getattr(cb_params, "train_dataset", None)
+        batch_num = self._steps_per_epoch
+        if batch_num and latest % batch_num:
+            reason = (f"inside epoch {latest // batch_num + 1} of {batch_num} steps: Model.train restarts that "
+                      "epoch's data from its start")
+        elif latest and dataset is not None and dataset.get_init_step() == 0 and dataset.is_shuffled():
+            reason = "the dataset is shuffled: Model.train restarts it in its first epoch's order"
+        else:
+            return
+        _LOG.warning(
+            "resumed from step %d, %s; pass initial_epoch=callback.resume_dataset(dataset) to Model.train for an "
+            "exact replay", latest, reason,
+        )
+
+    def on_train_epoch_begin(self, run_context: RunContext) -> None:
+        """Check that the first epoch is the one :meth:`resume_dataset` positioned the dataset in. All ranks."""
+        position, self._position = self._position, None
+        if position is None:
+            return
+        epoch = int(run_context.original_args().cur_epoch_num)
+        expected = position.step // position.steps_per_epoch + 1
+        if epoch != expected:
+            raise CheckpointValueError(
+                f"Model.train begins at epoch {epoch}, but resume_dataset positioned the dataset after step "
+                f"{position.step}, in epoch {expected}: pass initial_epoch={expected - 1} (the value "
+                "resume_dataset returned) to Model.train"
+            )
 
     def _save(self, step: int, epoch: int, *, force: bool) -> None:
         """Save the training state (plus ``append_info``) as ``step``. All ranks."""
@@ -208,6 +379,8 @@ class CheckpointCallback(Callback):
             state["epoch_num"] = epoch
         if "step_num" in self._counters:
             state["step_num"] = step
+        if self._steps_per_epoch:
+            state[_STEPS_PER_EPOCH_KEY] = self._steps_per_epoch
         if self.manager.save(step, state, force=force, **self._io_kwargs):
             self._last_saved = step
 
@@ -219,6 +392,7 @@ class CheckpointCallback(Callback):
         self._epoch = int(getattr(cb_params, "cur_epoch_num", 0) or 0)
         if self._state is None:
             self._state = self._state_of(cb_params)
+            self._steps_per_epoch = int(getattr(cb_params, "batch_num", 0) or 0)
         if (self.save_checkpoint_steps or self.save_checkpoint_seconds) and step != self._last_saved:
             self._save(step, self._epoch, force=False)
 
