@@ -87,7 +87,7 @@ def read_runs_exact(fd: int, path: Path, fqn: str, starts: np.ndarray, length: i
     if starts.size == 0 or length == 0:
         return
     if starts.size > 1 and page_amplification(starts, length) > MAX_PAGE_AMPLIFICATION:
-        if _read_direct(path, fqn, starts, length, target):
+        if _read_direct(fd, path, fqn, starts, length, target):
             return
     first = (starts // PAGE_BYTES) * PAGE_BYTES
     lo, hi = _ranges(first, starts + length)
@@ -108,14 +108,27 @@ def _aligned_buffer(nbytes: int) -> memoryview:
     return memoryview(buffer)
 
 
-def _read_direct(path: Path, fqn: str, starts: np.ndarray, length: int, target: np.ndarray) -> bool:
-    """Read the runs with ``O_DIRECT`` at sector granularity; ``False`` if the filesystem refuses it."""
+def _open_direct(fd: int) -> int:
+    """A new ``O_DIRECT`` descriptor of the file open as ``fd`` (the same file, even if deleted since), or -1.
+
+    Opens ``/proc/self/fd/<fd>`` (Linux): never another file that took the
+    name meanwhile. Without ``/proc`` or ``O_DIRECT``, or where the
+    filesystem refuses it: -1 (the caller reads through ``fd``).
+    """
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
-        return False
+        return -1
     try:
-        fd = os.open(path, os.O_RDONLY | flag)
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | flag)
     except OSError:
+        return -1
+
+
+def _read_direct(source_fd: int, path: Path, fqn: str, starts: np.ndarray, length: int, target: np.ndarray) -> bool:
+    """Read the runs of the file open as ``source_fd`` with ``O_DIRECT`` at sector granularity; ``False`` if the
+    filesystem refuses it."""
+    fd = _open_direct(source_fd)
+    if fd < 0:
         return False
     try:
         lo = (starts // SECTOR_BYTES) * SECTOR_BYTES

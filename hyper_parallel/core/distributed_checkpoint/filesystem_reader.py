@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from operator import attrgetter
 from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,6 +31,7 @@ import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._format.consistency import storage_by_key
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import check_consistency, metadata_from_json
+from hyper_parallel.core.distributed_checkpoint._kept_files import KeptFiles, keep_cap
 from hyper_parallel.core.distributed_checkpoint._metadata_file import (
     MAX_METADATA_BYTES,
     not_a_directory,
@@ -120,6 +122,8 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         self._items: ItemIndex | None = None  # the read items' facts, looked up once per load
         self._in_part: dict[str, bool] = {}  # data file -> read without readahead (decided once per load)
         self._resolved: dict[str, Path] = {}  # data file -> its checked path (resolved once per load)
+        self._files = KeptFiles()  # the descriptors of the first pass, read by the read pass
+        weakref.finalize(self, self._files.close_all)  # a reader dropped without finish_load
 
     def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
         """Start a new load, optionally from another directory. All ranks."""
@@ -164,13 +168,16 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         self.metadata = metadata
         self.finish_load()  # whatever an earlier load left
         self._items = ItemIndex(metadata, by_key=by_key, whole=whole)
+        self._files.cap = keep_cap()
 
     def finish_load(self) -> None:
-        """Drop the load's records (items, their facts, headers, groupings); keep ``metadata`` and the counters.
+        """Close the data files the load kept open; drop its records (items, their facts, headers, groupings);
+        keep ``metadata`` and the counters.
 
-        All ranks; ``load`` calls it last. A later ``verify_data`` or
-        ``read_data`` needs ``set_up_storage_reader`` first.
+        All ranks; ``load`` calls it last, whether the load succeeded or not.
+        A later ``verify_data`` or ``read_data`` needs ``set_up_storage_reader`` first.
         """
+        self._files.close_all()
         self._verified.clear()
         self._plan_checked = None
         self._grouped = None
@@ -244,11 +251,25 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         return self._run_per_file(plan, "verify", self._verify_groups)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> "Future[None]":
-        """Read every region of this rank's plan into the planner, after verifying it. All ranks call it."""
+        """Read every region of this rank's plan into the planner, after verifying it. All ranks call it.
+
+        Reads the files the verify pass opened through the descriptors it
+        kept (up to a cap, see :mod:`._kept_files`): a data file deleted or
+        replaced since it was verified is read as verified.
+
+        Raises (through the future):
+            CheckpointNotFoundError: a data file beyond the cap of kept files
+                was deleted or replaced since it was verified (names it).
+        """
         future = self.verify_data(plan)
         if future.exception() is not None:
             return future
-        return self._run_per_file(plan, "read", lambda work: self._read_groups(work, planner))
+        return self._run_per_file(plan, "read", lambda work: self._read_checked(work, planner))
+
+    def _read_checked(self, work: list[list[tuple[str, list[ReadItem]]]], planner: LoadPlanner) -> int:
+        """The read pass, after the files beyond the cap of kept ones proved to be those verified."""
+        self._files.check_reopened(self.path)
+        return self._read_groups(work, planner)
 
     def _verify_groups(self, work: list[list[tuple[str, list[ReadItem]]]]) -> int:
         """Run the verify pass over the groups of files, one I/O thread per group; return the bytes read."""
@@ -317,16 +338,27 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         first_open = path is None  # of this file in this load, whatever decides its readahead
         if first_open:  # resolved once per file and load (the verify pass, then the read pass)
             path = self._resolved[relative_path] = self.resolve(relative_path, fqn)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:  # deleted right after resolve() saw it
-            raise CheckpointNotFoundError(
-                f"data file {relative_path} of key '{fqn}' was deleted while loading checkpoint {self.path} "
-                "(deleted or replaced by another save); load it again"
-            ) from None
+        kept_source = self._files.get(relative_path)
+        if kept_source is not None:  # opened by the first pass: the file it checked, even if deleted since
+            source, size = kept_source
+            self._check_header(source, path, size, relative_path, items)
+            yield source, path, size
+            return
+        if not first_open:  # beyond the cap of kept files: must still be the file the first pass checked
+            fd = self._files.reopen(relative_path, path, fqn, self.path)
+        else:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:  # deleted right after resolve() saw it
+                raise CheckpointNotFoundError(
+                    f"data file {relative_path} of key '{fqn}' was deleted while loading checkpoint {self.path} "
+                    "(deleted or replaced by another save); load it again"
+                ) from None
+        kept = False
         try:
             source = FileSource(fd)
-            size = os.fstat(fd).st_size
+            stat = os.fstat(fd)
+            size = stat.st_size
             if self._reads_in_part(relative_path, items, size) and hasattr(os, "posix_fadvise"):
                 # Kernel readahead would also fetch the ranges a reshard skips.
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
@@ -334,9 +366,11 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
             elif first_open:  # a cold file: the device starts while the header and the verify pass are prepared
                 self._prime(source, size, items)
             self._check_header(source, path, size, relative_path, items)
+            kept = first_open and self._files.keep(relative_path, source, path, fqn, stat)
             yield source, path, size
         finally:
-            os.close(fd)
+            if not kept:
+                os.close(fd)
 
     def _reads_in_part(self, relative_path: str, items: list[ReadItem], file_size: int) -> bool:
         """Whether a file is read without readahead (see ``no_readahead``); decided once per file and load."""

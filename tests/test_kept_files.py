@@ -1,0 +1,328 @@
+"""A load reads the data files its verify pass opened, through the descriptors that pass kept: a file deleted or
+replaced by another between the passes is loaded as verified; beyond the cap of kept files (a share of
+RLIMIT_NOFILE) a replaced file is refused by name with no target changed; no descriptor outlives the load."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel import DTensor, Layout
+from hyper_parallel.core.distributed_checkpoint._device_reads import _read_direct
+from hyper_parallel.core.distributed_checkpoint._kept_files import MAX_KEPT_FILES, keep_cap
+
+ms.set_device("CPU")
+
+WAIT = 120.0  # seconds: a bound on every wait, never reached when the code is right
+
+
+class BetweenPasses(dcp.FileSystemReader):
+    """A real reader that runs ``between()`` once after the verify pass, before the read pass.
+
+    The load engine verifies every rank's plan (``verify_data``), then calls ``read_data``: the hook runs at the
+    start of ``read_data``, when every data file has been opened and checked once.
+    """
+
+    def __init__(self, path: Path, between: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.between: Callable[[], None] | None = between
+
+    def read_data(self, plan, planner):
+        between, self.between = self.between, None
+        if between is not None:
+            between()
+        return super().read_data(plan, planner)
+
+
+def _state(seed: int) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    state: dict[str, Any] = {f"w{i}": ms.Parameter(ms.Tensor(rng.standard_normal((64, 96)).astype(np.float32)),
+                                                   name=f"w{i}") for i in range(6)}
+    state["half"] = ms.Tensor(rng.standard_normal((128, 33)).astype(np.float16))
+    return state
+
+
+def _values(state: dict[str, Any]) -> dict[str, np.ndarray]:
+    return {name: value.asnumpy().copy() for name, value in state.items()}
+
+
+def _data_files(path: Path) -> list[Path]:
+    return sorted(path.glob("*.safetensors"))
+
+
+def _replace_with_other_file(data_file: Path) -> None:
+    """Put another file (same size, other bytes: a later save's) under the name, atomically."""
+    other = data_file.with_suffix(".new")
+    other.write_bytes(bytes(255 - b for b in data_file.read_bytes()))
+    os.replace(other, data_file)
+
+
+def _open_in(directory: Path) -> list[str]:
+    """This process's descriptors open on files under ``directory`` (deleted ones too)."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith(str(directory)):
+            found.append(target)
+    return found
+
+
+@pytest.fixture(name="saved")
+def _saved(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
+    state = _state(0)
+    path = tmp_path / "ckpt"
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=4), no_dist=True)
+    assert len(_data_files(path)) == 4
+    return path, _values(state)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("change", ["delete", "replace"])
+def test_files_deleted_or_replaced_between_the_passes_load_as_verified(saved, verify, change) -> None:
+    path, expected = saved
+
+    def between() -> None:
+        for data_file in _data_files(path):
+            if change == "delete":
+                data_file.unlink()
+            else:
+                _replace_with_other_file(data_file)
+
+    target = _state(1)
+    dcp.load(target, storage_reader=BetweenPasses(path, between, verify_checksums=verify), no_dist=True)
+    for name, values in _values(target).items():
+        assert values.tobytes() == expected[name].tobytes(), name
+    assert not _open_in(path)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("change", ["delete", "replace"])
+def test_resharded_narrow_rows_of_a_changed_file_load_as_verified(tmp_path, verify, change) -> None:
+    """A column shard of 2 KiB rows (1 KiB runs): read without readahead, O_DIRECT where the filesystem allows."""
+    full = (np.arange(1024 * 1024, dtype=np.float32) % 2039).reshape(1024, 1024).astype(np.float16)
+    path = tmp_path / "ckpt"
+    dcp.save({"w": ms.Tensor(full)}, checkpoint_id=path, no_dist=True)
+    target = DTensor(ms.Tensor(np.zeros((1024, 512), np.float16)), Layout((2,), (-1, 0)), full.shape, rank=1)
+    act = Path.unlink if change == "delete" else _replace_with_other_file
+    reader = BetweenPasses(path, lambda: [act(f) for f in _data_files(path)], verify_checksums=verify)
+    dcp.load({"w": target}, storage_reader=reader, no_dist=True)
+    assert np.array_equal(target.to_local().asnumpy(), full[:, 512:])
+    assert not _open_in(path)
+
+
+def test_o_direct_reads_the_open_file_not_a_file_that_took_its_name(tmp_path) -> None:
+    data = np.random.default_rng(3).integers(0, 256, 1 << 20, dtype=np.uint8)
+    name = tmp_path / "data.bin"
+    name.write_bytes(data.tobytes())
+    fd = os.open(name, os.O_RDONLY)
+    try:
+        name.unlink()
+        name.write_bytes(bytes(1 << 20))  # another file under the name
+        starts = np.arange(100, 1 << 20, 4096, dtype=np.int64)[:-1]  # 1000-byte runs, one per page
+        got = np.zeros((starts.size, 1000), np.uint8)
+        if not _read_direct(fd, name, "k", starts, 1000, got):
+            pytest.skip("the filesystem of tmp_path refuses O_DIRECT")
+        assert np.array_equal(got, data[starts[:, None] + np.arange(1000)])
+    finally:
+        os.close(fd)
+
+
+class _FailingPlanner(dcp.StandardLoadPlanner):
+    """Fails when the read pass lands its first tensor (a failure after every file was opened)."""
+
+    def apply_tensor(self, item, tensor):
+        raise RuntimeError("planner failed on purpose")
+
+
+def test_no_descriptor_left_after_success_failure_or_a_corrupt_tile(saved) -> None:
+    path, expected = saved
+    target = _state(1)
+    dcp.load(target, storage_reader=dcp.FileSystemReader(path, thread_count=2), no_dist=True)
+    assert not _open_in(path)
+    with pytest.raises(RuntimeError, match="on purpose"):
+        dcp.load(_state(1), storage_reader=dcp.FileSystemReader(path), planner=_FailingPlanner(), no_dist=True)
+    assert not _open_in(path)
+    entries = json.loads((path / "metadata.json").read_text())["storage_data"]
+    entry = next(e for e in entries if e["fqn"] == "w3")
+    data_file = path / entry["file"]
+    raw = bytearray(data_file.read_bytes())
+    raw[entry["byte_offset"] + entry["length"] - 1] ^= 0x10
+    data_file.write_bytes(bytes(raw))
+    target = _state(1)
+    before = _values(target)
+    with pytest.raises(dcp.CorruptCheckpointError, match="w3"):
+        dcp.load(target, storage_reader=dcp.FileSystemReader(path, thread_count=2), no_dist=True)
+    assert all(np.array_equal(values, before[name]) for name, values in _values(target).items())
+    assert not _open_in(path)
+
+
+def test_a_reader_used_without_finish_load_closes_its_files_when_dropped(saved) -> None:
+    path, _ = saved
+    reader = BetweenPasses(path, lambda: None)
+    planner = dcp.StandardLoadPlanner()
+    target = _state(1)
+    metadata = reader.read_metadata()
+    reader.set_up_storage_reader(metadata, True)
+    planner.configure_planner(target, metadata, rank=0, world_size=1, is_coordinator=True)
+    reader.read_data(planner.build_local_plan(), planner).result()
+    assert len(_open_in(path)) == 4  # kept until the load ends
+    del reader
+    assert not _open_in(path)
+
+
+def test_cap_is_a_share_of_the_open_file_limit() -> None:
+    import resource  # pylint: disable=import-outside-toplevel
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    expected = MAX_KEPT_FILES if soft == resource.RLIM_INFINITY else min(MAX_KEPT_FILES, soft // 4)
+    assert keep_cap() == expected
+
+
+def test_retention_deleting_the_step_being_loaded_does_not_fail_the_load(tmp_path) -> None:
+    """A CheckpointManager (max_to_keep=1) saves step 2 while another thread loads step 1: retention deletes step 1
+    between that load's verify pass and its read pass (held there by events), and the load completes."""
+    manager = dcp.CheckpointManager(tmp_path, max_to_keep=1, async_save=False)
+    manager.save(1, _state(10))
+    verified, deleted = threading.Event(), threading.Event()
+
+    def between() -> None:
+        verified.set()
+        assert deleted.wait(WAIT)
+
+    target = _state(1)
+    outcome: list[BaseException | None] = []
+
+    def load() -> None:
+        try:
+            manager.load(target, step=1, storage_reader=BetweenPasses(manager.directory(1), between))
+            outcome.append(None)
+        except BaseException as exc:  # pylint: disable=broad-except
+            outcome.append(exc)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    try:
+        assert verified.wait(WAIT)
+        manager.save(2, _state(20))
+        assert manager.all_steps() == [2] and not Path(manager.directory(1)).exists()
+    finally:
+        deleted.set()
+        loader.join(WAIT)
+    assert outcome == [None]
+    expected = _values(_state(10))
+    assert all(values.tobytes() == expected[name].tobytes() for name, values in _values(target).items())
+
+
+_OVER_THE_CAP = r'''
+import os, resource, sys
+import numpy as np
+import mindspore as ms
+import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel.core.distributed_checkpoint._kept_files import keep_cap
+
+ms.set_device("CPU")
+path = sys.argv[1]
+files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+originals = {name: open(os.path.join(path, name), "rb").read() for name in files}
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+cap = keep_cap()
+assert cap == 16 and len(files) == 40, (cap, len(files))
+
+
+def open_here():
+    count = 0
+    for n in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{n}").startswith(path)
+        except OSError:
+            pass
+    return count
+
+
+class BetweenPasses(dcp.FileSystemReader):
+    def __init__(self, between, **kwargs):
+        super().__init__(path, thread_count=1, **kwargs)  # one thread: files opened in name order
+        self.between = between
+
+    def read_data(self, plan, planner):
+        between, self.between = self.between, None
+        if between is not None:
+            between()
+        return super().read_data(plan, planner)
+
+
+def replace(name):
+    data = open(os.path.join(path, name), "rb").read()
+    with open(os.path.join(path, name + ".new"), "wb") as handle:
+        handle.write(bytes(255 - b for b in data))
+    os.replace(os.path.join(path, name + ".new"), os.path.join(path, name))
+
+
+def restore():
+    for name, data in originals.items():
+        with open(os.path.join(path, name), "wb") as handle:
+            handle.write(data)
+
+
+def targets():
+    return {f"k{i:02d}": ms.Tensor(np.zeros(256, np.float32)) for i in range(40)}
+
+
+def check(state):
+    for i in range(40):
+        assert np.array_equal(state[f"k{i:02d}"].asnumpy(), np.full(256, i, np.float32)), i
+
+
+# Many files under the lowered limit: 16 kept, 24 opened twice by name.
+for verify in (True, False):
+    state = targets()
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path, thread_count=2, verify_checksums=verify), no_dist=True)
+    check(state)
+    assert open_here() == 0
+# A kept file (the 4th opened) replaced between the passes: loaded as verified.
+state = targets()
+dcp.load(state, storage_reader=BetweenPasses(lambda: replace(files[3])), no_dist=True)
+check(state)
+restore()
+# A file beyond the cap (the 30th) replaced, or deleted: refused by name, no target changed.
+for change in ("replace", "delete"):
+    state = targets()
+    name = files[29]
+    act = (lambda: replace(name)) if change == "replace" else (lambda: os.unlink(os.path.join(path, name)))
+    try:
+        dcp.load(state, storage_reader=BetweenPasses(act, verify_checksums=change == "delete"), no_dist=True)
+    except dcp.CheckpointNotFoundError as exc:
+        text = str(exc)
+        assert name in text and "no target was changed" in text and "at most 16 data files" in text, text
+    else:
+        raise AssertionError(f"{change}: a file beyond the cap changed between the passes was not refused")
+    assert all(not value.asnumpy().any() for value in state.values()), change
+    assert open_here() == 0
+    restore()
+print("OK")
+'''
+
+
+def test_over_the_cap_files_are_reopened_and_checked_under_a_lowered_open_file_limit(tmp_path) -> None:
+    path = tmp_path / "ckpt"
+    state = {f"k{i:02d}": ms.Tensor(np.full(256, i, np.float32)) for i in range(40)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=40), no_dist=True)
+    script = tmp_path / "over_the_cap.py"
+    script.write_text(_OVER_THE_CAP)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    result = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=600,
+                            env=env, check=False)
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stdout + result.stderr
