@@ -412,9 +412,11 @@ def phase_load(state: dict[str, Any], path: Path, args: argparse.Namespace,
     """``dcp.load`` into the existing Parameters, warm and cold cache, verification on and off.
 
     Verify on and off alternate run by run (paired: the machine's load drifts alike for both); the
-    process CPU time of each run is recorded too (labels ending in ", CPU"). A cold load's device
-    reads over the data files' size go into ``notes``: above 1.00, pages the verify pass read were
-    evicted before the read pass (this VM's memory reclaim can do that).
+    process CPU time of each run is recorded too (labels ending in ", CPU"). Each run's device
+    reads over the data files' size go into ``notes``: for a cold load above 1.00, pages the verify
+    pass read were evicted before the read pass (this VM's memory reclaim can do that); for a warm
+    load above 0.00, the run was not warm (the pretouch before it evicted cached pages), and its
+    time is a partly cold load's.
     """
     files = data_files(path)
     file_bytes = sum(f.stat().st_size for f in files)
@@ -433,10 +435,9 @@ def phase_load(state: dict[str, Any], path: Path, args: argparse.Namespace,
                 times.setdefault(label, []).append(time.perf_counter() - start)
                 times.setdefault(label + ", CPU", []).append(time.process_time() - cpu)
                 device[verify].append((_device_read_bytes() - before) / file_bytes)
-        if cache == "cold":
-            for verify, ratios_seen in device.items():
-                label = f"dcp.load cold, verify {'on' if verify else 'off'} ({args.threads} threads)"
-                notes[f"device bytes / file bytes, {label}"] = " ".join(f"{d:.2f}" for d in ratios_seen)
+        for verify, ratios_seen in device.items():
+            label = f"dcp.load {cache}, verify {'on' if verify else 'off'} ({args.threads} threads)"
+            notes[f"device bytes / file bytes, {label}"] = " ".join(f"{d:.2f}" for d in ratios_seen)
     return times
 
 

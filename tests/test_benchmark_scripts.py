@@ -88,6 +88,9 @@ def test_benchmark_reports_every_figure_for_both_states(tmp_path):
         for verify in ("on", "off"):  # a cold load's device reads per run, against the files' size
             runs = state["notes"][f"device bytes / file bytes, dcp.load cold, verify {verify} (2 threads)"].split()
             assert runs and all(float(r) > 0 for r in runs), (kind, verify, runs)
+            # a warm load's too (above 0.00: the run was not warm), one per warm run
+            warm = state["notes"][f"device bytes / file bytes, dcp.load warm, verify {verify} (2 threads)"].split()
+            assert len(warm) == 2 and all(float(r) >= 0 for r in warm), (kind, verify, warm)
         assert state["notes"]["async commit thread"] != "MainThread"  # the commit is timed and runs off the caller
         assert f"ratios, state '{kind}'" in proc.stdout
     many = {row["figure"]: row["value"] for row in result["states"]["many"]["ratios"]}

@@ -24,7 +24,8 @@ from hyper_parallel.core.distributed_checkpoint._format.byte_ranges import box_r
 from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM
 from hyper_parallel.core.distributed_checkpoint._run_reads import FileSource, read_runs_verified, read_tiles
 from hyper_parallel.core.distributed_checkpoint._read_priming import PRIME_MIN_BYTES, page_cached, prime
-from hyper_parallel.core.distributed_checkpoint._verify_reads import RegionCheck, verify_regions
+from hyper_parallel.core.distributed_checkpoint._verify_reads import RegionCheck, hash_taken, verify_regions
+from hyper_parallel.core.distributed_checkpoint._verify_share import WindowShare
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import StorageInfo
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, ReadItem
@@ -84,7 +85,25 @@ class VerifyPass:
     ``_open_source``.
     """
 
-    def _verify_group(self, files: list[tuple[str, list[ReadItem]]]) -> int:
+    def _verify_group(self, files: list[tuple[str, list[ReadItem]]], share: WindowShare | None = None) -> int:
+        """Verify ``files`` (this I/O thread's); return the bytes hashed.
+
+        With ``share`` (several I/O threads), the windows of these files are
+        offered to the other threads, and this thread then hashes windows of
+        theirs until every file is verified (:mod:`._verify_share`).
+        """
+        if share is None:
+            return self._verify_files(files, None)
+        try:
+            total = self._verify_files(files, share)
+        except BaseException:
+            share.fail()
+            raise
+        finally:
+            share.owner_done()
+        return total + share.help(hash_taken)
+
+    def _verify_files(self, files: list[tuple[str, list[ReadItem]]], share: WindowShare | None) -> int:
         total = 0
         for relative_path, items in files:
             with self._open_source(relative_path, items) as (source, path, size):  # checks the file's header
@@ -95,7 +114,7 @@ class VerifyPass:
                 if isinstance(source, FileSource) and not source.exact:
                     # Read with readahead: no region gains from a private buffer (see _keep_priority).
                     total += verify_regions(source, path, [check for _, check in checked], self.max_inflight_bytes,
-                                            whole=whole)
+                                            whole=whole, share=share)
                     continue
                 checks = []
                 regions = [(self._keep_priority(check, item, source), item, check) for item, check in checked]
@@ -112,7 +131,7 @@ class VerifyPass:
                         self._kept[item] = kept
                     if item.lengths and rows < item.lengths[0]:  # the rest of the region is verified in place
                         checks.append(_rows_after(check, rows))
-                total += verify_regions(source, path, checks, self.max_inflight_bytes, whole=whole)
+                total += verify_regions(source, path, checks, self.max_inflight_bytes, whole=whole, share=share)
         return total
 
     def _prime(self, source: Any, file_size: int, items: list[ReadItem]) -> None:

@@ -34,6 +34,7 @@ from typing import Iterable, Iterator, Sequence
 
 from hyper_parallel.core.distributed_checkpoint._format.checksum import digests_of
 from hyper_parallel.core.distributed_checkpoint._run_reads import FileSource, scratch
+from hyper_parallel.core.distributed_checkpoint._verify_share import SharedFile, WindowShare
 from hyper_parallel.core.distributed_checkpoint._verify_tiles import bad_tile, bad_tile_scattered, scatters, tile_problem
 from hyper_parallel.core.distributed_checkpoint._verify_windows import (
     NO_TARGET_CHANGED,
@@ -49,7 +50,7 @@ from hyper_parallel.core.distributed_checkpoint._verify_windows import (
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import StorageInfo
 
-__all__ = ["RegionCheck", "announces", "lookahead_limits", "verify_regions"]
+__all__ = ["RegionCheck", "announces", "hash_taken", "lookahead_limits", "verify_regions"]
 
 #: Largest window hashed at once (fits the CPU cache of common machines).
 _CACHE_WINDOW = 8 << 20
@@ -183,31 +184,62 @@ def _announce(fd: int | None, windows: list[Window], readahead: bool) -> None:
             os.posix_fadvise(fd, low, high - low, os.POSIX_FADV_WILLNEED)
 
 
-def _hash_windows(source: FileSource, path: Path, windows: list[Window], blocks: Blocks) -> int:
-    """Hash ``windows`` in file order, announcing the next ones ahead; return the bytes hashed."""
+def _hash_window(source: FileSource, path: Path, window: Window, blocks: Blocks) -> int:
+    """Hash one window; return its bytes verified.
+
+    Raises:
+        CorruptCheckpointError: a mismatch (names the file, key and bytes or tile).
+    """
+    done = False
+    if scatters(source, window):  # read straight into tile order: no second pass to gather tiles
+        done, column = bad_tile_scattered(source.fd, window)
+        problem = tile_problem(window.slab, column)
+    if not done:
+        with _window(source, path, window) as view:
+            problem = _mismatch(view, window, blocks)
+    if problem is not None:
+        raise CorruptCheckpointError(f"checksum mismatch in data file {path}, {problem}: {NO_TARGET_CHANGED}")
+    return window.hashed
+
+
+def _hash_windows(source: FileSource, path: Path, windows: list[Window], blocks: Blocks,
+                  share: WindowShare | None = None) -> int:
+    """Hash ``windows`` in file order, announcing the next ones ahead; return the bytes hashed.
+
+    With ``share``, other I/O threads may take windows from the back meanwhile (:mod:`._verify_share`).
+    """
     fd = getattr(source, "fd", None)
     readahead = not getattr(source, "exact", False)
     limits = lookahead_limits([window.end - window.start for window in windows], _LOOKAHEAD_BYTES)
     announced = 0  # windows[:announced] were announced to the kernel
+    if share is None:
+        hashed = 0
+        for position, window in enumerate(windows):
+            _announce(fd, windows[announced : limits[position]], readahead)
+            announced = limits[position]
+            hashed += _hash_window(source, path, window, blocks)
+        return hashed
     hashed = 0
-    for position, window in enumerate(windows):
-        _announce(fd, windows[announced : limits[position]], readahead)
-        announced = limits[position]
-        done = False
-        if scatters(source, window):  # read straight into tile order: no second pass to gather tiles
-            done, column = bad_tile_scattered(source.fd, window)
-            problem = tile_problem(window.slab, column)
-        if not done:
-            with _window(source, path, window) as view:
-                problem = _mismatch(view, window, blocks)
-        if problem is not None:
-            raise CorruptCheckpointError(f"checksum mismatch in data file {path}, {problem}: {NO_TARGET_CHANGED}")
-        hashed += window.hashed
+    with share.offered(SharedFile(source, path, windows, blocks, limits)) as shared:
+        while (taken := share.take_front(shared)) is not None:
+            position, first, stop = taken
+            _announce(fd, windows[first:stop], readahead)
+            hashed += _hash_window(source, path, windows[position], blocks)
     return hashed
 
 
+def hash_taken(shared: SharedFile, index: int, announce: bool) -> int:
+    """Hash window ``index`` of a file another I/O thread verifies, announcing it first if ``announce`` (see
+    :meth:`.WindowShare.help`)."""
+    window = shared.windows[index]
+    source = shared.source
+    if announce:
+        _announce(getattr(source, "fd", None), [window], not getattr(source, "exact", False))
+    return _hash_window(source, shared.path, window, shared.blocks)
+
+
 def verify_regions(source: FileSource, path: Path, checks: Sequence[RegionCheck], window: int, *,
-                   whole: Iterable[tuple[str, StorageInfo]] = ()) -> int:
+                   whole: Iterable[tuple[str, StorageInfo]] = (), share: WindowShare | None = None) -> int:
     """Verify the checksum blocks of every region in ``checks`` (all in ``source``); return bytes hashed.
 
     Each block or tile of a chunk is hashed once, however many regions of it
@@ -251,4 +283,4 @@ def verify_regions(source: FileSource, path: Path, checks: Sequence[RegionCheck]
     # Windows of a few MiB: a window read into scratch stays in the CPU cache while it is hashed.
     windows += flat_windows(blocks, min(window, _CACHE_WINDOW), sorted(w.start for w in windows))
     windows.sort(key=lambda w: w.start)
-    return _hash_windows(source, path, windows, blocks)
+    return _hash_windows(source, path, windows, blocks, share)

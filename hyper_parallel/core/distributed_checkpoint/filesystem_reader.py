@@ -41,6 +41,7 @@ from hyper_parallel.core.distributed_checkpoint._reader_headers import HeaderChe
 from hyper_parallel.core.distributed_checkpoint._reader_reads import ReadPass
 from hyper_parallel.core.distributed_checkpoint._reader_verify import VerifyPass
 from hyper_parallel.core.distributed_checkpoint._run_reads import FileSource, release_scratch
+from hyper_parallel.core.distributed_checkpoint._verify_share import WindowShare
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
     CheckpointIOError,
@@ -255,8 +256,10 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         # item, which threads would only contend for (the GIL); it runs on this thread.
         if len(work) <= 1 or not self.verify_checksums:
             return sum(self._verify_group(group) for group in work)
+        # The threads share their files' windows, so that they end together (see _verify_share).
+        share = WindowShare(len(work))
         with ThreadPoolExecutor(max_workers=len(work), thread_name_prefix="hp-ckpt-verify") as pool:
-            return sum(pool.map(self._verify_group, work))
+            return sum(pool.map(self._verify_group, work, [share] * len(work)))
 
     def _run_per_file(self, plan: LoadPlan, verb: str, run: Any) -> "Future[None]":
         """Run ``run`` on the plan's items grouped by file and dealt to ``thread_count`` groups (it returns the
