@@ -243,3 +243,31 @@ def test_each_items_facts_are_looked_up_once_per_load(tmp_path: Path, monkeypatc
     assert sorted(calls) == sorted(values)  # once each
     if not verify:  # the header check and the reads take the grouping's lists of facts: no lookup item by item
         assert lookups == []
+
+
+@pytest.mark.parametrize("heap", [True, False])
+def test_metadata_read_into_heap_or_map_decodes_alike_and_refuses_growth(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, heap: bool) -> None:
+    """Metadata under ``_HEAP_READ_BYTES`` is read into a bytearray, larger into an anonymous map: the same
+    records either way; a file longer than its fstat said (it grew while read) and an empty one are refused."""
+    from hyper_parallel.core.distributed_checkpoint import _metadata_file
+
+    values = _values(20, 5)
+    dcp.save(_params(values), checkpoint_id=tmp_path, no_dist=True)
+    expected = dcp.FileSystemReader(tmp_path).read_metadata()
+    if not heap:
+        monkeypatch.setattr(_metadata_file, "_HEAP_READ_BYTES", 0)
+    assert dcp.FileSystemReader(tmp_path).read_metadata() == expected
+    real_fstat = _metadata_file.os.fstat
+
+    class _Shorter:
+        def __init__(self, fd):
+            self.st_size = real_fstat(fd).st_size - 7
+
+    monkeypatch.setattr(_metadata_file.os, "fstat", _Shorter)
+    with pytest.raises(dcp.UnsafeCheckpointError, match="grew past the size"):
+        dcp.FileSystemReader(tmp_path).read_metadata()
+    monkeypatch.setattr(_metadata_file.os, "fstat", real_fstat)
+    (tmp_path / "metadata.json").write_bytes(b"")
+    with pytest.raises(dcp.CorruptCheckpointError):
+        dcp.FileSystemReader(tmp_path).read_metadata()

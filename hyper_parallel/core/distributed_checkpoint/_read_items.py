@@ -66,7 +66,7 @@ class ItemFacts(NamedTuple):
 
 _TENSOR = LoadItemType.TENSOR
 _new_tuple = tuple.__new__  # ItemFacts(...) without its Python-level __new__
-_FIRST = itemgetter(0)  # a batch entry's file offset (a C key function)
+_FIRST, _LENGTH, _TARGET = itemgetter(0), itemgetter(1), itemgetter(3)  # a batch entry's offset, length, target
 
 
 class ItemIndex:
@@ -252,6 +252,7 @@ def read_small_whole(
     # Offset, length, item, target, whether the planner is told (apply_tensor), whether the item has a checksum.
     batch: list[tuple[int, int, ReadItem, np.ndarray, bool, bool]] = []
     rest: list[tuple[ReadItem, np.ndarray | None]] = []
+    applied = False  # some target was acquired (apply_tensor follows its read)
     hook = getattr(planner, "direct_targets", None)  # a planner not derived from LoadPlanner may lack it
     direct = hook() if hook is not None else {}  # targets known writable, contiguous, of the stored dtype
     for item, facts in zip(items, facts if facts is not None else index.facts_list(items)):
@@ -269,8 +270,8 @@ def read_small_whole(
             rest.append((item, dest))
             continue
         batch.append((info.offset, info.length, item, dest, True, info.checksum is not None))
+        applied = True
     batch.sort(key=_FIRST)
-    total = 0
     start = 0
     count = len(batch)
     while start < count:
@@ -281,14 +282,15 @@ def read_small_whole(
             end += 1
         group = batch[start:end]
         length = following - group[0][0]
-        if length and source.readinto_many([entry[3] for entry in group], group[0][0]) != length:
+        if length and source.readinto_many(list(map(_TARGET, group)), group[0][0]) != length:
             raise CorruptCheckpointError(
                 f"data file {path} is truncated while reading key '{group[0][2].storage_index.fqn}'"
             )
-        for _, nbytes, item, dest, apply, checksummed in group:
-            if apply:
-                planner.apply_tensor(item, dest)
-            if not (verified and checksummed):
-                total += nbytes  # verified bytes were counted by the verify pass
+        if applied:  # a target acquired from the planner is handed back once read
+            for _, _, item, dest, apply, _ in group:
+                if apply:
+                    planner.apply_tensor(item, dest)
         start = end
-    return total, rest
+    if not verified:
+        return sum(map(_LENGTH, batch)), rest
+    return sum(entry[1] for entry in batch if not entry[5]), rest  # verified bytes were counted by the verify pass
