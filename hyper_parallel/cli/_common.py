@@ -206,7 +206,10 @@ def read_region(
     reader = checkpoint_reader(directory, verify_checksums=verify_checksums)
     reader.set_up_storage_reader(metadata, True)
     planner = _RegionPlanner(fqn, stored, offsets, target)
-    reader.read_data(planner.build_local_plan(), planner).result()
+    try:
+        reader.read_data(planner.build_local_plan(), planner).result()
+    finally:
+        reader.finish_load()  # closes the data files the read kept open
     return target
 
 
