@@ -1,5 +1,6 @@
 """A load reads the data files its verify pass opened, through the descriptors that pass kept: a file deleted or
-replaced by another between the passes is loaded as verified; beyond the cap of kept files (a share of
+replaced by another between the passes is loaded as verified (retention and re-saves during a load:
+tests/fault/test_fault_concurrency.py); beyond the cap of kept files (a share of
 RLIMIT_NOFILE) a replaced file is refused by name with no target changed; no descriptor outlives the load."""
 
 from __future__ import annotations
@@ -8,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,9 +22,6 @@ from hyper_parallel.core.distributed_checkpoint._device_reads import _read_direc
 from hyper_parallel.core.distributed_checkpoint._kept_files import MAX_KEPT_FILES, keep_cap
 
 ms.set_device("CPU")
-
-WAIT = 120.0  # seconds: a bound on every wait, never reached when the code is right
-
 
 class BetweenPasses(dcp.FileSystemReader):
     """A real reader that runs ``between()`` once after the verify pass, before the read pass.
@@ -191,41 +188,6 @@ def test_cap_is_a_share_of_the_open_file_limit() -> None:
     assert keep_cap() == expected
 
 
-def test_retention_deleting_the_step_being_loaded_does_not_fail_the_load(tmp_path) -> None:
-    """A CheckpointManager (max_to_keep=1) saves step 2 while another thread loads step 1: retention deletes step 1
-    between that load's verify pass and its read pass (held there by events), and the load completes."""
-    manager = dcp.CheckpointManager(tmp_path, max_to_keep=1, async_save=False)
-    manager.save(1, _state(10))
-    verified, deleted = threading.Event(), threading.Event()
-
-    def between() -> None:
-        verified.set()
-        assert deleted.wait(WAIT)
-
-    target = _state(1)
-    outcome: list[BaseException | None] = []
-
-    def load() -> None:
-        try:
-            manager.load(target, step=1, storage_reader=BetweenPasses(manager.directory(1), between))
-            outcome.append(None)
-        except BaseException as exc:  # pylint: disable=broad-except
-            outcome.append(exc)
-
-    loader = threading.Thread(target=load)
-    loader.start()
-    try:
-        assert verified.wait(WAIT)
-        manager.save(2, _state(20))
-        assert manager.all_steps() == [2] and not Path(manager.directory(1)).exists()
-    finally:
-        deleted.set()
-        loader.join(WAIT)
-    assert outcome == [None]
-    expected = _values(_state(10))
-    assert all(values.tobytes() == expected[name].tobytes() for name, values in _values(target).items())
-
-
 _OVER_THE_CAP = r'''
 import os, resource, sys
 import numpy as np
@@ -326,3 +288,34 @@ def test_over_the_cap_files_are_reopened_and_checked_under_a_lowered_open_file_l
     result = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=600,
                             env=env, check=False)
     assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stdout + result.stderr
+
+
+def test_a_file_beyond_the_cap_is_reopened_only_if_it_is_the_one_checked(tmp_path) -> None:
+    """KeptFiles with a cap of 0: the first pass's file is noted by identity; the read pass reopens it by name."""
+    from hyper_parallel.core.distributed_checkpoint._kept_files import KeptFiles  # pylint: disable=import-outside-toplevel
+    from hyper_parallel.core.distributed_checkpoint._run_reads import FileSource  # pylint: disable=import-outside-toplevel
+
+    name = tmp_path / "data.safetensors"
+    name.write_bytes(b"a" * 100)
+    files = KeptFiles()
+    fd = os.open(name, os.O_RDONLY)
+    assert not files.keep("data.safetensors", FileSource(fd), name, "w", os.fstat(fd))  # cap 0: noted, not kept
+    os.close(fd)
+    assert files.get("data.safetensors") is None
+    files.check_reopened(tmp_path)
+    again = files.reopen("data.safetensors", name, "w", tmp_path)
+    assert os.pread(again, 3, 0) == b"aaa"
+    os.close(again)
+    _replace_with_other_file(name)  # same size, another inode
+    with pytest.raises(dcp.CheckpointNotFoundError, match="no target was changed") as checked:
+        files.check_reopened(tmp_path)
+    assert "data.safetensors (key 'w')" in str(checked.value) and "at most 0 data files" in str(checked.value)
+    with pytest.raises(dcp.CheckpointNotFoundError, match="may hold new values"):
+        files.reopen("data.safetensors", name, "w", tmp_path)
+    name.unlink()
+    with pytest.raises(FileNotFoundError, match="deleted or replaced"):
+        files.reopen("data.safetensors", name, "w", tmp_path)
+    files.close_all()
+    with pytest.raises(dcp.CheckpointNotFoundError, match="data.safetensors"):  # not noted: plainly missing
+        files.reopen("data.safetensors", name, "w", tmp_path)
+    assert not _open_in(tmp_path)

@@ -65,16 +65,26 @@ class GatedWriter(dcp.FileSystemWriter):
 
 
 class GatedReader(dcp.FileSystemReader):
-    """Reads data only once ``gate`` opens (the metadata is read, the plan made)."""
+    """Waits for ``gate`` once, at ``at``: ``"verify"``, before the verify pass opens any data file (the metadata
+    is read, the plan made), or ``"read"``, after the verify pass opened and checked every data file."""
 
-    def __init__(self, path: Path, **kwargs: Any) -> None:
+    def __init__(self, path: Path, at: str = "verify", **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
+        self.at = at
         self.gate = threading.Event()
         self.reading = threading.Event()
 
+    def _wait(self, at: str) -> None:
+        if self.at == at and not self.reading.is_set():
+            self.reading.set()
+            assert self.gate.wait(WAIT)
+
+    def verify_data(self, plan: Any) -> Any:
+        self._wait("verify")
+        return super().verify_data(plan)
+
     def read_data(self, plan: Any, planner: Any) -> Any:
-        self.reading.set()
-        assert self.gate.wait(WAIT)
+        self._wait("read")
         return super().read_data(plan, planner)
 
 
@@ -183,12 +193,14 @@ def test_load_while_an_async_resave_of_the_same_id_is_in_flight(tmp_path: Path) 
 # ------------------------------------------------------------------ retention during a load
 
 
-def test_manager_deletes_the_step_a_load_is_about_to_read(tmp_path: Path) -> None:
-    """The step is deleted between the load's planning and its reads: a clear error, never wrong values."""
+@pytest.mark.parametrize("at", ["verify", "read"])
+def test_manager_deletes_the_step_a_load_is_about_to_read(tmp_path: Path, at: str) -> None:
+    """The step is deleted between the load's planning and its verify pass: a clear error, never wrong values;
+    between its verify pass and its read pass: the load completes with the verified bytes (the files stay open)."""
     trainer = dcp.CheckpointManager(tmp_path / "run", max_to_keep=1)
     trainer.save(1, make_state(1))
     evaluator = dcp.CheckpointManager(tmp_path / "run", max_to_keep=1)
-    reader = GatedReader(evaluator.directory(1))
+    reader = GatedReader(evaluator.directory(1), at)
     target = blank_like(make_state(1))
     errors: list[BaseException] = []
 
@@ -205,6 +217,10 @@ def test_manager_deletes_the_step_a_load_is_about_to_read(tmp_path: Path) -> Non
     assert not evaluator.directory(1).exists()
     reader.gate.set()
     thread.join(WAIT)
+    if at == "read":
+        assert not errors, errors
+        assert_same_state(target, make_state(1))
+        return
     assert len(errors) == 1, "the load must fail: its checkpoint is gone"
     error = errors[0]
     assert isinstance(error, dcp.CheckpointNotFoundError), repr(error)
@@ -231,9 +247,11 @@ def test_manager_deletes_the_step_a_load_is_reading(tmp_path: Path) -> None:
     assert_same_state(target, make_state(1))
 
 
-def test_resave_replaces_the_checkpoint_a_load_is_about_to_read(tmp_path: Path) -> None:
+@pytest.mark.parametrize("at", ["verify", "read"])
+def test_resave_replaces_the_checkpoint_a_load_is_about_to_read(tmp_path: Path, at: str) -> None:
+    """As above, for a save to the same id that commits and then removes the previous save's data files."""
     dcp.save(make_state(1), checkpoint_id=tmp_path / "A", no_dist=True)
-    reader = GatedReader(tmp_path / "A")
+    reader = GatedReader(tmp_path / "A", at)
     target = blank_like(make_state(1))
     errors: list[BaseException] = []
 
@@ -246,9 +264,15 @@ def test_resave_replaces_the_checkpoint_a_load_is_about_to_read(tmp_path: Path) 
     thread = threading.Thread(target=load)
     thread.start()
     assert reader.reading.wait(WAIT)
+    old_files = sorted((tmp_path / "A").glob("*.safetensors"))
     dcp.save(make_state(2), checkpoint_id=tmp_path / "A", no_dist=True)  # commits, then drops the old files
+    assert old_files and not any(path.exists() for path in old_files)
     reader.gate.set()
     thread.join(WAIT)
-    assert len(errors) == 1 and isinstance(errors[0], dcp.CheckpointNotFoundError), errors
-    assert "load it again" in str(errors[0])
+    if at == "read":
+        assert not errors, errors
+        assert_same_state(target, make_state(1))
+    else:
+        assert len(errors) == 1 and isinstance(errors[0], dcp.CheckpointNotFoundError), errors
+        assert "load it again" in str(errors[0])
     assert_same_state(load_into_blank(tmp_path / "A", make_state(2)), make_state(2))
