@@ -176,8 +176,10 @@ class SmallRun:
     """The small leaves of a save as :class:`EarlyCopies` placed them, in order (kept for the next save).
 
     Holds the leaves' host arrays weakly (a state dropped between saves is
-    freed) and, per arena, the typed views of their places, which reference
-    arena memory only.
+    freed) and, per arena, typed views of their places, which reference
+    arena memory only. A leaf of a dtype numpy does not define (MindSpore's
+    bfloat16) is copied as unsigned integers of its item size, so no copy
+    calls the dtype's own functions; empty leaves are not copied.
 
     Attributes:
         names: Leaf names, in the order met.
@@ -190,23 +192,43 @@ class SmallRun:
     def __init__(self, *, names: tuple[str, ...], arrays: list[np.ndarray], start: int, offsets: list[int],
                  sizes: list[int], end: int) -> None:
         self.names, self.start, self.offsets, self.sizes, self.end = names, start, offsets, sizes, end
-        self._refs = [weakref.ref(array) for array in arrays]
-        self._shapes = [(array.dtype, array.shape) for array in arrays]
+        # Per leaf: the dtype its copy uses (None: its own) and the dtype and shape of its place; None: empty.
+        self._kinds = [(None if array.dtype.isbuiltin else _SAME_SIZE[array.dtype.itemsize],
+                        array.dtype if array.dtype.isbuiltin else _SAME_SIZE[array.dtype.itemsize], array.shape)
+                       if array.size else None for array in arrays]
+        self._copied = [at for at, kind in enumerate(self._kinds) if kind is not None]
+        self._empty = [at for at, kind in enumerate(self._kinds) if kind is None]
+        self._refs = [weakref.ref(arrays[at]) for at in self._copied]
         self._arena: np.ndarray | None = None
         self._targets: list[np.ndarray] = []
 
     def repeats(self, names: tuple[str, ...], arrays: list[np.ndarray], start: int) -> bool:
-        """Whether ``arrays`` (named ``names``) are the very arrays of this run, to be placed from ``start``."""
-        return (start == self.start and names == self.names and len(arrays) == len(self._refs)
-                and all(map(operator.is_, arrays, [ref() for ref in self._refs])))
+        """Whether ``arrays`` (named ``names``) are the very arrays of this run, to be placed from ``start``.
 
-    def copies(self, arena: np.ndarray, arrays: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """``(place in arena, array)`` of each leaf of ``arrays`` (this run's arrays); the places are made once per arena."""
+        An empty leaf (whose view is made anew each time) only has to stay empty.
+        """
+        if start != self.start or names != self.names or len(arrays) != len(self._kinds):
+            return False
+        copied = arrays if not self._empty else [arrays[at] for at in self._copied]
+        return (all(map(operator.is_, copied, [ref() for ref in self._refs]))
+                and all(arrays[at].size == 0 for at in self._empty))
+
+    def copies(self, arena: np.ndarray, arrays: list[np.ndarray]) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[int]]:
+        """``(place in arena, source)`` and bytes of each non-empty leaf of ``arrays`` (this run's arrays).
+
+        The places are made once per arena.
+        """
+        kinds, offsets, sizes = self._kinds, self.offsets, self.sizes
         if arena is not self._arena:
-            self._targets = [arena[offset : offset + size].view(dtype).reshape(shape)
-                             for offset, size, (dtype, shape) in zip(self.offsets, self.sizes, self._shapes)]
+            self._targets = [arena[offsets[at] : offsets[at] + sizes[at]].view(kinds[at][1]).reshape(kinds[at][2])
+                             for at in self._copied]
             self._arena = arena
-        return list(zip(self._targets, arrays))
+        sources = [arrays[at] if kinds[at][0] is None else arrays[at].view(kinds[at][0]) for at in self._copied]
+        return list(zip(self._targets, sources)), [sizes[at] for at in self._copied]
+
+
+#: Unsigned integer dtype of each item size (copies of a dtype numpy does not define).
+_SAME_SIZE = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
 
 
 class EarlyCopies:
@@ -336,7 +358,7 @@ class EarlyCopies:
         self._issued = len(self._arrays)
         self._arrays = []
         if run is not None:
-            self._copier.add_small(run.copies(self.arena, small), run.sizes)
+            self._copier.add_small(*run.copies(self.arena, small))
         self._copier.release_small()
 
     def _place_small(self) -> SmallRun | None:
