@@ -324,6 +324,7 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
                 f"data file {relative_path} of key '{fqn}' was deleted while loading checkpoint {self.path} "
                 "(deleted or replaced by another save); load it again"
             ) from None
+        source = None
         try:
             source = FileSource(fd)
             size = os.fstat(fd).st_size
@@ -336,6 +337,8 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
             self._check_header(source, path, size, relative_path, items)
             yield source, path, size
         finally:
+            if source is not None and source.ahead is not None:
+                source.ahead.stop()  # nothing more is read ahead of this pass
             os.close(fd)
 
     def _reads_in_part(self, relative_path: str, items: list[ReadItem], file_size: int) -> bool:
