@@ -271,3 +271,14 @@ def test_metadata_read_into_heap_or_map_decodes_alike_and_refuses_growth(
     (tmp_path / "metadata.json").write_bytes(b"")
     with pytest.raises(dcp.CorruptCheckpointError):
         dcp.FileSystemReader(tmp_path).read_metadata()
+
+
+def test_a_sliced_parameter_is_found_among_thousands(tmp_path: Path) -> None:
+    from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import _any_sliced
+
+    params = [ms.Parameter(ms.Tensor(np.ones(2, np.float32)), name=f"w{i}") for i in range(50)]
+    assert not _any_sliced(params) and not _any_sliced([])
+    params[37].sliced = True
+    assert _any_sliced(params) and _any_sliced([object(), params[37]]) and not _any_sliced([object()])
+    with pytest.raises(dcp.SlicedParameterError, match="w37"):
+        dcp.save({p.name: p for p in params}, checkpoint_id=tmp_path, no_dist=True)

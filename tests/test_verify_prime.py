@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
-from hyper_parallel.core.distributed_checkpoint import _read_priming
+from hyper_parallel.core.distributed_checkpoint import _read_priming, _verify_reads
 from hyper_parallel.core.distributed_checkpoint._run_reads import FileSource
 from hyper_parallel.core.distributed_checkpoint._read_priming import PRIME_MIN_BYTES, page_cached, prime
 
@@ -51,10 +51,10 @@ def _record_primes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int,
     calls = []
     real = _read_priming._prime_read
 
-    def recording(fd: int, start: int, count: int) -> None:
+    def recording(fd: int, start: int, count: int, ahead=None) -> None:
         calls.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), start, count * _read_priming._PRIME_PIECE,
                       threading.current_thread().name))
-        real(fd, start, count)
+        real(fd, start, count, ahead)
 
     monkeypatch.setattr(_read_priming, "_prime_read", recording)
     return calls
@@ -164,3 +164,117 @@ def test_priming_read_brings_the_bytes_into_the_page_cache(tmp_path: Path, monke
         assert os.pread(fd, 16, 2 * MIB) == bytes(range(16))  # the file itself is untouched
     finally:
         os.close(fd)
+
+
+def _recorded_fetches(monkeypatch: pytest.MonkeyPatch, *, gate: bool = False) -> list[tuple[int, int]]:
+    """(start, length) of every read that brings bytes into the page cache for the priming thread; they go through.
+
+    ``gate``: the verify pass hashes its first window only after two such reads (the first bytes and one read
+    ahead), so that a fast pass cannot end before the thread reads ahead.
+    """
+    fetches: list[tuple[int, int]] = []
+    real = _read_priming._fetch
+    two = threading.Event()
+
+    def recording(fd: int, start: int, length: int) -> None:
+        real(fd, start, length)
+        fetches.append((start, length))
+        if len(fetches) >= 2:
+            two.set()
+
+    monkeypatch.setattr(_read_priming, "_fetch", recording)
+    if gate:
+        hash_window = _verify_reads._hash_window
+
+        def gated(*args):
+            assert two.wait(timeout=60)
+            return hash_window(*args)
+
+        monkeypatch.setattr(_verify_reads, "_hash_window", gated)
+    return fetches
+
+
+def test_read_ahead_stays_within_its_lead_of_the_verify_pass(tmp_path: Path, monkeypatch) -> None:
+    """After the first bytes, the thread reads ahead only while within the lead of the last byte hashed; it waits
+    for the verify pass's progress, and ends when the pass leaves the file."""
+    monkeypatch.setattr(_read_priming, "_FOLLOW_LEAD", 8 * MIB)
+    monkeypatch.setattr(_read_priming, "_FOLLOW_STEP", 2 * MIB)
+    fetches = _recorded_fetches(monkeypatch)
+    data = tmp_path / "data.bin"
+    data.write_bytes(np.zeros(32 * MIB, dtype=np.uint8).tobytes())
+    ahead = _read_priming.ReadAhead(0, 32 * MIB)
+    blocked = threading.Event()
+    wait_room = ahead.wait_room
+
+    def watched(position: int) -> bool:
+        if position >= ahead.reached + 8 * MIB and not ahead.stopped:
+            blocked.set()  # about to wait for the verify pass
+        return wait_room(position)
+
+    ahead.wait_room = watched
+    fd = os.open(data, os.O_RDONLY)
+    thread = threading.Thread(target=_read_priming._prime_read, args=(fd, 0, 4, ahead))  # first 1 MiB, then ahead
+    thread.start()
+    assert blocked.wait(timeout=60)
+    assert fetches == [(0, MIB), (MIB, 2 * MIB), (3 * MIB, 2 * MIB), (5 * MIB, 2 * MIB), (7 * MIB, 2 * MIB)]
+    blocked.clear()
+    ahead.advance(10 * MIB)  # the verify pass hashed 10 MiB: room up to 18 MiB
+    assert blocked.wait(timeout=60)
+    assert fetches[5:] == [(start * MIB, 2 * MIB) for start in (9, 11, 13, 15, 17)]
+    ahead.advance(5 * MIB)  # never backwards
+    assert ahead.reached == 10 * MIB
+    ahead.stop()
+    thread.join(timeout=60)
+    assert not thread.is_alive() and len(fetches) == 10  # stopped: nothing more read ahead
+    done = _read_priming.ReadAhead(0, 7 * MIB)
+    done.advance(7 * MIB)
+    fetches.clear()
+    _read_priming._prime_read(os.open(data, os.O_RDONLY), 0, 4, done)  # room for all: up to the end, no further
+    assert fetches == [(0, MIB), (MIB, 2 * MIB), (3 * MIB, 2 * MIB), (5 * MIB, 2 * MIB)]
+
+
+def test_cold_load_reads_ahead_of_its_verify_pass_each_byte_once(saved, monkeypatch) -> None:
+    """A cold file needing more than the first priming read is read ahead of the verify pass, in file order, each
+    needed byte at most once and none outside them; the load is bit-exact, the thread ends with the load."""
+    path, expected = saved
+    monkeypatch.setattr(_read_priming, "_PRIME_BYTES", 2 * MIB)
+    monkeypatch.setattr(_read_priming, "_FOLLOW_LEAD", 4 * MIB)
+    monkeypatch.setattr(_read_priming, "_FOLLOW_STEP", MIB)
+    fetches = _recorded_fetches(monkeypatch, gate=True)
+    _evict(path)
+    target = _state(1)
+    reader = dcp.FileSystemReader(path, thread_count=2)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    for name, values in _bytes(target).items():
+        assert np.array_equal(values, expected[name]), name
+    entries = json.loads((path / "metadata.json").read_text())["storage_data"]
+    first = min(e["byte_offset"] for e in entries)
+    end = max(e["byte_offset"] + e["length"] for e in entries)
+    for thread in threading.enumerate():
+        if thread.name == "hp-ckpt-prime":
+            thread.join(timeout=60)
+    assert fetches[0] == (first, 2 * MIB) and len(fetches) > 1  # the first bytes, then ahead of the pass
+    assert all(a + n == b for (a, n), (b, _) in zip(fetches, fetches[1:]))  # in order, no byte twice
+    assert fetches[-1][0] + fetches[-1][1] <= end
+    assert reader.bytes_verified == sum(v.nbytes for v in expected.values())
+
+
+def test_corrupt_byte_past_the_first_priming_read_is_refused_with_every_target_unchanged(saved, monkeypatch) -> None:
+    path, _ = saved
+    monkeypatch.setattr(_read_priming, "_PRIME_BYTES", 2 * MIB)
+    monkeypatch.setattr(_read_priming, "_FOLLOW_STEP", MIB)
+    fetches = _recorded_fetches(monkeypatch, gate=True)
+    entry = next(e for e in json.loads((path / "metadata.json").read_text())["storage_data"] if e["fqn"] == "w5")
+    data = path / entry["file"]
+    raw = bytearray(data.read_bytes())
+    raw[entry["byte_offset"] + entry["length"] - 1] ^= 0x10
+    data.write_bytes(bytes(raw))
+    _evict(path)
+    target = _state(2)
+    before = _bytes(target)
+    with pytest.raises(dcp.CorruptCheckpointError) as caught:
+        dcp.load(target, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    assert "key 'w5'" in str(caught.value) and data.name in str(caught.value)
+    assert "no target was changed" in str(caught.value) and len(fetches) > 1
+    for name, values in _bytes(target).items():
+        assert np.array_equal(values, before[name]), name

@@ -5,6 +5,7 @@ file and key with no target changed)."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -140,3 +141,28 @@ def test_owner_waits_for_windows_taken_from_its_file_before_it_closes() -> None:
     owning.join(timeout=60)
     helper.join(timeout=60)
     assert left.is_set() and hashed == [3] and shared.back == shared.front == 1
+
+
+def test_windows_taken_from_a_file_read_without_readahead_are_announced_once(saved, monkeypatch) -> None:
+    """Without readahead every hashed byte is announced (POSIX_FADV_WILLNEED) once: the owner announces the windows
+    ahead that no helper took, a helper the ones it takes past them."""
+    path, entries, expected = saved
+    big = entries["big"]
+    monkeypatch.setattr(_verify_reads, "_LOOKAHEAD_BYTES", 0)  # the owner announces only the window it hashes
+    _record_windows(monkeypatch, big["file"], big["byte_offset"])
+    calls: list[tuple[str, int, int]] = []
+    fadvise = os.posix_fadvise
+
+    def recording(fd, offset, length, advice):
+        if advice == os.POSIX_FADV_WILLNEED:
+            calls.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), offset, length))
+        return fadvise(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", recording)
+    target = _state(3)
+    dcp.load(target, storage_reader=dcp.FileSystemReader(path, thread_count=2, no_readahead=True), no_dist=True)
+    assert all(np.array_equal(got, expected[name]) for name, got in _bytes(target).items())
+    announced = sorted((offset, offset + length) for name, offset, length in calls if name == big["file"])
+    assert all(a[1] <= b[0] for a, b in zip(announced, announced[1:]))  # no byte announced twice
+    assert sum(end - start for start, end in announced) == big["length"]  # every hashed byte
+    assert announced[0][0] == big["byte_offset"] and announced[-1][1] == big["byte_offset"] + big["length"]

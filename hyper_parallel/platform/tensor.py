@@ -23,7 +23,7 @@ import os
 import sys
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -37,6 +37,7 @@ __all__ = [
     "writable_view",
     "writable_views",
     "shared_view",
+    "shared_view_reader",
     "host_memory_shared",
     "assign_region",
     "to_numpy_dtype",
@@ -163,6 +164,37 @@ def shared_view(value: Any) -> np.ndarray | None:
     the tensor dies.
     """
     return _host_view(value) if host_memory_shared(value) else None
+
+
+def shared_view_reader() -> Callable[[Any], np.ndarray | None]:
+    """:func:`shared_view` for a pass over many tensors: the environment is read once, by this call.
+
+    The returned function gives a numpy array its own self, a MindSpore
+    tensor in host memory its cached view, anything else ``None`` (a layout
+    pass over thousands of Parameters spares a lookup of the environment and
+    two calls per tensor).
+    """
+    if os.environ.get(DEVICE_COPIES_ENV) == "1":
+        return _array_only
+    return _host_or_none
+
+
+def _array_only(value: Any) -> np.ndarray | None:
+    return value if isinstance(value, np.ndarray) else None
+
+
+def _host_or_none(value: Any) -> np.ndarray | None:
+    """:func:`shared_view` with the environment known not to force copies."""
+    if isinstance(value, np.ndarray):
+        return value
+    device = getattr(value, "device", None)
+    if isinstance(device, str) and device:
+        host = _HOST_DEVICES.get(device)
+        if host is None:
+            host = _on_host(value)
+        if not host:
+            return None
+    return _host_view(value)
 
 
 def _host_view(value: Any, shape: tuple[int, ...] | None = None) -> np.ndarray | None:

@@ -15,6 +15,7 @@ Parameters become dicts of the same names).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Mapping, Union
 
 from hyper_parallel.core.distributed_checkpoint._flatten import flatten_state_dict, set_by_path
@@ -34,6 +35,7 @@ __all__ = [
 ]
 
 _SHOWN = 10
+_SLICED = attrgetter("sliced")
 
 
 @dataclass(frozen=True)
@@ -180,7 +182,7 @@ def apply_mindspore_layouts(state_dict: dict[str, Any], *, source: LayoutArgumen
         StrategyFileError / LayoutError: As :func:`hyper_parallel.layouts_from_strategy`.
     """
     layouts = resolve_layouts(source, state_dict, rank=rank)
-    if not layouts and not any(getattr(p, "sliced", False) for p in _parameters(state_dict)):
+    if not layouts and not _any_sliced(_parameters(state_dict)):
         return state_dict
     cells = (source.cells if isinstance(source, LayoutSources) else ()) + cells_in(state_dict)
     wrapper = _Wrapper(layouts, rank, _cell_slice_shapes(cells))
@@ -210,6 +212,15 @@ def copy_back_values(loaded: dict[str, Any], state_dict: dict[str, Any]) -> None
     for name, value in after.values.items():
         if name in before and before[name] is not value and not isinstance(value, DTensor):
             set_by_path(state_dict, after.paths[name], value)
+
+
+def _any_sliced(params: list[Any]) -> bool:
+    """Whether any of ``params`` is marked ``sliced`` (read by a C getter: one per Parameter of a state of
+    thousands; an object without the attribute counts as not sliced)."""
+    try:
+        return any(map(_SLICED, params))
+    except AttributeError:
+        return any(getattr(p, "sliced", False) for p in params)
 
 
 def _parameters(obj: Any) -> list[Any]:

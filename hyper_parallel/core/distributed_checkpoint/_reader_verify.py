@@ -135,11 +135,13 @@ class VerifyPass:
         return total
 
     def _prime(self, source: Any, file_size: int, items: list[ReadItem]) -> None:
-        """Start the device on the first bytes ``items`` need of a file just opened (see :func:`._read_priming.prime`).
+        """Start the device on the bytes ``items`` need of a file just opened (see :func:`._read_priming.prime`).
 
         Called once per file and load, before its header is checked: the
         device reads while the header check and the verify pass's windows
-        are prepared. Files smaller than the priming threshold are skipped
+        are prepared, then ahead of the windows hashed (``source.ahead``,
+        told of each window by the verify pass, stopped when the file is
+        closed). Files smaller than the priming threshold are skipped
         without looking at their items, and so is a file whose first item's
         bytes are cached (a warm load: one probe).
         """
@@ -149,7 +151,8 @@ class VerifyPass:
         if page_cached(source, facts_of(items[0]).info.offset):
             return
         infos = [facts_of(item).info for item in items]
-        prime(source, min(info.offset for info in infos), max(info.offset + info.length for info in infos))
+        source.ahead = prime(source, min(info.offset for info in infos),
+                             max(info.offset + info.length for info in infos))
 
     def _small_flat(self, source: Any, file_size: int, items: list[ReadItem]
                     ) -> tuple[list[tuple[str, StorageInfo]], list[ReadItem]]:

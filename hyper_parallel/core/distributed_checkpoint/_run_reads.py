@@ -13,6 +13,7 @@ import math
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -36,11 +37,14 @@ class FileSource:
         fd: The open file.
         exact: The file is read without readahead; scattered runs go through
             :func:`._device_reads.read_runs_exact` (set by the reader).
+        ahead: The thread reading a cold file ahead of the verify pass, told of its progress
+            (:class:`._read_priming.ReadAhead`; set by the reader when it primes the file).
     """
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.exact = False
+        self.ahead: Any = None
 
     def readinto(self, buffer: np.ndarray, offset: int) -> int:
         """Fill ``buffer`` from byte ``offset``; return the bytes got (short at the end of the file)."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import sys
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -39,7 +40,7 @@ from hyper_parallel.core.distributed_checkpoint._state_items import (
 )
 from hyper_parallel.core.distributed_checkpoint.mapping import ShardedTensor
 from hyper_parallel.core.dtensor import DTensor
-from hyper_parallel.platform.tensor import DTYPE_NAMES, is_tensor, shared_view, to_numpy
+from hyper_parallel.platform.tensor import DTYPE_NAMES, is_tensor, shared_view, shared_view_reader, to_numpy
 
 __all__ = ["LayoutDescription", "LayoutListener", "LeafSource", "describe_layout", "plain_tensor", "leaf_array", "host_array", "piece_array"]
 
@@ -105,6 +106,16 @@ def host_array(value: Any) -> np.ndarray | None:
     return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
 
+def _plain_class(cls: type) -> bool:
+    """Whether values of class ``cls`` may be whole tensors (:func:`plain_tensor`, before a numpy array's dtype test)."""
+    if issubclass(cls, np.ndarray):
+        return True
+    if issubclass(cls, (DTensor, ShardedTensor)):
+        return False
+    ms = sys.modules.get("mindspore")
+    return ms is not None and issubclass(cls, ms.Tensor)
+
+
 def _dtype_name(dtype: np.dtype) -> str | None:
     """The stored dtype name of a numpy dtype (``None``: not storable)."""
     name = _NUMPY_NAMES.get(dtype)
@@ -152,20 +163,28 @@ def describe_layout(planner: Any, listener: LayoutListener | None = None) -> Lay
     total = 0
     storage_keys = flat.storage_keys
     arrays = planner.leaf_arrays
+    view_of = shared_view_reader()
+    plain_types: dict[type, bool] = {}  # a leaf's class -> whether it is a whole tensor (numpy: see plain_tensor)
     for name, value in flat.values.items():
         fqn = storage_keys[name]
-        if plain_tensor(value):
-            array = host_array(value)
+        plain = plain_types.get(type(value))
+        if plain is None:
+            plain = plain_types[type(value)] = _plain_class(type(value))
+        if plain and (not isinstance(value, np.ndarray) or value.dtype != object):
+            array = view_of(value)
+            if array is not None and not (array.flags.c_contiguous and array.dtype.isnative):
+                array = host_array(value)
             dtype = _dtype_name(array.dtype) if array is not None else None
             if dtype is None:  # device memory (not copied out here), or a dtype to report against its key
                 shape, dtype = tuple(value.shape), planner.classify_dtype(fqn, value)
+                total += math.prod(shape) * DTYPE_NAMES[dtype]
             else:
                 shape = array.shape
                 arrays[name] = array
+                total += array.nbytes
                 if listener is not None:
                     listener.leaf(name, array)
             rows.append((name, fqn, dtype, shape))
-            total += math.prod(shape) * DTYPE_NAMES[dtype]
             pieces += 1
             if later is not None:
                 later.append((fqn, (0,) * len(shape), array if array is not None else leaf_array(value)))

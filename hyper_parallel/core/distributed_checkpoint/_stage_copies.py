@@ -26,16 +26,20 @@ as it is met, and a copy ahead that no leaf adopts is dropped (:attr:`EarlyCopie
 
 from __future__ import annotations
 
+import operator
 import sys
+import weakref
+from bisect import bisect_left
 from concurrent.futures import Future
 from contextlib import contextmanager
+from itertools import accumulate
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._lazy_pool import lazy_executor
 
-__all__ = ["STAGING_THREADS", "SMALL_COPY_BYTES", "Copier", "EarlyCopies", "arena_bytes", "gil_handoff", "round_up", "ALIGN"]
+__all__ = ["STAGING_THREADS", "SMALL_COPY_BYTES", "Copier", "EarlyCopies", "SmallRun", "arena_bytes", "gil_handoff", "round_up", "ALIGN"]
 
 #: Threads copying into staging buffers.
 STAGING_THREADS = 2
@@ -86,7 +90,7 @@ class Copier:
         self._batch: list[tuple[np.ndarray, np.ndarray]] = []
         self._batch_bytes = 0
         self._small: list[tuple[np.ndarray, np.ndarray]] = []
-        self._small_bytes = 0
+        self._small_sizes: list[int] = []
         self._turn = 0
 
     def add(self, target: np.ndarray, source: np.ndarray) -> None:
@@ -94,7 +98,7 @@ class Copier:
         nbytes = source.size
         if nbytes < SMALL_COPY_BYTES:
             self._small.append((target, source))
-            self._small_bytes += nbytes
+            self._small_sizes.append(nbytes)
             return
         for start in range(0, nbytes, _PIECE_BYTES):
             self._batch.append((target[start : start + _PIECE_BYTES], source[start : start + _PIECE_BYTES]))
@@ -113,16 +117,19 @@ class Copier:
     def _submit(self, batch: list[tuple[np.ndarray, np.ndarray]]) -> None:
         self._pending.append(lazy_executor("stage", STAGING_THREADS).submit(_copy_all, batch))
 
+    def add_small(self, pairs: list[tuple[np.ndarray, np.ndarray]], sizes: list[int]) -> None:
+        """Hold the copies ``pairs`` (``(target, source)`` of one dtype and shape, each under
+        :data:`SMALL_COPY_BYTES`, of ``sizes`` bytes)."""
+        self._small.extend(pairs)
+        self._small_sizes.extend(sizes)
+
     def _split_small(self, shares: int) -> list[list[tuple[np.ndarray, np.ndarray]]]:
         """The held small copies in ``shares`` runs of about equal bytes (in order); none are held after."""
-        small, total = self._small, self._small_bytes
-        self._small, self._small_bytes = [], 0
-        runs: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(shares)]
-        done, share = 0, max(1, -(-total // shares))
-        for pair in small:
-            runs[min(done // share, shares - 1)].append(pair)
-            done += pair[1].size
-        return [run for run in runs if run]
+        small, ends = self._small, list(accumulate(self._small_sizes))
+        self._small, self._small_sizes = [], []
+        share = max(1, -(-ends[-1] // shares)) if ends else 1
+        cuts = [0] + [bisect_left(ends, share * part) for part in range(1, shares)] + [len(small)]
+        return [small[start:stop] for start, stop in zip(cuts, cuts[1:]) if stop > start]
 
     def release_small(self) -> None:
         """Hand the held small copies to the threads now (the caller's thread stops running Python soon)."""
@@ -165,6 +172,78 @@ def gil_handoff() -> Iterator[None]:
         sys.setswitchinterval(previous)
 
 
+class SmallRun:
+    """The small leaves of a save as :class:`EarlyCopies` placed them, in order (kept for the next save).
+
+    Holds the leaves' host arrays weakly (a state dropped between saves is
+    freed) and, per arena, typed views of their places, which reference
+    arena memory only. A leaf of a dtype numpy does not define (MindSpore's
+    bfloat16) is copied as unsigned integers of its item size, so no copy
+    calls the dtype's own functions; empty leaves are not copied.
+
+    Attributes:
+        names: Leaf names, in the order met.
+        start: Arena offset of the first.
+        offsets: Arena offset of each.
+        sizes: Bytes of each.
+        end: Arena offset after the last (aligned).
+    """
+
+    def __init__(self, *, names: tuple[str, ...], arrays: list[np.ndarray], start: int, offsets: list[int],
+                 sizes: list[int], end: int) -> None:
+        self.names, self.start, self.offsets, self.sizes, self.end = names, start, offsets, sizes, end
+        # Per leaf: the dtype its copy uses (None: its own) and the dtype and shape of its place; None: empty.
+        self._kinds = [(None if array.dtype.isbuiltin else _SAME_SIZE[array.dtype.itemsize],
+                        array.dtype if array.dtype.isbuiltin else _SAME_SIZE[array.dtype.itemsize], array.shape)
+                       if array.size else None for array in arrays]
+        self._copied = [at for at, kind in enumerate(self._kinds) if kind is not None]
+        self._empty = [at for at, kind in enumerate(self._kinds) if kind is None]
+        self._refs = [weakref.ref(arrays[at]) for at in self._copied]
+        self._arena: np.ndarray | None = None
+        self._targets: list[np.ndarray] = []
+
+    @classmethod
+    def place(cls, names: tuple[str, ...], arrays: list[np.ndarray], start: int) -> "SmallRun":
+        """The run of ``arrays`` (named ``names``, at least one) placed in order from arena offset ``start``."""
+        sizes = [array.nbytes for array in arrays]
+        offsets = list(accumulate((round_up(size, ALIGN) for size in sizes[:-1]), initial=start))
+        return cls(names=names, arrays=arrays, start=start, offsets=offsets, sizes=sizes,
+                   end=offsets[-1] + round_up(sizes[-1], ALIGN))
+
+    def repeats(self, names: tuple[str, ...], arrays: list[np.ndarray], start: int) -> bool:
+        """Whether ``arrays`` (named ``names``) are the very arrays of this run, to be placed from ``start``.
+
+        An empty leaf (whose view is made anew each time) only has to stay empty.
+        """
+        if start != self.start or names != self.names or len(arrays) != len(self._kinds):
+            return False
+        copied = arrays if not self._empty else [arrays[at] for at in self._copied]
+        return (all(map(operator.is_, copied, [ref() for ref in self._refs]))
+                and all(arrays[at].size == 0 for at in self._empty))
+
+    def make_places(self, arena: np.ndarray) -> None:
+        """Make the typed views of the places in ``arena`` (kept until another arena is given)."""
+        if arena is not self._arena:
+            kinds, offsets, sizes = self._kinds, self.offsets, self.sizes
+            self._targets = [arena[offsets[at] : offsets[at] + sizes[at]].view(kinds[at][1]).reshape(kinds[at][2])
+                             for at in self._copied]
+            self._arena = arena
+
+    def copies(self, arena: np.ndarray, arrays: list[np.ndarray]) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[int]]:
+        """``(place in arena, source)`` and bytes of each non-empty leaf of ``arrays`` (this run's arrays).
+
+        The places are made once per arena.
+        """
+        self.make_places(arena)
+        kinds, sizes = self._kinds, self.sizes
+        sources = [arrays[at] if kinds[at][0] is None else arrays[at].view(kinds[at][0]) for at in self._copied]
+        return list(zip(self._targets, sources)), [sizes[at] for at in self._copied]
+
+
+#: Unsigned integer dtype of each item size (copies of a dtype numpy does not define).
+_SAME_SIZE = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
+
+
 class EarlyCopies:
     """Whole tensors copied into the arena while the save is planned. Caller's thread.
 
@@ -198,6 +277,7 @@ class EarlyCopies:
         *,
         minimum: int = 0,
         ahead: Iterable[tuple[str, np.ndarray]] = (),
+        small_run: SmallRun | None = None,
     ) -> None:
         self.arena = arena
         self._minimum = minimum
@@ -210,7 +290,9 @@ class EarlyCopies:
         self._copier = Copier(caller_share=False)
         self._done = False
         self._ahead: dict[str, np.ndarray] = {}
-        self._small: list[tuple[str, np.ndarray]] = []  # met, placed by described()
+        self._small_names: list[str] = []  # small leaves met, placed by described()
+        self._small_arrays: list[np.ndarray] = []
+        self.small_run = small_run
         self.adopted = 0
         self.missed = 0
         for name, array in ahead:
@@ -233,7 +315,8 @@ class EarlyCopies:
                     self._copy_again(name, array)
                     return
         if array.nbytes < SMALL_COPY_BYTES:  # placed after the large ones, when the pass is over (see the class)
-            self._small.append((name, array))
+            self._small_names.append(name)
+            self._small_arrays.append(array)
             return
         self._place(name, array)
 
@@ -271,9 +354,8 @@ class EarlyCopies:
         part only, for the early copies (the other items of a grown state get
         buffers of their own at staging).
         """
-        for name, array in self._small:
-            self._place(name, array)
-        self._small = []
+        small = self._small_arrays
+        run = self._place_small()
         self.settle()
         if not self.placed:
             return
@@ -288,7 +370,28 @@ class EarlyCopies:
                 self._copier.add(self.arena[offset : offset + source.size], source)
         self._issued = len(self._arrays)
         self._arrays = []
+        if run is not None:
+            self._copier.add_small(*run.copies(self.arena, small))
         self._copier.release_small()
+
+    def _place_small(self) -> SmallRun | None:
+        """Place the small leaves met, in order, after the others; ``None`` if none was met.
+
+        A save meeting the very arrays the previous one placed at the same
+        offset (a steady save of the same state) takes its places, and its
+        copy list while the arena is the same, instead of placing each leaf.
+        """
+        names, arrays = tuple(self._small_names), self._small_arrays
+        self._small_names, self._small_arrays = [], []
+        if not names:
+            return None
+        run = self.small_run
+        if run is None or not run.repeats(names, arrays, self.end):
+            run = SmallRun.place(names, arrays, self.end)
+        self.placed.update(zip(names, zip(run.offsets, run.sizes)))
+        self.end = run.end
+        self.small_run = run
+        return run
 
     def settle(self) -> None:
         """Give up the copies ahead no leaf adopted (their places stay unused); count them in :attr:`missed`."""

@@ -28,6 +28,7 @@ from hyper_parallel.core.distributed_checkpoint._stage_copies import (
     STAGING_THREADS,
     Copier,
     EarlyCopies,
+    SmallRun,
     round_up,
 )
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex
@@ -77,6 +78,7 @@ class StagingPool:
         self._written_leaves: frozenset[str] = frozenset()
         self._expected: tuple[tuple[str, weakref.ref[Any]], ...] = ()
         self._guessed_wrong = False
+        self._small_run: SmallRun | None = None  # the small leaves' places of the last save (EarlyCopies)
         self.reused = 0
         self.allocated = 0
         self.arenas = 0
@@ -99,6 +101,7 @@ class StagingPool:
         self._arena = None
         self._forget_layout()
         self._expected, self._guessed_wrong = (), False
+        self._small_run = None
 
     def prefault(self, nbytes: int) -> None:
         """Map (if needed) an arena of at least ``nbytes`` and fault every page in. Background thread.
@@ -126,7 +129,7 @@ class StagingPool:
             ahead: Leaves to copy at once (:meth:`expected`, as host arrays).
         """
         return EarlyCopies(self._arena, None if every_leaf else self._written_leaves, self._grow,
-                           minimum=0 if every_leaf else self._needed, ahead=ahead)
+                           minimum=0 if every_leaf else self._needed, ahead=ahead, small_run=self._small_run)
 
     def expect(self, leaves: Iterable[tuple[str, Any, int]], *, missed: int = 0, fresh: bool = False) -> None:
         """Remember the whole tensors the next save copies ahead: ``(leaf name, tensor, bytes)``. Any thread.
@@ -146,6 +149,21 @@ class StagingPool:
                 except TypeError:  # pragma: no cover - a tensor type without weak references
                     continue
         self._expected = tuple(expected)
+
+    def expect_small(self, names: tuple[str, ...], arrays: list[np.ndarray], start: int) -> None:
+        """Place the small leaves the next save is expected to meet (``prepare_async_save``). Caller's thread.
+
+        ``arrays`` are their host arrays as the layout pass will meet them,
+        placed in order from ``start`` (where the copies ahead end). A save
+        meeting other arrays places its own (:class:`.SmallRun`).
+        """
+        self._small_run = SmallRun.place(names, arrays, start) if names else None
+
+    def make_small_places(self) -> None:
+        """Make the expected small leaves' places in the arena (a background thread, after :meth:`prefault`)."""
+        run, arena = self._small_run, self._arena
+        if run is not None and arena is not None and run.end <= arena.size:
+            run.make_places(arena)
 
     def expected(self) -> list[tuple[str, Any]]:
         """The remembered large tensors that still live, in order (none while copying ahead is off)."""
@@ -207,6 +225,7 @@ class StagingPool:
             counted = self._copy(layout, data_of, staged)
         finally:
             early.wait()
+        self._small_run = early.small_run
         self.early_copied += len(early.placed)
         self.ahead_adopted += early.adopted
         self.ahead_missed += early.missed

@@ -212,12 +212,15 @@ def _hash_windows(source: FileSource, path: Path, windows: list[Window], blocks:
     readahead = not getattr(source, "exact", False)
     limits = lookahead_limits([window.end - window.start for window in windows], _LOOKAHEAD_BYTES)
     announced = 0  # windows[:announced] were announced to the kernel
+    ahead = getattr(source, "ahead", None)  # a cold file's read ahead of this pass (see _read_priming)
     if share is None:
         hashed = 0
         for position, window in enumerate(windows):
             _announce(fd, windows[announced : limits[position]], readahead)
             announced = limits[position]
             hashed += _hash_window(source, path, window, blocks)
+            if ahead is not None:
+                ahead.advance(window.end)
         return hashed
     hashed = 0
     with share.offered(SharedFile(source, path, windows, blocks, limits)) as shared:
@@ -225,6 +228,8 @@ def _hash_windows(source: FileSource, path: Path, windows: list[Window], blocks:
             position, first, stop = taken
             _announce(fd, windows[first:stop], readahead)
             hashed += _hash_window(source, path, windows[position], blocks)
+            if ahead is not None:
+                ahead.advance(windows[position].end)
     return hashed
 
 

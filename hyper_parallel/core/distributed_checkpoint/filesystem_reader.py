@@ -355,6 +355,7 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
                     "(deleted or replaced by another save); load it again"
                 ) from None
         kept = False
+        source = None
         try:
             source = FileSource(fd)
             stat = os.fstat(fd)
@@ -369,6 +370,8 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
             kept = first_open and self._files.keep(relative_path, source, path, fqn, stat)
             yield source, path, size
         finally:
+            if source is not None and source.ahead is not None:
+                source.ahead.stop()  # nothing more is read ahead of this pass
             if not kept:
                 os.close(fd)
 
