@@ -17,6 +17,8 @@ import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.core.distributed_checkpoint import _read_priming, _reader_verify, _verify_reads
 from hyper_parallel.core.distributed_checkpoint._verify_share import SharedFile, WindowShare
 
+from page_cache import evict
+
 ms.set_device("CPU")
 
 MIB = 1 << 20
@@ -34,16 +36,22 @@ def _bytes(state: dict[str, ms.Parameter]) -> dict[str, np.ndarray]:
     return {name: p.asnumpy().reshape(-1).view(np.uint8).copy() for name, p in state.items()}
 
 
+def _save(path: Path, threads: int) -> tuple[Path, dict, dict[str, np.ndarray]]:
+    """Save the state with ``threads`` writer threads (data files); its directory, storage entries by key, bytes."""
+    state = _state(0)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=threads, checksum_block_bytes=BLOCK),
+             no_dist=True)
+    entries = {e["fqn"]: e for e in json.loads((path / "metadata.json").read_text())["storage_data"]}
+    assert entries["big"]["checksum"]["block_shape"] == [64, 256]
+    return path, entries, _bytes(state)
+
+
 @pytest.fixture(name="saved")
 def _saved(tmp_path: Path) -> tuple[Path, dict, dict[str, np.ndarray]]:
     """Two data files: "big" alone in one (32 windows), "bias" in the other (one small block)."""
-    state = _state(0)
-    path = tmp_path / "ckpt"
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=2, checksum_block_bytes=BLOCK),
-             no_dist=True)
-    entries = {e["fqn"]: e for e in json.loads((path / "metadata.json").read_text())["storage_data"]}
-    assert entries["big"]["file"] != entries["bias"]["file"] and entries["big"]["checksum"]["block_shape"] == [64, 256]
-    return path, entries, _bytes(state)
+    saved = _save(tmp_path / "ckpt", 2)
+    assert saved[1]["big"]["file"] != saved[1]["bias"]["file"]
+    return saved
 
 
 def _record_windows(monkeypatch, big_file: str, first_start: int) -> list[tuple[str, int]]:
@@ -172,13 +180,9 @@ def test_windows_taken_from_a_file_read_without_readahead_are_announced_once(sav
 @pytest.fixture(name="one_file")
 def _one_file(tmp_path: Path) -> tuple[Path, dict, dict[str, np.ndarray]]:
     """The same state in one data file (saved with one thread)."""
-    state = _state(0)
-    path = tmp_path / "one"
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=1, checksum_block_bytes=BLOCK),
-             no_dist=True)
-    entries = {e["fqn"]: e for e in json.loads((path / "metadata.json").read_text())["storage_data"]}
-    assert entries["big"]["file"] == entries["bias"]["file"]
-    return path, entries, _bytes(state)
+    saved = _save(tmp_path / "one", 1)
+    assert saved[1]["big"]["file"] == saved[1]["bias"]["file"]
+    return saved
 
 
 @pytest.mark.parametrize("corrupt", [False, True])
@@ -231,13 +235,7 @@ def test_a_cold_file_read_ahead_of_its_owner_is_left_to_it(saved, monkeypatch) -
         return hash_window(source, data, window, blocks)
 
     monkeypatch.setattr(_verify_reads, "_hash_window", recording)
-    for data in path.glob("*.safetensors"):  # cold
-        fd = os.open(data, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    evict(path.glob("*.safetensors"))  # cold
     target = _state(5)
     dcp.load(target, storage_reader=dcp.FileSystemReader(path, thread_count=2), no_dist=True)
     assert all(np.array_equal(got, expected[name]) for name, got in _bytes(target).items())
