@@ -169,3 +169,20 @@ def test_the_view_reader_reads_the_environment_once(monkeypatch):
     forced = shared_view_reader()
     assert forced(tensor) is None and forced(array) is array
     assert shared_view(tensor) is None
+
+
+@pytest.mark.parametrize("change", [None, "small replaced", "large replaced"])
+def test_the_first_save_after_prepare_takes_the_prepared_small_places_and_saves_exactly(tmp_path, pool, change):
+    state = _state(8)
+    assert dcp.prepare_async_save(state).result(timeout=60) >= sum(
+        p.asnumpy().nbytes for p in state.values() if isinstance(p, ms.Parameter))
+    prepared = pool._small_run  # pylint: disable=protected-access
+    assert prepared is not None and len(prepared.names) == len(_small_shapes()) * 3
+    if change == "small replaced":
+        state["s7"] = ms.Parameter(ms.Tensor(np.full((2, 3, 5), 4.0, np.float32)), name="s7")
+    elif change == "large replaced":  # the copies ahead end elsewhere: the small places start elsewhere
+        state["big"] = ms.Parameter(ms.Tensor(np.ones((600, 1024), np.float32)), name="big")
+    expected = _save_then_overwrite(state, tmp_path / "first")
+    assert (pool._small_run is prepared) == (change is None)  # pylint: disable=protected-access
+    _assert_saved(tmp_path / "first", expected)
+    _assert_saved(tmp_path / "next", _save_then_overwrite(state, tmp_path / "next"))

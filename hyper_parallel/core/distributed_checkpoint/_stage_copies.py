@@ -202,6 +202,14 @@ class SmallRun:
         self._arena: np.ndarray | None = None
         self._targets: list[np.ndarray] = []
 
+    @classmethod
+    def place(cls, names: tuple[str, ...], arrays: list[np.ndarray], start: int) -> "SmallRun":
+        """The run of ``arrays`` (named ``names``, at least one) placed in order from arena offset ``start``."""
+        sizes = [array.nbytes for array in arrays]
+        offsets = list(accumulate((round_up(size, ALIGN) for size in sizes[:-1]), initial=start))
+        return cls(names=names, arrays=arrays, start=start, offsets=offsets, sizes=sizes,
+                   end=offsets[-1] + round_up(sizes[-1], ALIGN))
+
     def repeats(self, names: tuple[str, ...], arrays: list[np.ndarray], start: int) -> bool:
         """Whether ``arrays`` (named ``names``) are the very arrays of this run, to be placed from ``start``.
 
@@ -213,16 +221,21 @@ class SmallRun:
         return (all(map(operator.is_, copied, [ref() for ref in self._refs]))
                 and all(arrays[at].size == 0 for at in self._empty))
 
+    def make_places(self, arena: np.ndarray) -> None:
+        """Make the typed views of the places in ``arena`` (kept until another arena is given)."""
+        if arena is not self._arena:
+            kinds, offsets, sizes = self._kinds, self.offsets, self.sizes
+            self._targets = [arena[offsets[at] : offsets[at] + sizes[at]].view(kinds[at][1]).reshape(kinds[at][2])
+                             for at in self._copied]
+            self._arena = arena
+
     def copies(self, arena: np.ndarray, arrays: list[np.ndarray]) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[int]]:
         """``(place in arena, source)`` and bytes of each non-empty leaf of ``arrays`` (this run's arrays).
 
         The places are made once per arena.
         """
-        kinds, offsets, sizes = self._kinds, self.offsets, self.sizes
-        if arena is not self._arena:
-            self._targets = [arena[offsets[at] : offsets[at] + sizes[at]].view(kinds[at][1]).reshape(kinds[at][2])
-                             for at in self._copied]
-            self._arena = arena
+        self.make_places(arena)
+        kinds, sizes = self._kinds, self.sizes
         sources = [arrays[at] if kinds[at][0] is None else arrays[at].view(kinds[at][0]) for at in self._copied]
         return list(zip(self._targets, sources)), [sizes[at] for at in self._copied]
 
@@ -374,10 +387,7 @@ class EarlyCopies:
             return None
         run = self.small_run
         if run is None or not run.repeats(names, arrays, self.end):
-            sizes = [array.nbytes for array in arrays]
-            offsets = list(accumulate((round_up(size, ALIGN) for size in sizes[:-1]), initial=self.end))
-            run = SmallRun(names=names, arrays=arrays, start=self.end, offsets=offsets, sizes=sizes,
-                           end=offsets[-1] + round_up(sizes[-1], ALIGN))
+            run = SmallRun.place(names, arrays, self.end)
         self.placed.update(zip(names, zip(run.offsets, run.sizes)))
         self.end = run.end
         self.small_run = run

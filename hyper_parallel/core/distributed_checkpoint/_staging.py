@@ -150,6 +150,21 @@ class StagingPool:
                     continue
         self._expected = tuple(expected)
 
+    def expect_small(self, names: tuple[str, ...], arrays: list[np.ndarray], start: int) -> None:
+        """Place the small leaves the next save is expected to meet (``prepare_async_save``). Caller's thread.
+
+        ``arrays`` are their host arrays as the layout pass will meet them,
+        placed in order from ``start`` (where the copies ahead end). A save
+        meeting other arrays places its own (:class:`.SmallRun`).
+        """
+        self._small_run = SmallRun.place(names, arrays, start) if names else None
+
+    def make_small_places(self) -> None:
+        """Make the expected small leaves' places in the arena (a background thread, after :meth:`prefault`)."""
+        run, arena = self._small_run, self._arena
+        if run is not None and arena is not None and run.end <= arena.size:
+            run.make_places(arena)
+
     def expected(self) -> list[tuple[str, Any]]:
         """The remembered large tensors that still live, in order (none while copying ahead is off)."""
         if self._guessed_wrong:

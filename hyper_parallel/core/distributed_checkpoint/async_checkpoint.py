@@ -42,8 +42,8 @@ from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions
 from hyper_parallel.core.distributed_checkpoint._flatten import flatten_state_dict
 from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutArgument
-from hyper_parallel.core.distributed_checkpoint._save_layout import plain_tensor
-from hyper_parallel.core.distributed_checkpoint._stage_copies import arena_bytes
+from hyper_parallel.core.distributed_checkpoint._save_layout import host_array, plain_tensor
+from hyper_parallel.core.distributed_checkpoint._stage_copies import ALIGN, SMALL_COPY_BYTES, arena_bytes, round_up
 from hyper_parallel.core.distributed_checkpoint._storage_choice import writer_for
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
@@ -250,21 +250,46 @@ def prepare_async_save(state_dict: dict[str, Any]) -> "Future[int]":
     flat = flatten_state_dict(state_dict)
     sizes = {name: _tensor_bytes(value) for name, value in flat.values.items()}
     nbytes = arena_bytes(sum(sizes.values()), len(sizes))  # as a first save needs
-    # The first save copies these at once, before its layout pass meets them (_stage_copies, "copied ahead").
-    staging_pool().expect(((name, value, sizes[name]) for name, value in flat.values.items() if plain_tensor(value)),
-                          fresh=True)
+    pool = staging_pool()
+    # The first save copies these at once, before its layout pass meets them (_stage_copies, "copied ahead"),
+    # and places the small ones after them as placed here.
+    pool.expect(((name, value, sizes[name]) for name, value in flat.values.items() if plain_tensor(value)),
+                fresh=True)
+    _expect_small(flat.values)
     future: Future[int] = Future()
 
     def prefault() -> None:
         with _ASYNC_LOCK:  # no async save stages meanwhile: it waits for the buffers
-            error = prefault_arena(nbytes) if nbytes > staging_pool().capacity else None
+            error = prefault_arena(nbytes) if nbytes > pool.capacity else None
             if error is not None:
                 _LOG.warning("prepare_async_save: no staging buffers of %d bytes (%s); the first async save "
                              "maps its own", nbytes, error)
-            future.set_result(staging_pool().capacity)
+            else:
+                pool.make_small_places()
+            future.set_result(pool.capacity)
 
     threading.Thread(target=prefault, name="hp-ckpt-prepare-staging", daemon=True).start()
     return future
+
+
+def _expect_small(values: dict[str, Any]) -> None:
+    """Place, for the first save, the small whole tensors in host memory as its layout pass will meet them.
+
+    In leaf order, after the large ones it copies ahead (:meth:`.StagingPool.expect_small`).
+    """
+    names: list[str] = []
+    arrays: list[np.ndarray] = []
+    start = 0
+    for name, value in values.items():
+        array = host_array(value) if plain_tensor(value) else None
+        if array is None:
+            continue
+        if array.nbytes >= SMALL_COPY_BYTES:
+            start += round_up(array.nbytes, ALIGN)
+        else:
+            names.append(name)
+            arrays.append(array)
+    staging_pool().expect_small(tuple(names), arrays, start)
 
 
 @gc_paused
