@@ -14,11 +14,14 @@ import numpy as np
 import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
-from hyper_parallel.core.distributed_checkpoint import _verify_reads
+from hyper_parallel.core.distributed_checkpoint import _read_priming, _reader_verify, _verify_reads
 from hyper_parallel.core.distributed_checkpoint._verify_share import SharedFile, WindowShare
+
+from page_cache import evict
 
 ms.set_device("CPU")
 
+MIB = 1 << 20
 #: With blocks of 64 KiB, "big" (2048, 1024) float32 has tiles of (64, 256): 32 slabs (windows) of 4 tiles.
 BLOCK = 64 << 10
 
@@ -33,16 +36,22 @@ def _bytes(state: dict[str, ms.Parameter]) -> dict[str, np.ndarray]:
     return {name: p.asnumpy().reshape(-1).view(np.uint8).copy() for name, p in state.items()}
 
 
+def _save(path: Path, threads: int) -> tuple[Path, dict, dict[str, np.ndarray]]:
+    """Save the state with ``threads`` writer threads (data files); its directory, storage entries by key, bytes."""
+    state = _state(0)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=threads, checksum_block_bytes=BLOCK),
+             no_dist=True)
+    entries = {e["fqn"]: e for e in json.loads((path / "metadata.json").read_text())["storage_data"]}
+    assert entries["big"]["checksum"]["block_shape"] == [64, 256]
+    return path, entries, _bytes(state)
+
+
 @pytest.fixture(name="saved")
 def _saved(tmp_path: Path) -> tuple[Path, dict, dict[str, np.ndarray]]:
     """Two data files: "big" alone in one (32 windows), "bias" in the other (one small block)."""
-    state = _state(0)
-    path = tmp_path / "ckpt"
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=2, checksum_block_bytes=BLOCK),
-             no_dist=True)
-    entries = {e["fqn"]: e for e in json.loads((path / "metadata.json").read_text())["storage_data"]}
-    assert entries["big"]["file"] != entries["bias"]["file"] and entries["big"]["checksum"]["block_shape"] == [64, 256]
-    return path, entries, _bytes(state)
+    saved = _save(tmp_path / "ckpt", 2)
+    assert saved[1]["big"]["file"] != saved[1]["bias"]["file"]
+    return saved
 
 
 def _record_windows(monkeypatch, big_file: str, first_start: int) -> list[tuple[str, int]]:
@@ -166,3 +175,69 @@ def test_windows_taken_from_a_file_read_without_readahead_are_announced_once(sav
     assert all(a[1] <= b[0] for a, b in zip(announced, announced[1:]))  # no byte announced twice
     assert sum(end - start for start, end in announced) == big["length"]  # every hashed byte
     assert announced[0][0] == big["byte_offset"] and announced[-1][1] == big["byte_offset"] + big["length"]
+
+
+@pytest.fixture(name="one_file")
+def _one_file(tmp_path: Path) -> tuple[Path, dict, dict[str, np.ndarray]]:
+    """The same state in one data file (saved with one thread)."""
+    saved = _save(tmp_path / "one", 1)
+    assert saved[1]["big"]["file"] == saved[1]["bias"]["file"]
+    return saved
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_one_file_is_verified_by_every_thread_all_or_nothing(one_file, monkeypatch, corrupt) -> None:
+    """A rank reading one file with two threads: the second thread hashes windows from the back (it has no file of
+    its own); a bad last tile it finds is refused by file and key with no target changed."""
+    path, entries, expected = one_file
+    big = entries["big"]
+    if corrupt:
+        data_file = path / big["file"]
+        raw = bytearray(data_file.read_bytes())
+        raw[big["byte_offset"] + big["length"] - 1] ^= 0x40
+        data_file.write_bytes(bytes(raw))
+    seen = _record_windows(monkeypatch, big["file"], big["byte_offset"])
+    before_threads = {t.name for t in threading.enumerate()}
+    target = _state(4)
+    before = _bytes(target)
+    reader = dcp.FileSystemReader(path, thread_count=2)
+    if corrupt:
+        with pytest.raises(dcp.CorruptCheckpointError) as info:
+            dcp.load(target, storage_reader=reader, no_dist=True)
+        assert "key 'big' (tile 31,3 of the chunk" in str(info.value) and big["file"] in str(info.value)
+        assert all(np.array_equal(got, before[name]) for name, got in _bytes(target).items())
+        assert not {t.name for t in threading.enumerate()} - before_threads
+        return
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert all(np.array_equal(got, expected[name]) for name, got in _bytes(target).items())
+    tiles = [(name, start) for name, start in seen if start < big["byte_offset"] + big["length"]]  # not bias
+    assert sorted(start for _, start in tiles) == [big["byte_offset"] + k * 64 * 1024 * 4 for k in range(32)]
+    assert len({name for name, _ in tiles}) == 2  # the owner and the helper
+    assert reader.bytes_verified == sum(v.nbytes for v in expected.values())
+
+
+def test_a_cold_file_read_ahead_of_its_owner_is_left_to_it(saved, monkeypatch) -> None:
+    """A primed cold file (read ahead by its priming thread) gets no helper: the device limits it, and a reader at
+    its back would disturb the kernel's readahead of the file."""
+    path, entries, expected = saved
+    big = entries["big"]
+    monkeypatch.setattr(_read_priming, "PRIME_MIN_BYTES", MIB)
+    monkeypatch.setattr(_reader_verify, "PRIME_MIN_BYTES", MIB)
+    primed = []
+    prime = _read_priming.prime
+    monkeypatch.setattr(_reader_verify, "prime", lambda *args: primed.append(args[1]) or prime(*args))
+    seen: list[tuple[str, int]] = []
+    hash_window = _verify_reads._hash_window
+
+    def recording(source, data, window, blocks):
+        if Path(data).name == big["file"]:
+            seen.append((threading.current_thread().name, window.start))
+        return hash_window(source, data, window, blocks)
+
+    monkeypatch.setattr(_verify_reads, "_hash_window", recording)
+    evict(path.glob("*.safetensors"))  # cold
+    target = _state(5)
+    dcp.load(target, storage_reader=dcp.FileSystemReader(path, thread_count=2), no_dist=True)
+    assert all(np.array_equal(got, expected[name]) for name, got in _bytes(target).items())
+    assert primed == [big["byte_offset"]]  # the big file was primed (the small one is under the threshold)
+    assert len(seen) == 32 and len({name for name, _ in seen}) == 1  # every window by its owner

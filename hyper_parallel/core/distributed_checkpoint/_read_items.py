@@ -106,25 +106,25 @@ class ItemIndex:
         Raises:
             CorruptCheckpointError: as :meth:`facts`.
         """
-        groups: dict[str, list[ReadItem]] = {}
-        aligned: dict[str, list[ItemFacts]] = {}  # file -> the facts of its group's items, in order
-        cached = self._facts.get
+        pairs: dict[str, tuple[list[ReadItem], list[ItemFacts]]] = {}  # file -> its items and their facts, in order
+        cached = self._facts.get if self._facts else None  # (none known yet: the usual first pass)
         new_facts = self._new_facts
         for item in items:
-            key = id(item)
-            if skip is not None and key in skip:
+            if skip is not None and id(item) in skip:
                 continue
-            hit = cached(key)
+            hit = cached(id(item)) if cached is not None else None
             facts = hit[1] if hit is not None and hit[0] is item else new_facts(item)
-            group = groups.get(facts.info.relative_path)
-            if group is None:
-                groups[facts.info.relative_path] = [item]
-                aligned[facts.info.relative_path] = [facts]
+            relative_path = facts.info.relative_path
+            pair = pairs.get(relative_path)
+            if pair is None:
+                pairs[relative_path] = ([item], [facts])
             else:
-                group.append(item)
-                aligned[facts.info.relative_path].append(facts)
-        for relative_path, group in groups.items():  # the lists live as long as this index: ids stay unique
-            self._lists[id(group)] = (group, aligned[relative_path])
+                pair[0].append(item)
+                pair[1].append(facts)
+        groups: dict[str, list[ReadItem]] = {}
+        for relative_path, pair in pairs.items():  # the lists live as long as this index: ids stay unique
+            groups[relative_path] = pair[0]
+            self._lists[id(pair[0])] = pair
         return groups
 
     def facts_list(self, items: list[ReadItem]) -> list[ItemFacts]:

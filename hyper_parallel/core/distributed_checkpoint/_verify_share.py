@@ -7,7 +7,8 @@ bytes (a bfloat16 tile has twice the row pieces of a float32 one), so a
 thread done with its own files hashes the windows left at the back of
 another thread's file (:meth:`WindowShare.help`) instead of idling: the
 verify pass then ends when the last window is hashed, not when the slowest
-file is. A file's owner keeps its source open until every window taken from
+file is. With fewer files than threads (a rank reading one file), the other
+threads only help. A file's owner keeps its source open until every window taken from
 it is hashed. A mismatch found by any thread stops the others at their next
 window (the load fails; no target was changed).
 """
@@ -151,5 +152,13 @@ class WindowShare:
 
 
 def _left(shared: SharedFile) -> int:
-    """Windows of ``shared`` nobody took yet."""
+    """Windows of ``shared`` nobody took yet (none of a file read ahead by its priming thread).
+
+    A cold file that is read ahead of its owner (``source.ahead``, see
+    :mod:`._read_priming`) is left to its owner: the device, not the CPU,
+    limits it, and a second reader far from the first on the same open file
+    would disturb the kernel's readahead of it.
+    """
+    if getattr(shared.source, "ahead", None) is not None:
+        return 0
     return shared.back - shared.front

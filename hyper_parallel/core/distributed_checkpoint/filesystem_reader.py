@@ -43,6 +43,7 @@ from hyper_parallel.core.distributed_checkpoint._reader_headers import HeaderChe
 from hyper_parallel.core.distributed_checkpoint._reader_reads import ReadPass
 from hyper_parallel.core.distributed_checkpoint._reader_verify import VerifyPass
 from hyper_parallel.core.distributed_checkpoint._run_reads import FileSource, release_scratch
+from hyper_parallel.core.distributed_checkpoint._verify_reads import hash_taken
 from hyper_parallel.core.distributed_checkpoint._verify_share import WindowShare
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
@@ -272,15 +273,26 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         return self._read_groups(work, planner)
 
     def _verify_groups(self, work: list[list[tuple[str, list[ReadItem]]]]) -> int:
-        """Run the verify pass over the groups of files, one I/O thread per group; return the bytes read."""
+        """Run the verify pass over the groups of files, one I/O thread per group; return the bytes read.
+
+        The threads share their files' windows, so that they end together;
+        with fewer groups than ``thread_count`` (a rank reading one file), the
+        other threads only help (see :mod:`._verify_share`).
+        """
         # Without checksums the verify pass is the header check: one small read per file and Python per
         # item, which threads would only contend for (the GIL); it runs on this thread.
-        if len(work) <= 1 or not self.verify_checksums:
+        if not work or self.thread_count <= 1 or not self.verify_checksums:
             return sum(self._verify_group(group) for group in work)
-        # The threads share their files' windows, so that they end together (see _verify_share).
         share = WindowShare(len(work))
-        with ThreadPoolExecutor(max_workers=len(work), thread_name_prefix="hp-ckpt-verify") as pool:
-            return sum(pool.map(self._verify_group, work, [share] * len(work)))
+        helpers = self.thread_count - len(work) if len(work) < self.thread_count else 0
+        with ThreadPoolExecutor(max_workers=len(work) + helpers, thread_name_prefix="hp-ckpt-verify") as pool:
+            helping = [pool.submit(share.help, hash_taken) for _ in range(helpers)]
+            try:
+                return sum(pool.map(self._verify_group, work, [share] * len(work))) + sum(
+                    future.result() for future in helping)
+            except BaseException:
+                share.fail()  # the helpers stop at their next window (the pool waits for them)
+                raise
 
     def _run_per_file(self, plan: LoadPlan, verb: str, run: Any) -> "Future[None]":
         """Run ``run`` on the plan's items grouped by file and dealt to ``thread_count`` groups (it returns the
