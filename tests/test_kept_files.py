@@ -46,6 +46,7 @@ def _state(seed: int) -> dict[str, Any]:
     state: dict[str, Any] = {f"w{i}": ms.Parameter(ms.Tensor(rng.standard_normal((64, 96)).astype(np.float32)),
                                                    name=f"w{i}") for i in range(6)}
     state["half"] = ms.Tensor(rng.standard_normal((128, 33)).astype(np.float16))
+    state["tiled"] = ms.Parameter(ms.Tensor(rng.standard_normal((64, 1024)).astype(np.float32)), name="tiled")
     return state
 
 
@@ -153,14 +154,15 @@ def test_no_descriptor_left_after_success_failure_or_a_corrupt_tile(saved) -> No
         dcp.load(_state(1), storage_reader=dcp.FileSystemReader(path), planner=_FailingPlanner(), no_dist=True)
     assert not _open_in(path)
     entries = json.loads((path / "metadata.json").read_text())["storage_data"]
-    entry = next(e for e in entries if e["fqn"] == "w3")
+    entry = next(e for e in entries if e["fqn"] == "tiled")
+    assert entry["checksum"]["block_shape"]  # tile checksums
     data_file = path / entry["file"]
     raw = bytearray(data_file.read_bytes())
     raw[entry["byte_offset"] + entry["length"] - 1] ^= 0x10
     data_file.write_bytes(bytes(raw))
     target = _state(1)
     before = _values(target)
-    with pytest.raises(dcp.CorruptCheckpointError, match="w3"):
+    with pytest.raises(dcp.CorruptCheckpointError, match="key 'tiled' \\(tile"):
         dcp.load(target, storage_reader=dcp.FileSystemReader(path, thread_count=2), no_dist=True)
     assert all(np.array_equal(values, before[name]) for name, values in _values(target).items())
     assert not _open_in(path)
