@@ -115,6 +115,28 @@ def test_a_changed_small_leaf_is_placed_anew_and_saved_exactly(tmp_path, pool, c
     _assert_saved(tmp_path / "again", again)
 
 
+@pytest.mark.parametrize("change", ["dtype", "shape"])
+def test_a_numpy_leaf_retyped_or_reshaped_in_place_is_placed_anew_and_saved_exactly(tmp_path, pool, change):
+    """The very array object, its memory unchanged, but another dtype or shape (``a.dtype = ...``,
+    ``a.shape = ...``): the kept places (typed like the old array) must not be reused (values cast, or a
+    copy that cannot broadcast)."""
+    rng = np.random.default_rng(5)
+    small = (rng.standard_normal(8) * 1000).astype(np.float32)
+    state = {"big": rng.standard_normal((512, 1024)).astype(np.float32), "small": small}
+    for step in range(2):
+        dcp.async_save(state, checkpoint_id=tmp_path / f"warm{step}", no_dist=True).result()
+    if change == "dtype":
+        small.dtype = np.int32
+    else:
+        small.shape = (2, 4)
+    expected = small.copy()
+    dcp.async_save(state, checkpoint_id=tmp_path / "changed", no_dist=True).result()
+    target = {"big": np.zeros((512, 1024), np.float32), "small": np.zeros(expected.shape, expected.dtype)}
+    dcp.load(target, checkpoint_id=tmp_path / "changed", no_dist=True)
+    assert target["small"].dtype == expected.dtype and target["small"].shape == expected.shape
+    np.testing.assert_array_equal(target["small"].view(np.uint8), expected.view(np.uint8))
+
+
 def test_a_failed_small_copy_fails_the_save_and_commits_nothing(tmp_path, pool, monkeypatch):
     state = _state(4)
     for step in range(2):

@@ -199,6 +199,9 @@ class SmallRun:
         self._copied = [at for at, kind in enumerate(self._kinds) if kind is not None]
         self._empty = [at for at, kind in enumerate(self._kinds) if kind is None]
         self._refs = [weakref.ref(arrays[at]) for at in self._copied]
+        # The dtype and shape each copied array had: the very array object may be retyped or reshaped in
+        # place (``a.dtype = ...``, ``a.shape = ...``), which its places (typed views) must follow.
+        self._forms = list(map(_FORM, [arrays[at] for at in self._copied]))
         self._arena: np.ndarray | None = None
         self._targets: list[np.ndarray] = []
 
@@ -213,12 +216,14 @@ class SmallRun:
     def repeats(self, names: tuple[str, ...], arrays: list[np.ndarray], start: int) -> bool:
         """Whether ``arrays`` (named ``names``) are the very arrays of this run, to be placed from ``start``.
 
-        An empty leaf (whose view is made anew each time) only has to stay empty.
+        An empty leaf (whose view is made anew each time) only has to stay empty. The very array must
+        still have its dtype and shape (an array retyped or reshaped in place is placed anew).
         """
         if start != self.start or names != self.names or len(arrays) != len(self._kinds):
             return False
         copied = arrays if not self._empty else [arrays[at] for at in self._copied]
         return (all(map(operator.is_, copied, [ref() for ref in self._refs]))
+                and list(map(_FORM, copied)) == self._forms
                 and all(arrays[at].size == 0 for at in self._empty))
 
     def make_places(self, arena: np.ndarray) -> None:
@@ -240,6 +245,8 @@ class SmallRun:
         return list(zip(self._targets, sources)), [sizes[at] for at in self._copied]
 
 
+#: An array's dtype and shape (what its place in the arena is typed and shaped by).
+_FORM = operator.attrgetter("dtype", "shape")
 #: Unsigned integer dtype of each item size (copies of a dtype numpy does not define).
 _SAME_SIZE = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
 
