@@ -263,3 +263,26 @@ def test_cold_load_reads_ahead_of_its_verify_pass_each_byte_once(saved, monkeypa
     assert fetches[-1][0] + fetches[-1][1] <= end
     assert reader.bytes_verified == sum(v.nbytes for v in expected.values())
 
+
+
+def test_a_load_failing_at_the_header_of_a_primed_file_leaves_no_priming_thread_or_descriptor(saved) -> None:
+    """The header check refuses a cold file while its priming thread still reads: the load returns only after
+    that thread ended and closed its descriptor (no thread or descriptor left behind)."""
+    path, _ = saved
+    data = next(path.glob("*.safetensors"))
+    raw = bytearray(data.read_bytes())
+    header_end = 8 + int.from_bytes(raw[:8], "little")
+    at = raw.index(b'"data_offsets":[', 0, header_end) + len(b'"data_offsets":[')
+    raw[at] = ord("9") if raw[at] != ord("9") else ord("8")  # one offset digit of the header changed
+    data.write_bytes(bytes(raw))
+    fds = set(os.listdir("/proc/self/fd"))
+    for _ in range(2):
+        _evict(path)
+        target = _state(2)
+        before = _bytes(target)
+        with pytest.raises(dcp.CorruptCheckpointError, match=data.name):
+            dcp.load(target, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+        assert not [t.name for t in threading.enumerate() if t.name.startswith("hp-ckpt-prime")]
+        assert set(os.listdir("/proc/self/fd")) <= fds
+        for name, values in _bytes(target).items():
+            assert np.array_equal(values, before[name]), name

@@ -51,6 +51,7 @@ class ReadAhead:
         self.start, self.end = start, end
         self.reached = start  # bytes before this were hashed
         self.stopped = False
+        self.thread: threading.Thread | None = None  # the thread reading ahead (set by prime)
         self._cond = threading.Condition()
 
     def advance(self, offset: int) -> None:
@@ -65,6 +66,15 @@ class ReadAhead:
         with self._cond:
             self.stopped = True
             self._cond.notify_all()
+
+    def finish(self) -> None:
+        """Stop, and wait until the thread ended its read in progress and closed its descriptor. After the load
+        (the reader's ``finish_load``): a load leaves no thread or descriptor behind, also when it failed while
+        the first bytes were still being read."""
+        self.stop()
+        thread = self.thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
 
     def wait_room(self, position: int) -> bool:
         """Wait until ``position`` is within ``_FOLLOW_LEAD`` of the bytes hashed; ``False`` once stopped."""
@@ -104,8 +114,9 @@ def prime(source: FileSource, start: int, end: int) -> ReadAhead | None:
         return None
     count = -(-min(end - start, _PRIME_BYTES) // _PRIME_PIECE)
     ahead = ReadAhead(start, end)
-    threading.Thread(target=_prime_read, args=(os.dup(fd), start, count, ahead), name="hp-ckpt-prime",
-                     daemon=True).start()
+    ahead.thread = threading.Thread(target=_prime_read, args=(os.dup(fd), start, count, ahead),
+                                    name="hp-ckpt-prime", daemon=True)
+    ahead.thread.start()
     return ahead
 
 

@@ -81,7 +81,8 @@ class VerifyPass:
 
     Uses the reader's ``metadata``, ``_items`` (:class:`._read_items.ItemIndex`),
     ``verify_checksums``, ``max_inflight_bytes``, ``thread_count``, the
-    private-buffer state ``_kept``, ``_kept_bytes`` and ``_kept_lock``, and its
+    private-buffer state ``_kept``, ``_kept_bytes`` and ``_kept_lock``, the
+    list ``_aheads`` of priming threads (ended by ``finish_load``), and its
     ``_open_source``.
     """
 
@@ -153,6 +154,8 @@ class VerifyPass:
         infos = [facts_of(item).info for item in items]
         source.ahead = prime(source, min(info.offset for info in infos),
                              max(info.offset + info.length for info in infos))
+        if source.ahead is not None:
+            self._aheads.append(source.ahead)  # ended by finish_load
 
     def _small_flat(self, source: Any, file_size: int, items: list[ReadItem]
                     ) -> tuple[list[tuple[str, StorageInfo]], list[ReadItem]]:

@@ -124,6 +124,7 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         self._in_part: dict[str, bool] = {}  # data file -> read without readahead (decided once per load)
         self._resolved: dict[str, Path] = {}  # data file -> its checked path (resolved once per load)
         self._files = KeptFiles()  # the descriptors of the first pass, read by the read pass
+        self._aheads: list[Any] = []  # the load's priming threads (_read_priming.ReadAhead), ended by finish_load
         weakref.finalize(self, self._files.close_all)  # a reader dropped without finish_load
 
     def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
@@ -178,6 +179,8 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         All ranks; ``load`` calls it last, whether the load succeeded or not.
         A later ``verify_data`` or ``read_data`` needs ``set_up_storage_reader`` first.
         """
+        while self._aheads:  # no priming thread (nor its descriptor) outlives the load
+            self._aheads.pop().finish()
         self._files.close_all()
         self._verified.clear()
         self._plan_checked = None
