@@ -177,9 +177,11 @@ class SmallRun:
 
     Holds the leaves' host arrays weakly (a state dropped between saves is
     freed) and, per arena, typed views of their places, which reference
-    arena memory only. A leaf of a dtype numpy does not define (MindSpore's
-    bfloat16) is copied as unsigned integers of its item size, so no copy
-    calls the dtype's own functions; empty leaves are not copied.
+    arena memory only. A leaf of a dtype unknown to numpy (``isbuiltin`` 0)
+    is copied as unsigned integers of its item size, so no copy calls the
+    dtype's own functions; a registered one (MindSpore's bfloat16 has
+    ``isbuiltin`` 2) is copied with its own dtype, bit-exact. Empty leaves
+    are not copied.
 
     Attributes:
         names: Leaf names, in the order met.
@@ -193,9 +195,7 @@ class SmallRun:
                  sizes: list[int], end: int) -> None:
         self.names, self.start, self.offsets, self.sizes, self.end = names, start, offsets, sizes, end
         # Per leaf: the dtype its copy uses (None: its own) and the dtype and shape of its place; None: empty.
-        self._kinds = [(None if array.dtype.isbuiltin else _SAME_SIZE[array.dtype.itemsize],
-                        array.dtype if array.dtype.isbuiltin else _SAME_SIZE[array.dtype.itemsize], array.shape)
-                       if array.size else None for array in arrays]
+        self._kinds = [_kind(array) if array.size else None for array in arrays]
         self._copied = [at for at, kind in enumerate(self._kinds) if kind is not None]
         self._empty = [at for at, kind in enumerate(self._kinds) if kind is None]
         self._refs = [weakref.ref(arrays[at]) for at in self._copied]
@@ -243,6 +243,15 @@ class SmallRun:
         kinds, sizes = self._kinds, self.sizes
         sources = [arrays[at] if kinds[at][0] is None else arrays[at].view(kinds[at][0]) for at in self._copied]
         return list(zip(self._targets, sources)), [sizes[at] for at in self._copied]
+
+
+def _kind(array: np.ndarray) -> tuple[np.dtype | None, np.dtype, tuple[int, ...]]:
+    """How a non-empty small leaf is copied: the dtype its copy views it as (``None``: its own), and the dtype
+    and shape of its place."""
+    if array.dtype.isbuiltin:
+        return None, array.dtype, array.shape
+    same_size = _SAME_SIZE[array.dtype.itemsize]
+    return same_size, same_size, array.shape
 
 
 #: An array's dtype and shape (what its place in the arena is typed and shaped by).
