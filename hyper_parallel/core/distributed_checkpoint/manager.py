@@ -77,6 +77,26 @@ def _seconds_or_none(name: str, value: float | None) -> float | None:
     return None if value is None else float(value)
 
 
+def _refuse_rank_local(kwargs: Mapping[str, Any]) -> None:
+    """Refuse ``use_collectives=False`` / ``no_dist=True`` in a job of several ranks. All ranks (no communication).
+
+    A manager's step is committed by its ``metadata.json``: a save without collectives writes each rank's own
+    metadata instead (``no_dist``: every process as rank 0 of its own world, into the same directory), so its
+    steps would never be listed, loaded by a resume or pruned.
+    """
+    option = "no_dist=True" if kwargs.get("no_dist") else (
+        "use_collectives=False" if kwargs.get("use_collectives", True) is False else None)
+    if option is None:
+        return
+    dist = DistWrapper(use_dist=True)
+    if dist.world_size > 1:
+        raise CheckpointValueError(
+            f"rank {dist.rank}: CheckpointManager.save with {option} in a job of {dist.world_size} ranks commits no "
+            "step the manager counts (a step is committed by its metadata.json, which a save without collectives "
+            "does not write): it would never be listed, resumed or pruned. Call save without it; nothing was written"
+        )
+
+
 class CheckpointManager:
     """Saves numbered steps under ``root`` and keeps only the ones asked for.
 
@@ -244,6 +264,7 @@ class CheckpointManager:
             raise CheckpointValueError(f"step must be a non-negative int, got {step!r}")
         if metrics is not None and not isinstance(metrics, dict):
             raise CheckpointValueError(f"metrics must be a dict of JSON values or None, got {type(metrics).__name__}")
+        _refuse_rank_local(kwargs)
         if not force and not self.should_save(step):
             return False
         self.wait()
