@@ -38,7 +38,7 @@ import os
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 from hyper_parallel.core.distributed_checkpoint.api import load as dcp_load
 from hyper_parallel.core.distributed_checkpoint.api import save as dcp_save
@@ -50,9 +50,9 @@ from hyper_parallel.core.distributed_checkpoint.errors import CheckpointNotFound
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import METADATA_FILE, FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint._manager_record import (
     ManagerPolicy,
-    ManagerRecord,
     _Session,
     locked_record,
+    object_record,
 )
 from hyper_parallel.core.distributed_checkpoint._fsspec_writer import FsspecWriter
 from hyper_parallel.core.distributed_checkpoint._retention import plan_retention
@@ -146,7 +146,6 @@ class CheckpointManager:
         self._steps = StepDirectories(root, step_prefix=step_prefix, metadata_file=METADATA_FILE)
         self._objects = self._steps.objects
         self.root: Path | str = self._steps.root
-        self._memory_record = ManagerRecord()  # the record of an object-store root (kept in memory)
         self.max_to_keep = _positive_or_none("max_to_keep", max_to_keep)
         self.save_interval_seconds = _seconds_or_none("save_interval_seconds", save_interval_seconds)
         self.save_interval_steps = _positive_or_none("save_interval_steps", save_interval_steps)
@@ -177,16 +176,11 @@ class CheckpointManager:
         self._committing: tuple[int, dict[str, Any] | None] | None = None  # step and metrics awaiting retention
         self._last_save = time.monotonic()
 
-    @contextlib.contextmanager
-    def _record_session(self) -> Iterator[_Session]:
-        """The manager record under its lock; for an object-store root, this process's record in memory."""
+    def _record_session(self) -> contextlib.AbstractContextManager[_Session]:
+        """The manager record under its lock; for an object-store root, its record object."""
         if self._objects is None:
-            with locked_record(self.root) as session:
-                yield session
-            return
-        session = _Session(self._memory_record)
-        yield session
-        self._memory_record = session.record
+            return locked_record(self.root)
+        return object_record(self._objects.fs, self._objects.root, self._objects.url)
 
     def directory(self, step: int) -> Path | str:
         """Return the checkpoint directory (or ``s3://`` id) of ``step`` (no file access). Any rank."""
