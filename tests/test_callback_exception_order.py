@@ -115,3 +115,16 @@ def test_a_second_model_train_keeps_the_changes_made_between_the_calls(tmp_path:
     loaded = hyper_parallel.load_checkpoint(tmp_path / "step_00000008")
     np.testing.assert_array_equal(loaded["weight"].asnumpy(), reference_net.weight.asnumpy())
     assert loaded["step_num"].asnumpy().item() == 8
+
+
+def test_append_info_clashing_with_a_parameter_name_is_refused_before_any_step(tmp_path: Path) -> None:
+    """append_info {'weight': ...} would replace the network's weight in every saved step: refused."""
+    model, net, _ = _model()
+    before = net.weight.asnumpy().copy()
+    for info, name in [([{"weight": "v1"}], "'weight'"), ([{"note": 1, "learning_rate": 0.5}], "'learning_rate'")]:
+        callback = hyper_parallel.CheckpointCallback(tmp_path, save_checkpoint_steps=2, async_save=False,
+                                                     append_info=info)
+        with pytest.raises(dcp.CheckpointValueError, match=f"append_info key\\(s\\) {name} are also names"):
+            model.train(1, _data(), callbacks=[callback], dataset_sink_mode=False)
+        np.testing.assert_array_equal(net.weight.asnumpy(), before)  # refused when training begins
+    assert dcp.CheckpointManager(tmp_path).all_steps() == []

@@ -318,7 +318,15 @@ class CheckpointCallback(Callback):
         # Parameters MindSpore sliced (semi-auto / auto parallel): their layouts come from the Cells'
         # parameter_layout_dict, or from strategy_file.
         self._io_kwargs = {"strategy_file": LayoutSources(self.strategy_file, cells=cells_in(cells))}
-        return mindspore_state_dict(cells, "the training state")
+        state = mindspore_state_dict(cells, "the training state")
+        clashes = sorted(set(state) & {*self._append, *self._counters, _STEPS_PER_EPOCH_KEY})
+        if clashes:
+            raise CheckpointValueError(
+                f"append_info key(s) {', '.join(repr(c) for c in clashes)} are also names of Parameters of the "
+                "training state: every saved step would hold the appended value instead of the Parameter (and a "
+                "resume would fail); rename the append_info entries"
+            )
+        return state
 
     def on_train_begin(self, run_context: RunContext) -> None:
         """Load the newest committed step (``resume``) and continue its step numbering. All ranks.
