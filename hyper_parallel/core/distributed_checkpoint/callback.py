@@ -417,7 +417,7 @@ class CheckpointCallback(Callback):
                 "resume_dataset returned) to Model.train"
             )
 
-    def _save(self, step: int, epoch: int, *, force: bool) -> None:
+    def _save(self, step: int, epoch: int, *, force: bool, prune: bool = True) -> None:
         """Save the training state (plus ``append_info``) as ``step``. All ranks."""
         state = {**(self._state or {}), **self._append}
         if "epoch_num" in self._counters:
@@ -426,7 +426,7 @@ class CheckpointCallback(Callback):
             state["step_num"] = step
         if self._steps_per_epoch:
             state[_STEPS_PER_EPOCH_KEY] = self._steps_per_epoch
-        if self.manager.save(step, state, force=force, **self._io_kwargs):
+        if self.manager.save(step, state, force=force, prune=prune, **self._io_kwargs):
             self._last_saved = step
 
     def on_train_step_begin(self, run_context: RunContext) -> None:
@@ -468,7 +468,7 @@ class CheckpointCallback(Callback):
                 if step != self._last_saved and step > 0:
                     _LOG.warning("training raised %s: saving step %d (exception_save)", exc_type.__name__, step)
                     self.manager.wait()
-                    self._save(step, epoch, force=True)
+                    self._save(step, epoch, force=True, prune=False)  # a diverged state costs no good step
         finally:
             self.manager.close()
 
