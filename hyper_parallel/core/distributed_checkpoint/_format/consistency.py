@@ -21,7 +21,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
 )
 from hyper_parallel.platform.tensor import DTYPE_NAMES
 
-__all__ = ["check_consistency", "storage_by_key"]
+__all__ = ["check_consistency", "check_chunk_entry", "check_disjoint_bytes", "storage_by_key"]
 
 
 def _entry_of(
@@ -75,9 +75,35 @@ def _whole_chunk(item: TensorStorageMetadata | BytesStorageMetadata) -> tuple[tu
     return tuple(chunk.offsets), math.prod(chunk.sizes) * itemsize
 
 
+def check_chunk_entry(info: StorageInfo, fqn: str, offset: tuple[int, ...], sizes: tuple[int, ...], itemsize: int,
+                      where: str) -> None:
+    """Check one tensor chunk's storage entry: its checksum fits the chunk, its length is the chunk's. Pure.
+
+    Raises:
+        CorruptCheckpointError: the first mismatch (names ``where`` and the offset).
+    """
+    _entry_of({(fqn, offset): info}, fqn, offset, where, set(), sizes)
+    length = info.raw_length if info.compression else info.length
+    if length != math.prod(sizes) * itemsize:
+        raise CorruptCheckpointError(
+            f"{where}: the chunk at offset {list(offset)} stores {length} bytes, but its sizes "
+            f"{list(sizes)} take {math.prod(sizes) * itemsize}"
+        )
+
+
+def _indexed(storage: object) -> bool:
+    """Whether ``storage`` is an indexed checkpoint's lazy mapping (its grid tensors' entries in rank indexes)."""
+    from hyper_parallel.core.distributed_checkpoint._format.indexed_storage import (  # pylint: disable=import-outside-toplevel
+        IndexedStorage,  # (imports this module)
+    )
+    return isinstance(storage, IndexedStorage)
+
+
 def storage_by_key(metadata: Metadata) -> dict[tuple[str, tuple[int, ...]], StorageInfo]:
     """``metadata.storage_data`` keyed by plain ``(key, offset)`` tuples (hashing and comparing them is C, a
-    :class:`MetadataIndex`'s is Python). Any rank; pure."""
+    :class:`MetadataIndex`'s is Python); for an indexed checkpoint a lazy view with ``get``. Any rank; pure."""
+    if _indexed(metadata.storage_data):
+        return metadata.storage_data.by_key()  # type: ignore[union-attr,return-value]
     return {(index.fqn, tuple(index.offset)): info for index, info in (metadata.storage_data or {}).items()}
 
 
@@ -110,9 +136,14 @@ def check_consistency(
     storage = metadata.storage_data or {}
     if by_key is None:
         by_key = storage_by_key(metadata)
+    grids: dict = {}
+    if _indexed(storage):  # grid tensors tile by construction; their entries are checked as their index loads
+        grids, storage = storage.grids, storage.inline  # type: ignore[union-attr]
     claimed: set[tuple[str, tuple[int, ...]]] = set()
     facts_of: dict[int, tuple[tuple[int, ...], int] | None] = {}  # id(record) -> _whole_chunk (records are shared)
     for fqn, item in metadata.state_dict_metadata.items():
+        if fqn in grids:
+            continue
         facts = facts_of.get(id(item), _UNSEEN)
         if facts is _UNSEEN:
             facts = facts_of[id(item)] = _whole_chunk(item)
@@ -157,10 +188,10 @@ def check_consistency(
         raise CorruptCheckpointError(
             f"{source}: storage entry of key '{orphan.fqn}' at offset {list(orphan.offset)} belongs to no item"
         )
-    _check_disjoint_bytes(storage, source)
+    check_disjoint_bytes(storage, source)
 
 
-def _check_disjoint_bytes(storage: dict[MetadataIndex, StorageInfo], source: str) -> None:
+def check_disjoint_bytes(storage: dict[MetadataIndex, StorageInfo], source: str) -> None:
     """No two stored items share a byte of one file (sorted per file: O(n log n))."""
     indexes = list(storage)
     # The position breaks ties (MetadataIndex has no order): plain tuples sort in C, no key function.

@@ -20,6 +20,13 @@ import re
 from typing import Any
 
 from hyper_parallel.core.distributed_checkpoint._format.consistency import check_consistency
+from hyper_parallel.core.distributed_checkpoint._format.indexed_json import (
+    grid_item_from_json,
+    grid_item_to_json,
+    grid_members,
+    indexed_parts,
+    indexed_storage_from_json,
+)
 from hyper_parallel.core.distributed_checkpoint._format.json_stream import Cursor, batches
 from hyper_parallel.core.distributed_checkpoint._format.regular_runs import items_by_runs, plain_text, storage_by_runs
 from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import naturals
@@ -76,8 +83,13 @@ def metadata_to_json(metadata: Metadata, *, source: str = "metadata") -> bytes:
             committed (names the size, the chunk count and the fix).
     """
     tensors: dict[str, Any] = {}
+    indexed = indexed_parts(metadata.storage_data)
+    grids = indexed[0] if indexed is not None else {}
     for fqn, item in metadata.state_dict_metadata.items():
-        if isinstance(item, TensorStorageMetadata):
+        grid = grids.get(fqn)
+        if grid is not None:
+            tensors[fqn] = grid_item_to_json(item, grid[1])
+        elif isinstance(item, TensorStorageMetadata):
             tensors[fqn] = {
                 "kind": "tensor",
                 "dtype": item.properties.dtype,
@@ -91,7 +103,8 @@ def metadata_to_json(metadata: Metadata, *, source: str = "metadata") -> bytes:
                 "global_shape": list(item.global_shape),
                 "shard_offsets": [list(o) for o in item.shard_offsets],
             }
-    storage = [storage_entry_to_json(index, info) for index, info in (metadata.storage_data or {}).items()]
+    inline = indexed[1] if indexed is not None else (metadata.storage_data or {})
+    storage = [storage_entry_to_json(index, info) for index, info in inline.items()]
     meta = metadata.storage_meta
     document = {
         "format": FORMAT_NAME,
@@ -100,10 +113,14 @@ def metadata_to_json(metadata: Metadata, *, source: str = "metadata") -> bytes:
         "save_id": meta.save_id,
         "world_size": meta.world_size,
         "bytes_per_rank": list(meta.bytes_per_rank),
+    }
+    if indexed is not None:  # before the large members: their runs decoders look for what follows them
+        document["rank_indexes"] = indexed[2]
+    document.update({
         "state_dict_metadata": tensors,
         "storage_data": storage,
         "planner_data": metadata.planner_data,
-    }
+    })
     data = json.dumps(document, separators=(",", ":")).encode("utf-8")
     if len(data) > MAX_METADATA_BYTES:
         chunks = len(metadata.storage_data or {})
@@ -362,6 +379,8 @@ def _item(fqn: str, raw: Any, source: str, shared: dict) -> TensorStorageMetadat
     where = f"{source}: key '{fqn}'"
     if not isinstance(raw, dict):
         raise CorruptCheckpointError(f"{where}: expected an object")
+    if raw.get("kind") == "tensor" and "grid" in raw:  # format 2.1: a grid tensor of an indexed checkpoint
+        return grid_item_from_json(fqn, raw, where, shared, _tensor_entry)
     if raw.get("kind") == "tensor":
         record = _tensor_entry(fqn, raw, where, shared)
         if key is not None:
@@ -477,6 +496,7 @@ def metadata_from_json(data: bytes | bytearray | mmap.mmap, *, source: str = "me
             document[name] = cursor.value()
     if cursor.skip():
         raise CorruptCheckpointError(f"{source}: not valid JSON metadata (extra data at char {cursor.position})")
+    raw_grids = grid_members(shared)
     del shared, cursor, text
     if document.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{source}: not a hyper_parallel checkpoint metadata file")
@@ -484,17 +504,21 @@ def metadata_from_json(data: bytes | bytearray | mmap.mmap, *, source: str = "me
         raise CorruptCheckpointError(f"{source}: state_dict_metadata must be an object")
     if storage is None:
         raise CorruptCheckpointError(f"{source}: storage_data must be a list")
+    storage_meta = StorageMeta(
+        backend=_str(document.get("backend"), source, "backend"),
+        save_id=_str(document.get("save_id", ""), source, "save_id"),
+        world_size=_int(document.get("world_size", 1), source, "world_size"),
+        bytes_per_rank=_ints(document.get("bytes_per_rank", []), source, "bytes_per_rank"),
+    )
+    if raw_grids or "rank_indexes" in document:
+        storage = indexed_storage_from_json(items, storage, raw_grids, document.get("rank_indexes"),
+                                            meta=storage_meta, source=source)
     return Metadata(
         state_dict_metadata=items,
         planner_data=document.get("planner_data"),
         storage_data=storage,
         version=_str(document.get("version"), source, "version"),
-        storage_meta=StorageMeta(
-            backend=_str(document.get("backend"), source, "backend"),
-            save_id=_str(document.get("save_id", ""), source, "save_id"),
-            world_size=_int(document.get("world_size", 1), source, "world_size"),
-            bytes_per_rank=_ints(document.get("bytes_per_rank", []), source, "bytes_per_rank"),
-        ),
+        storage_meta=storage_meta,
     )
 
 
