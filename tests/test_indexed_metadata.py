@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import mindspore as ms
 import numpy as np
@@ -95,3 +96,143 @@ def test_small_save_stays_inline(tmp_path):
 def test_bad_form_refused(tmp_path):
     with pytest.raises(CheckpointValueError, match="metadata_form"):
         dcp.FileSystemWriter(tmp_path, metadata_form="compact")
+
+
+# --- corruption and hostile input: clear errors, no target changed ---------------------------------------------
+
+def _documents(path):
+    meta = json.loads((path / "metadata.json").read_bytes())
+    return meta, {r["rank"]: r for r in meta["rank_indexes"]}
+
+
+def _rewrite_index(path, rank, edit):
+    """Edit rank ``rank``'s index document and record its new length and digest in metadata.json (a forgery)."""
+    import xxhash  # the independent digest
+
+    meta, records = _documents(path)
+    name = records[rank]["file"]
+    document = json.loads((path / name).read_bytes())
+    edit(document)
+    data = json.dumps(document, separators=(",", ":")).encode()
+    (path / name).write_bytes(data)
+    records[rank]["length"], records[rank]["digest"] = len(data), xxhash.xxh3_64_hexdigest(data)
+    (path / "metadata.json").write_text(json.dumps(meta))
+    return name
+
+
+def _refused(path, error, match):
+    target = {"w": np.zeros_like(FULL)}
+    with pytest.raises(error, match=match):
+        dcp.load(target, checkpoint_id=path, no_dist=True)
+    assert not target["w"].any()
+
+
+def test_flipped_byte_in_an_index_is_refused(tmp_path):
+    path = tmp_path / "c"
+    _save(path)
+    name = _documents(path)[1][2]["file"]
+    data = bytearray((path / name).read_bytes())
+    data[len(data) // 2] ^= 1
+    (path / name).write_bytes(bytes(data))
+    _refused(path, CorruptCheckpointError, "index file of rank 2 does not match its length and digest")
+
+
+def test_deleted_index_is_refused(tmp_path):
+    path = tmp_path / "c"
+    _save(path)
+    name = _documents(path)[1][3]["file"]
+    (path / name).unlink()
+    _refused(path, CorruptCheckpointError, f"{name}: the rank index file listed in the metadata is missing")
+
+
+def test_wrong_digest_in_metadata_is_refused(tmp_path):
+    path = tmp_path / "c"
+    _save(path)
+    meta, records = _documents(path)
+    records[0]["digest"] = "0" * 16
+    (path / "metadata.json").write_text(json.dumps(meta))
+    _refused(path, CorruptCheckpointError, "rank 0 does not match its length and digest")
+
+
+def test_entry_claiming_another_ranks_chunk_is_refused(tmp_path):
+    path = tmp_path / "c"
+    _save(path)
+    theirs = json.loads((path / _documents(path)[1][2]["file"]).read_bytes())["storage_data"]
+    stolen = next(e for e in theirs if e["fqn"] == "w")
+    _rewrite_index(path, 1, lambda d: d["storage_data"].append(stolen))
+    _refused(path, CorruptCheckpointError, re.escape(f"offset {stolen['offset']} is no chunk of rank 1"))
+
+
+def test_overlapping_ranges_are_refused(tmp_path):
+    path = tmp_path / "c"
+    _save(path)
+
+    def overlap(document):
+        first, second = document["storage_data"][:2]
+        second["byte_offset"] = first["byte_offset"] + 1 if first["file"] == second["file"] else second["byte_offset"]
+        assert first["file"] == second["file"]
+
+    _rewrite_index(path, 1, overlap)
+    _refused(path, CorruptCheckpointError, "two items never share bytes")
+
+
+def test_missing_entry_names_key_rank_and_index(tmp_path):
+    path = tmp_path / "c"
+    _save(path)
+    name = _rewrite_index(path, 2, lambda d: d["storage_data"].__setitem__(
+        slice(None), [e for e in d["storage_data"] if e["fqn"] != "w"]))
+    _refused(path, CorruptCheckpointError, f"held by rank 2, but the index file {name} does not list it")
+    with pytest.raises(CorruptCheckpointError, match="does not list it"):
+        list(dcp.read_metadata(path).storage_data.items())  # full iteration (hp-ckpt verify, inspect)
+
+
+def test_index_symlink_out_of_the_directory_is_refused(tmp_path):
+    path = tmp_path / "c"
+    _save(path)
+    name = _documents(path)[1][1]["file"]
+    outside = tmp_path / "outside.json"
+    os.replace(path / name, outside)
+    os.symlink(outside, path / name)
+    _refused(path, UnsafeCheckpointError, "link leading outside")
+    os.unlink(path / name)
+    os.symlink(name + ".x", path / name)  # a link inside is no regular file either
+    os.replace(outside, path / (name + ".x"))
+    _refused(path, UnsafeCheckpointError, "not a regular file")
+
+
+@pytest.mark.parametrize("grid,error,match", [
+    ({"splits": [3, 2]}, CorruptCheckpointError, "do not divide the shape"),
+    ({"splits": [0, 2]}, CorruptCheckpointError, "one integer >= 1 per dim"),
+    ({"splits": [2]}, CorruptCheckpointError, "one integer >= 1 per dim"),
+    ({"splits": [2, 2.0]}, CorruptCheckpointError, "one integer >= 1 per dim"),
+    ({"splits": [1 << 13, 1 << 12]}, UnsafeCheckpointError, "over the limit"),
+    ({"splits": [2, 2], "holder_base": 0, "holder_strides": [2, 1 << 40]}, CorruptCheckpointError,
+     "outside the save's 4 ranks"),
+    ({"splits": [2, 2], "holder_base": -1, "holder_strides": [2, 1]}, CorruptCheckpointError, "outside"),
+    ({"splits": [2, 2], "holders": [0, 1, 2]}, CorruptCheckpointError, "one rank per chunk"),
+    ({"splits": [2, 2]}, CorruptCheckpointError, "holder_base"),
+])
+def test_hostile_grid_members_are_refused(tmp_path, grid, error, match):
+    path = tmp_path / "c"
+    _save(path)
+    meta, _ = _documents(path)
+    if "holders" not in grid and "holder_base" not in grid and grid != {"splits": [2, 2]}:
+        grid = {**meta["state_dict_metadata"]["w"]["grid"], **grid}
+    meta["state_dict_metadata"]["w"]["grid"] = grid
+    (path / "metadata.json").write_text(json.dumps(meta))
+    _refused(path, error, match)
+
+
+def test_hostile_rank_index_records_are_refused(tmp_path):
+    path = tmp_path / "c"
+    _save(path)
+    meta, records = _documents(path)
+    records[1]["file"] = "../" + records[1]["file"]
+    (path / "metadata.json").write_text(json.dumps(meta))
+    _refused(path, UnsafeCheckpointError, "is not named")
+    records[1]["file"], records[1]["rank"] = records[2]["file"], 2
+    (path / "metadata.json").write_text(json.dumps(meta))
+    _refused(path, CorruptCheckpointError, "is not a new rank")
+    del meta["rank_indexes"]
+    (path / "metadata.json").write_text(json.dumps(meta))
+    _refused(path, CorruptCheckpointError, "rank_indexes is missing")
