@@ -19,6 +19,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     CorruptCheckpointError,
     UnsafeCheckpointError,
 )
+from s3_server import new_filesystem, s3_endpoint, s3_url  # noqa: F401  (fixtures)
 from sim_ranks import simulate_save
 
 FULL = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
@@ -236,3 +237,119 @@ def test_hostile_rank_index_records_are_refused(tmp_path):
     del meta["rank_indexes"]
     (path / "metadata.json").write_text(json.dumps(meta))
     _refused(path, CorruptCheckpointError, "rank_indexes is missing")
+
+
+# --- other writer paths ---------------------------------------------------------------------------------------
+
+def test_indexed_on_s3_round_trip_and_resave_sweeps_old_indexes(s3_url):
+    simulate_save(_states(Layout((2, 2), (1, 0)), 4), s3_url, writer_options={"metadata_form": "indexed"},
+                  writer_class=dcp.FsspecWriter)
+    fs = new_filesystem()
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(s3_url[len("s3://"):], refresh=True))
+    first = [n for n in names if "_index." in n]
+    assert len(first) == 4
+    for layout, ranks in ((Layout((2, 2), (1, 0)), 4), (Layout((2,), (-1, 0)), 2)):
+        for rank in range(ranks):
+            param = ms.Parameter(ms.Tensor(np.zeros(layout.local_shape(FULL.shape), np.float32)), name="w")
+            target = DTensor(param, layout, FULL.shape, rank=rank)
+            dcp.load({"w": target}, checkpoint_id=s3_url, no_dist=True)
+            _check([(target.global_offset, param.asnumpy())])
+    simulate_save(_states(Layout((2, 2), (0, 1)), 4), s3_url, writer_options={"metadata_form": "indexed"},
+                  writer_class=dcp.FsspecWriter)
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(s3_url[len("s3://"):], refresh=True))
+    assert not set(first) & set(names) and len([n for n in names if "_index." in n]) == 4
+    assert len({n.split(".")[1] for n in names if n != "metadata.json"}) == 1  # only the new save's objects
+    whole = {"w": np.zeros_like(FULL)}
+    dcp.load(whole, checkpoint_id=s3_url, no_dist=True)
+    assert np.array_equal(whole["w"], FULL)
+
+
+def test_indexed_async_save(tmp_path):
+    path = tmp_path / "c"
+    state = {"w": ms.Parameter(ms.Tensor(FULL.copy()), name="w"), "step": 3}
+    for staging in ("copy", "fork", "auto"):
+        dcp.async_save(state, checkpoint_id=path, no_dist=True, staging=staging,
+                       storage_writer=dcp.FileSystemWriter(path, metadata_form="indexed")).result()
+        document = json.loads((path / "metadata.json").read_bytes())
+        assert [r["rank"] for r in document["rank_indexes"]] == [0] and "grid" in document["state_dict_metadata"]["w"]
+        assert [e["fqn"] for e in document["storage_data"]] == ["step"]
+        whole = {"w": np.zeros_like(FULL), "step": 0}
+        dcp.load(whole, checkpoint_id=path, no_dist=True)
+        assert np.array_equal(whole["w"], FULL) and whole["step"] == 3
+
+
+# --- holders: formula and list, lazy loading --------------------------------------------------------------------
+
+def test_fit_holders_formula_and_list():
+    from hyper_parallel.core.distributed_checkpoint._format.grid_holders import GridHolders, fit_holders
+
+    ranks = [5 + 4 * i + 1 * j for i in range(3) for j in range(4)]
+    assert fit_holders((3, 4), ranks) == GridHolders(splits=(3, 4), base=5, strides=(4, 1))
+    assert fit_holders((2, 1), [7, 3]) == GridHolders(splits=(2, 1), base=7, strides=(-4, 0))
+    assert fit_holders((1,), [9]).holder((0,)) == 9
+    odd = [0, 3, 1, 2]
+    listed = fit_holders((2, 2), odd)
+    assert listed.ranks == (0, 3, 1, 2) and [listed.holder((i, j)) for i in range(2) for j in range(2)] == odd
+    assert listed.rank_range() == (0, 3) and GridHolders((3,), base=6, strides=(-3,)).rank_range() == (0, 6)
+
+
+@pytest.mark.parametrize("layout,ranks,formula", [
+    (Layout((2, 2), (1, 0)), 4, True),  # 2x2 device matrix
+    (Layout((2, 2), (0, -1)), 4, True),  # rows over one axis, the other a replica axis
+    (Layout((4, 2), (0, 1)), 8, True),
+    (Layout((2, 2), (0, 1), rank_list=(3, 1, 2, 0)), 4, True),  # a custom rank order: negative strides
+    (Layout((2, 2), (0, 1), rank_list=(0, 3, 1, 2)), 4, False),  # not affine: a list
+])
+def test_holders_match_the_ranks_that_wrote_each_chunk(tmp_path, layout, ranks, formula):
+    states = [{"w": DTensor.from_global(ms.Tensor(FULL), layout, rank=r)} for r in range(ranks)]
+    committed, _ = simulate_save(states, tmp_path / "c", writer_options={"metadata_form": "indexed"})
+    item, holders = committed.storage_data.grids["w"]
+    assert bool(holders.strides) == formula and bool(holders.ranks) != formula
+    metadata = dcp.read_metadata(tmp_path / "c")
+    for chunk in item.chunks:
+        position = tuple(o // s for o, s in zip(chunk.offsets, chunk.sizes))
+        rank = holders.holder(position)
+        info = metadata.storage_data[dcp.MetadataIndex("w", chunk.offsets)]
+        assert info.relative_path.startswith(f"r{rank:05d}_")
+    _check(_load(tmp_path / "c", Layout((2,), (0, -1)), 2))
+
+
+class _CountingReader(dcp.FileSystemReader):
+    """A reader recording which index files its load opened."""
+
+    opened: list
+
+    def read_metadata(self, *, rank=None):
+        metadata = super().read_metadata(rank=rank)
+        storage, self.opened = metadata.storage_data, []
+        opener = storage._opener  # pylint: disable=protected-access
+
+        def counted(name):
+            self.opened.append(name)
+            return opener(name)
+
+        storage.bind(counted)
+        return metadata
+
+
+def test_a_rank_loads_only_the_indexes_it_needs(tmp_path):
+    path = tmp_path / "c"
+    _save(path, layout=Layout((4, 2), (0, 1)), ranks=8)
+    layout = Layout((4, 2), (0, 1))
+    for rank in (0, 5):
+        param = ms.Parameter(ms.Tensor(np.zeros(layout.local_shape(FULL.shape), np.float32)), name="w")
+        reader = _CountingReader(path)
+        dcp.load({"w": DTensor(param, layout, FULL.shape, rank=rank)}, checkpoint_id=path, no_dist=True,
+                 storage_reader=reader)
+        assert reader.opened == [f"r{rank:05d}_index.{dcp.read_metadata(path).storage_meta.save_id}.json"]
+        assert param.asnumpy().any() or rank == 0
+    reshard = Layout((2,), (0, -1))  # rows 0-3: the chunks of ranks 0-3 (a 4x2 grid over 8 ranks)
+    param = ms.Parameter(ms.Tensor(np.zeros((4, 12), np.float32)), name="w")
+    reader = _CountingReader(path)
+    dcp.load({"w": DTensor(param, reshard, FULL.shape, rank=0)}, checkpoint_id=path, no_dist=True,
+             storage_reader=reader)
+    item, holders = reader.metadata.storage_data.grids["w"]
+    needed = sorted({holders.holder((c.offsets[0] // c.sizes[0], c.offsets[1] // c.sizes[1]))
+                     for c in item.chunks if c.offsets[0] < 4})  # the chunks holding rows 0-3
+    assert sorted(int(n[1:6]) for n in reader.opened) == needed and len(needed) == 4
+    assert np.array_equal(param.asnumpy(), FULL[:4])

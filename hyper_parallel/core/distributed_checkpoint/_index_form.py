@@ -4,8 +4,8 @@ Small saves keep one ``metadata.json`` listing every storage entry (the
 in-line form). A save whose in-line metadata would be large (an estimate of
 :data:`ENTRY_JSON_BYTES` per entry over :data:`AUTO_INDEX_BYTES`), or whose
 writer was told ``metadata_form="indexed"``, is committed in the indexed
-form of docs/format.md section 12.1: every tensor of more than one chunk
-whose chunks form an even grid is written as its ``grid`` and the rank that
+form of docs/format.md section 12.1: every tensor whose chunks form an even
+grid (one whole chunk included) is written as its ``grid`` and the rank that
 holds each chunk (a formula where one fits), and the storage entries of its
 chunks go into one index file per holder rank, which the commit writes before
 ``metadata.json``.
@@ -65,12 +65,15 @@ def wants_index_form(form: str, entries: int) -> bool:
 
 
 def grid_of(item: TensorStorageMetadata) -> GridChunks | None:
-    """The even grid of ``item``'s chunks if they form one of more than one chunk, else ``None``. Pure."""
+    """The even grid of ``item``'s chunks (one whole chunk is a grid of one), else ``None``. Pure.
+
+    Scalars and tensors with an empty dim are no grid (they stay in-line).
+    """
     chunks = item.chunks
-    if isinstance(chunks, GridChunks):
-        return chunks if len(chunks) > 1 else None
-    if len(chunks) < 2 or not item.size or 0 in item.size:
+    if not item.size or 0 in item.size or not chunks:
         return None
+    if isinstance(chunks, GridChunks):
+        return chunks
     sizes = tuple(chunks[0].sizes)
     if len(sizes) != len(item.size) or any(s <= 0 or full % s for s, full in zip(sizes, item.size)):
         return None
