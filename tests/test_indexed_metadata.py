@@ -353,3 +353,71 @@ def test_a_rank_loads_only_the_indexes_it_needs(tmp_path):
                      for c in item.chunks if c.offsets[0] < 4})  # the chunks holding rows 0-3
     assert sorted(int(n[1:6]) for n in reader.opened) == needed and len(needed) == 4
     assert np.array_equal(param.asnumpy(), FULL[:4])
+
+
+_CRASH_CHILD = """
+import os, signal, sys
+import numpy as np
+import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel.core.distributed_checkpoint import filesystem_writer as fw
+path = sys.argv[1]
+dcp.save({"w": np.full((4, 6), 1.0, np.float32), "step": 1}, checkpoint_id=path, no_dist=True,
+         storage_writer=dcp.FileSystemWriter(path, metadata_form="indexed"))
+original = fw.write_atomically
+def hooked(target, *args, **kwargs):
+    original(target, *args, **kwargs)
+    if "_index." in str(target):
+        os.kill(os.getpid(), signal.SIGKILL)
+fw.write_atomically = hooked
+dcp.save({"w": np.full((4, 6), 2.0, np.float32), "step": 2}, checkpoint_id=path, no_dist=True,
+         storage_writer=dcp.FileSystemWriter(path, metadata_form="indexed"))
+"""
+
+
+def test_sigkill_after_an_index_before_the_commit(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "c"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", _CRASH_CHILD, str(path)], env=env, timeout=300, check=False)
+    assert done.returncode == -9
+    committed = dcp.read_metadata(path).storage_meta.save_id
+    leftovers = [n for n in os.listdir(path) if "_index." in n and committed not in n]
+    assert len(leftovers) == 1  # the killed save's index, written, never committed
+    state = {"w": np.zeros((4, 6), np.float32), "step": 0}
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    assert state["step"] == 1 and (state["w"] == 1.0).all()  # the previous checkpoint, whole
+    dcp.save({"w": np.full((4, 6), 3.0, np.float32), "step": 3}, checkpoint_id=path, no_dist=True,
+             storage_writer=dcp.FileSystemWriter(path, metadata_form="indexed"))
+    save_id = dcp.read_metadata(path).storage_meta.save_id
+    assert sorted(os.listdir(path)) == sorted(["metadata.json", f"r00000_000.{save_id}.safetensors",
+                                               f"r00000_index.{save_id}.json"])
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    assert state["step"] == 3 and (state["w"] == 3.0).all()
+
+
+def test_cli_verify_inspect_diff_convert_read_every_index(tmp_path, capsys):
+    from hyper_parallel.cli.main import main
+
+    path = tmp_path / "c"
+    _save(path)
+    inline = tmp_path / "inline"
+    _save(inline, form="inline")
+    assert main(["verify", str(path)]) == 0
+    assert "error" not in capsys.readouterr().out.lower()
+    assert main(["inspect", str(path), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["format_version"] == "2.1" and info["world_size"] == 4
+    assert main(["diff", str(path), str(inline)]) == 0
+    assert main(["convert", str(path), str(tmp_path / "out"), "--all", "--no-progress"]) == 0
+    merged = {}
+    for name in os.listdir(tmp_path / "out"):
+        if name.endswith(".safetensors"):
+            merged.update(load_file(str(tmp_path / "out" / name)))
+    assert np.array_equal(merged["w"], FULL) and np.array_equal(merged["b"], BIAS)
+    (path / _documents(path)[1][3]["file"]).unlink()
+    capsys.readouterr()
+    assert main(["verify", str(path)]) != 0
+    assert "index file listed in the metadata is missing" in capsys.readouterr().err
