@@ -36,6 +36,8 @@ __all__ = [
     "wants_index_form",
     "grid_of",
     "build_indexed",
+    "index_files",
+    "indexed_metadata",
 ]
 
 #: Values of the writers' ``metadata_form`` option.
@@ -125,23 +127,44 @@ def build_indexed(metadata: Metadata, results: Sequence[Sequence[WriteResult]], 
             if holder_lists[fqn][flat] < 0:
                 holder_lists[fqn][flat] = rank
                 per_rank.setdefault(rank, {})[(fqn, offset)] = result.storage_data
-    holders: dict[str, tuple[TensorStorageMetadata, GridHolders]] = {}
+    holders: dict[str, GridHolders] = {}
     for fqn, grid in grids.items():
         ranks = holder_lists[fqn]
         if min(ranks) < 0:
             raise CheckpointValueError(f"key '{fqn}': a chunk of it was written by no rank; nothing committed")
-        item = metadata.state_dict_metadata[fqn]
-        holders[fqn] = (TensorStorageMetadata(item.properties, item.size, grid), fit_holders(grid.splits, ranks))
+        holders[fqn] = fit_holders(grid.splits, ranks)
+    files = index_files(per_rank, save_id=save_id)
+    committed = indexed_metadata(metadata, holders=holders, inline=inline,
+                                 records=tuple(record for record, _ in files), save_id=save_id)
+    committed.storage_data.adopt(per_rank)  # type: ignore[union-attr]
+    return committed, files
+
+
+def index_files(per_rank: dict[int, dict[tuple[str, tuple[int, ...]], StorageInfo]], *,
+                save_id: str) -> list[tuple[IndexRecord, bytes]]:
+    """Each rank's index file (record and bytes) from its entries by ``(key, offset)``. Coordinator; pure."""
     files = []
     for rank in sorted(per_rank):
         data, record = encode_rank_index(
             save_id=save_id, rank=rank,
             entries=((MetadataIndex(fqn, offset), info) for (fqn, offset), info in per_rank[rank].items()))
         files.append((record, data))
-    storage = IndexedStorage(inline=inline, grids=holders, records=tuple(record for record, _ in files),
-                             save_id=save_id, source="metadata.json")
-    storage.adopt(per_rank)
-    items = dict(metadata.state_dict_metadata)
-    items.update({fqn: pair[0] for fqn, pair in holders.items()})
-    return metadata.replace(state_dict_metadata=items, storage_data=storage), files
+    return files
 
+
+def indexed_metadata(metadata: Metadata, *, holders: dict[str, GridHolders], inline: dict[MetadataIndex, StorageInfo],
+                     records: tuple[IndexRecord, ...], save_id: str) -> Metadata:
+    """``metadata`` in the indexed form: the tensors of ``holders`` as grids, ``inline`` and ``records`` listed.
+
+    Coordinator; pure. Each tensor of ``holders`` must form the even grid of its splits.
+    """
+    items = dict(metadata.state_dict_metadata)
+    grids = {}
+    for fqn, holder in holders.items():
+        item = items[fqn]
+        chunks = item.chunks if isinstance(item.chunks, GridChunks) else GridChunks(
+            item.size, tuple(full // count for full, count in zip(item.size, holder.splits)))
+        items[fqn] = TensorStorageMetadata(item.properties, item.size, chunks)
+        grids[fqn] = (items[fqn], holder)
+    storage = IndexedStorage(inline=inline, grids=grids, records=records, save_id=save_id, source="metadata.json")
+    return metadata.replace(state_dict_metadata=items, storage_data=storage)
