@@ -11,6 +11,8 @@ import math
 
 from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, expected_blocks
 from hyper_parallel.core.distributed_checkpoint._format.cover import check_exact_cover
+from hyper_parallel.core.distributed_checkpoint._format.entry_checks import check_disjoint_bytes, entry_of as _entry_of
+from hyper_parallel.core.distributed_checkpoint._format.indexed_storage import IndexedStorage
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
@@ -21,44 +23,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
 )
 from hyper_parallel.platform.tensor import DTYPE_NAMES
 
-__all__ = ["check_consistency", "check_chunk_entry", "check_disjoint_bytes", "storage_by_key"]
-
-
-def _entry_of(
-    storage: dict[tuple[str, tuple[int, ...]], StorageInfo],
-    fqn: str,
-    offset: tuple[int, ...],
-    where: str,
-    claimed: set[tuple[str, tuple[int, ...]]],
-    sizes: tuple[int, ...] | None = None,
-) -> StorageInfo:
-    key = (fqn, tuple(offset))
-    info = storage.get(key)
-    if info is None:
-        raise CorruptCheckpointError(f"{where}: the chunk at offset {list(offset)} has no storage entry")
-    claimed.add(key)
-    if info.checksum is not None:
-        checksum = info.checksum
-        if checksum.algorithm != ALGORITHM:
-            raise CorruptCheckpointError(f"{where}: unknown checksum algorithm {checksum.algorithm!r}")
-        if checksum.block_shape and (
-            sizes is None
-            or len(sizes) < 2
-            or info.compression
-            or len(checksum.block_shape) != len(sizes)
-            or tuple(checksum.block_shape[1:-1]) != tuple(sizes[1:-1])
-        ):
-            raise CorruptCheckpointError(
-                f"{where}: checksum tile shape {list(checksum.block_shape)} does not fit the chunk at offset "
-                f"{list(offset)}"
-            )
-        blocks = expected_blocks(checksum, sizes, info.length)
-        if len(checksum.digests) != blocks:
-            raise CorruptCheckpointError(
-                f"{where}: {len(checksum.digests)} checksums listed for the {blocks} block(s) of the chunk at "
-                f"offset {list(offset)}"
-            )
-    return info
+__all__ = ["check_consistency", "storage_by_key"]
 
 
 _UNSEEN = object()
@@ -75,34 +40,10 @@ def _whole_chunk(item: TensorStorageMetadata | BytesStorageMetadata) -> tuple[tu
     return tuple(chunk.offsets), math.prod(chunk.sizes) * itemsize
 
 
-def check_chunk_entry(info: StorageInfo, fqn: str, offset: tuple[int, ...], sizes: tuple[int, ...], itemsize: int,
-                      where: str) -> None:
-    """Check one tensor chunk's storage entry: its checksum fits the chunk, its length is the chunk's. Pure.
-
-    Raises:
-        CorruptCheckpointError: the first mismatch (names ``where`` and the offset).
-    """
-    _entry_of({(fqn, offset): info}, fqn, offset, where, set(), sizes)
-    length = info.raw_length if info.compression else info.length
-    if length != math.prod(sizes) * itemsize:
-        raise CorruptCheckpointError(
-            f"{where}: the chunk at offset {list(offset)} stores {length} bytes, but its sizes "
-            f"{list(sizes)} take {math.prod(sizes) * itemsize}"
-        )
-
-
-def _indexed(storage: object) -> bool:
-    """Whether ``storage`` is an indexed checkpoint's lazy mapping (its grid tensors' entries in rank indexes)."""
-    from hyper_parallel.core.distributed_checkpoint._format.indexed_storage import (  # pylint: disable=import-outside-toplevel
-        IndexedStorage,  # (imports this module)
-    )
-    return isinstance(storage, IndexedStorage)
-
-
 def storage_by_key(metadata: Metadata) -> dict[tuple[str, tuple[int, ...]], StorageInfo]:
     """``metadata.storage_data`` keyed by plain ``(key, offset)`` tuples (hashing and comparing them is C, a
     :class:`MetadataIndex`'s is Python); for an indexed checkpoint a lazy view with ``get``. Any rank; pure."""
-    if _indexed(metadata.storage_data):
+    if isinstance(metadata.storage_data, IndexedStorage):
         return metadata.storage_data.by_key()  # type: ignore[union-attr,return-value]
     return {(index.fqn, tuple(index.offset)): info for index, info in (metadata.storage_data or {}).items()}
 
@@ -137,7 +78,7 @@ def check_consistency(
     if by_key is None:
         by_key = storage_by_key(metadata)
     grids: dict = {}
-    if _indexed(storage):  # grid tensors tile by construction; their entries are checked as their index loads
+    if isinstance(storage, IndexedStorage):  # grid tensors tile by construction; their entries are checked as their index loads
         grids, storage = storage.grids, storage.inline  # type: ignore[union-attr]
     claimed: set[tuple[str, tuple[int, ...]]] = set()
     facts_of: dict[int, tuple[tuple[int, ...], int] | None] = {}  # id(record) -> _whole_chunk (records are shared)
@@ -189,22 +130,3 @@ def check_consistency(
             f"{source}: storage entry of key '{orphan.fqn}' at offset {list(orphan.offset)} belongs to no item"
         )
     check_disjoint_bytes(storage, source)
-
-
-def check_disjoint_bytes(storage: dict[MetadataIndex, StorageInfo], source: str) -> None:
-    """No two stored items share a byte of one file (sorted per file: O(n log n))."""
-    indexes = list(storage)
-    # The position breaks ties (MetadataIndex has no order): plain tuples sort in C, no key function.
-    ranges = sorted(
-        (info.relative_path, info.offset, info.offset + info.length, position)
-        for position, info in enumerate(storage.values())
-        if info.length > 0
-    )
-    for (path, _, end, first), (next_path, begin, _, second) in zip(ranges, ranges[1:]):
-        if path == next_path and begin < end:
-            first, second = indexes[first], indexes[second]
-            raise CorruptCheckpointError(
-                f"{source}: data file {path}: key '{second.fqn}' at offset {list(second.offset)} starts at byte "
-                f"{begin}, inside the bytes of key '{first.fqn}' at offset {list(first.offset)} (up to {end}); "
-                "two items never share bytes: the metadata is damaged or forged"
-            )

@@ -3,8 +3,7 @@
 :mod:`.metadata_json` calls these for a tensor item with a ``grid`` member and
 for a document listing ``rank_indexes``; the result is an
 :class:`.IndexedStorage` as the metadata's ``storage_data``. docs/format.md
-section 12.1 specifies the members. (The index and storage modules import
-:mod:`.metadata_json`, so they are imported here when first used.)
+section 12.1 specifies the members.
 """
 
 from __future__ import annotations
@@ -16,6 +15,8 @@ from hyper_parallel.core.distributed_checkpoint._format.grid_holders import (
     holders_from_json,
     splits_from_json,
 )
+from hyper_parallel.core.distributed_checkpoint._format.indexed_storage import IndexedStorage
+from hyper_parallel.core.distributed_checkpoint._format.rank_index import records_from_json, records_to_json
 from hyper_parallel.core.distributed_checkpoint._grid_chunks import GridChunks
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import (
@@ -38,10 +39,6 @@ _GRIDS = _GridsKey()
 def indexed_parts(storage: Any) -> tuple[dict[str, tuple[TensorStorageMetadata, GridHolders]],
                                          dict[MetadataIndex, StorageInfo], list[dict[str, Any]]] | None:
     """For an indexed ``storage_data``: its grids, its in-line entries and its ``rank_indexes``; else ``None``."""
-    # pylint: disable=import-outside-toplevel
-    from hyper_parallel.core.distributed_checkpoint._format.indexed_storage import IndexedStorage
-    from hyper_parallel.core.distributed_checkpoint._format.rank_index import records_to_json
-
     if not isinstance(storage, IndexedStorage):
         return None
     return storage.grids, storage.inline, records_to_json(storage.records[r] for r in sorted(storage.records))
@@ -80,17 +77,14 @@ def grid_members(shared: dict) -> dict[str, dict]:
 
 
 def indexed_storage_from_json(items: dict[str, Any], inline: dict[MetadataIndex, StorageInfo],
-                              raw_grids: dict[str, dict], raw_records: Any, *, meta: StorageMeta, source: str) -> Any:
+                              raw_grids: dict[str, dict], raw_records: Any, *, meta: StorageMeta,
+                              source: str) -> IndexedStorage:
     """The lazy ``storage_data`` of an indexed checkpoint (an :class:`.IndexedStorage`).
 
     Raises:
         CorruptCheckpointError: holders outside the world, ``rank_indexes`` missing or malformed, an in-line entry
             of a grid tensor.
     """
-    # pylint: disable=import-outside-toplevel
-    from hyper_parallel.core.distributed_checkpoint._format.indexed_storage import IndexedStorage
-    from hyper_parallel.core.distributed_checkpoint._format.rank_index import records_from_json
-
     if raw_records is None:
         raise CorruptCheckpointError(f"{source}: grid tensors are listed but rank_indexes is missing")
     records = records_from_json(raw_records, save_id=meta.save_id, world_size=meta.world_size, source=source)

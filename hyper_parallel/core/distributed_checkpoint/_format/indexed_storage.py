@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from typing import Callable, Iterator, Mapping
 
-from hyper_parallel.core.distributed_checkpoint._format.consistency import check_chunk_entry, check_disjoint_bytes
+from hyper_parallel.core.distributed_checkpoint._format.entry_checks import check_chunk_entry, check_disjoint_bytes
 from hyper_parallel.core.distributed_checkpoint._format.grid_holders import GridHolders, grid_position
 from hyper_parallel.core.distributed_checkpoint._format.rank_index import IndexRecord, decode_rank_index
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, CorruptCheckpointError

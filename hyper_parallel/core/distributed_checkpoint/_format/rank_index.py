@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from hyper_parallel.core.distributed_checkpoint._format.checksum import digest
-from hyper_parallel.core.distributed_checkpoint._format.metadata_json import (
-    MAX_METADATA_BYTES,
+from hyper_parallel.core.distributed_checkpoint._format.storage_entry import (
     storage_entry_from_json,
     storage_entry_to_json,
 )
@@ -39,7 +38,7 @@ __all__ = [
 #: Value of an index file's ``"format"`` member.
 INDEX_FORMAT_NAME = "hyper_parallel.distributed_checkpoint.rank_index"
 #: Largest index file a reader accepts (larger is refused as hostile).
-MAX_INDEX_BYTES = MAX_METADATA_BYTES
+MAX_INDEX_BYTES = 1 << 30
 _DIGEST = re.compile(r"^[0-9a-f]{16}$")
 
 
