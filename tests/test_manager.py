@@ -302,3 +302,10 @@ def test_async_manager_two_ranks_dtensor(tmp_path: Path) -> None:
     full_3 = np.arange(24, dtype=np.float32).reshape(4, 6) * 10 + 3
     for rank, value in enumerate(scenario_values(results, "load_step_3")):
         np.testing.assert_array_equal(value, full_3[2 * rank : 2 * rank + 2])
+    for rank, value in enumerate(scenario_values(results, "rank_local_saves_refused")):
+        # A manager step is committed by metadata.json: rank-local saves (each rank's own metadata, or every
+        # process as rank 0 of its own world) would never be listed, resumed or pruned. Refused on every rank.
+        for option in ("use_collectives", "no_dist"):
+            assert f"rank {rank}" in value["refused"][option] and option in value["refused"][option]
+            assert "2 ranks" in value["refused"][option]
+        assert value["written_before"] == [] and value["steps"] == [1]

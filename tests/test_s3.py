@@ -486,7 +486,7 @@ def test_manager_on_s3_keeps_the_newest_steps(s3_url: str, monkeypatch: pytest.M
     assert "step_00000000" in _objects(s3_url)  # uncommitted and recent: may be a save in progress, kept
     monkeypatch.setattr(_object_steps, "UNCOMMITTED_GRACE_SECONDS", -1.0)
     manager.save(4, _state(4))
-    assert _objects(s3_url) == ["step_00000003", "step_00000004"]
+    assert _objects(s3_url) == ["manager.json", "step_00000003", "step_00000004"]  # the record: metrics, promises
     loaded = _blank()
     assert manager.load(loaded) == 4
     _assert_same(loaded, _state(4))

@@ -10,7 +10,7 @@ was saved and its metrics. Only metadata is read.
 An object-store root (``s3://bucket/prefix``) lists its step prefixes the
 same way; there a step without metadata is ``in progress`` while its newest
 object is younger than the manager's grace period (no lease exists on object
-storage), ``uncommitted`` after it; the manager keeps no record there.
+storage), ``uncommitted`` after it; its record is the object ``manager.json``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,11 @@ from typing import Any
 
 from hyper_parallel.cli._common import format_bytes, format_table
 from hyper_parallel.core.distributed_checkpoint._fsspec_writer import is_object_url
-from hyper_parallel.core.distributed_checkpoint._manager_record import ManagerRecord, read_record
+from hyper_parallel.core.distributed_checkpoint._manager_record import (
+    ManagerRecord,
+    read_object_record,
+    read_record,
+)
 from hyper_parallel.core.distributed_checkpoint._object_steps import ObjectStepRoot
 from hyper_parallel.core.distributed_checkpoint._save_lease import live_lease_in
 from hyper_parallel.core.distributed_checkpoint.api import read_metadata
@@ -93,6 +97,10 @@ def _status(path: Path) -> tuple[str, str]:
 
 def _object_steps(url: str) -> tuple[StepEntry, ...]:
     objects = ObjectStepRoot(url, METADATA_FILE)
+    try:
+        record = read_object_record(objects.fs, objects.root, objects.url)
+    except CheckpointError:
+        record = ManagerRecord()  # a damaged record does not hide the steps
     entries = []
     for entry in objects.entries():
         match = _STEP_NAME.fullmatch(entry.name)
@@ -108,8 +116,12 @@ def _object_steps(url: str) -> tuple[StepEntry, ...]:
         else:
             status, detail = ("uncommitted", "") if objects.is_abandoned(entry) else ("in progress", "recent objects")
         size = int(objects.fs.du(f"{objects.root}/{entry.name}"))
-        entries.append(StepEntry(name=entry.name, step=int(match.group("step")), status=status, size=size,
-                                 detail=detail))
+        step = int(match.group("step"))
+        known = record.steps.get(step) if status == "committed" else None
+        entries.append(StepEntry(name=entry.name, step=step, status=status, size=size, detail=detail,
+                                 keep_forever=bool(known and known.keep_forever),
+                                 saved_at=known.saved_at if known else None,
+                                 metrics=known.metrics if known else None))
     return tuple(sorted(entries, key=lambda e: (e.step, e.name)))
 
 

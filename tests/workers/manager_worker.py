@@ -83,7 +83,25 @@ def main() -> None:
         manager.load(loaded, step=3)
         return loaded["w"].to_local().asnumpy().copy()
 
-    run_scenarios({"save_steps": save_steps, "load_latest": load_latest, "load_step_3": load_step_3})
+    def rank_local_saves_refused() -> dict[str, Any]:
+        """use_collectives=False / no_dist=True commit no step the manager lists: refused, nothing written."""
+        from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError  # pylint: disable=import-outside-toplevel
+
+        local_root = scenario_tmp_dir("manager_rank_local")
+        local = CheckpointManager(local_root, max_to_keep=2)
+        refused = {}
+        for option in ("use_collectives", "no_dist"):
+            try:
+                local.save(1, state(1), **{option: option == "no_dist"})
+                refused[option] = ""
+            except CheckpointValueError as exc:
+                refused[option] = str(exc)
+        written_before = sorted(p.name for p in local_root.iterdir() if p.name.startswith("step_"))
+        local.save(1, state(1))
+        return {"refused": refused, "written_before": written_before, "steps": local.all_steps()}
+
+    run_scenarios({"save_steps": save_steps, "load_latest": load_latest, "load_step_3": load_step_3,
+                   "rank_local_saves_refused": rank_local_saves_refused})
     manager.close()
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._device_targets import DeviceRegions
 from hyper_parallel.core.distributed_checkpoint.errors import (
+    CheckpointError,
     CheckpointValueError,
     MissingKeyError,
     ShapeMismatchError,
@@ -46,12 +47,13 @@ from hyper_parallel.core.distributed_checkpoint._state_items import (
     piece_view,
     plain_tensor_entry,
 )
-from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value
+from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value, value_refusal
 from hyper_parallel.platform.tensor import DTYPE_NAMES, assign, numpy_dtype, to_numpy, writable_view, writable_views
 
 __all__ = ["StandardLoadPlanner"]
 
 _LOG = logging.getLogger(__name__)
+_SHOWN_REFUSALS = 5
 
 
 def _shown(keys: list[str], limit: int = 20) -> str:
@@ -182,6 +184,7 @@ class StandardLoadPlanner(LoadPlanner):
         self._value_names.clear()
         self._values.clear()
         problems = []
+        refused: list[CheckpointError] = []  # stored values this load may not or cannot decode
         stored_aliases = metadata.planner_data.get("aliases", {}) if isinstance(metadata.planner_data, dict) else {}
         stored_of, storage_keys, entries = metadata.state_dict_metadata, self.flat.storage_keys, self._entries
         for name, value in self.flat.values.items():
@@ -217,9 +220,15 @@ class StandardLoadPlanner(LoadPlanner):
                         f"key '{fqn}': checkpoint global shape {list(stored.size)} differs from the target's "
                         f"global shape {list(entry.global_shape)}"
                     )
+            elif isinstance(stored, BytesStorageMetadata):
+                refusal = value_refusal(stored.type_name, key=fqn, allow_pickle=self.allow_pickle)
+                if refusal is not None:
+                    refused.append(refusal)
             entries[name] = entry
         if problems:
             raise CheckpointValueError("; ".join(problems))
+        if refused:
+            _refuse_values(refused, rank)
         if self.missing_keys:
             self._report_missing(metadata, rank)
 
@@ -487,3 +496,14 @@ class StandardLoadPlanner(LoadPlanner):
         for name, value in self._values.items():  # values decoded, tensors a placeholder received
             set_by_path(self.state_dict, self.flat.paths[name], value)
 
+
+def _refuse_values(refused: list[CheckpointError], rank: int) -> None:
+    """Raise the refusals of stored values, found while planning: before any target changes (all or nothing).
+
+    A pickled value without ``allow_pickle`` first (``UnsafeCheckpointError``), else an unknown type string
+    (``UnsupportedFormatError``); every refusal is listed.
+    """
+    refused.sort(key=lambda exc: not isinstance(exc, UnsafeCheckpointError))
+    shown = "; ".join(str(exc) for exc in refused[:_SHOWN_REFUSALS])
+    more = f" (and {len(refused) - _SHOWN_REFUSALS} more)" if len(refused) > _SHOWN_REFUSALS else ""
+    raise type(refused[0])(f"rank {rank}: {shown}{more}; no target was changed")

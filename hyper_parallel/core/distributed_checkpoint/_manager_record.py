@@ -1,6 +1,6 @@
 """What a ``CheckpointManager`` promised about its steps, persisted in its root.
 
-``<root>/manager.json`` (JSON, no pickle) holds the policy of the last
+``<root>/manager.json`` (JSON, no pickle; under an object-store root the object ``<root>/manager.json``) holds the policy of the last
 manager that saved there and, per committed step, when it was saved, its
 metrics and whether it is kept forever. A manager re-created with another
 policy reads it back, so a step once promised "keep forever" (by
@@ -27,7 +27,16 @@ from typing import Any, Iterator
 from hyper_parallel.core.distributed_checkpoint._file_ops import write_atomically
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 
-__all__ = ["RECORD_FILE", "ManagerPolicy", "StepRecord", "ManagerRecord", "locked_record", "read_record"]
+__all__ = [
+    "RECORD_FILE",
+    "ManagerPolicy",
+    "StepRecord",
+    "ManagerRecord",
+    "locked_record",
+    "object_record",
+    "read_object_record",
+    "read_record",
+]
 
 #: File name of the record in a manager's root.
 RECORD_FILE = "manager.json"
@@ -75,7 +84,7 @@ class ManagerRecord:
     steps: dict[int, StepRecord] = field(default_factory=dict)
 
 
-def _decode(path: Path, text: str) -> ManagerRecord:
+def _decode(path: Path | str, text: str) -> ManagerRecord:
     try:
         document = json.loads(text)
         policy = document.get("policy")
@@ -106,13 +115,17 @@ def read_record(root: Path) -> ManagerRecord:
     return _decode(path, text)
 
 
-def _write(root: Path, record: ManagerRecord) -> None:
+def _encode(record: ManagerRecord) -> bytes:
     document = {
         "version": _VERSION,
         "policy": dataclasses.asdict(record.policy) if record.policy is not None else None,
         "steps": {str(step): dataclasses.asdict(entry) for step, entry in sorted(record.steps.items())},
     }
-    write_atomically(root / RECORD_FILE, json.dumps(document, indent=1, sort_keys=True).encode("utf-8"))
+    return json.dumps(document, indent=1, sort_keys=True).encode("utf-8")
+
+
+def _write(root: Path, record: ManagerRecord) -> None:
+    write_atomically(root / RECORD_FILE, _encode(record))
 
 
 def _sweep_partials(root: Path) -> None:
@@ -149,3 +162,47 @@ def locked_record(root: Path) -> Iterator[_Session]:
                 _write(root, session.record)
         finally:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def object_record(fs: Any, root: str, url: str) -> Iterator[_Session]:
+    """The record object ``<root>/manager.json`` of an object-store root; written back if it changed.
+
+    Coordinator only. One object PUT replaces it whole (atomic on S3); there is no lock, so two managers
+    retaining on one prefix at the same moment may lose one's update (one manager per root).
+
+    Args:
+        fs: The fsspec filesystem of the root.
+        root: The root's path in ``fs`` (``bucket/prefix``).
+        url: The root's URL (named in errors).
+
+    Raises:
+        CorruptCheckpointError: The object exists but is not a record (names it and the fix).
+    """
+    before = read_object_record(fs, root, url)
+    session = _Session(before)
+    yield session
+    if session.record != before:
+        fs.pipe_file(f"{root}/{RECORD_FILE}", _encode(session.record))
+
+
+def read_object_record(fs: Any, root: str, url: str) -> ManagerRecord:
+    """Return the record object of an object-store root (empty if there is none). Coordinator; no lock.
+
+    Args:
+        fs: The fsspec filesystem of the root.
+        root: The root's path in ``fs`` (``bucket/prefix``).
+        url: The root's URL (named in errors).
+
+    Raises:
+        CorruptCheckpointError: The object exists but is not a record (names it and the fix).
+    """
+    try:
+        data = fs.cat_file(f"{root}/{RECORD_FILE}")
+    except FileNotFoundError:
+        return ManagerRecord()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        text = ""  # not JSON either: refused by _decode with its message
+    return _decode(f"{url}/{RECORD_FILE}", text)

@@ -1,8 +1,8 @@
 """Which steps a :class:`.CheckpointManager`'s retention keeps (no file access).
 
 Retention keeps the newest ``max_to_keep`` committed steps (by step number;
-with ``best_fn`` the best ones by metric), the newest committed step, the
-step just saved, and every step ever promised "keep forever"
+with ``best_fn`` the best ones by metric; a NaN metric ranks last, as no
+metric), the newest committed step, the step just saved, and every step ever promised "keep forever"
 (``keep_every_n_steps``, ``keep_time_interval_seconds``); it drops
 uncommitted steps older than the newest committed one. The promises and
 metrics come from the root's record (:mod:`._manager_record`).
@@ -10,6 +10,7 @@ metrics come from the root's record (:mod:`._manager_record`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -56,6 +57,8 @@ def _bounded_keep(
         metrics = steps[step].metrics if step in steps else None
         if metrics is not None:
             value = float(best_fn(metrics))
+            if math.isnan(value):  # unordered: sorted among the others, it reordered them (the best got deleted)
+                continue  # ranks last, as a step without metrics
             scored.append((value if policy.best_mode == "max" else -value, step))
     scored.sort(reverse=True)  # best first; a tie keeps the newer step
     return {step for _, step in scored[: policy.max_to_keep]}

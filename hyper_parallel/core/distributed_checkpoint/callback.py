@@ -50,6 +50,32 @@ _STEPS_PER_EPOCH_KEY = "hyper_parallel.steps_per_epoch"  # the value saved with 
 
 
 @dataclass(frozen=True, eq=False)
+class _RunningStep:
+    """A step ``Model.train`` began (``on_train_step_begin``) whose end this callback has not seen yet.
+
+    Attributes:
+        step: Its number.
+        epoch: Its epoch.
+        params: ``run_context.original_args()``; ``params.net_outputs`` is replaced when the network finishes it.
+        outputs: ``params.net_outputs`` when it began (the previous step's outputs, kept alive, so the identity
+            test is sound).
+    """
+
+    step: int
+    epoch: int
+    params: Any
+    outputs: Any
+
+
+def _net_outputs(cb_params: Any) -> Any:
+    """``cb_params.net_outputs`` or ``None`` (MindSpore's internal parameters are a dict without it before the
+    first step)."""
+    if isinstance(cb_params, dict):
+        return cb_params.get("net_outputs")
+    return getattr(cb_params, "net_outputs", None)
+
+
+@dataclass(frozen=True, eq=False)
 class _DataPosition:
     """Where :meth:`CheckpointCallback.resume_dataset` put a dataset: just after ``step``."""
 
@@ -174,6 +200,7 @@ class CheckpointCallback(Callback):
         self._last_saved: int | None = None
         self._completed = 0
         self._epoch = 0
+        self._running: _RunningStep | None = None  # the step begun and not yet ended here (exception_save)
         self._state: dict[str, Any] | None = None
         self._staging: Future[int] | None = None  # the staging buffers being prepared (async saves)
 
@@ -384,11 +411,18 @@ class CheckpointCallback(Callback):
         if self.manager.save(step, state, force=force, **self._io_kwargs):
             self._last_saved = step
 
+    def on_train_step_begin(self, run_context: RunContext) -> None:
+        """Note the step begun, for ``exception_save`` (no file access, no communication). All ranks."""
+        cb_params = run_context.original_args()
+        self._running = _RunningStep(int(cb_params.cur_step_num), int(getattr(cb_params, "cur_epoch_num", 0) or 0),
+                                     cb_params, _net_outputs(cb_params))
+
     def on_train_step_end(self, run_context: RunContext) -> None:
         """Save this step if the interval says so. All ranks."""
         cb_params = run_context.original_args()
         step = int(cb_params.cur_step_num)
         self._completed = step
+        self._running = None
         self._epoch = int(getattr(cb_params, "cur_epoch_num", 0) or 0)
         if self._state is None:
             self._state = self._state_of(cb_params)
@@ -411,11 +445,26 @@ class CheckpointCallback(Callback):
     ) -> None:
         """Leaving ``Model.train``: with ``exception_save``, save the last completed step on an exception."""
         try:
-            if exc_type is not None and self.exception_save and self._state is not None and (
-                self._completed != self._last_saved and self._completed > 0
-            ):
-                _LOG.warning("training raised %s: saving step %d (exception_save)", exc_type.__name__, self._completed)
-                self.manager.wait()
-                self._save(self._completed, self._epoch, force=True)
+            if exc_type is not None and self.exception_save and self._state is not None:
+                step, epoch = self._trained_step()
+                if step != self._last_saved and step > 0:
+                    _LOG.warning("training raised %s: saving step %d (exception_save)", exc_type.__name__, step)
+                    self.manager.wait()
+                    self._save(step, epoch, force=True)
         finally:
             self.manager.close()
+
+    def _trained_step(self) -> tuple[int, int]:
+        """The step (and epoch) the Parameters are at when training raised.
+
+        The last step whose end this callback saw, or the step running when training raised if its network
+        already returned (``net_outputs`` replaced): then a callback listed before this one raised in
+        ``on_train_step_end`` (MindSpore's ``LossMonitor`` on a NaN loss does), after the optimizer updated the
+        Parameters; saving them under the previous step would make a resume train that batch twice.
+        """
+        running = self._running
+        if running is not None and running.step > self._completed and (
+            _net_outputs(running.params) is not running.outputs
+        ):
+            return running.step, running.epoch
+        return self._completed, self._epoch

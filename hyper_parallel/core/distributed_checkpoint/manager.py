@@ -38,7 +38,7 @@ import os
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 from hyper_parallel.core.distributed_checkpoint.api import load as dcp_load
 from hyper_parallel.core.distributed_checkpoint.api import save as dcp_save
@@ -50,9 +50,9 @@ from hyper_parallel.core.distributed_checkpoint.errors import CheckpointNotFound
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import METADATA_FILE, FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint._manager_record import (
     ManagerPolicy,
-    ManagerRecord,
     _Session,
     locked_record,
+    object_record,
 )
 from hyper_parallel.core.distributed_checkpoint._fsspec_writer import FsspecWriter
 from hyper_parallel.core.distributed_checkpoint._retention import plan_retention
@@ -77,6 +77,26 @@ def _seconds_or_none(name: str, value: float | None) -> float | None:
     return None if value is None else float(value)
 
 
+def _refuse_rank_local(kwargs: Mapping[str, Any]) -> None:
+    """Refuse ``use_collectives=False`` / ``no_dist=True`` in a job of several ranks. All ranks (no communication).
+
+    A manager's step is committed by its ``metadata.json``: a save without collectives writes each rank's own
+    metadata instead (``no_dist``: every process as rank 0 of its own world, into the same directory), so its
+    steps would never be listed, loaded by a resume or pruned.
+    """
+    option = "no_dist=True" if kwargs.get("no_dist") else (
+        "use_collectives=False" if kwargs.get("use_collectives", True) is False else None)
+    if option is None:
+        return
+    dist = DistWrapper(use_dist=True)
+    if dist.world_size > 1:
+        raise CheckpointValueError(
+            f"rank {dist.rank}: CheckpointManager.save with {option} in a job of {dist.world_size} ranks commits no "
+            "step the manager counts (a step is committed by its metadata.json, which a save without collectives "
+            "does not write): it would never be listed, resumed or pruned. Call save without it; nothing was written"
+        )
+
+
 class CheckpointManager:
     """Saves numbered steps under ``root`` and keeps only the ones asked for.
 
@@ -97,7 +117,7 @@ class CheckpointManager:
             previous kept-forever one).
         best_fn: ``metrics -> float`` ranking steps for ``max_to_keep``: the
             best ones are kept instead of the newest. Steps saved without
-            metrics rank last.
+            metrics, or whose ``best_fn`` value is NaN, rank last.
         best_mode: ``"max"`` (higher is better) or ``"min"``.
         async_save: Save with :func:`async_save`: ``save`` returns once the state is staged.
         step_prefix: Step directory names are ``<step_prefix><step:08d>``.
@@ -126,7 +146,6 @@ class CheckpointManager:
         self._steps = StepDirectories(root, step_prefix=step_prefix, metadata_file=METADATA_FILE)
         self._objects = self._steps.objects
         self.root: Path | str = self._steps.root
-        self._memory_record = ManagerRecord()  # the record of an object-store root (kept in memory)
         self.max_to_keep = _positive_or_none("max_to_keep", max_to_keep)
         self.save_interval_seconds = _seconds_or_none("save_interval_seconds", save_interval_seconds)
         self.save_interval_steps = _positive_or_none("save_interval_steps", save_interval_steps)
@@ -157,16 +176,11 @@ class CheckpointManager:
         self._committing: tuple[int, dict[str, Any] | None] | None = None  # step and metrics awaiting retention
         self._last_save = time.monotonic()
 
-    @contextlib.contextmanager
-    def _record_session(self) -> Iterator[_Session]:
-        """The manager record under its lock; for an object-store root, this process's record in memory."""
+    def _record_session(self) -> contextlib.AbstractContextManager[_Session]:
+        """The manager record under its lock; for an object-store root, its record object."""
         if self._objects is None:
-            with locked_record(self.root) as session:
-                yield session
-            return
-        session = _Session(self._memory_record)
-        yield session
-        self._memory_record = session.record
+            return locked_record(self.root)
+        return object_record(self._objects.fs, self._objects.root, self._objects.url)
 
     def directory(self, step: int) -> Path | str:
         """Return the checkpoint directory (or ``s3://`` id) of ``step`` (no file access). Any rank."""
@@ -244,6 +258,7 @@ class CheckpointManager:
             raise CheckpointValueError(f"step must be a non-negative int, got {step!r}")
         if metrics is not None and not isinstance(metrics, dict):
             raise CheckpointValueError(f"metrics must be a dict of JSON values or None, got {type(metrics).__name__}")
+        _refuse_rank_local(kwargs)
         if not force and not self.should_save(step):
             return False
         self.wait()

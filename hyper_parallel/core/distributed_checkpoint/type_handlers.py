@@ -80,6 +80,7 @@ __all__ = [
     "get_type_handler",
     "serialize_value",
     "deserialize_value",
+    "value_refusal",
 ]
 
 _PICKLE_HANDLER = PickleHandler()
@@ -390,6 +391,27 @@ def serialize_value(
             f"cannot save checkpoint item {key!r}: pickling type {qualified_name(type(value))} "
             f"failed ({type(exc).__name__}: {exc}); {REGISTER_HINT} instead"
         ) from exc
+
+
+def value_refusal(
+    type_string: str, *, key: str, allow_pickle: bool, registry: TypeHandlerRegistry | None = None
+) -> CheckpointError | None:
+    """The error :func:`deserialize_value` would raise for a payload tagged ``type_string`` before decoding it.
+
+    A load asks this for every value it will read while planning, so a value it may not or cannot decode
+    is refused before any target changes. Nested leaves of a ``container`` payload are checked when decoded.
+
+    Returns:
+        ``UnsafeCheckpointError`` for a pickled payload without ``allow_pickle``, ``UnsupportedFormatError``
+        for a type string no registered handler knows (both naming ``key``), else ``None``.
+    """
+    if type_string == PICKLE_TYPE_STRING:
+        return None if allow_pickle else UnsafeCheckpointError(pickle_refusal(key))
+    try:
+        (_default if registry is None else registry).handler_for_type_string(type_string)
+    except CheckpointError as exc:
+        return _with_key(exc, key)
+    return None
 
 
 def deserialize_value(

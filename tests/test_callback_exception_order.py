@@ -1,0 +1,87 @@
+"""exception_save labels the saved state with the step the parameters are at, whatever the callback order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import dataset as ds
+from mindspore import nn
+from mindspore.train import Model
+from train_steps import StepLog
+
+import hyper_parallel
+import hyper_parallel.core.distributed_checkpoint as dcp
+
+ms.set_device("CPU")
+
+
+def _data() -> ds.Dataset:
+    x = np.random.default_rng(0).standard_normal((16, 3)).astype(np.float32)
+    return ds.NumpySlicesDataset({"x": x, "y": x[:, :2].copy()}, shuffle=False).batch(4)
+
+
+def _model() -> tuple[Model, nn.Cell, nn.Optimizer]:
+    ms.set_seed(1)
+    net = nn.Dense(3, 2)
+    opt = nn.Adam(net.trainable_params(), learning_rate=0.05)
+    return Model(net, loss_fn=nn.MSELoss(), optimizer=opt), net, opt
+
+
+def _weights_after(steps: int) -> np.ndarray:
+    """The weight of an uninterrupted run after ``steps`` steps."""
+    model, net, _ = _model()
+    model.train(1, _data().take(steps), callbacks=[], dataset_sink_mode=False)
+    return net.weight.asnumpy().copy()
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_exception_in_an_earlier_callbacks_step_end_saves_the_step_the_weights_are_at(
+        tmp_path: Path, async_save: bool) -> None:
+    """A callback listed BEFORE the CheckpointCallback raises at the end of step 3 (as LossMonitor does on a NaN
+    loss): the network already trained step 3, the CheckpointCallback never saw its end. The saved step must
+    hold the weights of the step it is named after."""
+    model, net, _ = _model()
+    crash = StepLog(crash_at=3)
+    callback = hyper_parallel.CheckpointCallback(tmp_path, save_checkpoint_steps=10, exception_save=True,
+                                                 async_save=async_save, append_info=["step_num"])
+    with pytest.raises(RuntimeError, match="killed after step 3"):
+        model.train(1, _data(), callbacks=[crash, callback], dataset_sink_mode=False)
+    steps = dcp.CheckpointManager(tmp_path).all_steps()
+    assert len(steps) == 1
+    step = steps[0]
+    loaded = hyper_parallel.load_checkpoint(tmp_path / f"step_{step:08d}")
+    assert loaded["step_num"].asnumpy().item() == step
+    np.testing.assert_array_equal(net.weight.asnumpy(), _weights_after(3))  # the weights at the exception
+    np.testing.assert_array_equal(loaded["weight"].asnumpy(), _weights_after(step))
+    assert step == 3
+
+
+class _RaiseAtBegin(StepLog):
+    """Raises when step ``crash_at`` begins: the network never runs it."""
+
+    def on_train_step_begin(self, run_context):
+        if int(run_context.original_args().cur_step_num) == self.crash_at:
+            raise RuntimeError(f"killed before step {self.crash_at}")
+
+    def on_train_step_end(self, run_context):
+        pass
+
+
+@pytest.mark.parametrize("crash_first", [True, False])
+def test_exception_before_the_network_ran_saves_the_previous_step(tmp_path: Path, crash_first: bool) -> None:
+    """Raised as step 3 begins (before or after this callback saw the begin): the weights are step 2's."""
+    model, net, _ = _model()
+    crash = _RaiseAtBegin(crash_at=3)
+    callback = hyper_parallel.CheckpointCallback(tmp_path, save_checkpoint_steps=10, exception_save=True,
+                                                 async_save=False, append_info=["step_num"])
+    with pytest.raises(RuntimeError, match="killed before step 3"):
+        model.train(1, _data(), callbacks=[crash, callback] if crash_first else [callback, crash],
+                    dataset_sink_mode=False)
+    assert dcp.CheckpointManager(tmp_path).all_steps() == [2]
+    loaded = hyper_parallel.load_checkpoint(tmp_path / "step_00000002")
+    np.testing.assert_array_equal(net.weight.asnumpy(), _weights_after(2))
+    np.testing.assert_array_equal(loaded["weight"].asnumpy(), _weights_after(2))
+    assert loaded["step_num"].asnumpy().item() == 2
