@@ -421,3 +421,17 @@ def test_cli_verify_inspect_diff_convert_read_every_index(tmp_path, capsys):
     capsys.readouterr()
     assert main(["verify", str(path)]) != 0
     assert "index file listed in the metadata is missing" in capsys.readouterr().err
+
+
+def test_committed_metadata_pickles_small_and_reads_its_indexes(tmp_path):
+    import pickle
+
+    path = tmp_path / "c"
+    committed, _ = _save(path, layout=Layout((4, 2), (0, 1)), ranks=8)
+    blob = pickle.dumps(committed)  # what the coordinator hands every rank after the commit
+    assert len(blob) < 4000
+    copy = pickle.loads(blob)
+    assert dict(copy.storage_data.items()) == dict(committed.storage_data.items())
+    read = pickle.loads(pickle.dumps(dcp.read_metadata(path)))
+    info = read.storage_data[dcp.MetadataIndex("w", (0, 0))]
+    assert info == committed.storage_data[dcp.MetadataIndex("w", (0, 0))]

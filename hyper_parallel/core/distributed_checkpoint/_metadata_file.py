@@ -21,7 +21,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
 )
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 
-__all__ = ["MAX_METADATA_BYTES", "bind_index_files", "not_a_directory", "read_committed_metadata", "read_index_file"]
+__all__ = ["MAX_METADATA_BYTES", "IndexFiles", "bind_index_files", "not_a_directory", "read_committed_metadata", "read_index_file"]
 
 _ANONYMOUS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
 #: Metadata files smaller than this are read into a bytearray, larger ones into an anonymous map.
@@ -109,11 +109,27 @@ def read_committed_metadata(path: Path, metadata_file: str) -> Metadata:
     return bind_index_files(metadata_from_json(raw, source=str(meta_path)), path)
 
 
+class IndexFiles:
+    """Reads the rank index files of checkpoint directory ``path`` (:func:`read_index_file`); pickles as its path.
+
+    Args:
+        path: The checkpoint directory.
+    """
+
+    picklable = True
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def __call__(self, name: str) -> bytes:
+        return read_index_file(self.path, name)
+
+
 def bind_index_files(metadata: Metadata, path: Path) -> Metadata:
     """Let an indexed checkpoint's ``storage_data`` read its rank index files from directory ``path``. Any rank."""
     storage = metadata.storage_data
     if isinstance(storage, IndexedStorage):
-        storage.bind(lambda name: read_index_file(path, name))
+        storage.bind(IndexFiles(path))
     return metadata
 
 

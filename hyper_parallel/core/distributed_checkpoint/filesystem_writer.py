@@ -44,6 +44,7 @@ from hyper_parallel.core.distributed_checkpoint._file_ops import (
     write_atomically,
 )
 from hyper_parallel.core.distributed_checkpoint._index_form import build_indexed, check_metadata_form, wants_index_form
+from hyper_parallel.core.distributed_checkpoint._metadata_file import bind_index_files
 from hyper_parallel.core.distributed_checkpoint._options import check_option
 from hyper_parallel.core.distributed_checkpoint._data_file import LocalDataFile
 from hyper_parallel.core.distributed_checkpoint._data_writing import (
@@ -434,7 +435,10 @@ class FileSystemWriter(StorageWriter):
         """
         if self.rank_local or not wants_index_form(self.metadata_form, len(committed.storage_data or {})):
             return committed, []
-        return build_indexed(committed, results, save_id=self.save_id)
+        committed, files = build_indexed(committed, results, save_id=self.save_id)
+        if isinstance(self.path, Path):  # the metadata handed to every rank reads the indexes from the directory
+            bind_index_files(committed, self.path)
+        return committed, files
 
     def abort(self) -> None:
         """Undo a failed save: delete its files, release its lease, remove the directory if planning failed.

@@ -72,6 +72,12 @@ class IndexedStorage(Mapping[MetadataIndex, StorageInfo]):
         """Set how an index file's bytes are read (``opener(name)``; confined, size-capped). The reader; any rank."""
         self._opener = opener
 
+    def __reduce__(self) -> tuple:
+        """Pickles as its metadata.json part (the entries loaded so far stay behind: O(tensors + ranks) bytes), with
+        its opener if that pickles (a directory's; a reader's bound method does not, the copy is then unbound)."""
+        opener = self._opener if getattr(self._opener, "picklable", False) else None
+        return (_restore, (self.inline, self.grids, tuple(self.records.values()), self.save_id, self.source, opener))
+
     def adopt(self, entries: dict[int, dict[_Key, StorageInfo]]) -> None:
         """Take the entries of each rank's index as already loaded (the writer that encoded them). Coordinator."""
         self._loaded.update(entries)
@@ -194,3 +200,12 @@ class IndexedStorage(Mapping[MetadataIndex, StorageInfo]):
         for path in {info.relative_path for info in entries.values()}:
             combined.update(self._inline_by_file.get(path, {}))
         check_disjoint_bytes(combined, source)
+
+
+def _restore(inline: dict, grids: dict, records: tuple, save_id: str, source: str,
+             opener: Callable[[str], bytes] | None) -> IndexedStorage:
+    """An :class:`IndexedStorage` from its pickled parts."""
+    storage = IndexedStorage(inline=inline, grids=grids, records=records, save_id=save_id, source=source)
+    if opener is not None:
+        storage.bind(opener)
+    return storage
