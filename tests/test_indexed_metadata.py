@@ -435,3 +435,80 @@ def test_committed_metadata_pickles_small_and_reads_its_indexes(tmp_path):
     read = pickle.loads(pickle.dumps(dcp.read_metadata(path)))
     info = read.storage_data[dcp.MetadataIndex("w", (0, 0))]
     assert info == committed.storage_data[dcp.MetadataIndex("w", (0, 0))]
+
+
+# --- codec units -------------------------------------------------------------------------------------------------
+
+def test_rank_index_codec_refusals():
+    from hyper_parallel.core.distributed_checkpoint._format import rank_index
+    from hyper_parallel.core.distributed_checkpoint.metadata import StorageInfo
+
+    info = StorageInfo("r00001_000.0123456789ab.safetensors", 64, 16)
+    data, record = rank_index.encode_rank_index(save_id="0123456789ab", rank=1,
+                                                entries=[(dcp.MetadataIndex("w", (0,)), info)])
+    assert record.file == "r00001_index.0123456789ab.json" and record.length == len(data)
+    decoded = rank_index.decode_rank_index(data, record=record, save_id="0123456789ab", source="i")
+    assert decoded == {("w", (0,)): info}
+
+    def forged(document):
+        raw = json.dumps(document).encode()
+        return raw, rank_index.IndexRecord(1, record.file, len(raw), __import__("xxhash").xxh3_64_hexdigest(raw))
+
+    for document, match in (
+        ({"format": "x"}, "not the index file of rank 1"),
+        ({**json.loads(data), "save_id": "ffffffffffff"}, "not the index file of rank 1"),
+        ({**json.loads(data), "storage_data": {}}, "storage_data must be a list"),
+        ({**json.loads(data), "storage_data": json.loads(data)["storage_data"] * 2}, "listed twice"),
+        ({**json.loads(data), "storage_data": [{"fqn": "w"}]}, "expected a list of integers"),
+    ):
+        raw, forged_record = forged(document)
+        with pytest.raises(CorruptCheckpointError, match=match):
+            rank_index.decode_rank_index(raw, record=forged_record, save_id="0123456789ab", source="i")
+    raw, forged_record = forged(None)
+    with pytest.raises(CorruptCheckpointError, match="not the index file"):
+        rank_index.decode_rank_index(raw, record=forged_record, save_id="0123456789ab", source="i")
+    with pytest.raises(CorruptCheckpointError, match="not a valid index file"):
+        rank_index.decode_rank_index(b"{", record=rank_index.IndexRecord(1, record.file, 1,
+                                     __import__("xxhash").xxh3_64_hexdigest(b"{")), save_id="0123456789ab", source="i")
+    for raw_records, match in (
+        ({}, "must be a list"), ([1], "expected an object"),
+        ([{"rank": 9, "file": record.file, "length": 1, "digest": "0" * 16}], "not a new rank"),
+        ([{"rank": 1, "file": record.file, "length": -1, "digest": "0" * 16}], "length must be"),
+        ([{"rank": 1, "file": record.file, "length": 1, "digest": "0" * 15}], "digest must be"),
+    ):
+        with pytest.raises(CorruptCheckpointError, match=match):
+            rank_index.records_from_json(raw_records, save_id="0123456789ab", world_size=4, source="m")
+
+
+def test_grid_of_and_unbound_storage(tmp_path):
+    from hyper_parallel.core.distributed_checkpoint._index_form import grid_of, wants_index_form
+    from hyper_parallel.core.distributed_checkpoint._format.metadata_json import metadata_from_json
+    from hyper_parallel.core.distributed_checkpoint.metadata import (
+        ChunkStorageMetadata as C, TensorProperties, TensorStorageMetadata)
+
+    def item(size, *chunks):
+        return TensorStorageMetadata(TensorProperties("float32"), size, tuple(C(o, s) for o, s in chunks))
+
+    assert grid_of(item((4, 6), ((0, 0), (2, 6)), ((2, 0), (2, 6)))).splits == (2, 1)
+    assert grid_of(item((4, 6), ((0, 0), (4, 6)))).splits == (1, 1)
+    assert grid_of(item((5, 6), ((0, 0), (2, 6)), ((2, 0), (3, 6)))) is None  # uneven
+    assert grid_of(item((4, 6), ((0, 0), (2, 6)), ((0, 0), (2, 6)))) is None  # one box twice
+    assert grid_of(item((4, 6), ((0, 0), (2, 6)), ((1, 0), (2, 6)))) is None  # off the grid
+    assert grid_of(item((), ((), ()))) is None and grid_of(item((0, 3), ((0, 0), (0, 3)))) is None
+    assert wants_index_form("auto", 300_000) and not wants_index_form("auto", 1000)
+    assert wants_index_form("indexed", 1) and not wants_index_form("inline", 10 ** 9)
+    path = tmp_path / "c"
+    _save(path)
+    unbound = metadata_from_json((path / "metadata.json").read_bytes())
+    assert len(unbound.storage_data) == 9  # counted without reading an index
+    with pytest.raises(CheckpointValueError, match="decoded without its checkpoint"):
+        unbound.storage_data[dcp.MetadataIndex("w", (0, 0))]
+    assert unbound.storage_data.get(dcp.MetadataIndex("w", (1, 0))) is None  # no chunk starts there
+    assert unbound.storage_data.get(dcp.MetadataIndex("nope", ())) is None
+    meta, records = _documents(path)
+    meta["rank_indexes"] = [r for r in meta["rank_indexes"] if r["rank"] != 3]
+    (path / "metadata.json").write_text(json.dumps(meta))
+    _refused(path, CorruptCheckpointError, "rank 3 holds chunks of grid tensors but the metadata lists no index")
+    meta["storage_data"].append({**meta["storage_data"][0], "fqn": "w", "offset": [0, 0]})
+    (path / "metadata.json").write_text(json.dumps(meta))
+    _refused(path, CorruptCheckpointError, "a grid tensor whose entries are in rank indexes")
