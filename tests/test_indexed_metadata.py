@@ -512,3 +512,15 @@ def test_grid_of_and_unbound_storage(tmp_path):
     meta["storage_data"].append({**meta["storage_data"][0], "fqn": "w", "offset": [0, 0]})
     (path / "metadata.json").write_text(json.dumps(meta))
     _refused(path, CorruptCheckpointError, "a grid tensor whose entries are in rank indexes")
+
+
+def test_auto_form_indexes_a_large_save(tmp_path, monkeypatch):
+    from hyper_parallel.core.distributed_checkpoint import _index_form
+
+    monkeypatch.setattr(_index_form, "AUTO_INDEX_BYTES", 2000)  # 9 entries x 225 bytes: over it
+    _save(tmp_path / "big", form="auto")
+    assert "rank_indexes" in json.loads((tmp_path / "big" / "metadata.json").read_bytes())
+    _check(_load(tmp_path / "big", Layout((2,), (0, -1)), 2))
+    monkeypatch.setattr(_index_form, "AUTO_INDEX_BYTES", 2100)
+    _save(tmp_path / "small", form="auto")
+    assert "rank_indexes" not in json.loads((tmp_path / "small" / "metadata.json").read_bytes())
