@@ -85,3 +85,33 @@ def test_exception_before_the_network_ran_saves_the_previous_step(tmp_path: Path
     np.testing.assert_array_equal(net.weight.asnumpy(), _weights_after(2))
     np.testing.assert_array_equal(loaded["weight"].asnumpy(), _weights_after(2))
     assert loaded["step_num"].asnumpy().item() == 2
+
+
+@pytest.mark.parametrize("async_save, resume", [(False, True), (True, True), (False, False)])
+def test_a_second_model_train_keeps_the_changes_made_between_the_calls(tmp_path: Path, async_save: bool,
+                                                                       resume: bool) -> None:
+    """Model.train called again with the same CheckpointCallback (one epoch per call, a learning rate set and
+    weights changed by hand in between): the callback does not load back the step it saved itself, which
+    would silently undo those changes; step numbers continue."""
+    def train_twice(callbacks: list) -> tuple[nn.Cell, nn.Optimizer]:
+        model, net, opt = _model()
+        model.train(1, _data(), callbacks=callbacks, dataset_sink_mode=False)
+        ms.ops.assign(opt.learning_rate, ms.Tensor(np.float32(0.001)))
+        net.bias.set_data(ms.Tensor(np.zeros(2, np.float32)))
+        model.train(1, _data(), callbacks=callbacks, dataset_sink_mode=False)
+        return net, opt
+
+    reference_net, reference_opt = train_twice([])
+    callback = hyper_parallel.CheckpointCallback(tmp_path, save_checkpoint_steps=2, keep_checkpoint_max=10,
+                                                 async_save=async_save, resume=resume, append_info=["step_num"])
+    steps = StepLog()
+    net, opt = train_twice([callback, steps])
+    assert float(opt.learning_rate.asnumpy()) == pytest.approx(0.001)
+    np.testing.assert_array_equal(net.weight.asnumpy(), reference_net.weight.asnumpy())
+    np.testing.assert_array_equal(net.bias.asnumpy(), reference_net.bias.asnumpy())
+    np.testing.assert_array_equal(opt.moment1[0].asnumpy(), reference_opt.moment1[0].asnumpy())
+    assert sorted(steps.losses) == list(range(1, 9)), "the second call's steps continue the numbering"
+    assert callback.manager.all_steps() == [2, 4, 6, 8]
+    loaded = hyper_parallel.load_checkpoint(tmp_path / "step_00000008")
+    np.testing.assert_array_equal(loaded["weight"].asnumpy(), reference_net.weight.asnumpy())
+    assert loaded["step_num"].asnumpy().item() == 8

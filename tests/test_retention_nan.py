@@ -32,3 +32,36 @@ def test_nan_metric_ranks_last_and_the_best_steps_stay(tmp_path: Path, mode: str
     target = {"w": np.zeros(4, dtype=np.float32)}
     load(target, checkpoint_id=manager.directory(2))
     np.testing.assert_array_equal(target["w"], np.full(4, 2, dtype=np.float32))
+
+
+def test_two_managers_with_other_prefixes_on_one_root_keep_their_own_records(tmp_path: Path) -> None:
+    """A best-k manager (prefix best_) beside the regular one (step_) in one root: each keeps its own record of
+    metrics and promises; the regular one's retention no longer erases the other's metrics (its best steps were
+    deleted)."""
+    regular = CheckpointManager(tmp_path, max_to_keep=2)
+    best = CheckpointManager(tmp_path, max_to_keep=2, step_prefix="best_", best_fn=lambda m: m["acc"])
+    accuracy = {1: 0.9, 2: 0.5, 3: 0.4, 4: 0.3}
+    for step, acc in accuracy.items():
+        regular.save(step, {"w": np.full(4, step, dtype=np.float32)})
+        best.save(step, {"w": np.full(4, -step, dtype=np.float32)}, metrics={"acc": acc})
+    names = sorted(n for n in os.listdir(tmp_path) if n.startswith(("step_", "best_")))
+    assert names == ["best_00000001", "best_00000002", "best_00000004", "step_00000003", "step_00000004"]
+    target = {"w": np.zeros(4, dtype=np.float32)}
+    assert best.load(target, step=1) == 1
+    np.testing.assert_array_equal(target["w"], np.full(4, -1, dtype=np.float32))
+    from hyper_parallel.cli.list_cmd import list_steps  # pylint: disable=import-outside-toplevel
+    listed = {e.name: e.metrics for e in list_steps(tmp_path)}
+    assert listed["best_00000001"] == {"acc": 0.9} and listed["step_00000004"] is None
+
+
+def test_a_root_of_one_prefixed_manager_keeps_its_promises_on_upgrade(tmp_path: Path) -> None:
+    """A root whose only manager used another prefix has its record in manager.json: still honoured."""
+    first = CheckpointManager(tmp_path, max_to_keep=1, step_prefix="ckpt-", best_fn=lambda m: -m["loss"])
+    for step, loss in [(1, 0.1), (2, 0.5)]:
+        first.save(step, {"w": np.full(2, step, dtype=np.float32)}, metrics={"loss": loss})
+    record = tmp_path / "manager.ckpt-.json"
+    if record.exists():  # written by this version: make it look like an older one's
+        record.replace(tmp_path / "manager.json")
+    again = CheckpointManager(tmp_path, max_to_keep=1, step_prefix="ckpt-", best_fn=lambda m: -m["loss"])
+    again.save(3, {"w": np.full(2, 3, dtype=np.float32)}, metrics={"loss": 0.7})
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("ckpt-")) == ["ckpt-00000001", "ckpt-00000003"]

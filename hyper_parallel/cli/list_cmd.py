@@ -4,7 +4,8 @@ One row per step directory (``<prefix><digits>``, e.g. ``step_00000120``):
 its status, ``committed`` (metadata present and readable), ``in progress``
 (a save holds its lease right now), ``uncommitted`` (a crashed or abandoned
 save) or ``damaged`` (metadata present but unreadable); the bytes on disk;
-and, from the root's ``manager.json``, whether it is kept forever, when it
+and, from the root's record of its prefix (``manager.json``, or
+``manager.<prefix>.json`` for a prefix other than ``step_``), whether it is kept forever, when it
 was saved and its metrics. Only metadata is read.
 
 An object-store root (``s3://bucket/prefix``) lists its step prefixes the
@@ -22,7 +23,7 @@ import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hyper_parallel.cli._common import format_bytes, format_table
 from hyper_parallel.core.distributed_checkpoint._fsspec_writer import is_object_url
@@ -30,6 +31,7 @@ from hyper_parallel.core.distributed_checkpoint._manager_record import (
     ManagerRecord,
     read_object_record,
     read_record,
+    record_name,
 )
 from hyper_parallel.core.distributed_checkpoint._object_steps import ObjectStepRoot
 from hyper_parallel.core.distributed_checkpoint._save_lease import live_lease_in
@@ -95,12 +97,26 @@ def _status(path: Path) -> tuple[str, str]:
     return "uncommitted", ""
 
 
+class _Records:
+    """The manager record of each step prefix, read once (a damaged record does not hide the steps)."""
+
+    def __init__(self, read: Callable[[str], ManagerRecord]) -> None:
+        self._read = read
+        self._records: dict[str, ManagerRecord] = {}
+
+    def of(self, prefix: str) -> ManagerRecord:
+        """The record of the managers of ``prefix``."""
+        if prefix not in self._records:
+            try:
+                self._records[prefix] = self._read(record_name(prefix))
+            except CheckpointError:
+                self._records[prefix] = ManagerRecord()
+        return self._records[prefix]
+
+
 def _object_steps(url: str) -> tuple[StepEntry, ...]:
     objects = ObjectStepRoot(url, METADATA_FILE)
-    try:
-        record = read_object_record(objects.fs, objects.root, objects.url)
-    except CheckpointError:
-        record = ManagerRecord()  # a damaged record does not hide the steps
+    records = _Records(lambda name: read_object_record(objects.fs, objects.root, objects.url, name))
     entries = []
     for entry in objects.entries():
         match = _STEP_NAME.fullmatch(entry.name)
@@ -117,7 +133,7 @@ def _object_steps(url: str) -> tuple[StepEntry, ...]:
             status, detail = ("uncommitted", "") if objects.is_abandoned(entry) else ("in progress", "recent objects")
         size = int(objects.fs.du(f"{objects.root}/{entry.name}"))
         step = int(match.group("step"))
-        known = record.steps.get(step) if status == "committed" else None
+        known = records.of(match.group("prefix")).steps.get(step) if status == "committed" else None
         entries.append(StepEntry(name=entry.name, step=step, status=status, size=size, detail=detail,
                                  keep_forever=bool(known and known.keep_forever),
                                  saved_at=known.saved_at if known else None,
@@ -141,10 +157,7 @@ def list_steps(root: str | os.PathLike) -> tuple[StepEntry, ...]:
         raise CheckpointValueError(
             f"{path} is one checkpoint, not a manager root holding step directories; use `hp-ckpt inspect {path}`"
         )
-    try:
-        record = read_record(path)
-    except CheckpointError:
-        record = ManagerRecord()  # a damaged record does not hide the steps on disk
+    records = _Records(lambda name: read_record(path, name))
     entries = []
     for entry in os.scandir(path):
         match = _STEP_NAME.fullmatch(entry.name)
@@ -152,7 +165,7 @@ def list_steps(root: str | os.PathLike) -> tuple[StepEntry, ...]:
             continue
         step = int(match.group("step"))
         status, detail = _status(Path(entry.path))
-        known = record.steps.get(step) if status == "committed" else None
+        known = records.of(match.group("prefix")).steps.get(step) if status == "committed" else None
         entries.append(StepEntry(
             name=entry.name, step=step, status=status, size=_size(Path(entry.path)),
             keep_forever=bool(known and known.keep_forever), saved_at=known.saved_at if known else None,

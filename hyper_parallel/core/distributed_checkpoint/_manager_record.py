@@ -28,7 +28,9 @@ from hyper_parallel.core.distributed_checkpoint._file_ops import write_atomicall
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 
 __all__ = [
+    "DEFAULT_STEP_PREFIX",
     "RECORD_FILE",
+    "record_name",
     "ManagerPolicy",
     "StepRecord",
     "ManagerRecord",
@@ -38,8 +40,10 @@ __all__ = [
     "read_record",
 ]
 
-#: File name of the record in a manager's root.
+#: File name of the record in a manager's root (of the managers with the default step prefix).
 RECORD_FILE = "manager.json"
+#: The default ``step_prefix`` of a ``CheckpointManager``.
+DEFAULT_STEP_PREFIX = "step_"
 _LOCK_FILE = ".manager.lock"
 _VERSION = 1
 
@@ -101,18 +105,30 @@ def _decode(path: Path | str, text: str) -> ManagerRecord:
         ) from exc
 
 
-def read_record(root: Path) -> ManagerRecord:
-    """Return the record of ``root`` (empty if there is none). Coordinator; no lock.
+def record_name(step_prefix: str) -> str:
+    """The record file of the managers of ``step_prefix``: ``manager.json`` for the default ``step_``, else
+    ``manager.<step_prefix>.json``. Managers of other prefixes in one root keep their own records (one record
+    keyed by step number mixed their metrics and promises up: one's retention erased the other's)."""
+    return RECORD_FILE if step_prefix == DEFAULT_STEP_PREFIX else f"manager.{step_prefix}.json"
+
+
+def read_record(root: Path, name: str = RECORD_FILE) -> ManagerRecord:
+    """Return the record ``name`` of ``root`` (empty if there is none). Coordinator; no lock.
+
+    A prefix's own record that does not exist yet starts from ``manager.json`` (where versions before
+    per-prefix records kept it), so the promises of a root managed with another prefix are kept.
 
     Raises:
         CorruptCheckpointError: The file exists but is not a record (names it and the fix).
     """
-    path = root / RECORD_FILE
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return ManagerRecord()
-    return _decode(path, text)
+    for candidate in dict.fromkeys((name, RECORD_FILE)):
+        path = root / candidate
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            continue
+        return _decode(path, text)
+    return ManagerRecord()
 
 
 def _encode(record: ManagerRecord) -> bytes:
@@ -124,13 +140,13 @@ def _encode(record: ManagerRecord) -> bytes:
     return json.dumps(document, indent=1, sort_keys=True).encode("utf-8")
 
 
-def _write(root: Path, record: ManagerRecord) -> None:
-    write_atomically(root / RECORD_FILE, _encode(record))
+def _write(root: Path, record: ManagerRecord, name: str) -> None:
+    write_atomically(root / name, _encode(record))
 
 
-def _sweep_partials(root: Path) -> None:
+def _sweep_partials(root: Path, name: str) -> None:
     """Remove temporary record files left by a writer killed before its rename (the lock is held)."""
-    prefix = f".{RECORD_FILE}."
+    prefix = f".{name}."
     for entry in os.scandir(root):
         if entry.name.startswith(prefix) and entry.name.endswith(".partial"):
             with contextlib.suppress(FileNotFoundError):
@@ -148,25 +164,25 @@ class _Session:
 
 
 @contextlib.contextmanager
-def locked_record(root: Path) -> Iterator[_Session]:
-    """Hold ``root``'s record lock; yield the record; write it back if it changed. Coordinator only."""
+def locked_record(root: Path, name: str = RECORD_FILE) -> Iterator[_Session]:
+    """Hold ``root``'s record lock; yield the record ``name``; write it back if it changed. Coordinator only."""
     root.mkdir(parents=True, exist_ok=True)
     with open(root / _LOCK_FILE, "a+b") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         try:
-            _sweep_partials(root)
-            before = read_record(root)
+            _sweep_partials(root, name)
+            before = read_record(root, name)
             session = _Session(before)
             yield session
             if session.record != before:
-                _write(root, session.record)
+                _write(root, session.record, name)
         finally:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager
-def object_record(fs: Any, root: str, url: str) -> Iterator[_Session]:
-    """The record object ``<root>/manager.json`` of an object-store root; written back if it changed.
+def object_record(fs: Any, root: str, url: str, name: str = RECORD_FILE) -> Iterator[_Session]:
+    """The record object ``<root>/<name>`` of an object-store root; written back if it changed.
 
     Coordinator only. One object PUT replaces it whole (atomic on S3); there is no lock, so two managers
     retaining on one prefix at the same moment may lose one's update (one manager per root).
@@ -175,34 +191,36 @@ def object_record(fs: Any, root: str, url: str) -> Iterator[_Session]:
         fs: The fsspec filesystem of the root.
         root: The root's path in ``fs`` (``bucket/prefix``).
         url: The root's URL (named in errors).
+        name: The record's name (:func:`record_name` of the manager's step prefix).
 
     Raises:
         CorruptCheckpointError: The object exists but is not a record (names it and the fix).
     """
-    before = read_object_record(fs, root, url)
+    before = read_object_record(fs, root, url, name)
     session = _Session(before)
     yield session
     if session.record != before:
-        fs.pipe_file(f"{root}/{RECORD_FILE}", _encode(session.record))
+        fs.pipe_file(f"{root}/{name}", _encode(session.record))
 
 
-def read_object_record(fs: Any, root: str, url: str) -> ManagerRecord:
-    """Return the record object of an object-store root (empty if there is none). Coordinator; no lock.
+def read_object_record(fs: Any, root: str, url: str, name: str = RECORD_FILE) -> ManagerRecord:
+    """Return the record object ``name`` of an object-store root (empty if there is none). Coordinator; no lock.
 
     Args:
         fs: The fsspec filesystem of the root.
         root: The root's path in ``fs`` (``bucket/prefix``).
         url: The root's URL (named in errors).
+        name: The record's name (:func:`record_name` of the manager's step prefix).
 
     Raises:
         CorruptCheckpointError: The object exists but is not a record (names it and the fix).
     """
     try:
-        data = fs.cat_file(f"{root}/{RECORD_FILE}")
+        data = fs.cat_file(f"{root}/{name}")
     except FileNotFoundError:
         return ManagerRecord()
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         text = ""  # not JSON either: refused by _decode with its message
-    return _decode(f"{url}/{RECORD_FILE}", text)
+    return _decode(f"{url}/{name}", text)

@@ -321,7 +321,11 @@ class CheckpointCallback(Callback):
         return mindspore_state_dict(cells, "the training state")
 
     def on_train_begin(self, run_context: RunContext) -> None:
-        """Load the newest committed step (``resume``) and continue its step numbering. All ranks."""
+        """Load the newest committed step (``resume``) and continue its step numbering. All ranks.
+
+        In a later ``Model.train`` call with this callback, the step it saved last is not loaded again (the
+        Parameters are already there, with any change the script made between the calls); numbering continues.
+        """
         cb_params = run_context.original_args()
         self._steps_per_epoch = int(getattr(cb_params, "batch_num", 0) or 0)
         position = self._position
@@ -333,6 +337,12 @@ class CheckpointCallback(Callback):
             self._staging = prepare_async_save(self._state)
         latest = position.step if position is not None else self.manager.latest_step()
         if latest is None:
+            return
+        if latest == self._last_saved:
+            # This callback saved (or loaded) that step in this process: a later Model.train call with the same
+            # callback. The Parameters are at that step or after it, with what the script changed in between
+            # (a learning rate, weights loaded by hand): loading the step back would silently undo those changes.
+            cb_params.cur_step_num = self._completed = latest
             return
         if not self.resume:
             if latest > self._completed:

@@ -53,6 +53,7 @@ from hyper_parallel.core.distributed_checkpoint._manager_record import (
     _Session,
     locked_record,
     object_record,
+    record_name,
 )
 from hyper_parallel.core.distributed_checkpoint._fsspec_writer import FsspecWriter
 from hyper_parallel.core.distributed_checkpoint._retention import plan_retention
@@ -178,9 +179,10 @@ class CheckpointManager:
 
     def _record_session(self) -> contextlib.AbstractContextManager[_Session]:
         """The manager record under its lock; for an object-store root, its record object."""
+        name = record_name(self.step_prefix)
         if self._objects is None:
-            return locked_record(self.root)
-        return object_record(self._objects.fs, self._objects.root, self._objects.url)
+            return locked_record(self.root, name)
+        return object_record(self._objects.fs, self._objects.root, self._objects.url, name)
 
     def directory(self, step: int) -> Path | str:
         """Return the checkpoint directory (or ``s3://`` id) of ``step`` (no file access). Any rank."""
