@@ -115,3 +115,46 @@ def test_a_second_model_train_keeps_the_changes_made_between_the_calls(tmp_path:
     loaded = hyper_parallel.load_checkpoint(tmp_path / "step_00000008")
     np.testing.assert_array_equal(loaded["weight"].asnumpy(), reference_net.weight.asnumpy())
     assert loaded["step_num"].asnumpy().item() == 8
+
+
+def test_append_info_clashing_with_a_parameter_name_is_refused_before_any_step(tmp_path: Path) -> None:
+    """append_info {'weight': ...} would replace the network's weight in every saved step: refused."""
+    model, net, _ = _model()
+    before = net.weight.asnumpy().copy()
+    for info, name in [([{"weight": "v1"}], "'weight'"), ([{"note": 1, "learning_rate": 0.5}], "'learning_rate'")]:
+        callback = hyper_parallel.CheckpointCallback(tmp_path, save_checkpoint_steps=2, async_save=False,
+                                                     append_info=info)
+        with pytest.raises(dcp.CheckpointValueError, match=f"append_info key\\(s\\) {name} are also names"):
+            model.train(1, _data(), callbacks=[callback], dataset_sink_mode=False)
+        np.testing.assert_array_equal(net.weight.asnumpy(), before)  # refused when training begins
+    assert dcp.CheckpointManager(tmp_path).all_steps() == []
+
+
+class _NanThenRaise(StepLog):
+    """Turns the weights into NaN at the end of step ``crash_at`` and raises (a diverged step, as LossMonitor
+    stops it), listed after the CheckpointCallback."""
+
+    def on_train_step_end(self, run_context):
+        params = run_context.original_args()
+        if int(params.cur_step_num) == self.crash_at:
+            weight = params.network.trainable_params()[0]
+            weight.set_data(ms.Tensor(np.full(weight.shape, np.nan, np.float32)))
+            raise ValueError(f"loss is NaN at step {self.crash_at}")
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_exception_save_deletes_no_earlier_step(tmp_path: Path, async_save: bool) -> None:
+    """keep_checkpoint_max=1 and exception_save: the step saved at the exception (its state may be a diverged
+    one) is added, the last good step stays; the next run's saves prune as usual."""
+    model, net, _ = _model()
+    callback = hyper_parallel.CheckpointCallback(tmp_path, save_checkpoint_steps=2, keep_checkpoint_max=1,
+                                                 exception_save=True, async_save=async_save)
+    with pytest.raises(ValueError, match="NaN"):
+        model.train(1, _data(), callbacks=[callback, _NanThenRaise(crash_at=3)], dataset_sink_mode=False)
+    assert dcp.CheckpointManager(tmp_path).all_steps() == [2, 3]
+    good = hyper_parallel.load_checkpoint(tmp_path / "step_00000002")
+    np.testing.assert_array_equal(good["weight"].asnumpy(), _weights_after(2))
+    assert np.isnan(hyper_parallel.load_checkpoint(tmp_path / "step_00000003")["weight"].asnumpy()).all()
+    manager = dcp.CheckpointManager(tmp_path, max_to_keep=1)
+    manager.save(4, {"weight": np.zeros(2, np.float32)})
+    assert manager.all_steps() == [4]  # a later save's retention prunes as the policy says

@@ -318,7 +318,15 @@ class CheckpointCallback(Callback):
         # Parameters MindSpore sliced (semi-auto / auto parallel): their layouts come from the Cells'
         # parameter_layout_dict, or from strategy_file.
         self._io_kwargs = {"strategy_file": LayoutSources(self.strategy_file, cells=cells_in(cells))}
-        return mindspore_state_dict(cells, "the training state")
+        state = mindspore_state_dict(cells, "the training state")
+        clashes = sorted(set(state) & {*self._append, *self._counters, _STEPS_PER_EPOCH_KEY})
+        if clashes:
+            raise CheckpointValueError(
+                f"append_info key(s) {', '.join(repr(c) for c in clashes)} are also names of Parameters of the "
+                "training state: every saved step would hold the appended value instead of the Parameter (and a "
+                "resume would fail); rename the append_info entries"
+            )
+        return state
 
     def on_train_begin(self, run_context: RunContext) -> None:
         """Load the newest committed step (``resume``) and continue its step numbering. All ranks.
@@ -409,7 +417,7 @@ class CheckpointCallback(Callback):
                 "resume_dataset returned) to Model.train"
             )
 
-    def _save(self, step: int, epoch: int, *, force: bool) -> None:
+    def _save(self, step: int, epoch: int, *, force: bool, prune: bool = True) -> None:
         """Save the training state (plus ``append_info``) as ``step``. All ranks."""
         state = {**(self._state or {}), **self._append}
         if "epoch_num" in self._counters:
@@ -418,7 +426,7 @@ class CheckpointCallback(Callback):
             state["step_num"] = step
         if self._steps_per_epoch:
             state[_STEPS_PER_EPOCH_KEY] = self._steps_per_epoch
-        if self.manager.save(step, state, force=force, **self._io_kwargs):
+        if self.manager.save(step, state, force=force, prune=prune, **self._io_kwargs):
             self._last_saved = step
 
     def on_train_step_begin(self, run_context: RunContext) -> None:
@@ -460,7 +468,7 @@ class CheckpointCallback(Callback):
                 if step != self._last_saved and step > 0:
                     _LOG.warning("training raised %s: saving step %d (exception_save)", exc_type.__name__, step)
                     self.manager.wait()
-                    self._save(step, epoch, force=True)
+                    self._save(step, epoch, force=True, prune=False)  # a diverged state costs no good step
         finally:
             self.manager.close()
 

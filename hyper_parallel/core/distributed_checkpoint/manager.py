@@ -175,6 +175,7 @@ class CheckpointManager:
         self._handle: AsyncSaveHandle | None = None
         self._writing: int | None = None  # the step this manager is saving, hidden from listings
         self._committing: tuple[int, dict[str, Any] | None] | None = None  # step and metrics awaiting retention
+        self._prune = True  # whether the retention after that step deletes what the policy drops
         self._last_save = time.monotonic()
 
     def _record_session(self) -> contextlib.AbstractContextManager[_Session]:
@@ -227,6 +228,7 @@ class CheckpointManager:
         *,
         force: bool = False,
         metrics: dict[str, Any] | None = None,
+        prune: bool = True,
         **kwargs: Any,
     ) -> bool:
         """Save ``state_dict`` as ``step`` if the intervals say so. All ranks call it.
@@ -246,6 +248,10 @@ class CheckpointManager:
                 ``step`` (the old checkpoint stays intact until the new one commits).
             metrics: JSON values describing this step (ranked by ``best_fn``),
                 kept in the root's record.
+            prune: ``False``: once this step commits, retention records it but
+                deletes nothing (a state that may be bad, such as the one
+                ``CheckpointCallback`` saves when training raises, never costs
+                an earlier step); the next save's retention prunes as usual.
             **kwargs: Passed on to :func:`save` / :func:`async_save` (``planner``, ...).
 
         Returns:
@@ -280,6 +286,7 @@ class CheckpointManager:
             kwargs["storage_writer"] = self._writer_class(self.directory(step), **self.writer_options)
         self._writing = step
         self._committing = (step, metrics)
+        self._prune = bool(prune)
         try:
             if self.async_save:
                 self._handle = dcp_async_save(state_dict, checkpoint_id=self.directory(step), **kwargs)
@@ -361,14 +368,15 @@ class CheckpointManager:
         """
         dist = DistWrapper(use_dist=True)
         committing, self._committing = self._committing, None
+        prune, self._prune = self._prune, True
 
         def retain() -> None:
             if dist.is_coordinator:
-                self._retain_on_coordinator(committing)
+                self._retain_on_coordinator(committing, prune)
 
         dist.agree("checkpoint retention", retain)
 
-    def _retain_on_coordinator(self, committing: tuple[int, dict[str, Any] | None] | None) -> None:
+    def _retain_on_coordinator(self, committing: tuple[int, dict[str, Any] | None] | None, prune: bool) -> None:
         with self._record_session() as record:
             committed, uncommitted = self._scan()
             if not committed:
@@ -383,7 +391,7 @@ class CheckpointManager:
                 recorded=record.record.steps, committing=committing, now=time.time(),
             )
             steps = dict(plan.steps)
-            for step in plan.doomed:
+            for step in plan.doomed if prune else ():
                 if self._steps.delete(step):
                     steps.pop(step, None)
             record.update(policy=self.policy, steps=steps)
