@@ -16,8 +16,21 @@ load planning is reported per tensor: it finds its chunks by binary search in
 each tensor's sorted chunk list (an index, not a scan), so its time per tensor
 stays flat as the world grows.
 
+The indexed form (format 2.1, docs/format.md section 12.1) is MEASURED at the
+target world itself: the metadata of ``--indexed-ranks`` x ``--indexed-tensors``
+grid tensors is built by the commit's own builder (holders fitted by
+``fit_holders``, ``indexed_metadata``, ``metadata_to_json``; the in-line
+form's metadata would be the extrapolated size above), written with the
+index files of the ranks the measured loads read (the other ranks' records
+stand for index files of the same length that nothing reads), and the script
+reports its size, ``read_metadata`` time and peak memory, and the load
+planning of one rank loading its own shard and of one rank of a resharded
+load (half the ranks, two holders each): the planner's time (chunks found by
+division) and the storage lookups of its plan (reading and checking the
+holders' index files).
+
 Run: ``python scripts/bench_metadata.py [--ranks 16 64 256] [--tensors 1000] [--target-ranks 10240]
-[--target-tensors 10000] [--json FILE]``.
+[--target-tensors 10000] [--indexed-ranks 10240] [--indexed-tensors 10000] [--json FILE]``.
 """
 
 from __future__ import annotations
@@ -110,6 +123,77 @@ def _read_with_memory(path: Path) -> tuple[Metadata, float, float, int, int]:
     return read, seconds, cpu_seconds, max(peak[0], retained) - base, retained - base
 
 
+def _plan_and_lookup(metadata: Metadata, fqns: list[str], rows: int, rank: int, world: int) -> tuple[float, float, int]:
+    """One rank's load planning of ``rows`` rows of every tensor at ``rank * rows``: planner CPU seconds, CPU seconds
+    of its plan's storage lookups (the index files they read), reads planned."""
+    from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardLoadPlanner  # noqa: PLC0415
+
+    state = {fqn: dcp.ShardedTensor.from_rank_offsets(fqn, np.zeros((rows, COLS), np.float32), (0, rank, world))
+             for fqn in fqns}
+    planner = StandardLoadPlanner()
+    start = time.thread_time()
+    planner.configure_planner(state, metadata, rank=rank, world_size=world, is_coordinator=rank == 0)
+    plan = planner.build_local_plan()
+    planned = time.thread_time() - start
+    start = time.thread_time()
+    lookup = metadata.storage_data.lookup  # type: ignore[union-attr]
+    for item in plan.items:
+        if lookup(item.storage_index.fqn, tuple(item.storage_index.offset)) is None:
+            raise RuntimeError(f"no storage entry for {item.storage_index}")
+    return planned, time.thread_time() - start, len(plan.items)
+
+
+def measure_indexed(work: Path, ranks: int, tensors: int) -> dict:
+    """The indexed form of ``ranks`` x ``tensors`` (one row chunk per rank and tensor), measured."""
+    # pylint: disable=import-outside-toplevel
+    from hyper_parallel.core.distributed_checkpoint._format.grid_holders import fit_holders
+    from hyper_parallel.core.distributed_checkpoint._format.rank_index import IndexRecord, index_file_name
+    from hyper_parallel.core.distributed_checkpoint._grid_chunks import GridChunks
+    from hyper_parallel.core.distributed_checkpoint._index_form import index_files, indexed_metadata
+
+    save_id = "0123456789ab"
+    length = ROWS * COLS * 4
+    fqns = [f"layer{t}.weight" for t in range(tensors)]
+    items = {fqn: TensorStorageMetadata(TensorProperties("float32"), (ROWS * ranks, COLS),
+                                        GridChunks((ROWS * ranks, COLS), (ROWS, COLS))) for fqn in fqns}
+    metadata = Metadata(state_dict_metadata=items, storage_meta=StorageMeta(
+        save_id=save_id, world_size=ranks, bytes_per_rank=(tensors * length,) * ranks))
+    own, reshard = ranks // 2, ranks // 4 + 1  # the reshard rank reads the chunks of ranks 2k and 2k + 1
+    read_ranks = sorted({own, 2 * reshard, 2 * reshard + 1})
+    per_rank = {r: {(fqn, (r * ROWS, 0)): StorageInfo(
+        relative_path=f"r{r:05d}_000.{save_id}.safetensors", offset=4096 + t * length, length=length,
+        checksum=ChunkChecksum(ALGORITHM, 1 << 20, (f"{t:016x}",))) for t, fqn in enumerate(fqns)} for r in read_ranks}
+    start = time.process_time()
+    holders = {fqn: fit_holders((ranks, 1), range(ranks)) for fqn in fqns}  # as the commit fits each tensor's
+    files = dict((record.rank, (record, data)) for record, data in index_files(per_rank, save_id=save_id))
+    sample = files[own][0]
+    records = tuple(files[r][0] if r in files else IndexRecord(r, index_file_name(r, save_id), sample.length, "0" * 16)
+                    for r in range(ranks))
+    encoded = metadata_to_json(indexed_metadata(metadata, holders=holders, inline={}, records=records, save_id=save_id))
+    build_seconds = time.process_time() - start
+    path = work / "indexed"
+    path.mkdir()
+    (path / "metadata.json").write_bytes(encoded)
+    for record, data in files.values():
+        (path / record.file).write_bytes(data)
+    del metadata, holders, encoded
+    gc.collect()
+    read, read_seconds, read_cpu, peak_rss, retained_rss = _read_with_memory(path)
+    own_plan, own_lookup, own_reads = _plan_and_lookup(read, fqns, ROWS, own, ranks)
+    re_plan, re_lookup, re_reads = _plan_and_lookup(read, fqns, 2 * ROWS, reshard, ranks // 2)
+    if own_reads != tensors or re_reads != 2 * tensors:
+        raise RuntimeError(f"planned {own_reads} and {re_reads} reads for {tensors} tensors")
+    chunks = ranks * tensors
+    size = (path / "metadata.json").stat().st_size
+    return {"label": "MEASURED", "ranks": ranks, "tensors": tensors, "chunks": chunks, "metadata_bytes": size,
+            "metadata_bytes_per_chunk": size / chunks, "index_file_bytes": sample.length,
+            "index_bytes_per_chunk": sample.length / tensors, "build_cpu_s": build_seconds,
+            "read_metadata_s": read_seconds, "read_metadata_cpu_s": read_cpu, "read_peak_rss_bytes": peak_rss,
+            "read_retained_rss_bytes": retained_rss, "own_shard_planning_s": own_plan,
+            "own_shard_lookup_s": own_lookup, "reshard_planning_s": re_plan, "reshard_lookup_s": re_lookup,
+            "index_files_read_own": 1, "index_files_read_reshard": 2}
+
+
 def _fit(xs: list[float], ys: list[float]) -> dict:
     """Least-squares ``y = intercept + slope * x`` and each point's relative deviation from it."""
     slope, intercept = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1) if len(xs) > 1 else (
@@ -125,6 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tensors", type=int, default=1000)
     parser.add_argument("--target-ranks", type=int, default=10240)
     parser.add_argument("--target-tensors", type=int, default=10000)
+    parser.add_argument("--indexed-ranks", type=int, default=10240)
+    parser.add_argument("--indexed-tensors", type=int, default=10000)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     rows = []
@@ -149,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
                          "planning_us_per_tensor": plan_seconds / args.tensors * 1e6})
             del read
             (path / "metadata.json").unlink()
+        indexed = measure_indexed(Path(work), args.indexed_ranks, args.indexed_tensors)
     target_chunks = args.target_ranks * args.target_tensors
     chunk_counts = [row["chunks"] for row in rows]
     fits = {name: _fit(chunk_counts, [row[name] for row in rows]) for name in
@@ -170,13 +257,23 @@ def main(argv: list[str] | None = None) -> None:
               f"max deviation of a measured size {fit['max_relative_deviation']:.1%}")
     print(f"rank load planning per tensor across sizes: {min(planning):.1f} to {max(planning):.1f} us "
           f"(largest / smallest world: {planning[-1] / planning[0]:.2f}x for {chunk_counts[-1] / chunk_counts[0]:.0f}x the chunks)")
-    print(f"EXTRAPOLATED (linear fit) to {args.target_ranks} ranks x {args.target_tensors} tensors: "
+    print(f"MEASURED indexed form (format 2.1) at {indexed['ranks']} ranks x {indexed['tensors']} tensors "
+          f"({indexed['chunks']:,} chunks): metadata.json {indexed['metadata_bytes'] / 1e6:.2f} MB "
+          f"({indexed['metadata_bytes_per_chunk']:.3f} B/chunk; one rank index {indexed['index_file_bytes'] / 1e6:.2f} MB, "
+          f"{indexed['index_bytes_per_chunk']:.0f} B/chunk, read only by the ranks that need it), built in "
+          f"{indexed['build_cpu_s']:.2f} s CPU; read_metadata {indexed['read_metadata_s']:.3f} s "
+          f"(CPU {indexed['read_metadata_cpu_s']:.3f} s, peak memory +{indexed['read_peak_rss_bytes'] / 1e6:.0f} MB); "
+          f"one rank's load planning, own shard: planner {indexed['own_shard_planning_s']:.3f} s + storage lookups "
+          f"{indexed['own_shard_lookup_s']:.3f} s (1 index file read); resharded (2 holders): planner "
+          f"{indexed['reshard_planning_s']:.3f} s + lookups {indexed['reshard_lookup_s']:.3f} s (2 index files)")
+    print(f"EXTRAPOLATED in-line form, for comparison (linear fit) to {args.target_ranks} ranks x {args.target_tensors} tensors: "
           f"metadata {extrapolated['metadata_bytes'] / 1e9:.1f} GB, read_metadata "
           f"{extrapolated['read_metadata_s']:.0f} s (CPU {extrapolated['read_metadata_cpu_s']:.0f} s), read peak memory {extrapolated['read_peak_rss_bytes'] / 1e9:.1f} GB, "
           f"one rank's load planning {extrapolated['rank_load_planning_s']:.1f} s")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump({"measured": rows, "fits": fits, "extrapolated": extrapolated}, handle, indent=2)
+            json.dump({"measured": rows, "fits": fits, "extrapolated": extrapolated, "indexed": indexed}, handle,
+                      indent=2)
 
 
 if __name__ == "__main__":

@@ -50,11 +50,12 @@ def simulate_save(
     *,
     writer_options: dict[str, Any] | None = None,
     layout_form: bool = False,
+    writer_class: type = FileSystemWriter,
     **kwargs: Any,
 ) -> tuple[Metadata, list[int]]:
     """Save the per-rank ``states`` as one checkpoint at ``path``.
 
-    ``writer_options`` go to every rank's :class:`FileSystemWriter`;
+    ``writer_options`` go to every rank's :class:`FileSystemWriter` (or ``writer_class``);
     ``layout_form`` sends the coordinator layout-form plans, as ``dcp.save``
     does under msrun (``compact_local_plan`` / ``build_global_masks``); the
     other keyword arguments go to the planners.
@@ -66,7 +67,7 @@ def simulate_save(
     writers = []
     plans = []
     for rank, planner in enumerate(planners):
-        writer = FileSystemWriter(path, **(writer_options or {}))
+        writer = writer_class(path, **(writer_options or {}))
         writer.set_up_storage_writer(rank == 0, rank=rank, world_size=len(states))
         writers.append(writer)
         plans.append(writer.prepare_local_plan(planner.build_local_plan()))

@@ -141,7 +141,7 @@ def test_bench_planning_reports_time_and_bytes_per_rank(tmp_path):
 
 
 def test_bench_metadata_reports_size_read_time_and_rank_planning(tmp_path):
-    proc = _run_small("bench_metadata.py", tmp_path / "meta.json")
+    proc = _run_small("bench_metadata.py", tmp_path / "meta.json", "--indexed-ranks", "64", "--indexed-tensors", "20")
     result = json.loads((tmp_path / "meta.json").read_text())
     assert [row["chunks"] for row in result["measured"]] == [80, 640]
     for row in result["measured"]:
@@ -154,4 +154,11 @@ def test_bench_metadata_reports_size_read_time_and_rank_planning(tmp_path):
     extrapolated = result["extrapolated"]
     assert extrapolated["chunks"] == 10240 * 10000 and extrapolated["label"].startswith("EXTRAPOLATED")
     assert extrapolated["metadata_bytes"] == fit["intercept"] + fit["slope"] * 10240 * 10000
-    assert "EXTRAPOLATED (linear fit) to 10240 ranks" in proc.stdout and "linear fit read_metadata_s" in proc.stdout
+    assert "EXTRAPOLATED in-line form, for comparison (linear fit) to 10240 ranks" in proc.stdout
+    assert "linear fit read_metadata_s" in proc.stdout
+    # The indexed form is measured, not extrapolated: O(tensors + ranks) metadata, a rank reads one index.
+    indexed = result["indexed"]
+    assert indexed["label"] == "MEASURED" and indexed["chunks"] == 64 * 20
+    assert indexed["metadata_bytes"] < 100 * 20 + 120 * 64 + 2000 < 100 * indexed["chunks"]
+    assert indexed["own_shard_planning_s"] > 0 and indexed["reshard_lookup_s"] > 0
+    assert "MEASURED indexed form (format 2.1) at 64 ranks x 20 tensors" in proc.stdout

@@ -188,3 +188,15 @@ def test_one_process_loads_the_four_rank_checkpoint(base, four):
     target = {"model": {"x": np.zeros((16, 8), np.float32), "bias": np.zeros(8, np.float32)}, "step": 0}
     dcp.load(target, checkpoint_id=base / "X")
     assert np.array_equal(target["model"]["x"], FULL_X) and target["step"] == 42
+
+
+def test_indexed_metadata_saved_by_four_loads_on_four_and_two(four, two_last):
+    check_scenarios(four, ["save_x_indexed"])
+    for value in scenario_values(four, "save_x_indexed"):
+        assert value["indexes"] == ["r00000_index", "r00001_index", "r00002_index", "r00003_index"]
+        assert value["grid"] and value["chunks"] == 4 and value["ok"] and value["step"] == 42
+        assert value["bias"] == np.linspace(-1, 1, 8, dtype=np.float32).tolist()
+    check_scenarios(two_last, ["load_x_indexed_on_two"])
+    for value in scenario_values(two_last, "load_x_indexed_on_two"):
+        assert value["ok"] and value["step"] == 42
+        assert value["bias"] == np.linspace(-1, 1, 8, dtype=np.float32).tolist()

@@ -15,7 +15,7 @@ import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.core.distributed_checkpoint import _reader_headers
-from hyper_parallel.core.distributed_checkpoint._format import header_check, metadata_json, safetensors_file
+from hyper_parallel.core.distributed_checkpoint._format import header_check, metadata_json, safetensors_file, storage_entry
 from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import (
     SAFETENSORS_DTYPES,
     HeaderEntry,
@@ -165,7 +165,7 @@ def _safetensors_bytes(spans: dict[str, tuple[str, list[int], int, int]]) -> byt
 
 def _slow_decode(monkeypatch: pytest.MonkeyPatch, raw: bytes) -> dcp.Metadata:
     with monkeypatch.context() as patch:
-        patch.setattr(metadata_json, "_flat_checked_entry", lambda raw, shared: None)
+        patch.setattr(storage_entry, "_flat_checked_entry", lambda raw, shared: None)
         patch.setattr(metadata_json, "_whole_tensor_key", lambda raw: None)
         patch.setattr(metadata_json, "plain_text", lambda data: False)  # no decode by runs either
         return metadata_json.metadata_from_json(raw)

@@ -321,6 +321,19 @@ def save_x() -> dict:
             "chunks": len(meta.state_dict_metadata["model.x"].chunks)}
 
 
+def save_x_indexed() -> dict:
+    """save_x's state in the indexed metadata form (format 2.1): grid tensors, one index file per rank."""
+    layout = Layout((2, 2), (1, 0))
+    state = {"model": {"x": _dtensor(FULL_X, layout, "x"), "bias": ms.Tensor(BIAS)}, "step": 42}
+    path = BASE / "Xi"
+    meta = dcp.save(state, checkpoint_id=path, storage_writer=dcp.FileSystemWriter(path, metadata_form="indexed"))
+    target = {"model": {"x": _zero_dtensor(FULL_X, layout, "x"), "bias": np.zeros(8, np.float32)}, "step": 0}
+    dcp.load(target, checkpoint_id=path)
+    return {"indexes": sorted(n.split(".")[0] for n in os.listdir(path) if "_index." in n),
+            "grid": "grid" in (path / "metadata.json").read_text(), "chunks": len(meta.state_dict_metadata["model.x"].chunks),
+            "ok": _expect(FULL_X, target["model"]["x"]), "bias": target["model"]["bias"].tolist(), "step": target["step"]}
+
+
 def save_failure_planning() -> dict:
     state = {"a": ms.Tensor(np.ones(4, np.float32))}
     if RANK == 2:
@@ -388,6 +401,14 @@ def load_x_on_two() -> dict:
             "needed": target["model"]["x"].to_local().asnumpy().nbytes + BIAS.nbytes}
 
 
+def load_x_indexed_on_two() -> dict:
+    layout = Layout((2,), (-1, 0))  # columns, where the save split rows and columns over 4 ranks
+    target = {"model": {"x": _zero_dtensor(FULL_X, layout, "x"), "bias": np.zeros(8, np.float32)}, "step": 0}
+    dcp.load(target, checkpoint_id=BASE / "Xi")
+    return {"ok": _expect(FULL_X, target["model"]["x"]), "bias": target["model"]["bias"].tolist(),
+            "step": target["step"]}
+
+
 def load_mapping_on_two() -> dict:
     layout = Layout((2,), (-1, 0))
     target_dt = _zero_dtensor(FULL_S, layout, "w")
@@ -408,8 +429,8 @@ PHASES = {
                   plan_cache],
     "four": [load_y_on_four, replicated_bytes, dedup_modes, save_x, save_failure_planning, save_failure_write,
              save_failure_commit, load_failure_missing_key, load_failure_read, differing_value, save_mapping,
-             single_replica_read, load_corrupt_on_one_rank],
-    "two_last": [load_x_on_two, load_mapping_on_two],
+             single_replica_read, load_corrupt_on_one_rank, save_x_indexed],
+    "two_last": [load_x_on_two, load_mapping_on_two, load_x_indexed_on_two],
 }
 
 run_scenarios({fn.__name__: fn for fn in PHASES[PHASE]})

@@ -28,8 +28,12 @@ from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 
 __all__ = ["DATA_FILE_PATTERN", "MAX_CLEANUP_METADATA_BYTES", "committed_save_id", "garbage_files", "remove_files"]
 
-#: Data file names: ``r<rank>_<counter>.<save id>.safetensors``.
-DATA_FILE_PATTERN = re.compile(r"^r(\d{5})_(\d{3})\.([0-9a-f]{12})\.safetensors$")
+#: Data file names: ``r<rank>_<counter>.<save id>.safetensors``, and a rank's storage index of an indexed
+#: checkpoint, ``r<rank>_index.<save id>.json`` (docs/format.md section 12.1): group 1 the rank, group 3 the
+#: save id, so every cleanup, sweep and tool treats index files exactly as data files.
+DATA_FILE_PATTERN = re.compile(
+    r"^r(\d{5})_(\d{3}(?=\.[0-9a-f]{12}\.safetensors$)|index(?=\.[0-9a-f]{12}\.json$))\.([0-9a-f]{12})\."
+    r"(?:safetensors|json)$")
 #: Metadata larger than this is not read by the cleanup (its files are then left alone).
 MAX_CLEANUP_METADATA_BYTES = 1 << 30
 _LOG = logging.getLogger(__name__)

@@ -14,7 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+from hyper_parallel.core.distributed_checkpoint._format.indexed_storage import IndexedStorage
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import metadata_from_json
+from hyper_parallel.core.distributed_checkpoint._format.rank_index import MAX_INDEX_BYTES
 from hyper_parallel.core.distributed_checkpoint._fsspec_writer import is_object_url
 from hyper_parallel.core.distributed_checkpoint._object_io import (
     DEFAULT_CONNECTIONS,
@@ -149,7 +151,33 @@ class FsspecReader(FileSystemReader):
             )
         if len(tagged.data) > MAX_METADATA_BYTES:
             raise UnsafeCheckpointError(f"{location}: metadata of {len(tagged.data)} bytes is larger than allowed; refused")
-        return metadata_from_json(tagged.data, source=location)
+        metadata = metadata_from_json(tagged.data, source=location)
+        if isinstance(metadata.storage_data, IndexedStorage):
+            metadata.storage_data.bind(self._index_object)
+        return metadata
+
+    def _index_object(self, name: str) -> bytes:
+        """The bytes of rank index object ``name`` (a plain name under the prefix, size-capped). Any rank.
+
+        Raises:
+            CorruptCheckpointError: the object is missing.
+            UnsafeCheckpointError: it is larger than allowed.
+            CheckpointIOError: the store cannot be read.
+        """
+        location = self.resolve(name, name)
+        try:
+            tagged = get_with_tag(self.fs, location)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # pylint: disable=broad-except
+            raise CheckpointIOError(f"reading index object {location} failed: {exc}") from exc
+        if tagged is None:
+            raise CorruptCheckpointError(
+                f"{location}: the rank index listed in the metadata is missing (deleted or not copied with the "
+                "checkpoint): copy the whole checkpoint, or load an earlier one")
+        if len(tagged.data) > MAX_INDEX_BYTES:
+            raise UnsafeCheckpointError(f"{location}: index of {len(tagged.data)} bytes is larger than allowed; refused")
+        return tagged.data
 
     def resolve(self, relative_path: str, fqn: str) -> str:  # type: ignore[override]  # object path, not a Path
         """Return the data object's path, refusing names that leave the prefix.

@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from hyper_parallel.core.distributed_checkpoint._format.checksum import DEFAULT_BLOCK_BYTES
+from hyper_parallel.core.distributed_checkpoint._format.indexed_storage import IndexedStorage
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import (
     metadata_from_json,
     metadata_to_json,
@@ -112,6 +113,7 @@ class FsspecWriter(FileSystemWriter):
         compression: str | None = None,
         compression_level: int = 3,
         tile_checksums: bool = True,
+        metadata_form: str = "auto",
         **storage_options: Any,
     ) -> None:
         super().__init__(
@@ -121,6 +123,7 @@ class FsspecWriter(FileSystemWriter):
             compression=compression,
             compression_level=compression_level,
             tile_checksums=tile_checksums,
+            metadata_form=metadata_form,
         )
         check_transfer_options(connections, part_bytes)
         self.connections = connections
@@ -232,14 +235,20 @@ class FsspecWriter(FileSystemWriter):
             CheckpointValueError: the metadata is over ``MAX_METADATA_BYTES`` (no reader would
                 accept it); nothing of this save is committed (its data objects are removed).
         """
-        committed = self.committed_metadata(metadata, results)
+        committed, index_files = self.indexed_metadata(self.committed_metadata(metadata, results), results)
         name = self._metadata_name()
-        ours = sorted({result.storage_data.relative_path for chunk in results for result in chunk})
+        ours = sorted({result.storage_data.relative_path for chunk in results for result in chunk}
+                      | {record.file for record, _ in index_files})
         try:
             encoded = metadata_to_json(committed, source=self._object(name))
+            for record, data in index_files:  # each PUT whole and durable before the metadata lists it
+                self.fs.pipe_file(self._object(record.file), data)
         except CheckpointValueError:
             remove_objects(self.fs, [self._object(n) for n in ours])
             raise
+        except Exception as exc:  # pylint: disable=broad-except
+            remove_objects(self.fs, [self._object(n) for n in ours])
+            raise CheckpointIOError(f"writing the rank indexes of checkpoint {self.path} failed: {exc}") from exc
         try:
             put_if(self.fs, self._object(name), encoded,
                    expected_tag=self._seen.tag if self._seen is not None else None)
@@ -356,7 +365,15 @@ class FsspecWriter(FileSystemWriter):
             old = metadata_from_json(self._seen.data, source=self._object(self._metadata_name()))
         except CheckpointError:
             return set()
-        return {info.relative_path for info in (old.storage_data or {}).values()}
+        storage = old.storage_data or {}
+        if not isinstance(storage, IndexedStorage):
+            return {info.relative_path for info in storage.values()}
+        files = {info.relative_path for info in storage.inline.values()} | {r.file for r in storage.records.values()}
+        storage.bind(lambda n: get_with_tag(self.fs, self._object(n)).data)  # type: ignore[union-attr]
+        try:
+            return files | {info.relative_path for info in storage.values()}
+        except Exception:  # pylint: disable=broad-except  # unreadable indexes: their data objects are left
+            return files
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: CheckpointId) -> bool:

@@ -7,15 +7,21 @@ import os
 from pathlib import Path
 
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import MAX_METADATA_BYTES, metadata_from_json
+from hyper_parallel.core.distributed_checkpoint._format.indexed_storage import IndexedStorage
+from hyper_parallel.core.distributed_checkpoint._format.rank_index import MAX_INDEX_BYTES
 from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
+from hyper_parallel.core.distributed_checkpoint._safe_files import read_regular
 from hyper_parallel.core.distributed_checkpoint.errors import (
+    CheckpointError,
+    CheckpointIOError,
     CheckpointNotFoundError,
+    CorruptCheckpointError,
     IncompleteCheckpointError,
     UnsafeCheckpointError,
 )
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 
-__all__ = ["MAX_METADATA_BYTES", "not_a_directory", "read_committed_metadata"]
+__all__ = ["MAX_METADATA_BYTES", "IndexFiles", "bind_index_files", "not_a_directory", "read_committed_metadata", "read_index_file"]
 
 _ANONYMOUS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
 #: Metadata files smaller than this are read into a bytearray, larger ones into an anonymous map.
@@ -100,7 +106,55 @@ def read_committed_metadata(path: Path, metadata_file: str) -> Metadata:
         del raw[count:]
     else:
         raw.resize(count)
-    return metadata_from_json(raw, source=str(meta_path))
+    return bind_index_files(metadata_from_json(raw, source=str(meta_path)), path)
+
+
+class IndexFiles:
+    """Reads the rank index files of checkpoint directory ``path`` (:func:`read_index_file`); pickles as its path.
+
+    Args:
+        path: The checkpoint directory.
+    """
+
+    picklable = True
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def __call__(self, name: str) -> bytes:
+        return read_index_file(self.path, name)
+
+
+def bind_index_files(metadata: Metadata, path: Path) -> Metadata:
+    """Let an indexed checkpoint's ``storage_data`` read its rank index files from directory ``path``. Any rank."""
+    storage = metadata.storage_data
+    if isinstance(storage, IndexedStorage):
+        storage.bind(IndexFiles(path))
+    return metadata
+
+
+def read_index_file(path: Path, name: str) -> bytes:
+    """The bytes of rank index file ``name`` of checkpoint ``path``: inside it, a regular file, size-capped. Any rank.
+
+    Raises:
+        UnsafeCheckpointError: a link (or anything but a regular file), or a file over the size cap.
+        CorruptCheckpointError: the file is missing.
+        CheckpointIOError: it cannot be read.
+    """
+    full = path / name
+    root = os.path.realpath(path)
+    if os.path.commonpath([root, os.path.realpath(full)]) != root:
+        raise UnsafeCheckpointError(f"{full}: index file is a link leading outside checkpoint {path}; refused")
+    try:
+        return read_regular(full, limit=MAX_INDEX_BYTES)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(
+            f"{full}: the rank index file listed in the metadata is missing (deleted or not copied with the "
+            "checkpoint): copy the whole checkpoint directory, or load an earlier checkpoint") from None
+    except CheckpointError:
+        raise
+    except OSError as exc:
+        raise CheckpointIOError(f"reading index file {full} failed: {exc}") from exc
 
 
 def _release(raw: bytearray | mmap.mmap) -> None:

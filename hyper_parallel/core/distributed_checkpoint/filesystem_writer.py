@@ -26,6 +26,7 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 
 from hyper_parallel.core.distributed_checkpoint._commit_cleanup import (
@@ -42,6 +43,8 @@ from hyper_parallel.core.distributed_checkpoint._file_ops import (
     make_directories,
     write_atomically,
 )
+from hyper_parallel.core.distributed_checkpoint._index_form import build_indexed, check_metadata_form, wants_index_form
+from hyper_parallel.core.distributed_checkpoint._metadata_file import bind_index_files
 from hyper_parallel.core.distributed_checkpoint._options import check_option
 from hyper_parallel.core.distributed_checkpoint._data_file import LocalDataFile
 from hyper_parallel.core.distributed_checkpoint._data_writing import (
@@ -138,6 +141,14 @@ class FileSystemWriter(StorageWriter):
         file_ops: The file-system operations the writer performs (default:
             the operating system's). Tests pass a recording one to replay
             power cuts.
+        metadata_form: ``"auto"`` (default): one ``metadata.json`` listing
+            every stored chunk, unless that would be large (about 225 bytes
+            per chunk over 64 MiB, e.g. every Parameter sharded over every rank
+            of a large job), then the indexed form: grid tensors by their grid,
+            their chunks' entries in one small index file per rank
+            (docs/format.md section 12.1). ``"inline"`` or ``"indexed"``:
+            that form whatever the size. Rank-local metadata
+            (``use_collectives=False``) is always in-line.
 
     Raises:
         CheckpointValueError: an option of the wrong type or out of range (names it).
@@ -157,7 +168,9 @@ class FileSystemWriter(StorageWriter):
         lease_timeout: float = DEFAULT_LEASE_TIMEOUT,
         auto_thread_bytes: int = AUTO_THREAD_BYTES,
         file_ops: FileOps | None = None,
+        metadata_form: str = "auto",
     ) -> None:
+        self.metadata_form = check_metadata_form(metadata_form)
         check_option("thread_count", thread_count, int, minimum=1, optional=True)
         check_option("checksum_block_bytes", checksum_block_bytes, int, minimum=1)
         check_option("compression_level", compression_level, int)
@@ -359,13 +372,19 @@ class FileSystemWriter(StorageWriter):
             CheckpointValueError: the metadata is over ``MAX_METADATA_BYTES`` (no reader would
                 accept it); nothing of this save is committed.
         """
-        committed = self.committed_metadata(metadata, results)
+        committed, index_files = self.indexed_metadata(self.committed_metadata(metadata, results), results)
         name = self._metadata_name()
         encoded = metadata_to_json(committed, source=str(self.path / name))
         replaced = check_commit(self.path, name, lease=self._lease, base=self._base, save_id=self.save_id)
         if self._lease is not None and replaced:
             self._lease.record_base(replaced)
         failure: CheckpointIOError | None = None
+        try:  # the rank indexes are durable before the metadata that lists them (abort removes them)
+            for record, data in index_files:
+                write_atomically(self.path / record.file, data, sync=self.sync_files, tag=self.save_id,
+                                 ops=self.file_ops)
+        except OSError as exc:
+            raise CheckpointIOError(f"writing the rank indexes of checkpoint {self.path} failed: {exc}") from exc
         try:
             write_atomically(
                 self.path / name, encoded, sync=self.sync_files, tag=self.save_id, ops=self.file_ops
@@ -407,6 +426,19 @@ class FileSystemWriter(StorageWriter):
             storage_data=storage_data,
             storage_meta=replace(metadata.storage_meta, backend=self.backend_name, save_id=self.save_id),
         )
+
+    def indexed_metadata(self, committed: Metadata, results: list[list[WriteResult]]) -> tuple[Metadata, list[Any]]:
+        """``committed`` in the form ``metadata_form`` picks, and the rank index files to write first. Coordinator.
+
+        Returns:
+            The metadata to commit and ``(IndexRecord, bytes)`` of each index file (none in the in-line form).
+        """
+        if self.rank_local or not wants_index_form(self.metadata_form, len(committed.storage_data or {})):
+            return committed, []
+        committed, files = build_indexed(committed, results, save_id=self.save_id)
+        if isinstance(self.path, Path):  # the metadata handed to every rank reads the indexes from the directory
+            bind_index_files(committed, self.path)
+        return committed, files
 
     def abort(self) -> None:
         """Undo a failed save: delete its files, release its lease, remove the directory if planning failed.

@@ -31,8 +31,9 @@ __all__ = [
 
 #: Version of the on-disk format written by this code (docs/format.md section 12).
 #: 2.0 added tile checksums (``checksum.block_shape``) and zstd compression,
-#: which a 1.0 reader would misread; 1.0 checkpoints still load.
-FORMAT_VERSION = "2.0"
+#: which a 1.0 reader would misread; 2.1 the indexed form (grid tensors, rank
+#: index files) for large saves; 1.0 and 2.0 checkpoints still load.
+FORMAT_VERSION = "2.1"
 #: Name of the storage backend of the filesystem format (a local or shared directory).
 BACKEND_NAME = "filesystem"
 #: Backend recorded by a save to S3 (``s3://``, through fsspec): the same files as a directory.

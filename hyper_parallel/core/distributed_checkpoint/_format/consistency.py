@@ -11,6 +11,8 @@ import math
 
 from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, expected_blocks
 from hyper_parallel.core.distributed_checkpoint._format.cover import check_exact_cover
+from hyper_parallel.core.distributed_checkpoint._format.entry_checks import check_disjoint_bytes, entry_of as _entry_of
+from hyper_parallel.core.distributed_checkpoint._format.indexed_storage import IndexedStorage
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
@@ -22,43 +24,6 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
 from hyper_parallel.platform.tensor import DTYPE_NAMES
 
 __all__ = ["check_consistency", "storage_by_key"]
-
-
-def _entry_of(
-    storage: dict[tuple[str, tuple[int, ...]], StorageInfo],
-    fqn: str,
-    offset: tuple[int, ...],
-    where: str,
-    claimed: set[tuple[str, tuple[int, ...]]],
-    sizes: tuple[int, ...] | None = None,
-) -> StorageInfo:
-    key = (fqn, tuple(offset))
-    info = storage.get(key)
-    if info is None:
-        raise CorruptCheckpointError(f"{where}: the chunk at offset {list(offset)} has no storage entry")
-    claimed.add(key)
-    if info.checksum is not None:
-        checksum = info.checksum
-        if checksum.algorithm != ALGORITHM:
-            raise CorruptCheckpointError(f"{where}: unknown checksum algorithm {checksum.algorithm!r}")
-        if checksum.block_shape and (
-            sizes is None
-            or len(sizes) < 2
-            or info.compression
-            or len(checksum.block_shape) != len(sizes)
-            or tuple(checksum.block_shape[1:-1]) != tuple(sizes[1:-1])
-        ):
-            raise CorruptCheckpointError(
-                f"{where}: checksum tile shape {list(checksum.block_shape)} does not fit the chunk at offset "
-                f"{list(offset)}"
-            )
-        blocks = expected_blocks(checksum, sizes, info.length)
-        if len(checksum.digests) != blocks:
-            raise CorruptCheckpointError(
-                f"{where}: {len(checksum.digests)} checksums listed for the {blocks} block(s) of the chunk at "
-                f"offset {list(offset)}"
-            )
-    return info
 
 
 _UNSEEN = object()
@@ -77,7 +42,9 @@ def _whole_chunk(item: TensorStorageMetadata | BytesStorageMetadata) -> tuple[tu
 
 def storage_by_key(metadata: Metadata) -> dict[tuple[str, tuple[int, ...]], StorageInfo]:
     """``metadata.storage_data`` keyed by plain ``(key, offset)`` tuples (hashing and comparing them is C, a
-    :class:`MetadataIndex`'s is Python). Any rank; pure."""
+    :class:`MetadataIndex`'s is Python); for an indexed checkpoint a lazy view with ``get``. Any rank; pure."""
+    if isinstance(metadata.storage_data, IndexedStorage):
+        return metadata.storage_data.by_key()  # type: ignore[union-attr,return-value]
     return {(index.fqn, tuple(index.offset)): info for index, info in (metadata.storage_data or {}).items()}
 
 
@@ -110,9 +77,14 @@ def check_consistency(
     storage = metadata.storage_data or {}
     if by_key is None:
         by_key = storage_by_key(metadata)
+    grids: dict = {}
+    if isinstance(storage, IndexedStorage):  # grid tensors tile by construction; their entries are checked as their index loads
+        grids, storage = storage.grids, storage.inline  # type: ignore[union-attr]
     claimed: set[tuple[str, tuple[int, ...]]] = set()
     facts_of: dict[int, tuple[tuple[int, ...], int] | None] = {}  # id(record) -> _whole_chunk (records are shared)
     for fqn, item in metadata.state_dict_metadata.items():
+        if fqn in grids:
+            continue
         facts = facts_of.get(id(item), _UNSEEN)
         if facts is _UNSEEN:
             facts = facts_of[id(item)] = _whole_chunk(item)
@@ -157,23 +129,4 @@ def check_consistency(
         raise CorruptCheckpointError(
             f"{source}: storage entry of key '{orphan.fqn}' at offset {list(orphan.offset)} belongs to no item"
         )
-    _check_disjoint_bytes(storage, source)
-
-
-def _check_disjoint_bytes(storage: dict[MetadataIndex, StorageInfo], source: str) -> None:
-    """No two stored items share a byte of one file (sorted per file: O(n log n))."""
-    indexes = list(storage)
-    # The position breaks ties (MetadataIndex has no order): plain tuples sort in C, no key function.
-    ranges = sorted(
-        (info.relative_path, info.offset, info.offset + info.length, position)
-        for position, info in enumerate(storage.values())
-        if info.length > 0
-    )
-    for (path, _, end, first), (next_path, begin, _, second) in zip(ranges, ranges[1:]):
-        if path == next_path and begin < end:
-            first, second = indexes[first], indexes[second]
-            raise CorruptCheckpointError(
-                f"{source}: data file {path}: key '{second.fqn}' at offset {list(second.offset)} starts at byte "
-                f"{begin}, inside the bytes of key '{first.fqn}' at offset {list(first.offset)} (up to {end}); "
-                "two items never share bytes: the metadata is damaged or forged"
-            )
+    check_disjoint_bytes(storage, source)

@@ -15,14 +15,29 @@ from __future__ import annotations
 import json
 import math
 import mmap
-import posixpath
 import re
 from typing import Any
 
 from hyper_parallel.core.distributed_checkpoint._format.consistency import check_consistency
+from hyper_parallel.core.distributed_checkpoint._format.indexed_json import (
+    grid_item_from_json,
+    grid_item_to_json,
+    grid_members,
+    indexed_parts,
+    indexed_storage_from_json,
+)
 from hyper_parallel.core.distributed_checkpoint._format.json_stream import Cursor, batches
 from hyper_parallel.core.distributed_checkpoint._format.regular_runs import items_by_runs, plain_text, storage_by_runs
-from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import naturals
+from hyper_parallel.core.distributed_checkpoint._format.storage_entry import (
+    MAX_TENSOR_BYTES,
+    check_relative_path,
+    read_int as _int,
+    read_ints as _ints,
+    read_str as _str,
+    storage_entry,
+    storage_entry_from_json,
+    storage_entry_to_json,
+)
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointValueError,
     CorruptCheckpointError,
@@ -30,7 +45,6 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
 )
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
-    ChunkChecksum,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -57,8 +71,6 @@ __all__ = [
 
 #: Value of the top-level ``"format"`` field.
 FORMAT_NAME = "hyper_parallel.distributed_checkpoint"
-#: Largest tensor (in bytes) a checkpoint may declare; larger is refused as hostile.
-MAX_TENSOR_BYTES = 1 << 50
 #: Largest metadata file a reader accepts (larger is refused as hostile), so the largest a save commits.
 MAX_METADATA_BYTES = 1 << 30
 
@@ -76,8 +88,13 @@ def metadata_to_json(metadata: Metadata, *, source: str = "metadata") -> bytes:
             committed (names the size, the chunk count and the fix).
     """
     tensors: dict[str, Any] = {}
+    indexed = indexed_parts(metadata.storage_data)
+    grids = indexed[0] if indexed is not None else {}
     for fqn, item in metadata.state_dict_metadata.items():
-        if isinstance(item, TensorStorageMetadata):
+        grid = grids.get(fqn)
+        if grid is not None:
+            tensors[fqn] = grid_item_to_json(item, grid[1])
+        elif isinstance(item, TensorStorageMetadata):
             tensors[fqn] = {
                 "kind": "tensor",
                 "dtype": item.properties.dtype,
@@ -91,7 +108,8 @@ def metadata_to_json(metadata: Metadata, *, source: str = "metadata") -> bytes:
                 "global_shape": list(item.global_shape),
                 "shard_offsets": [list(o) for o in item.shard_offsets],
             }
-    storage = [storage_entry_to_json(index, info) for index, info in (metadata.storage_data or {}).items()]
+    inline = indexed[1] if indexed is not None else (metadata.storage_data or {})
+    storage = [storage_entry_to_json(index, info) for index, info in inline.items()]
     meta = metadata.storage_meta
     document = {
         "format": FORMAT_NAME,
@@ -100,10 +118,14 @@ def metadata_to_json(metadata: Metadata, *, source: str = "metadata") -> bytes:
         "save_id": meta.save_id,
         "world_size": meta.world_size,
         "bytes_per_rank": list(meta.bytes_per_rank),
+    }
+    if indexed is not None:  # before the large members: their runs decoders look for what follows them
+        document["rank_indexes"] = indexed[2]
+    document.update({
         "state_dict_metadata": tensors,
         "storage_data": storage,
         "planner_data": metadata.planner_data,
-    }
+    })
     data = json.dumps(document, separators=(",", ":")).encode("utf-8")
     if len(data) > MAX_METADATA_BYTES:
         chunks = len(metadata.storage_data or {})
@@ -115,80 +137,6 @@ def metadata_to_json(metadata: Metadata, *, source: str = "metadata") -> bytes:
             "or save groups of keys, e.g. the optimizer state, as separate checkpoints)"
         )
     return data
-
-
-def storage_entry_to_json(index: MetadataIndex, info: StorageInfo) -> dict[str, Any]:
-    """One ``storage_data`` entry as the JSON object of docs/format.md."""
-    entry: dict[str, Any] = {
-        "fqn": index.fqn,
-        "offset": list(index.offset),
-        "file": info.relative_path,
-        "byte_offset": info.offset,
-        "length": info.length,
-    }
-    if info.checksum is not None:
-        entry["checksum"] = {
-            "algorithm": info.checksum.algorithm,
-            "block_bytes": info.checksum.block_bytes,
-            "digests": list(info.checksum.digests),
-        }
-        if info.checksum.block_shape:
-            entry["checksum"]["block_shape"] = list(info.checksum.block_shape)
-    if info.compression is not None:
-        entry["compression"] = info.compression
-        entry["raw_length"] = info.raw_length
-    return entry
-
-
-def storage_entry_from_json(raw: Any, *, position: int, source: str) -> tuple[MetadataIndex, StorageInfo]:
-    """Decode and check one ``storage_data`` entry (as :func:`metadata_from_json` does each).
-
-    Raises:
-        CorruptCheckpointError / UnsafeCheckpointError: as :func:`metadata_from_json`.
-    """
-    return _storage_entry(raw, position, source, {})
-
-
-def check_relative_path(path: Any, where: str) -> str:
-    """Return ``path`` if it is a plain relative path inside the directory.
-
-    Raises:
-        UnsafeCheckpointError: absolute, empty, backslash, ``..`` or NUL paths.
-    """
-    if not isinstance(path, str) or not path or "\x00" in path or "\\" in path:
-        raise UnsafeCheckpointError(f"{where}: data file name {path!r} is not a plain relative path")
-    norm = posixpath.normpath(path)
-    if posixpath.isabs(path) or norm.startswith("..") or norm != path or path.startswith("./"):
-        raise UnsafeCheckpointError(f"{where}: data file {path!r} leaves the checkpoint directory; refused")
-    return path
-
-
-def _field(where: str, what: Any) -> str:
-    """``where`` and ``what`` (words, or a tuple of them), for a message; built only when one is raised."""
-    return " ".join((where, *map(str, what))) if isinstance(what, tuple) else f"{where} {what}".rstrip()
-
-
-def _ints(value: Any, where: str, what: Any = "", *, minimum: int = 0) -> tuple[int, ...]:
-    if type(value) is not list:
-        raise CorruptCheckpointError(f"{_field(where, what)}: expected a list of integers >= {minimum}, "
-                                     f"got {value!r:.80}")
-    for v in value:
-        if type(v) is not int or v < minimum:
-            raise CorruptCheckpointError(f"{_field(where, what)}: expected a list of integers >= {minimum}, "
-                                         f"got {value!r:.80}")
-    return tuple(value)
-
-
-def _int(value: Any, where: str, what: Any = "") -> int:
-    if type(value) is not int or value < 0:
-        raise CorruptCheckpointError(f"{_field(where, what)}: expected an integer >= 0, got {value!r:.80}")
-    return value
-
-
-def _str(value: Any, where: str, what: Any = "") -> str:
-    if not isinstance(value, str):
-        raise CorruptCheckpointError(f"{_field(where, what)}: expected a string, got {value!r:.80}")
-    return value
 
 
 def _whole_tensor_key(raw: dict) -> tuple[Any, ...] | None:
@@ -245,112 +193,6 @@ def _tensor_entry(fqn: str, raw: dict, where: str, shared: dict) -> TensorStorag
     return TensorStorageMetadata(properties, size, tuple(chunks))  # properties, size, chunks
 
 
-# _records: the usual storage entry's three records, one of each per entry of thousands, are built by
-# setting their slots directly (about half the cost of a frozen dataclass's __init__; none of these classes
-# has a __post_init__). tests/test_load_flat.py checks the result equals the full decode's.
-_new_object = object.__new__
-_set_algorithm, _set_block_bytes, _set_digests, _set_block_shape = (
-    ChunkChecksum.algorithm.__set__, ChunkChecksum.block_bytes.__set__, ChunkChecksum.digests.__set__,
-    ChunkChecksum.block_shape.__set__)
-_set_relative_path, _set_offset, _set_length, _set_checksum, _set_compression, _set_raw_length = (
-    StorageInfo.relative_path.__set__, StorageInfo.offset.__set__, StorageInfo.length.__set__,
-    StorageInfo.checksum.__set__, StorageInfo.compression.__set__, StorageInfo.raw_length.__set__)
-_set_fqn, _set_chunk_offset, _set_index = (
-    MetadataIndex.fqn.__set__, MetadataIndex.offset.__set__, MetadataIndex.index.__set__)
-
-
-def _flat_checked_entry(raw: Any, shared: dict) -> tuple[MetadataIndex, StorageInfo] | None:
-    """A storage entry of the usual form (uncompressed, flat checksum blocks, a data file seen before); else ``None``.
-
-    A fast path of :func:`_storage_entry`: it accepts only what that function's
-    checks would, and returns ``None`` for everything else (which then takes
-    the full checks and their messages).
-    """
-    if type(raw) is not dict or len(raw) != 6:  # pylint: disable=unidiomatic-typecheck
-        return None
-    try:  # subscripts (cheaper than .get per field); a missing field is not the usual form
-        fqn, offset, start, length, chk, path = (
-            raw["fqn"], raw["offset"], raw["byte_offset"], raw["length"], raw["checksum"], raw["file"])
-        if (type(fqn) is not str or type(offset) is not list or type(start) is not int  # pylint: disable=unidiomatic-typecheck
-                or type(length) is not int or type(chk) is not dict or len(chk) != 3):  # pylint: disable=unidiomatic-typecheck
-            return None
-        algorithm, block, digests = chk["algorithm"], chk["block_bytes"], chk["digests"]
-    except KeyError:
-        return None
-    path = shared.get(("file", path)) if type(path) is str else None  # pylint: disable=unidiomatic-typecheck
-    if (path is None or not 0 <= start <= MAX_TENSOR_BYTES or not 0 <= length <= MAX_TENSOR_BYTES
-            or type(algorithm) is not str or type(block) is not int or block <= 0  # pylint: disable=unidiomatic-typecheck
-            or type(digests) is not list or not naturals(offset)):  # pylint: disable=unidiomatic-typecheck
-        return None
-    for digest in digests:
-        if type(digest) is not str:  # pylint: disable=unidiomatic-typecheck
-            return None
-    offset = tuple(offset)
-    # The records of checked fields, built without their frozen __init__ (see _new_object above).
-    checksum = _new_object(ChunkChecksum)
-    _set_algorithm(checksum, shared.setdefault(algorithm, algorithm))
-    _set_block_bytes(checksum, block)
-    _set_digests(checksum, tuple(digests))
-    _set_block_shape(checksum, ())
-    info = _new_object(StorageInfo)
-    _set_relative_path(info, path)
-    _set_offset(info, start)
-    _set_length(info, length)
-    _set_checksum(info, checksum)
-    _set_compression(info, None)
-    _set_raw_length(info, None)
-    index = _new_object(MetadataIndex)
-    _set_fqn(index, shared.setdefault(fqn, fqn))
-    _set_chunk_offset(index, shared.setdefault(offset, offset))
-    _set_index(index, None)
-    return index, info
-
-
-def _storage_entry(raw: Any, position: int, source: str, shared: dict) -> tuple[MetadataIndex, StorageInfo]:
-    found = _flat_checked_entry(raw, shared)
-    if found is not None:
-        return found
-    where = f"{source}: storage_data[{position}]"
-    if not isinstance(raw, dict):
-        raise CorruptCheckpointError(f"{where}: expected an object")
-    fqn = _str(raw.get("fqn"), where, "fqn")
-    fqn = shared.setdefault(fqn, fqn)
-    offset = _ints(raw.get("offset"), where, "offset")
-    index = MetadataIndex(fqn, shared.setdefault(offset, offset))
-    path = raw.get("file")
-    checked = shared.get(("file", path)) if type(path) is str else None  # a file's entries share its name
-    if checked is None:
-        checked = shared[("file", path)] = check_relative_path(path, f"{where} (key '{fqn}')")
-    path = checked
-    checksum = None
-    if raw.get("checksum") is not None:
-        chk = raw["checksum"]
-        if not isinstance(chk, dict):
-            raise CorruptCheckpointError(f"{where}: checksum must be an object")
-        block = _int(chk.get("block_bytes"), where, "block_bytes")
-        digests = chk.get("digests")
-        if block <= 0 or not isinstance(digests, list) or not all(isinstance(d, str) for d in digests):
-            raise CorruptCheckpointError(f"{where}: malformed checksum for key '{fqn}'")
-        block_shape = _ints(chk.get("block_shape", []), where, "block_shape", minimum=1)
-        algorithm = _str(chk.get("algorithm"), where, "algorithm")
-        # Positional (cheaper per entry): algorithm, block_bytes, digests, block_shape.
-        checksum = ChunkChecksum(shared.setdefault(algorithm, algorithm), block, tuple(digests), block_shape)
-    compression = raw.get("compression")
-    if compression is not None and compression != "zstd":
-        raise CorruptCheckpointError(f"{where}: unknown compression {compression!r} for key '{fqn}'")
-    info = StorageInfo(  # positional (cheaper per entry): relative_path, offset, length, checksum, compression, raw_length
-        path,
-        _int(raw.get("byte_offset"), where, "byte_offset"),
-        _int(raw.get("length"), where, "length"),
-        checksum,
-        compression,
-        _int(raw.get("raw_length"), where, "raw_length") if compression else None,
-    )
-    if info.length > MAX_TENSOR_BYTES or info.offset > MAX_TENSOR_BYTES:
-        raise UnsafeCheckpointError(f"{where}: absurd byte offset or length for key '{fqn}'; refused")
-    return index, info
-
-
 def _item(fqn: str, raw: Any, source: str, shared: dict) -> TensorStorageMetadata | BytesStorageMetadata:
     """Decode and check one ``state_dict_metadata`` member."""
     key = None
@@ -362,6 +204,8 @@ def _item(fqn: str, raw: Any, source: str, shared: dict) -> TensorStorageMetadat
     where = f"{source}: key '{fqn}'"
     if not isinstance(raw, dict):
         raise CorruptCheckpointError(f"{where}: expected an object")
+    if raw.get("kind") == "tensor" and "grid" in raw:  # format 2.1: a grid tensor of an indexed checkpoint
+        return grid_item_from_json(fqn, raw, where, shared, _tensor_entry)
     if raw.get("kind") == "tensor":
         record = _tensor_entry(fqn, raw, where, shared)
         if key is not None:
@@ -407,7 +251,7 @@ def _decode_storage(cursor: Cursor, shared: dict, plain: bool) -> dict[MetadataI
     storage: dict[MetadataIndex, StorageInfo] = {}
     count = 0
     pairs = storage_by_runs(
-        cursor, shared, lambda raw: _storage_entry(raw, count, source, shared),
+        cursor, shared, lambda raw: storage_entry(raw, count, source, shared),
         lambda path: check_relative_path(path, f"{source}: storage_data"), MAX_TENSOR_BYTES) if plain else None
     if pairs is not None:
         storage.update(pairs)
@@ -416,11 +260,11 @@ def _decode_storage(cursor: Cursor, shared: dict, plain: bool) -> dict[MetadataI
         return storage
     for batch in batches(cursor, '},{"fqn":', "[]"):
         for raw in batch:
-            index, info = _storage_entry(raw, count, source, shared)
+            index, info = storage_entry(raw, count, source, shared)
             storage[index] = info
             count += 1
     for _ in cursor.members("]"):
-        index, info = _storage_entry(cursor.value(), count, source, shared)
+        index, info = storage_entry(cursor.value(), count, source, shared)
         storage[index] = info
         count += 1
     if len(storage) != count:
@@ -477,6 +321,7 @@ def metadata_from_json(data: bytes | bytearray | mmap.mmap, *, source: str = "me
             document[name] = cursor.value()
     if cursor.skip():
         raise CorruptCheckpointError(f"{source}: not valid JSON metadata (extra data at char {cursor.position})")
+    raw_grids = grid_members(shared)
     del shared, cursor, text
     if document.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{source}: not a hyper_parallel checkpoint metadata file")
@@ -484,17 +329,21 @@ def metadata_from_json(data: bytes | bytearray | mmap.mmap, *, source: str = "me
         raise CorruptCheckpointError(f"{source}: state_dict_metadata must be an object")
     if storage is None:
         raise CorruptCheckpointError(f"{source}: storage_data must be a list")
+    storage_meta = StorageMeta(
+        backend=_str(document.get("backend"), source, "backend"),
+        save_id=_str(document.get("save_id", ""), source, "save_id"),
+        world_size=_int(document.get("world_size", 1), source, "world_size"),
+        bytes_per_rank=_ints(document.get("bytes_per_rank", []), source, "bytes_per_rank"),
+    )
+    if raw_grids or "rank_indexes" in document:
+        storage = indexed_storage_from_json(items, storage, raw_grids, document.get("rank_indexes"),
+                                            meta=storage_meta, source=source)
     return Metadata(
         state_dict_metadata=items,
         planner_data=document.get("planner_data"),
         storage_data=storage,
         version=_str(document.get("version"), source, "version"),
-        storage_meta=StorageMeta(
-            backend=_str(document.get("backend"), source, "backend"),
-            save_id=_str(document.get("save_id", ""), source, "save_id"),
-            world_size=_int(document.get("world_size", 1), source, "world_size"),
-            bytes_per_rank=_ints(document.get("bytes_per_rank", []), source, "bytes_per_rank"),
-        ),
+        storage_meta=storage_meta,
     )
 
 
