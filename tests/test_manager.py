@@ -309,3 +309,8 @@ def test_async_manager_two_ranks_dtensor(tmp_path: Path) -> None:
             assert f"rank {rank}" in value["refused"][option] and option in value["refused"][option]
             assert "2 ranks" in value["refused"][option]
         assert value["written_before"] == [] and value["steps"] == [1]
+    full_2 = np.arange(24, dtype=np.float32).reshape(4, 6) * 10 + 2
+    for rank, value in enumerate(scenario_values(results, "load_while_saving")):
+        # dcp.load of the directory an async save is still writing finishes that save first (collectively).
+        np.testing.assert_array_equal(value["local"], full_2[2 * rank : 2 * rank + 2])
+        assert value["count"] == 2 and value["committed"]

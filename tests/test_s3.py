@@ -316,10 +316,11 @@ def test_two_ranks_under_msrun_save_and_load_resharded(s3_url: str, s3_endpoint,
     for rank, value in enumerate(scenario_values(results, "manager")):
         assert value["steps"] == [2, 3] and value["loaded"] == 3
         np.testing.assert_array_equal(value["w"], full_value(3)[:, rank * 6 : (rank + 1) * 6])
-    # Both ranks wrote data objects; retention removed step 1 entirely.
+    # Both ranks wrote data objects; retention removed step 1 entirely; the
+    # manager's record (best-k metrics, keep-forever steps) is an object of the root.
     names = _objects(f"{s3_url}/sharded")
     assert {n[:6] for n in names if n.endswith(".safetensors")} == {"r00000", "r00001"}
-    assert _objects(f"{s3_url}/steps") == ["step_00000002", "step_00000003"]
+    assert _objects(f"{s3_url}/steps") == ["manager.json", "step_00000002", "step_00000003"]
 
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:

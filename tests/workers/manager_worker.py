@@ -96,12 +96,28 @@ def main() -> None:
                 refused[option] = ""
             except CheckpointValueError as exc:
                 refused[option] = str(exc)
-        written_before = sorted(p.name for p in local_root.iterdir() if p.name.startswith("step_"))
+        from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper  # pylint: disable=import-outside-toplevel
+
+        # Listed by rank 0 inside a collective step: every rank is past its refusal, none saves yet.
+        written_before = DistWrapper(use_dist=True).broadcast(
+            "list", lambda: sorted(p.name for p in local_root.iterdir() if p.name.startswith("step_")))
         local.save(1, state(1))
         return {"refused": refused, "written_before": written_before, "steps": local.all_steps()}
 
+    def load_while_saving() -> dict[str, Any]:
+        """A directory each async save overwrites, loaded on every rank before result(): the new values."""
+        import hyper_parallel.core.distributed_checkpoint as dcp  # pylint: disable=import-outside-toplevel
+
+        latest = scenario_tmp_dir("manager_latest")
+        dcp.save(state(1), checkpoint_id=latest)
+        handle = dcp.async_save(state(2), checkpoint_id=latest)
+        loaded = target()
+        dcp.load(loaded, checkpoint_id=latest)
+        committed = handle.result().storage_meta.save_id == dcp.read_metadata(latest).storage_meta.save_id
+        return {"local": loaded["w"].to_local().asnumpy().copy(), "count": loaded["count"], "committed": committed}
+
     run_scenarios({"save_steps": save_steps, "load_latest": load_latest, "load_step_3": load_step_3,
-                   "rank_local_saves_refused": rank_local_saves_refused})
+                   "rank_local_saves_refused": rank_local_saves_refused, "load_while_saving": load_while_saving})
     manager.close()
 
 

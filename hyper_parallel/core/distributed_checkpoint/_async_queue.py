@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["AsyncRequest", "AsyncCall", "AsyncCallsQueue"]
+__all__ = ["AsyncRequest", "AsyncCall", "AsyncCallsQueue", "finish_saves_to", "same_location"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -197,6 +198,29 @@ class AsyncCallsQueue:
         self.maybe_finalize_async_calls(blocking=True)
         return True
 
+    def finish_calls_writing_to(self, location: Any, *, collective: bool) -> bool:
+        """Finish the calls not finalized yet whose writer writes to ``location``. Caller's thread.
+
+        Args:
+            location: A checkpoint's path or URL (a reader's ``path``).
+            collective: Every rank runs this at the same point (a load with collectives, or one process):
+                the calls are finalized (committed), as :meth:`finish_calls_using` does. Otherwise this rank
+                only waits for their background work (which commits a save without collectives).
+
+        Returns:
+            Whether a call wrote to ``location``.
+        """
+        calls = [call for call in self._calls if not call.finalized()
+                 and getattr(call.uses, "path", None) is not None and same_location(call.uses.path, location)]
+        if not calls:
+            return False
+        if collective:
+            self.maybe_finalize_async_calls(blocking=True)
+        else:
+            for call in calls:
+                call.wait()
+        return True
+
     def get_num_unfinalized_calls(self) -> int:
         """Number of scheduled calls not finalized yet."""
         return sum(1 for call in self._calls if not call.finalized())
@@ -211,6 +235,33 @@ class AsyncCallsQueue:
             for call in queue._calls:  # pylint: disable=protected-access
                 if not call.finalized() or call.thread.is_alive():
                     call.thread.join()  # the whole background work, a commit after ``ready`` included
+
+
+def same_location(written: Any, read: Any) -> bool:
+    """Whether a writer's ``path`` and a reader's name one checkpoint (a writer without one: assume so)."""
+    if written is None or read is None:
+        return True
+    written, read = os.fspath(written), os.fspath(read)
+    if "://" in written or "://" in read:
+        return written.rstrip("/") == read.rstrip("/")
+    return os.path.realpath(written) == os.path.realpath(read)
+
+
+def finish_saves_to(location: Any, *, collective: bool) -> bool:
+    """Finish this process's async saves still writing to ``location`` before a load reads it. Caller's thread.
+
+    A load of the checkpoint an async save is writing (a directory each save overwrites, read back by an
+    evaluation) would otherwise read the previous save's metadata and values. See
+    :meth:`AsyncCallsQueue.finish_calls_writing_to`; a ``location`` of ``None`` (a reader without a path)
+    finishes nothing.
+
+    Returns:
+        Whether such a save was finished.
+    """
+    if location is None:
+        return False
+    return any([queue.finish_calls_writing_to(location, collective=collective)
+                for queue in list(AsyncCallsQueue._instances)])  # pylint: disable=protected-access
 
 
 atexit.register(AsyncCallsQueue._drain_at_exit)  # pylint: disable=protected-access

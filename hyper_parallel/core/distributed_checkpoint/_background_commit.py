@@ -33,7 +33,7 @@ import os
 import threading
 from typing import Any, Callable
 
-from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncRequest
+from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncRequest, same_location
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper, collective_timeout
 from hyper_parallel.core.distributed_checkpoint._rank_records import (
     RankRecord,
@@ -284,16 +284,6 @@ def take_pending_commits() -> list[BackgroundCommit]:
     return pending
 
 
-def _same_location(written: Any, read: Any) -> bool:
-    """Whether a writer's ``path`` and a reader's name one checkpoint (a writer without one: assume so)."""
-    if written is None or read is None:
-        return True
-    written, read = os.fspath(written), os.fspath(read)
-    if "://" in written or "://" in read:
-        return written.rstrip("/") == read.rstrip("/")
-    return os.path.realpath(written) == os.path.realpath(read)
-
-
 def await_own_commits(location: Any) -> bool:
     """Wait, without collectives, for what this rank can of the commits to ``location``.
 
@@ -316,7 +306,7 @@ def await_own_commits(location: Any) -> bool:
 def _pending_to(location: Any) -> list[BackgroundCommit]:
     """This rank's pending background commits whose writer writes to ``location``."""
     with _PENDING_LOCK:
-        return [c for c in _PENDING if _same_location(getattr(c.writer, "path", None), location)]
+        return [c for c in _PENDING if same_location(getattr(c.writer, "path", None), location)]
 
 
 def failed_commit_to(location: Any) -> BaseException | None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyper_parallel import platform
+from hyper_parallel.core.distributed_checkpoint._async_queue import finish_saves_to
 from hyper_parallel.core.distributed_checkpoint._background_commit import settle_background_commits
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutArgument, apply_mindspore_layouts, copy_back_values
@@ -46,15 +47,18 @@ class LoadOptions:
     strategy_file: LayoutArgument = None
 
 
-def settle_before_load(*, no_dist: bool, use_collectives: bool) -> None:
-    """Share the outcome of earlier async saves' background commits before a load reads. All ranks.
+def settle_before_load(*, no_dist: bool, use_collectives: bool, location: Any = None) -> None:
+    """Finish this process's async saves to ``location`` and share earlier commits' outcomes. All ranks.
 
-    A load with collectives first runs :func:`settle_background_commits`: a
-    step saved just before (``result()`` returned) is then committed on every
-    rank, or its commit failure raises on every rank. Without collectives
-    nothing runs.
+    An async save still writing to ``location`` (the checkpoint's path or URL) is finished first (committed:
+    with collectives, or in one process, as ``result()``; otherwise this rank waits for its background work),
+    so the load reads it, not the save before it. A load with collectives then runs
+    :func:`settle_background_commits`: a step saved just before (``result()`` returned) is then committed on
+    every rank, or its commit failure raises on every rank.
     """
-    if DistWrapper(use_dist=not no_dist and use_collectives).use_dist:
+    dist = DistWrapper(use_dist=not no_dist and use_collectives)
+    finish_saves_to(location, collective=dist.use_dist or platform.get_world_size() == 1)
+    if dist.use_dist:
         settle_background_commits()
 
 
@@ -65,7 +69,8 @@ def read_checkpoint_metadata(reader: StorageReader, options: LoadOptions) -> Met
     (:func:`settle_background_commits`): a step saved just before is committed.
     """
     dist = DistWrapper(use_dist=not options.no_dist and options.use_collectives)
-    settle_before_load(no_dist=options.no_dist, use_collectives=options.use_collectives)
+    settle_before_load(no_dist=options.no_dist, use_collectives=options.use_collectives,
+                       location=getattr(reader, "path", None))
     rank = rank_alone(options.no_dist, options.use_collectives)
     found: list[Metadata] = []
     dist.agree("read metadata", lambda: found.append(reader.read_metadata(rank=rank)))

@@ -297,8 +297,10 @@ def load_checkpoint(
     select = _selector(filter_prefix, specify_prefix, choice_func)
     if "planner" not in kwargs:
         kwargs["planner"] = StandardLoadPlanner(allow_pickle=allow_pickle)
-    # All ranks are here: a step saved just before by async_save is committed before its metadata is read.
-    settle_before_load(no_dist=kwargs.get("no_dist", False), use_collectives=kwargs.get("use_collectives", True))
+    # All ranks are here: a step saved just before by async_save (still writing, or committing in the
+    # background) is committed before its metadata is read.
+    settle_before_load(no_dist=kwargs.get("no_dist", False), use_collectives=kwargs.get("use_collectives", True),
+                       location=checkpoint_id)
     metadata = api.read_metadata(checkpoint_id)
     if net is None:
         keys = [key for key in metadata.state_dict_metadata if select(key)]

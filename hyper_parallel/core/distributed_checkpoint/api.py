@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from hyper_parallel import platform
+from hyper_parallel.core.distributed_checkpoint._async_queue import finish_saves_to
 from hyper_parallel.core.distributed_checkpoint._background_commit import await_own_commits, failed_commit_to
 from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions
 from hyper_parallel.core.distributed_checkpoint._load_engine import LoadOptions, read_checkpoint_metadata
@@ -133,14 +134,17 @@ def load(
 def read_metadata(checkpoint_id: CheckpointId) -> Metadata:
     """Return a checkpoint's committed metadata. No collectives, no data read.
 
-    On the coordinator, an async save of this process to the checkpoint is
-    waited for first; if its background commit failed, the
+    An async save of this process still writing the checkpoint is waited for
+    first (in one process it is then committed); on the coordinator, its
+    background commit is waited for too; if its background commit failed, the
     ``IncompleteCheckpointError`` names that failure.
 
     Raises:
         CheckpointNotFoundError / IncompleteCheckpointError / CorruptCheckpointError.
     """
     reader = reader_for(checkpoint_id, None)
+    # An async save of this process still writing there: its writing (and, in one process, its commit) first.
+    finish_saves_to(getattr(reader, "path", None), collective=platform.get_world_size() == 1)
     committing_elsewhere = await_own_commits(getattr(reader, "path", None))
     try:
         return reader.read_metadata()
