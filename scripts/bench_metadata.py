@@ -29,8 +29,14 @@ load (half the ranks, two holders each): the planner's time (chunks found by
 division) and the storage lookups of its plan (reading and checking the
 holders' index files).
 
+The commit itself (``FileSystemWriter.finish``: encoding and writing the
+metadata, and in the indexed form every rank's index file, from every rank's
+write results) is MEASURED for ``--commit-ranks`` x ``--commit-tensors`` in
+both forms, with the bytes of write results the coordinator gathers per chunk.
+
 Run: ``python scripts/bench_metadata.py [--ranks 16 64 256] [--tensors 1000] [--target-ranks 10240]
-[--target-tensors 10000] [--indexed-ranks 10240] [--indexed-tensors 10000] [--json FILE]``.
+[--target-tensors 10000] [--indexed-ranks 10240] [--indexed-tensors 10000] [--commit-ranks 1024]
+[--commit-tensors 500] [--json FILE]``.
 """
 
 from __future__ import annotations
@@ -194,6 +200,47 @@ def measure_indexed(work: Path, ranks: int, tensors: int) -> dict:
             "index_files_read_own": 1, "index_files_read_reshard": 2}
 
 
+def measure_commit(work: Path, ranks: int, tensors: int) -> dict:
+    """The coordinator's commit of a ``ranks`` x ``tensors`` save (one row chunk per rank and tensor), in each form.
+
+    Every rank's write results are built as ``write_data`` returns them and handed to
+    ``FileSystemWriter.finish`` (the commit itself: index files, ``metadata.json``); the data files are not
+    written (the commit does not read them). Reports the commit's CPU and wall seconds, the bytes it
+    writes, and the pickled bytes the coordinator receives from the ranks (the gather; unchanged by the form).
+    """
+    # pylint: disable=import-outside-toplevel
+    import pickle
+
+    from hyper_parallel.core.distributed_checkpoint.storage import WriteResult
+
+    length = ROWS * COLS * 4
+    out = {"ranks": ranks, "tensors": tensors, "chunks": ranks * tensors}
+    for form in ("inline", "indexed"):
+        path = work / f"commit_{form}"
+        writer = dcp.FileSystemWriter(path, metadata_form=form, sync_files=False)
+        writer.set_up_storage_writer(True, rank=0, world_size=ranks)
+        save_id = writer.save_id
+        metadata = make_metadata(ranks, tensors)
+        digest = ("0" * 16,)
+        results = [[WriteResult(index=MetadataIndex(f"layer{t}.weight", (r * ROWS, 0)), size_in_bytes=length,
+                                storage_data=StorageInfo(f"r{r:05d}_000.{save_id}.safetensors", 4096 + t * length,
+                                                         length, ChunkChecksum(ALGORITHM, 1 << 20, digest)))
+                    for t in range(tensors)] for r in range(ranks)]
+        if form == "inline":
+            out["gathered_bytes_per_chunk"] = len(pickle.dumps(results[0])) / tensors
+        metadata = metadata.replace(storage_data=None)
+        gc.collect()
+        start, cpu = time.perf_counter(), time.process_time()
+        writer.finish(metadata, results)
+        out[f"{form}_commit_s"] = time.perf_counter() - start
+        out[f"{form}_commit_cpu_s"] = time.process_time() - cpu
+        out[f"{form}_metadata_bytes"] = (path / "metadata.json").stat().st_size
+        out[f"{form}_index_bytes"] = sum(p.stat().st_size for p in path.glob("r*_index.*.json"))
+        del results, metadata
+        gc.collect()
+    return out
+
+
 def _fit(xs: list[float], ys: list[float]) -> dict:
     """Least-squares ``y = intercept + slope * x`` and each point's relative deviation from it."""
     slope, intercept = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1) if len(xs) > 1 else (
@@ -211,6 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target-tensors", type=int, default=10000)
     parser.add_argument("--indexed-ranks", type=int, default=10240)
     parser.add_argument("--indexed-tensors", type=int, default=10000)
+    parser.add_argument("--commit-ranks", type=int, default=1024)
+    parser.add_argument("--commit-tensors", type=int, default=500)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     rows = []
@@ -236,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
             del read
             (path / "metadata.json").unlink()
         indexed = measure_indexed(Path(work), args.indexed_ranks, args.indexed_tensors)
+        commit = measure_commit(Path(work), args.commit_ranks, args.commit_tensors)
     target_chunks = args.target_ranks * args.target_tensors
     chunk_counts = [row["chunks"] for row in rows]
     fits = {name: _fit(chunk_counts, [row[name] for row in rows]) for name in
@@ -266,14 +316,20 @@ def main(argv: list[str] | None = None) -> None:
           f"one rank's load planning, own shard: planner {indexed['own_shard_planning_s']:.3f} s + storage lookups "
           f"{indexed['own_shard_lookup_s']:.3f} s (1 index file read); resharded (2 holders): planner "
           f"{indexed['reshard_planning_s']:.3f} s + lookups {indexed['reshard_lookup_s']:.3f} s (2 index files)")
+    print(f"MEASURED commit (FileSystemWriter.finish) of {commit['ranks']} ranks x {commit['tensors']} tensors "
+          f"({commit['chunks']:,} chunks): in-line {commit['inline_commit_s']:.2f} s (CPU "
+          f"{commit['inline_commit_cpu_s']:.2f} s), metadata.json {commit['inline_metadata_bytes'] / 1e6:.1f} MB; "
+          f"indexed {commit['indexed_commit_s']:.2f} s (CPU {commit['indexed_commit_cpu_s']:.2f} s), metadata.json "
+          f"{commit['indexed_metadata_bytes'] / 1e6:.3f} MB + index files {commit['indexed_index_bytes'] / 1e6:.1f} MB; "
+          f"the coordinator gathers {commit['gathered_bytes_per_chunk']:.0f} B per chunk of write results in both forms")
     print(f"EXTRAPOLATED in-line form, for comparison (linear fit) to {args.target_ranks} ranks x {args.target_tensors} tensors: "
           f"metadata {extrapolated['metadata_bytes'] / 1e9:.1f} GB, read_metadata "
           f"{extrapolated['read_metadata_s']:.0f} s (CPU {extrapolated['read_metadata_cpu_s']:.0f} s), read peak memory {extrapolated['read_peak_rss_bytes'] / 1e9:.1f} GB, "
           f"one rank's load planning {extrapolated['rank_load_planning_s']:.1f} s")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump({"measured": rows, "fits": fits, "extrapolated": extrapolated, "indexed": indexed}, handle,
-                      indent=2)
+            json.dump({"measured": rows, "fits": fits, "extrapolated": extrapolated, "indexed": indexed,
+                       "commit": commit}, handle, indent=2)
 
 
 if __name__ == "__main__":

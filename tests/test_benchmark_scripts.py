@@ -141,7 +141,8 @@ def test_bench_planning_reports_time_and_bytes_per_rank(tmp_path):
 
 
 def test_bench_metadata_reports_size_read_time_and_rank_planning(tmp_path):
-    proc = _run_small("bench_metadata.py", tmp_path / "meta.json", "--indexed-ranks", "64", "--indexed-tensors", "20")
+    proc = _run_small("bench_metadata.py", tmp_path / "meta.json", "--indexed-ranks", "64", "--indexed-tensors", "20",
+                      "--commit-ranks", "8", "--commit-tensors", "5")
     result = json.loads((tmp_path / "meta.json").read_text())
     assert [row["chunks"] for row in result["measured"]] == [80, 640]
     for row in result["measured"]:
@@ -162,3 +163,6 @@ def test_bench_metadata_reports_size_read_time_and_rank_planning(tmp_path):
     assert indexed["metadata_bytes"] < 100 * 20 + 120 * 64 + 2000 < 100 * indexed["chunks"]
     assert indexed["own_shard_planning_s"] > 0 and indexed["reshard_lookup_s"] > 0
     assert "MEASURED indexed form (format 2.1) at 64 ranks x 20 tensors" in proc.stdout
+    commit = result["commit"]
+    assert commit["chunks"] == 40 and commit["indexed_index_bytes"] > 100 * 40 > commit["indexed_metadata_bytes"] / 4
+    assert commit["inline_metadata_bytes"] > 100 * 40 and commit["gathered_bytes_per_chunk"] > 50

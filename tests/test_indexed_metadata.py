@@ -135,7 +135,7 @@ def test_flipped_byte_in_an_index_is_refused(tmp_path):
     data = bytearray((path / name).read_bytes())
     data[len(data) // 2] ^= 1
     (path / name).write_bytes(bytes(data))
-    _refused(path, CorruptCheckpointError, "index file of rank 2 does not match its length and digest")
+    _refused(path, CorruptCheckpointError, "index file of rank 2 does not match its length and digest recorded in")
 
 
 def test_deleted_index_is_refused(tmp_path):
@@ -432,6 +432,9 @@ def test_committed_metadata_pickles_small_and_reads_its_indexes(tmp_path):
     assert len(blob) < 4000
     copy = pickle.loads(blob)
     assert dict(copy.storage_data.items()) == dict(committed.storage_data.items())
+    unread = dcp.read_metadata(path)
+    assert unread == pickle.loads(pickle.dumps(unread))  # equal index records: equal, no index read
+    assert not unread.storage_data._loaded  # pylint: disable=protected-access
     read = pickle.loads(pickle.dumps(dcp.read_metadata(path)))
     info = read.storage_data[dcp.MetadataIndex("w", (0, 0))]
     assert info == committed.storage_data[dcp.MetadataIndex("w", (0, 0))]
@@ -524,3 +527,14 @@ def test_auto_form_indexes_a_large_save(tmp_path, monkeypatch):
     monkeypatch.setattr(_index_form, "AUTO_INDEX_BYTES", 2100)
     _save(tmp_path / "small", form="auto")
     assert "rank_indexes" not in json.loads((tmp_path / "small" / "metadata.json").read_bytes())
+
+
+def test_index_of_a_checkpoint_replaced_while_loading(tmp_path):
+    from hyper_parallel.core.distributed_checkpoint.errors import CheckpointNotFoundError
+
+    path = tmp_path / "c"
+    _save(path)
+    stale = dcp.read_metadata(path)
+    _save(path, layout=Layout((2,), (0, -1)), ranks=2)  # another save: its commit removes the old index files
+    with pytest.raises(CheckpointNotFoundError, match="deleted or replaced by another save while loading"):
+        stale.storage_data[dcp.MetadataIndex("w", (0, 0))]

@@ -160,7 +160,8 @@ class FsspecReader(FileSystemReader):
         """The bytes of rank index object ``name`` (a plain name under the prefix, size-capped). Any rank.
 
         Raises:
-            CorruptCheckpointError: the object is missing.
+            CheckpointNotFoundError: it is gone because the checkpoint was deleted or replaced meanwhile.
+            CorruptCheckpointError: the object is missing from the checkpoint.
             UnsafeCheckpointError: it is larger than allowed.
             CheckpointIOError: the store cannot be read.
         """
@@ -172,6 +173,10 @@ class FsspecReader(FileSystemReader):
         except Exception as exc:  # pylint: disable=broad-except
             raise CheckpointIOError(f"reading index object {location} failed: {exc}") from exc
         if tagged is None:
+            if self._replaced():
+                raise CheckpointNotFoundError(
+                    f"checkpoint {self.path} was deleted or replaced by another save while loading (its rank index "
+                    f"{name} is gone); load it again")
             raise CorruptCheckpointError(
                 f"{location}: the rank index listed in the metadata is missing (deleted or not copied with the "
                 "checkpoint): copy the whole checkpoint, or load an earlier one")

@@ -7,10 +7,11 @@ import os
 from pathlib import Path
 
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import MAX_METADATA_BYTES, metadata_from_json
+from hyper_parallel.core.distributed_checkpoint._commit_cleanup import committed_save_id
 from hyper_parallel.core.distributed_checkpoint._format.indexed_storage import IndexedStorage
 from hyper_parallel.core.distributed_checkpoint._format.rank_index import MAX_INDEX_BYTES
 from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
-from hyper_parallel.core.distributed_checkpoint._safe_files import read_regular
+from hyper_parallel.core.distributed_checkpoint._safe_files import open_regular
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
     CheckpointIOError,
@@ -114,31 +115,35 @@ class IndexFiles:
 
     Args:
         path: The checkpoint directory.
+        save_id: The save whose metadata lists the files (tells a checkpoint replaced meanwhile).
     """
 
     picklable = True
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, save_id: str) -> None:
         self.path = Path(path)
+        self.save_id = save_id
 
     def __call__(self, name: str) -> bytes:
-        return read_index_file(self.path, name)
+        return read_index_file(self.path, name, save_id=self.save_id)
 
 
 def bind_index_files(metadata: Metadata, path: Path) -> Metadata:
     """Let an indexed checkpoint's ``storage_data`` read its rank index files from directory ``path``. Any rank."""
     storage = metadata.storage_data
     if isinstance(storage, IndexedStorage):
-        storage.bind(IndexFiles(path))
+        storage.bind(IndexFiles(path, metadata.storage_meta.save_id))
     return metadata
 
 
-def read_index_file(path: Path, name: str) -> bytes:
+def read_index_file(path: Path, name: str, *, save_id: str | None = None) -> bytes:
     """The bytes of rank index file ``name`` of checkpoint ``path``: inside it, a regular file, size-capped. Any rank.
 
     Raises:
         UnsafeCheckpointError: a link (or anything but a regular file), or a file over the size cap.
-        CorruptCheckpointError: the file is missing.
+        CheckpointNotFoundError: the file is gone because the checkpoint was deleted or replaced by another save
+            (its ``metadata.json`` no longer records ``save_id``).
+        CorruptCheckpointError: the file is missing from the checkpoint.
         CheckpointIOError: it cannot be read.
     """
     full = path / name
@@ -146,8 +151,16 @@ def read_index_file(path: Path, name: str) -> bytes:
     if os.path.commonpath([root, os.path.realpath(full)]) != root:
         raise UnsafeCheckpointError(f"{full}: index file is a link leading outside checkpoint {path}; refused")
     try:
-        return read_regular(full, limit=MAX_INDEX_BYTES)
+        fd = open_regular(full, limit=MAX_INDEX_BYTES)
+        try:  # one read of the file's size (no larger buffer)
+            return os.pread(fd, os.fstat(fd).st_size, 0)
+        finally:
+            os.close(fd)
     except FileNotFoundError:
+        if save_id is not None and committed_save_id(path / "metadata.json") != save_id:
+            raise CheckpointNotFoundError(
+                f"checkpoint {path} was deleted or replaced by another save while loading (its rank index file "
+                f"{name} is gone); load it again") from None
         raise CorruptCheckpointError(
             f"{full}: the rank index file listed in the metadata is missing (deleted or not copied with the "
             "checkpoint): copy the whole checkpoint directory, or load an earlier checkpoint") from None

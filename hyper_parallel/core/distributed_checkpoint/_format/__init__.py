@@ -3,7 +3,12 @@
 - :mod:`.safetensors_file`: the data files (safetensors headers, dtype names);
 - :mod:`.metadata_json`: the committed metadata as JSON (decoded as a stream by :mod:`.json_stream`,
   its usual entries by runs by :mod:`.regular_runs`);
-- :mod:`.consistency`: the checks that a metadata's items and storage entries match;
+- :mod:`.storage_entry`: one ``storage_data`` entry as JSON (the decoder of both metadata forms);
+- :mod:`.consistency`: the checks that a metadata's items and storage entries match (single entries and byte
+  ranges: :mod:`.entry_checks`);
+- the indexed form (format 2.1): :mod:`.grid_holders` (which rank holds a grid chunk), :mod:`.rank_index`
+  (a rank's index file), :mod:`.indexed_json` (its members of ``metadata.json``), :mod:`.indexed_storage`
+  (the lazy ``storage_data``);
 - :mod:`.checksum`: xxh3 digests of blocks and tiles;
 - :mod:`.byte_ranges`: which byte runs of a stored chunk hold a region;
 - :mod:`.cover`: the rule that a tensor's chunks tile it exactly.

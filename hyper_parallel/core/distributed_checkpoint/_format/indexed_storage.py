@@ -72,6 +72,16 @@ class IndexedStorage(Mapping[MetadataIndex, StorageInfo]):
         """Set how an index file's bytes are read (``opener(name)``; confined, size-capped). The reader; any rank."""
         self._opener = opener
 
+    def __eq__(self, other: object) -> bool:
+        """Two indexed storages are equal when their ``metadata.json`` parts are: equal index records (digests
+        included) mean equal index files, so nothing is read. Against another mapping, entry by entry."""
+        if isinstance(other, IndexedStorage):
+            return (self.inline == other.inline and self.grids == other.grids and self.records == other.records
+                    and self.save_id == other.save_id)
+        return super().__eq__(other)
+
+    __hash__ = None  # type: ignore[assignment]  # a mapping
+
     def __reduce__(self) -> tuple:
         """Pickles as its metadata.json part (the entries loaded so far stay behind: O(tensors + ranks) bytes), with
         its opener if that pickles (a directory's; a reader's bound method does not, the copy is then unbound)."""
@@ -171,7 +181,8 @@ class IndexedStorage(Mapping[MetadataIndex, StorageInfo]):
                 f"{self.source}: the index file {record.file} cannot be read: this metadata was decoded without "
                 "its checkpoint; read it with dcp.read_metadata(checkpoint_id)")
         source = f"{self.source.rsplit('/', 1)[0]}/{record.file}" if "/" in self.source else record.file
-        entries = decode_rank_index(self._opener(record.file), record=record, save_id=self.save_id, source=source)
+        entries = decode_rank_index(self._opener(record.file), record=record, save_id=self.save_id, source=source,
+                                    listed_in=self.source)
         prefix = f"r{rank:05d}_"
         for (fqn, offset), info in entries.items():
             where = f"{source}: key '{fqn}'"

@@ -76,8 +76,11 @@ def encode_rank_index(*, save_id: str, rank: int, entries: Iterable[tuple[Metada
     return data, IndexRecord(rank=rank, file=index_file_name(rank, save_id), length=len(data), digest=digest(data))
 
 
-def decode_rank_index(data: bytes, *, record: IndexRecord, save_id: str, source: str) -> dict[tuple[str, tuple[int, ...]], StorageInfo]:
+def decode_rank_index(data: bytes, *, record: IndexRecord, save_id: str, source: str,
+                      listed_in: str = "the metadata") -> dict[tuple[str, tuple[int, ...]], StorageInfo]:
     """Check ``data`` against its record and decode its entries, keyed by ``(key, offset)``. Any rank; pure.
+
+    ``source`` (the index file) and ``listed_in`` (the metadata file recording it) are named in errors.
 
     Raises:
         UnsafeCheckpointError: over :data:`MAX_INDEX_BYTES`.
@@ -88,8 +91,9 @@ def decode_rank_index(data: bytes, *, record: IndexRecord, save_id: str, source:
         raise UnsafeCheckpointError(f"{source}: index file of {len(data):,} bytes is larger than allowed; refused")
     if len(data) != record.length or digest(data) != record.digest:
         raise CorruptCheckpointError(
-            f"{source}: the index file of rank {record.rank} does not match its length and digest in the metadata "
-            "(damaged or replaced): restore the checkpoint from a copy, or load an earlier one")
+            f"{source}: the index file of rank {record.rank} does not match its length and digest recorded in "
+            f"{listed_in} (one of the two is damaged or replaced): restore the checkpoint from a copy, or load an "
+            "earlier one")
     try:
         document = json.loads(data)
     except (ValueError, RecursionError) as exc:
