@@ -40,6 +40,7 @@ import mindspore as ms
 import numpy as np
 import psutil
 
+import bench_cold_load
 import bench_ms_import
 import bench_protections
 import hyper_parallel.core.distributed_checkpoint as dcp
@@ -454,20 +455,30 @@ def phase_load(state: dict[str, Any], path: Path, args: argparse.Namespace,
     files = data_files(path)
     file_bytes = sum(f.stat().st_size for f in files)
     times: dict[str, list[float]] = {}
+    streams = f"cold read of the data files ({args.threads} streams)"
     for cache, setup in (("warm", lambda: warm_cache(files)), ("cold", lambda: drop_page_cache(files))):
         device: dict[bool, list[float]] = {True: [], False: []}
         for _ in range(args.warm_runs if cache == "warm" else args.runs):
+            if cache == "cold":  # the device with as many streams as the reader (paired with the loads)
+                buffer = np.ones(file_bytes, dtype=np.uint8)
+                times.setdefault(streams, []).extend(timed(
+                    lambda: bench_cold_load.read_streams(files, buffer, args.threads), runs=1,
+                    pretouch_gb=args.pretouch_gb, setup=setup))
+                del buffer
             for verify in (True, False):
                 label = f"dcp.load {cache}, verify {'on' if verify else 'off'} ({args.threads} threads)"
-                reader = dcp.FileSystemReader(path, verify_checksums=verify, thread_count=args.threads)
+                reader = bench_cold_load.TimedReader(path, verify_checksums=verify, thread_count=args.threads)
                 setup()
                 pretouch(args.pretouch_gb)
                 before = _device_read_bytes()
                 cpu, start = time.process_time(), time.perf_counter()
                 dcp.load(state, storage_reader=reader, no_dist=True)
-                times.setdefault(label, []).append(time.perf_counter() - start)
+                end = time.perf_counter()
+                times.setdefault(label, []).append(end - start)
                 times.setdefault(label + ", CPU", []).append(time.process_time() - cpu)
                 device[verify].append((_device_read_bytes() - before) / file_bytes)
+                for part, seconds in reader.parts(start, end).items() if cache == "cold" else ():
+                    times.setdefault(f"{label}: {part}", []).append(seconds)  # where a cold load's time goes
         for verify, ratios_seen in device.items():
             label = f"dcp.load {cache}, verify {'on' if verify else 'off'} ({args.threads} threads)"
             notes[f"device bytes / file bytes, {label}"] = " ".join(f"{d:.2f}" for d in ratios_seen)
@@ -681,9 +692,18 @@ def ratios(t: dict[str, float], args: argparse.Namespace, memory: dict[str, Any]
         if f"dcp.async_save commit (writer.finish){mode}" in t:
             add(f"async{mode} commit (writer.finish) / best dcp.save",
                 t[f"dcp.async_save commit (writer.finish){mode}"] / best_save, None)
-    for verify in ("on", "off"):
+    for verify in ("on", "off"):  # the order of the figures: cold, then warm
         add(f"cold load / cold read, verify {verify}",
             t[f"dcp.load cold, verify {verify} ({T} threads)"] / t["cold sequential read"], 1.2)
+    # The device with the reader's streams, and where a cold verified load's time goes (parts / cold read).
+    streams = f"cold read of the data files ({T} streams)"
+    add(f"cold read, {T} streams / cold sequential read", t[streams] / t["cold sequential read"], None)
+    add(f"cold load, verify on / cold read, {T} streams", t[f"dcp.load cold, verify on ({T} threads)"] / t[streams],
+        None)
+    for part in bench_cold_load.PARTS:
+        add(f"cold load, verify on: {part} / cold sequential read",
+            t[f"dcp.load cold, verify on ({T} threads): {part}"] / t["cold sequential read"], None)
+    for verify in ("on", "off"):
         add(f"warm load / memcpy, verify {verify}",
             t[f"dcp.load warm, verify {verify} ({T} threads)"] / t["host memcpy"], 1.5)
     # This machine's floor for a warm load (page-cache reads; with verify-before-land, a hash pass first).
