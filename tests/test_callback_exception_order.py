@@ -158,3 +158,31 @@ def test_exception_save_deletes_no_earlier_step(tmp_path: Path, async_save: bool
     manager = dcp.CheckpointManager(tmp_path, max_to_keep=1)
     manager.save(4, {"weight": np.zeros(2, np.float32)})
     assert manager.all_steps() == [4]  # a later save's retention prunes as the policy says
+
+
+class _FirstStep(StepLog):
+    """Records the number and the weight at the begin of the first step it sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first: tuple[int, np.ndarray] | None = None
+
+    def on_train_step_begin(self, run_context):
+        params = run_context.original_args()
+        if self.first is None:
+            self.first = (int(params.cur_step_num), params.network.trainable_params()[0].asnumpy().copy())
+
+
+def test_a_retry_after_a_failed_model_train_resumes_from_the_last_saved_step(tmp_path: Path) -> None:
+    """The first call raised after step 3 (saved: step 2): the Parameters are past the last saved step, so the
+    retry with the same callback loads step 2 back and numbers on from it (as a new process would)."""
+    model, net, _ = _model()
+    callback = hyper_parallel.CheckpointCallback(tmp_path, save_checkpoint_steps=2, async_save=False)
+    with pytest.raises(RuntimeError, match="killed after step 3"):
+        model.train(1, _data(), callbacks=[callback, StepLog(crash_at=3)], dataset_sink_mode=False)
+    np.testing.assert_array_equal(net.weight.asnumpy(), _weights_after(3))
+    probe = _FirstStep()
+    model.train(1, _data(), callbacks=[callback, probe], dataset_sink_mode=False)
+    assert probe.first is not None and probe.first[0] == 3
+    np.testing.assert_array_equal(probe.first[1], _weights_after(2))
+    assert callback.manager.all_steps()[-1] == 6

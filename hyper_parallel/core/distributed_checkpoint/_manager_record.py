@@ -185,16 +185,8 @@ def object_record(fs: Any, root: str, url: str, name: str = RECORD_FILE) -> Iter
     """The record object ``<root>/<name>`` of an object-store root; written back if it changed.
 
     Coordinator only. One object PUT replaces it whole (atomic on S3); there is no lock, so two managers
-    retaining on one prefix at the same moment may lose one's update (one manager per root).
-
-    Args:
-        fs: The fsspec filesystem of the root.
-        root: The root's path in ``fs`` (``bucket/prefix``).
-        url: The root's URL (named in errors).
-        name: The record's name (:func:`record_name` of the manager's step prefix).
-
-    Raises:
-        CorruptCheckpointError: The object exists but is not a record (names it and the fix).
+    retaining on one prefix at the same moment may lose one's update (one manager per root). Arguments and
+    errors as :func:`read_object_record`.
     """
     before = read_object_record(fs, root, url, name)
     session = _Session(before)

@@ -331,8 +331,9 @@ class CheckpointCallback(Callback):
     def on_train_begin(self, run_context: RunContext) -> None:
         """Load the newest committed step (``resume``) and continue its step numbering. All ranks.
 
-        In a later ``Model.train`` call with this callback, the step it saved last is not loaded again (the
-        Parameters are already there, with any change the script made between the calls); numbering continues.
+        In a later ``Model.train`` call with this callback, after one that ended normally, the step it saved
+        last is not loaded again (the Parameters are already there, with any change the script made between the
+        calls); numbering continues.
         """
         cb_params = run_context.original_args()
         self._steps_per_epoch = int(getattr(cb_params, "batch_num", 0) or 0)
@@ -340,16 +341,19 @@ class CheckpointCallback(Callback):
         if position is not None:
             self._check_position(position, cb_params)
         self._state = self._state_of(cb_params)
-        self._completed = int(cb_params.cur_step_num)
+        trained, running = self._completed, self._running  # what an earlier Model.train call of this callback left
+        self._completed, self._running = int(cb_params.cur_step_num), None
         if self.manager.async_save:  # the first save then copies into buffers already backed
             self._staging = prepare_async_save(self._state)
         latest = position.step if position is not None else self.manager.latest_step()
         if latest is None:
             return
-        if latest == self._last_saved:
-            # This callback saved (or loaded) that step in this process: a later Model.train call with the same
-            # callback. The Parameters are at that step or after it, with what the script changed in between
-            # (a learning rate, weights loaded by hand): loading the step back would silently undo those changes.
+        if latest == self._last_saved == trained and running is None:
+            # This callback saved (or loaded) that step in this process and trained no step after it: a later
+            # Model.train call with the same callback after one that ended normally. The Parameters are at that
+            # step, with what the script changed in between (a learning rate, weights loaded by hand): loading
+            # the step back would silently undo those changes. (After a call that raised past the last saved
+            # step the Parameters are ahead of it: the step is loaded back, as a new process would.)
             cb_params.cur_step_num = self._completed = latest
             return
         if not self.resume:
