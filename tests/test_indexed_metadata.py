@@ -330,9 +330,9 @@ class _CountingReader(dcp.FileSystemReader):
         storage, self.opened = metadata.storage_data, []
         opener = storage._opener  # pylint: disable=protected-access
 
-        def counted(name):
+        def counted(name, limit):
             self.opened.append(name)
-            return opener(name)
+            return opener(name, limit)
 
         storage.bind(counted)
         return metadata

@@ -94,6 +94,17 @@ def _value_items(directory: Path, metadata: Metadata, fmt: str) -> tuple[list[Ms
     return items, skipped
 
 
+def _file_order(tensors: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """The tensors in file order: fewest name components first, then the checkpoint's order.
+
+    MindSpore's non-strict ``load_param_into_net``, for a network name missing from the file, takes the prefix
+    of the first file key ending with that name and loads every name under it. An optimizer state is one
+    component deeper than its parameter (``adam.moment1.weight`` beside ``net.weight``); in name order it
+    could come first, and the network received its moments as weights.
+    """
+    return [item for _, item in sorted(enumerate(tensors), key=lambda pair: (pair[1][0].count("."), pair[0]))]
+
+
 def _rank_layouts(records: Mapping[str, Sequence[Any]], rank: int) -> tuple[dict[str, Layout], set[str]]:
     """The layouts of the parameters on ``rank``'s stage, and every parameter the strategy lists."""
     layouts = {}
@@ -170,8 +181,8 @@ def export_mindspore(
     directory, metadata = open_checkpoint(ckpt)
     out_dir = Path(os.fspath(out))
     records = read_strategy_records(list(strategy_files)) if strategy_files else None
-    tensors = sorted((fqn, s) for fqn, s in metadata.state_dict_metadata.items()
-                     if isinstance(s, TensorStorageMetadata))
+    tensors = _file_order([(fqn, s) for fqn, s in metadata.state_dict_metadata.items()
+                           if isinstance(s, TensorStorageMetadata)])
     values, skipped = _value_items(directory, metadata, fmt)
     prepare_output_dir(out_dir)
     written: list[str] = []
