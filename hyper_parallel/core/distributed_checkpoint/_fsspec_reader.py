@@ -156,8 +156,9 @@ class FsspecReader(FileSystemReader):
             metadata.storage_data.bind(self._index_object)
         return metadata
 
-    def _index_object(self, name: str) -> bytes:
-        """The bytes of rank index object ``name`` (a plain name under the prefix, size-capped). Any rank.
+    def _index_object(self, name: str, limit: int = MAX_INDEX_BYTES) -> bytes:
+        """The first ``limit`` bytes of rank index object ``name`` (a plain name under the prefix, size-capped; one
+        ranged GET, so an object longer than its record is not fetched whole). Any rank.
 
         Raises:
             CheckpointNotFoundError: it is gone because the checkpoint was deleted or replaced meanwhile.
@@ -167,12 +168,14 @@ class FsspecReader(FileSystemReader):
         """
         location = self.resolve(name, name)
         try:
-            tagged = get_with_tag(self.fs, location)
+            data = self.fs.cat_file(location, start=0, end=min(limit, MAX_INDEX_BYTES + 1))
+        except FileNotFoundError:
+            data = None
         except CheckpointError:
             raise
         except Exception as exc:  # pylint: disable=broad-except
             raise CheckpointIOError(f"reading index object {location} failed: {exc}") from exc
-        if tagged is None:
+        if data is None:
             if self._replaced():
                 raise CheckpointNotFoundError(
                     f"checkpoint {self.path} was deleted or replaced by another save while loading (its rank index "
@@ -180,9 +183,10 @@ class FsspecReader(FileSystemReader):
             raise CorruptCheckpointError(
                 f"{location}: the rank index listed in the metadata is missing (deleted or not copied with the "
                 "checkpoint): copy the whole checkpoint, or load an earlier one")
-        if len(tagged.data) > MAX_INDEX_BYTES:
-            raise UnsafeCheckpointError(f"{location}: index of {len(tagged.data)} bytes is larger than allowed; refused")
-        return tagged.data
+        if len(data) > MAX_INDEX_BYTES:
+            raise UnsafeCheckpointError(f"{location}: index of over {MAX_INDEX_BYTES} bytes is larger than allowed; "
+                                        "refused")
+        return data
 
     def resolve(self, relative_path: str, fqn: str) -> str:  # type: ignore[override]  # object path, not a Path
         """Return the data object's path, refusing names that leave the prefix.

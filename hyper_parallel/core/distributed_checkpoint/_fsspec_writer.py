@@ -369,7 +369,7 @@ class FsspecWriter(FileSystemWriter):
         if not isinstance(storage, IndexedStorage):
             return {info.relative_path for info in storage.values()}
         files = {info.relative_path for info in storage.inline.values()} | {r.file for r in storage.records.values()}
-        storage.bind(lambda n: get_with_tag(self.fs, self._object(n)).data)  # type: ignore[union-attr]
+        storage.bind(lambda n, _limit: get_with_tag(self.fs, self._object(n)).data)  # type: ignore[union-attr]
         try:
             return files | {info.relative_path for info in storage.values()}
         except Exception:  # pylint: disable=broad-except  # unreadable indexes: their data objects are left

@@ -124,8 +124,8 @@ class IndexFiles:
         self.path = Path(path)
         self.save_id = save_id
 
-    def __call__(self, name: str) -> bytes:
-        return read_index_file(self.path, name, save_id=self.save_id)
+    def __call__(self, name: str, limit: int = MAX_INDEX_BYTES) -> bytes:
+        return read_index_file(self.path, name, save_id=self.save_id, limit=limit)
 
 
 def bind_index_files(metadata: Metadata, path: Path) -> Metadata:
@@ -136,8 +136,9 @@ def bind_index_files(metadata: Metadata, path: Path) -> Metadata:
     return metadata
 
 
-def read_index_file(path: Path, name: str, *, save_id: str | None = None) -> bytes:
-    """The bytes of rank index file ``name`` of checkpoint ``path``: inside it, a regular file, size-capped. Any rank.
+def read_index_file(path: Path, name: str, *, save_id: str | None = None, limit: int = MAX_INDEX_BYTES) -> bytes:
+    """The first ``limit`` bytes of rank index file ``name`` of checkpoint ``path``: inside it, a regular file,
+    size-capped. Any rank.
 
     Raises:
         UnsafeCheckpointError: a link (or anything but a regular file), or a file over the size cap.
@@ -152,8 +153,8 @@ def read_index_file(path: Path, name: str, *, save_id: str | None = None) -> byt
         raise UnsafeCheckpointError(f"{full}: index file is a link leading outside checkpoint {path}; refused")
     try:
         fd = open_regular(full, limit=MAX_INDEX_BYTES)
-        try:  # one read of the file's size (no larger buffer)
-            return os.pread(fd, os.fstat(fd).st_size, 0)
+        try:  # one read of the file's size (no larger buffer), at most limit bytes
+            return os.pread(fd, min(os.fstat(fd).st_size, limit), 0)
         finally:
             os.close(fd)
     except FileNotFoundError:

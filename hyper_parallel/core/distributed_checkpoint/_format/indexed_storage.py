@@ -62,14 +62,16 @@ class IndexedStorage(Mapping[MetadataIndex, StorageInfo]):
         self.records = {record.rank: record for record in records}
         self.save_id = save_id
         self.source = source
-        self._opener: Callable[[str], bytes] | None = None
+        self._opener: Callable[[str, int], bytes] | None = None
         self._loaded: dict[int, dict[_Key, StorageInfo]] = {}
         self._inline_by_file: dict[str, dict[MetadataIndex, StorageInfo]] | None = None
         self._lock = threading.Lock()
         self._count = len(inline) + sum(len(item.chunks) for item, _ in grids.values())
 
-    def bind(self, opener: Callable[[str], bytes]) -> None:
-        """Set how an index file's bytes are read (``opener(name)``; confined, size-capped). The reader; any rank."""
+    def bind(self, opener: Callable[[str, int], bytes]) -> None:
+        """Set how an index file's bytes are read: ``opener(name, limit)`` returns at most ``limit`` bytes of it
+        (confined, size-capped; a file longer than its record is refused without reading it whole). The reader;
+        any rank."""
         self._opener = opener
 
     def __eq__(self, other: object) -> bool:
@@ -181,7 +183,8 @@ class IndexedStorage(Mapping[MetadataIndex, StorageInfo]):
                 f"{self.source}: the index file {record.file} cannot be read: this metadata was decoded without "
                 "its checkpoint; read it with dcp.read_metadata(checkpoint_id)")
         source = f"{self.source.rsplit('/', 1)[0]}/{record.file}" if "/" in self.source else record.file
-        entries = decode_rank_index(self._opener(record.file), record=record, save_id=self.save_id, source=source,
+        # One byte past the recorded length tells a longer file (refused by the length check) without reading it.
+        entries = decode_rank_index(self._opener(record.file, record.length + 1), record=record, save_id=self.save_id, source=source,
                                     listed_in=self.source)
         prefix = f"r{rank:05d}_"
         for (fqn, offset), info in entries.items():
@@ -214,7 +217,7 @@ class IndexedStorage(Mapping[MetadataIndex, StorageInfo]):
 
 
 def _restore(inline: dict, grids: dict, records: tuple, save_id: str, source: str,
-             opener: Callable[[str], bytes] | None) -> IndexedStorage:
+             opener: Callable[[str, int], bytes] | None) -> IndexedStorage:
     """An :class:`IndexedStorage` from its pickled parts."""
     storage = IndexedStorage(inline=inline, grids=grids, records=records, save_id=save_id, source=source)
     if opener is not None:
