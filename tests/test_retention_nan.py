@@ -84,3 +84,15 @@ def test_numpy_and_tensor_metrics_are_recorded_and_others_refused_before_saving(
     with pytest.raises(dcp_errors.CheckpointValueError, match=r"step 5: metrics 'loss' is a object.*Nothing was saved"):
         manager.save(5, {"w": np.zeros(2, dtype=np.float32)}, metrics={"loss": object()})
     assert _steps_on_disk(tmp_path) == [1, 2, 4]
+
+
+def test_metrics_best_fn_cannot_rank_are_refused_before_saving(tmp_path: Path) -> None:
+    """best_fn raising on the metrics (a missing key) raised in retention after the commit, and left the step
+    without its record: refused before anything is written."""
+    manager = CheckpointManager(tmp_path, max_to_keep=1, best_fn=lambda m: m["acc"])
+    manager.save(1, {"w": np.ones(2, dtype=np.float32)}, metrics={"acc": 0.9})
+    with pytest.raises(dcp_errors.CheckpointValueError, match=r"step 2: best_fn\(metrics\) failed.*KeyError"):
+        manager.save(2, {"w": np.ones(2, dtype=np.float32)}, metrics={"loss": 0.1})
+    assert _steps_on_disk(tmp_path) == [1]
+    manager.save(2, {"w": np.ones(2, dtype=np.float32)}, metrics={"acc": 0.5})
+    assert _steps_on_disk(tmp_path) == [1, 2]  # 1 is the best, 2 the newest

@@ -293,6 +293,14 @@ class CheckpointManager:
         if metrics is not None and not isinstance(metrics, dict):
             raise CheckpointValueError(f"metrics must be a dict of JSON values or None, got {type(metrics).__name__}")
         metrics = None if metrics is None else _json_metrics(metrics, step)
+        if metrics is not None and self.best_fn is not None:
+            try:
+                float(self.best_fn(metrics))
+            except Exception as exc:  # the user's function; raised in retention, after the commit, otherwise
+                raise CheckpointValueError(
+                    f"step {step}: best_fn(metrics) failed on {metrics!r} ({type(exc).__name__}: {exc}); pass the "
+                    "metrics best_fn ranks by. Nothing was saved"
+                ) from exc
         _refuse_rank_local(kwargs)
         if not force and not self.should_save(step):
             return False
