@@ -184,7 +184,10 @@ def test_two_ranks_load_a_four_rank_checkpoint_reading_only_needed_bytes(two_las
 
 def test_one_process_loads_the_four_rank_checkpoint(base, four):
     check_scenarios(four, ["save_x"])
-    assert all(v["visible_after_return"] and v["chunks"] == 4 for v in scenario_values(four, "save_x"))
+    values = scenario_values(four, "save_x")
+    assert all(v["visible_after_return"] and v["chunks"] == 4 and v["same_as_committed"] for v in values)
+    # Only the coordinator holds the metadata it committed; the others received a receipt (_commit_receipt).
+    assert [v["kind"] for v in values] == ["Metadata"] + ["CommittedMetadataView"] * 3
     target = {"model": {"x": np.zeros((16, 8), np.float32), "bias": np.zeros(8, np.float32)}, "step": 0}
     dcp.load(target, checkpoint_id=base / "X")
     assert np.array_equal(target["model"]["x"], FULL_X) and target["step"] == 42
@@ -196,6 +199,8 @@ def test_indexed_metadata_saved_by_four_loads_on_four_and_two(four, two_last):
         assert value["indexes"] == ["r00000_index", "r00001_index", "r00002_index", "r00003_index"]
         assert value["grid"] and value["chunks"] == 4 and value["ok"] and value["step"] == 42
         assert value["bias"] == np.linspace(-1, 1, 8, dtype=np.float32).tolist()
+        assert value["same_as_committed"]
+    assert [v["kind"] for v in scenario_values(four, "save_x_indexed")] == ["Metadata"] + ["CommittedMetadataView"] * 3
     check_scenarios(two_last, ["load_x_indexed_on_two"])
     for value in scenario_values(two_last, "load_x_indexed_on_two"):
         assert value["ok"] and value["step"] == 42

@@ -35,7 +35,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                            "_rank_records", "_data_writing", "_commit_guard", "_index_form",
                            "_verify_reads", "_verify_windows", "_verify_tiles", "_verify_share", "_kept_files", "_read_priming", "_metadata_file", "_reader_headers", "_reader_verify", "_reader_reads"})),
     ("object storage", frozenset({"_object_io", "_object_garbage", "_fsspec_writer", "_fsspec_reader", "_object_steps"})),
-    ("engine", frozenset({"_collectives", "_engine", "_load_engine", "_async_engine", "_storage_choice", "_staging", "_stage_copies", "_fork_writer", "_async_queue",
+    ("engine", frozenset({"_collectives", "_commit_receipt", "_engine", "_load_engine", "_async_engine", "_storage_choice", "_staging", "_stage_copies", "_fork_writer", "_async_queue",
                          "_deferred_save", "_plan_cache", "_background_commit"})),
     ("strategies", frozenset({"strategies"})),
     ("public API", frozenset({"api", "async_checkpoint", "_one_line", "manager", "_manager_record", "_step_dirs", "_retention",

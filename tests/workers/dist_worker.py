@@ -317,8 +317,10 @@ def save_x() -> dict:
     layout = Layout((2, 2), (1, 0))
     state = {"model": {"x": _dtensor(FULL_X, layout, "x"), "bias": ms.Tensor(BIAS)}, "step": 42}
     meta = dcp.save(state, checkpoint_id=BASE / "X")
-    return {"visible_after_return": (BASE / "X" / "metadata.json").is_file(),
-            "chunks": len(meta.state_dict_metadata["model.x"].chunks)}
+    kind = type(meta).__name__  # the coordinator's committed metadata; elsewhere a view read when used
+    return {"visible_after_return": (BASE / "X" / "metadata.json").is_file(), "kind": kind,
+            "chunks": len(meta.state_dict_metadata["model.x"].chunks),
+            "same_as_committed": meta == dcp.read_metadata(BASE / "X")}
 
 
 def save_x_indexed() -> dict:
@@ -331,6 +333,7 @@ def save_x_indexed() -> dict:
     dcp.load(target, checkpoint_id=path)
     return {"indexes": sorted(n.split(".")[0] for n in os.listdir(path) if "_index." in n),
             "grid": "grid" in (path / "metadata.json").read_text(), "chunks": len(meta.state_dict_metadata["model.x"].chunks),
+            "kind": type(meta).__name__, "same_as_committed": meta == dcp.read_metadata(path),
             "ok": _expect(FULL_X, target["model"]["x"]), "bias": target["model"]["bias"].tolist(), "step": target["step"]}
 
 

@@ -36,6 +36,12 @@ from hyper_parallel.core.distributed_checkpoint._background_commit import (
     take_pending_commits,
 )
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
+from hyper_parallel.core.distributed_checkpoint._commit_receipt import (
+    CommitReceipt,
+    CommittedMetadataView,
+    commit_answers,
+    metadata_reader_of,
+)
 from hyper_parallel.core.distributed_checkpoint._deferred_save import DeferredPlan, PlannedSave
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutArgument, apply_mindspore_layouts
 from hyper_parallel.core.distributed_checkpoint._plan_cache import (
@@ -356,6 +362,11 @@ def commit_save(
 ) -> Metadata:
     """Gather every rank's write results, commit on the coordinator, return the metadata. All ranks.
 
+    Only the commit's receipt goes back to the ranks when the writer can read
+    its commit back (:mod:`._commit_receipt`): the other ranks return a view
+    that reads the committed metadata when first used, so the bytes they
+    receive do not grow with the world size.
+
     Args:
         session: The planned save.
         local_results: Returns this rank's write results (writing now, or
@@ -365,15 +376,26 @@ def commit_save(
             (deleting files of older saves) off the caller's thread.
     """
 
-    def commit_step(all_results: list[list[WriteResult]]) -> list[Metadata]:
+    read_back = metadata_reader_of(session.writer) if session.dist.use_dist else None
+    kept: list[Metadata] = []
+
+    def commit_step(all_results: list[list[WriteResult]]) -> list[Metadata | CommitReceipt]:
         committed = session.writer.finish(session.metadata, all_results, background_cleanup=background_cleanup)
-        return [committed] * len(all_results)
+        kept.append(committed)
+        return commit_answers(committed, world_size=len(all_results), location=getattr(session.writer, "path", ""),
+                              read_back=read_back)
 
     try:
-        return session.dist.reduce_scatter(step, local_results, commit_step)
+        answer = session.dist.reduce_scatter(step, local_results, commit_step)
     except BaseException:
         session.writer.abort()
         raise
+    if kept:
+        return kept[0]  # the coordinator: the metadata it committed
+    if isinstance(answer, CommitReceipt):
+        assert read_back is not None, "a receipt answers only writers that read back their commit"
+        return CommittedMetadataView(answer, read_back)
+    return answer
 
 
 def run_save(

@@ -70,7 +70,9 @@ def save(
             keeps its own setting).
 
     Returns:
-        The committed metadata (on every rank).
+        The committed metadata (on every rank). On ranks other than the
+        coordinator, with the filesystem and fsspec writers, it is read from
+        the checkpoint when first used (the commit sends them a receipt only).
 
     Raises:
         CheckpointError: on every rank, if any rank failed (names the ranks); or the
