@@ -32,7 +32,9 @@ import gc
 import json
 import pickle
 import time
+from dataclasses import replace
 
+from hyper_parallel.core.distributed_checkpoint._commit_receipt import commit_answers
 from hyper_parallel.core.distributed_checkpoint._engine import _PlanDelta
 from hyper_parallel.core.distributed_checkpoint._global_plan import build_global_save_plan
 from hyper_parallel.core.distributed_checkpoint._layout_merge import keep_masks, merge_layout_plans
@@ -53,6 +55,8 @@ __all__ = ["local_plan", "rank_blobs", "main"]
 
 _ROWS = 8  # rows of each sharded tensor per rank
 _DIGEST = "0123456789abcdef"  # every replica equal (as a valid save has them)
+_SAVE_ID = "0123456789abcdef0123456789abcdef"  # a save id's length
+_LOCATION = "/checkpoints/run/step_00001000"  # a checkpoint path
 
 
 def local_plan(rank: int, ranks: int, tensors: int) -> tuple[SavePlan, dict[MetadataIndex, Layout | None]]:
@@ -147,6 +151,21 @@ def _general(ranks: int, tensors: int) -> tuple[float, list[bytes], object]:
     return seconds, keep_masks(plans, final), metadata
 
 
+def _commit_bytes(metadata: object, ranks: int) -> dict[str, int]:
+    """Bytes a non-coordinator rank receives from the commit step: the receipt, against the metadata it replaced.
+
+    The commit broadcasts one answer to every rank (8-byte length, then the pickled answer). The metadata
+    figure is a lower bound of what a rank received before (the plan's metadata, without the storage entries
+    the commit adds, about 131 bytes per chunk).
+    """
+    committed = metadata.replace(storage_meta=replace(metadata.storage_meta, save_id=_SAVE_ID))
+    receipt = commit_answers(committed, world_size=ranks, location=_LOCATION, read_back=lambda: committed)[1]
+    return {"commit_bytes_received_per_noncoordinator_rank":
+            8 + len(pickle.dumps((receipt, []), protocol=pickle.HIGHEST_PROTOCOL)),
+            "commit_bytes_received_per_noncoordinator_rank_before_at_least":
+            8 + len(pickle.dumps((committed, []), protocol=pickle.HIGHEST_PROTOCOL))}
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     """Time the exchange and the merge for each rank count; print a table (and JSON with --json)."""
     parser = argparse.ArgumentParser(description=__doc__)
@@ -189,6 +208,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "bytes_received_per_noncoordinator_rank_allgather": sum(map(len, blobs)) + sum(
                 map(len, side["result_blobs"])),
         }
+        row.update(_commit_bytes(side["metadata"], ranks))
         reuses = []
         for _ in range(args.repeat):
             gc.collect()
@@ -218,14 +238,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
 def _print(rows: list[dict]) -> None:
     print(f"{'ranks':>6} {'items':>9} {'total s':>8} {'us/item':>8} {'unpickle':>8} {'merge':>7} {'results':>7} "
           f"{'sent B/rank':>11} {'recv B/rank':>11} {'recv B all-gather':>17} {'general us/item':>15} "
-          f"{'reuse s':>7} {'reuse us/item':>13} {'rank ms':>7}")
+          f"{'reuse s':>7} {'reuse us/item':>13} {'rank ms':>7} {'commit recv B':>13} {'(before >=)':>11}")
     for row in rows:
         general = f"{row['general_us_per_item']:.2f}" if "general_us_per_item" in row else "-"
         print(f"{row['ranks']:>6} {row['items']:>9} {row['seconds']:>8.2f} {row['us_per_item']:>8.3f} "
               f"{row['unpickle_seconds']:>8.2f} {row['merge_seconds']:>7.2f} {row['results_seconds']:>7.2f} "
               f"{row['bytes_sent_per_rank']:>11} {row['bytes_received_per_noncoordinator_rank']:>11} "
               f"{row['bytes_received_per_noncoordinator_rank_allgather']:>17} {general:>15} "
-              f"{row['reuse_seconds']:>7.2f} {row['reuse_us_per_item']:>13.3f} {row['rank_send_seconds'] * 1e3:>7.1f}")
+              f"{row['reuse_seconds']:>7.2f} {row['reuse_us_per_item']:>13.3f} {row['rank_send_seconds'] * 1e3:>7.1f} "
+              f"{row['commit_bytes_received_per_noncoordinator_rank']:>13} "
+              f"{row['commit_bytes_received_per_noncoordinator_rank_before_at_least']:>11}")
     growth = max(row["us_per_item"] for row in rows) / rows[0]["us_per_item"]
     spread = max(row["us_per_item"] for row in rows) / min(row["us_per_item"] for row in rows)
     print(f"time per item, largest over the rank counts / at {rows[0]['ranks']} ranks: {growth:.2f} "

@@ -143,6 +143,10 @@ def test_bench_planning_reports_time_and_bytes_per_rank(tmp_path):
     assert rows[1]["bytes_received_per_noncoordinator_rank_allgather"] > 3 * rows[0][
         "bytes_received_per_noncoordinator_rank_allgather"]
     assert rows[1]["bytes_received_per_noncoordinator_rank"] <= rows[0]["bytes_received_per_noncoordinator_rank"] + 8
+    # The commit answers every rank with a receipt: the same bytes whatever the world; the metadata grew.
+    commit = [row["commit_bytes_received_per_noncoordinator_rank"] for row in rows]
+    before = [row["commit_bytes_received_per_noncoordinator_rank_before_at_least"] for row in rows]
+    assert commit[0] == commit[1] < 300 and before[0] < before[1]
     assert "time per item" in proc.stdout and "same writers and metadata as the per-item merge: True" in proc.stdout
 
 
