@@ -38,3 +38,24 @@ def test_exported_training_state_loads_the_weights_into_the_bare_network(tmp_pat
     assert not_loaded == []
     np.testing.assert_array_equal(bare.weight.asnumpy(), net.weight.asnumpy())
     np.testing.assert_array_equal(bare.bias.asnumpy(), net.bias.asnumpy())
+
+
+@pytest.mark.parametrize("order", ["optimizer first", "network first"])
+def test_load_checkpoint_dict_gives_load_param_into_net_the_weights(tmp_path: Path, order: str) -> None:
+    """hyper_parallel.load_checkpoint(path) then mindspore.load_param_into_net(net, params): the returned dict
+    lists the shallowest names first, so MindSpore's prefix search finds 'net.weight' before 'adam.moment1.weight'
+    (in the checkpoint's order, a state saved optimizer first gave the network its moments)."""
+    import hyper_parallel  # pylint: disable=import-outside-toplevel
+
+    ms.set_seed(1)
+    net = nn.Dense(3, 2)
+    opt = nn.Adam(net.trainable_params())
+    opt.moment1[0].set_data(ms.Tensor(np.full((2, 3), 7, np.float32)))
+    state = {"adam": opt, "net": net} if order == "optimizer first" else {"net": net, "adam": opt}
+    dcp.save(state, checkpoint_id=tmp_path / "ckpt")
+    params = hyper_parallel.load_checkpoint(tmp_path / "ckpt")
+    ms.set_seed(5)
+    bare = nn.Dense(3, 2)
+    not_loaded, _ = ms.load_param_into_net(bare, params)
+    assert not_loaded == []
+    np.testing.assert_array_equal(bare.weight.asnumpy(), net.weight.asnumpy())

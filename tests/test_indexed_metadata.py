@@ -262,6 +262,12 @@ def test_indexed_on_s3_round_trip_and_resave_sweeps_old_indexes(s3_url):
     whole = {"w": np.zeros_like(FULL)}
     dcp.load(whole, checkpoint_id=s3_url, no_dist=True)
     assert np.array_equal(whole["w"], FULL)
+    index = next(n for n in names if "r00001_index." in n)
+    fs.rm_file(f"{s3_url[len('s3://'):]}/{index}")
+    target = {"w": np.zeros_like(FULL)}
+    with pytest.raises(CorruptCheckpointError, match=f"{index}: the rank index listed in the metadata is missing"):
+        dcp.load(target, checkpoint_id=s3_url, no_dist=True)
+    assert not target["w"].any()
 
 
 def test_indexed_async_save(tmp_path):

@@ -10,6 +10,7 @@ import mindspore
 import numpy as np
 import pytest
 
+from hyper_parallel.core.distributed_checkpoint import errors as dcp_errors
 from hyper_parallel.core.distributed_checkpoint import load
 from hyper_parallel.core.distributed_checkpoint.manager import CheckpointManager
 
@@ -65,3 +66,33 @@ def test_a_root_of_one_prefixed_manager_keeps_its_promises_on_upgrade(tmp_path: 
     again = CheckpointManager(tmp_path, max_to_keep=1, step_prefix="ckpt-", best_fn=lambda m: -m["loss"])
     again.save(3, {"w": np.full(2, 3, dtype=np.float32)}, metrics={"loss": 0.7})
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("ckpt-")) == ["ckpt-00000001", "ckpt-00000003"]
+
+
+def test_numpy_and_tensor_metrics_are_recorded_and_others_refused_before_saving(tmp_path: Path) -> None:
+    """A loss from asnumpy() (numpy float32) was refused by the JSON record AFTER the step committed: the save
+    raised a TypeError and the step stayed without metrics, so a later retention deleted it although it was the
+    best. Numbers of numpy / MindSpore are recorded; anything else is refused before a byte is written."""
+    import json  # pylint: disable=import-outside-toplevel
+
+    manager = CheckpointManager(tmp_path, max_to_keep=2, best_fn=lambda m: m["loss"], best_mode="min")
+    losses = [np.float32(0.25), np.array(0.5), mindspore.Tensor(np.float32(0.75)), 0.9]
+    for step, loss in enumerate(losses, start=1):
+        manager.save(step, {"w": np.full(2, step, dtype=np.float32)}, metrics={"loss": loss, "epoch": np.int64(1)})
+    assert _steps_on_disk(tmp_path) == [1, 2, 4]  # the best two (0.25, 0.5) and the newest
+    record = json.loads((tmp_path / "manager.json").read_text())
+    assert record["steps"]["1"]["metrics"] == {"loss": 0.25, "epoch": 1}
+    with pytest.raises(dcp_errors.CheckpointValueError, match=r"step 5: metrics 'loss' is a object.*Nothing was saved"):
+        manager.save(5, {"w": np.zeros(2, dtype=np.float32)}, metrics={"loss": object()})
+    assert _steps_on_disk(tmp_path) == [1, 2, 4]
+
+
+def test_metrics_best_fn_cannot_rank_are_refused_before_saving(tmp_path: Path) -> None:
+    """best_fn raising on the metrics (a missing key) raised in retention after the commit, and left the step
+    without its record: refused before anything is written."""
+    manager = CheckpointManager(tmp_path, max_to_keep=1, best_fn=lambda m: m["acc"])
+    manager.save(1, {"w": np.ones(2, dtype=np.float32)}, metrics={"acc": 0.9})
+    with pytest.raises(dcp_errors.CheckpointValueError, match=r"step 2: best_fn\(metrics\) failed.*KeyError"):
+        manager.save(2, {"w": np.ones(2, dtype=np.float32)}, metrics={"loss": 0.1})
+    assert _steps_on_disk(tmp_path) == [1]
+    manager.save(2, {"w": np.ones(2, dtype=np.float32)}, metrics={"acc": 0.5})
+    assert _steps_on_disk(tmp_path) == [1, 2]  # 1 is the best, 2 the newest

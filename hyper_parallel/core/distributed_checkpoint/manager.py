@@ -40,6 +40,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable, Mapping
 
+import numpy as np
+
 from hyper_parallel.core.distributed_checkpoint.api import load as dcp_load
 from hyper_parallel.core.distributed_checkpoint.api import save as dcp_save
 from hyper_parallel.core.distributed_checkpoint.async_checkpoint import AsyncSaveHandle
@@ -76,6 +78,28 @@ def _seconds_or_none(name: str, value: float | None) -> float | None:
     ):
         raise CheckpointValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
     return None if value is None else float(value)
+
+
+def _json_value(value: Any, where: str, step: int) -> Any:
+    """``value`` as a JSON value: numpy scalars, 0-d arrays and one-element tensors as Python numbers."""
+    if isinstance(value, dict):
+        return {str(k): _json_value(v, f"{where}.{k}", step) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v, f"{where}[{i}]", step) for i, v in enumerate(value)]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    array = value.asnumpy() if hasattr(value, "asnumpy") else value
+    if isinstance(array, (np.generic, np.ndarray)) and np.size(array) == 1 and array.dtype.kind in "biuf":
+        return array.reshape(()).item()
+    raise CheckpointValueError(
+        f"step {step}: metrics {where} is a {type(value).__name__}, not a JSON value (number, str, bool, None, "
+        "list, dict); pass it as a Python number (float(loss)). Nothing was saved"
+    )
+
+
+def _json_metrics(metrics: dict[str, Any], step: int) -> dict[str, Any]:
+    """``metrics`` with JSON values only, checked before the save (they are recorded after its commit)."""
+    return {str(key): _json_value(value, f"'{key}'", step) for key, value in metrics.items()}
 
 
 def _refuse_rank_local(kwargs: Mapping[str, Any]) -> None:
@@ -248,7 +272,8 @@ class CheckpointManager:
             force: Save even off the interval, and overwrite a committed
                 ``step`` (the old checkpoint stays intact until the new one commits).
             metrics: JSON values describing this step (ranked by ``best_fn``),
-                kept in the root's record.
+                kept in the root's record; numpy scalars, 0-d arrays and
+                one-element tensors are recorded as Python numbers.
             prune: ``False``: once this step commits, retention records it but
                 deletes nothing (a state that may be bad, such as the one
                 ``CheckpointCallback`` saves when training raises, never costs
@@ -259,14 +284,24 @@ class CheckpointManager:
             Whether a checkpoint was saved (started, with ``async_save``).
 
         Raises:
-            CheckpointValueError: A bad step, or ``step`` is not after the
-                newest committed step (and not ``force``).
+            CheckpointValueError: A bad step or metrics (before anything is
+                written), or ``step`` is not after the newest committed step
+                (and not ``force``).
             CheckpointError: On every rank, if the save (or the previous async one) failed.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointValueError(f"step must be a non-negative int, got {step!r}")
         if metrics is not None and not isinstance(metrics, dict):
             raise CheckpointValueError(f"metrics must be a dict of JSON values or None, got {type(metrics).__name__}")
+        metrics = None if metrics is None else _json_metrics(metrics, step)
+        if metrics is not None and self.best_fn is not None:
+            try:
+                float(self.best_fn(metrics))
+            except Exception as exc:  # the user's function; raised in retention, after the commit, otherwise
+                raise CheckpointValueError(
+                    f"step {step}: best_fn(metrics) failed on {metrics!r} ({type(exc).__name__}: {exc}); pass the "
+                    "metrics best_fn ranks by. Nothing was saved"
+                ) from exc
         _refuse_rank_local(kwargs)
         if not force and not self.should_save(step):
             return False
