@@ -178,7 +178,39 @@ def test_what_cannot_be_mapped_exactly_is_refused(tmp_path, param, field):
     path = write_strategy_file(tmp_path / "s.ckpt", (param,))
     with pytest.raises(LayoutError) as info:
         layouts_from_strategy(path, rank=0)
-    assert "'w'" in str(info.value) and f"{field}=" in str(info.value)
+    text = str(info.value)
+    assert "'w'" in text and f"{field}=" in text
+    # The refusal names the strategy file and the ranks that hold the parameter.
+    assert repr(str(path)) in text and "pipeline stage 0" in text, text
+
+
+def test_optimizer_parallel_out_of_mesh_order_is_refused_with_mindspores_disagreement(tmp_path):
+    """MindSpore's transform_checkpoints and load_distributed_checkpoint place these slices differently.
+
+    Only the outermost mesh dim is a replica dim and the model-parallel dims are used out of mesh order:
+    transform_checkpoints renumbers the mesh by tensor dim, load_distributed_checkpoint does not (seen by
+    tests/ms_fuzz.py). Which one a training job follows is unknown, so the layout is refused, naming the
+    file, the ranks and what to change.
+    """
+    import mindspore
+
+    param = ParamStrategy("w", (2, 2, 2), (0, -1, 1), opt_weight_shard_step=4, opt_weight_shard_size=2)
+    path = write_strategy_file(tmp_path / "s.ckpt", (param,))
+    full = _full((8, 2, 4))
+    (tmp_path / "full" / "rank_0").mkdir(parents=True)
+    mindspore.save_checkpoint([{"name": "w", "data": mindspore.Tensor(full)}],
+                              str(tmp_path / "full" / "rank_0" / "full.ckpt"))
+    mindspore.parallel.transform_checkpoints(str(tmp_path / "full"), str(tmp_path / "ranks"), "c", None, path)
+    files = [str(tmp_path / "ranks" / f"rank_{r}" / f"c{r}.ckpt") for r in range(8)]
+    net = mindspore.nn.Cell()
+    net.w = mindspore.Parameter(mindspore.Tensor(np.zeros_like(full)), name="w")
+    mindspore.load_distributed_checkpoint(net, files, None, train_strategy_filename=path)
+    assert not np.array_equal(net.w.asnumpy(), full)  # MindSpore's two tools disagree
+    with pytest.raises(LayoutError) as info:
+        layouts_from_strategy(path, rank=0)
+    text = str(info.value)
+    for part in ("'w'", "tensor_map=(0, -1, 1)", repr(str(path)), "ranks 0-7", "parallel_optimizer"):
+        assert part in text, (part, text)
 
 
 def test_even_param_split_shape_and_field_one_are_exact(tmp_path):

@@ -31,7 +31,7 @@ No MindSpore import happens here.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field as dataclass_field
 from typing import Any, Sequence
 
 from hyper_parallel.core._errors import LayoutError
@@ -46,12 +46,13 @@ def _entry_dims(entry: Any, mesh_ndim: int) -> list[int]:
     return [mesh_ndim - 1 - int(k) for k in parts if int(k) != -1]
 
 
-def _refuse(name: str, field: str, value: Any, why: str) -> LayoutError:
-    return LayoutError(
-        f"parameter {name!r}: {field}={value!r} cannot be mapped exactly to a Layout ({why}); "
-        f"check the strategy file, or re-shard the job's checkpoint with MindSpore's own tools "
-        f"(mindspore.parallel.transform_checkpoints) to a layout that splits evenly"
-    )
+_RESHARD_FIX = ("check the strategy file, or re-shard the job's checkpoint with MindSpore's own tools "
+                "(mindspore.parallel.transform_checkpoints) to a layout that splits evenly")
+
+
+def _refuse(name: str, field: str, value: Any, why: str, *, where: str = "", fix: str = _RESHARD_FIX) -> LayoutError:
+    return LayoutError(f"parameter {name!r}{where}: {field}={value!r} cannot be mapped exactly to a Layout "
+                       f"({why}); {fix}")
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,8 @@ class MindSporeLayoutRecord:
         opt_weight_shard_step: Rank stride of the optimizer-parallel group (0: none).
         opt_weight_shard_size: Optimizer-parallel group size (0: none, -1: all replicas).
         stage: Pipeline stage holding the parameter.
+        source: The strategy file the record was read from (named by refusals;
+            not part of equality).
     """
 
     name: str
@@ -80,6 +83,7 @@ class MindSporeLayoutRecord:
     opt_weight_shard_step: int = 0
     opt_weight_shard_size: int = 0
     stage: int = 0
+    source: str = dataclass_field(default="", compare=False)
 
     @property
     def stage_device_num(self) -> int:
@@ -97,22 +101,23 @@ class MindSporeLayoutRecord:
         Raises:
             LayoutError: An uneven split, an unsupported ``field``, or an
                 optimizer-parallel split that MindSpore's rules cannot place;
-                the message names the parameter and the field.
+                the message names the parameter, the field, the strategy file
+                and the ranks of the parameter's stage.
         """
         self._check_even_split()
         ndim = len(self.dev_matrix)
         mesh = [int(d) for d in self.dev_matrix]
         if any(d < 1 for d in mesh):
-            raise _refuse(self.name, "dev_matrix", self.dev_matrix, "entries must be >= 1")
+            raise self._refusal("dev_matrix", self.dev_matrix, "entries must be >= 1")
         # Per tensor dim, the mesh dims (from the left, outermost first) splitting it.
         dims = [_entry_dims(e, ndim) for e in self.tensor_map]
         if any(not 0 <= m < ndim for split in dims for m in split):
-            raise _refuse(self.name, "tensor_map", self.tensor_map, f"entries must be -1 or in [0, {ndim})")
+            raise self._refusal("tensor_map", self.tensor_map, f"entries must be -1 or in [0, {ndim})")
         if self.field not in (0, 1):
-            raise _refuse(self.name, "field", self.field, "a field split interleaves rows of several ranks")
+            raise self._refusal("field", self.field, "a field split interleaves rows of several ranks")
         if self.field == 1:
             if not dims:
-                raise _refuse(self.name, "field", self.field, "a scalar has no rows to split")
+                raise self._refusal("field", self.field, "a scalar has no rows to split")
             dims = [list(range(ndim))] + [[] for _ in dims[1:]]
         if self.opt_weight_shard_step and self.opt_weight_shard_size:
             mesh, dims = self._add_optimizer_split(mesh, dims)
@@ -122,36 +127,45 @@ class MindSporeLayoutRecord:
         )
         return Layout(tuple(mesh), tensor_map, rank_list=self.stage_ranks())  # a refined mesh has as many ranks
 
+    def _refusal(self, field: str, value: Any, why: str, *, fix: str = _RESHARD_FIX) -> LayoutError:
+        ranks = self.stage_ranks()
+        held = f"ranks {ranks[0]}-{ranks[-1]}" if ranks else "no rank"
+        where = f" (pipeline stage {self.stage}, {held}" + (f", strategy file {self.source!r})" if self.source else ")")
+        return _refuse(self.name, field, value, why, where=where, fix=fix)
+
     def _check_even_split(self) -> None:
         sizes = self.param_split_shape
         if sizes and len(set(sizes)) > 1:
-            raise _refuse(self.name, "param_split_shape", list(sizes), "the dim-0 slices have different sizes")
+            raise self._refusal("param_split_shape", list(sizes), "the dim-0 slices have different sizes")
         if sizes and self.indices_offset:
             expected = [i * sizes[0] for i in range(len(sizes))]
             if list(self.indices_offset) != expected:
-                raise _refuse(self.name, "indices_offset", list(self.indices_offset),
-                              f"slices of {sizes[0]} rows should start at {expected}")
+                raise self._refusal("indices_offset", list(self.indices_offset),
+                                    f"slices of {sizes[0]} rows should start at {expected}")
 
     def _add_optimizer_split(self, mesh: list[int], dims: list[list[int]]) -> tuple[list[int], list[list[int]]]:
         """Refine ``mesh`` and add the optimizer-parallel dims to tensor dim 0 (outermost first)."""
         if not dims:
-            raise _refuse(self.name, "opt_weight_shard_size", self.opt_weight_shard_size, "a scalar has no dim 0")
+            raise self._refusal("opt_weight_shard_size", self.opt_weight_shard_size, "a scalar has no dim 0")
         used = {m for split in dims for m in split}
         repeated = [m for m in range(len(mesh)) if m not in used and mesh[m] > 1]
         if not repeated:
-            raise _refuse(self.name, "opt_weight_shard_size", self.opt_weight_shard_size,
-                          f"no replica mesh dim is left in dev_matrix {list(mesh)}")
+            raise self._refusal("opt_weight_shard_size", self.opt_weight_shard_size,
+                                f"no replica mesh dim is left in dev_matrix {list(mesh)}")
         size = self.opt_weight_shard_size
         wanted = math.prod(mesh[m] for m in repeated) if size == -1 else int(size)
         if wanted < 1:
-            raise _refuse(self.name, "opt_weight_shard_size", size, "must be -1 or >= 1")
+            raise self._refusal("opt_weight_shard_size", size, "must be -1 or >= 1")
         if len(repeated) == 1 and math.prod(mesh[repeated[0] + 1:]) != self.opt_weight_shard_step:
-            raise _refuse(self.name, "opt_weight_shard_step", self.opt_weight_shard_step,
-                          f"the replica dim's rank stride is {math.prod(mesh[repeated[0] + 1:])}")
+            raise self._refusal("opt_weight_shard_step", self.opt_weight_shard_step,
+                                f"the replica dim's rank stride is {math.prod(mesh[repeated[0] + 1:])}")
         if repeated == [0] and not self._mp_dims_in_mesh_order(dims):
             # MindSpore's transform then renumbers the mesh by tensor order: ambiguous.
-            raise _refuse(self.name, "tensor_map", self.tensor_map,
-                          "optimizer parallel with model-parallel dims out of mesh order")
+            raise self._refusal(
+                "tensor_map", self.tensor_map, "optimizer parallel with model-parallel dims out of mesh order: "
+                "MindSpore's transform_checkpoints and load_distributed_checkpoint place these slices differently",
+                fix="save the job's checkpoint with this parameter's optimizer parallel off "
+                    "(Parameter.parallel_optimizer = False) or its tensor_map's mesh dims in mesh order")
         # position -> new index, after cutting dims; collect opt dims inner to outer.
         new_mesh = list(mesh)
         index_of = list(range(len(mesh)))
@@ -164,8 +178,8 @@ class MindSporeLayoutRecord:
             where = index_of[m]
             if remaining < take:
                 if take % remaining:
-                    raise _refuse(self.name, "opt_weight_shard_size", size,
-                                  f"mesh dim of size {take} cannot be divided by the remaining {remaining}")
+                    raise self._refusal("opt_weight_shard_size", size,
+                                        f"mesh dim of size {take} cannot be divided by the remaining {remaining}")
                 new_mesh[where:where + 1] = [take // remaining, remaining]
                 for later in range(m + 1, len(mesh)):
                     index_of[later] += 1
@@ -174,13 +188,14 @@ class MindSporeLayoutRecord:
                 remaining = 1
                 break
             if remaining % take:
-                raise _refuse(self.name, "opt_weight_shard_size", size,
-                              f"{remaining} cannot be divided by the replica mesh dim of size {take}")
+                raise self._refusal("opt_weight_shard_size", size,
+                                    f"{remaining} cannot be divided by the replica mesh dim of size {take}")
             opt_dims.insert(0, where)
             remaining //= take
         if remaining != 1:
-            raise _refuse(self.name, "opt_weight_shard_size", size,
-                          f"only {math.prod(mesh[m] for m in repeated)} replicas exist in dev_matrix {list(mesh)}")
+            replicas = math.prod(mesh[m] for m in repeated)
+            raise self._refusal("opt_weight_shard_size", size,
+                                f"only {replicas} replicas exist in dev_matrix {list(mesh)}")
         new_dims = [[index_of[m] for m in split] for split in dims]
         new_dims[0] = new_dims[0] + opt_dims
         return new_mesh, new_dims

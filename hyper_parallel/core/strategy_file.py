@@ -169,7 +169,7 @@ def read_strategy_records(strategy_file: StrategySource) -> dict[str, tuple[Mind
         file_stage, items = _json_items(path) if path.endswith(".json") else _protobuf_items(path)
         for raw_name, fields in items:
             name, stage = _split_stage(raw_name, file_stage)
-            record = MindSporeLayoutRecord(name=name, stage=stage, **fields)
+            record = MindSporeLayoutRecord(name=name, stage=stage, source=path, **fields)
             known = found.setdefault(name, {}).get(stage)
             if known is not None and known != record:
                 raise StrategyFileError(

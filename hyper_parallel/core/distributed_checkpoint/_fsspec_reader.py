@@ -16,8 +16,8 @@ from typing import Any, Iterator
 
 from hyper_parallel.core.distributed_checkpoint._format.indexed_storage import IndexedStorage
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import metadata_from_json
-from hyper_parallel.core.distributed_checkpoint._format.rank_index import MAX_INDEX_BYTES
 from hyper_parallel.core.distributed_checkpoint._fsspec_writer import is_object_url
+from hyper_parallel.core.distributed_checkpoint._index_objects import IndexObjects
 from hyper_parallel.core.distributed_checkpoint._object_io import (
     DEFAULT_CONNECTIONS,
     DEFAULT_PART_BYTES,
@@ -153,40 +153,10 @@ class FsspecReader(FileSystemReader):
             raise UnsafeCheckpointError(f"{location}: metadata of {len(tagged.data)} bytes is larger than allowed; refused")
         metadata = metadata_from_json(tagged.data, source=location)
         if isinstance(metadata.storage_data, IndexedStorage):
-            metadata.storage_data.bind(self._index_object)
+            metadata.storage_data.bind(IndexObjects(self.fs, root=self.root, url=self.path,
+                                                    metadata_file=self.metadata_file,
+                                                    save_id=metadata.storage_meta.save_id))
         return metadata
-
-    def _index_object(self, name: str, limit: int = MAX_INDEX_BYTES) -> bytes:
-        """The first ``limit`` bytes of rank index object ``name`` (a plain name under the prefix, size-capped; one
-        ranged GET, so an object longer than its record is not fetched whole). Any rank.
-
-        Raises:
-            CheckpointNotFoundError: it is gone because the checkpoint was deleted or replaced meanwhile.
-            CorruptCheckpointError: the object is missing from the checkpoint.
-            UnsafeCheckpointError: it is larger than allowed.
-            CheckpointIOError: the store cannot be read.
-        """
-        location = self.resolve(name, name)
-        try:
-            data = self.fs.cat_file(location, start=0, end=min(limit, MAX_INDEX_BYTES + 1))
-        except FileNotFoundError:
-            data = None
-        except CheckpointError:
-            raise
-        except Exception as exc:  # pylint: disable=broad-except
-            raise CheckpointIOError(f"reading index object {location} failed: {exc}") from exc
-        if data is None:
-            if self._replaced():
-                raise CheckpointNotFoundError(
-                    f"checkpoint {self.path} was deleted or replaced by another save while loading (its rank index "
-                    f"{name} is gone); load it again")
-            raise CorruptCheckpointError(
-                f"{location}: the rank index listed in the metadata is missing (deleted or not copied with the "
-                "checkpoint): copy the whole checkpoint, or load an earlier one")
-        if len(data) > MAX_INDEX_BYTES:
-            raise UnsafeCheckpointError(f"{location}: index of over {MAX_INDEX_BYTES} bytes is larger than allowed; "
-                                        "refused")
-        return data
 
     def resolve(self, relative_path: str, fqn: str) -> str:  # type: ignore[override]  # object path, not a Path
         """Return the data object's path, refusing names that leave the prefix.

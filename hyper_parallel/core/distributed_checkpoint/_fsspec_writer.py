@@ -25,6 +25,7 @@ from typing import Any
 
 from hyper_parallel.core.distributed_checkpoint._format.checksum import DEFAULT_BLOCK_BYTES
 from hyper_parallel.core.distributed_checkpoint._format.indexed_storage import IndexedStorage
+from hyper_parallel.core.distributed_checkpoint._index_objects import IndexObjects
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import (
     metadata_from_json,
     metadata_to_json,
@@ -303,6 +304,17 @@ class FsspecWriter(FileSystemWriter):
             raise error
         raise error from cause
 
+    def indexed_metadata(self, committed: Metadata, results: list[list[WriteResult]]) -> tuple[Metadata, list[Any]]:
+        """As :meth:`FileSystemWriter.indexed_metadata`; the indexed metadata handed to every rank reads the index
+        objects of this prefix (it pickles with them). Coordinator."""
+        committed, files = super().indexed_metadata(committed, results)
+        if isinstance(committed.storage_data, IndexedStorage):
+            committed.storage_data.bind(self._index_objects(self.save_id))
+        return committed, files
+
+    def _index_objects(self, save_id: str) -> IndexObjects:
+        return IndexObjects(self.fs, root=self.root, url=self.path, metadata_file=self._metadata_name(), save_id=save_id)
+
     def abort(self) -> None:
         """Undo a failed save: the coordinator deletes every data object and results record named with this save's id.
 
@@ -369,7 +381,7 @@ class FsspecWriter(FileSystemWriter):
         if not isinstance(storage, IndexedStorage):
             return {info.relative_path for info in storage.values()}
         files = {info.relative_path for info in storage.inline.values()} | {r.file for r in storage.records.values()}
-        storage.bind(lambda n, _limit: get_with_tag(self.fs, self._object(n)).data)  # type: ignore[union-attr]
+        storage.bind(self._index_objects(old.storage_meta.save_id))  # type: ignore[union-attr]
         try:
             return files | {info.relative_path for info in storage.values()}
         except Exception:  # pylint: disable=broad-except  # unreadable indexes: their data objects are left

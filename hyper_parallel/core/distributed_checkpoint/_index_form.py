@@ -13,7 +13,7 @@ chunks go into one index file per holder rank, which the commit writes before
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from hyper_parallel.core.distributed_checkpoint._format.grid_holders import GridHolders, fit_holders, grid_position
 from hyper_parallel.core.distributed_checkpoint._format.indexed_storage import IndexedStorage
@@ -32,8 +32,10 @@ __all__ = [
     "METADATA_FORMS",
     "AUTO_INDEX_BYTES",
     "ENTRY_JSON_BYTES",
+    "DIGEST_JSON_BYTES",
     "check_metadata_form",
     "wants_index_form",
+    "extra_digests",
     "grid_of",
     "build_indexed",
     "index_files",
@@ -44,8 +46,11 @@ __all__ = [
 METADATA_FORMS = ("auto", "inline", "indexed")
 #: With ``metadata_form="auto"``, a save whose in-line metadata is estimated above this is indexed.
 AUTO_INDEX_BYTES = 64 << 20
-#: Estimated JSON bytes per storage entry and chunk box of the in-line form (``scripts/bench_metadata.py``).
+#: Estimated JSON bytes per storage entry and chunk box of the in-line form, its first digest included
+#: (``scripts/bench_metadata.py``).
 ENTRY_JSON_BYTES = 225
+#: JSON bytes of each further checksum digest of an entry (16 hex digits, quotes, comma).
+DIGEST_JSON_BYTES = 19
 
 
 def check_metadata_form(form: object) -> str:
@@ -59,11 +64,21 @@ def check_metadata_form(form: object) -> str:
     return form  # type: ignore[return-value]
 
 
-def wants_index_form(form: str, entries: int) -> bool:
-    """Whether a save of ``entries`` storage entries commits the indexed form. Coordinator; pure."""
+def wants_index_form(form: str, entries: int, extra_digests: int = 0) -> bool:
+    """Whether a save of ``entries`` storage entries commits the indexed form. Coordinator; pure.
+
+    ``extra_digests``: the checksum digests of those entries beyond one per entry (a chunk of many checksum
+    blocks, e.g. a large tensor at one digest per MiB, weighs more in-line than the entry estimate).
+    """
     if form == "auto":
-        return entries * ENTRY_JSON_BYTES > AUTO_INDEX_BYTES
+        return entries * ENTRY_JSON_BYTES + extra_digests * DIGEST_JSON_BYTES > AUTO_INDEX_BYTES
     return form == "indexed"
+
+
+def extra_digests(storage: Any) -> int:
+    """The checksum digests of ``storage``'s entries beyond one per entry. Coordinator; pure."""
+    return sum(len(info.checksum.digests) - 1 for info in storage.values()
+               if info.checksum is not None and len(info.checksum.digests) > 1)
 
 
 def grid_of(item: TensorStorageMetadata) -> GridChunks | None:

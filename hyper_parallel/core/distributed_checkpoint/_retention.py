@@ -2,7 +2,8 @@
 
 Retention keeps the newest ``max_to_keep`` committed steps (by step number;
 with ``best_fn`` the best ones by metric; a NaN metric ranks last, as no
-metric), the newest committed step, the step just saved, and every step ever promised "keep forever"
+metric: such steps, newest first, fill the places the scored ones leave),
+the newest committed step, the step just saved, and every step ever promised "keep forever"
 (``keep_every_n_steps``, ``keep_time_interval_seconds``); it drops
 uncommitted steps older than the newest committed one. The promises and
 metrics come from the root's record (:mod:`._manager_record`).
@@ -61,7 +62,12 @@ def _bounded_keep(
                 continue  # ranks last, as a step without metrics
             scored.append((value if policy.best_mode == "max" else -value, step))
     scored.sort(reverse=True)  # best first; a tie keeps the newer step
-    return {step for _, step in scored[: policy.max_to_keep]}
+    ranked = [step for _, step in scored]
+    # Steps without a usable metric rank last, newest first: they fill the places the scored steps leave free
+    # (dropped outright, a root whose record is gone lost every step but the newest at its first best-k save).
+    ranked_set = set(ranked)
+    ranked += [step for step in reversed(committed) if step not in ranked_set]
+    return set(ranked[: policy.max_to_keep])
 
 
 def plan_retention(

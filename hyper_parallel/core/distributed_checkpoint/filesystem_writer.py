@@ -43,7 +43,12 @@ from hyper_parallel.core.distributed_checkpoint._file_ops import (
     make_directories,
     write_atomically,
 )
-from hyper_parallel.core.distributed_checkpoint._index_form import build_indexed, check_metadata_form, wants_index_form
+from hyper_parallel.core.distributed_checkpoint._index_form import (
+    build_indexed,
+    check_metadata_form,
+    extra_digests,
+    wants_index_form,
+)
 from hyper_parallel.core.distributed_checkpoint._metadata_file import bind_index_files
 from hyper_parallel.core.distributed_checkpoint._options import check_option
 from hyper_parallel.core.distributed_checkpoint._data_file import LocalDataFile
@@ -143,7 +148,7 @@ class FileSystemWriter(StorageWriter):
             power cuts.
         metadata_form: ``"auto"`` (default): one ``metadata.json`` listing
             every stored chunk, unless that would be large (about 225 bytes
-            per chunk over 64 MiB, e.g. every Parameter sharded over every rank
+            per chunk, 19 per further checksum digest, over 64 MiB, e.g. every Parameter sharded over every rank
             of a large job), then the indexed form: grid tensors by their grid,
             their chunks' entries in one small index file per rank
             (docs/format.md section 12.1). ``"inline"`` or ``"indexed"``:
@@ -433,7 +438,10 @@ class FileSystemWriter(StorageWriter):
         Returns:
             The metadata to commit and ``(IndexRecord, bytes)`` of each index file (none in the in-line form).
         """
-        if self.rank_local or not wants_index_form(self.metadata_form, len(committed.storage_data or {})):
+        storage = committed.storage_data or {}
+        wanted = wants_index_form(self.metadata_form, len(storage)) or (  # digests counted only when it may matter
+            self.metadata_form == "auto" and wants_index_form("auto", len(storage), extra_digests(storage)))
+        if self.rank_local or not wanted:
             return committed, []
         committed, files = build_indexed(committed, results, save_id=self.save_id)
         if isinstance(self.path, Path):  # the metadata handed to every rank reads the indexes from the directory

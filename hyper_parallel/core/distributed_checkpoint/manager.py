@@ -142,7 +142,8 @@ class CheckpointManager:
             previous kept-forever one).
         best_fn: ``metrics -> float`` ranking steps for ``max_to_keep``: the
             best ones are kept instead of the newest. Steps saved without
-            metrics, or whose ``best_fn`` value is NaN, rank last.
+            metrics, or whose ``best_fn`` value is NaN, rank last: newest
+            first, they fill the places the scored steps leave free.
         best_mode: ``"max"`` (higher is better) or ``"min"``.
         async_save: Save with :func:`async_save`: ``save`` returns once the state is staged.
         step_prefix: Step directory names are ``<step_prefix><step:08d>``.

@@ -1,0 +1,360 @@
+"""Seeded random reshards compared with MindSpore's own ``transform_checkpoints``.
+
+One case (:func:`make_case`) is a random source job and a random destination
+job over the same parameters: device matrices, tensor maps (replicated dims,
+``-1`` entries, a tensor dim split over several mesh dims), optimizer-parallel
+shard sizes, pipeline stages and dtypes. :func:`run_case` then
+
+1. saves the known full tensors and lets MindSpore slice them into the source
+   job's per-rank files (``transform_checkpoints`` from no strategy);
+2. lets MindSpore reshard those files to the destination job, and slice the
+   full tensors straight to the destination job (the reference);
+3. imports the source rank files with ``hp-ckpt import`` (compared with the full
+   tensors), exports them for the destination job with ``export-mindspore``
+   (compared rank file by rank file with the reference), and places each
+   destination rank's slice by :func:`layouts_from_strategy` (the box a sliced
+   Parameter gets on load).
+
+A result that differs is returned as a message; MindSpore disagreeing with
+itself is noted separately (its own bug, not ours). Longer run::
+
+    nice -n 10 python -m tests.ms_fuzz --first 100 --count 500
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tests.strategy_files import ParamStrategy, StrategyCase, write_case
+
+__all__ = ["FuzzCase", "Outcome", "make_case", "run_case"]
+
+DTYPES = ("float32", "float16", "bfloat16", "int32", "bool")
+#: Tensors no strategy lists (replicated whole on every rank).
+EXTRAS = {"global_step": np.array([7], dtype=np.int32)}
+
+
+@dataclass(frozen=True)
+class FuzzCase:
+    """A source and a destination job over the same parameters."""
+
+    seed: int
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, str]
+    src: StrategyCase
+    dst: StrategyCase
+    #: Format of the source rank files handed to the import, and of the exported files.
+    import_format: str = "ckpt"
+    export_format: str = "ckpt"
+
+
+@dataclass
+class Outcome:
+    """What one case found: our defects, MindSpore's own disagreements, refusals."""
+
+    seed: int
+    defects: list[str] = field(default_factory=list)
+    mindspore: list[str] = field(default_factory=list)
+    refused: str = ""
+
+
+def _random_entry(rng: np.random.Generator, free: list[int], mesh: tuple[int, ...], *, several: bool):
+    """-1, one free mesh dim (counted from the right), or two of them (outermost first) if ``several``.
+
+    A 1-D tensor's dim is never split over several mesh dims: the strategy file cannot say so (its one
+    ``TensorMap`` then reads as a map of one dim per entry, in MindSpore's reader as in ours).
+    """
+    choice = rng.random()
+    usable = [k for k in free if mesh[len(mesh) - 1 - k] > 1] or free
+    if not usable or choice < 0.35:
+        return -1
+    if choice > 0.85 and len(usable) >= 2 and several:
+        pair = sorted(rng.choice(usable, size=2, replace=False).tolist(), reverse=True)
+        for k in pair:
+            free.remove(k)
+        return tuple(pair)
+    k = int(rng.choice(usable))
+    free.remove(k)
+    return k
+
+
+def _random_mesh(rng: np.random.Generator, size: int) -> tuple[int, ...]:
+    """A device matrix of ``size`` ranks: 1-3 dims of 1, 2, 4 or 8 (mostly > 1)."""
+    dims: list[int] = []
+    left = size
+    for _ in range(int(rng.integers(1, 4)) - 1):
+        part = int(rng.choice([d for d in (1, 2, 2, 2, 4) if left % d == 0 and (d < left or d == 1)]))
+        dims.append(part)
+        left //= part
+    dims.append(left)
+    rng.shuffle(dims)
+    return tuple(dims)
+
+
+def _random_param(rng: np.random.Generator, name: str, ndim: int, mesh: tuple[int, ...]) -> ParamStrategy:
+    free = list(range(len(mesh)))
+    tensor_map = tuple(_random_entry(rng, free, mesh, several=ndim > 1) for _ in range(ndim))
+    used = {k for e in tensor_map for k in (e if isinstance(e, tuple) else (e,)) if k != -1}
+    replica = [m for m in range(len(mesh)) if (len(mesh) - 1 - m) not in used and mesh[m] > 1]
+    step = size = 0
+    if replica and rng.random() < 0.5:
+        total = math.prod(mesh[m] for m in replica)
+        size = int(rng.choice([-1] + [d for d in (2, 4, 8) if total % d == 0]))
+        step = math.prod(mesh[replica[0] + 1:]) if len(replica) == 1 else 1
+    return ParamStrategy(name, mesh, tensor_map, opt_weight_shard_step=step, opt_weight_shard_size=size)
+
+
+def _random_job(rng: np.random.Generator, ndims: dict[str, int]) -> StrategyCase:
+    """1 or 2 pipeline stages; each parameter on one stage or (shared) on both."""
+    stages = int(rng.choice([1, 1, 2]))
+    stage_size = int(rng.choice([2, 4, 4, 8, 8] if stages == 1 else [1, 2, 4, 4]))
+    mesh = _random_mesh(rng, stage_size)
+    per_stage: list[list[ParamStrategy]] = [[] for _ in range(stages)]
+    for position, (name, ndim) in enumerate(sorted(ndims.items())):
+        param = _random_param(rng, name, ndim, mesh)
+        homes = [position % stages] if stages == 1 or rng.random() < 0.7 else list(range(stages))
+        for stage in homes:
+            per_stage[stage].append(param)
+    for stage, params in enumerate(per_stage):
+        if not params:  # every stage holds a parameter
+            per_stage[stage].append(per_stage[1 - stage][0])
+    return StrategyCase(stages=tuple(tuple(p) for p in per_stage))
+
+
+def make_case(seed: int) -> FuzzCase:
+    """The random case of ``seed`` (the same on every machine)."""
+    rng = np.random.default_rng(seed)
+    count = int(rng.integers(1, 5))
+    ndims = {f"p{i}.weight": int(rng.integers(1, 4)) for i in range(count)}
+    # Every dim a multiple of 8: any split over <= 8 ranks (model x optimizer parallel) is even.
+    shapes = {name: tuple(int(rng.choice([8, 16])) for _ in range(ndim)) for name, ndim in ndims.items()}
+    dtypes = {name: str(rng.choice(DTYPES)) for name in ndims}
+    src, dst = _random_job(rng, ndims), _random_job(rng, ndims)
+    import_format, export_format = (str(f) for f in rng.choice(["ckpt", "ckpt", "safetensors"], size=2))
+    return FuzzCase(seed, shapes, dtypes, StrategyCase(src.stages, shapes), StrategyCase(dst.stages, shapes),
+                    import_format, export_format)
+
+
+def _full_tensors(case: FuzzCase):
+    import mindspore  # pylint: disable=import-outside-toplevel
+
+    rng = np.random.default_rng(case.seed + 1_000_003)
+    tensors = {}
+    for name, shape in sorted(case.shapes.items()):
+        dtype = case.dtypes[name]
+        if dtype == "bool":
+            data = rng.random(shape) < 0.5
+        elif dtype == "int32":
+            data = rng.integers(-2**31, 2**31 - 1, size=shape, dtype=np.int32)
+        else:
+            data = rng.standard_normal(shape).astype(np.float32)
+        tensor = mindspore.Tensor(data)
+        if dtype == "bfloat16":
+            tensor = tensor.astype(mindspore.bfloat16)
+        elif dtype == "float16":
+            tensor = mindspore.Tensor(data.astype(np.float16))
+        tensors[name] = tensor
+    tensors.update({name: mindspore.Tensor(value) for name, value in EXTRAS.items()})
+    return tensors
+
+
+def _ms_strategy(directory: Path, paths: list[str]) -> str:
+    import mindspore  # pylint: disable=import-outside-toplevel
+
+    if len(paths) == 1:
+        return paths[0]
+    merged = str(directory / "merged.ckpt")
+    mindspore.parallel.merge_pipeline_strategys(str(Path(paths[0]).parent), merged)
+    return merged
+
+
+def _rank_files(directory: Path) -> dict[int, dict[str, np.ndarray]]:
+    import mindspore  # pylint: disable=import-outside-toplevel
+
+    found = {}
+    for rank_dir in sorted(directory.glob("rank_*")):
+        files = sorted(rank_dir.iterdir())
+        assert len(files) == 1, files
+        fmt = "safetensors" if files[0].suffix == ".safetensors" else "ckpt"
+        loaded = mindspore.load_checkpoint(str(files[0]), format=fmt)
+        found[int(rank_dir.name[5:])] = {k: v.asnumpy() for k, v in loaded.items()}
+    return found
+
+
+def _differences(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray], where: str) -> list[str]:
+    out = []
+    if sorted(actual) != sorted(expected):
+        out.append(f"{where}: keys {sorted(actual)} != {sorted(expected)}")
+    for name in sorted(set(actual) & set(expected)):
+        got, want = actual[name], expected[name]
+        if (got.dtype, got.shape) != (want.dtype, want.shape):
+            out.append(f"{where}: {name} is {got.dtype}{got.shape}, expected {want.dtype}{want.shape}")
+        elif got.tobytes() != want.tobytes():
+            out.append(f"{where}: {name} values differ")
+    return out
+
+
+def _compare_ranks(actual, expected, where: str) -> list[str]:
+    if sorted(actual) != sorted(expected):
+        return [f"{where}: ranks {sorted(actual)} != {sorted(expected)}"]
+    return [d for rank in sorted(expected) for d in _differences(actual[rank], expected[rank], f"{where} rank {rank}")]
+
+
+def _boxes(dst_files: list[str], full: dict[str, np.ndarray], world: int) -> dict[int, dict[str, np.ndarray]]:
+    """Each destination rank's slices, placed by the layouts a sliced Parameter gets on load."""
+    from hyper_parallel.core.strategy_file import layouts_from_strategy  # pylint: disable=import-outside-toplevel
+
+    out = {}
+    for rank in range(world):
+        tensors = {}
+        for name, layout in layouts_from_strategy(dst_files, rank=rank).items():
+            shape = full[name].shape
+            offsets = layout.shard_offsets(shape, rank, name)
+            local = layout.local_shape(shape, name)
+            tensors[name] = full[name][tuple(slice(o, o + n) for o, n in zip(offsets, local))]
+        tensors.update({k: full[k] for k in EXTRAS})
+        out[rank] = tensors
+    return out
+
+
+def _load_sliced(ckpt: Path, dst_files: list[str], reference, world: int) -> dict[int, dict[str, np.ndarray]]:
+    """Each destination rank loads ``ckpt`` into sliced Parameters placed by the strategy files."""
+    import mindspore  # pylint: disable=import-outside-toplevel
+
+    import hyper_parallel.core.distributed_checkpoint as dcp  # pylint: disable=import-outside-toplevel
+    from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import (  # pylint: disable=import-outside-toplevel
+        apply_mindspore_layouts,
+    )
+
+    out = {}
+    for rank in range(world):
+        params = {}
+        for name, value in reference[rank].items():
+            param = mindspore.Parameter(mindspore.Tensor(np.zeros_like(value)), name=name, requires_grad=False)
+            param.sliced = name not in EXTRAS
+            params[name] = param
+        state = apply_mindspore_layouts(params, source=dst_files, rank=rank)
+        dcp.load(state, checkpoint_id=ckpt, no_dist=True)
+        out[rank] = {name: param.asnumpy() for name, param in params.items()}
+    return out
+
+
+def _load_ours(path: Path) -> dict[str, np.ndarray]:
+    import hyper_parallel.core.distributed_checkpoint as dcp  # pylint: disable=import-outside-toplevel
+
+    targets = {name: None for name in dcp.read_metadata(path).state_dict_metadata}
+    dcp.load(targets, checkpoint_id=path, no_dist=True)
+    return {k: np.asarray(v) for k, v in targets.items()}
+
+
+def run_case(case: FuzzCase, root: Path) -> Outcome:
+    """Run one case in ``root`` (a new directory); see the module docstring."""
+    import mindspore  # pylint: disable=import-outside-toplevel
+
+    from hyper_parallel.cli import export_mindspore, import_checkpoint  # pylint: disable=import-outside-toplevel
+    from hyper_parallel.core.distributed_checkpoint.errors import (  # pylint: disable=import-outside-toplevel
+        CheckpointError,
+    )
+
+    outcome = Outcome(case.seed)
+    tensors = _full_tensors(case)
+    full = {k: v.asnumpy() for k, v in tensors.items()}
+    src_files = write_case(root / "src_strategy", case.src)
+    dst_files = write_case(root / "dst_strategy", case.dst)
+    ms_src, ms_dst = _ms_strategy(root / "src_strategy", src_files), _ms_strategy(root / "dst_strategy", dst_files)
+    (root / "full" / "rank_0").mkdir(parents=True)
+    mindspore.save_checkpoint([{"name": k, "data": v} for k, v in tensors.items()],
+                              str(root / "full" / "rank_0" / "full.ckpt"))
+    try:
+        mindspore.parallel.transform_checkpoints(str(root / "full"), str(root / "src"), "c", None, ms_src)
+        mindspore.parallel.transform_checkpoints(str(root / "full"), str(root / "ref"), "c", None, ms_dst)
+    except Exception as exc:  # pylint: disable=broad-except
+        outcome.mindspore.append(f"MindSpore cannot slice the full tensors: {type(exc).__name__}: {exc}")
+        return outcome
+    reference = _rank_files(root / "ref")
+    try:
+        mindspore.parallel.transform_checkpoints(str(root / "src"), str(root / "ms"), "c", ms_src, ms_dst)
+        outcome.mindspore += _compare_ranks(_rank_files(root / "ms"), reference, "MindSpore src->dst vs full->dst")
+    except Exception as exc:  # pylint: disable=broad-except
+        outcome.mindspore.append(f"MindSpore src->dst refused: {type(exc).__name__}: {exc}")
+    source = root / "src"
+    if case.import_format == "safetensors":  # MindSpore's own safetensors writer, from its ckpt rank files
+        source = root / "src_safetensors"
+        for path in sorted((root / "src").glob("rank_*/*.ckpt")):
+            (source / path.parent.name).mkdir(parents=True)
+            mindspore.save_checkpoint(dict(mindspore.load_checkpoint(str(path))),
+                                      str(source / path.parent.name / path.with_suffix(".safetensors").name),
+                                      format="safetensors")
+    try:
+        import_checkpoint(source, root / "ours", strategy_files=src_files)
+    except CheckpointError as exc:
+        outcome.refused = f"import: {type(exc).__name__}: {exc}"
+        return outcome
+    outcome.defects += _differences(_load_ours(root / "ours"), full, "import vs full")
+    try:
+        boxes = _boxes(dst_files, full, case.dst.world_size)
+    except CheckpointError as exc:
+        outcome.refused = f"destination layouts: {type(exc).__name__}: {exc}"
+        return outcome
+    outcome.defects += _compare_ranks(boxes, reference, "layouts_from_strategy box vs MindSpore")
+    outcome.defects += _compare_ranks(_load_sliced(root / "ours", dst_files, reference, case.dst.world_size),
+                                      reference, "load into sliced Parameters vs MindSpore")
+    try:
+        export_mindspore(root / "ours", root / "out", strategy_files=dst_files, fmt=case.export_format)
+    except CheckpointError as exc:
+        outcome.refused = f"export: {type(exc).__name__}: {exc}"
+        return outcome
+    outcome.defects += _compare_ranks(_rank_files(root / "out"), reference, "export vs MindSpore full->dst")
+    return outcome
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run seeds ``first .. first + count - 1``; print a line per finding and a summary."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--first", type=int, default=0)
+    parser.add_argument("--count", type=int, default=50)
+    parser.add_argument("--minutes", type=float, default=0.0, help="stop after this long (0: no limit)")
+    args = parser.parse_args(argv)
+    import mindspore  # pylint: disable=import-outside-toplevel
+
+    mindspore.set_device("CPU")
+    start, runs, bad, refused, ms_bad = time.monotonic(), 0, 0, 0, 0
+    for seed in range(args.first, args.first + args.count):
+        if args.minutes and time.monotonic() - start > args.minutes * 60:
+            break
+        root = Path(tempfile.mkdtemp(prefix=f"msfuzz{seed}_"))
+        case = make_case(seed)
+        try:
+            outcome = run_case(case, root)
+        except Exception as exc:  # pylint: disable=broad-except
+            outcome = Outcome(seed, defects=[f"crash: {type(exc).__name__}: {exc}"])
+        runs += 1
+        bad += bool(outcome.defects)
+        refused += bool(outcome.refused)
+        ms_bad += bool(outcome.mindspore)
+        for line in outcome.defects:
+            print(f"seed {seed} DEFECT {line}", flush=True)
+        for line in outcome.mindspore:
+            print(f"seed {seed} MINDSPORE {line}"[:400], flush=True)
+        if outcome.refused:
+            print(f"seed {seed} REFUSED {outcome.refused}"[:400], flush=True)
+        if outcome.defects or outcome.mindspore or outcome.refused:
+            print(f"seed {seed} case src={case.src.stages} dst={case.dst.stages} shapes={case.shapes} "
+                  f"dtypes={case.dtypes} formats={case.import_format}->{case.export_format}", flush=True)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    print(f"ran {runs} cases in {time.monotonic() - start:.0f} s: {bad} with defects, {refused} refused, "
+          f"{ms_bad} where MindSpore disagrees with itself or refuses")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

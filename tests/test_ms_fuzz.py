@@ -1,0 +1,52 @@
+"""Seeded random reshards compared bit for bit with MindSpore's ``transform_checkpoints`` (tests/ms_fuzz.py).
+
+A fixed set of seeds runs here; a longer search: ``nice -n 10 python -m tests.ms_fuzz --first 1000 --count 5000``.
+"""
+
+from __future__ import annotations
+
+import mindspore
+import pytest
+
+from tests.ms_fuzz import DTYPES, make_case, run_case
+
+mindspore.set_device("CPU")
+
+#: Seeds run by the suite (about 0.2 s each).
+SEEDS = range(40)
+
+
+def _features(seed: int) -> set[str]:
+    case = make_case(seed)
+    found = set(case.dtypes.values()) | {f"import {case.import_format}", f"export {case.export_format}"}
+    for job in (case.src, case.dst):
+        found.add(f"{len(job.stages)} stages")
+        for param in (p for stage in job.stages for p in stage):
+            if param.opt_weight_shard_size:
+                found.add("optimizer parallel")
+            if any(isinstance(e, tuple) for e in param.tensor_map):
+                found.add("dim over several mesh dims")
+            if -1 in param.tensor_map:
+                found.add("replicated dim")
+    return found
+
+
+def test_the_seeds_cover_every_feature():
+    covered = set().union(*(_features(seed) for seed in SEEDS))
+    wanted = set(DTYPES) | {"import safetensors", "export safetensors", "1 stages", "2 stages", "optimizer parallel",
+                            "dim over several mesh dims", "replicated dim"}
+    assert wanted <= covered, wanted - covered
+
+
+def test_cases_are_reproducible():
+    assert make_case(7) == make_case(7) and make_case(7) != make_case(8)
+
+
+@pytest.mark.parametrize("first", range(SEEDS.start, SEEDS.stop, 10))
+def test_random_reshards_agree_with_mindspore(tmp_path, first):
+    ran = 0
+    for seed in range(first, first + 10):
+        outcome = run_case(make_case(seed), tmp_path / str(seed))
+        assert not outcome.defects, (seed, outcome.defects)
+        ran += not outcome.refused
+    assert ran >= 8  # refusals are rare: most cases are compared
