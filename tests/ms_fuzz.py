@@ -87,7 +87,7 @@ def _random_entry(rng: np.random.Generator, free: list[int], mesh: tuple[int, ..
 
 
 def _random_mesh(rng: np.random.Generator, size: int) -> tuple[int, ...]:
-    """A device matrix of ``size`` ranks: 1-3 dims of 1, 2, 4 or 8 (mostly > 1)."""
+    """A device matrix of ``size`` ranks: 1-3 dims of 1, 2, 4, 8 or 16 (mostly > 1)."""
     dims: list[int] = []
     left = size
     for _ in range(int(rng.integers(1, 4)) - 1):
@@ -105,7 +105,7 @@ def _random_param(rng: np.random.Generator, name: str, ndim: int, mesh: tuple[in
     used = {k for e in tensor_map for k in (e if isinstance(e, tuple) else (e,)) if k != -1}
     replica = [m for m in range(len(mesh)) if (len(mesh) - 1 - m) not in used and mesh[m] > 1]
     step = size = 0
-    if replica and rng.random() < 0.5:
+    if ndim and replica and rng.random() < 0.5:
         total = math.prod(mesh[m] for m in replica)
         size = int(rng.choice([-1] + [d for d in (2, 4, 8) if total % d == 0]))
         step = math.prod(mesh[replica[0] + 1:]) if len(replica) == 1 else 1
@@ -113,31 +113,51 @@ def _random_param(rng: np.random.Generator, name: str, ndim: int, mesh: tuple[in
 
 
 def _random_job(rng: np.random.Generator, ndims: dict[str, int]) -> StrategyCase:
-    """1 or 2 pipeline stages; each parameter on one stage or (shared) on both."""
-    stages = int(rng.choice([1, 1, 2]))
-    stage_size = int(rng.choice([2, 4, 4, 8, 8] if stages == 1 else [1, 2, 4, 4]))
+    """1, 2 or 4 pipeline stages of up to 16 ranks in all; a parameter on one stage or shared by several."""
+    stages = int(rng.choice([1, 1, 1, 2, 2, 4]))
+    stage_size = int(rng.choice({1: [2, 4, 4, 8, 8, 16], 2: [1, 2, 4, 4, 8], 4: [1, 2, 2, 4]}[stages]))
     mesh = _random_mesh(rng, stage_size)
     per_stage: list[list[ParamStrategy]] = [[] for _ in range(stages)]
     for position, (name, ndim) in enumerate(sorted(ndims.items())):
         param = _random_param(rng, name, ndim, mesh)
-        homes = [position % stages] if stages == 1 or rng.random() < 0.7 else list(range(stages))
+        homes = [position % stages]
+        if stages > 1 and rng.random() < 0.3:
+            homes = sorted(set(rng.choice(stages, size=int(rng.integers(2, stages + 1)), replace=False).tolist()))
         for stage in homes:
             per_stage[stage].append(param)
-    for stage, params in enumerate(per_stage):
+    first = next(p for params in per_stage for p in params)
+    for params in per_stage:
         if not params:  # every stage holds a parameter
-            per_stage[stage].append(per_stage[1 - stage][0])
+            params.append(first)
     return StrategyCase(stages=tuple(tuple(p) for p in per_stage))
+
+
+def _splits(job: StrategyCase, name: str, ndim: int) -> list[int]:
+    """How many pieces each dim of ``name`` is cut into by ``job`` (model and optimizer parallel)."""
+    param = next(p for stage in job.stages for p in stage if p.name == name)
+    mesh = param.dev_matrix
+    splits = []
+    for entry in param.tensor_map:
+        parts = entry if isinstance(entry, tuple) else (entry,)
+        splits.append(math.prod(mesh[len(mesh) - 1 - k] for k in parts if k != -1))
+    size = param.opt_weight_shard_size
+    if size and ndim:
+        splits[0] *= math.prod(mesh) // math.prod(splits) if size == -1 else size
+    return splits
 
 
 def make_case(seed: int) -> FuzzCase:
     """The random case of ``seed`` (the same on every machine)."""
     rng = np.random.default_rng(seed)
     count = int(rng.integers(1, 5))
-    ndims = {f"p{i}.weight": int(rng.integers(1, 4)) for i in range(count)}
-    # Every dim a multiple of 8: any split over <= 8 ranks (model x optimizer parallel) is even.
-    shapes = {name: tuple(int(rng.choice([8, 16])) for _ in range(ndim)) for name, ndim in ndims.items()}
+    ndims = {f"p{i}.weight": int(rng.choice([0, 1, 1, 2, 2, 2, 3, 3, 4])) for i in range(count)}
     dtypes = {name: str(rng.choice(DTYPES)) for name in ndims}
     src, dst = _random_job(rng, ndims), _random_job(rng, ndims)
+    # Each dim a small multiple of what both jobs cut it into (a slice of one row included).
+    shapes = {}
+    for name, ndim in sorted(ndims.items()):
+        cuts = zip(_splits(src, name, ndim), _splits(dst, name, ndim))
+        shapes[name] = tuple(math.lcm(a, b) * int(rng.choice([1, 2, 3])) for a, b in cuts)
     import_format, export_format = (str(f) for f in rng.choice(["ckpt", "ckpt", "safetensors"], size=2))
     return FuzzCase(seed, shapes, dtypes, StrategyCase(src.stages, shapes), StrategyCase(dst.stages, shapes),
                     import_format, export_format)
@@ -337,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # pylint: disable=broad-except
             outcome = Outcome(seed, defects=[f"crash: {type(exc).__name__}: {exc}"])
         runs += 1
+        if runs % 200 == 0:
+            print(f"progress: {runs} cases, {bad} with defects, {time.monotonic() - start:.0f} s", flush=True)
         bad += bool(outcome.defects)
         refused += bool(outcome.refused)
         ms_bad += bool(outcome.mindspore)

@@ -19,9 +19,12 @@ SEEDS = range(40)
 def _features(seed: int) -> set[str]:
     case = make_case(seed)
     found = set(case.dtypes.values()) | {f"import {case.import_format}", f"export {case.export_format}"}
+    found |= {f"{len(shape)}-D" for shape in case.shapes.values()}
     for job in (case.src, case.dst):
         found.add(f"{len(job.stages)} stages")
         for param in (p for stage in job.stages for p in stage):
+            if param.dev_matrix and max(param.dev_matrix) >= 8:
+                found.add("a mesh dim of 8 or more")
             if param.opt_weight_shard_size:
                 found.add("optimizer parallel")
             if any(isinstance(e, tuple) for e in param.tensor_map):
@@ -33,8 +36,9 @@ def _features(seed: int) -> set[str]:
 
 def test_the_seeds_cover_every_feature():
     covered = set().union(*(_features(seed) for seed in SEEDS))
-    wanted = set(DTYPES) | {"import safetensors", "export safetensors", "1 stages", "2 stages", "optimizer parallel",
-                            "dim over several mesh dims", "replicated dim"}
+    wanted = set(DTYPES) | {"import safetensors", "export safetensors", "1 stages", "2 stages", "4 stages",
+                            "optimizer parallel", "dim over several mesh dims", "replicated dim", "0-D", "4-D",
+                            "a mesh dim of 8 or more"}
     assert wanted <= covered, wanted - covered
 
 
