@@ -54,6 +54,8 @@ class FuzzCase:
     #: Format of the source rank files handed to the import, and of the exported files.
     import_format: str = "ckpt"
     export_format: str = "ckpt"
+    #: Format of the strategy files hyper_parallel reads (MindSpore's tools always get protobuf).
+    strategy_format: str = "ckpt"
 
 
 @dataclass
@@ -159,8 +161,9 @@ def make_case(seed: int) -> FuzzCase:
         cuts = zip(_splits(src, name, ndim), _splits(dst, name, ndim))
         shapes[name] = tuple(math.lcm(a, b) * int(rng.choice([1, 2, 3])) for a, b in cuts)
     import_format, export_format = (str(f) for f in rng.choice(["ckpt", "ckpt", "safetensors"], size=2))
+    strategy_format = str(rng.choice(["ckpt", "ckpt", "json"]))
     return FuzzCase(seed, shapes, dtypes, StrategyCase(src.stages, shapes), StrategyCase(dst.stages, shapes),
-                    import_format, export_format)
+                    import_format, export_format, strategy_format)
 
 
 def _full_tensors(case: FuzzCase):
@@ -245,6 +248,34 @@ def _boxes(dst_files: list[str], full: dict[str, np.ndarray], world: int) -> dic
     return out
 
 
+def _layout_dict_boxes(dst: StrategyCase, full: dict[str, np.ndarray], reference) -> dict[int, dict[str, np.ndarray]]:
+    """Each destination rank's slices, placed by ``Layout.from_mindspore_layout`` of the
+    ``Cell.parameter_layout_dict`` entry MindSpore would give that rank (slice shape from its file)."""
+    from hyper_parallel.core.layout import Layout  # pylint: disable=import-outside-toplevel
+
+    out = {}
+    stage_size = math.prod(dst.stages[0][0].dev_matrix)
+    for rank, tensors in reference.items():
+        params = {p.name: p for p in dst.stages[rank // stage_size]}
+        placed = {}
+        for name, value in tensors.items():
+            if name in EXTRAS:
+                placed[name] = full[name]
+                continue
+            param = params[name]
+            tensor_map = [list(e) if isinstance(e, tuple) else e for e in param.tensor_map]
+            group = "opt_group" if param.opt_weight_shard_size else ""
+            entry = [list(param.dev_matrix), tensor_map, list(value.shape), 0, True, group,
+                     list(full[name].shape), list(value.shape)]
+            layout = Layout.from_mindspore_layout(entry, name=name, rank=rank)
+            shape = full[name].shape
+            offsets = layout.shard_offsets(shape, rank, name)
+            local = layout.local_shape(shape, name)
+            placed[name] = full[name][tuple(slice(o, o + n) for o, n in zip(offsets, local))]
+        out[rank] = placed
+    return out
+
+
 def _load_sliced(ckpt: Path, dst_files: list[str], reference, world: int) -> dict[int, dict[str, np.ndarray]]:
     """Each destination rank loads ``ckpt`` into sliced Parameters placed by the strategy files."""
     import mindspore  # pylint: disable=import-outside-toplevel
@@ -287,9 +318,10 @@ def run_case(case: FuzzCase, root: Path) -> Outcome:
     outcome = Outcome(case.seed)
     tensors = _full_tensors(case)
     full = {k: v.asnumpy() for k, v in tensors.items()}
-    src_files = write_case(root / "src_strategy", case.src)
-    dst_files = write_case(root / "dst_strategy", case.dst)
-    ms_src, ms_dst = _ms_strategy(root / "src_strategy", src_files), _ms_strategy(root / "dst_strategy", dst_files)
+    ms_src = _ms_strategy(root / "src_strategy", write_case(root / "src_strategy", case.src))
+    ms_dst = _ms_strategy(root / "dst_strategy", write_case(root / "dst_strategy", case.dst))
+    src_files = write_case(root / "src_ours", case.src, fmt=case.strategy_format)
+    dst_files = write_case(root / "dst_ours", case.dst, fmt=case.strategy_format)
     (root / "full" / "rank_0").mkdir(parents=True)
     mindspore.save_checkpoint([{"name": k, "data": v} for k, v in tensors.items()],
                               str(root / "full" / "rank_0" / "full.ckpt"))
@@ -325,6 +357,8 @@ def run_case(case: FuzzCase, root: Path) -> Outcome:
         outcome.refused = f"destination layouts: {type(exc).__name__}: {exc}"
         return outcome
     outcome.defects += _compare_ranks(boxes, reference, "layouts_from_strategy box vs MindSpore")
+    outcome.defects += _compare_ranks(_layout_dict_boxes(case.dst, full, reference), reference,
+                                      "Layout.from_mindspore_layout box vs MindSpore")
     outcome.defects += _compare_ranks(_load_sliced(root / "ours", dst_files, reference, case.dst.world_size),
                                       reference, "load into sliced Parameters vs MindSpore")
     try:
@@ -370,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"seed {seed} REFUSED {outcome.refused}"[:400], flush=True)
         if outcome.defects or outcome.mindspore or outcome.refused:
             print(f"seed {seed} case src={case.src.stages} dst={case.dst.stages} shapes={case.shapes} "
-                  f"dtypes={case.dtypes} formats={case.import_format}->{case.export_format}", flush=True)
+                  f"dtypes={case.dtypes} formats={case.import_format}->{case.export_format} "
+                  f"strategy={case.strategy_format}", flush=True)
         else:
             shutil.rmtree(root, ignore_errors=True)
     print(f"ran {runs} cases in {time.monotonic() - start:.0f} s: {bad} with defects, {refused} refused, "

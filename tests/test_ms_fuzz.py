@@ -18,7 +18,8 @@ SEEDS = range(40)
 
 def _features(seed: int) -> set[str]:
     case = make_case(seed)
-    found = set(case.dtypes.values()) | {f"import {case.import_format}", f"export {case.export_format}"}
+    found = set(case.dtypes.values()) | {f"import {case.import_format}", f"export {case.export_format}",
+                                             f"strategy {case.strategy_format}"}
     found |= {f"{len(shape)}-D" for shape in case.shapes.values()}
     for job in (case.src, case.dst):
         found.add(f"{len(job.stages)} stages")
@@ -36,7 +37,7 @@ def _features(seed: int) -> set[str]:
 
 def test_the_seeds_cover_every_feature():
     covered = set().union(*(_features(seed) for seed in SEEDS))
-    wanted = set(DTYPES) | {"import safetensors", "export safetensors", "1 stages", "2 stages", "4 stages",
+    wanted = set(DTYPES) | {"import safetensors", "export safetensors", "strategy json", "1 stages", "2 stages", "4 stages",
                             "optimizer parallel", "dim over several mesh dims", "replicated dim", "0-D", "4-D",
                             "a mesh dim of 8 or more"}
     assert wanted <= covered, wanted - covered
