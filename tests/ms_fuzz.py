@@ -11,9 +11,13 @@ shard sizes, pipeline stages and dtypes. :func:`run_case` then
    full tensors straight to the destination job (the reference);
 3. imports the source rank files with ``hp-ckpt import`` (compared with the full
    tensors), exports them for the destination job with ``export-mindspore``
-   (compared rank file by rank file with the reference), and places each
-   destination rank's slice by :func:`layouts_from_strategy` (the box a sliced
-   Parameter gets on load).
+   (compared rank file by rank file with the reference), loads each destination
+   rank's sliced Parameters through the strategy files, and places each rank's
+   slice by :func:`layouts_from_strategy` and by ``Layout.from_mindspore_layout``
+   of the ``parameter_layout_dict`` entry the rank would get.
+
+A destination that cannot split a tensor evenly (some cases are sized for the
+source job only) must be refused by every path, naming the parameter.
 
 A result that differs is returned as a message; MindSpore disagreeing with
 itself is noted separately (its own bug, not ours). Longer run::
@@ -35,7 +39,7 @@ import numpy as np
 
 from tests.strategy_files import ParamStrategy, StrategyCase, write_case
 
-__all__ = ["FuzzCase", "Outcome", "make_case", "run_case"]
+__all__ = ["FuzzCase", "Outcome", "make_case", "run_case", "splits_evenly"]
 
 DTYPES = ("float32", "float16", "bfloat16", "int32", "bool")
 #: Tensors no strategy lists (replicated whole on every rank).
@@ -162,6 +166,10 @@ def make_case(seed: int) -> FuzzCase:
         shapes[name] = tuple(math.lcm(a, b) * int(rng.choice([1, 2, 3])) for a, b in cuts)
     import_format, export_format = (str(f) for f in rng.choice(["ckpt", "ckpt", "safetensors"], size=2))
     strategy_format = str(rng.choice(["ckpt", "ckpt", "json"]))
+    if rng.random() < 0.15:  # sized for the source job only: the destination may not split evenly
+        sizes = np.random.default_rng(seed + 7)
+        shapes = {name: tuple(cut * int(sizes.choice([1, 3, 5])) for cut in _splits(src, name, ndim))
+                  for name, ndim in sorted(ndims.items())}
     return FuzzCase(seed, shapes, dtypes, StrategyCase(src.stages, shapes), StrategyCase(dst.stages, shapes),
                     import_format, export_format, strategy_format)
 
@@ -306,6 +314,37 @@ def _load_ours(path: Path) -> dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, v in targets.items()}
 
 
+def splits_evenly(job: StrategyCase, shapes: dict[str, tuple[int, ...]]) -> bool:
+    """Whether ``job`` cuts every tensor of ``shapes`` into equal pieces."""
+    return all(size % cut == 0 for name, shape in shapes.items()
+               for size, cut in zip(shape, _splits(job, name, len(shape))))
+
+
+def _must_refuse(case: FuzzCase, root: Path, src_files: list[str], dst_files: list[str], outcome: Outcome) -> Outcome:
+    """A destination that does not split the tensors evenly: every path refuses, naming the parameter."""
+    from hyper_parallel.cli import export_mindspore, import_checkpoint  # pylint: disable=import-outside-toplevel
+    from hyper_parallel.core.distributed_checkpoint.errors import (  # pylint: disable=import-outside-toplevel
+        CheckpointError,
+    )
+
+    uneven = sorted(name for name, shape in case.shapes.items()
+                    if any(size % cut for size, cut in zip(shape, _splits(case.dst, name, len(shape)))))
+    import_checkpoint(root / "src", root / "ours", strategy_files=src_files)
+    full = _load_ours(root / "ours")
+    paths = {"export": lambda: export_mindspore(root / "ours", root / "out", strategy_files=dst_files),
+             "layouts_from_strategy box": lambda: _boxes(dst_files, full, case.dst.world_size)}
+    for what, run in paths.items():
+        try:
+            run()
+        except CheckpointError as exc:
+            if not any(repr(name) in str(exc) for name in uneven):
+                outcome.defects.append(f"{what} refused an uneven destination without naming {uneven}: {exc}")
+        else:
+            outcome.defects.append(f"{what} accepted a destination that splits {uneven} unevenly")
+    outcome.refused = f"uneven destination for {uneven} (expected)"
+    return outcome
+
+
 def run_case(case: FuzzCase, root: Path) -> Outcome:
     """Run one case in ``root`` (a new directory); see the module docstring."""
     import mindspore  # pylint: disable=import-outside-toplevel
@@ -327,6 +366,12 @@ def run_case(case: FuzzCase, root: Path) -> Outcome:
                               str(root / "full" / "rank_0" / "full.ckpt"))
     try:
         mindspore.parallel.transform_checkpoints(str(root / "full"), str(root / "src"), "c", None, ms_src)
+    except Exception as exc:  # pylint: disable=broad-except
+        outcome.mindspore.append(f"MindSpore cannot slice the full tensors: {type(exc).__name__}: {exc}")
+        return outcome
+    if not splits_evenly(case.dst, case.shapes):
+        return _must_refuse(case, root, src_files, dst_files, outcome)
+    try:
         mindspore.parallel.transform_checkpoints(str(root / "full"), str(root / "ref"), "c", None, ms_dst)
     except Exception as exc:  # pylint: disable=broad-except
         outcome.mindspore.append(f"MindSpore cannot slice the full tensors: {type(exc).__name__}: {exc}")
