@@ -32,7 +32,7 @@ import math
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +44,9 @@ __all__ = ["FuzzCase", "Outcome", "make_case", "run_case", "splits_evenly"]
 DTYPES = ("float32", "float16", "bfloat16", "int32", "bool")
 #: Tensors no strategy lists (replicated whole on every rank).
 EXTRAS = {"global_step": np.array([7], dtype=np.int32)}
+#: Prefix of the optimizer states some cases add: listed in MindSpore's strategy, not in the one
+#: hyper_parallel reads (a state follows its parameter's layout there).
+STATE = "adam_m."
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ class FuzzCase:
     export_format: str = "ckpt"
     #: Format of the strategy files hyper_parallel reads (MindSpore's tools always get protobuf).
     strategy_format: str = "ckpt"
+    #: Whether every parameter has an optimizer state ``adam_m.<name>`` sliced like it.
+    states: bool = False
 
 
 @dataclass
@@ -170,8 +175,9 @@ def make_case(seed: int) -> FuzzCase:
         sizes = np.random.default_rng(seed + 7)
         shapes = {name: tuple(cut * int(sizes.choice([1, 3, 5])) for cut in _splits(src, name, ndim))
                   for name, ndim in sorted(ndims.items())}
+    states = bool(rng.random() < 0.3)
     return FuzzCase(seed, shapes, dtypes, StrategyCase(src.stages, shapes), StrategyCase(dst.stages, shapes),
-                    import_format, export_format, strategy_format)
+                    import_format, export_format, strategy_format, states)
 
 
 def _full_tensors(case: FuzzCase):
@@ -179,8 +185,11 @@ def _full_tensors(case: FuzzCase):
 
     rng = np.random.default_rng(case.seed + 1_000_003)
     tensors = {}
-    for name, shape in sorted(case.shapes.items()):
-        dtype = case.dtypes[name]
+    shapes = sorted(case.shapes.items())
+    if case.states:
+        shapes += [(STATE + name, shape) for name, shape in shapes]
+    for name, shape in shapes:
+        dtype = case.dtypes[name.removeprefix(STATE)]
         if dtype == "bool":
             data = rng.random(shape) < 0.5
         elif dtype == "int32":
@@ -195,6 +204,14 @@ def _full_tensors(case: FuzzCase):
         tensors[name] = tensor
     tensors.update({name: mindspore.Tensor(value) for name, value in EXTRAS.items()})
     return tensors
+
+
+def _with_states(job: StrategyCase, states: bool) -> StrategyCase:
+    """``job`` with each parameter's state listed beside it (what MindSpore's tools read), if ``states``."""
+    if not states:
+        return job
+    return StrategyCase(stages=tuple(params + tuple(replace(p, name=STATE + p.name) for p in params)
+                                     for params in job.stages))
 
 
 def _ms_strategy(directory: Path, paths: list[str]) -> str:
@@ -241,12 +258,19 @@ def _compare_ranks(actual, expected, where: str) -> list[str]:
 
 def _boxes(dst_files: list[str], full: dict[str, np.ndarray], world: int) -> dict[int, dict[str, np.ndarray]]:
     """Each destination rank's slices, placed by the layouts a sliced Parameter gets on load."""
-    from hyper_parallel.core.strategy_file import layouts_from_strategy  # pylint: disable=import-outside-toplevel
+    from hyper_parallel.core.strategy_file import (  # pylint: disable=import-outside-toplevel
+        layout_for_state_key,
+        layouts_from_strategy,
+    )
 
     out = {}
     for rank in range(world):
         tensors = {}
-        for name, layout in layouts_from_strategy(dst_files, rank=rank).items():
+        layouts = layouts_from_strategy(dst_files, rank=rank)
+        for name in sorted(set(full) - set(EXTRAS)):
+            layout = layout_for_state_key(layouts, name)
+            if layout is None:
+                continue
             shape = full[name].shape
             offsets = layout.shard_offsets(shape, rank, name)
             local = layout.local_shape(shape, name)
@@ -270,7 +294,7 @@ def _layout_dict_boxes(dst: StrategyCase, full: dict[str, np.ndarray], reference
             if name in EXTRAS:
                 placed[name] = full[name]
                 continue
-            param = params[name]
+            param = params[name.removeprefix(STATE)]
             tensor_map = [list(e) if isinstance(e, tuple) else e for e in param.tensor_map]
             group = "opt_group" if param.opt_weight_shard_size else ""
             entry = [list(param.dev_matrix), tensor_map, list(value.shape), 0, True, group,
@@ -289,9 +313,8 @@ def _load_sliced(ckpt: Path, dst_files: list[str], reference, world: int) -> dic
     import mindspore  # pylint: disable=import-outside-toplevel
 
     import hyper_parallel.core.distributed_checkpoint as dcp  # pylint: disable=import-outside-toplevel
-    from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import (  # pylint: disable=import-outside-toplevel
-        apply_mindspore_layouts,
-    )
+    # pylint: disable-next=import-outside-toplevel
+    from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import apply_mindspore_layouts
 
     out = {}
     for rank in range(world):
@@ -329,6 +352,7 @@ def _must_refuse(case: FuzzCase, root: Path, src_files: list[str], dst_files: li
 
     uneven = sorted(name for name, shape in case.shapes.items()
                     if any(size % cut for size, cut in zip(shape, _splits(case.dst, name, len(shape)))))
+    uneven += [STATE + name for name in uneven] if case.states else []
     import_checkpoint(root / "src", root / "ours", strategy_files=src_files)
     full = _load_ours(root / "ours")
     paths = {"export": lambda: export_mindspore(root / "ours", root / "out", strategy_files=dst_files),
@@ -357,8 +381,8 @@ def run_case(case: FuzzCase, root: Path) -> Outcome:
     outcome = Outcome(case.seed)
     tensors = _full_tensors(case)
     full = {k: v.asnumpy() for k, v in tensors.items()}
-    ms_src = _ms_strategy(root / "src_strategy", write_case(root / "src_strategy", case.src))
-    ms_dst = _ms_strategy(root / "dst_strategy", write_case(root / "dst_strategy", case.dst))
+    ms_src, ms_dst = (_ms_strategy(root / where, write_case(root / where, _with_states(job, case.states)))
+                      for where, job in (("src_strategy", case.src), ("dst_strategy", case.dst)))
     src_files = write_case(root / "src_ours", case.src, fmt=case.strategy_format)
     dst_files = write_case(root / "dst_ours", case.dst, fmt=case.strategy_format)
     (root / "full" / "rank_0").mkdir(parents=True)
@@ -450,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         if outcome.defects or outcome.mindspore or outcome.refused:
             print(f"seed {seed} case src={case.src.stages} dst={case.dst.stages} shapes={case.shapes} "
                   f"dtypes={case.dtypes} formats={case.import_format}->{case.export_format} "
-                  f"strategy={case.strategy_format}", flush=True)
+                  f"strategy={case.strategy_format} states={case.states}", flush=True)
         else:
             shutil.rmtree(root, ignore_errors=True)
     print(f"ran {runs} cases in {time.monotonic() - start:.0f} s: {bad} with defects, {refused} refused, "

@@ -21,6 +21,8 @@ def _features(seed: int) -> set[str]:
     found = set(case.dtypes.values()) | {f"import {case.import_format}", f"export {case.export_format}",
                                              f"strategy {case.strategy_format}"}
     found |= {f"{len(shape)}-D" for shape in case.shapes.values()}
+    if case.states:
+        found.add("optimizer states")
     if not splits_evenly(case.dst, case.shapes):
         found.add("uneven destination")
     for job in (case.src, case.dst):
@@ -39,9 +41,11 @@ def _features(seed: int) -> set[str]:
 
 def test_the_seeds_cover_every_feature():
     covered = set().union(*(_features(seed) for seed in SEEDS))
-    wanted = set(DTYPES) | {"import safetensors", "export safetensors", "strategy json", "1 stages", "2 stages", "4 stages",
-                            "optimizer parallel", "dim over several mesh dims", "replicated dim", "0-D", "4-D", "uneven destination",
-                            "a mesh dim of 8 or more"}
+    wanted = set(DTYPES) | {
+        "import safetensors", "export safetensors", "strategy json", "1 stages", "2 stages", "4 stages",
+        "optimizer parallel", "dim over several mesh dims", "replicated dim", "0-D", "4-D", "uneven destination",
+        "optimizer states", "a mesh dim of 8 or more",
+    }
     assert wanted <= covered, wanted - covered
 
 
