@@ -11,9 +11,19 @@ shard sizes, pipeline stages and dtypes. :func:`run_case` then
    full tensors straight to the destination job (the reference);
 3. imports the source rank files with ``hp-ckpt import`` (compared with the full
    tensors), exports them for the destination job with ``export-mindspore``
-   (compared rank file by rank file with the reference), and places each
-   destination rank's slice by :func:`layouts_from_strategy` (the box a sliced
-   Parameter gets on load).
+   (compared rank file by rank file with the reference), loads each destination
+   rank's sliced Parameters through the strategy files, and places each rank's
+   slice by :func:`layouts_from_strategy` and by ``Layout.from_mindspore_layout``
+   of the ``parameter_layout_dict`` entry the rank would get.
+
+With ``--load-distributed`` MindSpore's ``load_distributed_checkpoint`` also
+merges the source files; where it disagrees with the full tensors (it does for
+some optimizer-parallel layouts over several replica dims, where
+``transform_checkpoints`` and hyper_parallel agree with the full tensors) that
+is noted as MindSpore's own disagreement.
+
+A destination that cannot split a tensor evenly (some cases are sized for the
+source job only) must be refused by every path, naming the parameter.
 
 A result that differs is returned as a message; MindSpore disagreeing with
 itself is noted separately (its own bug, not ours). Longer run::
@@ -28,18 +38,21 @@ import math
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from tests.strategy_files import ParamStrategy, StrategyCase, write_case
 
-__all__ = ["FuzzCase", "Outcome", "make_case", "run_case"]
+__all__ = ["FuzzCase", "Outcome", "make_case", "run_case", "splits_evenly"]
 
 DTYPES = ("float32", "float16", "bfloat16", "int32", "bool")
 #: Tensors no strategy lists (replicated whole on every rank).
 EXTRAS = {"global_step": np.array([7], dtype=np.int32)}
+#: Prefix of the optimizer states some cases add: listed in MindSpore's strategy, not in the one
+#: hyper_parallel reads (a state follows its parameter's layout there).
+STATE = "adam_m."
 
 
 @dataclass(frozen=True)
@@ -54,6 +67,13 @@ class FuzzCase:
     #: Format of the source rank files handed to the import, and of the exported files.
     import_format: str = "ckpt"
     export_format: str = "ckpt"
+    #: Format of the strategy files hyper_parallel reads (MindSpore's tools always get protobuf).
+    strategy_format: str = "ckpt"
+    #: Whether every parameter has an optimizer state ``adam_m.<name>`` sliced like it.
+    states: bool = False
+    #: Whether MindSpore's load_distributed_checkpoint is also asked to merge the source files
+    #: (for notes on MindSpore's own disagreements only).
+    check_load_distributed: bool = False
 
 
 @dataclass
@@ -87,7 +107,7 @@ def _random_entry(rng: np.random.Generator, free: list[int], mesh: tuple[int, ..
 
 
 def _random_mesh(rng: np.random.Generator, size: int) -> tuple[int, ...]:
-    """A device matrix of ``size`` ranks: 1-3 dims of 1, 2, 4 or 8 (mostly > 1)."""
+    """A device matrix of ``size`` ranks: 1-3 dims of 1, 2, 4, 8 or 16 (mostly > 1)."""
     dims: list[int] = []
     left = size
     for _ in range(int(rng.integers(1, 4)) - 1):
@@ -105,7 +125,7 @@ def _random_param(rng: np.random.Generator, name: str, ndim: int, mesh: tuple[in
     used = {k for e in tensor_map for k in (e if isinstance(e, tuple) else (e,)) if k != -1}
     replica = [m for m in range(len(mesh)) if (len(mesh) - 1 - m) not in used and mesh[m] > 1]
     step = size = 0
-    if replica and rng.random() < 0.5:
+    if ndim and replica and rng.random() < 0.5:
         total = math.prod(mesh[m] for m in replica)
         size = int(rng.choice([-1] + [d for d in (2, 4, 8) if total % d == 0]))
         step = math.prod(mesh[replica[0] + 1:]) if len(replica) == 1 else 1
@@ -113,34 +133,60 @@ def _random_param(rng: np.random.Generator, name: str, ndim: int, mesh: tuple[in
 
 
 def _random_job(rng: np.random.Generator, ndims: dict[str, int]) -> StrategyCase:
-    """1 or 2 pipeline stages; each parameter on one stage or (shared) on both."""
-    stages = int(rng.choice([1, 1, 2]))
-    stage_size = int(rng.choice([2, 4, 4, 8, 8] if stages == 1 else [1, 2, 4, 4]))
+    """1, 2 or 4 pipeline stages of up to 16 ranks in all; a parameter on one stage or shared by several."""
+    stages = int(rng.choice([1, 1, 1, 2, 2, 4]))
+    stage_size = int(rng.choice({1: [2, 4, 4, 8, 8, 16], 2: [1, 2, 4, 4, 8], 4: [1, 2, 2, 4]}[stages]))
     mesh = _random_mesh(rng, stage_size)
     per_stage: list[list[ParamStrategy]] = [[] for _ in range(stages)]
     for position, (name, ndim) in enumerate(sorted(ndims.items())):
         param = _random_param(rng, name, ndim, mesh)
-        homes = [position % stages] if stages == 1 or rng.random() < 0.7 else list(range(stages))
+        homes = [position % stages]
+        if stages > 1 and rng.random() < 0.3:
+            homes = sorted(set(rng.choice(stages, size=int(rng.integers(2, stages + 1)), replace=False).tolist()))
         for stage in homes:
             per_stage[stage].append(param)
-    for stage, params in enumerate(per_stage):
+    first = next(p for params in per_stage for p in params)
+    for params in per_stage:
         if not params:  # every stage holds a parameter
-            per_stage[stage].append(per_stage[1 - stage][0])
+            params.append(first)
     return StrategyCase(stages=tuple(tuple(p) for p in per_stage))
+
+
+def _splits(job: StrategyCase, name: str, ndim: int) -> list[int]:
+    """How many pieces each dim of ``name`` is cut into by ``job`` (model and optimizer parallel)."""
+    param = next(p for stage in job.stages for p in stage if p.name == name)
+    mesh = param.dev_matrix
+    splits = []
+    for entry in param.tensor_map:
+        parts = entry if isinstance(entry, tuple) else (entry,)
+        splits.append(math.prod(mesh[len(mesh) - 1 - k] for k in parts if k != -1))
+    size = param.opt_weight_shard_size
+    if size and ndim:
+        splits[0] *= math.prod(mesh) // math.prod(splits) if size == -1 else size
+    return splits
 
 
 def make_case(seed: int) -> FuzzCase:
     """The random case of ``seed`` (the same on every machine)."""
     rng = np.random.default_rng(seed)
     count = int(rng.integers(1, 5))
-    ndims = {f"p{i}.weight": int(rng.integers(1, 4)) for i in range(count)}
-    # Every dim a multiple of 8: any split over <= 8 ranks (model x optimizer parallel) is even.
-    shapes = {name: tuple(int(rng.choice([8, 16])) for _ in range(ndim)) for name, ndim in ndims.items()}
+    ndims = {f"p{i}.weight": int(rng.choice([0, 1, 1, 2, 2, 2, 3, 3, 4])) for i in range(count)}
     dtypes = {name: str(rng.choice(DTYPES)) for name in ndims}
     src, dst = _random_job(rng, ndims), _random_job(rng, ndims)
+    # Each dim a small multiple of what both jobs cut it into (a slice of one row included).
+    shapes = {}
+    for name, ndim in sorted(ndims.items()):
+        cuts = zip(_splits(src, name, ndim), _splits(dst, name, ndim))
+        shapes[name] = tuple(math.lcm(a, b) * int(rng.choice([1, 2, 3])) for a, b in cuts)
     import_format, export_format = (str(f) for f in rng.choice(["ckpt", "ckpt", "safetensors"], size=2))
+    strategy_format = str(rng.choice(["ckpt", "ckpt", "json"]))
+    if rng.random() < 0.15:  # sized for the source job only: the destination may not split evenly
+        sizes = np.random.default_rng(seed + 7)
+        shapes = {name: tuple(cut * int(sizes.choice([1, 3, 5])) for cut in _splits(src, name, ndim))
+                  for name, ndim in sorted(ndims.items())}
+    states = bool(rng.random() < 0.3)
     return FuzzCase(seed, shapes, dtypes, StrategyCase(src.stages, shapes), StrategyCase(dst.stages, shapes),
-                    import_format, export_format)
+                    import_format, export_format, strategy_format, states)
 
 
 def _full_tensors(case: FuzzCase):
@@ -148,8 +194,11 @@ def _full_tensors(case: FuzzCase):
 
     rng = np.random.default_rng(case.seed + 1_000_003)
     tensors = {}
-    for name, shape in sorted(case.shapes.items()):
-        dtype = case.dtypes[name]
+    shapes = sorted(case.shapes.items())
+    if case.states:
+        shapes += [(STATE + name, shape) for name, shape in shapes]
+    for name, shape in shapes:
+        dtype = case.dtypes[name.removeprefix(STATE)]
         if dtype == "bool":
             data = rng.random(shape) < 0.5
         elif dtype == "int32":
@@ -164,6 +213,14 @@ def _full_tensors(case: FuzzCase):
         tensors[name] = tensor
     tensors.update({name: mindspore.Tensor(value) for name, value in EXTRAS.items()})
     return tensors
+
+
+def _with_states(job: StrategyCase, states: bool) -> StrategyCase:
+    """``job`` with each parameter's state listed beside it (what MindSpore's tools read), if ``states``."""
+    if not states:
+        return job
+    return StrategyCase(stages=tuple(params + tuple(replace(p, name=STATE + p.name) for p in params)
+                                     for params in job.stages))
 
 
 def _ms_strategy(directory: Path, paths: list[str]) -> str:
@@ -210,12 +267,19 @@ def _compare_ranks(actual, expected, where: str) -> list[str]:
 
 def _boxes(dst_files: list[str], full: dict[str, np.ndarray], world: int) -> dict[int, dict[str, np.ndarray]]:
     """Each destination rank's slices, placed by the layouts a sliced Parameter gets on load."""
-    from hyper_parallel.core.strategy_file import layouts_from_strategy  # pylint: disable=import-outside-toplevel
+    from hyper_parallel.core.strategy_file import (  # pylint: disable=import-outside-toplevel
+        layout_for_state_key,
+        layouts_from_strategy,
+    )
 
     out = {}
     for rank in range(world):
         tensors = {}
-        for name, layout in layouts_from_strategy(dst_files, rank=rank).items():
+        layouts = layouts_from_strategy(dst_files, rank=rank)
+        for name in sorted(set(full) - set(EXTRAS)):
+            layout = layout_for_state_key(layouts, name)
+            if layout is None:
+                continue
             shape = full[name].shape
             offsets = layout.shard_offsets(shape, rank, name)
             local = layout.local_shape(shape, name)
@@ -225,14 +289,41 @@ def _boxes(dst_files: list[str], full: dict[str, np.ndarray], world: int) -> dic
     return out
 
 
+def _layout_dict_boxes(dst: StrategyCase, full: dict[str, np.ndarray], reference) -> dict[int, dict[str, np.ndarray]]:
+    """Each destination rank's slices, placed by ``Layout.from_mindspore_layout`` of the
+    ``Cell.parameter_layout_dict`` entry MindSpore would give that rank (slice shape from its file)."""
+    from hyper_parallel.core.layout import Layout  # pylint: disable=import-outside-toplevel
+
+    out = {}
+    stage_size = math.prod(dst.stages[0][0].dev_matrix)
+    for rank, tensors in reference.items():
+        params = {p.name: p for p in dst.stages[rank // stage_size]}
+        placed = {}
+        for name, value in tensors.items():
+            if name in EXTRAS:
+                placed[name] = full[name]
+                continue
+            param = params[name.removeprefix(STATE)]
+            tensor_map = [list(e) if isinstance(e, tuple) else e for e in param.tensor_map]
+            group = "opt_group" if param.opt_weight_shard_size else ""
+            entry = [list(param.dev_matrix), tensor_map, list(value.shape), 0, True, group,
+                     list(full[name].shape), list(value.shape)]
+            layout = Layout.from_mindspore_layout(entry, name=name, rank=rank)
+            shape = full[name].shape
+            offsets = layout.shard_offsets(shape, rank, name)
+            local = layout.local_shape(shape, name)
+            placed[name] = full[name][tuple(slice(o, o + n) for o, n in zip(offsets, local))]
+        out[rank] = placed
+    return out
+
+
 def _load_sliced(ckpt: Path, dst_files: list[str], reference, world: int) -> dict[int, dict[str, np.ndarray]]:
     """Each destination rank loads ``ckpt`` into sliced Parameters placed by the strategy files."""
     import mindspore  # pylint: disable=import-outside-toplevel
 
     import hyper_parallel.core.distributed_checkpoint as dcp  # pylint: disable=import-outside-toplevel
-    from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import (  # pylint: disable=import-outside-toplevel
-        apply_mindspore_layouts,
-    )
+    # pylint: disable-next=import-outside-toplevel
+    from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import apply_mindspore_layouts
 
     out = {}
     for rank in range(world):
@@ -255,6 +346,57 @@ def _load_ours(path: Path) -> dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, v in targets.items()}
 
 
+def splits_evenly(job: StrategyCase, shapes: dict[str, tuple[int, ...]]) -> bool:
+    """Whether ``job`` cuts every tensor of ``shapes`` into equal pieces."""
+    return all(size % cut == 0 for name, shape in shapes.items()
+               for size, cut in zip(shape, _splits(job, name, len(shape))))
+
+
+def _must_refuse(case: FuzzCase, root: Path, src_files: list[str], dst_files: list[str], outcome: Outcome) -> Outcome:
+    """A destination that does not split the tensors evenly: every path refuses, naming the parameter."""
+    from hyper_parallel.cli import export_mindspore, import_checkpoint  # pylint: disable=import-outside-toplevel
+    from hyper_parallel.core.distributed_checkpoint.errors import (  # pylint: disable=import-outside-toplevel
+        CheckpointError,
+    )
+
+    uneven = sorted(name for name, shape in case.shapes.items()
+                    if any(size % cut for size, cut in zip(shape, _splits(case.dst, name, len(shape)))))
+    uneven += [STATE + name for name in uneven] if case.states else []
+    import_checkpoint(root / "src", root / "ours", strategy_files=src_files)
+    full = _load_ours(root / "ours")
+    paths = {"export": lambda: export_mindspore(root / "ours", root / "out", strategy_files=dst_files),
+             "layouts_from_strategy box": lambda: _boxes(dst_files, full, case.dst.world_size)}
+    for what, run in paths.items():
+        try:
+            run()
+        except CheckpointError as exc:
+            if not any(repr(name) in str(exc) for name in uneven):
+                outcome.defects.append(f"{what} refused an uneven destination without naming {uneven}: {exc}")
+        else:
+            outcome.defects.append(f"{what} accepted a destination that splits {uneven} unevenly")
+    outcome.refused = f"uneven destination for {uneven} (expected)"
+    return outcome
+
+
+def _load_distributed_checkpoint(root: Path, ms_src: str, full: dict[str, np.ndarray], world: int) -> list[str]:
+    """MindSpore's other merge of the source rank files (``load_distributed_checkpoint``) vs the full tensors."""
+    import mindspore  # pylint: disable=import-outside-toplevel
+
+    net = mindspore.nn.Cell()
+    names = sorted(set(full) - set(EXTRAS))
+    for position, name in enumerate(names):
+        setattr(net, f"p{position}", mindspore.Parameter(mindspore.Tensor(np.zeros_like(full[name])), name=name,
+                                                         requires_grad=False))
+    files = [str(next((root / "src" / f"rank_{rank}").iterdir())) for rank in range(world)]
+    try:
+        mindspore.load_distributed_checkpoint(net, files, None, train_strategy_filename=ms_src)
+    except Exception as exc:  # pylint: disable=broad-except
+        return [f"load_distributed_checkpoint refused: {type(exc).__name__}: {str(exc)[:200]}"]
+    merged = {p.name: p.asnumpy() for p in net.get_parameters()}
+    return [f"load_distributed_checkpoint: {name} differs from the full tensor"
+            for name in names if merged[name].tobytes() != full[name].tobytes()]
+
+
 def run_case(case: FuzzCase, root: Path) -> Outcome:
     """Run one case in ``root`` (a new directory); see the module docstring."""
     import mindspore  # pylint: disable=import-outside-toplevel
@@ -267,14 +409,23 @@ def run_case(case: FuzzCase, root: Path) -> Outcome:
     outcome = Outcome(case.seed)
     tensors = _full_tensors(case)
     full = {k: v.asnumpy() for k, v in tensors.items()}
-    src_files = write_case(root / "src_strategy", case.src)
-    dst_files = write_case(root / "dst_strategy", case.dst)
-    ms_src, ms_dst = _ms_strategy(root / "src_strategy", src_files), _ms_strategy(root / "dst_strategy", dst_files)
+    ms_src, ms_dst = (_ms_strategy(root / where, write_case(root / where, _with_states(job, case.states)))
+                      for where, job in (("src_strategy", case.src), ("dst_strategy", case.dst)))
+    src_files = write_case(root / "src_ours", case.src, fmt=case.strategy_format)
+    dst_files = write_case(root / "dst_ours", case.dst, fmt=case.strategy_format)
     (root / "full" / "rank_0").mkdir(parents=True)
     mindspore.save_checkpoint([{"name": k, "data": v} for k, v in tensors.items()],
                               str(root / "full" / "rank_0" / "full.ckpt"))
     try:
         mindspore.parallel.transform_checkpoints(str(root / "full"), str(root / "src"), "c", None, ms_src)
+    except Exception as exc:  # pylint: disable=broad-except
+        outcome.mindspore.append(f"MindSpore cannot slice the full tensors: {type(exc).__name__}: {exc}")
+        return outcome
+    if case.check_load_distributed:
+        outcome.mindspore += _load_distributed_checkpoint(root, ms_src, full, case.src.world_size)
+    if not splits_evenly(case.dst, case.shapes):
+        return _must_refuse(case, root, src_files, dst_files, outcome)
+    try:
         mindspore.parallel.transform_checkpoints(str(root / "full"), str(root / "ref"), "c", None, ms_dst)
     except Exception as exc:  # pylint: disable=broad-except
         outcome.mindspore.append(f"MindSpore cannot slice the full tensors: {type(exc).__name__}: {exc}")
@@ -305,6 +456,8 @@ def run_case(case: FuzzCase, root: Path) -> Outcome:
         outcome.refused = f"destination layouts: {type(exc).__name__}: {exc}"
         return outcome
     outcome.defects += _compare_ranks(boxes, reference, "layouts_from_strategy box vs MindSpore")
+    outcome.defects += _compare_ranks(_layout_dict_boxes(case.dst, full, reference), reference,
+                                      "Layout.from_mindspore_layout box vs MindSpore")
     outcome.defects += _compare_ranks(_load_sliced(root / "ours", dst_files, reference, case.dst.world_size),
                                       reference, "load into sliced Parameters vs MindSpore")
     try:
@@ -322,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first", type=int, default=0)
     parser.add_argument("--count", type=int, default=50)
     parser.add_argument("--minutes", type=float, default=0.0, help="stop after this long (0: no limit)")
+    parser.add_argument("--load-distributed", action="store_true",
+                        help="also note where MindSpore's load_distributed_checkpoint disagrees with the full tensors")
     args = parser.parse_args(argv)
     import mindspore  # pylint: disable=import-outside-toplevel
 
@@ -331,12 +486,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.minutes and time.monotonic() - start > args.minutes * 60:
             break
         root = Path(tempfile.mkdtemp(prefix=f"msfuzz{seed}_"))
-        case = make_case(seed)
+        case = replace(make_case(seed), check_load_distributed=args.load_distributed)
         try:
             outcome = run_case(case, root)
         except Exception as exc:  # pylint: disable=broad-except
             outcome = Outcome(seed, defects=[f"crash: {type(exc).__name__}: {exc}"])
         runs += 1
+        if runs % 200 == 0:
+            print(f"progress: {runs} cases, {bad} with defects, {time.monotonic() - start:.0f} s", flush=True)
         bad += bool(outcome.defects)
         refused += bool(outcome.refused)
         ms_bad += bool(outcome.mindspore)
@@ -348,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"seed {seed} REFUSED {outcome.refused}"[:400], flush=True)
         if outcome.defects or outcome.mindspore or outcome.refused:
             print(f"seed {seed} case src={case.src.stages} dst={case.dst.stages} shapes={case.shapes} "
-                  f"dtypes={case.dtypes} formats={case.import_format}->{case.export_format}", flush=True)
+                  f"dtypes={case.dtypes} formats={case.import_format}->{case.export_format} "
+                  f"strategy={case.strategy_format} states={case.states}", flush=True)
         else:
             shutil.rmtree(root, ignore_errors=True)
     print(f"ran {runs} cases in {time.monotonic() - start:.0f} s: {bad} with defects, {refused} refused, "

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Union
 
-__all__ = ["CASES", "ParamStrategy", "StrategyCase", "write_case", "write_strategy_file"]
+__all__ = ["CASES", "ParamStrategy", "StrategyCase", "write_case", "write_json_strategy_file", "write_strategy_file"]
 
 Entry = Union[int, tuple[int, ...]]
 
@@ -79,11 +79,36 @@ def write_strategy_file(path: str | os.PathLike, params: tuple[ParamStrategy, ..
     return path
 
 
-def write_case(directory: str | os.PathLike, case: StrategyCase, *, prefix: str = "strategy") -> list[str]:
-    """Write one file per stage of ``case`` into ``directory``; return their paths by stage."""
+def write_json_strategy_file(path: str | os.PathLike, params: tuple[ParamStrategy, ...], *, stage: int = 0) -> str:
+    """Write ``params`` as the JSON strategy file of pipeline ``stage`` (a tensor dim over several mesh
+    dims as a nested list); return the path."""
+    import json  # pylint: disable=import-outside-toplevel
+
+    layouts = {
+        p.name: {"dev_matrix": list(p.dev_matrix),
+                 "tensor_map": [list(e) if isinstance(e, tuple) else e for e in p.tensor_map],
+                 "param_split_shape": list(p.param_split_shape), "indices_offset": list(p.indices_offset),
+                 "field": p.field, "opt_weight_shard_step": p.opt_weight_shard_step,
+                 "opt_weight_shard_size": p.opt_weight_shard_size}
+        for p in params
+    }
+    content = {"current_stage": stage,
+               "parallel_strategy_item": {f"Default/network-Net/MatMul-op{stage}": {"stage": stage}},
+               "parallel_layout_item": layouts}
+    path = os.fspath(path)
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(content, handle)
+    return path
+
+
+def write_case(directory: str | os.PathLike, case: StrategyCase, *, prefix: str = "strategy",
+               fmt: str = "ckpt") -> list[str]:
+    """Write one file per stage of ``case`` into ``directory`` (protobuf ``ckpt`` or ``json``); return
+    their paths by stage."""
     os.makedirs(directory, exist_ok=True)
+    writer = write_json_strategy_file if fmt == "json" else write_strategy_file
     return [
-        write_strategy_file(os.path.join(directory, f"{prefix}_stage{stage}.ckpt"), params, stage=stage)
+        writer(os.path.join(directory, f"{prefix}_stage{stage}.{fmt}"), params, stage=stage)
         for stage, params in enumerate(case.stages)
     ]
 

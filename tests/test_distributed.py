@@ -205,3 +205,15 @@ def test_indexed_metadata_saved_by_four_loads_on_four_and_two(four, two_last):
     for value in scenario_values(two_last, "load_x_indexed_on_two"):
         assert value["ok"] and value["step"] == 42
         assert value["bias"] == np.linspace(-1, 1, 8, dtype=np.float32).tolist()
+
+
+def test_async_indexed_saves_and_a_damaged_index_on_one_rank(four):
+    """4-rank async saves in the indexed form (copy, fork) load resharded; a damaged index on rank 3 fails every
+    rank's load and changes no target on any rank."""
+    check_scenarios(four, ["async_indexed_and_corrupt_index"])
+    for value in scenario_values(four, "async_indexed_and_corrupt_index"):
+        for loaded in value["loaded"]:
+            assert loaded["ok"] and loaded["step"] == 6
+            assert loaded["indexes"] == ["r00000_index", "r00001_index", "r00002_index", "r00003_index"]
+        assert value["type"].endswith("CorruptCheckpointError") and value["untouched"] and value["failed_ranks"] == [3]
+        assert "r00003_index." in value["message"] and "does not match its length and digest" in value["message"]

@@ -337,6 +337,33 @@ def save_x_indexed() -> dict:
             "ok": _expect(FULL_X, target["model"]["x"]), "bias": target["model"]["bias"].tolist(), "step": target["step"]}
 
 
+def async_indexed_and_corrupt_index() -> dict:
+    """4-rank async saves in the indexed form (copy and fork staging: rank results reach the background commit
+    through results records), loaded resharded; then rank 3's index file is damaged: every rank fails, no target
+    changed (the index is read while planning, before any target changes)."""
+    layout = Layout((2, 2), (1, 0))
+    loaded = []
+    for staging in ("copy", "fork"):
+        path = BASE / f"async_indexed_{staging}"
+        handle = dcp.async_save({"x": _dtensor(FULL_X, layout, "x"), "step": 6}, checkpoint_id=path, staging=staging,
+                                storage_writer=dcp.FileSystemWriter(path, metadata_form="indexed"))
+        handle.result()
+        target = {"x": _zero_dtensor(FULL_X, Layout((4,), (0, -1)), "x"), "step": 0}
+        dcp.load(target, checkpoint_id=path)
+        loaded.append({"ok": _expect(FULL_X, target["x"]), "step": target["step"],
+                       "indexes": sorted(n.split(".")[0] for n in os.listdir(path) if "_index." in n)})
+    path = BASE / "async_indexed_copy"
+    if RANK == 3:  # damage its own index before the load starts (the load's planning is collective)
+        name = next(n for n in os.listdir(path) if n.startswith("r00003_index."))
+        data = bytearray((path / name).read_bytes())
+        data[len(data) // 2] ^= 0x01
+        (path / name).write_bytes(bytes(data))
+    target = {"x": DTensor(_param(np.full((8, 4), 7, np.float32), "x"), layout, FULL_X.shape), "step": "keep"}
+    info = _failure(lambda: dcp.load(target, checkpoint_id=path))
+    info["untouched"] = bool(np.all(target["x"].to_local().asnumpy() == 7)) and target["step"] == "keep"
+    return {"loaded": loaded, **info}
+
+
 def save_failure_planning() -> dict:
     state = {"a": ms.Tensor(np.ones(4, np.float32))}
     if RANK == 2:
@@ -432,7 +459,8 @@ PHASES = {
                   plan_cache],
     "four": [load_y_on_four, replicated_bytes, dedup_modes, save_x, save_failure_planning, save_failure_write,
              save_failure_commit, load_failure_missing_key, load_failure_read, differing_value, save_mapping,
-             single_replica_read, load_corrupt_on_one_rank, save_x_indexed],
+             single_replica_read, load_corrupt_on_one_rank, save_x_indexed,
+             async_indexed_and_corrupt_index],
     "two_last": [load_x_on_two, load_mapping_on_two, load_x_indexed_on_two],
 }
 
