@@ -16,6 +16,12 @@ shard sizes, pipeline stages and dtypes. :func:`run_case` then
    slice by :func:`layouts_from_strategy` and by ``Layout.from_mindspore_layout``
    of the ``parameter_layout_dict`` entry the rank would get.
 
+With ``--load-distributed`` MindSpore's ``load_distributed_checkpoint`` also
+merges the source files; where it disagrees with the full tensors (it does for
+some optimizer-parallel layouts over several replica dims, where
+``transform_checkpoints`` and hyper_parallel agree with the full tensors) that
+is noted as MindSpore's own disagreement.
+
 A destination that cannot split a tensor evenly (some cases are sized for the
 source job only) must be refused by every path, naming the parameter.
 
@@ -65,6 +71,9 @@ class FuzzCase:
     strategy_format: str = "ckpt"
     #: Whether every parameter has an optimizer state ``adam_m.<name>`` sliced like it.
     states: bool = False
+    #: Whether MindSpore's load_distributed_checkpoint is also asked to merge the source files
+    #: (for notes on MindSpore's own disagreements only).
+    check_load_distributed: bool = False
 
 
 @dataclass
@@ -369,6 +378,25 @@ def _must_refuse(case: FuzzCase, root: Path, src_files: list[str], dst_files: li
     return outcome
 
 
+def _load_distributed_checkpoint(root: Path, ms_src: str, full: dict[str, np.ndarray], world: int) -> list[str]:
+    """MindSpore's other merge of the source rank files (``load_distributed_checkpoint``) vs the full tensors."""
+    import mindspore  # pylint: disable=import-outside-toplevel
+
+    net = mindspore.nn.Cell()
+    names = sorted(set(full) - set(EXTRAS))
+    for position, name in enumerate(names):
+        setattr(net, f"p{position}", mindspore.Parameter(mindspore.Tensor(np.zeros_like(full[name])), name=name,
+                                                         requires_grad=False))
+    files = [str(next((root / "src" / f"rank_{rank}").iterdir())) for rank in range(world)]
+    try:
+        mindspore.load_distributed_checkpoint(net, files, None, train_strategy_filename=ms_src)
+    except Exception as exc:  # pylint: disable=broad-except
+        return [f"load_distributed_checkpoint refused: {type(exc).__name__}: {str(exc)[:200]}"]
+    merged = {p.name: p.asnumpy() for p in net.get_parameters()}
+    return [f"load_distributed_checkpoint: {name} differs from the full tensor"
+            for name in names if merged[name].tobytes() != full[name].tobytes()]
+
+
 def run_case(case: FuzzCase, root: Path) -> Outcome:
     """Run one case in ``root`` (a new directory); see the module docstring."""
     import mindspore  # pylint: disable=import-outside-toplevel
@@ -393,6 +421,8 @@ def run_case(case: FuzzCase, root: Path) -> Outcome:
     except Exception as exc:  # pylint: disable=broad-except
         outcome.mindspore.append(f"MindSpore cannot slice the full tensors: {type(exc).__name__}: {exc}")
         return outcome
+    if case.check_load_distributed:
+        outcome.mindspore += _load_distributed_checkpoint(root, ms_src, full, case.src.world_size)
     if not splits_evenly(case.dst, case.shapes):
         return _must_refuse(case, root, src_files, dst_files, outcome)
     try:
@@ -445,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first", type=int, default=0)
     parser.add_argument("--count", type=int, default=50)
     parser.add_argument("--minutes", type=float, default=0.0, help="stop after this long (0: no limit)")
+    parser.add_argument("--load-distributed", action="store_true",
+                        help="also note where MindSpore's load_distributed_checkpoint disagrees with the full tensors")
     args = parser.parse_args(argv)
     import mindspore  # pylint: disable=import-outside-toplevel
 
@@ -454,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.minutes and time.monotonic() - start > args.minutes * 60:
             break
         root = Path(tempfile.mkdtemp(prefix=f"msfuzz{seed}_"))
-        case = make_case(seed)
+        case = replace(make_case(seed), check_load_distributed=args.load_distributed)
         try:
             outcome = run_case(case, root)
         except Exception as exc:  # pylint: disable=broad-except
