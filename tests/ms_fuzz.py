@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.strategy_files import ParamStrategy, StrategyCase, write_case
+from tests.strategy_files import ParamStrategy, StrategyCase, strategy_for_mindspore, write_case
 
 __all__ = ["FuzzCase", "Outcome", "make_case", "run_case", "splits_evenly"]
 
@@ -223,16 +223,6 @@ def _with_states(job: StrategyCase, states: bool) -> StrategyCase:
                                      for params in job.stages))
 
 
-def _ms_strategy(directory: Path, paths: list[str]) -> str:
-    import mindspore  # pylint: disable=import-outside-toplevel
-
-    if len(paths) == 1:
-        return paths[0]
-    merged = str(directory / "merged.ckpt")
-    mindspore.parallel.merge_pipeline_strategys(str(Path(paths[0]).parent), merged)
-    return merged
-
-
 def _rank_files(directory: Path) -> dict[int, dict[str, np.ndarray]]:
     import mindspore  # pylint: disable=import-outside-toplevel
 
@@ -409,7 +399,7 @@ def run_case(case: FuzzCase, root: Path) -> Outcome:
     outcome = Outcome(case.seed)
     tensors = _full_tensors(case)
     full = {k: v.asnumpy() for k, v in tensors.items()}
-    ms_src, ms_dst = (_ms_strategy(root / where, write_case(root / where, _with_states(job, case.states)))
+    ms_src, ms_dst = (strategy_for_mindspore(root / where, write_case(root / where, _with_states(job, case.states)))
                       for where, job in (("src_strategy", case.src), ("dst_strategy", case.dst)))
     src_files = write_case(root / "src_ours", case.src, fmt=case.strategy_format)
     dst_files = write_case(root / "dst_ours", case.dst, fmt=case.strategy_format)
