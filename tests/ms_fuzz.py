@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.strategy_files import ParamStrategy, StrategyCase, write_case
+from tests.strategy_files import ParamStrategy, StrategyCase, strategy_for_mindspore, write_case
 
 __all__ = ["FuzzCase", "Outcome", "make_case", "run_case", "splits_evenly"]
 
@@ -107,11 +107,11 @@ def _random_entry(rng: np.random.Generator, free: list[int], mesh: tuple[int, ..
 
 
 def _random_mesh(rng: np.random.Generator, size: int) -> tuple[int, ...]:
-    """A device matrix of ``size`` ranks: 1-3 dims of 1, 2, 4, 8 or 16 (mostly > 1)."""
+    """A device matrix of ``size`` ranks: 1-3 dims of 1, 2, 3, 4, 6, 8, 12 or 16 (mostly > 1)."""
     dims: list[int] = []
     left = size
     for _ in range(int(rng.integers(1, 4)) - 1):
-        part = int(rng.choice([d for d in (1, 2, 2, 2, 4) if left % d == 0 and (d < left or d == 1)]))
+        part = int(rng.choice([d for d in (1, 2, 2, 2, 3, 4) if left % d == 0 and (d < left or d == 1)]))
         dims.append(part)
         left //= part
     dims.append(left)
@@ -133,9 +133,10 @@ def _random_param(rng: np.random.Generator, name: str, ndim: int, mesh: tuple[in
 
 
 def _random_job(rng: np.random.Generator, ndims: dict[str, int]) -> StrategyCase:
-    """1, 2 or 4 pipeline stages of up to 16 ranks in all; a parameter on one stage or shared by several."""
-    stages = int(rng.choice([1, 1, 1, 2, 2, 4]))
-    stage_size = int(rng.choice({1: [2, 4, 4, 8, 8, 16], 2: [1, 2, 4, 4, 8], 4: [1, 2, 2, 4]}[stages]))
+    """1-4 pipeline stages of up to 16 ranks in all; a parameter on one stage or shared by several."""
+    stages = int(rng.choice([1, 1, 1, 2, 2, 3, 4]))
+    stage_size = int(rng.choice({1: [2, 3, 4, 4, 6, 8, 8, 12, 16], 2: [1, 2, 3, 4, 4, 6, 8], 3: [1, 2, 3, 4],
+                                 4: [1, 2, 2, 3, 4]}[stages]))
     mesh = _random_mesh(rng, stage_size)
     per_stage: list[list[ParamStrategy]] = [[] for _ in range(stages)]
     for position, (name, ndim) in enumerate(sorted(ndims.items())):
@@ -221,16 +222,6 @@ def _with_states(job: StrategyCase, states: bool) -> StrategyCase:
         return job
     return StrategyCase(stages=tuple(params + tuple(replace(p, name=STATE + p.name) for p in params)
                                      for params in job.stages))
-
-
-def _ms_strategy(directory: Path, paths: list[str]) -> str:
-    import mindspore  # pylint: disable=import-outside-toplevel
-
-    if len(paths) == 1:
-        return paths[0]
-    merged = str(directory / "merged.ckpt")
-    mindspore.parallel.merge_pipeline_strategys(str(Path(paths[0]).parent), merged)
-    return merged
 
 
 def _rank_files(directory: Path) -> dict[int, dict[str, np.ndarray]]:
@@ -409,7 +400,7 @@ def run_case(case: FuzzCase, root: Path) -> Outcome:
     outcome = Outcome(case.seed)
     tensors = _full_tensors(case)
     full = {k: v.asnumpy() for k, v in tensors.items()}
-    ms_src, ms_dst = (_ms_strategy(root / where, write_case(root / where, _with_states(job, case.states)))
+    ms_src, ms_dst = (strategy_for_mindspore(root / where, write_case(root / where, _with_states(job, case.states)))
                       for where, job in (("src_strategy", case.src), ("dst_strategy", case.dst)))
     src_files = write_case(root / "src_ours", case.src, fmt=case.strategy_format)
     dst_files = write_case(root / "dst_ours", case.dst, fmt=case.strategy_format)

@@ -12,7 +12,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Union
 
-__all__ = ["CASES", "ParamStrategy", "StrategyCase", "write_case", "write_json_strategy_file", "write_strategy_file"]
+__all__ = [
+    "CASES", "ParamStrategy", "StrategyCase", "strategy_for_mindspore", "write_case", "write_json_strategy_file",
+    "write_strategy_file",
+]
 
 Entry = Union[int, tuple[int, ...]]
 
@@ -111,6 +114,18 @@ def write_case(directory: str | os.PathLike, case: StrategyCase, *, prefix: str 
         writer(os.path.join(directory, f"{prefix}_stage{stage}.{fmt}"), params, stage=stage)
         for stage, params in enumerate(case.stages)
     ]
+
+
+def strategy_for_mindspore(directory: str | os.PathLike, paths: list[str]) -> str:
+    """The one file MindSpore's tools take: the stage file, or the stages merged by
+    ``merge_pipeline_strategys`` into ``directory/merged.ckpt``."""
+    import mindspore  # pylint: disable=import-outside-toplevel
+
+    if len(paths) == 1:
+        return paths[0]
+    merged = os.path.join(directory, "merged.ckpt")
+    mindspore.parallel.merge_pipeline_strategys(os.path.dirname(paths[0]), merged)
+    return merged
 
 
 _P = ParamStrategy

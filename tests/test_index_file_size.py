@@ -23,8 +23,9 @@ def _states(ranks: int) -> list[dict]:
             for r in range(ranks)]
 
 
-def _refused_lean(checkpoint_id, index_name: str, *, max_peak: int) -> None:
-    """The load refuses the index naming it and the fix, changes no target, and allocates at most ``max_peak``."""
+def _refused_lean(checkpoint_id, index_name: str, *, max_peak: int | None) -> None:
+    """The load refuses the index naming it and the fix, changes no target, and allocates at most ``max_peak``
+    (unless ``None``)."""
     target = {"w": np.zeros_like(FULL), "step": 0}
     tracemalloc.start()
     try:
@@ -35,7 +36,7 @@ def _refused_lean(checkpoint_id, index_name: str, *, max_peak: int) -> None:
     finally:
         tracemalloc.stop()
     assert not target["w"].any() and target["step"] == 0
-    assert peak < max_peak, f"refusing a grown index file allocated {peak:,} bytes"
+    assert max_peak is None or peak < max_peak, f"refusing a grown index file allocated {peak:,} bytes"
 
 
 def test_a_grown_index_file_is_refused_without_reading_it(tmp_path):
@@ -69,3 +70,13 @@ def test_a_grown_index_object_is_refused_without_reading_it(s3_url):  # noqa: F8
     whole = {"w": np.zeros_like(FULL), "step": 0}
     dcp.load(whole, checkpoint_id=s3_url, no_dist=True)
     assert np.array_equal(whole["w"], FULL) and whole["step"] == 4
+
+
+def test_an_emptied_index_object_is_named_damaged_not_unreachable(s3_url):  # noqa: F811
+    """A ranged GET of an empty object is refused by S3 (range not satisfiable): still a damaged index."""
+    simulate_save(_states(2), s3_url, writer_options={"metadata_form": "indexed"}, writer_class=dcp.FsspecWriter)
+    fs = new_filesystem()
+    root = s3_url[len("s3://"):]
+    name = json.loads(fs.cat_file(f"{root}/metadata.json"))["rank_indexes"][1]["file"]
+    fs.pipe_file(f"{root}/{name}", b"")
+    _refused_lean(s3_url, name, max_peak=None)  # CorruptCheckpointError, not CheckpointIOError (store unreachable)

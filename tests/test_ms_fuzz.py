@@ -30,6 +30,8 @@ def _features(seed: int) -> set[str]:
         for param in (p for stage in job.stages for p in stage):
             if param.dev_matrix and max(param.dev_matrix) >= 8:
                 found.add("a mesh dim of 8 or more")
+            if any(d % 3 == 0 for d in param.dev_matrix):
+                found.add("a mesh dim of 3 or 6")
             if param.opt_weight_shard_size:
                 found.add("optimizer parallel")
             if any(isinstance(e, tuple) for e in param.tensor_map):
@@ -44,7 +46,7 @@ def test_the_seeds_cover_every_feature():
     wanted = set(DTYPES) | {
         "import safetensors", "export safetensors", "strategy json", "1 stages", "2 stages", "4 stages",
         "optimizer parallel", "dim over several mesh dims", "replicated dim", "0-D", "4-D", "uneven destination",
-        "optimizer states", "a mesh dim of 8 or more",
+        "optimizer states", "a mesh dim of 8 or more", "a mesh dim of 3 or 6", "3 stages",
     }
     assert wanted <= covered, wanted - covered
 

@@ -28,7 +28,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     LayoutError,
     UnsupportedFormatError,
 )
-from tests.strategy_files import CASES, ParamStrategy, StrategyCase, write_case
+from tests.strategy_files import CASES, ParamStrategy, StrategyCase, strategy_for_mindspore, write_case
 
 BF16 = mindspore.bfloat16
 #: Tensors of every case that no strategy lists (replicated on every rank).
@@ -55,15 +55,6 @@ def _save(tensors: dict[str, mindspore.Tensor], path: Path, fmt: str) -> None:
     mindspore.save_checkpoint([{"name": k, "data": v} for k, v in tensors.items()], str(path), format=fmt)
 
 
-def _strategy_for_mindspore(directory: Path, paths: list[str]) -> str:
-    """MindSpore's tools take one file: a stage file, or the stages merged by merge_pipeline_strategys."""
-    if len(paths) == 1:
-        return paths[0]
-    merged = str(directory / "merged.ckpt")
-    mindspore.parallel.merge_pipeline_strategys(str(Path(paths[0]).parent), merged)
-    return merged
-
-
 class Job:
     """One case: strategy files, the full tensors and the per-rank files MindSpore made from them.
 
@@ -77,7 +68,7 @@ class Job:
         self.root, self.fmt, self.case = root, fmt, CASES[case_name]
         self.full = _full_tensors(case_name)
         self.stage_files = write_case(root / "strategy", self.case)
-        self.ms_strategy = _strategy_for_mindspore(root, self.stage_files)
+        self.ms_strategy = strategy_for_mindspore(root, self.stage_files)
         _save(self.full, root / "full" / "rank_0" / "full.ckpt", "ckpt")
         self.ranks = root / "ranks"
         mindspore.parallel.transform_checkpoints(str(root / "full"), str(self.ranks), "checkpoint_", None,

@@ -67,7 +67,9 @@ class IndexObjects:
         except CheckpointError:
             raise
         except Exception as exc:  # pylint: disable=broad-except
-            raise CheckpointIOError(f"reading index object {self.url}/{name} failed: {exc}") from exc
+            if not self._empty(location):  # S3 refuses a range of an empty object: a damaged index, not the store
+                raise CheckpointIOError(f"reading index object {self.url}/{name} failed: {exc}") from exc
+            data = b""
         if data is None:
             if self._replaced():
                 raise CheckpointNotFoundError(
@@ -80,6 +82,13 @@ class IndexObjects:
             raise UnsafeCheckpointError(f"{self.url}/{name}: index of over {MAX_INDEX_BYTES} bytes is larger than "
                                         "allowed; refused")
         return data
+
+    def _empty(self, location: str) -> bool:
+        """True when object ``location`` exists and holds no byte."""
+        try:
+            return self.fs.info(location).get("size") == 0
+        except Exception:  # pylint: disable=broad-except
+            return False
 
     def _replaced(self) -> bool:
         """True when the committed metadata is gone or names another save than :attr:`save_id`."""
