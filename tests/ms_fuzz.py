@@ -67,7 +67,8 @@ class FuzzCase:
     #: Format of the source rank files handed to the import, and of the exported files.
     import_format: str = "ckpt"
     export_format: str = "ckpt"
-    #: Format of the strategy files hyper_parallel reads (MindSpore's tools always get protobuf).
+    #: The strategy hyper_parallel reads: ``ckpt`` / ``json`` stage files, ``merged`` (one file by
+    #: merge_pipeline_strategys) or ``directory`` (MindSpore's tools always get protobuf).
     strategy_format: str = "ckpt"
     #: Whether every parameter has an optimizer state ``adam_m.<name>`` sliced like it.
     states: bool = False
@@ -180,7 +181,7 @@ def make_case(seed: int) -> FuzzCase:
         cuts = zip(_splits(src, name, ndim), _splits(dst, name, ndim))
         shapes[name] = tuple(math.lcm(a, b) * int(rng.choice([1, 2, 3])) for a, b in cuts)
     import_format, export_format = (str(f) for f in rng.choice(["ckpt", "ckpt", "safetensors"], size=2))
-    strategy_format = str(rng.choice(["ckpt", "ckpt", "json"]))
+    strategy_format = str(rng.choice(["ckpt", "ckpt", "json", "merged", "directory"]))
     if rng.random() < 0.15:  # sized for the source job only: the destination may not split evenly
         sizes = np.random.default_rng(seed + 7)
         shapes = {name: tuple(cut * int(sizes.choice([1, 3, 5])) for cut in _splits(src, name, ndim))
@@ -337,6 +338,15 @@ def _load_ours(path: Path) -> dict[str, np.ndarray]:
     return {k: np.asarray(v) for k, v in targets.items()}
 
 
+def _strategy_source(directory: Path, job: StrategyCase, how: str) -> list[str]:
+    """The strategy hyper_parallel is given: per-stage protobuf or JSON files, the stages merged by
+    ``merge_pipeline_strategys`` into one file, or the directory of the stage files."""
+    paths = write_case(directory, job, fmt="json" if how == "json" else "ckpt")
+    if how == "merged":
+        return [strategy_for_mindspore(directory.parent / f"{directory.name}_merged", paths)]
+    return [str(directory)] if how == "directory" else paths
+
+
 def splits_evenly(job: StrategyCase, shapes: dict[str, tuple[int, ...]]) -> bool:
     """Whether ``job`` cuts every tensor of ``shapes`` into equal pieces."""
     return all(size % cut == 0 for name, shape in shapes.items()
@@ -402,8 +412,8 @@ def run_case(case: FuzzCase, root: Path) -> Outcome:
     full = {k: v.asnumpy() for k, v in tensors.items()}
     ms_src, ms_dst = (strategy_for_mindspore(root / where, write_case(root / where, _with_states(job, case.states)))
                       for where, job in (("src_strategy", case.src), ("dst_strategy", case.dst)))
-    src_files = write_case(root / "src_ours", case.src, fmt=case.strategy_format)
-    dst_files = write_case(root / "dst_ours", case.dst, fmt=case.strategy_format)
+    src_files, dst_files = (_strategy_source(root / where, job, case.strategy_format)
+                            for where, job in (("src_ours", case.src), ("dst_ours", case.dst)))
     (root / "full" / "rank_0").mkdir(parents=True)
     mindspore.save_checkpoint([{"name": k, "data": v} for k, v in tensors.items()],
                               str(root / "full" / "rank_0" / "full.ckpt"))
