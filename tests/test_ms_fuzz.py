@@ -44,7 +44,8 @@ def _features(seed: int) -> set[str]:
 def test_the_seeds_cover_every_feature():
     covered = set().union(*(_features(seed) for seed in SEEDS))
     wanted = set(DTYPES) | {
-        "import safetensors", "export safetensors", "strategy json", "strategy merged", "strategy directory", "1 stages", "2 stages", "4 stages",
+        "import safetensors", "export safetensors", "strategy json", "strategy merged", "strategy directory",
+        "1 stages", "2 stages", "4 stages",
         "optimizer parallel", "dim over several mesh dims", "replicated dim", "0-D", "4-D", "uneven destination",
         "optimizer states", "a mesh dim of 8 or more", "a mesh dim of 3 or 6", "3 stages",
     }
