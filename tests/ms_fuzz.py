@@ -363,16 +363,21 @@ def _must_refuse(case: FuzzCase, root: Path, src_files: list[str], dst_files: li
     uneven = sorted(name for name, shape in case.shapes.items()
                     if any(size % cut for size, cut in zip(shape, _splits(case.dst, name, len(shape)))))
     uneven += [STATE + name for name in uneven] if case.states else []
-    import_checkpoint(root / "src", root / "ours", strategy_files=src_files)
+    try:
+        import_checkpoint(root / "src", root / "ours", strategy_files=src_files)
+    except CheckpointError as exc:
+        outcome.refused = f"import: {type(exc).__name__}: {exc}"
+        return outcome
     full = _load_ours(root / "ours")
+    names = [repr(name) for name in full]
     paths = {"export": lambda: export_mindspore(root / "ours", root / "out", strategy_files=dst_files),
              "layouts_from_strategy box": lambda: _boxes(dst_files, full, case.dst.world_size)}
     for what, run in paths.items():
         try:
             run()
         except CheckpointError as exc:
-            if not any(repr(name) in str(exc) for name in uneven):
-                outcome.defects.append(f"{what} refused an uneven destination without naming {uneven}: {exc}")
+            if not any(name in str(exc) for name in names):  # another tensor may be refused first
+                outcome.defects.append(f"{what} refused an uneven destination without naming a tensor: {exc}")
         else:
             outcome.defects.append(f"{what} accepted a destination that splits {uneven} unevenly")
     outcome.refused = f"uneven destination for {uneven} (expected)"
