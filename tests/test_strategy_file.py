@@ -213,6 +213,25 @@ def test_optimizer_parallel_out_of_mesh_order_is_refused_with_mindspores_disagre
         assert part in text, (part, text)
 
 
+@pytest.mark.parametrize("mesh,size", [((3, 2), 3), ((2, 3), 2), ((3, 2, 2), 3)])
+def test_replicated_tensor_optimizer_pieces_by_rank_modulo_size_as_mindspore(tmp_path, mesh, size):
+    """A replicated tensor whose optimizer-parallel size does not fill the replica dims from the inside
+    (size 3 over dims (3, 2)): MindSpore's transform_checkpoints gives rank r the piece r % size."""
+    path = write_strategy_file(tmp_path / "s.ckpt", (
+        ParamStrategy("w", mesh, (-1, -1), opt_weight_shard_step=1, opt_weight_shard_size=size),))
+    full = _full((12, 2))
+    (tmp_path / "full" / "rank_0").mkdir(parents=True)
+    mindspore.save_checkpoint([{"name": "w", "data": mindspore.Tensor(full)}],
+                              str(tmp_path / "full" / "rank_0" / "full.ckpt"))
+    mindspore.parallel.transform_checkpoints(str(tmp_path / "full"), str(tmp_path / "ranks"), "c", None, str(path))
+    rows = 12 // size
+    for rank in range(math.prod(mesh)):
+        mindspores = mindspore.load_checkpoint(str(tmp_path / "ranks" / f"rank_{rank}" / f"c{rank}.ckpt"))["w"]
+        ours = _cut(layouts_from_strategy(path, rank=rank)["w"], full, rank)
+        np.testing.assert_array_equal(ours, mindspores.asnumpy())
+        np.testing.assert_array_equal(ours, full[rank % size * rows:(rank % size + 1) * rows])
+
+
 def test_even_param_split_shape_and_field_one_are_exact(tmp_path):
     path = write_strategy_file(tmp_path / "s.ckpt", (
         ParamStrategy("even", (4,), (0, -1), param_split_shape=(2, 2, 2, 2), indices_offset=(0, 2, 4, 6)),

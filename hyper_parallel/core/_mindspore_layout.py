@@ -19,7 +19,9 @@ The semantics follow MindSpore's own checkpoint tools
   replica mesh dims taken from the innermost one outwards; a replica dim larger
   than what is still needed is itself cut into (outer, inner) and only its inner
   part is used. A :class:`Layout` expresses that exactly by refining the mesh
-  (cutting a dim into two keeps the row-major rank order).
+  (cutting a dim into two keeps the row-major rank order). A tensor replicated
+  over every mesh dim (all > 1, step 1) whose size does not fill the dims that
+  way gets MindSpore's piece ``rank % size``: mesh ``(N / size, size)``.
 * ``param_split_shape`` / ``indices_offset`` describe uneven dim-0 slices: equal
   sizes are accepted, anything else is refused.
 * ``field`` (a row interleave used by sparse embedding tables) maps exactly only
@@ -166,6 +168,12 @@ class MindSporeLayoutRecord:
                 "MindSpore's transform_checkpoints and load_distributed_checkpoint place these slices differently",
                 fix="save the job's checkpoint with this parameter's optimizer parallel off "
                     "(Parameter.parallel_optimizer = False) or its tensor_map's mesh dims in mesh order")
+        total = math.prod(mesh)
+        if not used and all(d > 1 for d in mesh) and self.opt_weight_shard_step == 1 and total % wanted == 0 \
+                and not self._replicas_cut_evenly(mesh, repeated, wanted):
+            # A replicated tensor: MindSpore gives rank r the dim-0 piece r % size (transform_checkpoints'
+            # layout for replicas over every mesh dim), which no cut of the mesh dims expresses.
+            return [total // wanted, wanted], [[1]] + [[] for _ in dims[1:]]
         # position -> new index, after cutting dims; collect opt dims inner to outer.
         new_mesh = list(mesh)
         index_of = list(range(len(mesh)))
@@ -199,6 +207,19 @@ class MindSporeLayoutRecord:
         new_dims = [[index_of[m] for m in split] for split in dims]
         new_dims[0] = new_dims[0] + opt_dims
         return new_mesh, new_dims
+
+    @staticmethod
+    def _replicas_cut_evenly(mesh: list[int], repeated: list[int], wanted: int) -> bool:
+        """Whether ``wanted`` optimizer pieces fill the replica dims from the innermost outwards."""
+        for m in reversed(repeated):
+            if wanted == 1:
+                return True
+            if wanted < mesh[m]:
+                return mesh[m] % wanted == 0
+            if wanted % mesh[m]:
+                return False
+            wanted //= mesh[m]
+        return wanted == 1
 
     @staticmethod
     def _mp_dims_in_mesh_order(dims: list[list[int]]) -> bool:
