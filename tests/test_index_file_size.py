@@ -39,6 +39,13 @@ def _refused_lean(checkpoint_id, index_name: str, *, max_peak: int | None) -> No
     assert max_peak is None or peak < max_peak, f"refusing a grown index file allocated {peak:,} bytes"
 
 
+def _loads_whole(checkpoint) -> None:
+    """The checkpoint (its index restored) loads the whole state again."""
+    whole = {"w": np.zeros_like(FULL), "step": 0}
+    dcp.load(whole, checkpoint_id=checkpoint, no_dist=True)
+    assert np.array_equal(whole["w"], FULL) and whole["step"] == 4
+
+
 def test_a_grown_index_file_is_refused_without_reading_it(tmp_path):
     path = tmp_path / "c"
     simulate_save(_states(4), path, writer_options={"metadata_form": "indexed"})
@@ -49,9 +56,7 @@ def test_a_grown_index_file_is_refused_without_reading_it(tmp_path):
     _refused_lean(path, name, max_peak=8 << 20)  # the file is 512 MiB
     with open(path / name, "r+b") as handle:  # back to its recorded bytes: the checkpoint loads again
         handle.truncate(record["length"])
-    whole = {"w": np.zeros_like(FULL), "step": 0}
-    dcp.load(whole, checkpoint_id=path, no_dist=True)
-    assert np.array_equal(whole["w"], FULL) and whole["step"] == 4
+    _loads_whole(path)
 
 
 def test_a_grown_index_object_is_refused_without_reading_it(s3_url):  # noqa: F811
@@ -67,9 +72,7 @@ def test_a_grown_index_object_is_refused_without_reading_it(s3_url):  # noqa: F8
     # fetching the whole object would add a second.
     _refused_lean(s3_url, name, max_peak=grown * 7 // 5)
     fs.pipe_file(f"{root}/{name}", original)
-    whole = {"w": np.zeros_like(FULL), "step": 0}
-    dcp.load(whole, checkpoint_id=s3_url, no_dist=True)
-    assert np.array_equal(whole["w"], FULL) and whole["step"] == 4
+    _loads_whole(s3_url)
 
 
 def test_an_emptied_index_object_is_named_damaged_not_unreachable(s3_url):  # noqa: F811
