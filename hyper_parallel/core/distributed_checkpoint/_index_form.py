@@ -15,7 +15,12 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from hyper_parallel.core.distributed_checkpoint._format.grid_holders import GridHolders, fit_holders, grid_position
+from hyper_parallel.core.distributed_checkpoint._format.grid_holders import (
+    GridHolders,
+    fit_holders,
+    flat_position,
+    grid_position,
+)
 from hyper_parallel.core.distributed_checkpoint._format.indexed_storage import IndexedStorage
 from hyper_parallel.core.distributed_checkpoint._format.rank_index import IndexRecord, encode_rank_index
 from hyper_parallel.core.distributed_checkpoint._grid_chunks import GridChunks
@@ -135,10 +140,7 @@ def build_indexed(metadata: Metadata, results: Sequence[Sequence[WriteResult]], 
             if grid is None:
                 inline.setdefault(MetadataIndex(fqn, offset), result.storage_data)
                 continue
-            position = grid_position(offset, grid.chunk_sizes, grid.splits)
-            flat = 0
-            for index, count in zip(position, grid.splits):
-                flat = flat * count + index
+            flat = flat_position(grid_position(offset, grid.chunk_sizes, grid.splits), grid.splits)
             if holder_lists[fqn][flat] < 0:
                 holder_lists[fqn][flat] = rank
                 per_rank.setdefault(rank, {})[(fqn, offset)] = result.storage_data

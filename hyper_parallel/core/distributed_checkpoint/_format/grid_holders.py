@@ -19,7 +19,7 @@ import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["MAX_GRID_CHUNKS", "GridHolders", "fit_holders", "grid_position", "holders_from_json", "splits_from_json"]
+__all__ = ["MAX_GRID_CHUNKS", "GridHolders", "fit_holders", "flat_position", "grid_position", "holders_from_json", "splits_from_json"]
 
 #: Most chunks one grid tensor may declare (larger is refused as hostile).
 MAX_GRID_CHUNKS = 1 << 24
@@ -44,10 +44,7 @@ class GridHolders:
     def holder(self, position: Sequence[int]) -> int:
         """The rank holding the chunk at grid index ``position``. Any rank; pure."""
         if self.ranks:
-            flat = 0
-            for index, count in zip(position, self.splits):
-                flat = flat * count + index
-            return self.ranks[flat]
+            return self.ranks[flat_position(position, self.splits)]
         return self.base + sum(i * s for i, s in zip(position, self.strides))
 
     def rank_range(self) -> tuple[int, int]:
@@ -65,6 +62,14 @@ class GridHolders:
         if self.ranks:
             return {"holders": list(self.ranks)}
         return {"holder_base": self.base, "holder_strides": list(self.strides)}
+
+
+def flat_position(position: Sequence[int], splits: Sequence[int]) -> int:
+    """The row-major number of grid index ``position`` in a grid of ``splits``. Pure."""
+    flat = 0
+    for index, count in zip(position, splits):
+        flat = flat * count + index
+    return flat
 
 
 def grid_position(offsets: Sequence[int], chunk_sizes: Sequence[int], splits: Sequence[int]) -> tuple[int, ...] | None:
