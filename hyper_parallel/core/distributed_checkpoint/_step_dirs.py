@@ -23,6 +23,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError, C
 from hyper_parallel.core.distributed_checkpoint._fsspec_writer import is_object_url
 from hyper_parallel.core.distributed_checkpoint._object_steps import ObjectStepRoot
 from hyper_parallel.core.distributed_checkpoint._save_lease import live_lease_in
+from hyper_parallel.core.distributed_checkpoint.storage import local_directory
 
 __all__ = ["StepDirectories"]
 
@@ -57,7 +58,7 @@ class StepDirectories:
             self.objects = ObjectStepRoot(str(root), metadata_file)
             self.root: Path | str = self.objects.url
         else:
-            self.root = Path(os.fspath(root))
+            self.root = local_directory(root)
         self._pattern = re.compile(re.escape(step_prefix) + r"(\d+)")
         self._verified: dict[int, object] = {}  # step -> stat (or object tag) of its checked metadata
 

@@ -56,7 +56,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import METADATA_FILE, rank_metadata_file
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
-from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, StorageReader
+from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, local_directory, StorageReader
 
 __all__ = ["FileSystemReader", "MAX_METADATA_BYTES", "DEFAULT_MAX_INFLIGHT_BYTES"]
 
@@ -99,7 +99,7 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
     ) -> None:
         check_option("thread_count", thread_count, int, minimum=1)
         check_option("max_inflight_bytes", max_inflight_bytes, int, minimum=1)
-        self.path = Path(os.fspath(path))
+        self.path = local_directory(path)
         self.verify_checksums = verify_checksums
         self.thread_count = thread_count
         self.max_inflight_bytes = max_inflight_bytes
@@ -130,7 +130,7 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
     def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
         """Start a new load, optionally from another directory. All ranks."""
         if checkpoint_id is not None:
-            self.path = Path(os.fspath(checkpoint_id))
+            self.path = local_directory(checkpoint_id)
         self.metadata_file = self._configured_metadata_file
         self.metadata = None
         self.bytes_read = 0

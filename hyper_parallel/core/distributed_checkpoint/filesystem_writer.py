@@ -77,7 +77,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
 )
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import metadata_to_json
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner
-from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, StorageWriter, WriteResult
+from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, local_directory, StorageWriter, WriteResult
 
 __all__ = [
     "AUTO_THREAD_BYTES",
@@ -184,7 +184,7 @@ class FileSystemWriter(StorageWriter):
             raise CheckpointValueError(f"compression must be None or 'zstd', got {compression!r}")
         if compression:
             zstd_module()
-        self.path = Path(os.fspath(path))
+        self.path = local_directory(path)
         self.sync_files = sync_files
         self.thread_count = thread_count
         self.checksum_block_bytes = checksum_block_bytes
@@ -214,7 +214,7 @@ class FileSystemWriter(StorageWriter):
     def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
         """Start a new save (new save id), optionally to a new path. All ranks."""
         if checkpoint_id is not None:
-            self.path = Path(os.fspath(checkpoint_id))
+            self.path = local_directory(checkpoint_id)
         self.save_id = uuid.uuid4().hex[:12]
 
     def set_up_storage_writer(

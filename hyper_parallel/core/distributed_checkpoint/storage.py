@@ -15,6 +15,7 @@ import abc
 import os
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Union
 
 from hyper_parallel.core.distributed_checkpoint._format.consistency import check_consistency
@@ -24,6 +25,7 @@ from hyper_parallel.core.distributed_checkpoint.planner import LoadPlan, LoadPla
 
 __all__ = [
     "CheckpointId",
+    "local_directory",
     "WriteResult",
     "StorageWriter",
     "StorageReader",
@@ -67,6 +69,17 @@ def check_metadata(metadata: Metadata, *, source: str = "metadata") -> None:
 
 #: What callers may pass as ``checkpoint_id``.
 CheckpointId = Union[str, os.PathLike]
+
+
+def local_directory(checkpoint_id: CheckpointId) -> Path:
+    """The absolute path of a local checkpoint id, resolved against the working directory once, when given.
+
+    Any rank; no file access. A relative id names the directory it named when the save, load or manager was
+    set up: a script that changes its working directory later (before an async save's background writing, or
+    between two saves of a manager) neither writes into nor deletes steps of another directory of that name.
+    Symlinks are kept (not resolved).
+    """
+    return Path(os.path.abspath(os.fspath(checkpoint_id)))
 
 
 @dataclass(frozen=True)
