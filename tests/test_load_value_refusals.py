@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import mindspore as ms
 import numpy as np
@@ -85,3 +86,65 @@ def test_value_of_an_unregistered_type_refused_before_any_tensor_lands(tmp_path:
     message = str(refused.value)
     assert "'ratio'" in message and "test.safety9.fraction" in message and "no target was changed" in message
     assert target["ratio"] is None
+
+
+class Fraction:
+    def __init__(self, num: int, den: int) -> None:
+        self.num, self.den = num, den
+
+
+class _StrictFractionHandler(dcp.TypeHandler):
+    """Decodes only reduced fractions (a user handler that raises on some stored bytes)."""
+
+    type_string = "test.safety10.fraction"
+
+    def serialize(self, value: Fraction) -> bytes:
+        return f"{value.num}/{value.den}".encode()
+
+    def deserialize(self, data: bytes) -> Fraction:
+        num, den = map(int, data.decode().split("/"))
+        if den % num == 0 and num != 1:
+            raise ValueError(f"{num}/{den} is not reduced")
+        return Fraction(num, den)
+
+
+def _saved_with_fraction(path: Path, value: Any) -> dict:
+    state = {"w": np.arange(64 * 32, dtype=np.float32).reshape(64, 32), "big": np.arange(1 << 18, dtype=np.float32),
+             "step": 7, "ratio": value}
+    dcp.save(state, checkpoint_id=path)
+    return state
+
+
+def test_a_type_handler_failing_to_decode_changes_no_target(tmp_path: Path) -> None:
+    """The handler's error came after the tensors had landed: the load raised half-applied (the weights of the
+    checkpoint, the step and values of before)."""
+    dcp.register_type_handler(Fraction, _StrictFractionHandler(), override=True)
+    state = _saved_with_fraction(tmp_path, Fraction(2, 4))
+    target = {**_targets(), "ratio": None}
+    with pytest.raises(dcp.CorruptCheckpointError, match="'ratio'.*not reduced"):
+        dcp.load(target, checkpoint_id=tmp_path)
+    _unchanged(target)
+    assert target["ratio"] is None
+    for single_replica_read in (False, True):
+        dcp.save({**state, "ratio": Fraction(1, 3)}, checkpoint_id=tmp_path / "good")
+        target = {**_targets(), "ratio": None}
+        dcp.load(target, checkpoint_id=tmp_path / "good",
+                 planner=StandardLoadPlanner(single_replica_read=single_replica_read))
+        np.testing.assert_array_equal(target["w"].asnumpy(), state["w"])
+        np.testing.assert_array_equal(target["big"], state["big"])
+        assert (target["ratio"].num, target["ratio"].den, target["step"]) == (1, 3, 7)
+
+
+def test_a_nested_leaf_of_an_unknown_type_changes_no_target(tmp_path: Path) -> None:
+    """A ShardedObject's container holding a value whose type string this process does not know: refused only
+    when decoded, after the tensors had landed."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    script = _SAVE_WITH_A_HANDLER.replace('"ratio": Fraction(1, 3)}', '"ratio": dcp.ShardedObject(\n'
+                                          '    "ratio", {"r": [Fraction(1, 3)]}, (1,), (0,))}')
+    assert script != _SAVE_WITH_A_HANDLER
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, check=True, timeout=300)
+    target = {**_targets(), "ratio": dcp.ShardedObject("ratio", None, (1,), (0,))}
+    with pytest.raises(dcp.UnsupportedFormatError, match="'ratio'.*test.safety9.fraction"):
+        dcp.load(target, checkpoint_id=tmp_path)
+    _unchanged(target)
+    assert target["ratio"].data is None

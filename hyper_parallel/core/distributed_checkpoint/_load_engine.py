@@ -125,7 +125,15 @@ def _plan_and_read(
     plan = planner.finalize_plan(received if received is not None else local_plans[0])
     # Every rank verifies every byte it will read before any rank copies one:
     # a corrupt checkpoint fails the load with every target unchanged.
-    dist.agree("verify", lambda: reader.verify_data(plan).result())
+    # Then the values: one that cannot be decoded fails the load before any tensor lands (all or nothing).
+    values = planner.value_reads(plan)
+
+    def verify_step() -> None:
+        reader.verify_data(plan).result()
+        if values.items:
+            reader.read_data(values, planner).result()
+
+    dist.agree("verify", verify_step)
     rounds = planner.read_rounds(plan)
     for index, round_plan in enumerate(rounds):
         _read_round(dist, reader, planner, round_plan, index, last=index == len(rounds) - 1)

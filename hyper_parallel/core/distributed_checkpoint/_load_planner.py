@@ -54,6 +54,7 @@ __all__ = ["StandardLoadPlanner"]
 
 _LOG = logging.getLogger(__name__)
 _SHOWN_REFUSALS = 5
+_NO_READS = LoadPlan(items=())
 
 
 def _shown(keys: list[str], limit: int = 20) -> str:
@@ -364,6 +365,11 @@ class StandardLoadPlanner(LoadPlanner):
         self._values[name] = array
         return self._tensor_reads(name, entry, stored)
 
+    def value_reads(self, plan: LoadPlan) -> LoadPlan:
+        """The value items of ``plan``, read and decoded before any tensor (see :meth:`LoadPlanner.value_reads`).
+        All ranks."""
+        return super().value_reads(plan) if self._value_names else _NO_READS
+
     def build_global_plan(self, all_plans: list[LoadPlan]) -> list[LoadPlan]:
         """Keep every rank's plan, or share replicated reads. Coordinator only."""
         if not self.shares_reads:
@@ -470,6 +476,8 @@ class StandardLoadPlanner(LoadPlanner):
             slot, round_index = self._exchange.send[region_key(read_item)]
             self._outbox[slot] = (round_index, value)
         name = self._value_names[(fqn, tuple(read_item.dest_index.offset))]
+        if name in self._values:  # decoded before the tensors were read (value_reads), now read again
+            return
         self._values[name] = deserialize_value(
             stored.type_name, value, key=fqn, allow_pickle=self.allow_pickle
         )

@@ -17,12 +17,13 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Any
 
-from hyper_parallel.core.distributed_checkpoint.planner import LoadPlan, ReadItem
+from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 __all__ = ["ReadExchange", "RegionKey", "region_key", "plan_single_replica_reads"]
 
 #: A stored region: (fqn, chunk offset, offsets in the chunk, lengths, kind).
 RegionKey = tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...], str]
+_VALUE = LoadItemType.BYTE_IO.value
 
 
 def region_key(item: ReadItem) -> RegionKey:
@@ -66,7 +67,8 @@ def plan_single_replica_reads(all_plans: list[LoadPlan], *, round_bytes: int, it
             holders[region_key(item)].append((rank, position))
     load = [0] * len(all_plans)
     reader: dict[RegionKey, int] = {}
-    shared = sorted((k for k, v in holders.items() if len({r for r, _ in v}) > 1),
+    # Values are not shared: each rank decodes its own before any tensor lands (LoadPlanner.value_reads).
+    shared = sorted((k for k, v in holders.items() if len({r for r, _ in v}) > 1 and k[4] != _VALUE),
                     key=lambda k: -item_bytes(all_plans[holders[k][0][0]].items[holders[k][0][1]]))
     for key, ranks in holders.items():
         if len({r for r, _ in ranks}) == 1:

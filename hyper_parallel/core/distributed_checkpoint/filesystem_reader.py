@@ -317,7 +317,8 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
                 for group in work:
                     for _, file_items in group:
                         self._verified.update(map(id, file_items))
-                self._plan_checked = items
+                if work or self._plan_checked is None:  # a part of a checked plan (its values) keeps the plan
+                    self._plan_checked = items
             release_scratch()  # do not keep the caller thread's scratch after the load
             future.set_result(None)
         except OSError as exc:

@@ -275,6 +275,16 @@ class LoadPlanner(abc.ABC):
     def finish_load(self) -> None:  # noqa: B027 - optional hook
         """Called on all ranks after every item was read (commit staged values)."""
 
+    def value_reads(self, plan: LoadPlan) -> LoadPlan:
+        """The non-tensor items of this rank's final plan, which ``load`` reads before any tensor item.
+
+        ``load`` reads them (``read_data``, so ``apply_bytes`` decodes them) right after the verify step, so a
+        value this load cannot decode (a type handler failing, a nested leaf of an unknown type) fails it on
+        every rank before any target tensor changed. The reader then reads the whole plan, these items again
+        (a planner may ignore a value it already took). Called on all ranks after ``finalize_plan``.
+        """
+        return LoadPlan(items=tuple(item for item in plan.items if item.type is LoadItemType.BYTE_IO))
+
     def direct_targets(self) -> dict[int, tuple[ReadItem, np.ndarray]]:
         """Optional hook: the final plan's items the reader may read straight into memory, by ``id`` of the item.
 
