@@ -226,8 +226,9 @@ class StandardLoadPlanner(LoadPlanner):
                 if refusal is not None:
                     refused.append(refusal)
             entries[name] = entry
+        problems.extend(_aliased_targets(self.flat.aliases, stored_of, stored_aliases, entries))
         if problems:
-            raise CheckpointValueError("; ".join(problems))
+            raise CheckpointValueError(f"rank {rank}: " + "; ".join(problems))
         if refused:
             _refuse_values(refused, rank)
         if self.missing_keys:
@@ -503,6 +504,45 @@ class StandardLoadPlanner(LoadPlanner):
             set_by_path(self.state_dict, self.flat.paths[name], self._entries[name].value)
         for name, value in self._values.items():  # values decoded, tensors a placeholder received
             set_by_path(self.state_dict, self.flat.paths[name], value)
+
+
+def _aliased_targets(aliases: dict[str, str], stored_of: dict[str, Any], stored_aliases: dict[str, str],
+                     entries: dict[str, Any]) -> list[str]:
+    """The state-dict entries that would load two stored values into one memory (one would silently win).
+
+    A Parameter reached at two paths is loaded once, under its first path: refused when the checkpoint stores the
+    later path as a tensor of its own (two values for one Parameter). Other target tensors: the same object at two
+    paths, or numpy views of one array whose memory overlaps.
+    """
+    problems = [
+        f"state_dict paths '{name}' and '{key}' are the same Parameter, but the checkpoint stores '{name}' and "
+        f"'{stored_aliases.get(key, key)}' as two tensors: only one of them could land in it; load them into two "
+        "Parameters, or leave one path out of the state dict"
+        for name, key in aliases.items() if name in stored_of and name != key
+    ]
+    first: dict[int, str] = {}
+    views: dict[int, list[tuple[str, np.ndarray]]] = {}
+    for name, entry in entries.items():
+        if type(entry) is not TensorEntry:  # pylint: disable=unidiomatic-typecheck
+            continue
+        local = entry.local
+        other = first.setdefault(id(local), name)
+        if other is not name:
+            problems.append(f"state_dict entries '{other}' and '{name}' are the same tensor object: it can hold "
+                            "one stored value, the other would silently win; pass a tensor of its own for each key")
+        elif type(local) is np.ndarray:  # pylint: disable=unidiomatic-typecheck
+            root = local
+            while isinstance(root.base, np.ndarray):
+                root = root.base
+            views.setdefault(id(root), []).append((name, local))
+    for group in views.values():
+        for position, (name, array) in enumerate(group):
+            for other, other_array in group[:position]:
+                if np.shares_memory(array, other_array):
+                    problems.append(
+                        f"state_dict entries '{other}' and '{name}' are numpy arrays whose memory overlaps: the "
+                        "overlap can hold one stored value, the other would silently win; pass separate arrays")
+    return problems
 
 
 def _refuse_values(refused: list[CheckpointError], rank: int) -> None:

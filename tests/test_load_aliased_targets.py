@@ -1,0 +1,64 @@
+"""Two keys of a load whose targets are one memory are refused while planning: one stored value would silently
+win over the other (last writer), and no target changes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Parameter, Tensor
+
+import hyper_parallel.core.distributed_checkpoint as dcp
+
+ms.set_device("CPU")
+
+
+@pytest.fixture(name="saved")
+def _saved(tmp_path: Path) -> Path:
+    dcp.save({"a": np.full(4, 1, np.float32), "b": np.full(4, 2, np.float32), "step": 5}, checkpoint_id=tmp_path)
+    return tmp_path
+
+
+def test_one_parameter_at_two_keys_stored_apart_is_refused(saved: Path) -> None:
+    weight = Parameter(Tensor(np.zeros(4, np.float32)), name="w")
+    target = {"a": weight, "b": weight, "step": 0}
+    with pytest.raises(dcp.CheckpointValueError) as refused:
+        dcp.load(target, checkpoint_id=saved)
+    message = str(refused.value)
+    assert "'a'" in message and "'b'" in message and "same Parameter" in message and "rank 0" in message
+    assert not weight.asnumpy().any() and target["step"] == 0
+
+
+def test_one_array_or_tensor_at_two_keys_is_refused(saved: Path) -> None:
+    for shared in (np.zeros(4, np.float32), Tensor(np.zeros(4, np.float32))):
+        target = {"a": shared, "b": shared, "step": 0}
+        with pytest.raises(dcp.CheckpointValueError, match="'a' and 'b' are the same tensor object"):
+            dcp.load(target, checkpoint_id=saved)
+        assert not np.asarray(shared.asnumpy() if isinstance(shared, Tensor) else shared).any()
+
+
+def test_overlapping_numpy_views_are_refused_separate_ones_load(saved: Path) -> None:
+    buffer = np.zeros(8, np.float32)
+    with pytest.raises(dcp.CheckpointValueError, match="'a' and 'b' are numpy arrays whose memory overlaps"):
+        dcp.load({"a": buffer[:4], "b": buffer[2:6]}, checkpoint_id=saved)
+    assert not buffer.any()
+    rows = np.zeros((2, 4), np.float32)
+    with pytest.raises(dcp.CheckpointValueError, match="memory overlaps"):  # views through different chains
+        dcp.load({"a": rows[0], "b": rows.reshape(8)[2:6]}, checkpoint_id=saved)
+    assert not rows.any()
+    dcp.load({"a": buffer[:4], "b": buffer[4:]}, checkpoint_id=saved)  # views that do not overlap
+    np.testing.assert_array_equal(buffer, [1, 1, 1, 1, 2, 2, 2, 2])
+    interleaved = np.zeros(8, np.float32)
+    dcp.load({"a": interleaved[::2], "b": interleaved[1::2]}, checkpoint_id=saved)
+    np.testing.assert_array_equal(interleaved, [1, 2] * 4)
+
+
+def test_a_parameter_saved_once_under_two_paths_still_loads(tmp_path: Path) -> None:
+    """The network's weight also in its optimizer's state is stored once (an alias): loading both paths is fine."""
+    weight = Parameter(Tensor(np.arange(4, dtype=np.float32)), name="w")
+    dcp.save({"model": {"w": weight}, "optim": {"w": weight}}, checkpoint_id=tmp_path)
+    target = Parameter(Tensor(np.zeros(4, np.float32)), name="w")
+    dcp.load({"model": {"w": target}, "optim": {"w": target}}, checkpoint_id=tmp_path)
+    np.testing.assert_array_equal(target.asnumpy(), np.arange(4, dtype=np.float32))
