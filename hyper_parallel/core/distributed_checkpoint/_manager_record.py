@@ -22,7 +22,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from hyper_parallel.core.distributed_checkpoint._file_ops import write_atomically
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
@@ -154,13 +154,21 @@ def _sweep_partials(root: Path, name: str) -> None:
 
 
 class _Session:
-    """The record while the lock is held: read once, changed, written at the end."""
+    """The record while the lock is held: read once, changed, written by :meth:`flush` and at the end."""
 
-    def __init__(self, record: ManagerRecord) -> None:
+    def __init__(self, record: ManagerRecord, write: Callable[[ManagerRecord], None]) -> None:
         self.record = record
+        self.written = record  # what the stored record holds
+        self._write = write
 
     def update(self, **changes: Any) -> None:
         self.record = dataclasses.replace(self.record, **changes)
+
+    def flush(self) -> None:
+        """Write the record now if it changed (e.g. before steps are deleted: a crash then loses no promise)."""
+        if self.record != self.written:
+            self._write(self.record)
+            self.written = self.record
 
 
 @contextlib.contextmanager
@@ -171,11 +179,9 @@ def locked_record(root: Path, name: str = RECORD_FILE) -> Iterator[_Session]:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         try:
             _sweep_partials(root, name)
-            before = read_record(root, name)
-            session = _Session(before)
+            session = _Session(read_record(root, name), lambda record: _write(root, record, name))
             yield session
-            if session.record != before:
-                _write(root, session.record, name)
+            session.flush()
         finally:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
@@ -188,11 +194,10 @@ def object_record(fs: Any, root: str, url: str, name: str = RECORD_FILE) -> Iter
     retaining on one prefix at the same moment may lose one's update (one manager per root). Arguments and
     errors as :func:`read_object_record`.
     """
-    before = read_object_record(fs, root, url, name)
-    session = _Session(before)
+    session = _Session(read_object_record(fs, root, url, name),
+                       lambda record: fs.pipe_file(f"{root}/{name}", _encode(record)))
     yield session
-    if session.record != before:
-        fs.pipe_file(f"{root}/{name}", _encode(session.record))
+    session.flush()
 
 
 def read_object_record(fs: Any, root: str, url: str, name: str = RECORD_FILE) -> ManagerRecord:

@@ -427,8 +427,12 @@ class CheckpointManager:
                 recorded=record.record.steps, committing=committing, now=time.time(),
             )
             steps = dict(plan.steps)
+            record.update(policy=self.policy, steps=dict(steps))
+            # The step just saved (its metrics, a keep-forever promise) is recorded before anything is deleted: a
+            # crash while deleting leaves records of deleted steps (ignored), never a kept step without its record.
+            record.flush()
             for step in plan.doomed if prune else ():
                 if self._steps.delete(step):
                     steps.pop(step, None)
-            record.update(policy=self.policy, steps=steps)
+            record.update(steps=steps)
         self._steps.sweep_deletions()
