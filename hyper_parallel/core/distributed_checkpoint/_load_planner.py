@@ -536,12 +536,30 @@ def _aliased_targets(aliases: dict[str, str], stored_of: dict[str, Any], stored_
                 root = root.base
             views.setdefault(id(root), []).append((name, local))
     for group in views.values():
-        for position, (name, array) in enumerate(group):
-            for other, other_array in group[:position]:
-                if np.shares_memory(array, other_array):
-                    problems.append(
-                        f"state_dict entries '{other}' and '{name}' are numpy arrays whose memory overlaps: the "
-                        "overlap can hold one stored value, the other would silently win; pass separate arrays")
+        problems.extend(_overlapping_views(group))
+    return problems
+
+
+def _overlapping_views(group: list[tuple[str, np.ndarray]]) -> list[str]:
+    """The pairs of ``group`` (views of one array) whose memory overlaps, each as a refusal.
+
+    Sorted by the first byte each view spans, a view is compared only with the earlier views whose span reaches
+    past its first byte: disjoint views (a flat buffer cut into thousands of tensors) cost a sort, not every pair.
+    """
+    problems: list[str] = []
+    spans = sorted(((*np.byte_bounds(array), position) for position, (_, array) in enumerate(group)))
+    open_spans: list[tuple[int, int]] = []  # (end, position) of earlier views whose span may still overlap
+    for start, end, position in spans:
+        open_spans = [span for span in open_spans if span[0] > start]
+        name, array = group[position]
+        for _, earlier in open_spans:
+            other, other_array = group[earlier]
+            if np.shares_memory(array, other_array):
+                first, second = (other, name) if earlier < position else (name, other)
+                problems.append(
+                    f"state_dict entries '{first}' and '{second}' are numpy arrays whose memory overlaps: the "
+                    "overlap can hold one stored value, the other would silently win; pass separate arrays")
+        open_spans.append((end, position))
     return problems
 
 
