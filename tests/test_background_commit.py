@@ -94,6 +94,7 @@ def test_two_ranks_commit_in_the_background(tmp_path: Path) -> None:
         assert value["raised"]["failed_ranks"] == [0] and "lease" in value["raised"]["message"], value
         assert value["steps"] == [1], value
         _check_explained_commit_failure(rank, outcome["commit_failure_is_explained"], tmp_path)
+    _check_result_receipt([outcome["async_result_receipt"] for outcome in results], tmp_path)
     shared = tmp_path / "shared" / "bgcommit"
     assert (shared / "rank0.done").exists() and (shared / "rank1.done").exists()
     # The job exited without result(): the step is committed and loads bit-exact.
@@ -139,6 +140,46 @@ def _check_explained_commit_failure(rank: int, outcome: dict, tmp_path: Path) ->
     assert value["steps_after_failure"] == [1], value  # not counted: retention (max_to_keep=1) kept step 1
     assert value["latest_loaded"] == 1 and value["latest_values_ok"], value
     assert value["steps_after_resave"] == [2], value
+
+
+def _check_result_receipt(outcomes: list[dict], tmp_path: Path) -> None:
+    """result() of an async save hands rank 1 a receipt: its bytes do not grow with the chunks; used, the
+    metadata is the coordinator's once committed, a failed commit or a later save refuses."""
+    for rank, outcome in enumerate(outcomes):
+        assert outcome["ok"], (rank, outcome["traceback"])
+    coordinator, other = (outcome["value"] for outcome in outcomes)
+    # (a) The "async write" step hands rank 1 one receipt, the same bytes for 8 and 800 chunks; before it
+    # received the committed metadata (what the coordinator's metadata pickles to), which grows with them.
+    assert [coordinator["chunks_4"], coordinator["chunks_400"]] == [8, 800] == [other["chunks_4"], other["chunks_400"]]
+    print("bytes rank 1 receives in result()'s step, 8 / 800 chunks:", other["received_4"], other["received_400"],
+          "; the committed metadata it received before:", coordinator["inline_4"], coordinator["inline_400"])
+    assert other["received_4"] == other["received_400"] and len(other["received_4"]) == 1, other
+    assert other["received_4"][0] < 300 < 20 * 800 < coordinator["inline_400"], (other, coordinator["inline_400"])
+    assert coordinator["received_4"] == coordinator["received_400"]  # the coordinator receives its own part too
+    assert [coordinator["kind_4"], other["kind_4"]] == ["Metadata", "CommittedMetadataView"]
+    # (b) Used while the commit is held back and the previous save still in place: waits, then the committed one.
+    held, held_other = coordinator["held"], other["held"]
+    assert held_other["kind"] == "CommittedMetadataView" and held_other["unread_at_return"], held_other
+    assert held_other["save_id"] == held["save_id"] != held["previous"] == held_other["previous"]
+    assert held_other["metadata"] == held["metadata"] and type(held_other["metadata"]) is dcp.Metadata
+    assert held_other["metadata"] == dcp.read_metadata(tmp_path / "shared" / "bgcommit" / "receipt_held")
+    assert held_other["values"] == ["p000", "p001", "p002"] and held["loaded_ok"] and held_other["loaded_ok"]
+    assert held_other["waited"] > 0.5, held_other["waited"]  # it waited for the commit (held back 1.5 s)
+    # (c) A failed background commit: rank 1's use refuses, naming rank, save and checkpoint; never the old metadata.
+    failed, failed_other = coordinator["failed"], other["failed"]
+    assert failed["kind"] == "Metadata" and "save_id" in failed["used"]  # the coordinator keeps its own
+    failed_id, used = failed["used"]["save_id"], failed_other["used"]
+    assert used.get("type") == "CheckpointNotFoundError", used
+    assert used["message"].startswith(
+        f"rank 1: the metadata async_save returned for save {failed_id} of checkpoint "
+        f"{tmp_path / 'shared' / 'bgcommit' / 'receipt_failed'} is not there: its background commit on rank 0 is "
+        f"over and the checkpoint holds save {failed['previous']}. Either that commit failed"), used["message"]
+    assert failed["settled"] and failed["settled"] == failed_other["settled"], (failed, failed_other)
+    # (d) A later save replaced the checkpoint before rank 1 used it: refused, as for a sync save.
+    replaced, replaced_other = coordinator["replaced"], other["replaced"]
+    assert "save_id" in replaced["used"] and replaced_other["used"].get("type") == "CheckpointNotFoundError"
+    assert f"holds save {replaced['later']}" in replaced_other["used"]["message"], replaced_other
+    assert "a later save replaced the checkpoint" in replaced_other["used"]["message"]
 
 
 def _result(fqn: str, offset: int) -> WriteResult:

@@ -4,11 +4,18 @@ Simulated ranks (tests/sim_ranks.py) save real checkpoints; the answers of the
 commit step (what :func:`commit_answers` returns, pickled as
 ``DistWrapper.reduce_scatter`` sends them) are measured per world size. The
 view a non-coordinator returns is checked against ``dcp.read_metadata``.
+The view of an async save waits for a background commit: here a thread plays
+the coordinator's commit (it moves a real checkpoint into place, then removes
+the rank's real results record); the msrun side is in tests/test_background_commit.py.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
+import shutil
+import threading
+import time
 
 import mindspore as ms
 import numpy as np
@@ -19,12 +26,17 @@ from hyper_parallel import DTensor, Layout
 from hyper_parallel.core.distributed_checkpoint._commit_receipt import (
     CommitReceipt,
     CommittedMetadataView,
+    CommitWait,
     commit_answers,
+    metadata_of_answer,
     metadata_reader_of,
+    record_probe_of,
 )
 from hyper_parallel.core.distributed_checkpoint._fsspec_writer import FsspecWriter
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointNotFoundError
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointNotFoundError, CollectiveTimeoutError
+from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemPlanData
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
+from hyper_parallel.core.distributed_checkpoint.planner import SavePlan
 from sim_ranks import simulate_save
 
 TENSORS = 6
@@ -118,3 +130,143 @@ def test_fsspec_writer_reads_back_and_other_writers_send_the_metadata(tmp_path):
     rank_local.set_up_storage_writer(True, rank=1, world_size=2, rank_local=True)
     assert metadata_reader_of(rank_local) is None
     assert commit_answers(committed, world_size=3, location=url, read_back=None) == [committed] * 3
+
+
+def _store_record(writer, save_id: str, rank: int = 1) -> None:
+    """``rank``'s results record of ``save_id``, as its background thread stores it before ``result()``."""
+    plan = SavePlan(items=(), storage_data=FileSystemPlanData(save_id))
+    writer.write_rank_record(rank, b'{"stand-in": 1}', plan=plan)
+
+
+def _commit_later(staged, path, *, delay: float, commit: bool) -> threading.Thread:
+    """Rank 0's background commit, after ``delay`` s: move the checkpoint saved at ``staged`` into ``path``
+    (data files, then metadata.json by rename; ``commit=False``: it failed, nothing moves), then remove the records."""
+
+    def run() -> None:
+        time.sleep(delay)
+        if commit:
+            for name in os.listdir(staged):
+                if name != "metadata.json":
+                    shutil.copy(staged / name, path / name)
+            shutil.copy(staged / "metadata.json", path / ".metadata.json.partial")
+            os.replace(path / ".metadata.json.partial", path / "metadata.json")
+        for record in path.glob(".*.results"):
+            record.unlink()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def _async_view(path, committed, *, timeout: float | None = 30.0, rank: int = 1):
+    """What ``result()`` returns on ``rank`` for the async save ``committed`` (record stored), and the reads made."""
+    writer = dcp.FileSystemWriter(path)
+    save_id = committed.storage_meta.save_id
+    _store_record(writer, save_id, rank)
+    read = metadata_reader_of(writer)
+    reads = []
+
+    def counted() -> Metadata:
+        reads.append(1)
+        return read()
+
+    receipt = commit_answers(committed, world_size=2, location=path, read_back=read)[1]
+    wait = CommitWait(pending=record_probe_of(writer, rank=rank, save_id=save_id), rank=rank, timeout=timeout)
+    return metadata_of_answer(receipt, read_back=counted, wait=wait), reads
+
+
+def test_async_view_waits_for_the_background_commit_never_giving_the_previous_save(tmp_path):
+    path, staged = tmp_path / "ck", tmp_path / "staged"
+    previous, _ = simulate_save(_states(2), path)
+    committed, _ = simulate_save([{k: v for k, v in s.items() if k != "t5"} for s in _states(2)], staged)
+    view, reads = _async_view(path, committed)
+    assert isinstance(view, CommittedMetadataView) and not reads  # nothing read until used
+    thread = _commit_later(staged, path, delay=0.5, commit=True)
+    start = time.monotonic()
+    assert view.storage_meta.save_id == committed.storage_meta.save_id != previous.storage_meta.save_id
+    waited = time.monotonic() - start
+    thread.join()
+    assert waited >= 0.4, waited  # it read the previous save's metadata while waiting, and did not return it
+    assert len(reads) > 1 and view == committed and view == dcp.read_metadata(path)
+    assert sorted(view.state_dict_metadata) == [f"t{t}" for t in range(TENSORS - 1)]
+    count = len(reads)
+    assert view.version == committed.version and view.planner_data == committed.planner_data
+    assert len(reads) == count  # read once: later uses keep what it read
+    target = {f"t{t}": np.zeros((8, 3), np.float32) for t in range(TENSORS - 1)}
+    dcp.load(target, checkpoint_id=path, no_dist=True)
+    assert all(np.array_equal(target[f"t{t}"], np.arange(24, dtype=np.float32).reshape(8, 3) + t)
+               for t in range(TENSORS - 1))
+
+
+def test_async_view_of_a_failed_background_commit_refuses(tmp_path):
+    path, staged = tmp_path / "ck", tmp_path / "staged"
+    previous, _ = simulate_save(_states(2), path)
+    failed, _ = simulate_save(_states(2), staged)
+    view, _ = _async_view(path, failed)
+    thread = _commit_later(staged, path, delay=0.3, commit=False)
+    message = (f"rank 1: the metadata async_save returned for save {failed.storage_meta.save_id} of checkpoint "
+               f"{path} is not there: its background commit on rank 0 is over and the checkpoint holds save "
+               f"{previous.storage_meta.save_id}. Either that commit failed")
+    with pytest.raises(CheckpointNotFoundError) as raised:
+        _ = view.state_dict_metadata  # waits while the commit runs, then refuses: never the previous save
+    thread.join()
+    assert str(raised.value).startswith(message), str(raised.value)
+    assert "dcp.read_metadata" in str(raised.value) and isinstance(raised.value, FileNotFoundError)
+    empty = tmp_path / "empty"  # a first save of its directory: nothing committed there
+    empty.mkdir()
+    view, _ = _async_view(empty, failed, rank=3)
+    _commit_later(staged, empty, delay=0.1, commit=False).join()
+    with pytest.raises(CheckpointNotFoundError, match=f"rank 3: .* save {failed.storage_meta.save_id} .*holds no "
+                                                      "committed save"):
+        _ = view.storage_meta
+
+
+def test_async_view_replaced_by_a_later_save_refuses(tmp_path):
+    path, staged = tmp_path / "ck", tmp_path / "staged"
+    committed, _ = simulate_save(_states(2), staged)
+    path.mkdir()
+    view, _ = _async_view(path, committed)
+    early, _ = _async_view(path, committed)
+    _commit_later(staged, path, delay=0.0, commit=True).join()
+    assert early == committed  # used before the next save: kept
+    later, _ = simulate_save(_states(2), path)
+    replaced = f"holds save {later.storage_meta.save_id}.*a later save replaced"
+    with pytest.raises(CheckpointNotFoundError, match=replaced):
+        _ = view.storage_meta
+    assert early.storage_meta.save_id == committed.storage_meta.save_id
+
+
+def test_async_view_gives_up_after_the_commit_timeout(tmp_path):
+    path = tmp_path / "ck"
+    previous, _ = simulate_save(_states(2), path)
+    running, _ = simulate_save(_states(2), tmp_path / "staged")
+    view, reads = _async_view(path, running, timeout=0.3)
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError, match=f"rank 1: .* save {running.storage_meta.save_id} of checkpoint "
+                                                     f"{path} .* still not over after 0.3 s"):
+        _ = view.state_dict_metadata
+    assert 0.3 <= time.monotonic() - start < 5 and len(reads) > 2
+    assert previous.storage_meta.save_id != running.storage_meta.save_id
+
+
+def test_record_probe_follows_the_location_of_the_save(tmp_path):
+    writer = dcp.FileSystemWriter(tmp_path / "a")
+    (tmp_path / "a").mkdir()
+    _store_record(writer, "0123456789ab")
+    probe = record_probe_of(writer, rank=1, save_id="0123456789ab")
+    assert probe() and not record_probe_of(writer, rank=2, save_id="0123456789ab")()
+    assert not record_probe_of(writer, rank=1, save_id="ba9876543210")()
+    writer.reset(tmp_path / "b")  # the writer saves elsewhere next: the probe keeps looking where the save was
+    assert probe()
+    assert writer.read_rank_record(1) is None  # its own save id now: another record
+    url = "memory://receipt-probe/ck"
+    remote = FsspecWriter(url)
+    _store_record(remote, "fedcba987654", rank=2)
+    remote_probe = record_probe_of(remote, rank=2, save_id="fedcba987654")
+    assert remote_probe() and not record_probe_of(remote, rank=1, save_id="fedcba987654")()
+    remote.fs.rm(remote.root.rstrip("/") + "/.fedcba987654.rank00002.results")
+    assert not remote_probe()
+    rank_local = dcp.FileSystemWriter(tmp_path / "local")
+    rank_local.set_up_storage_writer(True, rank=1, world_size=2, rank_local=True)
+    assert record_probe_of(rank_local, rank=1, save_id="0123456789ab") is None
+    assert metadata_of_answer(Metadata(state_dict_metadata={}), read_back=None) == Metadata(state_dict_metadata={})

@@ -323,13 +323,90 @@ def main() -> None:
         out["steps_after_resave"] = manager.all_steps()
         return out
 
+    class HeldCommitWriter(dcp.FileSystemWriter):
+        """The coordinator's background commit starts 1.5 s late: rank 1 uses what result() returned meanwhile."""
+
+        def finish(self, metadata: Any, results: Any, *, background_cleanup: bool = False) -> Any:
+            time.sleep(1.5)
+            return super().finish(metadata, results, background_cleanup=background_cleanup)
+
+    def wide(count: int, seed: int) -> dict[str, Any]:
+        """``count`` row-sharded tensors: the metadata lists 2 x count chunks."""
+        return {f"p{t:03d}": hyper_parallel.DTensor.from_global(
+            mindspore.Tensor(np.full((4, 2), seed + t, np.float32)), layout, rank=rank) for t in range(count)}
+
+    def refused(metadata: Any) -> dict[str, Any]:
+        try:
+            return {"save_id": metadata.storage_meta.save_id}
+        except dcp.CheckpointError as exc:
+            return {"type": type(exc).__name__, "message": str(exc)}
+
+    def async_result_receipt() -> dict[str, Any]:
+        """What result() of a multi-rank async save hands rank 1: a receipt, then the metadata when used."""
+        import pickle  # pylint: disable=import-outside-toplevel
+
+        from hyper_parallel import platform  # pylint: disable=import-outside-toplevel
+
+        out: dict[str, Any] = {}
+        scatter = platform.scatter_bytes
+        received: list[int] = []
+
+        def counted(parts: Any, src: int = 0) -> bytes:
+            blob = scatter(parts, src=src)
+            received.append(len(blob))
+            return blob
+
+        for count in (4, 400):  # (a) result()'s "async write" step (same-length names)
+            request = dcp.async_save(wide(count, count), checkpoint_id=shared / f"receipt_{count:03d}")
+            _wait_done(request)  # written (rank 0: committed): result() only runs its step
+            received.clear()
+            platform.scatter_bytes = counted
+            try:
+                metadata = request.result()
+            finally:
+                platform.scatter_bytes = scatter
+            out[f"received_{count}"] = list(received)
+            out[f"kind_{count}"] = type(metadata).__name__
+            if rank == 0:  # what every rank received before: the committed metadata itself
+                out[f"inline_{count}"] = len(pickle.dumps((metadata, []), protocol=pickle.HIGHEST_PROTOCOL))
+            out[f"chunks_{count}"] = sum(len(m.chunks) for m in metadata.state_dict_metadata.values()
+                                         if hasattr(m, "chunks"))
+        path = shared / "receipt_held"  # (b) the previous save is in place while the commit is held back
+        previous = dcp.save(wide(3, 30), checkpoint_id=path).storage_meta.save_id
+        metadata = dcp.async_save(wide(3, 40), storage_writer=HeldCommitWriter(path)).result()
+        unread = rank == 0 or vars(metadata).get("_loaded", "not a view") is None  # nothing read yet
+        start = time.monotonic()
+        out["held"] = {"previous": previous, "unread_at_return": unread, "kind": type(metadata).__name__,
+                       "save_id": metadata.storage_meta.save_id, "metadata": metadata,
+                       "values": sorted(metadata.state_dict_metadata), "waited": time.monotonic() - start}
+        target = wide(3, 0)
+        dcp.load(target, checkpoint_id=path)
+        out["held"]["loaded_ok"] = all(bool((target[f"p{t:03d}"].to_local().asnumpy() == 40 + t).all())
+                                       for t in range(3))
+        path = shared / "receipt_failed"  # (c) the background commit fails: rank 1's use refuses
+        previous = dcp.save(wide(3, 50), checkpoint_id=path).storage_meta.save_id
+        metadata = dcp.async_save(wide(3, 60), storage_writer=FailingCommitWriter(path)).result()
+        out["failed"] = {"previous": previous, "kind": type(metadata).__name__, "used": refused(metadata)}
+        try:  # the next collective step shares the commit's failure (as before)
+            dcp.load(wide(3, 0), checkpoint_id=path)
+            out["failed"]["settled"] = ""
+        except dcp.CheckpointError as exc:
+            out["failed"]["settled"] = type(exc).__name__
+        path = shared / "receipt_replaced"  # (d) a later save replaces the checkpoint before rank 1 uses it
+        metadata = dcp.async_save(wide(3, 70), checkpoint_id=path).result()
+        later = dcp.save(wide(3, 80), checkpoint_id=path)
+        out["replaced"] = {"kind": type(metadata).__name__, "used": refused(metadata),
+                           "later": later.storage_meta.save_id}
+        return out
+
     run_scenarios({"commit_without_result": commit_without_result,
                    "reads_after_result_see_the_commit": reads_after_result_see_the_commit, "failure_reaches_all": failure_reaches_all,
                    "coordinator_failure_reaches_all": coordinator_failure_reaches_all,
                    "result_does_not_wait_for_commit": result_does_not_wait_for_commit,
                    "commit_failure_reaches_all_at_next_step": commit_failure_reaches_all_at_next_step,
                    "manager_reports_lost_lease": manager_reports_lost_lease,
-                   "commit_failure_is_explained": commit_failure_is_explained})
+                   "commit_failure_is_explained": commit_failure_is_explained,
+                   "async_result_receipt": async_result_receipt})
     # Last: the step must survive a job killed after the save, with no result() on any rank.
     path = shared / "c3"
     request = dcp.async_save(state(3), checkpoint_id=path)

@@ -11,8 +11,10 @@ step is durable whether or not ``result()`` is ever called.
 ``result()`` waits only for this rank's writing, then runs one collective
 step, "async write": every rank's write results reach the coordinator (a
 failure on any rank raises on every rank, naming it, and nothing is
-committed), which answers each rank with the metadata being committed. No
-rank waits there for the commit itself. The commit's own outcome (a racing
+committed), which answers each rank with the metadata being committed (with
+the filesystem and fsspec writers: a receipt, and the other ranks return a
+view that waits for the commit when first used). No rank waits there for the
+commit itself. The commit's own outcome (a racing
 save took the lease, the metadata could not be written) is shared by the
 next collective step of the process: the plan step of the next save with
 collectives (:func:`raise_commit_failures` in its map), or
@@ -35,6 +37,14 @@ from typing import Any, Callable
 
 from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncRequest
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper, collective_timeout
+from hyper_parallel.core.distributed_checkpoint._commit_receipt import (
+    CommitReceipt,
+    CommitWait,
+    commit_answers,
+    metadata_of_answer,
+    metadata_reader_of,
+    record_probe_of,
+)
 from hyper_parallel.core.distributed_checkpoint._rank_records import (
     RankRecord,
     collect_rank_records,
@@ -176,7 +186,11 @@ class BackgroundCommit:
 
         Raises every rank's write failure on every rank (nothing is then
         committed); otherwise returns the metadata the coordinator commits,
-        without waiting for that commit.
+        without waiting for that commit. When the writer can read its commit
+        back (:mod:`._commit_receipt`) the other ranks receive a receipt only
+        and return a view that, when first used, waits for the commit and
+        reads the committed metadata (or refuses, if the commit failed), so
+        the bytes they receive do not grow with the world size.
         """
         dist = self.dist
 
@@ -185,13 +199,17 @@ class BackgroundCommit:
                 raise self.local_error
             return self.results or []
 
-        def reduce(all_results: list[list[WriteResult]]) -> list[Metadata]:
+        read_back = metadata_reader_of(self.writer)
+        kept: list[Metadata] = []
+
+        def reduce(all_results: list[list[WriteResult]]) -> list[Metadata | CommitReceipt]:
             self._wake.set()  # every record is stored: the commit need not wait for its next look
-            committed = self.writer.committed_metadata(self.metadata, all_results)
-            return [committed] * len(all_results)
+            kept.append(self.writer.committed_metadata(self.metadata, all_results))
+            return commit_answers(kept[0], world_size=len(all_results), location=getattr(self.writer, "path", ""),
+                                  read_back=read_back)
 
         try:
-            metadata = dist.reduce_scatter("async write", local, reduce)
+            answer = dist.reduce_scatter("async write", local, reduce)
         except BaseException:
             self._cancel.set()
             self._wake.set()
@@ -202,7 +220,11 @@ class BackgroundCommit:
             raise
         with _PENDING_LOCK:
             _PENDING.append(self)
-        return metadata
+        if kept:
+            return kept[0]  # the coordinator: the metadata it commits
+        probe = record_probe_of(self.writer, rank=dist.rank, save_id=self.save_id)
+        wait = None if probe is None else CommitWait(pending=probe, rank=dist.rank, timeout=self._timeout)
+        return metadata_of_answer(answer, read_back=read_back, wait=wait)
 
     def outcome(self) -> None:
         """Wait for the commit and raise its failure. Coordinator (other ranks return at once)."""

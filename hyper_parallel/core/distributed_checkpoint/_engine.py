@@ -38,8 +38,8 @@ from hyper_parallel.core.distributed_checkpoint._background_commit import (
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._commit_receipt import (
     CommitReceipt,
-    CommittedMetadataView,
     commit_answers,
+    metadata_of_answer,
     metadata_reader_of,
 )
 from hyper_parallel.core.distributed_checkpoint._deferred_save import DeferredPlan, PlannedSave
@@ -392,10 +392,7 @@ def commit_save(
         raise
     if kept:
         return kept[0]  # the coordinator: the metadata it committed
-    if isinstance(answer, CommitReceipt):
-        assert read_back is not None, "a receipt answers only writers that read back their commit"
-        return CommittedMetadataView(answer, read_back)
-    return answer
+    return metadata_of_answer(answer, read_back=read_back)
 
 
 def run_save(

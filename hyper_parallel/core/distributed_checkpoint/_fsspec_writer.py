@@ -350,15 +350,17 @@ class FsspecWriter(FileSystemWriter):
         except Exception as exc:  # pylint: disable=broad-except
             raise CheckpointIOError(f"writing the results record of rank {rank} under {self.path} failed: {exc}") from exc
 
-    def read_rank_record(self, rank: int) -> bytes | None:
-        """``rank``'s record object, or ``None`` while absent. Coordinator.
+    def read_rank_record(self, rank: int, *, save_id: str | None = None) -> bytes | None:
+        """``rank``'s record object of ``save_id`` (default this save), or ``None``. Coordinator; a rank: its own.
+
+        See :meth:`.StorageWriter.read_rank_record`.
 
         Raises:
             UnsafeCheckpointError: the record is larger than allowed.
             CheckpointIOError: the store cannot be read.
         """
         try:
-            found = get_with_tag(self.fs, self._object(f".{self.save_id}.rank{rank:05d}.results"))
+            found = get_with_tag(self.fs, self._object(f".{save_id or self.save_id}.rank{rank:05d}.results"))
         except Exception as exc:  # pylint: disable=broad-except
             raise CheckpointIOError(f"reading the results record of rank {rank} under {self.path} failed: {exc}") from exc
         if found is not None and len(found.data) > MAX_RECORD_BYTES:

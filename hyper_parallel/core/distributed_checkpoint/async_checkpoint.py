@@ -117,7 +117,11 @@ class AsyncSaveHandle:
         the metadata returned is the one being committed, and a failed commit
         is raised on every rank by the next collective step (the next save
         or load, ``CheckpointManager.wait``). Otherwise this returns after
-        the commit.
+        the commit. On ranks other than the coordinator, with the filesystem
+        and fsspec writers, the metadata is read from the checkpoint when a
+        field is first used: that first use waits for the commit, and raises
+        ``CheckpointNotFoundError`` if the commit failed or a later save
+        replaced the checkpoint.
 
         Args:
             timeout: Seconds to wait for this rank's background writing.

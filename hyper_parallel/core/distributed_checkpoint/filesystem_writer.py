@@ -496,15 +496,17 @@ class FileSystemWriter(StorageWriter):
         except OSError as exc:
             raise CheckpointIOError(f"writing the results record of rank {rank} in {self.path} failed: {exc}") from exc
 
-    def read_rank_record(self, rank: int) -> bytes | None:
-        """``rank``'s record, or ``None`` while absent (a regular file of bounded size). Coordinator.
+    def read_rank_record(self, rank: int, *, save_id: str | None = None) -> bytes | None:
+        """``rank``'s record of ``save_id`` (default this save), or ``None`` while absent. Coordinator; a rank: its own.
+
+        A regular file of bounded size (see :meth:`.StorageWriter.read_rank_record`).
 
         Raises:
             UnsafeCheckpointError: the name holds something else than a regular file, or too much.
             CheckpointIOError: it cannot be read.
         """
         try:
-            return read_regular(self._record_path(rank), limit=MAX_RECORD_BYTES)
+            return read_regular(self._record_path(rank, save_id), limit=MAX_RECORD_BYTES)
         except FileNotFoundError:
             return None
         except OSError as exc:

@@ -180,8 +180,12 @@ class StorageWriter(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} keeps no rank records")
 
-    def read_rank_record(self, rank: int) -> bytes | None:
-        """``rank``'s results record of the coordinator's current save, or ``None`` while it is not stored. Coordinator.
+    def read_rank_record(self, rank: int, *, save_id: str | None = None) -> bytes | None:
+        """``rank``'s results record of this save, or ``None`` while not stored. Coordinator; a rank: its own.
+
+        ``save_id`` names another save than the writer's current one (a rank
+        other than the coordinator looks whether its own record is still
+        stored: the coordinator removes the records once its commit is over).
 
         Raises:
             NotImplementedError: the backend keeps no records.
