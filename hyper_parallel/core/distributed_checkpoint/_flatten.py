@@ -42,6 +42,8 @@ class FlatStateDict:
         key_users: The dotted names stored under each checkpoint key.
         aliases: Dotted name of every later path to a Parameter already
             reached -> the checkpoint key of its first path.
+        sizes: The length of every list and tuple (a load checks the
+            checkpoint holds no more items), and 0 for every empty dict.
     """
 
     values: dict[str, Any]
@@ -50,6 +52,7 @@ class FlatStateDict:
     storage_keys: dict[str, str] = field(default_factory=dict)
     key_users: dict[str, list[str]] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
+    sizes: dict[tuple[PathElement, ...], int] = field(default_factory=dict)
 
 
 def _own_key(value: Any) -> str | None:
@@ -124,6 +127,8 @@ def flatten_state_dict(state_dict: dict[str, Any]) -> FlatStateDict:
         path, value = stack.pop()
         if isinstance(value, dict):
             containers[path] = "dict"
+            if not value:
+                flat.sizes[path] = 0
             for key in reversed(list(value)):
                 if not isinstance(key, str):
                     raise CheckpointValueError(
@@ -133,6 +138,7 @@ def flatten_state_dict(state_dict: dict[str, Any]) -> FlatStateDict:
                 stack.append((path + (key,), value[key]))
         elif isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
             containers[path] = "list" if isinstance(value, list) else "tuple"
+            flat.sizes[path] = len(value)
             stack.extend((path + (position,), item) for position, item in reversed(list(enumerate(value))))
         elif isinstance(value, parameter_type):  # most leaves (a Parameter is no Cell)
             top = path[0]

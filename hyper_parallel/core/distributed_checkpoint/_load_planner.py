@@ -9,6 +9,8 @@ Re-exported by :mod:`.standard_planner`.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import math
 from typing import Any
@@ -227,6 +229,8 @@ class StandardLoadPlanner(LoadPlanner):
                     refused.append(refusal)
             entries[name] = entry
         problems.extend(_aliased_targets(self.flat.aliases, stored_of, stored_aliases, entries))
+        if self.flat.sizes:
+            problems.extend(_cut_containers(self.flat, stored_of))
         if problems:
             raise CheckpointValueError(f"rank {rank}: " + "; ".join(problems))
         if refused:
@@ -560,6 +564,37 @@ def _overlapping_views(group: list[tuple[str, np.ndarray]]) -> list[str]:
                     f"state_dict entries '{first}' and '{second}' are numpy arrays whose memory overlaps: the "
                     "overlap can hold one stored value, the other would silently win; pass separate arrays")
         open_spans.append((end, position))
+    return problems
+
+
+def _cut_containers(flat: FlatStateDict, stored_of: dict[str, Any]) -> list[str]:
+    """The lists and tuples of the target shorter than the checkpoint's, and its empty dicts the checkpoint fills.
+
+    The target's structure says what is loaded, so a list of 2 given for a list of 3 saved loaded 2 items and
+    dropped the third; an empty dict (an optimizer state not created yet) loaded nothing of what is stored under it.
+    """
+    keys = sorted(stored_of)
+    problems = []
+    for path, size in flat.sizes.items():
+        if not path:
+            continue
+        name = ".".join(map(str, path))
+        prefix = name + "."
+        kind = flat.containers[path]
+        for key in itertools.islice(keys, bisect.bisect_left(keys, prefix), None):
+            if not key.startswith(prefix):
+                break
+            item = key[len(prefix):].split(".", 1)[0]
+            if kind == "dict":
+                problems.append(f"key '{name}': the target is an empty dict, but the checkpoint holds keys under it "
+                                f"(e.g. '{key}'); put placeholders there (None receives a stored value or tensor), "
+                                f"or leave '{name}' out of the state dict")
+                break
+            if item.isdigit() and int(item) >= size:
+                problems.append(f"key '{name}': the target {kind} has {size} item(s), but the checkpoint holds more "
+                                f"(e.g. '{key}'); give a {kind} of the saved length (None placeholders receive the "
+                                "values)")
+                break
     return problems
 
 
