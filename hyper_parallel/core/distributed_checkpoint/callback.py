@@ -132,7 +132,8 @@ class CheckpointCallback(Callback):
 
     Args:
         directory: The manager root holding one ``step_<n>`` checkpoint per saved step.
-        save_checkpoint_steps: Save every this many steps (0: not by steps).
+        save_checkpoint_steps: Save every this many steps (0: not by steps); in dataset sink mode the
+            first step end past each multiple.
         save_checkpoint_seconds: Save when this many seconds passed since the
             last save; used only when ``save_checkpoint_steps`` is 0.
         keep_checkpoint_max: Keep the newest this many steps (0: see the next).
@@ -443,14 +444,19 @@ class CheckpointCallback(Callback):
         """Save this step if the interval says so. All ranks."""
         cb_params = run_context.original_args()
         step = int(cb_params.cur_step_num)
-        self._completed = step
+        previous, self._completed = self._completed, step
         self._running = None
         self._epoch = int(getattr(cb_params, "cur_epoch_num", 0) or 0)
         if self._state is None:
             self._state = self._state_of(cb_params)
             self._steps_per_epoch = int(getattr(cb_params, "batch_num", 0) or 0)
         if (self.save_checkpoint_steps or self.save_checkpoint_seconds) and step != self._last_saved:
-            self._save(step, self._epoch, force=False)
+            # In dataset sink mode a step end comes every sink_size steps: the step that passed a multiple of
+            # save_checkpoint_steps is saved, as MindSpore's ModelCheckpoint does (only multiples: sink_size 7
+            # and 1000 steps saved every 7000).
+            every = self.save_checkpoint_steps
+            passed = bool(every) and step % every != 0 and step // every > previous // every
+            self._save(step, self._epoch, force=passed)
 
     def on_train_end(self, run_context: RunContext) -> None:
         """Save the last step (if not saved yet) and wait until every save is committed. All ranks."""
