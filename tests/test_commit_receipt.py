@@ -23,6 +23,7 @@ import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel import DTensor, Layout
+from hyper_parallel.core.distributed_checkpoint import _commit_receipt as commit_receipt
 from hyper_parallel.core.distributed_checkpoint._commit_receipt import (
     CommitReceipt,
     CommittedMetadataView,
@@ -138,9 +139,10 @@ def _store_record(writer, save_id: str, rank: int = 1) -> None:
     writer.write_rank_record(rank, b'{"stand-in": 1}', plan=plan)
 
 
-def _commit_later(staged, path, *, delay: float, commit: bool) -> threading.Thread:
+def _commit_later(staged, path, *, delay: float, commit: bool, remove: bool = True) -> threading.Thread:
     """Rank 0's background commit, after ``delay`` s: move the checkpoint saved at ``staged`` into ``path``
-    (data files, then metadata.json by rename; ``commit=False``: it failed, nothing moves), then remove the records."""
+    (data files, then metadata.json by rename; ``commit=False``: it failed, nothing moves), then remove the records
+    (``remove=False``: their removal failed)."""
 
     def run() -> None:
         time.sleep(delay)
@@ -150,7 +152,7 @@ def _commit_later(staged, path, *, delay: float, commit: bool) -> threading.Thre
                     shutil.copy(staged / name, path / name)
             shutil.copy(staged / "metadata.json", path / ".metadata.json.partial")
             os.replace(path / ".metadata.json.partial", path / "metadata.json")
-        for record in path.glob(".*.results"):
+        for record in path.glob(".*.results") if remove else ():
             record.unlink()
 
     thread = threading.Thread(target=run)
@@ -187,7 +189,10 @@ def test_async_view_waits_for_the_background_commit_never_giving_the_previous_sa
     waited = time.monotonic() - start
     thread.join()
     assert waited >= 0.4, waited  # it read the previous save's metadata while waiting, and did not return it
-    assert len(reads) > 1 and view == committed and view == dcp.read_metadata(path)
+    assert len(reads) == 2  # the previous save's metadata once, then once the record was gone (not at every look)
+    assert view == committed and view == dcp.read_metadata(path)
+    again, _ = _async_view(path, committed)
+    assert again == view and view == again  # views compare as the metadata they read
     assert sorted(view.state_dict_metadata) == [f"t{t}" for t in range(TENSORS - 1)]
     count = len(reads)
     assert view.version == committed.version and view.planner_data == committed.planner_data
@@ -245,7 +250,7 @@ def test_async_view_gives_up_after_the_commit_timeout(tmp_path):
     with pytest.raises(CollectiveTimeoutError, match=f"rank 1: .* save {running.storage_meta.save_id} of checkpoint "
                                                      f"{path} .* still not over after 0.3 s"):
         _ = view.state_dict_metadata
-    assert 0.3 <= time.monotonic() - start < 5 and len(reads) > 2
+    assert 0.3 <= time.monotonic() - start < 5 and len(reads) == 1  # the metadata is not read at every look
     assert previous.storage_meta.save_id != running.storage_meta.save_id
 
 
@@ -270,3 +275,17 @@ def test_record_probe_follows_the_location_of_the_save(tmp_path):
     rank_local.set_up_storage_writer(True, rank=1, world_size=2, rank_local=True)
     assert record_probe_of(rank_local, rank=1, save_id="0123456789ab") is None
     assert metadata_of_answer(Metadata(state_dict_metadata={}), read_back=None) == Metadata(state_dict_metadata={})
+
+
+def test_async_view_sees_a_commit_whose_records_were_left(tmp_path, monkeypatch):
+    """The commit wrote the metadata but could not remove the records: found by reading the metadata again."""
+    monkeypatch.setattr(commit_receipt, "_REREAD_SECONDS", 0.3)
+    path, staged = tmp_path / "ck", tmp_path / "staged"
+    simulate_save(_states(2), path)
+    committed, _ = simulate_save(_states(2), staged)
+    view, reads = _async_view(path, committed)
+    thread = _commit_later(staged, path, delay=0.1, commit=True, remove=False)
+    start = time.monotonic()
+    assert view.storage_meta.save_id == committed.storage_meta.save_id
+    thread.join()
+    assert 0.3 <= time.monotonic() - start < 5 and len(reads) == 2 and view == committed

@@ -55,6 +55,8 @@ __all__ = [
 _FIELDS = frozenset(f.name for f in dataclasses.fields(Metadata))
 #: First and longest pause between two looks at a checkpoint whose commit is still running.
 _POLL_FIRST, _POLL_MAX = 0.005, 0.25
+#: While the commit runs, the metadata (up to 64 MiB in-line) is read again at most this often.
+_REREAD_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -259,14 +261,22 @@ def _await_committed(receipt: CommitReceipt, read: Callable[[], Metadata], wait:
     Each look first asks whether the commit may still run, then reads the
     metadata: the commit writes the metadata before it removes the records,
     so metadata without the save, read after the commit was over, is final.
+    While the commit runs, the metadata is read on the first look and then
+    every :data:`_REREAD_SECONDS` only (a record its commit failed to remove
+    delays the answer by that much, not until the timeout).
     """
     deadline = None if wait.timeout is None else time.monotonic() + wait.timeout
-    pause = _POLL_FIRST
+    pause, last_read = _POLL_FIRST, None
     while True:
         running = wait.pending()
-        found = _read_if_committed(read)
-        if found is not None and found.storage_meta.save_id == receipt.save_id:
-            return found
+        now = time.monotonic()
+        if running and last_read is not None and now - last_read < _REREAD_SECONDS:
+            found = None  # not read again yet
+        else:
+            last_read = now
+            found = _read_if_committed(read)
+            if found is not None and found.storage_meta.save_id == receipt.save_id:
+                return found
         if not running:
             holds = "no committed save" if found is None else f"save {found.storage_meta.save_id}"
             raise CheckpointNotFoundError(
