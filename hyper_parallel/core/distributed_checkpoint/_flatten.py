@@ -22,7 +22,7 @@ from hyper_parallel.core.distributed_checkpoint.mapping import ShardedObject, Sh
 from hyper_parallel.core.dtensor import DTensor
 from hyper_parallel.platform.tensor import is_cell, is_parameter, parameter_and_cell_types
 
-__all__ = ["PathElement", "FlatStateDict", "flatten_state_dict", "set_by_path"]
+__all__ = ["PathElement", "FlatStateDict", "cell_parameters", "flatten_state_dict", "set_by_path"]
 
 #: One step of a path: a dict key, a list/tuple index, or a Cell parameter name.
 PathElement = Union[str, int]
@@ -99,6 +99,32 @@ def _add_leaf(
     flat.storage_keys[name] = key
 
 
+def cell_parameters(cell: Any, where: str) -> dict[str, Any]:
+    """``cell.parameters_dict()``: its Parameters by name, refusing two different Parameters of one name.
+
+    ``parameters_dict()`` (and ``mindspore.save_checkpoint``) keeps the last of them: the other was silently
+    neither saved nor loaded. Any rank; no communication.
+
+    Args:
+        cell: The Cell.
+        where: The Cell as the error names it (e.g. ``"the Cell at state_dict['model']"``).
+
+    Raises:
+        CheckpointValueError: Two Parameters share a name (names both attribute paths and the fix).
+    """
+    params: dict[str, Any] = {}
+    for param in cell.get_parameters():
+        other = params.setdefault(param.name, param)
+        if other is not param:
+            paths = [name for name, found in cell.parameters_and_names() if found is other or found is param]
+            raise CheckpointValueError(
+                f"{where} holds two different Parameters named '{param.name}' (at "
+                f"{' and '.join(repr(p) for p in paths)}): only one of them would be saved or loaded, the other "
+                "silently left out; give them unique names (e.g. auto_prefix=True on the Cells holding them)"
+            )
+    return params
+
+
 def flatten_state_dict(state_dict: dict[str, Any]) -> FlatStateDict:
     """Flatten ``state_dict`` (see module docstring).
 
@@ -154,7 +180,7 @@ def flatten_state_dict(state_dict: dict[str, Any]) -> FlatStateDict:
                 _add_leaf(flat, path, value, seen, parameter=True)
         elif isinstance(value, cell_type):
             containers[path] = "cell"
-            for name, param in value.parameters_dict().items():
+            for name, param in cell_parameters(value, f"the Cell at {_spelled(path)}").items():
                 _add_leaf(flat, path + (name,), param, seen)
         else:
             _add_leaf(flat, path, value, seen)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, Mapping, Union
 
-from hyper_parallel.core.distributed_checkpoint._flatten import flatten_state_dict, set_by_path
+from hyper_parallel.core.distributed_checkpoint._flatten import cell_parameters, flatten_state_dict, set_by_path
 from hyper_parallel.core.distributed_checkpoint.errors import LayoutError, SlicedParameterError
 from hyper_parallel.core.dtensor import DTensor
 from hyper_parallel.core.layout import Layout
@@ -155,7 +155,7 @@ class _Wrapper:
             items = [self.walk(f"{path}.{i}" if path else str(i), v) for i, v in enumerate(value)]
             return items if isinstance(value, list) else tuple(items)
         if is_cell(value):
-            params = value.parameters_dict()
+            params = cell_parameters(value, f"the Cell at '{path}'" if path else "the Cell")
             wrapped = {name: self.leaf(f"{path}.{name}" if path else name, p) for name, p in params.items()}
             if all(wrapped[name] is params[name] for name in params):
                 return value  # nothing sliced: the Cell stays a Cell
@@ -237,5 +237,5 @@ def _parameters(obj: Any) -> list[Any]:
         elif isinstance(value, (list, tuple)):
             stack.extend(value)
         elif isinstance(value, cell_type):
-            found.extend(value.parameters_dict().values())
+            found.extend(value.get_parameters())
     return found

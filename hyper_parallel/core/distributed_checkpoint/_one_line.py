@@ -22,7 +22,7 @@ import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint import api
 from hyper_parallel.core.distributed_checkpoint._load_engine import settle_before_load
-from hyper_parallel.core.distributed_checkpoint._flatten import flatten_state_dict, set_by_path
+from hyper_parallel.core.distributed_checkpoint._flatten import cell_parameters, flatten_state_dict, set_by_path
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutSources, cells_in
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointValueError,
@@ -77,7 +77,7 @@ def mindspore_state_dict(obj: Any, what: str = "save_obj") -> dict[str, Any]:
     out: dict[str, Any] = {}
     origin: dict[str, str] = {}
     for key, value in obj.items():
-        entries = value.parameters_dict().items() if is_cell(value) else [(key, value)]
+        entries = cell_parameters(value, what if key == "" else f"{what}[{key!r}]").items() if is_cell(value) else [(key, value)]
         for name, item in entries:
             if name in out:
                 if out[name] is item:
