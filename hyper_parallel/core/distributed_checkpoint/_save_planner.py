@@ -9,13 +9,16 @@ tensors stay in its cache, never in plans. The coordinator's merge is
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._format.checksum import digest
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, UnsupportedTypeError
+from hyper_parallel import platform
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, PlanValidationError, UnsupportedTypeError
 from hyper_parallel.core.distributed_checkpoint._flatten import FlatStateDict, flatten_state_dict
 from hyper_parallel.core.distributed_checkpoint._leaf_entry import classify_leaf
 from hyper_parallel.core.distributed_checkpoint._global_plan import build_global_save_plan
@@ -31,6 +34,7 @@ from hyper_parallel.core.distributed_checkpoint._save_layout import (
 from hyper_parallel.core.distributed_checkpoint._layout_merge import merge_layout_plans
 from hyper_parallel.core.distributed_checkpoint._layout_plan import LayoutSavePlan, compact_save_plan
 from hyper_parallel.core.distributed_checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -56,9 +60,12 @@ class AliasData:
 
     Attributes:
         aliases: ``(dotted name, stored key)`` pairs, sorted.
+        unwritten: Keys this rank holds only as replicas another rank writes (``replica_id`` not 0), sorted:
+            the coordinator refuses a key no rank writes.
     """
 
     aliases: tuple[tuple[str, str], ...]
+    unwritten: tuple[str, ...] = ()
 
 
 def _merged_aliases(all_plans: list[Any]) -> dict[str, Any] | None:
@@ -69,6 +76,42 @@ def _merged_aliases(all_plans: list[Any]) -> dict[str, Any] | None:
             for name, key in plan.planner_data.aliases:
                 aliases.setdefault(name, key)
     return {"aliases": dict(sorted(aliases.items()))} if aliases else None
+
+
+def _refuse_unwritten(all_plans: list[Any], metadata: Metadata) -> None:
+    """Refuse keys that ranks hold only as non-main replicas and no rank writes, and ShardedObjects some of whose
+    grid positions no rank writes (both were silently left out).
+
+    Coordinator only, after the global plan is built.
+
+    Raises:
+        PlanValidationError: Such keys (named, with their holding ranks or missing positions, and the fix).
+    """
+    holders: dict[str, list[int]] = {}
+    for rank, plan in enumerate(all_plans):
+        if isinstance(plan.planner_data, AliasData):
+            for key in plan.planner_data.unwritten:
+                holders.setdefault(key, []).append(rank)
+    stored = metadata.state_dict_metadata
+    unwritten = sorted(key for key in holders if key not in stored)
+    problems = [
+        f"{len(unwritten)} key(s) are held only as non-main replicas (replica_id not 0), so no rank would write "
+        f"them: {'; '.join(f'{key!r} on rank(s) {holders[key]}' for key in unwritten[:20])}. Give one holder of "
+        "each replica_id 0 (the main replica, which is written)"
+    ] if unwritten else []
+    for key, entry in stored.items():
+        if type(entry) is BytesStorageMetadata and entry.global_shape and (  # pylint: disable=unidiomatic-typecheck
+                len(entry.shard_offsets) != math.prod(entry.global_shape)):
+            have = set(entry.shard_offsets)
+            missing = [list(o) for o in itertools.islice(
+                (o for o in itertools.product(*map(range, entry.global_shape)) if o not in have), 5)]
+            problems.append(
+                f"ShardedObject '{key}' of global_shape {list(entry.global_shape)} has {len(have)} of "
+                f"{math.prod(entry.global_shape)} grid positions, e.g. {missing} missing: no rank holds them as main "
+                "replica; give every position of the grid a holder with replica_id 0"
+            )
+    if problems:
+        raise PlanValidationError("; ".join(problems))
 
 
 class StandardSavePlanner(SavePlanner):
@@ -257,16 +300,21 @@ class StandardSavePlanner(SavePlanner):
         if self.flat is None:
             raise CheckpointValueError("configure_planner must be called before build_local_plan")
         items: list[WriteItem] = []
+        unwritten: set[str] = set()
         for name, value in self.flat.values.items():
             entry = classify_leaf(self.flat.storage_keys[name], value)
-            if isinstance(entry, SkipEntry) or not entry.write:
+            if isinstance(entry, SkipEntry):
+                continue
+            if not entry.write:
+                unwritten.add(entry.fqn)
                 continue
             if isinstance(entry, TensorEntry):
                 items.extend(self._tensor_items(entry, name, plain_tensor(value)))
             else:
                 items.append(self._bytes_item(entry))
         aliases = tuple(sorted(self.flat.aliases.items()))
-        return SavePlan(items=tuple(items), planner_data=AliasData(aliases) if aliases else None)
+        data = AliasData(aliases, tuple(sorted(unwritten))) if aliases or unwritten else None
+        return SavePlan(items=tuple(items), planner_data=data)
 
     def _tensor_items(self, entry: TensorEntry, name: str, plain: bool) -> list[WriteItem]:
         items = []
@@ -313,12 +361,20 @@ class StandardSavePlanner(SavePlanner):
     def build_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """Deduplicate, validate and describe. Coordinator only."""
         stripped = [replace(plan, planner_data=None) for plan in all_plans]
-        return build_global_save_plan(
+        plans, metadata = build_global_save_plan(
             stripped,
             remove_redundancy=self.remove_redundancy,
             save_to_minimum_rank=self.save_to_minimum_rank,
             planner_data=_merged_aliases(all_plans),
         )
+        self._check_unwritten(all_plans, metadata)
+        return plans, metadata
+
+    def _check_unwritten(self, all_plans: list[Any], metadata: Metadata) -> None:
+        """:func:`_refuse_unwritten`, unless each rank of a job of several saves alone (``use_collectives=False``:
+        another rank's own checkpoint holds the main replica). Coordinator only."""
+        if self.world_size > 1 or platform.get_world_size() == 1:
+            _refuse_unwritten(all_plans, metadata)
 
     def compact_local_plan(self, plan: SavePlan) -> LayoutSavePlan | SavePlan:
         """``plan`` (this rank's local plan) with its layout items described by layout. All ranks.
@@ -334,12 +390,14 @@ class StandardSavePlanner(SavePlanner):
             Each rank's final plan as a bitmask over its local plan's items
             (bit ``i % 8`` of byte ``i // 8``), and the metadata.
         """
-        return merge_layout_plans(
+        masks, metadata = merge_layout_plans(
             all_plans,
             remove_redundancy=self.remove_redundancy,
             save_to_minimum_rank=self.save_to_minimum_rank,
             planner_data=_merged_aliases(all_plans),
         )
+        self._check_unwritten(all_plans, metadata)
+        return masks, metadata
 
     def finalize_plan(self, plan: SavePlan) -> SavePlan:
         """Accept the final plan. All ranks call it."""
