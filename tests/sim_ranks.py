@@ -10,6 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions
+from hyper_parallel.core.distributed_checkpoint._engine import rank_indexes as rank_indexes_of
+from hyper_parallel.core.distributed_checkpoint._index_plan import plan_index
 from hyper_parallel.core.distributed_checkpoint import (
     FileSystemWriter,
     Metadata,
@@ -51,6 +54,8 @@ def simulate_save(
     writer_options: dict[str, Any] | None = None,
     layout_form: bool = False,
     writer_class: type = FileSystemWriter,
+    rank_indexes: bool = False,
+    sent: list[Any] | None = None,
     **kwargs: Any,
 ) -> tuple[Metadata, list[int]]:
     """Save the per-rank ``states`` as one checkpoint at ``path``.
@@ -58,7 +63,11 @@ def simulate_save(
     ``writer_options`` go to every rank's :class:`FileSystemWriter` (or ``writer_class``);
     ``layout_form`` sends the coordinator layout-form plans, as ``dcp.save``
     does under msrun (``compact_local_plan`` / ``build_global_masks``); the
-    other keyword arguments go to the planners.
+    other keyword arguments go to the planners. ``rank_indexes``: as ``dcp.save``
+    does, the coordinator decides the indexed form at plan time and each rank
+    writes its own index file, sending the commit a summary
+    (:mod:`._index_plan`); else the commit gets every rank's write results.
+    ``sent`` receives what each rank sends the commit.
 
     Returns:
         The committed metadata and the bytes each rank wrote.
@@ -72,13 +81,22 @@ def simulate_save(
         writers.append(writer)
         plans.append(writer.prepare_local_plan(planner.build_local_plan()))
     if layout_form:
-        masks, metadata = planners[0].build_global_masks(
-            [planner.compact_local_plan(plan) for planner, plan in zip(planners, plans)])
+        compact = [planner.compact_local_plan(plan) for planner, plan in zip(planners, plans)]
+        masks, metadata = planners[0].build_global_masks(compact)
         final = [SavePlan(items=tuple(item for i, item in enumerate(plan.items) if mask[i // 8] >> (i % 8) & 1))
                  for plan, mask in zip(plans, masks)]
     else:
         final, metadata = planners[0].build_global_plan(plans)
     final = writers[0].prepare_global_plan(final)
+    if rank_indexes:
+        options = SaveOptions(remove_redundancy=kwargs.get("remove_redundancy", True))
+        index_plan = (lambda: plan_index(metadata, compact, masks)) if layout_form else (
+            lambda: plan_index(metadata, final))
+        final = rank_indexes_of(writers[0], options, metadata, final, index_plan)
     results = [writers[r].write_data(final[r], planners[r]).result() for r in range(len(states))]
-    committed = writers[0].finish(metadata, results)
+    messages = [writers[r].write_rank_index(final[r], results[r]) if getattr(final[r].storage_data, "index", None)
+                else results[r] for r in range(len(states))]
+    if sent is not None:
+        sent.extend(messages)
+    committed = writers[0].finish(metadata, messages)
     return committed, [sum(r.size_in_bytes for r in rank_results) for rank_results in results]

@@ -201,6 +201,12 @@ def test_indexed_metadata_saved_by_four_loads_on_four_and_two(four, two_last):
         assert value["bias"] == np.linspace(-1, 1, 8, dtype=np.float32).tolist()
         assert value["same_as_committed"]
     assert [v["kind"] for v in scenario_values(four, "save_x_indexed")] == ["Metadata"] + ["CommittedMetadataView"] * 3
+    # Each rank wrote its own index; the commit received a summary per rank and committed the same files as the
+    # coordinator building them from every rank's write results.
+    coordinator = scenario_values(four, "save_x_indexed")[0]
+    assert [kind for kind, _ in coordinator["received"]] == ["RankIndexSummary"] * 4
+    assert [kind for kind, _ in coordinator["received_built"]] == ["list"] * 4
+    assert coordinator["same_files"] is True
     check_scenarios(two_last, ["load_x_indexed_on_two"])
     for value in scenario_values(two_last, "load_x_indexed_on_two"):
         assert value["ok"] and value["step"] == 42
@@ -215,5 +221,12 @@ def test_async_indexed_saves_and_a_damaged_index_on_one_rank(four):
         for loaded in value["loaded"]:
             assert loaded["ok"] and loaded["step"] == 6
             assert loaded["indexes"] == ["r00000_index", "r00001_index", "r00002_index", "r00003_index"]
+    for loaded in scenario_values(four, "async_indexed_and_corrupt_index")[0]["loaded"]:
+        # Each rank wrote its own index (the forked writer's in its parent); the background commit got a summary
+        # per rank through its version-2 results record, as did result()'s "async write" step; same files as the
+        # coordinator building the indexes from the results.
+        assert [kind for kind, _ in loaded["received"]] == ["RankIndexSummary"] * 4, loaded
+        assert [kind for kind, _ in loaded["received_built"]] == ["list"] * 4, loaded
+        assert loaded["gathered"] == [["RankIndexSummary"] * 4] * 2 and loaded["same_files"] is True, loaded
         assert value["type"].endswith("CorruptCheckpointError") and value["untouched"] and value["failed_ranks"] == [3]
         assert "r00003_index." in value["message"] and "does not match its length and digest" in value["message"]

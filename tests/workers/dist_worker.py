@@ -8,12 +8,15 @@ Each scenario returns plain values that the pytest side asserts.
 from __future__ import annotations
 
 import errno
+import json
 import os
+import pickle
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from worker_lib import init_worker, run_scenarios
 
@@ -323,18 +326,61 @@ def save_x() -> dict:
             "same_as_committed": meta == dcp.read_metadata(BASE / "X")}
 
 
+class ReceivingWriter(dcp.FileSystemWriter):
+    """Records what its commit received from each rank (type and pickled bytes); ``built`` makes the coordinator
+    build the index files from every rank's write results (the path before record-only gathers)."""
+
+    def __init__(self, path, *, built: bool = False, **kwargs) -> None:
+        super().__init__(path, **kwargs)
+        self.built = built
+        self.received: list = []
+        self.gathered: list = []
+
+    def wants_rank_indexes(self, metadata):
+        return False if self.built else super().wants_rank_indexes(metadata)
+
+    def finish(self, metadata, results, **kwargs):
+        self.received = [(type(r).__name__, len(pickle.dumps(r))) for r in results]
+        return super().finish(metadata, results, **kwargs)
+
+    def committed_metadata(self, metadata, results):
+        self.gathered.append([type(r).__name__ for r in results])  # by the commit, and by an async result()
+        return super().committed_metadata(metadata, results)
+
+
+def _normalised_files(path: Path) -> dict:
+    """The checkpoint's files (index digests checked, then blanked; its save id replaced by ``ID``), as text."""
+    document = json.loads((path / "metadata.json").read_bytes())
+    save_id = document["save_id"]
+    for record in document["rank_indexes"]:
+        data = (path / record["file"]).read_bytes()
+        assert record["digest"] == xxhash.xxh3_64_hexdigest(data) and record["length"] == len(data)
+        record["digest"] = "D"
+    out = {name.replace(save_id, "ID"): (path / name).read_bytes().replace(save_id.encode(), b"ID").hex()
+           for name in sorted(os.listdir(path)) if not name.startswith(".") and name != "metadata.json"}
+    out["metadata.json"] = json.dumps(document).replace(save_id, "ID")
+    return out
+
+
 def save_x_indexed() -> dict:
-    """save_x's state in the indexed metadata form (format 2.1): grid tensors, one index file per rank."""
+    """save_x's state in the indexed metadata form (format 2.1): grid tensors, one index file per rank, each
+    written by its rank (the commit receives a summary per rank); the same save with the index files built by the
+    coordinator from every rank's results gives the same files."""
     layout = Layout((2, 2), (1, 0))
     state = {"model": {"x": _dtensor(FULL_X, layout, "x"), "bias": ms.Tensor(BIAS)}, "step": 42}
     path = BASE / "Xi"
-    meta = dcp.save(state, checkpoint_id=path, storage_writer=dcp.FileSystemWriter(path, metadata_form="indexed"))
+    writer = ReceivingWriter(path, metadata_form="indexed")
+    meta = dcp.save(state, checkpoint_id=path, storage_writer=writer)
+    built = ReceivingWriter(BASE / "Xi_built", metadata_form="indexed", built=True)
+    dcp.save(state, checkpoint_id=BASE / "Xi_built", storage_writer=built)
     target = {"model": {"x": _zero_dtensor(FULL_X, layout, "x"), "bias": np.zeros(8, np.float32)}, "step": 0}
     dcp.load(target, checkpoint_id=path)
+    same_files = _normalised_files(path) == _normalised_files(BASE / "Xi_built") if RANK == 0 else None
     return {"indexes": sorted(n.split(".")[0] for n in os.listdir(path) if "_index." in n),
             "grid": "grid" in (path / "metadata.json").read_text(), "chunks": len(meta.state_dict_metadata["model.x"].chunks),
             "kind": type(meta).__name__, "same_as_committed": meta == dcp.read_metadata(path),
-            "ok": _expect(FULL_X, target["model"]["x"]), "bias": target["model"]["bias"].tolist(), "step": target["step"]}
+            "ok": _expect(FULL_X, target["model"]["x"]), "bias": target["model"]["bias"].tolist(), "step": target["step"],
+            "received": writer.received, "received_built": built.received, "same_files": same_files}
 
 
 def async_indexed_and_corrupt_index() -> dict:
@@ -345,13 +391,20 @@ def async_indexed_and_corrupt_index() -> dict:
     loaded = []
     for staging in ("copy", "fork"):
         path = BASE / f"async_indexed_{staging}"
-        handle = dcp.async_save({"x": _dtensor(FULL_X, layout, "x"), "step": 6}, checkpoint_id=path, staging=staging,
-                                storage_writer=dcp.FileSystemWriter(path, metadata_form="indexed"))
-        handle.result()
+        writers = {}
+        for built in (True, False):  # the index files built by the coordinator, then written by each rank
+            where = path.with_name(path.name + "_built") if built else path
+            writers[built] = ReceivingWriter(where, metadata_form="indexed", built=built)
+            handle = dcp.async_save({"x": _dtensor(FULL_X, layout, "x"), "step": 6}, checkpoint_id=where,
+                                    staging=staging, storage_writer=writers[built])
+            handle.result()
         target = {"x": _zero_dtensor(FULL_X, Layout((4,), (0, -1)), "x"), "step": 0}
-        dcp.load(target, checkpoint_id=path)
+        dcp.load(target, checkpoint_id=path)  # also settles the background commits
+        same = _normalised_files(path) == _normalised_files(path.with_name(path.name + "_built")) if RANK == 0 else None
         loaded.append({"ok": _expect(FULL_X, target["x"]), "step": target["step"],
-                       "indexes": sorted(n.split(".")[0] for n in os.listdir(path) if "_index." in n)})
+                       "indexes": sorted(n.split(".")[0] for n in os.listdir(path) if "_index." in n),
+                       "received": writers[False].received, "received_built": writers[True].received,
+                       "gathered": writers[False].gathered, "same_files": same})
     path = BASE / "async_indexed_copy"
     if RANK == 3:  # damage its own index before the load starts (the load's planning is collective)
         name = next(n for n in os.listdir(path) if n.startswith("r00003_index."))

@@ -52,6 +52,7 @@ from hyper_parallel.core.distributed_checkpoint._rank_records import (
     results_of,
 )
 from hyper_parallel.core.distributed_checkpoint._format.cover import MAX_REPORTED_PROBLEMS
+from hyper_parallel.core.distributed_checkpoint._index_plan import RankIndexSummary, own_index
 from hyper_parallel.core.distributed_checkpoint._global_plan import replica_problems
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError, CheckpointIOError, PlanValidationError
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
@@ -112,6 +113,7 @@ class BackgroundCommit:
         self._cancel = threading.Event()
         self._timeout = collective_timeout()
         self.results: list[WriteResult] | None = None
+        self.summary: RankIndexSummary | None = None  # this rank's own index file, when its plan says so
         self.local_error: BaseException | None = None
         #: The commit's failure, explained (:func:`explain_commit_failure`); coordinator only.
         self.commit_error: BaseException | None = None
@@ -126,8 +128,10 @@ class BackgroundCommit:
                 assert write is not None, "a background commit runs once"
                 self.results = write()
                 self.replicas = self._replicas() if self._replicas is not None else ()
+                self.summary = own_index(self.writer, self.plan, self.results)  # its index, after its data
                 if not self.dist.is_coordinator:
-                    record = RankRecord(self.save_id, rank, tuple(self.results), replicas=self.replicas)
+                    record = RankRecord(self.save_id, rank, () if self.summary else tuple(self.results),
+                                        replicas=self.replicas, summary=self.summary)
                     self.writer.write_rank_record(rank, encode_rank_record(record), plan=self.plan)
             except BaseException as exc:  # pylint: disable=broad-except
                 self.local_error = exc
@@ -163,7 +167,8 @@ class BackgroundCommit:
                 raise self.local_error  # after every other rank's outcome: their files are complete to delete
             if self._cancel.is_set():
                 return None  # result() raised another rank's write failure on every rank
-            records[0] = RankRecord(self.save_id, 0, tuple(self.results or ()), replicas=self.replicas)
+            records[0] = RankRecord(self.save_id, 0, tuple(self.results or ()), replicas=self.replicas,
+                                    summary=self.summary)
             all_results = results_of(records, save_id=self.save_id, world_size=world)
             written_everywhere = True  # from here a failure is the commit's own, which result() does not report
             check_record_replicas(records)
@@ -197,7 +202,7 @@ class BackgroundCommit:
         def local() -> list[WriteResult]:
             if self.local_error is not None:
                 raise self.local_error
-            return self.results or []
+            return self.summary or self.results or []
 
         read_back = metadata_reader_of(self.writer)
         kept: list[Metadata] = []

@@ -25,6 +25,7 @@ through the :class:`.StorageWriter` methods.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -43,6 +44,7 @@ from hyper_parallel.core.distributed_checkpoint._commit_receipt import (
     metadata_reader_of,
 )
 from hyper_parallel.core.distributed_checkpoint._deferred_save import DeferredPlan, PlannedSave
+from hyper_parallel.core.distributed_checkpoint._index_plan import IndexPlan, own_index, plan_index
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutArgument, apply_mindspore_layouts
 from hyper_parallel.core.distributed_checkpoint._plan_cache import (
     PlanCache,
@@ -142,15 +144,41 @@ def _merge_layout_form(
     merged: list[Metadata],
     all_final: list[list[SavePlan]],
     all_local: list[list[Any]],
+    options: SaveOptions,
+    index_plans: list[Callable[[], IndexPlan | None]],
 ) -> list[_PlanDelta]:
     """The coordinator's merge of layout-form plans: each rank's keep mask and storage data. Coordinator."""
     masks, metadata = planner.build_global_masks(all_plans)
     stamped = writer.prepare_global_plan([SavePlan(items=()) for _ in all_plans])  # items unused (see above)
+    holders = functools.cache(lambda: plan_index(metadata, all_plans, masks))
+    index_plans.append(holders)
+    stamped = rank_indexes(writer, options, metadata, stamped, holders)
     merged.append(metadata)
     all_final.append(stamped)
     all_local.append(all_plans)
     return [_PlanDelta(keep=mask, storage_data=plan.storage_data, planner_data=None)
             for mask, plan in zip(masks, stamped)]
+
+
+def rank_indexes(writer: StorageWriter, options: SaveOptions, metadata: Metadata, stamped: list[SavePlan],
+                 index_plan: Callable[[], IndexPlan | None]) -> list[SavePlan]:
+    """``stamped`` (the final plans), each also telling its rank to write its own index, when the save commits the
+    indexed form from rank summaries (:mod:`._index_plan`). Coordinator.
+
+    Only the filesystem and fsspec writers, and only saves writing each chunk once; ``index_plan`` (the holders
+    from the merged plan) is computed only when the indexed form is wanted. Otherwise ``stamped`` unchanged.
+    """
+    if not (isinstance(writer, FileSystemWriter) and options.remove_redundancy and writer.wants_rank_indexes(metadata)):
+        return stamped
+    plan = index_plan()
+    return stamped if plan is None else writer.use_index_plan(stamped, plan)
+
+
+def _rank_results(session: "SaveSession", results: list[WriteResult]) -> Any:
+    """What this rank sends the commit: its write results, or, when its plan says so, the summary of the index
+    file it writes now (its data is durable). All ranks."""
+    summary = own_index(session.writer, session.plan, results)
+    return results if summary is None else summary
 
 
 @dataclass(frozen=True)
@@ -260,11 +288,13 @@ def plan_save(
     cache = plan_cache_for(writer, planner, options, rank=dist.rank, world_size=dist.world_size)
     all_final: list[list[SavePlan]] = []
     all_local: list[list[SavePlan]] = []
+    index_plans: list[Callable[[], IndexPlan | None]] = []  # the holders of the merged plan, computed when first asked
 
     def global_step(all_plans: list[Any]) -> list[Any]:
         try:
             if compact:
-                return _merge_layout_form(planner, writer, all_plans, merged, all_final, all_local)
+                return _merge_layout_form(planner, writer, all_plans, merged, all_final, all_local, options,
+                                          index_plans)
             final_plans, metadata = planner.build_global_plan(all_plans)
         except PlanValidationError as exc:
             hint = _uninitialised_communication(dist.world_size)
@@ -272,6 +302,9 @@ def plan_save(
                 raise
             raise PlanValidationError(f"{hint}. The plan check said: {exc}") from exc
         final_plans = writer.prepare_global_plan(final_plans)
+        holders = functools.cache(lambda planned=final_plans: plan_index(metadata, planned))
+        index_plans.append(holders)
+        final_plans = rank_indexes(writer, options, metadata, final_plans, holders)
         merged.append(metadata)
         all_final.append(final_plans)
         all_local.append(all_plans)
@@ -291,7 +324,7 @@ def plan_save(
             # A digest round first: a save repeating the last layout reuses its plans (see _plan_cache). The
             # coordinator decides from every rank's message; each rank receives the decision only.
             decision = dist.reduce_scatter("plan digest", layout_step,
-                                           lambda messages: _decide(cache, writer, messages, merged))
+                                           lambda messages: _decide(cache, writer, messages, merged, options))
             if decision.reuse:
                 cached = cache.take(decision.exchange)
                 plan = replace(cached.final, storage_data=decision.storage_data)
@@ -303,7 +336,7 @@ def plan_save(
                 plan = _expand(local_plans[0], received)
                 cache.store(decision.exchange, plan, all_final[0] if all_final else None,
                             merged[0] if merged else None, all_local[0] if all_local else None,
-                            sources=planner.sources_for(plan.items))
+                            sources=planner.sources_for(plan.items), index_plan=index_plans[0] if index_plans else None)
         plan = planner.finalize_plan(plan)
     except BaseException:
         writer.abort()
@@ -332,7 +365,7 @@ def _deferred(
 
 
 def _decide(
-    cache: PlanCache, writer: StorageWriter, messages: list[PlanMessage], merged: list[Metadata]
+    cache: PlanCache, writer: StorageWriter, messages: list[PlanMessage], merged: list[Metadata], options: SaveOptions
 ) -> list[PlanDecision]:
     """Whether every rank reuses its cached plan, with each rank's storage data on a reuse. Coordinator only.
 
@@ -345,6 +378,8 @@ def _decide(
     check_cached_replicas(cached, messages)
     merged.append(cached.metadata)
     stamped = writer.prepare_global_plan(list(cached.all_final))
+    stamped = rank_indexes(writer, options, cached.metadata, stamped,
+                           cached.index_plan if cached.index_plan is not None else lambda: None)
     return [PlanDecision(exchange=exchange, reuse=True, storage_data=plan.storage_data) for plan in stamped]
 
 
@@ -386,7 +421,7 @@ def commit_save(
                               read_back=read_back)
 
     try:
-        answer = session.dist.reduce_scatter(step, local_results, commit_step)
+        answer = session.dist.reduce_scatter(step, lambda: _rank_results(session, local_results()), commit_step)
     except BaseException:
         session.writer.abort()
         raise

@@ -26,6 +26,8 @@ from typing import Any
 from hyper_parallel.core.distributed_checkpoint._format.checksum import DEFAULT_BLOCK_BYTES
 from hyper_parallel.core.distributed_checkpoint._format.indexed_storage import IndexedStorage
 from hyper_parallel.core.distributed_checkpoint._index_objects import IndexObjects
+from hyper_parallel.core.distributed_checkpoint._index_plan import check_stored_indexes, written_files
+from hyper_parallel.core.distributed_checkpoint._format.rank_index import IndexRecord
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import (
     metadata_from_json,
     metadata_to_json,
@@ -238,8 +240,7 @@ class FsspecWriter(FileSystemWriter):
         """
         committed, index_files = self.indexed_metadata(self.committed_metadata(metadata, results), results)
         name = self._metadata_name()
-        ours = sorted({result.storage_data.relative_path for chunk in results for result in chunk}
-                      | {record.file for record, _ in index_files})
+        ours = sorted(written_files(results) | {record.file for record, _ in index_files})
         try:
             encoded = metadata_to_json(committed, source=self._object(name))
             for record, data in index_files:  # each PUT whole and durable before the metadata lists it
@@ -304,13 +305,31 @@ class FsspecWriter(FileSystemWriter):
             raise error
         raise error from cause
 
-    def indexed_metadata(self, committed: Metadata, results: list[list[WriteResult]]) -> tuple[Metadata, list[Any]]:
-        """As :meth:`FileSystemWriter.indexed_metadata`; the indexed metadata handed to every rank reads the index
-        objects of this prefix (it pickles with them). Coordinator."""
-        committed, files = super().indexed_metadata(committed, results)
+    def bind_indexes(self, committed: Metadata) -> Metadata:
+        """Let the indexed metadata handed to every rank read the index objects of this prefix (it pickles with
+        them). Coordinator."""
         if isinstance(committed.storage_data, IndexedStorage):
             committed.storage_data.bind(self._index_objects(self.save_id))
-        return committed, files
+        return committed
+
+    def store_rank_index(self, record: IndexRecord, data: bytes) -> None:
+        """PUT one index object whole (durable once the PUT returns). The rank it belongs to."""
+        try:
+            self.fs.pipe_file(self._object(record.file), data)
+        except Exception as exc:  # pylint: disable=broad-except
+            raise CheckpointIOError(f"rank {self.rank}: writing its index object {self._object(record.file)} "
+                                    f"failed: {exc}") from exc
+
+    def check_rank_indexes(self, records: list[IndexRecord]) -> None:
+        """The index objects the ranks wrote have the lengths and digests they reported. Coordinator."""
+        def size_of(name: str) -> int:
+            try:
+                return int(self.fs.size(self._object(name)))
+            except FileNotFoundError as exc:
+                raise OSError(str(exc)) from exc
+
+        check_stored_indexes(records, size_of=size_of, read=lambda name: self.fs.cat_file(self._object(name)),
+                             where=self.path)
 
     def _index_objects(self, save_id: str) -> IndexObjects:
         return IndexObjects(self.fs, root=self.root, url=self.path, metadata_file=self._metadata_name(), save_id=save_id)

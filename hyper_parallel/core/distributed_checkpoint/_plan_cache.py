@@ -116,6 +116,9 @@ class CachedPlan:
         digested: Made by a save whose plans carried replica digests (else hashed later, see
             :meth:`.StandardSavePlanner.digest_replicas_later`): only such plans are reused by a save that hashes
             while planning, as only they let the coordinator compare this save's digests by the cached groups.
+        index_plan: Returns the holders of the indexed form for these plans (:class:`._index_plan.IndexPlan`, or
+            ``None`` when the plans give no chunk exactly one writer), computed once when first asked; coordinator
+            only (``None`` elsewhere, and after a deferred plan: such a reuse commits from the write results).
     """
 
     exchange: str
@@ -127,6 +130,7 @@ class CachedPlan:
     sources: tuple[LeafSource | None, ...] = ()
     source_of: dict[MetadataIndex, LeafSource] | None = None
     digested: bool = True
+    index_plan: Any = None
 
 
 def replica_keys(plans: list[SavePlan | LayoutSavePlan]) -> tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]:
@@ -273,6 +277,7 @@ class PlanCache:
         metadata: Metadata | None,
         local_plans: list[SavePlan] | None = None,
         sources: tuple[LeafSource | None, ...] = (),
+        index_plan: Any = None,
     ) -> None:
         """Keep the result of a full exchange. All ranks.
 
@@ -283,6 +288,7 @@ class PlanCache:
             metadata: The merged metadata (coordinator only).
             local_plans: Every rank's local plan (coordinator only).
             sources: The leaf of each item of ``final`` (``None`` for values).
+            index_plan: Returns the indexed form's holders for these plans (coordinator only).
         """
         layout_form = local_plans is not None and any(isinstance(p, LayoutSavePlan) for p in local_plans)
         entry = CachedPlan(
@@ -298,6 +304,7 @@ class PlanCache:
                 for item, source in zip(final.items, sources) if source is not None
             },
             digested=self.digests_now,
+            index_plan=index_plan,
         )
         with _LOCK:
             _CACHE[self.key] = entry

@@ -13,6 +13,12 @@ A record is UTF-8 JSON ``{"format", "save_id", "rank", "results": [{"size",
 "entry"}] | null, "error": str | null}`` whose ``entry`` is a ``storage_data``
 entry of docs/format.md. Records are named by save id and rank, begin with a
 dot, and are never part of a committed checkpoint.
+
+Version 2 (``"version": 2``), for a save whose ranks write their own index
+files (:mod:`._index_plan`): ``"results"`` is empty and ``"index"`` holds the
+rank's summary instead, ``{"record": {"rank", "file", "length", "digest"} |
+null, "entries", "bytes", "files": [names], "inline": [{"size", "entry"}]}``:
+its size does not grow with the chunks the rank wrote.
 """
 
 from __future__ import annotations
@@ -21,12 +27,14 @@ import json
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import (
     storage_entry_from_json,
     storage_entry_to_json,
 )
+from hyper_parallel.core.distributed_checkpoint._format.rank_index import records_from_json, records_to_json
+from hyper_parallel.core.distributed_checkpoint._index_plan import RankIndexSummary
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
     CollectiveTimeoutError,
@@ -68,18 +76,27 @@ class RankRecord:
     results: tuple[WriteResult, ...] | None
     error: str | None = None
     replicas: tuple[tuple[str, tuple[int, ...], str], ...] = ()
+    summary: RankIndexSummary | None = None
+
+
+def _results_to_json(results: Iterable[WriteResult]) -> list[dict]:
+    return [{"size": r.size_in_bytes, "entry": storage_entry_to_json(r.index, r.storage_data)} for r in results]
 
 
 def encode_rank_record(record: RankRecord) -> bytes:
-    """The record as UTF-8 JSON. Any rank; pure."""
-    results = None
-    if record.results is not None:
-        results = [{"size": r.size_in_bytes, "entry": storage_entry_to_json(r.index, r.storage_data)}
-                   for r in record.results]
-    document = {"format": RECORD_FORMAT, "save_id": record.save_id, "rank": record.rank, "results": results,
-                "error": record.error}
+    """The record as UTF-8 JSON (version 2 when it carries a summary). Any rank; pure."""
+    results = None if record.results is None else _results_to_json(record.results)
+    document: dict = {"format": RECORD_FORMAT, "save_id": record.save_id, "rank": record.rank, "results": results,
+                      "error": record.error}
     if record.replicas:
         document["replicas"] = [[key, list(offsets), found] for key, offsets, found in record.replicas]
+    summary = record.summary
+    if summary is not None:
+        document["version"] = 2
+        document["index"] = {
+            "record": None if summary.record is None else records_to_json([summary.record])[0],
+            "entries": summary.entries, "bytes": summary.bytes_written, "files": list(summary.files),
+            "inline": _results_to_json(summary.inline)}
     return json.dumps(document, separators=(",", ":")).encode("utf-8")
 
 
@@ -102,13 +119,34 @@ def decode_rank_record(data: bytes, *, source: str) -> RankRecord:
     replicas = _replicas(document.get("replicas", []), source)
     if raw is None:
         return RankRecord(save_id, rank, None, error, replicas)
+    summary = None if "index" not in document else _summary(document["index"], save_id, rank, source)
+    return RankRecord(save_id, rank, _results(raw, source), None, replicas, summary)
+
+
+def _results(raw: list, source: str) -> tuple[WriteResult, ...]:
+    """A record's write results, checked."""
     results = []
     for position, item in enumerate(raw):
         if not isinstance(item, dict) or type(item.get("size")) is not int or item["size"] < 0:
             raise CorruptCheckpointError(f"{source}: malformed result {position}")
         index, info = storage_entry_from_json(item.get("entry"), position=position, source=source)
         results.append(WriteResult(index=index, size_in_bytes=item["size"], storage_data=info))
-    return RankRecord(save_id, rank, tuple(results), None, replicas)
+    return tuple(results)
+
+
+def _summary(raw: object, save_id: str, rank: int, source: str) -> RankIndexSummary:
+    """A version-2 record's ``index`` member, checked."""
+    if not isinstance(raw, dict) or not all(type(raw.get(k)) is int and raw[k] >= 0 for k in ("entries", "bytes")) or (
+            not isinstance(raw.get("files"), list) or not all(isinstance(n, str) for n in raw["files"])
+            or not isinstance(raw.get("inline"), list)):
+        raise CorruptCheckpointError(f"{source}: malformed rank index summary")
+    record = None
+    if raw.get("record") is not None:
+        record = records_from_json([raw["record"]], save_id=save_id, world_size=rank + 1, source=source)[0]
+        if record.rank != rank:
+            raise CorruptCheckpointError(f"{source}: the index file of rank {record.rank} in the record of rank {rank}")
+    return RankIndexSummary(rank=rank, record=record, entries=raw["entries"], bytes_written=raw["bytes"],
+                            files=tuple(raw["files"]), inline=_results(raw["inline"], source))
 
 
 def _replicas(raw: object, source: str) -> tuple[tuple[str, tuple[int, ...], str], ...]:
@@ -180,8 +218,9 @@ def collect_rank_records(
         pause = min(pause * 2, _POLL_MAX)
 
 
-def results_of(records: dict[int, RankRecord], *, save_id: str, world_size: int) -> list[list[WriteResult]]:
-    """Every rank's write results in rank order, from complete ``records``. Coordinator; pure.
+def results_of(records: dict[int, RankRecord], *, save_id: str, world_size: int) -> list[Any]:
+    """Every rank's write results in rank order (its summary, for a rank that wrote its own index), from complete
+    ``records``. Coordinator; pure.
 
     Raises:
         CheckpointError: ranks recorded a failure (names each rank and its error).
@@ -193,7 +232,7 @@ def results_of(records: dict[int, RankRecord], *, save_id: str, world_size: int)
             f"rank(s) {sorted(failed)} failed to write their part of the save (save id {save_id}): {named}; "
             "nothing was committed"
         )
-    return [list(records[rank].results or ()) for rank in range(world_size)]
+    return [records[rank].summary or list(records[rank].results or ()) for rank in range(world_size)]
 
 
 def wait_for_rank_records(

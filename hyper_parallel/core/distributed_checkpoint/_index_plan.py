@@ -1,0 +1,394 @@
+"""The record-only commit of the indexed form: holders decided at plan time, each rank writing its own index.
+
+In the indexed form (docs/format.md section 12.1) the storage entries of grid
+tensors live in one index file per holder rank. Built by the coordinator from
+every rank's write results, the commit would receive about 131 bytes and hold
+about 2.4 KB per chunk: at 10,240 ranks x 10,000 sharded tensors (1e8
+chunks), impossible. Here the coordinator decides at plan time, from the
+merged plan, which rank holds each chunk of each grid tensor
+(:func:`plan_index`, an :class:`IndexPlan`), and hands each rank, with its
+final plan, the little it needs (:class:`RankIndexPlan`: the tensors whose
+entries stay in-line, and how many entries its index lists). After its data
+is durable each rank writes its index file (also durable) and sends the
+coordinator only a :class:`RankIndexSummary`: the index file's name, length
+and digest, its entry count, bytes written, its data file names and the few
+entries that stay in-line. The coordinator checks every rank's count against
+the plan and every index file's length on storage, and commits
+``metadata.json`` listing the indexes (:func:`record_only_metadata`). The
+files are exactly those the coordinator would have written.
+
+Only saves that write each chunk once (``remove_redundancy=True``) take this
+path; a save that keeps replicas (whose holder is the lowest of several
+writers) is committed from every rank's write results, as before.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from hyper_parallel.core.distributed_checkpoint._format.checksum import digest
+from hyper_parallel.core.distributed_checkpoint._format.grid_holders import GridHolders, fit_holders, flat_position, grid_position
+from hyper_parallel.core.distributed_checkpoint._format.rank_index import IndexRecord, encode_rank_index, index_file_name
+from hyper_parallel.core.distributed_checkpoint._grid_chunks import GridChunks
+from hyper_parallel.core.distributed_checkpoint._index_form import (
+    AUTO_INDEX_BYTES,
+    DIGEST_JSON_BYTES,
+    ENTRY_JSON_BYTES,
+    grid_of,
+    indexed_metadata,
+)
+from hyper_parallel.core.distributed_checkpoint._layout_plan import WHOLE, LayoutSavePlan, decode_table, shard_grid
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, CorruptCheckpointError
+from hyper_parallel.core.distributed_checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageInfo,
+    TensorStorageMetadata,
+)
+from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, WriteItemType
+from hyper_parallel.core.distributed_checkpoint.storage import WriteResult
+from hyper_parallel.platform.tensor import DTYPE_NAMES
+
+__all__ = [
+    "IndexPlan",
+    "RankIndexPlan",
+    "RankIndexSummary",
+    "plan_wants_index",
+    "plan_index",
+    "summarise_rank",
+    "own_index",
+    "inline_results",
+    "written_files",
+    "record_only_metadata",
+    "with_rank_plans",
+    "check_stored_indexes",
+    "VERIFY_INDEX_BYTES",
+]
+
+#: The commit re-reads and digests the rank index files when together at most this large (else checks lengths).
+VERIFY_INDEX_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class RankIndexPlan:
+    """What one rank needs to write its index file (sent with its final plan).
+
+    Attributes:
+        inline_keys: The tensors whose entries stay in ``metadata.json`` (no even grid); values stay there too.
+        entries: The grid chunks this rank holds: its index file lists exactly these.
+    """
+
+    inline_keys: frozenset[str]
+    entries: int
+
+
+@dataclass(frozen=True)
+class IndexPlan:
+    """The coordinator's plan-time decision of the indexed form.
+
+    Attributes:
+        holders: For each grid tensor (in metadata order), the rank holding each chunk.
+        entries: Per rank, the grid chunks it holds.
+        inline_keys: As :attr:`RankIndexPlan.inline_keys`.
+    """
+
+    holders: Mapping[str, GridHolders]
+    entries: tuple[int, ...]
+    inline_keys: frozenset[str]
+
+    def for_rank(self, rank: int) -> RankIndexPlan:
+        """What rank ``rank`` is told. Coordinator; pure."""
+        return RankIndexPlan(inline_keys=self.inline_keys, entries=self.entries[rank])
+
+
+@dataclass(frozen=True)
+class RankIndexSummary:
+    """What a rank sends the coordinator instead of its write results (a few hundred bytes plus in-line entries).
+
+    Attributes:
+        rank: The rank.
+        record: Its index file (name, length, xxh3 digest); ``None`` when it holds no grid chunk.
+        entries: Entries its index file lists.
+        bytes_written: Bytes of every item it wrote.
+        files: Its data files of this save.
+        inline: Its write results that stay in-line (values, tensors without an even grid).
+    """
+
+    rank: int
+    record: IndexRecord | None
+    entries: int
+    bytes_written: int
+    files: tuple[str, ...]
+    inline: tuple[WriteResult, ...]
+
+
+def plan_wants_index(form: str, metadata: Metadata, *, block_bytes: int) -> bool:
+    """Whether the save of ``metadata`` commits the indexed form, decided from the plan. Coordinator; pure.
+
+    ``"auto"`` estimates the in-line size as :func:`._index_form.wants_index_form` does at commit, each
+    chunk's checksum digests counted from its size in blocks of ``block_bytes``.
+    """
+    if form != "auto":
+        return form == "indexed"
+    entries = extra = 0
+    for item in metadata.state_dict_metadata.values():
+        if not isinstance(item, TensorStorageMetadata):
+            entries += 1
+            continue
+        chunks = item.chunks
+        itemsize = DTYPE_NAMES.get(item.properties.dtype, 1)
+        entries += len(chunks)
+        if isinstance(chunks, GridChunks):
+            extra += len(chunks) * max(0, math.ceil(math.prod(chunks.chunk_sizes) * itemsize / block_bytes) - 1)
+        else:
+            extra += sum(max(0, math.ceil(math.prod(c.sizes) * itemsize / block_bytes) - 1) for c in chunks)
+    return entries * ENTRY_JSON_BYTES + extra * DIGEST_JSON_BYTES > AUTO_INDEX_BYTES
+
+
+def _grids(metadata: Metadata) -> tuple[dict[str, GridChunks], frozenset[str]]:
+    """The grid of every grid tensor (metadata order), and the tensors that are none."""
+    grids: dict[str, GridChunks] = {}
+    inline: set[str] = set()
+    for fqn, item in metadata.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            grid = grid_of(item)
+            if grid is None:
+                inline.add(fqn)
+            else:
+                grids[fqn] = grid
+    return grids, frozenset(inline)
+
+
+class _Irregular(Exception):
+    """Internal: the plan does not give each grid chunk exactly one writer (commit from the results instead)."""
+
+
+def _assign(target: np.ndarray, flat: np.ndarray, ranks: np.ndarray) -> None:
+    """Record ``ranks[i]`` as the writer of chunk ``flat[i]``; a chunk written twice is irregular."""
+    if len(flat) == 0:
+        return
+    if (target[flat] >= 0).any() or len(np.unique(flat)) != len(flat):
+        raise _Irregular
+    target[flat] = ranks
+
+
+def _assign_item(holders: dict[str, np.ndarray], grids: dict[str, GridChunks], item: Any, rank: int) -> None:
+    """Record ``rank`` as the writer of ``item`` (a write item) if it is a chunk of a grid tensor."""
+    target = holders.get(item.index.fqn)
+    if target is None:
+        return
+    grid = grids[item.index.fqn]
+    chunk = item.tensor_data.chunk if item.tensor_data is not None else None
+    position = None if chunk is None or tuple(chunk.sizes) != grid.chunk_sizes else grid_position(
+        tuple(item.index.offset), grid.chunk_sizes, grid.splits)
+    if position is None:
+        raise _Irregular
+    _assign(target, np.asarray([flat_position(position, grid.splits)]), np.asarray([rank]))
+
+
+def _kept(mask: bytes, count: int) -> np.ndarray:
+    return np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")[:count].astype(bool)
+
+
+def _layout_tables(holders: dict[str, np.ndarray], grids: dict[str, GridChunks], plans: Sequence[Any],
+                   masks: Sequence[bytes]) -> None:
+    """The writers of the layout-form plans' table entries, one table (shared by many ranks) at a time."""
+    by_table: dict[bytes, list[int]] = {}
+    for rank, plan in enumerate(plans):
+        if isinstance(plan, LayoutSavePlan):
+            by_table.setdefault(plan.table, []).append(rank)
+    world = len(plans)
+    for blob, ranks in by_table.items():
+        table = decode_table(blob)
+        count = len(table.entries)
+        rows = np.asarray(ranks, dtype=np.int64)
+        kept = np.stack([_kept(masks[rank], count) for rank in ranks]) if count else None
+        shards: dict[int, np.ndarray] = {}
+        for position, entry in enumerate(table.entries):
+            if entry is None or entry.fqn not in holders:
+                continue
+            writers = rows[kept[:, position]]
+            grid = grids[entry.fqn]
+            if entry.layout == WHOLE:
+                if len(grid) != 1:
+                    raise _Irregular
+                _assign(holders[entry.fqn], np.zeros(len(writers), dtype=np.int64), writers)
+                continue
+            layout = table.layouts[entry.layout]
+            if tuple(layout.splits_per_dim()) != grid.splits:
+                raise _Irregular
+            shard_of_rank = shards.get(entry.layout)
+            if shard_of_rank is None:
+                shard_of_rank = shards[entry.layout] = shard_grid(layout, world).shard_of_rank
+            _assign(holders[entry.fqn], shard_of_rank[writers], writers)
+        for rank in ranks:  # the general items of this table's ranks
+            general = iter(plans[rank].general)
+            mask = _kept(masks[rank], count)
+            for position, entry in enumerate(table.entries):
+                if entry is None:
+                    item = next(general)
+                    if mask[position]:
+                        _assign_item(holders, grids, item, rank)
+
+
+def plan_index(metadata: Metadata, plans: Sequence[Any], masks: Sequence[bytes] | None = None) -> IndexPlan | None:
+    """Which rank holds each chunk of each grid tensor, from the merged plan. Coordinator; pure.
+
+    Args:
+        metadata: The merged metadata.
+        plans: Every rank's plan: the final plans (``masks`` ``None``), or the local plans as sent (layout form or
+            plain) with ``masks``, each rank's final plan as a bitmask over its local plan.
+        masks: See ``plans``.
+
+    Returns:
+        The plan, or ``None`` when some grid chunk is not written by exactly one rank (replicas kept, or a plan
+        this function does not follow): that save commits from its write results.
+    """
+    grids, inline = _grids(metadata)
+    holders = {fqn: np.full(len(grid), -1, dtype=np.int64) for fqn, grid in grids.items()}
+    try:
+        if masks is None:
+            for rank, plan in enumerate(plans):
+                for item in plan.items:
+                    _assign_item(holders, grids, item, rank)
+        else:
+            _layout_tables(holders, grids, plans, masks)
+            for rank, plan in enumerate(plans):
+                if isinstance(plan, SavePlan):
+                    mask = _kept(masks[rank], len(plan.items))
+                    for position, item in enumerate(plan.items):
+                        if mask[position]:
+                            _assign_item(holders, grids, item, rank)
+    except _Irregular:
+        return None
+    counts = np.zeros(len(plans), dtype=np.int64)
+    for ranks in holders.values():
+        if len(ranks) and ranks.min() < 0:
+            return None
+        counts += np.bincount(ranks, minlength=len(plans))[: len(plans)]
+    return IndexPlan(holders={fqn: fit_holders(grids[fqn].splits, ranks) for fqn, ranks in holders.items()},
+                     entries=tuple(int(c) for c in counts), inline_keys=inline)
+
+
+def summarise_rank(plan: SavePlan, results: Sequence[WriteResult], *, rank: int,
+                   save_id: str) -> tuple[RankIndexSummary, bytes | None]:
+    """Split a rank's write results into its index file (bytes) and the summary it sends. That rank; pure.
+
+    Raises:
+        CheckpointValueError: the results hold another number of grid chunks than the plan gave this rank.
+    """
+    told: RankIndexPlan = plan.storage_data.index
+    values = {item.index.fqn for item in plan.items if item.type == WriteItemType.BYTE_IO}
+    indexed: list[tuple[MetadataIndex, StorageInfo]] = []
+    inline: list[WriteResult] = []
+    for result in results:
+        fqn = result.index.fqn
+        if fqn in told.inline_keys or fqn in values:
+            inline.append(result)
+        else:
+            indexed.append((MetadataIndex(fqn, tuple(result.index.offset)), result.storage_data))
+    if len(indexed) != told.entries:
+        raise CheckpointValueError(
+            f"rank {rank}: wrote {len(indexed)} chunk(s) of grid tensors but the save plan gives it {told.entries}; "
+            "nothing was committed (a planner that changed its plan after planning?)")
+    data, record = (None, None) if not indexed else encode_rank_index(save_id=save_id, rank=rank, entries=indexed)
+    summary = RankIndexSummary(
+        rank=rank, record=record, entries=len(indexed), bytes_written=sum(r.size_in_bytes for r in results),
+        files=tuple(sorted({r.storage_data.relative_path for r in results})), inline=tuple(inline))
+    return summary, data
+
+
+def own_index(writer: Any, plan: SavePlan, results: Sequence[WriteResult]) -> RankIndexSummary | None:
+    """When ``plan`` tells this rank to write its own index: write it with ``writer`` (durably; call after the data
+    is durable) and return the summary for the commit; else ``None``. Every rank."""
+    if getattr(plan.storage_data, "index", None) is None:
+        return None
+    return writer.write_rank_index(plan, list(results))
+
+
+def inline_results(results: RankIndexSummary | Sequence[WriteResult]) -> Sequence[WriteResult]:
+    """A rank's results that go in-line: all of them, or the summary's in-line ones. Pure."""
+    return results.inline if isinstance(results, RankIndexSummary) else results
+
+
+def written_files(results: Sequence[RankIndexSummary | Sequence[WriteResult]]) -> set[str]:
+    """The names of every file the ranks wrote: data files, and index files of summaries. Coordinator; pure."""
+    names: set[str] = set()
+    for rank_results in results:
+        if isinstance(rank_results, RankIndexSummary):
+            names.update(rank_results.files)
+            if rank_results.record is not None:
+                names.add(rank_results.record.file)
+        else:
+            names.update(result.storage_data.relative_path for result in rank_results)
+    return names
+
+
+def record_only_metadata(committed: Metadata, summaries: Sequence[RankIndexSummary], plan: IndexPlan | None, *,
+                         save_id: str) -> Metadata:
+    """The indexed metadata from every rank's summary and the plan-time holders. Coordinator; pure.
+
+    Args:
+        committed: The metadata with this save's storage meta and the in-line entries as ``storage_data``.
+        summaries: Every rank's summary, in rank order.
+        plan: The plan every rank was given.
+        save_id: This save's id.
+
+    Raises:
+        CorruptCheckpointError: a rank's summary disagrees with the plan (names the rank and its index file).
+    """
+    if plan is None:
+        raise CheckpointValueError("rank index summaries reached a commit that planned no indexed form; "
+                                   "nothing was committed")
+    records = []
+    for rank, summary in enumerate(summaries):
+        expected = index_file_name(rank, save_id)
+        record = summary.record
+        if summary.rank != rank or summary.entries != plan.entries[rank] or (record is None) != (summary.entries == 0) or (
+                record is not None and record.file != expected):
+            raise CorruptCheckpointError(
+                f"rank {rank}: its index file {expected} is reported with {summary.entries} entries "
+                f"({record.file if record is not None else 'no file'}), but the save plan gives the rank "
+                f"{plan.entries[rank]} chunk(s) of grid tensors; nothing was committed")
+        if record is not None:
+            records.append(record)
+    inline = {index: info for index, info in (committed.storage_data or {}).items()}
+    return indexed_metadata(committed, holders=dict(plan.holders), inline=inline, records=tuple(records),
+                            save_id=save_id)
+
+
+def with_rank_plans(plans: Sequence[SavePlan], plan: IndexPlan) -> list[SavePlan]:
+    """Each rank's stamped final plan, its storage data also carrying :class:`RankIndexPlan`. Coordinator; pure."""
+    return [replace(p, storage_data=replace(p.storage_data, index=plan.for_rank(rank))) for rank, p in enumerate(plans)]
+
+
+def check_stored_indexes(records: Sequence[IndexRecord], *, size_of: Callable[[str], int],
+                         read: Callable[[str], bytes], where: str) -> None:
+    """Every index file on storage has the length (and, up to :data:`VERIFY_INDEX_BYTES` in all, the digest) its
+    rank reported. Coordinator, before the commit.
+
+    Args:
+        records: The index files the ranks reported.
+        size_of: The stored size of a file by name (raises ``OSError`` when it is missing).
+        read: The stored bytes of a file by name.
+        where: The checkpoint, named in errors.
+
+    Raises:
+        CorruptCheckpointError: a file missing, or of another length or digest (names the rank and the file).
+    """
+    verify = sum(record.length for record in records) <= VERIFY_INDEX_BYTES
+    for record in records:
+        try:
+            size = size_of(record.file)
+            found = digest(read(record.file)) if verify and size == record.length else record.digest
+        except OSError as exc:
+            size, found = -1, f"unreadable ({exc})"
+        if size != record.length or found != record.digest:
+            raise CorruptCheckpointError(
+                f"{where}: the index file {record.file} of rank {record.rank} does not match the length and digest "
+                f"the rank reported ({record.length} bytes, {record.digest}; stored: {size} bytes, {found}): "
+                "another process changed or removed it; nothing was committed, save again")

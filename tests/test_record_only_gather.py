@@ -1,0 +1,322 @@
+"""The record-only commit of the indexed form: each rank writes its own index file, the coordinator gets a summary.
+
+Simulated ranks (tests/sim_ranks.py) run the plan, write and commit steps of
+``dcp.save``; the checkpoint they commit is compared byte for byte (save ids
+aside) with the one the coordinator builds from every rank's write results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import mindspore as ms
+import numpy as np
+import pytest
+import xxhash
+
+import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel import DTensor, Layout
+from hyper_parallel.core.distributed_checkpoint._index_plan import (
+    RankIndexSummary,
+    plan_index,
+    plan_wants_index,
+    record_only_metadata,
+)
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, CorruptCheckpointError
+from s3_server import new_filesystem, s3_endpoint, s3_url  # noqa: F401  (fixtures)
+from sim_ranks import plan_ranks, simulate_save
+
+FULL = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
+
+
+def _states(ranks: int = 4, layout: Layout = Layout((2, 2), (1, 0)), tensors: int = 1) -> list[dict]:
+    states = []
+    for rank in range(ranks):
+        state = {f"w{k}": DTensor.from_global(ms.Tensor(FULL + k), layout, rank=rank) for k in range(tensors)}
+        state["rep"] = ms.Tensor(np.full((3, 2), 5.0, np.float32))  # a replica on every rank: one writer
+        state["step"] = 7
+        states.append(state)
+    return states
+
+
+def _files(path, save_id: str) -> dict[str, bytes]:
+    """Every file of the checkpoint, the save id in names and contents replaced by ``ID``.
+
+    The digests of the index files (which name the save id) are checked against the files by an independent
+    ``xxhash`` call, then replaced by ``D``.
+    """
+    out = {}
+    for name in sorted(os.listdir(path)):
+        if name.startswith("."):
+            continue
+        out[name.replace(save_id, "ID")] = (path / name).read_bytes().replace(save_id.encode(), b"ID")
+    document = json.loads((path / "metadata.json").read_bytes())
+    for record in document.get("rank_indexes", []):
+        data = (path / record["file"]).read_bytes()
+        assert record["digest"] == xxhash.xxh3_64_hexdigest(data) and record["length"] == len(data)
+        record["digest"] = "D"
+    out["metadata.json"] = json.dumps(document).replace(save_id, "ID").encode()
+    return out
+
+
+def _save_both(tmp_path, states, **kwargs):
+    """The coordinator-built and the record-only checkpoint of ``states``; each committed metadata and its files."""
+    out = []
+    for record_only in (False, True):
+        path = tmp_path / ("record" if record_only else "built")
+        sent: list = []
+        committed, written = simulate_save(states, path, rank_indexes=record_only, sent=sent, **kwargs)
+        out.append((committed, _files(path, committed.storage_meta.save_id), sent, written))
+    return out
+
+
+def _load_all(path, ranks: int, layout: Layout, tensors: int = 1) -> None:
+    for rank in range(ranks):
+        for k in range(tensors):
+            param = ms.Parameter(ms.Tensor(np.zeros(layout.local_shape(FULL.shape), np.float32)), name="w")
+            target = DTensor(param, layout, FULL.shape, rank=rank)
+            state = {f"w{k}": target, "rep": np.zeros((3, 2), np.float32), "step": 0}
+            dcp.load(state, checkpoint_id=path, no_dist=True)
+            rows, cols = param.shape
+            offset = target.global_offset
+            assert np.array_equal(param.asnumpy(), (FULL + k)[offset[0]:offset[0] + rows, offset[1]:offset[1] + cols])
+            assert np.all(state["rep"] == 5.0) and state["step"] == 7
+
+
+@pytest.mark.parametrize("layout_form", [False, True])
+def test_record_only_commit_writes_the_same_checkpoint_as_the_coordinator(tmp_path, layout_form):
+    states = _states(tensors=3)
+    (built, built_files, built_sent, _), (record, record_files, sent, _) = _save_both(
+        tmp_path, states, writer_options={"metadata_form": "indexed"}, layout_form=layout_form)
+    assert all(isinstance(s, RankIndexSummary) for s in sent)
+    assert all(isinstance(s, list) for s in built_sent)
+    assert record_files == built_files  # metadata.json, every index file and data file, byte for byte
+    assert sorted(n for n in record_files if "_index." in n) == [f"r0000{r}_index.ID.json" for r in range(4)]
+    document = json.loads(record_files["metadata.json"])
+    assert [e["fqn"] for e in document["storage_data"]] == ["step"] and "grid" in document["state_dict_metadata"]["w0"]
+    assert record.state_dict_metadata == built.state_dict_metadata
+    assert [(r.rank, r.length) for r in record.storage_data.records.values()] == [
+        (r.rank, r.length) for r in built.storage_data.records.values()]
+    # the coordinator's returned metadata looks entries up from the files (it never held them)
+    assert record.storage_data[dcp.MetadataIndex("w1", (4, 6))].relative_path.startswith("r00003_")
+    for layout, ranks in ((Layout((2, 2), (1, 0)), 4), (Layout((2,), (-1, 0)), 2)):
+        _load_all(tmp_path / "record", ranks, layout, tensors=3)
+
+
+def test_coordinator_receives_the_same_bytes_whatever_the_chunk_count(tmp_path):
+    """What the commit receives per rank: write results grow with the chunks, a summary does not."""
+    sizes = {}
+    for tensors in (4, 64):
+        (_, _, built_sent, _), (_, _, sent, _) = _save_both(
+            tmp_path / str(tensors), _states(tensors=tensors), writer_options={"metadata_form": "indexed"},
+            layout_form=True)
+        sizes[tensors] = ([len(pickle.dumps(s)) for s in built_sent], [len(pickle.dumps(s)) for s in sent])
+    built_small, record_small = sizes[4]
+    built_large, record_large = sizes[64]
+    assert all(b > 16 * 100 for b in built_large)  # ~131 bytes per chunk and more
+    assert max(record_large) == max(record_small) and max(record_large) < 1500  # O(1) per rank
+    # Rank 0 also sends the in-line entries (the replicated tensor and the step it writes): a few, whatever the chunks.
+    assert all(r < b for r, b in zip(record_large, built_large))
+
+
+def test_replicas_kept_commit_from_the_results(tmp_path):
+    """``remove_redundancy=False`` (each chunk's holder is the lowest of several writers): results, as before."""
+    states = [{"w": DTensor.from_global(ms.Tensor(FULL), Layout((2, 2), (0, -1)), rank=r)} for r in range(4)]
+    (_, built_files, _, _), (_, record_files, sent, _) = _save_both(
+        tmp_path, states, writer_options={"metadata_form": "indexed"}, remove_redundancy=False)
+    assert all(isinstance(s, list) for s in sent) and record_files == built_files
+
+
+def test_inline_form_and_small_auto_saves_send_results(tmp_path):
+    for form in ("inline", "auto"):
+        sent: list = []
+        simulate_save(_states(), tmp_path / form, rank_indexes=True, sent=sent, writer_options={"metadata_form": form})
+        assert all(isinstance(s, list) for s in sent)
+        assert not [n for n in os.listdir(tmp_path / form) if "_index." in n]
+
+
+def test_auto_form_is_decided_from_the_plan_as_at_commit():
+    """``"auto"``: the plan-time estimate counts chunks and the checksum digests of each chunk's size."""
+    _, plans = plan_ranks(_states())
+    planners, _ = plan_ranks(_states())
+    _, metadata = planners[0].build_global_plan(plans)
+    assert not plan_wants_index("auto", metadata, block_bytes=1 << 20)
+    assert plan_wants_index("indexed", metadata, block_bytes=1 << 20)
+    assert not plan_wants_index("inline", metadata, block_bytes=1 << 20)
+    # 96 float32 per w chunk of 24 elements = 96 bytes: with 1-byte blocks, 95 extra digests per chunk of each rank
+    many = metadata.replace(state_dict_metadata={
+        f"t{k}": metadata.state_dict_metadata["w0"] for k in range(40_000)})
+    assert plan_wants_index("auto", many, block_bytes=1)
+    assert not plan_wants_index("auto", many, block_bytes=1 << 20)
+
+
+def test_a_replaced_index_file_aborts_the_commit_naming_rank_and_file(tmp_path):
+    """The coordinator checks every index file's length and digest against its rank's summary before committing."""
+    from hyper_parallel.core.distributed_checkpoint import _index_plan
+
+    path = tmp_path / "c"
+    original = _index_plan.summarise_rank
+
+    def damaged(plan, results, *, rank, save_id):
+        summary, data = original(plan, results, rank=rank, save_id=save_id)
+        if rank == 2:  # the file on storage will differ (one byte) from what the rank reports
+            data = data.replace(b'"rank":2', b'"rank":3')
+        return summary, data
+
+    _index_plan_patch = pytest.MonkeyPatch()
+    import hyper_parallel.core.distributed_checkpoint.filesystem_writer as fs_writer
+    _index_plan_patch.setattr(fs_writer, "summarise_rank", damaged)
+    try:
+        with pytest.raises(CorruptCheckpointError, match=r"index file r00002_index\.\w+\.json of rank 2 does not match"):
+            simulate_save(_states(), path, rank_indexes=True, writer_options={"metadata_form": "indexed"})
+    finally:
+        _index_plan_patch.undo()
+    assert not (path / "metadata.json").exists()
+
+
+def test_a_truncated_index_file_aborts_and_abort_removes_every_index(tmp_path):
+    path = tmp_path / "c"
+    writer0 = []
+
+    class Truncating(dcp.FileSystemWriter):
+        def store_rank_index(self, record, data):
+            super().store_rank_index(record, data[:-1] if self.rank == 1 else data)
+
+        def finish(self, metadata, results, **kwargs):
+            writer0.append(self)
+            return super().finish(metadata, results, **kwargs)
+
+    with pytest.raises(CorruptCheckpointError, match=r"index file r00001_index\.\w+\.json of rank 1 does not match"):
+        simulate_save(_states(), path, rank_indexes=True, writer_class=Truncating,
+                      writer_options={"metadata_form": "indexed"})
+    assert len([n for n in os.listdir(path) if "_index." in n]) == 4  # written before the commit, durable
+    writer0[0].abort()  # what dcp.save does on the failure: every file of the save goes
+    assert not (path / "metadata.json").exists() and not [n for n in os.listdir(path) if not n.startswith(".")]
+
+
+def test_summary_disagreeing_with_the_plan_is_refused(tmp_path):
+    committed_input = []
+
+    class Recording(dcp.FileSystemWriter):
+        def finish(self, metadata, results, **kwargs):
+            committed_input.append((self, metadata, results))
+            return super().finish(metadata, results, **kwargs)
+
+    simulate_save(_states(), tmp_path / "c", rank_indexes=True, writer_class=Recording,
+                  writer_options={"metadata_form": "indexed"})
+    writer, metadata, summaries = committed_input[0]
+    base = writer.committed_metadata(metadata, summaries)
+    wrong = list(summaries)
+    wrong[3] = RankIndexSummary(rank=3, record=None, entries=0, bytes_written=0, files=(), inline=())
+    with pytest.raises(CorruptCheckpointError, match="rank 3: its index file r00003_index.* 0 entries"):
+        record_only_metadata(base, wrong, writer.index_plan, save_id=writer.save_id)
+    with pytest.raises(CheckpointValueError, match="planned no indexed form"):
+        record_only_metadata(base, summaries, None, save_id=writer.save_id)
+
+
+def test_a_rank_writing_other_chunks_than_planned_fails(tmp_path):
+    from hyper_parallel.core.distributed_checkpoint._index_plan import RankIndexPlan, summarise_rank
+
+    sent: list = []
+    simulate_save(_states(), tmp_path / "c", rank_indexes=True, sent=sent, writer_options={"metadata_form": "indexed"})
+    writer = dcp.FileSystemWriter(tmp_path / "d")
+    plan = writer.prepare_global_plan([dcp.SavePlan(items=())])[0]
+    import dataclasses
+    plan = dataclasses.replace(plan, storage_data=dataclasses.replace(
+        plan.storage_data, index=RankIndexPlan(inline_keys=frozenset(), entries=5)))
+    with pytest.raises(CheckpointValueError, match="rank 1: wrote 0 chunk.* gives it 5"):
+        summarise_rank(plan, [], rank=1, save_id="abc")
+
+
+def test_plan_index_declines_plans_without_one_writer_per_chunk(tmp_path):
+    planners, plans = plan_ranks([{"w": DTensor.from_global(ms.Tensor(FULL), Layout((2, 2), (0, -1)), rank=r)}
+                                  for r in range(4)], remove_redundancy=False)
+    final, metadata = planners[0].build_global_plan(plans)
+    assert plan_index(metadata, final) is None  # two writers of every chunk
+    compact = [p.compact_local_plan(plan) for p, plan in zip(planners, plans)]
+    masks, metadata = planners[0].build_global_masks(compact)
+    assert plan_index(metadata, compact, masks) is None
+    planners, plans = plan_ranks([{"w": DTensor.from_global(ms.Tensor(FULL), Layout((2, 2), (0, -1)), rank=r)}
+                                  for r in range(4)])
+    final, metadata = planners[0].build_global_plan(plans)
+    found = plan_index(metadata, final)
+    assert found is not None and sum(found.entries) == 2 and found.inline_keys == frozenset()
+    assert plan_index(metadata, [dcp.SavePlan(items=())] * 4) is None  # a chunk nobody writes
+    assert plan_index(metadata, final + final) is None  # a chunk written twice
+
+
+def test_one_process_save_and_plan_cache_reuse_commit_from_the_summary(tmp_path):
+    """``dcp.save`` without collectives runs the same steps: the second save reuses the cached plan and holders."""
+    from hyper_parallel.core.distributed_checkpoint._plan_cache import STATS
+
+    state = {"w": ms.Parameter(ms.Tensor(FULL.copy()), name="w"), "step": 3}
+    seen = []
+
+    class Recording(dcp.FileSystemWriter):
+        def finish(self, metadata, results, **kwargs):
+            seen.append(type(results[0]).__name__)
+            return super().finish(metadata, results, **kwargs)
+
+    reused = STATS.reused
+    for step, form in enumerate(("inline", "indexed", "indexed")):  # the holders of a reused plan: computed once asked
+        path = tmp_path / f"s{step}"
+        dcp.save(state, checkpoint_id=path, no_dist=True, storage_writer=Recording(path, metadata_form=form))
+        whole = {"w": np.zeros_like(FULL), "step": 0}
+        dcp.load(whole, checkpoint_id=path, no_dist=True)
+        assert np.array_equal(whole["w"], FULL) and whole["step"] == 3
+    assert seen == ["list"] + ["RankIndexSummary"] * 2 and STATS.reused == reused + 2
+
+
+def test_record_only_on_s3(s3_url):
+    sent: list = []
+    committed, _ = simulate_save(_states(), s3_url, rank_indexes=True, sent=sent, layout_form=True,
+                                 writer_options={"metadata_form": "indexed"}, writer_class=dcp.FsspecWriter)
+    assert all(isinstance(s, RankIndexSummary) for s in sent)
+    fs = new_filesystem()
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(s3_url[len("s3://"):], refresh=True))
+    assert len([n for n in names if "_index." in n]) == 4
+    assert committed.storage_data[dcp.MetadataIndex("w0", (4, 6))].relative_path.startswith("r00003_")
+    for rank in range(2):
+        layout = Layout((2,), (-1, 0))
+        param = ms.Parameter(ms.Tensor(np.zeros(layout.local_shape(FULL.shape), np.float32)), name="w")
+        target = DTensor(param, layout, FULL.shape, rank=rank)
+        dcp.load({"w0": target}, checkpoint_id=s3_url, no_dist=True)
+        assert np.array_equal(param.asnumpy(), FULL[:, 6 * rank:6 * rank + 6])
+
+
+def test_version_two_results_record_carries_the_summary(tmp_path):
+    """The async background commit's results record (version 2): the summary round-trips, hostile ones are refused."""
+    from hyper_parallel.core.distributed_checkpoint._rank_records import (
+        RankRecord,
+        decode_rank_record,
+        encode_rank_record,
+        results_of,
+    )
+
+    sent: list = []
+    committed, _ = simulate_save(_states(), tmp_path / "c", rank_indexes=True, sent=sent,
+                                 writer_options={"metadata_form": "indexed"})
+    save_id = committed.storage_meta.save_id
+    records = {}
+    for summary in sent:
+        record = RankRecord(save_id, summary.rank, (), summary=summary)
+        data = encode_rank_record(record)
+        assert b'"version":2' in data and decode_rank_record(data, source="r") == record
+        records[summary.rank] = decode_rank_record(data, source="r")
+    assert results_of(records, save_id=save_id, world_size=4) == sent
+    assert len(encode_rank_record(records[3])) < 600  # one index file named, no entry of its chunks
+    plain = RankRecord(save_id, 1, ())
+    assert b"version" not in encode_rank_record(plain) and decode_rank_record(encode_rank_record(plain), source="r") == plain
+    good = json.loads(encode_rank_record(records[1]))
+    for edit, match in ((lambda d: d["index"].update(entries=-1), "malformed rank index summary"),
+                        (lambda d: d["index"].update(files=[3]), "malformed rank index summary"),
+                        (lambda d: d["index"]["record"].update(rank=0, file=d["index"]["record"]["file"].replace("r00001", "r00000")),
+                         "index file of rank 0 in the record of rank 1"),
+                        (lambda d: d["index"]["record"].update(rank=2), "not a new rank"),
+                        (lambda d: d["index"]["record"].update(file="../x"), "is not named")):
+        document = json.loads(json.dumps(good))
+        edit(document)
+        with pytest.raises((CorruptCheckpointError, dcp.CheckpointError), match=match):
+            decode_rank_record(json.dumps(document).encode(), source="r")
