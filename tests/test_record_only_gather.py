@@ -29,6 +29,7 @@ from s3_server import new_filesystem, s3_endpoint, s3_url  # noqa: F401  (fixtur
 from sim_ranks import plan_ranks, simulate_save
 
 FULL = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
+STACKED = np.arange(8 * 3, dtype=np.float32).reshape(8, 3) * -1
 
 
 def _states(ranks: int = 4, layout: Layout = Layout((2, 2), (1, 0)), tensors: int = 1) -> list[dict]:
@@ -36,6 +37,9 @@ def _states(ranks: int = 4, layout: Layout = Layout((2, 2), (1, 0)), tensors: in
     for rank in range(ranks):
         state = {f"w{k}": DTensor.from_global(ms.Tensor(FULL + k), layout, rank=rank) for k in range(tensors)}
         state["rep"] = ms.Tensor(np.full((3, 2), 5.0, np.float32))  # a replica on every rank: one writer
+        # a Megatron-style tensor (a general item of the layout-form plan), rows over the ranks: a grid tensor too
+        state["st"] = dcp.ShardedTensor.from_rank_offsets("st", STACKED[2 * rank:2 * rank + 2].copy(), (0, rank, ranks))
+        state["scale"] = ms.Tensor(np.float32(2.5))  # a 0-d tensor: no grid, its entry stays in-line
         state["step"] = 7
         states.append(state)
     return states
@@ -77,8 +81,10 @@ def _load_all(path, ranks: int, layout: Layout, tensors: int = 1) -> None:
         for k in range(tensors):
             param = ms.Parameter(ms.Tensor(np.zeros(layout.local_shape(FULL.shape), np.float32)), name="w")
             target = DTensor(param, layout, FULL.shape, rank=rank)
-            state = {f"w{k}": target, "rep": np.zeros((3, 2), np.float32), "step": 0}
+            state = {f"w{k}": target, "rep": np.zeros((3, 2), np.float32), "step": 0, "st": np.zeros((8, 3), np.float32),
+                     "scale": np.zeros((), np.float32)}
             dcp.load(state, checkpoint_id=path, no_dist=True)
+            assert np.array_equal(state["st"], STACKED) and float(state["scale"]) == 2.5
             rows, cols = param.shape
             offset = target.global_offset
             assert np.array_equal(param.asnumpy(), (FULL + k)[offset[0]:offset[0] + rows, offset[1]:offset[1] + cols])
@@ -95,7 +101,8 @@ def test_record_only_commit_writes_the_same_checkpoint_as_the_coordinator(tmp_pa
     assert record_files == built_files  # metadata.json, every index file and data file, byte for byte
     assert sorted(n for n in record_files if "_index." in n) == [f"r0000{r}_index.ID.json" for r in range(4)]
     document = json.loads(record_files["metadata.json"])
-    assert [e["fqn"] for e in document["storage_data"]] == ["step"] and "grid" in document["state_dict_metadata"]["w0"]
+    assert sorted(e["fqn"] for e in document["storage_data"]) == ["scale", "step"]
+    assert "grid" in document["state_dict_metadata"]["w0"] and "grid" not in document["state_dict_metadata"]["scale"]
     assert record.state_dict_metadata == built.state_dict_metadata
     assert [(r.rank, r.length) for r in record.storage_data.records.values()] == [
         (r.rank, r.length) for r in built.storage_data.records.values()]
@@ -139,9 +146,8 @@ def test_inline_form_and_small_auto_saves_send_results(tmp_path):
 
 def test_auto_form_is_decided_from_the_plan_as_at_commit():
     """``"auto"``: the plan-time estimate counts chunks and the checksum digests of each chunk's size."""
-    _, plans = plan_ranks(_states())
-    planners, _ = plan_ranks(_states())
-    _, metadata = planners[0].build_global_plan(plans)
+    planners, plans = plan_ranks(_states())
+    _, metadata = planners[0].build_global_masks([p.compact_local_plan(plan) for p, plan in zip(planners, plans)])
     assert not plan_wants_index("auto", metadata, block_bytes=1 << 20)
     assert plan_wants_index("indexed", metadata, block_bytes=1 << 20)
     assert not plan_wants_index("inline", metadata, block_bytes=1 << 20)
@@ -245,6 +251,20 @@ def test_plan_index_declines_plans_without_one_writer_per_chunk(tmp_path):
     assert found is not None and sum(found.entries) == 2 and found.inline_keys == frozenset()
     assert plan_index(metadata, [dcp.SavePlan(items=())] * 4) is None  # a chunk nobody writes
     assert plan_index(metadata, final + final) is None  # a chunk written twice
+    # layout-form plans whose metadata describes other grids than their layouts: declined, never guessed
+    from hyper_parallel.core.distributed_checkpoint._grid_chunks import GridChunks
+    from hyper_parallel.core.distributed_checkpoint.metadata import TensorStorageMetadata
+
+    planners, plans = plan_ranks(_states())
+    compact = [p.compact_local_plan(plan) for p, plan in zip(planners, plans)]
+    masks, metadata = planners[0].build_global_masks(compact)
+    entries = plan_index(metadata, compact, masks).entries
+    assert sum(entries) == 9 and min(entries) == 2  # w0 and st: one chunk per rank; rep: one rank (scale in-line)
+    for fqn, size in (("w0", (8, 12)), ("rep", (3, 2))):
+        item = metadata.state_dict_metadata[fqn]
+        other = TensorStorageMetadata(item.properties, item.size, GridChunks(item.size, (1,) + item.size[1:]))
+        changed = metadata.replace(state_dict_metadata={**metadata.state_dict_metadata, fqn: other})
+        assert plan_index(changed, compact, masks) is None
 
 
 def test_one_process_save_and_plan_cache_reuse_commit_from_the_summary(tmp_path):
@@ -320,3 +340,30 @@ def test_version_two_results_record_carries_the_summary(tmp_path):
         edit(document)
         with pytest.raises((CorruptCheckpointError, dcp.CheckpointError), match=match):
             decode_rank_record(json.dumps(document).encode(), source="r")
+
+
+def test_a_missing_index_file_aborts_the_commit(tmp_path):
+    class Deleting(dcp.FileSystemWriter):
+        def finish(self, metadata, results, **kwargs):
+            os.unlink(self.path / results[2].record.file)  # another process removed it before the commit
+            return super().finish(metadata, results, **kwargs)
+
+    with pytest.raises(CorruptCheckpointError, match=r"r00002_index\.\w+\.json of rank 2 does not match.*stored: -1 bytes"):
+        simulate_save(_states(), tmp_path / "c", rank_indexes=True, writer_class=Deleting,
+                      writer_options={"metadata_form": "indexed"})
+    assert not (tmp_path / "c" / "metadata.json").exists()
+
+
+def test_a_failed_index_write_names_the_rank_and_file(tmp_path, monkeypatch):
+    import hyper_parallel.core.distributed_checkpoint.filesystem_writer as fs_writer
+
+    real = fs_writer.write_atomically
+
+    def full_disk(path, data, **kwargs):
+        if "_index." in path.name:
+            raise OSError(28, "No space left on device (injected)")
+        return real(path, data, **kwargs)
+
+    monkeypatch.setattr(fs_writer, "write_atomically", full_disk)
+    with pytest.raises(dcp.CheckpointIOError, match=r"rank 0: writing its index file .*r00000_index\.\w+\.json failed"):
+        simulate_save(_states(), tmp_path / "c", rank_indexes=True, writer_options={"metadata_form": "indexed"})
