@@ -225,14 +225,11 @@ def _layout_tables(holders: dict[str, np.ndarray], grids: dict[str, GridChunks],
             if shard_of_rank is None:
                 shard_of_rank = shards[entry.layout] = shard_grid(layout, world).shard_of_rank
             _assign(holders[entry.fqn], shard_of_rank[writers], writers)
-        for rank in ranks:  # the general items of this table's ranks
-            general = iter(plans[rank].general)
-            mask = _kept(masks[rank], count)
-            for position, entry in enumerate(table.entries):
-                if entry is None:
-                    item = next(general)
-                    if mask[position]:
-                        _assign_item(holders, grids, item, rank)
+        general_positions = [position for position, entry in enumerate(table.entries) if entry is None]
+        for row, rank in enumerate(ranks if general_positions else ()):  # the general items of this table's ranks
+            for position, item in zip(general_positions, plans[rank].general):
+                if kept[row, position]:
+                    _assign_item(holders, grids, item, rank)
 
 
 def plan_index(metadata: Metadata, plans: Sequence[Any], masks: Sequence[bytes] | None = None) -> IndexPlan | None:
