@@ -176,3 +176,19 @@ def test_bench_metadata_reports_size_read_time_and_rank_planning(tmp_path):
     commit = result["commit"]
     assert commit["chunks"] == 40 and commit["indexed_index_bytes"] > 100 * 40 > commit["indexed_metadata_bytes"] / 4
     assert commit["inline_metadata_bytes"] > 100 * 40 and commit["gathered_bytes_per_chunk"] > 50
+
+
+def test_bench_gather_reports_bytes_received_and_commit_memory(tmp_path):
+    out = tmp_path / "gather.json"
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_gather.py"), "--ranks", "8", "--tensors", "5", "40",
+                           "--large-ranks", "64", "--large-tensors", "30", "--json", str(out)],
+                          env=_env(), capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    small, large = result["rows"]
+    # Write results grow with the chunks a rank holds; a rank's summary does not.
+    assert large["built"]["received_bytes_per_rank"] > 6 * small["built"]["received_bytes_per_rank"]
+    assert large["record_only"]["received_bytes_per_rank"] == small["record_only"]["received_bytes_per_rank"]
+    assert large["record_only"]["received_bytes_per_rank"] < small["built"]["received_bytes_per_rank"]
+    assert result["large"]["chunks"] == 64 * 30 and result["large"]["metadata_bytes"] > 0
+    assert "MEASURED record-only commit at 64 ranks x 30 tensors" in proc.stdout
