@@ -157,12 +157,12 @@ def _selector(
     return lambda name: (specify is None or name.startswith(specify)) and not (exclude and name.startswith(exclude))
 
 
-def _stored_names(metadata: Metadata) -> set[str]:
-    """Checkpoint keys, plus the paths saved as aliases of them (a Parameter saved once)."""
-    names = set(metadata.state_dict_metadata)
+def _stored_names(metadata: Metadata) -> dict[str, str]:
+    """Checkpoint keys, plus the paths saved as aliases of them (a Parameter saved once), each -> its stored key."""
+    names = {key: key for key in metadata.state_dict_metadata}
     data = metadata.planner_data
     if isinstance(data, dict):
-        names.update(alias for alias, key in data.get("aliases", {}).items() if key in names)
+        names.update((alias, key) for alias, key in data.get("aliases", {}).items() if key in names)
     return names
 
 
@@ -204,14 +204,20 @@ def _shown(names: list[str]) -> str:
     return ", ".join(f"'{n}'" for n in names[:_SHOWN]) + more
 
 
-def _match(wanted: list[str], stored: set[str], strict_load: bool) -> dict[str, str]:
-    """Target name -> checkpoint key: exact; else (not strict) through the prefixes the checkpoint adds.
+def _match(wanted: list[str], stored: dict[str, str], strict_load: bool,
+           select: Callable[[str], bool] = lambda key: True) -> dict[str, str]:
+    """Target name -> checkpoint key (``stored``: every stored name -> its key): exact; else (not strict) through
+    the prefixes the checkpoint adds.
 
     As MindSpore's ``load_param_into_net`` does for one prefix: a missing name
-    found as the tail of a stored key (the shortest such key) gives a prefix,
+    found as the tail of a stored key (of the fewest dots, the shortest) gives a prefix,
     which is then tried for every missing name; repeated while it finds more
     (``model.`` for the network and ``optimizer.`` for the moments of a
-    ``dcp.save({"model": net, "optimizer": opt})``).
+    ``dcp.save({"model": net, "optimizer": opt})``). Only keys ``select`` keeps give prefixes.
+
+    Raises:
+        CheckpointValueError: Two prefixes of as few dots hold the name as two stored tensors (``model.`` and
+            ``ema.``): which copy is meant is not known (names both and the fix).
     """
     matched = {name: name for name in wanted if name in stored}
     if strict_load:
@@ -220,16 +226,23 @@ def _match(wanted: list[str], stored: set[str], strict_load: bool) -> dict[str, 
     for name in wanted:
         if name in matched:
             continue
-        for key in sorted((k for k in stored if k.endswith("." + name)), key=lambda k: (len(k), k)):
-            prefix = key[: -len(name)]
-            if prefix in tried:
-                continue
-            tried.add(prefix)
-            found = {n: prefix + n for n in wanted if n not in matched and prefix + n in stored}
-            _LOG.warning("load_checkpoint: %d checkpoint keys carry the prefix '%s'; loaded by name without it",
-                         len(found), prefix)
-            matched.update(found)
-            break
+        prefixes = {key[: -len(name)] for key in stored if key.endswith("." + name) and select(key)} - tried
+        if not prefixes:
+            continue
+        depth = min(prefix.count(".") for prefix in prefixes)
+        nearest = sorted((prefix for prefix in prefixes if prefix.count(".") == depth), key=lambda p: (len(p), p))
+        if len({stored[prefix + name] for prefix in nearest}) > 1:  # copies, not one Parameter saved once
+            raise CheckpointValueError(
+                f"net entry '{name}' is not in the checkpoint under its own name, and it is there under several "
+                f"prefixes ({', '.join(repr(p + name) for p in nearest)}): which copy to load is not known; pass "
+                "specify_prefix (e.g. specify_prefix='" + nearest[0] + "') or filter_prefix to pick one"
+            )
+        prefix = nearest[0]
+        tried.add(prefix)
+        found = {n: prefix + n for n in wanted if n not in matched and prefix + n in stored}
+        _LOG.warning("load_checkpoint: %d checkpoint keys carry the prefix '%s'; loaded by name without it",
+                     len(found), prefix)
+        matched.update(found)
     return matched
 
 
@@ -328,7 +341,7 @@ def _load_into(
     stored = _stored_names(metadata)
     wanted = [flat.storage_keys[name] for name in flat.values]
     by_key = {flat.storage_keys[name]: name for name in flat.values}
-    matched = _match(wanted, stored, strict_load)
+    matched = _match(wanted, stored, strict_load, select)
     if not matched:
         raise CheckpointValueError(
             f"checkpoint {checkpoint_id}: no entry of net matches a checkpoint key, nothing would load. "
