@@ -148,3 +148,24 @@ def test_a_nested_leaf_of_an_unknown_type_changes_no_target(tmp_path: Path) -> N
         dcp.load(target, checkpoint_id=tmp_path)
     _unchanged(target)
     assert target["ratio"].data is None
+
+
+def test_values_decoded_before_the_tensors_are_read_once(tmp_path: Path) -> None:
+    """The values read ahead of the tensors are left out of the read pass: every stored byte is read once, and the
+    planner decodes each value once."""
+    dcp.save({"w": np.arange(6, dtype=np.float32), "step": 42, "note": "n" * 300}, checkpoint_id=tmp_path)
+    stored = sum(info.length for info in dcp.read_metadata(tmp_path).storage_data.values())
+    applied: list[str] = []
+
+    class Counting(StandardLoadPlanner):
+        def apply_bytes(self, read_item, value):
+            applied.append(read_item.dest_index.fqn)
+            super().apply_bytes(read_item, value)
+
+    reader = dcp.FileSystemReader(tmp_path)
+    target = {"w": np.zeros(6, np.float32), "step": 0, "note": ""}
+    dcp.load(target, storage_reader=reader, planner=Counting())
+    assert target["step"] == 42 and target["note"] == "n" * 300
+    np.testing.assert_array_equal(target["w"], np.arange(6, dtype=np.float32))
+    assert sorted(applied) == ["note", "step"]
+    assert reader.bytes_read == stored

@@ -13,6 +13,7 @@ through the :class:`.StorageReader` methods.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutA
 from hyper_parallel.core.distributed_checkpoint._storage_choice import rank_alone
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
-from hyper_parallel.core.distributed_checkpoint.planner import LoadPlan, LoadPlanner
+from hyper_parallel.core.distributed_checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardLoadPlanner
 from hyper_parallel.core.distributed_checkpoint.storage import StorageReader
 
@@ -134,11 +135,24 @@ def _plan_and_read(
             reader.read_data(values, planner).result()
 
     dist.agree("verify", verify_step)
-    rounds = planner.read_rounds(plan)
+    rounds = _without(planner.read_rounds(plan), values.items)
     for index, round_plan in enumerate(rounds):
         _read_round(dist, reader, planner, round_plan, index, last=index == len(rounds) - 1)
     if targets[0] is not state_dict:
         copy_back_values(targets[0], state_dict)
+
+
+def _without(rounds: list[LoadPlan], taken: tuple[ReadItem, ...]) -> list[LoadPlan]:
+    """``rounds`` without the items already read (the values): every byte is read once. A round holding none of
+    them is kept as it is (the reader keeps its grouping of the verified plan for it)."""
+    if not taken:
+        return rounds
+    ids = {id(item) for item in taken}
+    return [
+        dataclasses.replace(plan, items=tuple(item for item in plan.items if id(item) not in ids))
+        if any(id(item) in ids for item in plan.items) else plan
+        for plan in rounds
+    ]
 
 
 def _plans_stay_local(planner: LoadPlanner, reader: StorageReader) -> bool:

@@ -481,8 +481,6 @@ class StandardLoadPlanner(LoadPlanner):
             slot, round_index = self._exchange.send[region_key(read_item)]
             self._outbox[slot] = (round_index, value)
         name = self._value_names[(fqn, tuple(read_item.dest_index.offset))]
-        if name in self._values:  # decoded before the tensors were read (value_reads), now read again
-            return
         self._values[name] = deserialize_value(
             stored.type_name, value, key=fqn, allow_pickle=self.allow_pickle
         )

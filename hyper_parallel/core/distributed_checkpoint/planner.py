@@ -280,8 +280,8 @@ class LoadPlanner(abc.ABC):
 
         ``load`` reads them (``read_data``, so ``apply_bytes`` decodes them) right after the verify step, so a
         value this load cannot decode (a type handler failing, a nested leaf of an unknown type) fails it on
-        every rank before any target tensor changed. The reader then reads the whole plan, these items again
-        (a planner may ignore a value it already took). Called on all ranks after ``finalize_plan``.
+        every rank before any target tensor changed. The read rounds then leave these items out: each is read
+        once. Called on all ranks after ``finalize_plan``.
         """
         return LoadPlan(items=tuple(item for item in plan.items if item.type is LoadItemType.BYTE_IO))
 
