@@ -468,3 +468,34 @@ def test_diff_presence_shape_dtype_and_values(tmp_path, capsys):
     assert code == 1 and "7 key(s) differ" in out
     code, _, err = run(capsys, "diff", tmp_path / "a", tmp_path / "b", "--atol", "-1")
     assert code == 2 and "atol" in err
+
+
+def test_import_refuses_a_hugging_face_directory_it_would_import_in_part(tmp_path, capsys):
+    """A shard the index json does not name, a shard beside model.safetensors, and a tensor the index lists but no
+    shard holds: the import succeeded without those tensors."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    save_file({"w": np.ones(3, np.float32)}, str(shards / "model-00001-of-00002.safetensors"))
+    save_file({"b": np.full(3, 2, np.float32)}, str(shards / "model-00002-of-00002.safetensors"))
+    index = shards / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {"w": "model-00001-of-00002.safetensors"}}))
+    code, _, err = run(capsys, "import", shards, tmp_path / "out1")
+    assert code == 2 and "model-00002-of-00002.safetensors would not be imported" in err
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {
+        "w": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors",
+        "lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    code, _, err = run(capsys, "import", shards, tmp_path / "out2")
+    assert code == 2 and "lists 1 tensor(s) that no file" in err and "'lm_head.weight'" in err
+    assert not (tmp_path / "out1").exists() and not (tmp_path / "out2").exists()
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {
+        "w": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    assert run(capsys, "import", shards, tmp_path / "out3")[0] == 0
+    _load_back(tmp_path / "out3", {"w": np.ones(3, np.float32), "b": np.full(3, 2, np.float32)})
+
+    beside = tmp_path / "beside"
+    beside.mkdir()
+    save_file({"w": np.ones(3, np.float32)}, str(beside / "model.safetensors"))
+    save_file({"extra": np.ones(2, np.float32)}, str(beside / "extra.safetensors"))
+    code, _, err = run(capsys, "import", beside, tmp_path / "out4")
+    assert code == 2 and "extra.safetensors would not be imported" in err
+    assert run(capsys, "import", beside / "model.safetensors", tmp_path / "out5")[0] == 0

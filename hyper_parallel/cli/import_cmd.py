@@ -51,7 +51,7 @@ from hyper_parallel.core.distributed_checkpoint.filesystem_writer import METADAT
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, TensorStorageMetadata
 from hyper_parallel.core.strategy_file import read_strategy_records
 
-__all__ = ["import_checkpoint", "restored_values", "safetensors_files", "register"]
+__all__ = ["import_checkpoint", "index_weight_names", "restored_values", "safetensors_files", "register"]
 
 
 def _read_regular(path: Path, limit: int = 100 << 20) -> bytes:
@@ -70,25 +70,59 @@ def safetensors_files(directory: Path) -> list[Path]:
     """Return the safetensors files of a Hugging Face model directory.
 
     The index json's ``weight_map`` names them when present; else
-    ``model.safetensors``; else every ``*.safetensors`` file, sorted.
+    ``model.safetensors``; else every ``*.safetensors`` file, sorted. Another
+    ``*.safetensors`` file beside the ones named is refused (its tensors would
+    be left out).
 
     Raises:
         UnsupportedFormatError: no safetensors file, or already a hyper_parallel checkpoint.
         CorruptCheckpointError: the index json is malformed.
+        CheckpointValueError: a safetensors file of the directory that would not be imported.
     """
+    files = _named_files(directory)
+    named = {path.resolve() for path in files}
+    unread = sorted(path for path in directory.glob("*.safetensors") if path.resolve() not in named)
+    if unread:
+        raise CheckpointValueError(
+            f"{directory}: {', '.join(p.name for p in unread)} would not be imported (the index json, or "
+            f"model.safetensors, names {', '.join(p.name for p in files)}), and its tensors would be left out; "
+            "list it in the index json, import a file on its own (hp-ckpt import DIR/FILE.safetensors OUT), or "
+            "move the others away"
+        )
+    return files
+
+
+def index_weight_names(directory: Path) -> set[str] | None:
+    """The tensor names the index json of a Hugging Face directory lists (``None`` without an index)."""
+    index_path = _index_path(directory)
+    return None if index_path is None else set(_weight_map(index_path))
+
+
+def _index_path(directory: Path) -> Path | None:
+    indexes = sorted(directory.glob("*.safetensors.index.json"))
+    preferred = directory / "model.safetensors.index.json"
+    return (preferred if preferred in indexes else indexes[0]) if indexes else None
+
+
+def _weight_map(index_path: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(_read_regular(index_path).decode("utf-8"))["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError(f"weight_map is a {type(weight_map).__name__}")
+        return {str(k): str(v) for k, v in weight_map.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptCheckpointError(f"{index_path}: not a valid safetensors index ({exc})") from exc
+
+
+def _named_files(directory: Path) -> list[Path]:
+    """:func:`safetensors_files` before the check for files left out."""
     if (directory / METADATA_FILE).is_file():
         raise UnsupportedFormatError(
             f"{directory} is already a hyper_parallel checkpoint; nothing to import (see hp-ckpt inspect)"
         )
-    indexes = sorted(directory.glob("*.safetensors.index.json"))
-    preferred = directory / "model.safetensors.index.json"
-    if indexes:
-        index_path = preferred if preferred in indexes else indexes[0]
-        try:
-            weight_map = json.loads(_read_regular(index_path).decode("utf-8"))["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CorruptCheckpointError(f"{index_path}: not a valid safetensors index ({exc})") from exc
+    index_path = _index_path(directory)
+    if index_path is not None:
+        names = sorted(set(_weight_map(index_path).values()))
         files = []
         for name in names:
             path = (directory / name).resolve()
@@ -162,6 +196,14 @@ def _plan_source(
         )
     if src.is_dir():
         files = [open_ms_file(path) for path in safetensors_files(src)]
+        listed = index_weight_names(src)
+        missing = sorted(listed - {name for file in files for name in file.entries}) if listed else []
+        if missing:
+            raise CorruptCheckpointError(
+                f"{_index_path(src)} lists {len(missing)} tensor(s) that no file of {src} holds, e.g. "
+                f"{', '.join(repr(n) for n in missing[:5])}: a shard is incomplete or from another model; "
+                "nothing was imported"
+            )
     elif src.suffix in (".ckpt", ".safetensors"):
         files = [open_ms_file(src)]
     else:
