@@ -45,6 +45,7 @@ StrategySource = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
 OPTIMIZER_STATE_PREFIXES: tuple[str, ...] = (
     "moment1.", "moment2.", "moments.", "adam_m.", "adam_v.", "accum.", "mean_grad.", "mean_square.",
     "linear.", "exp_avg.", "exp_avg_sq.", "max_exp_avg_sq.", "vhat.",
+    "lamb_m.", "lamb_v.", "moment.", "stat.", "exp_inf.", "accum_update.", "ax.", "prev.", "step_size.",
 )
 
 
