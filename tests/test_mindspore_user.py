@@ -171,6 +171,16 @@ def test_plain_values_come_back_as_mindspore_returns_them(tmp_path):
     ms.load_param_into_net(nn.Dense(2, 2), ours)  # accepted, as MindSpore's own dict is
 
 
+def test_an_int_no_mindspore_dtype_holds_comes_back_as_the_int(tmp_path):
+    """A 128-bit seed made load_checkpoint raise MindSpore's TypeError: the checkpoint did not load at all."""
+    hyper_parallel.save_checkpoint({"w": np.ones(2, np.float32), "seed": 2**100 + 7, "low": -(2**63),
+                                    "high": 2**64 - 1}, tmp_path / "c")
+    ours = hyper_parallel.load_checkpoint(tmp_path / "c")
+    assert ours["seed"] == 2**100 + 7 and type(ours["seed"]) is int
+    assert ours["low"].asnumpy().item() == -(2**63) and ours["high"].asnumpy().item() == 2**64 - 1
+    np.testing.assert_array_equal(ours["w"].asnumpy(), np.ones(2, np.float32))
+
+
 def test_dcp_checkpoint_of_model_and_optimizer_loads_through_the_one_liner(tmp_path):
     net, opt = _net_and_opt(13)
     dcp.save({"model": net, "optimizer": opt, "step": 4}, checkpoint_id=tmp_path / "c")

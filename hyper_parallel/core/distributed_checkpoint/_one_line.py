@@ -173,6 +173,8 @@ def _as_parameter(name: str, value: Any) -> Any:
         return value
     if hasattr(value, "to_local") and hasattr(value, "layout"):  # a DTensor: this rank's shard
         value = value.to_local()
+    if isinstance(value, int) and not isinstance(value, bool) and not -(1 << 63) <= value < 1 << 64:
+        return value  # no MindSpore integer dtype holds it (a 128-bit seed): the int itself
     if isinstance(value, (bool, int, float, np.generic)):
         value = np.asarray(value)  # a number comes back as a 0-d Parameter, as mindspore.load_checkpoint returns it
     if isinstance(value, np.ndarray):
