@@ -112,3 +112,24 @@ def test_a_flat_buffer_cut_into_many_views_is_not_compared_pair_by_pair(tmp_path
     dcp.load({f"k{i}": buffer[4 * i:4 * i + 4] for i in range(count)}, checkpoint_id=tmp_path / "many")
     np.testing.assert_array_equal(buffer.reshape(count, 4)[:, 0], np.arange(count, dtype=np.float32))
     assert len(calls) < count
+
+
+def test_a_tied_array_or_tensor_saved_at_two_keys_loads_back(tmp_path: Path) -> None:
+    """A state dict holding one array or Tensor at two keys (tied weights) loads back what it saved: the checkpoint
+    stores both keys with the same bytes (checksums equal), so neither value can win over the other."""
+    for kind, shared in (("np", np.arange(6, dtype=np.float32)), ("tensor", Tensor(np.arange(6, dtype=np.float32)))):
+        dcp.save({"embed": shared, "head": shared, "step": 3}, checkpoint_id=tmp_path / kind)
+        target = np.zeros(6, np.float32) if kind == "np" else Tensor(np.zeros(6, np.float32))
+        state = {"embed": target, "head": target, "step": 0}
+        dcp.load(state, checkpoint_id=tmp_path / kind)
+        np.testing.assert_array_equal(np.asarray(target.asnumpy() if kind == "tensor" else target), np.arange(6))
+        assert state["step"] == 3
+
+
+def test_a_tied_target_is_refused_when_the_stored_bytes_differ(tmp_path: Path) -> None:
+    """Equal shapes and dtypes are not enough: two keys stored with other bytes still refuse, no target changed."""
+    dcp.save({"a": np.arange(4, dtype=np.float32), "b": np.arange(4, dtype=np.float32) + 1}, checkpoint_id=tmp_path)
+    shared = np.zeros(4, np.float32)
+    with pytest.raises(dcp.CheckpointValueError, match="'a' and 'b' are the same tensor object"):
+        dcp.load({"a": shared, "b": shared}, checkpoint_id=tmp_path)
+    assert not shared.any()

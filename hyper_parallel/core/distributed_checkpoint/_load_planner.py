@@ -228,7 +228,8 @@ class StandardLoadPlanner(LoadPlanner):
                 if refusal is not None:
                     refused.append(refusal)
             entries[name] = entry
-        problems.extend(_aliased_targets(self.flat.aliases, stored_of, stored_aliases, entries))
+        problems.extend(_aliased_targets(self.flat.aliases, stored_of, stored_aliases, entries,
+                                         storage=metadata.storage_data))
         if self.flat.sizes:
             problems.extend(_cut_containers(self.flat, stored_of))
         if problems:
@@ -509,12 +510,13 @@ class StandardLoadPlanner(LoadPlanner):
 
 
 def _aliased_targets(aliases: dict[str, str], stored_of: dict[str, Any], stored_aliases: dict[str, str],
-                     entries: dict[str, Any]) -> list[str]:
+                     entries: dict[str, Any], *, storage: Any = None) -> list[str]:
     """The state-dict entries that would load two stored values into one memory (one would silently win).
 
     A Parameter reached at two paths is loaded once, under its first path: refused when the checkpoint stores the
     later path as a tensor of its own (two values for one Parameter). Other target tensors: the same object at two
-    paths, or numpy views of one array whose memory overlaps.
+    paths (unless the checkpoint stores both keys with the same bytes, as a save of that tied state dict does:
+    ``storage`` is the metadata's storage data), or numpy views of one array whose memory overlaps.
     """
     problems = [
         f"state_dict paths '{name}' and '{key}' are the same Parameter, but the checkpoint stores '{name}' and "
@@ -530,6 +532,8 @@ def _aliased_targets(aliases: dict[str, str], stored_of: dict[str, Any], stored_
         local = entry.local
         other = first.setdefault(id(local), name)
         if other is not name:
+            if _same_stored_bytes(stored_of, storage, entries[other].fqn, entry.fqn):
+                continue  # a tied tensor saved at both keys: either stored value is the same
             problems.append(f"state_dict entries '{other}' and '{name}' are the same tensor object: it can hold "
                             "one stored value, the other would silently win; pass a tensor of its own for each key")
         elif type(local) is np.ndarray:  # pylint: disable=unidiomatic-typecheck
@@ -540,6 +544,24 @@ def _aliased_targets(aliases: dict[str, str], stored_of: dict[str, Any], stored_
     for group in views.values():
         problems.extend(_overlapping_views(group))
     return problems
+
+
+def _same_stored_bytes(stored_of: dict[str, Any], storage: Any, first: str, second: str) -> bool:
+    """Whether the checkpoint stores keys ``first`` and ``second`` as the same tensor, chunk for chunk, with equal
+    checksums of equal stored bytes (a tied tensor saved at two keys): loading both into one target loses nothing."""
+    one, two = stored_of.get(first), stored_of.get(second)
+    if (type(one) is not TensorStorageMetadata or type(two) is not TensorStorageMetadata  # pylint: disable=unidiomatic-typecheck
+            or one.properties != two.properties or tuple(one.size) != tuple(two.size) or storage is None):
+        return False
+    chunks = [(tuple(c.offsets), tuple(c.sizes)) for c in one.chunks]
+    if chunks != [(tuple(c.offsets), tuple(c.sizes)) for c in two.chunks]:
+        return False
+    for offsets, _ in chunks:
+        a, b = storage.get(MetadataIndex(first, offsets)), storage.get(MetadataIndex(second, offsets))
+        if (a is None or b is None or a.checksum is None or a.checksum != b.checksum or a.length != b.length
+                or a.compression != b.compression):
+            return False
+    return True
 
 
 def _overlapping_views(group: list[tuple[str, np.ndarray]]) -> list[str]:
