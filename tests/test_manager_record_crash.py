@@ -49,3 +49,26 @@ def test_the_best_step_survives_a_crash_between_deletion_and_record(tmp_path: Pa
     assert manager.all_steps() == [1, 3, 5]
     loaded = {"w": np.zeros(3, np.float32)}
     assert manager.load(loaded, step=3) == 3 and loaded["w"][0] == 3
+
+
+_EXIT_WITHOUT_CLOSE = """
+import sys
+import numpy as np
+from hyper_parallel.core.distributed_checkpoint import CheckpointManager
+
+manager = CheckpointManager(sys.argv[1], async_save=True, max_to_keep=2, best_fn=lambda m: m["acc"])
+for step, acc in ((1, 0.5), (2, 0.6), (3, 0.99)):
+    manager.save(step, {"w": np.full(3, step, np.float32)}, metrics={"acc": acc})
+# the script ends without manager.close(): step 3 commits as the process exits
+"""
+
+
+def test_the_best_step_committed_at_exit_keeps_its_metrics(tmp_path: Path) -> None:
+    """Metrics were recorded only at retention, which never ran for a step committed at exit: the next run's
+    best-k retention ranked step 3 (the best) last and deleted it."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    subprocess.run([sys.executable, "-c", _EXIT_WITHOUT_CLOSE, str(tmp_path)], env=env, timeout=300, check=True)
+    manager = CheckpointManager(tmp_path, max_to_keep=2, best_fn=lambda m: m["acc"])
+    assert manager.all_steps() == [1, 2, 3]
+    manager.save(4, {"w": np.full(3, 4, np.float32)}, metrics={"acc": 0.1})
+    assert manager.all_steps() == [2, 3, 4]  # the best two (3, 2) and the newest
