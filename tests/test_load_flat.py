@@ -78,10 +78,14 @@ def test_mixed_targets_load_bit_exact_through_the_direct_path(tmp_path: Path, th
         dcp.load(targets, storage_reader=reader, planner=planner, no_dist=True)
         assert _bits(targets) == _bits(saved)
         direct = {item.dest_index.fqn for item, _ in planner.direct_targets().values()}
+        columns = planner.whole_reads  # the small whole reads, kept as columns (no ReadItem each)
         nonempty = {name for name, v in saved.items() if np.prod(np.shape(v.asnumpy() if not isinstance(v, np.ndarray) else v))}
-        assert direct == nonempty  # every non-empty target read straight into its memory (bf16, 0-d included)
+        assert len(columns) > 40 and not direct & set(columns.fqns)
+        assert direct | set(columns.fqns) == nonempty  # every non-empty target read straight into its memory
         for item, target in planner.direct_targets().values():
             assert item.type == LoadItemType.TENSOR and target.flags.c_contiguous and target.flags.writeable
+        for target in columns.views:
+            assert target.flags.c_contiguous and target.flags.writeable
         for name, value in targets.items():  # in place: the same memory holds the values
             now = value if isinstance(value, np.ndarray) else value.asnumpy()
             assert np.shares_memory(now, memory[name]) or now.size == 0, name
@@ -303,11 +307,12 @@ def test_the_cheap_records_equal_their_classes_own() -> None:
     import dataclasses
     import pickle
 
-    from hyper_parallel.core.distributed_checkpoint import _load_planner, _read_items, _state_items
+    from hyper_parallel.core.distributed_checkpoint import _read_items, _state_items
+    from hyper_parallel.core.distributed_checkpoint._whole_reads import whole_read_item
     from hyper_parallel.core.distributed_checkpoint.planner import ReadItem
 
     index = dcp.MetadataIndex("w", (4, 0), 0)
-    item = _load_planner._whole_read("w", (4, 0), (0, 0), (2, 3))  # pylint: disable=protected-access
+    item = whole_read_item("w", (4, 0), (2, 3))
     usual = ReadItem(LoadItemType.TENSOR, index, (0, 0), index, (0, 0), (2, 3))
     assert item == usual and hash(item) == hash(usual) and pickle.loads(pickle.dumps(item)) == usual
     assert item.dest_index is item.storage_index and item.dest_index.index == 0 and repr(item) == repr(usual)

@@ -73,6 +73,7 @@ class _Planner(dcp.LoadPlanner):
         self.inner = dcp.StandardLoadPlanner()
         self.lock = threading.Lock()
         self.threads: set[str] = set()
+        self.asked: list[str] = []  # the key of each item a target was acquired for
         self.finished = 0
 
     def configure_planner(self, state_dict, metadata, *, rank, world_size, is_coordinator) -> None:
@@ -91,6 +92,7 @@ class _Planner(dcp.LoadPlanner):
     def acquire_tensor(self, read_item):
         with self.lock:  # called from several threads at once (see LoadPlanner.acquire_tensor)
             self.threads.add(threading.current_thread().name)
+            self.asked.append(read_item.dest_index.fqn)
         return self.inner.acquire_tensor(read_item)
 
     def apply_tensor(self, read_item, tensor) -> None:
@@ -162,3 +164,17 @@ def test_the_readers_finish_load_runs_after_a_failed_load(saved) -> None:
     targets = _state(zero=True)
     dcp.load(targets, storage_reader=reader, planner=_Planner(), no_dist=True)  # the same reader again
     assert _bits(targets) == expected and Counting.finished == 2
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_planner_wrapping_the_standard_one_is_asked_for_every_target(saved, verify: bool) -> None:
+    """The wrapped standard planner keeps its small whole reads as columns (``_whole_reads``): the reader, reading
+    for the wrapper, asks it for each of their targets all the same, once each."""
+    path, expected = saved
+    targets = _state(zero=True)
+    planner = _Planner()
+    dcp.load(targets, storage_reader=dcp.FileSystemReader(path, verify_checksums=verify), planner=planner,
+             no_dist=True)
+    assert _bits(targets) == expected and planner.finished == 1
+    assert len(planner.inner.whole_reads) == 12  # the small ones were columns of the inner plan
+    assert sorted(planner.asked) == sorted(targets)

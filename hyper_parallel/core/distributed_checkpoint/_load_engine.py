@@ -27,6 +27,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardLoadPlanner
 from hyper_parallel.core.distributed_checkpoint.storage import StorageReader
+from hyper_parallel.core.distributed_checkpoint._whole_reads import WholeReadPlan
 
 __all__ = ["LoadOptions", "read_checkpoint_metadata", "settle_before_load", "run_load"]
 
@@ -149,7 +150,8 @@ def _without(rounds: list[LoadPlan], taken: tuple[ReadItem, ...]) -> list[LoadPl
         return rounds
     ids = {id(item) for item in taken}
     return [
-        dataclasses.replace(plan, items=tuple(item for item in plan.items if id(item) not in ids))
+        plan.without(ids) if type(plan) is WholeReadPlan  # its whole reads stay columns (no item made)  # pylint: disable=unidiomatic-typecheck
+        else dataclasses.replace(plan, items=tuple(item for item in plan.items if id(item) not in ids))
         if any(id(item) in ids for item in plan.items) else plan
         for plan in rounds
     ]

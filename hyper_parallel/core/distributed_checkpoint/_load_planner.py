@@ -50,6 +50,12 @@ from hyper_parallel.core.distributed_checkpoint._state_items import (
     plain_tensor_entry,
 )
 from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value, value_refusal
+from hyper_parallel.core.distributed_checkpoint._whole_reads import (
+    SMALL_WHOLE_BYTES,
+    WholeReadPlan,
+    WholeReads,
+    whole_read_item,
+)
 from hyper_parallel.platform.tensor import DTYPE_NAMES, assign, numpy_dtype, to_numpy, writable_view, writable_views
 
 __all__ = ["StandardLoadPlanner"]
@@ -69,30 +75,6 @@ def _fitted(array: np.ndarray, entry: TensorEntry) -> np.ndarray:
     if entry.pieces[0].flat_start is None and tuple(array.shape) != entry.local_shape:
         return array.reshape(entry.local_shape)
     return array
-
-
-_new_object = object.__new__
-_set_attribute = object.__setattr__
-
-
-_set_fqn, _set_offset, _set_index = MetadataIndex.fqn.__set__, MetadataIndex.offset.__set__, MetadataIndex.index.__set__
-
-
-def _whole_read(fqn: str, offsets: tuple[int, ...], zero: tuple[int, ...], sizes: tuple[int, ...],
-                position: int = 0) -> ReadItem:
-    """``ReadItem(LoadItemType.TENSOR, index, zero, index, zero, sizes)`` with ``index = MetadataIndex(fqn,
-    offsets, position)``: a whole chunk into a whole piece (the target's piece ``position``, the key's only
-    chunk), so one index names both (its ``index`` hint is left out of equality). Both records are built at about
-    half their frozen ``__init__``'s cost: one of each per tensor of a state of thousands (neither class has a
-    ``__post_init__`` to skip)."""
-    index = _new_object(MetadataIndex)
-    _set_fqn(index, fqn)
-    _set_offset(index, offsets)
-    _set_index(index, position)
-    item = _new_object(ReadItem)
-    _set_attribute(item, "__dict__", {"type": LoadItemType.TENSOR, "dest_index": index, "dest_offsets": zero,
-                                      "storage_index": index, "storage_offsets": zero, "lengths": sizes})
-    return item
 
 
 def _local_shape(entry: TensorEntry) -> tuple[int, ...] | None:
@@ -151,6 +133,8 @@ class StandardLoadPlanner(LoadPlanner):
         self._entries: dict[str, TensorEntry | ValueEntry | SkipEntry] = {}
         self._targets: dict[str, np.ndarray] = {}
         self._direct: dict[int, tuple[ReadItem, np.ndarray]] = {}  # see direct_targets(); by id() of the item
+        #: The small whole reads of the last plan built, kept as columns (``None``: none are, see _whole_reads).
+        self.whole_reads: WholeReads | None = None
         self._staged: set[str] = set()
         self._skipped: list[str] = []  # names of the SkipEntry leaves
         self._pieces: dict[tuple[str, tuple[int, ...]], tuple[str, TensorEntry, TensorPiece]] = {}
@@ -261,7 +245,12 @@ class StandardLoadPlanner(LoadPlanner):
         _LOG.warning("%s; loading only the matched keys (allow_partial_load=True)", summary)
 
     def build_local_plan(self) -> LoadPlan:
-        """Return the overlap of every target piece with every stored chunk. All ranks."""
+        """Return the overlap of every target piece with every stored chunk. All ranks.
+
+        The small whole reads into host targets are kept as columns (a :class:`._whole_reads.WholeReadPlan`,
+        also in :attr:`whole_reads`), whose ``items`` are made when first asked for; a subclass, or a
+        planner sharing reads, gets a plain :class:`LoadPlan`.
+        """
         items: list[ReadItem] = []
         entries = list(self._entries.items())  # _new_tensor_reads replaces entries while this runs
         # One pass over the targets: the memory of each tensor numpy can write in place (none: a device tensor),
@@ -270,7 +259,11 @@ class StandardLoadPlanner(LoadPlanner):
         views = iter(writable_views([entry.local for entry in tensors], [_local_shape(entry) for entry in tensors]))
         stored_of = self.metadata.state_dict_metadata
         pieces_of, targets, direct = self._pieces, self._targets, self._direct
-        tensor_kind = LoadItemType.TENSOR
+        # The small whole reads, as columns (no ReadItem each; see _whole_reads), when nothing of this planner
+        # needs to see them one by one (a subclass may override a hook; shared reads exchange items).
+        whole = WholeReads(self, direct) if type(self) is StandardLoadPlanner and not self.shares_reads else None  # pylint: disable=unidiomatic-typecheck
+        positions: list[int] = []  # the position among all reads of each of items (when whole reads are columns)
+        append_whole = whole.rows.append if whole is not None else None
         for name, entry in entries:
             fqn = entry.fqn
             tensor = isinstance(entry, TensorEntry)
@@ -286,27 +279,28 @@ class StandardLoadPlanner(LoadPlanner):
                     if (piece.flat_start is None and chunk.offsets == offsets and chunk.sizes == sizes
                             and math.prod(sizes) and key not in pieces_of):
                         pieces_of[key] = (name, entry, piece)
+                        dtype = view.dtype
+                        if whole is not None and view.nbytes <= SMALL_WHOLE_BYTES and view.flags.c_contiguous and (
+                                dtype == numpy_dtype(stored.properties.dtype)):
+                            # (its target array is found by _target() if an item of it is ever acquired)
+                            append_whole((fqn, offsets, sizes, view if view.shape == sizes else view.reshape(sizes)))
+                            continue
                         shape = entry.local_shape
                         targets[name] = view if view.shape == shape else view.reshape(shape)
-                        # _whole_read(fqn, offsets, zero, sizes), inlined (one per tensor of a state of thousands)
-                        index = _new_object(MetadataIndex)
-                        _set_fqn(index, fqn)
-                        _set_offset(index, offsets)
-                        _set_index(index, 0)
-                        item = _new_object(ReadItem)
-                        zero = offsets if not any(offsets) else (0,) * len(sizes)
-                        _set_attribute(item, "__dict__", {
-                            "type": tensor_kind, "dest_index": index, "dest_offsets": zero, "storage_index": index,
-                            "storage_offsets": zero, "lengths": sizes})
+                        if whole is not None:
+                            positions.append(len(items) + len(whole))
+                        item = whole_read_item(fqn, offsets, sizes)
                         items.append(item)
-                        if view.dtype == numpy_dtype(stored.properties.dtype) and view.flags.c_contiguous:
+                        if dtype == numpy_dtype(stored.properties.dtype) and view.flags.c_contiguous:
                             direct[id(item)] = (item, view)
                         continue
                 reads = self._tensor_reads(name, entry, stored)
                 if view is None:  # device memory (or a copy): regions may go through host buffers
-                    items.extend(self._device.plan(name, entry, reads, self.device_region_bytes))
-                    continue
-                targets[name] = _fitted(view, entry)
+                    reads = self._device.plan(name, entry, reads, self.device_region_bytes)
+                else:
+                    targets[name] = _fitted(view, entry)
+                if whole is not None:
+                    positions.extend(range(len(items) + len(whole), len(items) + len(whole) + len(reads)))
                 items.extend(reads)
             elif isinstance(entry, ValueEntry) and isinstance(stored, BytesStorageMetadata):
                 if entry.offset not in stored.shard_offsets:
@@ -316,9 +310,17 @@ class StandardLoadPlanner(LoadPlanner):
                     )
                 index = MetadataIndex(fqn, entry.offset)
                 self._value_names[(fqn, entry.offset)] = name
+                if whole is not None:
+                    positions.append(len(items) + len(whole))
                 items.append(ReadItem(LoadItemType.BYTE_IO, index, (), index, (), ()))
             elif isinstance(entry, ValueEntry) and isinstance(stored, TensorStorageMetadata):
-                items.extend(self._new_tensor_reads(name, fqn, stored))
+                reads = self._new_tensor_reads(name, fqn, stored)
+                if whole is not None:
+                    positions.extend(range(len(items) + len(whole), len(items) + len(whole) + len(reads)))
+                items.extend(reads)
+        self.whole_reads = whole
+        if whole:
+            return WholeReadPlan(rest=tuple(items), rest_positions=tuple(positions), whole=whole)
         return LoadPlan(items=tuple(items))
 
     def _tensor_reads(self, name: str, entry: TensorEntry, stored: TensorStorageMetadata) -> list[ReadItem]:
@@ -334,8 +336,7 @@ class StandardLoadPlanner(LoadPlanner):
             chunks = stored.chunks
             if len(chunks) == 1 and chunks[0].offsets == piece.offsets and chunks[0].sizes == piece.sizes:
                 if math.prod(piece.sizes):  # the common case, a piece stored as one chunk: read it whole
-                    reads.append(_whole_read(entry.fqn, tuple(piece.offsets), (0,) * len(piece.sizes),
-                                             tuple(piece.sizes), position))
+                    reads.append(whole_read_item(entry.fqn, tuple(piece.offsets), tuple(piece.sizes), position))
                 continue
             dest = MetadataIndex(entry.fqn, piece.offsets, index=position)
             for chunk in overlapping_chunks(chunks, piece.offsets, piece.sizes):
@@ -374,7 +375,12 @@ class StandardLoadPlanner(LoadPlanner):
     def value_reads(self, plan: LoadPlan) -> LoadPlan:
         """The value items of ``plan``, read and decoded before any tensor (see :meth:`LoadPlanner.value_reads`).
         All ranks."""
-        return super().value_reads(plan) if self._value_names else _NO_READS
+        if not self._value_names:
+            return _NO_READS
+        if type(plan) is WholeReadPlan:  # pylint: disable=unidiomatic-typecheck
+            # (values are never whole reads: among the other items; the columns are left as they are)
+            return LoadPlan(items=tuple(item for item in plan.rest if item.type is LoadItemType.BYTE_IO))
+        return super().value_reads(plan)
 
     def build_global_plan(self, all_plans: list[LoadPlan]) -> list[LoadPlan]:
         """Keep every rank's plan, or share replicated reads. Coordinator only."""

@@ -20,6 +20,7 @@ import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM
 from hyper_parallel.core.distributed_checkpoint._format.consistency import storage_by_key
+from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import SAFETENSORS_DTYPES
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     Metadata,
@@ -28,12 +29,14 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+from hyper_parallel.core.distributed_checkpoint._whole_reads import SMALL_WHOLE_BYTES, WholeReads
 from hyper_parallel.platform.tensor import DTYPE_NAMES, numpy_dtype
 
-__all__ = ["ItemFacts", "ItemIndex", "SMALL_ITEM_BYTES", "read_small_whole", "stored_dtype"]
+__all__ = ["ColumnRow", "ItemFacts", "ItemIndex", "SMALL_ITEM_BYTES", "read_columns", "read_small_whole",
+           "stored_dtype"]
 
 #: Whole chunks up to this size (one flat checksum block) are read many per system call.
-SMALL_ITEM_BYTES = 1 << 20
+SMALL_ITEM_BYTES = SMALL_WHOLE_BYTES
 #: Most buffers in one ``preadv`` (Linux ``IOV_MAX``).
 _IOV_MAX = 1024
 
@@ -62,6 +65,31 @@ class ItemFacts(NamedTuple):
     itemsize: int
     nbytes: int
     small: bool
+
+
+class ColumnRow(NamedTuple):
+    """One whole read of a plan's columns (:class:`._whole_reads.WholeReads`), with its storage entry.
+
+    Attributes:
+        offset: Byte offset of the chunk in its data file (``info.offset``).
+        length: Its stored length (``info.length``; the target's bytes).
+        fqn: The key.
+        code: The safetensors dtype code of its stored dtype (``None`` if it has none).
+        sizes: The chunk's sizes (the key's shape). The first five fields are the header entry the writer
+            makes for the chunk (see ``_reader_headers``).
+        view: The target's memory (writable, C-contiguous, of the stored dtype).
+        info: The chunk's storage entry.
+        stored: The key's item in the metadata.
+    """
+
+    offset: int
+    length: int
+    fqn: str
+    code: str | None
+    sizes: tuple[int, ...]
+    view: np.ndarray
+    info: StorageInfo
+    stored: Any
 
 
 _TENSOR = LoadItemType.TENSOR
@@ -185,6 +213,26 @@ class ItemIndex:
         self._facts[id(item)] = (item, facts)  # holding the item keeps its id unique
         return facts
 
+    def columns_by_file(self, whole: WholeReads) -> tuple[dict[str, list[ColumnRow]], list[int]]:
+        """The rows of ``whole`` by data file (in row order), and the rows that are no small whole chunk of a
+        key stored whole (unusual: a compressed chunk, tile checksums, another chunk; read as items)."""
+        table = self._whole
+        files: dict[str, list[ColumnRow]] = {}
+        others: list[int] = []
+        for row, (fqn, offsets, sizes, view) in enumerate(whole.rows):
+            hit = table.get(fqn)
+            # check_consistency checked such a key's entry: uncompressed, flat checksum blocks, its length.
+            if hit is None or hit[0] != offsets or hit[2].size != sizes or hit[1].length > SMALL_ITEM_BYTES:
+                others.append(row)
+                continue
+            info, stored = hit[1], hit[2]
+            rows = files.get(info.relative_path)
+            if rows is None:
+                rows = files[info.relative_path] = []
+            rows.append(_new_tuple(ColumnRow, (info.offset, info.length, fqn, SAFETENSORS_DTYPES.get(
+                stored.properties.dtype), sizes, view, info, stored)))
+        return files, others
+
     def info(self, index: MetadataIndex) -> StorageInfo:
         """The storage entry of chunk ``index``.
 
@@ -271,6 +319,43 @@ def read_small_whole(
             continue
         batch.append((info.offset, info.length, item, dest, True, info.checksum is not None))
         applied = True
+    _read_sorted(source, path, batch, _TARGET, lambda entry: entry[2].storage_index.fqn)
+    if applied:  # a target acquired from the planner is handed back once read
+        for _, _, item, dest, apply, _ in batch:
+            if apply:
+                planner.apply_tensor(item, dest)
+    if not verified:
+        return sum(map(_LENGTH, batch)), rest
+    return sum(entry[1] for entry in batch if not entry[5]), rest  # verified bytes were counted by the verify pass
+
+
+def read_columns(source: Any, path: Path | str, rows: list[ColumnRow], *, verified: bool) -> int:
+    """Read a file's whole reads kept as columns straight into their targets, one ``preadv`` per run of adjacent
+    chunks (up to ``IOV_MAX`` buffers). The header check passed for them (each lies in the file, as its header
+    says); with ``verified``, the verify pass verified those with checksums. Called by the reader, per file.
+
+    Returns:
+        The bytes read (not counting verified ones).
+
+    Raises:
+        CorruptCheckpointError: the file ends early (names the file and key).
+    """
+    _read_sorted(source, path, list(rows), _VIEW, _FQN)
+    if not verified:
+        return sum(map(_LENGTH, rows))
+    return sum(row.length for row in rows if row.info.checksum is None)
+
+
+_FQN, _VIEW = itemgetter(2), itemgetter(5)  # a ColumnRow's key and target
+
+
+def _read_sorted(source: Any, path: Path | str, batch: list[tuple], target_of: Any, fqn_of: Any) -> None:
+    """Read ``batch`` (tuples of file offset, length, ...; ``target_of(entry)`` the array to fill) sorted by
+    offset: one ``preadv`` per run of adjacent chunks, up to ``IOV_MAX`` buffers.
+
+    Raises:
+        CorruptCheckpointError: the file ends early (names the file and the key ``fqn_of(entry)``).
+    """
     batch.sort(key=_FIRST)
     start = 0
     count = len(batch)
@@ -282,15 +367,6 @@ def read_small_whole(
             end += 1
         group = batch[start:end]
         length = following - group[0][0]
-        if length and source.readinto_many(list(map(_TARGET, group)), group[0][0]) != length:
-            raise CorruptCheckpointError(
-                f"data file {path} is truncated while reading key '{group[0][2].storage_index.fqn}'"
-            )
-        if applied:  # a target acquired from the planner is handed back once read
-            for _, _, item, dest, apply, _ in group:
-                if apply:
-                    planner.apply_tensor(item, dest)
+        if length and source.readinto_many(list(map(target_of, group)), group[0][0]) != length:
+            raise CorruptCheckpointError(f"data file {path} is truncated while reading key '{fqn_of(group[0])}'")
         start = end
-    if not verified:
-        return sum(map(_LENGTH, batch)), rest
-    return sum(entry[1] for entry in batch if not entry[5]), rest  # verified bytes were counted by the verify pass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,8 @@ from hyper_parallel.core.distributed_checkpoint._format.header_check import (
 )
 from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import SAFETENSORS_DTYPES, read_header_text
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
-from hyper_parallel.core.distributed_checkpoint._read_items import ItemFacts
+from hyper_parallel.core.distributed_checkpoint._read_items import ColumnRow, ItemFacts
+from hyper_parallel.core.distributed_checkpoint._whole_reads import whole_read_item
 from hyper_parallel.core.distributed_checkpoint._reader_verify import check_within
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.planner import ReadItem
@@ -38,16 +40,27 @@ def _writer_row(item: ReadItem, facts: ItemFacts) -> tuple[int, int, str, str | 
     return (info.offset, info.length, item.storage_index.fqn, SAFETENSORS_DTYPES.get(stored.properties.dtype), sizes)
 
 
+#: :func:`_writer_row` of a whole read kept as a column (a whole uncompressed tensor chunk): its first five fields.
+_column_row = itemgetter(slice(0, 5))
+
+
+def _keys(items: list[ReadItem], columns: list[ColumnRow] | None) -> list[str]:
+    """The keys of ``items`` and ``columns`` (named when a header does not parse)."""
+    return [item.storage_index.fqn for item in items] + [row.fqn for row in columns or ()]
+
+
 class HeaderCheck:
     """The header check of :class:`~.filesystem_reader.FileSystemReader` (a mixin; all ranks run it).
 
     Uses the reader's ``path``, ``_items``, ``_headers`` (file -> its header entries, or its raw header
-    when one comparison proved all its items; read once per load), ``_header_checked`` (items checked) and ``_header_lists`` (file -> the last list of
-    its items checked whole).
+    when one comparison proved all its items; read once per load), ``_header_checked`` (items checked),
+    ``_header_lists`` (file -> the last list of its items checked whole), and the plan's whole reads kept as
+    columns (``_columns``: file -> rows; ``_columns_unchecked``: the files whose rows await the check).
     """
 
     def _check_header(self, source: Any, path: Any, size: int, relative_path: str, items: list[ReadItem]) -> None:
-        """Refuse ``items`` whose entry in their file's safetensors header differs from the metadata's.
+        """Refuse ``items`` (and the plan's whole reads of the file kept as columns) whose entry in their file's
+        safetensors header differs from the metadata's.
 
         The header is read once per file and load (one small read); an item is
         checked once. Runs before any byte of the file reaches a target.
@@ -55,20 +68,22 @@ class HeaderCheck:
         Raises:
             CorruptCheckpointError: names the file, the key, both descriptions and the fix.
         """
-        if self._header_lists.get(relative_path) is items:  # this very list (the read pass after the verify pass)
+        columns = self._columns.get(relative_path) if relative_path in self._columns_unchecked else None
+        if self._header_lists.get(relative_path) is items and columns is None:  # this very list (the read pass)
             return
         checked = self._header_checked
         todo = [item for item in items if id(item) not in checked] if checked else items
-        if not todo:
+        if not todo and columns is None:
             return
         if len(todo) == len(items):  # none checked yet (another file's were): the list itself, its facts kept
             todo = items
         entries = self._headers.get(relative_path)
         if entries is None or type(entries) is bytes:  # pylint: disable=unidiomatic-typecheck
-            entries = self._header_entries(source, path, size, relative_path, items, todo, entries)
+            entries = self._header_entries(source, path, size, relative_path, items, todo, entries, columns)
             if entries is None:  # every item of the file, proven by one comparison
                 checked.update(map(id, todo))
                 self._header_lists[relative_path] = items
+                self._columns_unchecked.discard(relative_path)
                 return
         facts_of = self._items.facts
         for item in todo:
@@ -82,15 +97,27 @@ class HeaderCheck:
             if found is None or row is None or found != row[1:]:
                 self._check_entry(path, item, facts, found)
             checked.add(id(item))
+        for column in columns or ():
+            if column.offset + column.length > size:
+                check_within(path, size, column.fqn, column.info)
+            found = entries.get(column.offset)
+            if found is None or found != column[1:5]:
+                stored = column.stored
+                item = whole_read_item(column.fqn, (0,) * len(stored.size), stored.size)
+                self._check_entry(path, item, self._items.facts(item), found)
         self._header_lists[relative_path] = items
+        self._columns_unchecked.discard(relative_path)
 
     def _header_entries(self, source: Any, path: Any, size: int, relative_path: str, items: list[ReadItem],
-                        todo: list[ReadItem], text: bytes | None) -> dict[int, tuple[Any, ...]] | None:
-        """Read (or take) the file's header once per load; ``None`` when it proves every item of ``todo`` at once.
+                        todo: list[ReadItem], text: bytes | None,
+                        columns: list[ColumnRow] | None = None) -> dict[int, tuple[Any, ...]] | None:
+        """Read (or take) the file's header once per load; ``None`` when it proves every item of ``todo`` (and
+        every row of ``columns``) at once.
 
         ``text``: the raw header kept by an earlier call (``self._headers``), else ``None``. When ``todo`` is
-        every item of ``items`` and the header is exactly the writer's for them, only the raw header is kept
-        (parsed later if another item of the file comes); otherwise the header is parsed into its entries.
+        every item of ``items`` and the header is exactly the writer's for them and ``columns``, only the raw
+        header is kept (parsed later if another item of the file comes); otherwise the header is parsed into
+        its entries.
 
         Raises:
             CorruptCheckpointError: an unreadable header (names the file and keys).
@@ -108,22 +135,23 @@ class HeaderCheck:
             try:
                 text = read_header_text(str(path), size, pread)
             except CheckpointError:  # header_entries says what is wrong, naming the keys
-                return header_entries(str(path), size, pread, keys=[item.storage_index.fqn for item in todo])
-            if len(todo) == len(items) and self._whole_file_matches(size, text, todo):
+                return header_entries(str(path), size, pread, keys=_keys(todo, columns))
+            if len(todo) == len(items) and self._whole_file_matches(size, text, todo, columns):
                 self._headers[relative_path] = text
                 return None
         raw = len(text).to_bytes(8, "little") + text
         entries = header_entries(str(path), size, lambda count, offset: raw[offset : offset + count],
-                                 keys=[item.storage_index.fqn for item in todo])
+                                 keys=_keys(todo, columns))
         self._headers[relative_path] = entries
         return entries
 
-    def _whole_file_matches(self, size: int, text: bytes, items: list[ReadItem]) -> bool:
-        """Whether ``items`` are every item of the file, each a whole uncompressed tensor chunk, and the file's
-        header ``text`` is exactly the writer's for them (``header_check.header_is_exactly``). ``False`` proves
-        nothing.
+    def _whole_file_matches(self, size: int, text: bytes, items: list[ReadItem],
+                            columns: list[ColumnRow] | None = None) -> bool:
+        """Whether ``items`` and ``columns`` are every item of the file, each a whole uncompressed tensor chunk, and
+        the file's header ``text`` is exactly the writer's for them (``header_check.header_is_exactly``).
+        ``False`` proves nothing.
         """
-        rows = []
+        rows = list(map(_column_row, columns)) if columns else []
         for item, facts in zip(items, self._items.facts_list(items)):
             row = _writer_row(item, facts)
             if row is None:

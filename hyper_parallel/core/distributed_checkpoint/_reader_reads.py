@@ -19,8 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._format.byte_ranges import Runs, box_runs, split_box
-from hyper_parallel.core.distributed_checkpoint._read_items import ItemFacts, read_small_whole, stored_dtype
+from hyper_parallel.core.distributed_checkpoint._read_items import ItemFacts, read_columns, read_small_whole, stored_dtype
 from hyper_parallel.core.distributed_checkpoint._reader_verify import kept_rows, leading_rows
+from hyper_parallel.core.distributed_checkpoint._whole_reads import whole_read_item
 from hyper_parallel.core.distributed_checkpoint._run_reads import FileSource, read_runs, run_rows, scratch
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import StorageInfo, TensorStorageMetadata
@@ -38,7 +39,9 @@ class ReadPass:
 
     Uses the reader's ``metadata``, ``_items``, ``verify_checksums``,
     ``max_inflight_bytes``, the verify pass's kept buffers (``_kept``,
-    ``_kept_bytes``, ``_kept_lock``), ``_region_check`` and ``_open_source``.
+    ``_kept_bytes``, ``_kept_lock``), ``_region_check``, ``_open_source``, and
+    the plan's whole reads kept as columns (``_columns``: data file -> rows;
+    ``_split``: the plan they came from).
     """
 
     def _read_groups(self, work: list[list[tuple[str, list[ReadItem]]]], planner: LoadPlanner) -> int:
@@ -59,7 +62,7 @@ class ReadPass:
                 facts = self._items.facts_list(items)
                 flags = list(map(_SMALL, facts))
                 small = list(compress(items, flags))
-                if small:
+                if small or relative_path in self._columns:  # the plan's whole reads kept as columns are small
                     small_files.append((relative_path, items, small, list(compress(facts, flags))))
                 if len(small) < len(items):
                     large_group.append((relative_path, items, list(compress(items, map(not_, flags)))))
@@ -79,11 +82,20 @@ class ReadPass:
     def _read_small(self, entry: tuple[str, list[ReadItem], list[ReadItem], list[ItemFacts]],
                     planner: LoadPlanner) -> int:
         """Read the small whole chunks ``entry`` names of one file (``(file, its items, the small ones, their
-        facts)``)."""
+        facts)``), and the plan's whole reads of it kept as columns."""
         relative_path, items, small, facts = entry
         with self._open_source(relative_path, items) as (source, path, size):
-            total, rest = read_small_whole(source, path, size, small, self._items, planner,
+            columns = self._columns.get(relative_path)
+            total = 0
+            if columns and planner is self._column_source.owner:  # read for the planner that made them
+                total = read_columns(source, path, columns, verified=self.verify_checksums)
+            elif columns:  # another planner (one wrapping it, say) is asked for each target: as items
+                small = small + [whole_read_item(row.fqn, (0,) * len(row.stored.size), row.stored.size)
+                                 for row in columns]
+                facts = None
+            count, rest = read_small_whole(source, path, size, small, self._items, planner,
                                            verified=self.verify_checksums, facts=facts)
+            total += count
             for item, dest in rest:  # not batched after all (their target is not contiguous, say)
                 total += self._read_item(source, path, size, item, planner, dest)
         return total

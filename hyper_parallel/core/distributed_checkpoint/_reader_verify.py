@@ -15,13 +15,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._device_reads import MAX_PAGE_AMPLIFICATION, page_amplification
 from hyper_parallel.core.distributed_checkpoint._format.byte_ranges import box_runs
 from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM
+from hyper_parallel.core.distributed_checkpoint._read_items import ColumnRow
 from hyper_parallel.core.distributed_checkpoint._run_reads import FileSource, read_runs_verified, read_tiles
 from hyper_parallel.core.distributed_checkpoint._read_priming import PRIME_MIN_BYTES, page_cached, prime
 from hyper_parallel.core.distributed_checkpoint._verify_reads import RegionCheck, hash_taken, verify_regions
@@ -82,8 +83,8 @@ class VerifyPass:
     Uses the reader's ``metadata``, ``_items`` (:class:`._read_items.ItemIndex`),
     ``verify_checksums``, ``max_inflight_bytes``, ``thread_count``, the
     private-buffer state ``_kept``, ``_kept_bytes`` and ``_kept_lock``, the
-    list ``_aheads`` of priming threads (ended by ``finish_load``), and its
-    ``_open_source``.
+    list ``_aheads`` of priming threads (ended by ``finish_load``), its
+    ``_open_source``, and the plan's whole reads kept as columns (``_columns``).
     """
 
     def _verify_group(self, files: list[tuple[str, list[ReadItem]]], share: WindowShare | None = None) -> int:
@@ -111,6 +112,10 @@ class VerifyPass:
                 if not self.verify_checksums:
                     continue
                 whole, rest = self._small_flat(source, size, items)
+                # The plan's whole reads kept as columns: small whole chunks with flat checksums (or none), inside
+                # the file (the header check proved both).
+                if not self._columns_verified:
+                    whole.extend((row.fqn, row.info) for row in self._columns.get(relative_path, ()))
                 checked = [(item, self._region_check(path, size, item)) for item in rest]
                 if isinstance(source, FileSource) and not source.exact:
                     # Read with readahead: no region gains from a private buffer (see _keep_priority).
@@ -135,8 +140,9 @@ class VerifyPass:
                 total += verify_regions(source, path, checks, self.max_inflight_bytes, whole=whole, share=share)
         return total
 
-    def _prime(self, source: Any, file_size: int, items: list[ReadItem]) -> None:
-        """Start the device on the bytes ``items`` need of a file just opened (see :func:`._read_priming.prime`).
+    def _prime(self, source: Any, file_size: int, items: list[ReadItem], columns: Sequence[ColumnRow] = ()) -> None:
+        """Start the device on the bytes ``items`` and the plan's ``columns`` rows need of a file just opened (see
+        :func:`._read_priming.prime`).
 
         Called once per file and load, before its header is checked: the
         device reads while the header check and the verify pass's windows
@@ -149,9 +155,9 @@ class VerifyPass:
         if file_size < PRIME_MIN_BYTES or not isinstance(source, FileSource) or source.exact:
             return
         facts_of = self._items.facts
-        if page_cached(source, facts_of(items[0]).info.offset):
+        if page_cached(source, facts_of(items[0]).info.offset if items else columns[0].offset):
             return
-        infos = [facts_of(item).info for item in items]
+        infos = [facts_of(item).info for item in items] + [row.info for row in columns]
         source.ahead = prime(source, min(info.offset for info in infos),
                              max(info.offset + info.length for info in infos))
         if source.ahead is not None:

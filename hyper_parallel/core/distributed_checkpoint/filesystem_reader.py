@@ -9,6 +9,11 @@ lie in windows bounded by ``max_inflight_bytes``, and only then reads the
 regions into the targets: a corrupt byte never reaches a target, and a load
 that fails on corruption changes no target.
 
+The standard planner's small whole reads come as columns
+(:class:`._whole_reads.WholeReadPlan`): they take the same header check,
+verify pass and reads, file by file, without a ReadItem each; a subclass
+overriding a per-file step is given the plan's items instead.
+
 Where each part lives: the committed metadata file in :mod:`._metadata_file`,
 the header check in :mod:`._reader_headers`, the verify pass in
 :mod:`._reader_verify` (windows and hashing: :mod:`._verify_reads`), the read
@@ -38,7 +43,7 @@ from hyper_parallel.core.distributed_checkpoint._metadata_file import (
     read_committed_metadata,
 )
 from hyper_parallel.core.distributed_checkpoint._options import check_option
-from hyper_parallel.core.distributed_checkpoint._read_items import ItemIndex
+from hyper_parallel.core.distributed_checkpoint._read_items import ColumnRow, ItemIndex
 from hyper_parallel.core.distributed_checkpoint._reader_headers import HeaderCheck
 from hyper_parallel.core.distributed_checkpoint._reader_reads import ReadPass
 from hyper_parallel.core.distributed_checkpoint._reader_verify import VerifyPass
@@ -57,6 +62,7 @@ from hyper_parallel.core.distributed_checkpoint.filesystem_writer import METADAT
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, local_directory, StorageReader
+from hyper_parallel.core.distributed_checkpoint._whole_reads import WholeReadPlan, WholeReads
 
 __all__ = ["FileSystemReader", "MAX_METADATA_BYTES", "DEFAULT_MAX_INFLIGHT_BYTES"]
 
@@ -68,6 +74,14 @@ DEFAULT_MAX_INFLIGHT_BYTES = 128 << 20
 _SEQUENTIAL_SHARE = 0.95
 #: The bytes an item reads, of its ``ItemFacts`` (a C getter).
 _NBYTES = attrgetter("nbytes")
+#: The bytes of a column row (``ColumnRow.length``; a C getter).
+_LENGTH = attrgetter("length")
+#: The methods that read a plan's whole reads from its columns: a subclass overriding one of them (object
+#: storage) is given every item instead.
+_COLUMN_METHODS = ("_run_per_file", "_file_groups", "_open_source", "_reads_in_part", "_prime", "_check_header",
+                   "_header_entries", "_whole_file_matches", "_verify_files", "_small_flat", "_read_groups",
+                   "_read_small")
+_READS_COLUMNS: dict[type, bool] = {}  # reader class -> whether none of _COLUMN_METHODS is overridden
 
 
 class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
@@ -121,6 +135,16 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         self._header_checked: set[int] = set()  # id() of the read items checked against their file's header
         self._header_lists: dict[str, list[ReadItem]] = {}  # data file -> the last list of its items checked whole
         self._items: ItemIndex | None = None  # the read items' facts, looked up once per load
+        # The whole reads kept as columns (_whole_reads) of the plans of this load: ``_columns`` is those of the
+        # plan being checked or read (data file -> rows; empty for a plan without), the others are kept across
+        # the plans sharing one WholeReads (the verified plan, then its read rounds).
+        self._columns: dict[str, list[ColumnRow]] = {}
+        self._column_files: dict[str, list[ColumnRow]] = {}  # data file -> rows, of _column_source
+        self._column_source: WholeReads | None = None
+        self._column_items: tuple[ReadItem, ...] = ()  # its rows that are no small whole chunk, as items
+        self._columns_unchecked: set[str] = set()  # data files whose rows await the header check
+        self._columns_verified = False  # the verify pass hashed its rows
+        self._split: tuple[LoadPlan, tuple[ReadItem, ...]] | None = None  # the last plan, the items it reads
         self._in_part: dict[str, bool] = {}  # data file -> read without readahead (decided once per load)
         self._resolved: dict[str, Path] = {}  # data file -> its checked path (resolved once per load)
         self._files = KeptFiles()  # the descriptors of the first pass, read by the read pass
@@ -189,6 +213,12 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         self._header_checked.clear()
         self._header_lists.clear()
         self._items = None
+        self._columns = self._column_files = {}
+        self._column_source = None
+        self._column_items = ()
+        self._columns_unchecked.clear()
+        self._columns_verified = False
+        self._split = None
         self._in_part.clear()
         self._resolved.clear()
         self._kept.clear()
@@ -304,7 +334,7 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         try:
             if self.metadata is None or self.metadata.storage_data is None or self._items is None:
                 raise CheckpointValueError(f"{verb} called before set_up_storage_reader")
-            items = plan.items
+            items = self._plan_items(plan)
             if verb == "verify" and items is self._plan_checked:  # read_data after verify_data of this plan
                 future.set_result(None)
                 return future
@@ -319,6 +349,7 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
                         self._verified.update(map(id, file_items))
                 if work or self._plan_checked is None:  # a part of a checked plan (its values) keeps the plan
                     self._plan_checked = items
+                self._columns_verified = self._columns_verified or bool(self._columns)
             release_scratch()  # do not keep the caller thread's scratch after the load
             future.set_result(None)
         except OSError as exc:
@@ -330,8 +361,34 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
             future.set_exception(exc)
         return future
 
+    def _plan_items(self, plan: LoadPlan) -> tuple[ReadItem, ...]:
+        """The items of ``plan`` this reader reads one by one; a :class:`WholeReadPlan`'s whole reads are kept as
+        columns by data file (``_columns``), read without a ReadItem each (the split is made once per plan)."""
+        split = self._split
+        if split is not None and split[0] is plan:
+            self._columns = self._column_files if type(plan) is WholeReadPlan else {}  # pylint: disable=unidiomatic-typecheck
+            return split[1]
+        kind = type(self)
+        reads_columns = _READS_COLUMNS.get(kind)
+        if reads_columns is None:
+            reads_columns = _READS_COLUMNS[kind] = all(
+                getattr(kind, name) is getattr(FileSystemReader, name) for name in _COLUMN_METHODS)
+        if type(plan) is not WholeReadPlan or not reads_columns:  # pylint: disable=unidiomatic-typecheck
+            self._columns = {}
+            return plan.items
+        if plan.whole is not self._column_source:  # (a read round shares the verified plan's columns)
+            files, others = self._items.columns_by_file(plan.whole)
+            self._column_files, self._column_source = files, plan.whole
+            self._column_items = tuple(plan.whole.read_items(others)) if others else ()
+            self._columns_unchecked, self._columns_verified = set(files), False
+        self._columns = self._column_files
+        items = plan.rest + self._column_items if self._column_items else plan.rest
+        self._split = (plan, items)
+        return items
+
     def _file_groups(self, items: tuple[ReadItem, ...], *, skip: set[int] | None) -> list[list[tuple[str, list[ReadItem]]]]:
-        """``items`` (but those whose ``id`` is in ``skip``) by data file, the files dealt to ``thread_count`` groups.
+        """``items`` (but those whose ``id`` is in ``skip``) by data file, the files dealt to ``thread_count`` groups;
+        a file holding only whole reads of the plan's columns comes with no item.
 
         The grouping of a whole plan is kept for the next pass over the same plan (verify, then read).
         """
@@ -339,6 +396,9 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         if not skip and cached is not None and cached[0] is items:
             return cached[1]
         by_file = self._items.by_file(items, skip=skip or None)
+        for relative_path in self._columns if skip is None or not self._columns_verified else ():
+            if relative_path not in by_file:  # a file of column rows only (verified ones: only read)
+                by_file[relative_path] = []
         groups: list[list[tuple[str, list[ReadItem]]]] = [[] for _ in range(self.thread_count)]
         for position, entry in enumerate(sorted(by_file.items())):
             groups[position % self.thread_count].append(entry)
@@ -348,8 +408,10 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
 
     @contextmanager
     def _open_source(self, relative_path: str, items: list[ReadItem]) -> Iterator[tuple[FileSource, Path, int]]:
-        """Open data file ``relative_path`` for ``items``: its byte source, its name for messages, its size."""
-        fqn = items[0].storage_index.fqn
+        """Open data file ``relative_path`` for ``items`` (and the plan's column rows of it): its byte source, its
+        name for messages, its size."""
+        columns = self._columns.get(relative_path, ())
+        fqn = items[0].storage_index.fqn if items else columns[0].fqn
         path = self._resolved.get(relative_path)
         first_open = path is None  # of this file in this load, whatever decides its readahead
         if first_open:  # resolved once per file and load (the verify pass, then the read pass)
@@ -381,7 +443,7 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
                 source.exact = True
             elif first_open:  # a cold file: the device starts while the header and the verify pass are prepared
-                self._prime(source, size, items)
+                self._prime(source, size, items, columns)
             self._check_header(source, path, size, relative_path, items)
             kept = first_open and self._files.keep(relative_path, source, path, fqn, stat)
             yield source, path, size
@@ -398,7 +460,7 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         decided = self._in_part.get(relative_path)
         if decided is not None:
             return decided
-        needed = sum(map(_NBYTES, self._items.facts_list(items)))
+        needed = sum(map(_NBYTES, self._items.facts_list(items))) + sum(map(_LENGTH, self._columns.get(relative_path, ())))
         self._in_part[relative_path] = decided = needed < _SEQUENTIAL_SHARE * file_size
         return decided
     @classmethod

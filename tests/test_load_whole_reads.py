@@ -1,0 +1,237 @@
+"""The standard planner's small whole reads kept as columns (``_whole_reads``): the plan still lists every
+ReadItem for whoever asks, custom planners and readers get the items they always got, and the filesystem
+reader checks, verifies and reads the columns as it does items (header, checksums, truncation, priming).
+
+Every load is checked bit for bit against the values saved; failing loads leave every target as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+from pathlib import Path
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel.core.distributed_checkpoint import _reader_verify
+from hyper_parallel.core.distributed_checkpoint._whole_reads import SMALL_WHOLE_BYTES, WholeReadPlan
+from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan
+
+ms.set_device("CPU")
+
+
+def _state(zero: bool = False) -> dict[str, object]:
+    """Small Parameters (float32, bf16, int8), a large one, a numpy target of another dtype, a 0-d and an empty
+    tensor, and a value: the plan mixes column rows with items of every other kind."""
+    rng = np.random.default_rng(5)
+    state: dict[str, object] = {}
+    for i in range(30):
+        values = rng.standard_normal((i % 4 + 1, 6)).astype(np.float32) * 9
+        dtype = (ms.float32, ms.bfloat16, ms.int8)[i % 3]
+        state[f"p{i:02d}"] = ms.Parameter(ms.Tensor(np.zeros_like(values) if zero else values, dtype), name=f"p{i:02d}")
+        if i == 10:
+            big = rng.standard_normal((SMALL_WHOLE_BYTES // 4 // 64 + 1, 64)).astype(np.float32)
+            state["big"] = ms.Parameter(ms.Tensor(np.zeros_like(big) if zero else big), name="big")
+            cast = rng.standard_normal((3, 2)).astype(np.float32)
+            state["cast"] = np.zeros((3, 2), np.float64) if zero else cast  # a float64 target of float32 bytes
+            state["scalar"] = ms.Parameter(ms.Tensor(0.0 if zero else 2.5, ms.float32), name="scalar")
+            state["empty"] = ms.Parameter(ms.Tensor(np.zeros((0, 3), np.float32)), name="empty")
+            state["step"] = 0 if zero else 7
+    return state
+
+
+def _bits(state: dict[str, object]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for name, value in state.items():
+        if isinstance(value, int):
+            out[name] = value
+            continue
+        array = value if isinstance(value, np.ndarray) else value.asnumpy()
+        out[name] = (tuple(array.shape), array.astype(np.float64).tobytes())
+    return out
+
+
+@pytest.fixture(name="saved")
+def _saved(tmp_path: Path) -> tuple[Path, dict[str, object]]:
+    state = _state()
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "ckpt", thread_count=2), no_dist=True)
+    return tmp_path / "ckpt", _bits(state)
+
+
+def _plans(path: Path, state: dict[str, object]) -> tuple[dcp.StandardLoadPlanner, LoadPlan, LoadPlan]:
+    """A standard planner, its plan (columns) and a subclass's plan (no columns) of the same load."""
+
+    class Subclass(dcp.StandardLoadPlanner):
+        pass
+
+    metadata = dcp.read_metadata(path)
+    planners = (dcp.StandardLoadPlanner(), Subclass())
+    for planner in planners:
+        planner.configure_planner(state, metadata)
+    return planners[0], planners[0].build_local_plan(), planners[1].build_local_plan()
+
+
+def test_the_plan_lists_every_item_a_subclass_would_in_the_same_order(saved) -> None:
+    path, _ = saved
+    state = _state(zero=True)
+    planner, plan, items_plan = _plans(path, state)
+    assert type(plan) is WholeReadPlan and type(items_plan) is LoadPlan
+    smalls = {name for name, value in state.items() if name.startswith("p") or name == "scalar"}
+    assert set(planner.whole_reads.fqns) == smalls  # neither the large, the cast, the empty tensor nor the value
+    assert len(plan.rest) == len(items_plan.items) - len(smalls)
+    assert plan.items == items_plan.items  # made on first access: the same ReadItems, in the same order
+    assert [item.dest_index.fqn for item in plan.items] == [item.dest_index.fqn for item in items_plan.items]
+    assert plan.items is plan.items  # made once
+    assert plan == items_plan and items_plan == plan and hash(plan) == hash(items_plan)
+    assert repr(plan).startswith("WholeReadPlan(items=(ReadItem(")
+    # Each item made from a row is a direct target of the planner, with the row's view.
+    direct = planner.direct_targets()
+    for item in plan.items:
+        if item.dest_index.fqn in smalls:
+            found, view = direct[id(item)]
+            assert found is item and item.type == LoadItemType.TENSOR and view.flags.c_contiguous
+            assert np.shares_memory(view, state[item.dest_index.fqn].asnumpy())
+
+
+def test_the_plan_pickles_and_replaces_as_a_plain_load_plan(saved) -> None:
+    path, _ = saved
+    _, plan, items_plan = _plans(path, _state(zero=True))
+    copy = pickle.loads(pickle.dumps(plan))
+    assert type(copy) is LoadPlan and copy == items_plan
+    changed = dataclasses.replace(plan, planner_data="x")
+    assert changed.items == items_plan.items and changed.planner_data == "x" and changed.rest == items_plan.items
+    assert plan.planner_data is None and plan.storage_data is None
+
+
+def test_a_plan_without_its_values_keeps_its_columns_and_order(saved) -> None:
+    """``load`` reads the values first, then the plan without them (``_load_engine._without``)."""
+    path, _ = saved
+    planner, plan, items_plan = _plans(path, _state(zero=True))
+    values = planner.value_reads(plan)
+    assert [item.dest_index.fqn for item in values.items] == ["step"]
+    left = plan.without({id(item) for item in values.items} | {id(plan.rest[0])})
+    assert type(left) is WholeReadPlan and left.whole is plan.whole
+    dropped = {"step", plan.rest[0].dest_index.fqn}
+    assert left.items == tuple(item for item in items_plan.items if item.dest_index.fqn not in dropped)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_columns_load_bit_exact_in_place(saved, verify: bool) -> None:
+    path, expected = saved
+    state = _state(zero=True)
+    memory = {name: value.asnumpy() for name, value in state.items() if isinstance(value, ms.Tensor)}
+    planner = dcp.StandardLoadPlanner()
+    reader = dcp.FileSystemReader(path, verify_checksums=verify, thread_count=2)
+    dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+    assert _bits(state) == expected
+    assert len(planner.whole_reads) == 31
+    for name, before in memory.items():
+        assert np.shares_memory(before, state[name].asnumpy()) or before.size == 0, name
+    assert reader.bytes_read == sum((path / f).stat().st_size for f in os.listdir(path)
+                                    if f.endswith(".safetensors")) - _headers(path)
+
+
+def _headers(path: Path) -> int:
+    """Bytes of the data files that are not chunks (the safetensors headers)."""
+    metadata = dcp.read_metadata(path)
+    files = {info.relative_path for info in metadata.storage_data.values()}
+    return sum((path / f).stat().st_size for f in files) - sum(i.length for i in metadata.storage_data.values())
+
+
+def test_a_reader_of_objects_reads_the_items(saved, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A FileSystemReader subclass overriding a per-file method (as the object storage reader does) gets items."""
+    path, expected = saved
+    seen: list[int] = []
+
+    class Reader(dcp.FileSystemReader):
+        def _read_groups(self, work, planner):  # pylint: disable=arguments-renamed
+            seen.append(sum(len(items) for group in work for _, items in group))
+            return super()._read_groups(work, planner)
+
+    state = _state(zero=True)
+    dcp.load(state, storage_reader=Reader(path), no_dist=True)
+    assert _bits(state) == expected and seen == [1, 33]  # the value first, then every tensor region as an item
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_header_disagreeing_on_a_column_row_changes_no_target(saved, verify: bool) -> None:
+    path, _ = saved
+    info = dcp.read_metadata(path).storage_data[dcp.MetadataIndex("p07", (0, 0))]
+    data_file = path / info.relative_path
+    data = data_file.read_bytes()
+    damaged = data.replace(b'"p07":{"dtype":"BF16","shape":[4,6]', b'"p07":{"dtype":"BF16","shape":[6,4]', 1)
+    assert damaged != data
+    data_file.write_bytes(damaged)
+    state = _state(zero=True)
+    before = _bits(state)
+    with pytest.raises(dcp.CorruptCheckpointError, match=r"key 'p07'.*\[6, 4\]") as caught:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path, verify_checksums=verify), no_dist=True)
+    assert info.relative_path in str(caught.value)
+    assert _bits(state) == before
+
+
+def test_a_damaged_column_chunk_is_named_and_changes_no_target(saved) -> None:
+    path, expected = saved
+    info = dcp.read_metadata(path).storage_data[dcp.MetadataIndex("p13", (0, 0))]
+    data_file = path / info.relative_path
+    with open(data_file, "r+b") as handle:
+        handle.seek(info.offset + 3)
+        byte = handle.read(1)
+        handle.seek(info.offset + 3)
+        handle.write(bytes([byte[0] ^ 0x40]))
+    state = _state(zero=True)
+    before = _bits(state)
+    with pytest.raises(dcp.CorruptCheckpointError, match=r"key 'p13'") as caught:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    assert info.relative_path in str(caught.value)
+    assert _bits(state) == before
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path, verify_checksums=False), no_dist=True)
+    loaded = _bits(state)
+    assert loaded["p13"] != expected["p13"] and {k: v for k, v in loaded.items() if k != "p13"} == {
+        k: v for k, v in expected.items() if k != "p13"}
+
+
+def test_a_truncated_file_of_column_rows_is_refused(saved) -> None:
+    path, _ = saved
+    metadata = dcp.read_metadata(path)
+    last = max(metadata.storage_data.items(), key=lambda pair: (pair[1].relative_path, pair[1].offset))
+    data_file = path / last[1].relative_path
+    os.truncate(data_file, last[1].offset + 1)
+    for verify in (True, False):
+        state = _state(zero=True)
+        before = _bits(state)
+        with pytest.raises(dcp.CorruptCheckpointError, match=last[1].relative_path):
+            dcp.load(state, storage_reader=dcp.FileSystemReader(path, verify_checksums=verify), no_dist=True)
+        assert _bits(state) == before
+
+
+def test_a_cold_file_of_column_rows_only_is_primed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file holding only small whole chunks (every one a column row, no item) is primed over their bytes."""
+    rng = np.random.default_rng(3)
+    rows = SMALL_WHOLE_BYTES // 4 // 256
+    state = {f"m{i:02d}": ms.Parameter(ms.Tensor(rng.standard_normal((rows, 256)).astype(np.float32)), name=f"m{i:02d}")
+             for i in range(20)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path, thread_count=1), no_dist=True)
+    expected = {name: value.asnumpy().tobytes() for name, value in state.items()}
+    metadata = dcp.read_metadata(tmp_path)
+    infos = list(metadata.storage_data.values())
+    (data_file,) = {info.relative_path for info in infos}
+    primed: list[tuple[int, int]] = []
+    real_prime = _reader_verify.prime
+
+    def recording(source, start, end):
+        primed.append((start, end))
+        return real_prime(source, start, end)
+
+    monkeypatch.setattr(_reader_verify, "prime", recording)
+    monkeypatch.setattr(_reader_verify, "page_cached", lambda source, offset: False)  # as if cold
+    targets = {name: ms.Parameter(ms.Tensor(np.zeros((rows, 256), np.float32)), name=name) for name in state}
+    planner = dcp.StandardLoadPlanner()
+    dcp.load(targets, storage_reader=dcp.FileSystemReader(tmp_path), planner=planner, no_dist=True)
+    assert {name: value.asnumpy().tobytes() for name, value in targets.items()} == expected
+    assert len(planner.whole_reads) == 20 and data_file
+    assert primed == [(min(i.offset for i in infos), max(i.offset + i.length for i in infos))]
