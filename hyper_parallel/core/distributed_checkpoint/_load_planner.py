@@ -548,7 +548,8 @@ def _aliased_targets(aliases: dict[str, str], stored_of: dict[str, Any], stored_
                 root = root.base
             views.setdefault(id(root), []).append((name, local))
     for group in views.values():
-        problems.extend(_overlapping_views(group))
+        if len(group) > 1:  # one view of an array overlaps nothing: most targets are arrays of their own
+            problems.extend(_overlapping_views(group))
     return problems
 
 
