@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions
 from hyper_parallel.core.distributed_checkpoint._engine import rank_indexes as rank_indexes_of
 from hyper_parallel.core.distributed_checkpoint._index_plan import plan_index
 from hyper_parallel.core.distributed_checkpoint import (
@@ -89,10 +88,10 @@ def simulate_save(
         final, metadata = planners[0].build_global_plan(plans)
     final = writers[0].prepare_global_plan(final)
     if rank_indexes:
-        options = SaveOptions(remove_redundancy=kwargs.get("remove_redundancy", True))
-        index_plan = (lambda: plan_index(metadata, compact, masks)) if layout_form else (
-            lambda: plan_index(metadata, final))
-        final = rank_indexes_of(writers[0], options, metadata, final, index_plan)
+        replicas = not kwargs.get("remove_redundancy", True)
+        index_plan = (lambda: plan_index(metadata, compact, masks, replicas=replicas)) if layout_form else (
+            lambda: plan_index(metadata, final, replicas=replicas))
+        final = rank_indexes_of(writers[0], metadata, final, index_plan)
     results = [writers[r].write_data(final[r], planners[r]).result() for r in range(len(states))]
     messages = [writers[r].write_rank_index(final[r], results[r]) if getattr(final[r].storage_data, "index", None)
                 else results[r] for r in range(len(states))]

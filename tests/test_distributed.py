@@ -207,6 +207,8 @@ def test_indexed_metadata_saved_by_four_loads_on_four_and_two(four, two_last):
     assert [kind for kind, _ in coordinator["received"]] == ["RankIndexSummary"] * 4
     assert [kind for kind, _ in coordinator["received_built"]] == ["list"] * 4
     assert coordinator["same_files"] is True
+    assert [kind for kind, _ in coordinator["received_kept"]] == ["RankIndexSummary"] * 4  # remove_redundancy=False
+    assert coordinator["same_kept"] is True
     check_scenarios(two_last, ["load_x_indexed_on_two"])
     for value in scenario_values(two_last, "load_x_indexed_on_two"):
         assert value["ok"] and value["step"] == 42

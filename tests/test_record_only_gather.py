@@ -128,12 +128,28 @@ def test_coordinator_receives_the_same_bytes_whatever_the_chunk_count(tmp_path):
     assert all(r < b for r, b in zip(record_large, built_large))
 
 
-def test_replicas_kept_commit_from_the_results(tmp_path):
-    """``remove_redundancy=False`` (each chunk's holder is the lowest of several writers): results, as before."""
-    states = [{"w": DTensor.from_global(ms.Tensor(FULL), Layout((2, 2), (0, -1)), rank=r)} for r in range(4)]
-    (_, built_files, _, _), (_, record_files, sent, _) = _save_both(
-        tmp_path, states, writer_options={"metadata_form": "indexed"}, remove_redundancy=False)
-    assert all(isinstance(s, list) for s in sent) and record_files == built_files
+@pytest.mark.parametrize("layout_form", [False, True])
+def test_replicas_kept_each_chunk_indexed_by_its_lowest_writer(tmp_path, layout_form):
+    """``remove_redundancy=False``: every holder writes its replica; the lowest lists it in its index (the
+    coordinator-built form keeps the first in rank order), told by a held bitmask with its plan."""
+    states = _states(layout=Layout((2, 2), (0, -1)), tensors=2)  # rows over one axis, the other a replica axis
+    (built, built_files, _, written), (_, record_files, sent, record_written) = _save_both(
+        tmp_path, states, writer_options={"metadata_form": "indexed"}, remove_redundancy=False,
+        layout_form=layout_form)
+    assert all(isinstance(s, RankIndexSummary) for s in sent)
+    assert record_files == built_files and written == record_written
+    # w0, w1: row half 0 on ranks 0 and 2, half 1 on ranks 1 and 3 (the inner mesh axis): ranks 0 and 1 hold
+    # them; st: one chunk per rank; rep: every rank writes it, rank 0 holds it
+    assert [s.entries for s in sent] == [4, 3, 1, 1]
+    assert [s.record.rank for s in sent] == [0, 1, 2, 3]
+    _load_all(tmp_path / "record", 2, Layout((2,), (-1, 0)), tensors=2)
+
+    with_replicas = _states(layout=Layout((2, 2), (0, -1)))
+    planners, plans = plan_ranks(with_replicas, remove_redundancy=False)
+    final, metadata = planners[0].build_global_plan(plans)
+    found = plan_index(metadata, final, replicas=True)
+    assert found.entries == (3, 2, 1, 1) and len(found.held) == 4
+    assert plan_index(metadata, final) is None  # a chunk written twice, where replicas were not kept
 
 
 def test_inline_form_and_small_auto_saves_send_results(tmp_path):
@@ -239,11 +255,10 @@ def test_a_rank_writing_other_chunks_than_planned_fails(tmp_path):
 def test_plan_index_declines_plans_without_one_writer_per_chunk(tmp_path):
     planners, plans = plan_ranks([{"w": DTensor.from_global(ms.Tensor(FULL), Layout((2, 2), (0, -1)), rank=r)}
                                   for r in range(4)], remove_redundancy=False)
-    final, metadata = planners[0].build_global_plan(plans)
-    assert plan_index(metadata, final) is None  # two writers of every chunk
     compact = [p.compact_local_plan(plan) for p, plan in zip(planners, plans)]
     masks, metadata = planners[0].build_global_masks(compact)
-    assert plan_index(metadata, compact, masks) is None
+    assert plan_index(metadata, compact, masks) is None  # two writers of every chunk
+    assert plan_index(metadata, compact, masks, replicas=True).entries == (1, 1, 0, 0)
     planners, plans = plan_ranks([{"w": DTensor.from_global(ms.Tensor(FULL), Layout((2, 2), (0, -1)), rank=r)}
                                   for r in range(4)])
     final, metadata = planners[0].build_global_plan(plans)

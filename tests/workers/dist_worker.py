@@ -376,11 +376,18 @@ def save_x_indexed() -> dict:
     target = {"model": {"x": _zero_dtensor(FULL_X, layout, "x"), "bias": np.zeros(8, np.float32)}, "step": 0}
     dcp.load(target, checkpoint_id=path)
     same_files = _normalised_files(path) == _normalised_files(BASE / "Xi_built") if RANK == 0 else None
+    kept = {}
+    for built in (False, True):  # replicas kept: every rank writes bias, rank 0 (the lowest) lists it in its index
+        where = BASE / ("Xi_kept_built" if built else "Xi_kept")
+        kept[built] = ReceivingWriter(where, metadata_form="indexed", built=built)
+        dcp.save(state, checkpoint_id=where, storage_writer=kept[built], remove_redundancy=False)
+    same_kept = _normalised_files(BASE / "Xi_kept") == _normalised_files(BASE / "Xi_kept_built") if RANK == 0 else None
     return {"indexes": sorted(n.split(".")[0] for n in os.listdir(path) if "_index." in n),
             "grid": "grid" in (path / "metadata.json").read_text(), "chunks": len(meta.state_dict_metadata["model.x"].chunks),
             "kind": type(meta).__name__, "same_as_committed": meta == dcp.read_metadata(path),
             "ok": _expect(FULL_X, target["model"]["x"]), "bias": target["model"]["bias"].tolist(), "step": target["step"],
-            "received": writer.received, "received_built": built.received, "same_files": same_files}
+            "received": writer.received, "received_built": built.received, "same_files": same_files,
+            "received_kept": kept[False].received, "same_kept": same_kept}
 
 
 def async_indexed_and_corrupt_index() -> dict:

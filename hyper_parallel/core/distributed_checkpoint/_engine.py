@@ -150,9 +150,9 @@ def _merge_layout_form(
     """The coordinator's merge of layout-form plans: each rank's keep mask and storage data. Coordinator."""
     masks, metadata = planner.build_global_masks(all_plans)
     stamped = writer.prepare_global_plan([SavePlan(items=()) for _ in all_plans])  # items unused (see above)
-    holders = functools.cache(lambda: plan_index(metadata, all_plans, masks))
+    holders = functools.cache(lambda: plan_index(metadata, all_plans, masks, replicas=not options.remove_redundancy))
     index_plans.append(holders)
-    stamped = rank_indexes(writer, options, metadata, stamped, holders)
+    stamped = rank_indexes(writer, metadata, stamped, holders)
     merged.append(metadata)
     all_final.append(stamped)
     all_local.append(all_plans)
@@ -160,15 +160,15 @@ def _merge_layout_form(
             for mask, plan in zip(masks, stamped)]
 
 
-def rank_indexes(writer: StorageWriter, options: SaveOptions, metadata: Metadata, stamped: list[SavePlan],
+def rank_indexes(writer: StorageWriter, metadata: Metadata, stamped: list[SavePlan],
                  index_plan: Callable[[], IndexPlan | None]) -> list[SavePlan]:
     """``stamped`` (the final plans), each also telling its rank to write its own index, when the save commits the
     indexed form from rank summaries (:mod:`._index_plan`). Coordinator.
 
-    Only the filesystem and fsspec writers, and only saves writing each chunk once; ``index_plan`` (the holders
-    from the merged plan) is computed only when the indexed form is wanted. Otherwise ``stamped`` unchanged.
+    Only the filesystem and fsspec writers; ``index_plan`` (the holders from the merged plan) is computed only
+    when the indexed form is wanted. Otherwise ``stamped`` unchanged.
     """
-    if not (isinstance(writer, FileSystemWriter) and options.remove_redundancy and writer.wants_rank_indexes(metadata)):
+    if not (isinstance(writer, FileSystemWriter) and writer.wants_rank_indexes(metadata)):
         return stamped
     plan = index_plan()
     return stamped if plan is None else writer.use_index_plan(stamped, plan)
@@ -302,9 +302,10 @@ def plan_save(
                 raise
             raise PlanValidationError(f"{hint}. The plan check said: {exc}") from exc
         final_plans = writer.prepare_global_plan(final_plans)
-        holders = functools.cache(lambda planned=final_plans: plan_index(metadata, planned))
+        holders = functools.cache(lambda planned=final_plans: plan_index(metadata, planned,
+                                                                         replicas=not options.remove_redundancy))
         index_plans.append(holders)
-        final_plans = rank_indexes(writer, options, metadata, final_plans, holders)
+        final_plans = rank_indexes(writer, metadata, final_plans, holders)
         merged.append(metadata)
         all_final.append(final_plans)
         all_local.append(all_plans)
@@ -324,7 +325,7 @@ def plan_save(
             # A digest round first: a save repeating the last layout reuses its plans (see _plan_cache). The
             # coordinator decides from every rank's message; each rank receives the decision only.
             decision = dist.reduce_scatter("plan digest", layout_step,
-                                           lambda messages: _decide(cache, writer, messages, merged, options))
+                                           lambda messages: _decide(cache, writer, messages, merged))
             if decision.reuse:
                 cached = cache.take(decision.exchange)
                 plan = replace(cached.final, storage_data=decision.storage_data)
@@ -365,7 +366,7 @@ def _deferred(
 
 
 def _decide(
-    cache: PlanCache, writer: StorageWriter, messages: list[PlanMessage], merged: list[Metadata], options: SaveOptions
+    cache: PlanCache, writer: StorageWriter, messages: list[PlanMessage], merged: list[Metadata]
 ) -> list[PlanDecision]:
     """Whether every rank reuses its cached plan, with each rank's storage data on a reuse. Coordinator only.
 
@@ -378,7 +379,7 @@ def _decide(
     check_cached_replicas(cached, messages)
     merged.append(cached.metadata)
     stamped = writer.prepare_global_plan(list(cached.all_final))
-    stamped = rank_indexes(writer, options, cached.metadata, stamped,
+    stamped = rank_indexes(writer, cached.metadata, stamped,
                            cached.index_plan if cached.index_plan is not None else lambda: None)
     return [PlanDecision(exchange=exchange, reuse=True, storage_data=plan.storage_data) for plan in stamped]
 

@@ -17,9 +17,10 @@ the plan and every index file's length on storage, and commits
 ``metadata.json`` listing the indexes (:func:`record_only_metadata`). The
 files are exactly those the coordinator would have written.
 
-Only saves that write each chunk once (``remove_redundancy=True``) take this
-path; a save that keeps replicas (whose holder is the lowest of several
-writers) is committed from every rank's write results, as before.
+A save that keeps replicas (``remove_redundancy=False``) writes a chunk on
+several ranks; its holder is the lowest of them (as the coordinator-built
+form keeps the first entry in rank order), and each rank is also told which
+of its items it holds (:attr:`RankIndexPlan.held`, one bit per item).
 """
 
 from __future__ import annotations
@@ -80,10 +81,14 @@ class RankIndexPlan:
     Attributes:
         inline_keys: The tensors whose entries stay in ``metadata.json`` (no even grid); values stay there too.
         entries: The grid chunks this rank holds: its index file lists exactly these.
+        held: With replicas kept (``remove_redundancy=False``): a bitmask over the items of this rank's final plan
+            (bit ``i`` of byte ``i // 8``) of the grid chunks it holds (it is their lowest writer); the others it
+            writes are listed by a lower rank's index. ``None``: it holds every grid chunk it writes.
     """
 
     inline_keys: frozenset[str]
     entries: int
+    held: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -94,15 +99,18 @@ class IndexPlan:
         holders: For each grid tensor (in metadata order), the rank holding each chunk.
         entries: Per rank, the grid chunks it holds.
         inline_keys: As :attr:`RankIndexPlan.inline_keys`.
+        held: Per rank, :attr:`RankIndexPlan.held` (``None`` without replicas).
     """
 
     holders: Mapping[str, GridHolders]
     entries: tuple[int, ...]
     inline_keys: frozenset[str]
+    held: tuple[bytes, ...] | None = None
 
     def for_rank(self, rank: int) -> RankIndexPlan:
         """What rank ``rank`` is told. Coordinator; pure."""
-        return RankIndexPlan(inline_keys=self.inline_keys, entries=self.entries[rank])
+        return RankIndexPlan(inline_keys=self.inline_keys, entries=self.entries[rank],
+                             held=None if self.held is None else self.held[rank])
 
 
 @dataclass(frozen=True)
@@ -164,39 +172,34 @@ def _grids(metadata: Metadata) -> tuple[dict[str, GridChunks], frozenset[str]]:
 
 
 class _Irregular(Exception):
-    """Internal: the plan does not give each grid chunk exactly one writer (commit from the results instead)."""
+    """Internal: the plan gives some grid chunk no writer, or an unexpected one (commit from the results instead)."""
 
 
-def _assign(target: np.ndarray, flat: np.ndarray, ranks: np.ndarray) -> None:
-    """Record ``ranks[i]`` as the writer of chunk ``flat[i]``; a chunk written twice is irregular."""
-    if len(flat) == 0:
-        return
-    if (target[flat] >= 0).any() or len(np.unique(flat)) != len(flat):
-        raise _Irregular
-    target[flat] = ranks
-
-
-def _assign_item(holders: dict[str, np.ndarray], grids: dict[str, GridChunks], item: Any, rank: int) -> None:
-    """Record ``rank`` as the writer of ``item`` (a write item) if it is a chunk of a grid tensor."""
-    target = holders.get(item.index.fqn)
-    if target is None:
-        return
-    grid = grids[item.index.fqn]
-    chunk = item.tensor_data.chunk if item.tensor_data is not None else None
-    position = None if chunk is None or tuple(chunk.sizes) != grid.chunk_sizes else grid_position(
-        tuple(item.index.offset), grid.chunk_sizes, grid.splits)
-    if position is None:
-        raise _Irregular
-    _assign(target, np.asarray([flat_position(position, grid.splits)]), np.asarray([rank]))
+#: Called per group of writes: (key, grid positions, writer ranks, position of each in its rank's final plan).
+_Visit = Callable[[str, np.ndarray, np.ndarray, np.ndarray], None]
 
 
 def _kept(mask: bytes, count: int) -> np.ndarray:
     return np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")[:count].astype(bool)
 
 
-def _layout_tables(holders: dict[str, np.ndarray], grids: dict[str, GridChunks], plans: Sequence[Any],
-                   masks: Sequence[bytes]) -> None:
-    """The writers of the layout-form plans' table entries, one table (shared by many ranks) at a time."""
+def _visit_items(grids: dict[str, GridChunks], items: Any, rank: int, visit: _Visit) -> None:
+    """Visit each of ``(final position, write item)`` of ``rank`` that is a chunk of a grid tensor."""
+    for final, item in items:
+        grid = grids.get(item.index.fqn)
+        if grid is None:
+            continue
+        chunk = item.tensor_data.chunk if item.tensor_data is not None else None
+        position = None if chunk is None or tuple(chunk.sizes) != grid.chunk_sizes else grid_position(
+            tuple(item.index.offset), grid.chunk_sizes, grid.splits)
+        if position is None:
+            raise _Irregular
+        visit(item.index.fqn, np.asarray([flat_position(position, grid.splits)]), np.asarray([rank]),
+              np.asarray([final]))
+
+
+def _visit_tables(grids: dict[str, GridChunks], plans: Sequence[Any], masks: Sequence[bytes], visit: _Visit) -> None:
+    """Visit the writes of the layout-form plans, one table (shared by many ranks) and entry at a time."""
     by_table: dict[bytes, list[int]] = {}
     for rank, plan in enumerate(plans):
         if isinstance(plan, LayoutSavePlan):
@@ -205,34 +208,58 @@ def _layout_tables(holders: dict[str, np.ndarray], grids: dict[str, GridChunks],
     for blob, ranks in by_table.items():
         table = decode_table(blob)
         count = len(table.entries)
+        if not count:
+            continue
         rows = np.asarray(ranks, dtype=np.int64)
-        kept = np.stack([_kept(masks[rank], count) for rank in ranks]) if count else None
+        kept = np.stack([_kept(masks[rank], count) for rank in ranks])
+        finals = np.cumsum(kept, axis=1) - 1  # each kept item's position in its rank's final plan
         shards: dict[int, np.ndarray] = {}
         for position, entry in enumerate(table.entries):
-            if entry is None or entry.fqn not in holders:
+            if entry is None or entry.fqn not in grids:
                 continue
-            writers = rows[kept[:, position]]
-            grid = grids[entry.fqn]
+            column = kept[:, position]
+            writers, grid = rows[column], grids[entry.fqn]
             if entry.layout == WHOLE:
                 if len(grid) != 1:
                     raise _Irregular
-                _assign(holders[entry.fqn], np.zeros(len(writers), dtype=np.int64), writers)
-                continue
-            layout = table.layouts[entry.layout]
-            if tuple(layout.splits_per_dim()) != grid.splits:
-                raise _Irregular
-            shard_of_rank = shards.get(entry.layout)
-            if shard_of_rank is None:
-                shard_of_rank = shards[entry.layout] = shard_grid(layout, world).shard_of_rank
-            _assign(holders[entry.fqn], shard_of_rank[writers], writers)
+                flat = np.zeros(len(writers), dtype=np.int64)
+            else:
+                layout = table.layouts[entry.layout]
+                if tuple(layout.splits_per_dim()) != grid.splits:
+                    raise _Irregular
+                shard_of_rank = shards.get(entry.layout)
+                if shard_of_rank is None:
+                    shard_of_rank = shards[entry.layout] = shard_grid(layout, world).shard_of_rank
+                flat = shard_of_rank[writers]
+            visit(entry.fqn, flat, writers, finals[column, position])
         general_positions = [position for position, entry in enumerate(table.entries) if entry is None]
         for row, rank in enumerate(ranks if general_positions else ()):  # the general items of this table's ranks
-            for position, item in zip(general_positions, plans[rank].general):
-                if kept[row, position]:
-                    _assign_item(holders, grids, item, rank)
+            _visit_items(grids, ((int(finals[row, p]), item) for p, item in zip(general_positions, plans[rank].general)
+                                 if kept[row, p]), rank, visit)
 
 
-def plan_index(metadata: Metadata, plans: Sequence[Any], masks: Sequence[bytes] | None = None) -> IndexPlan | None:
+def _visit(grids: dict[str, GridChunks], plans: Sequence[Any], masks: Sequence[bytes] | None, visit: _Visit) -> None:
+    """Visit every write of a grid chunk the final plans make (see :func:`plan_index`)."""
+    if masks is None:
+        for rank, plan in enumerate(plans):
+            _visit_items(grids, enumerate(plan.items), rank, visit)
+        return
+    _visit_tables(grids, plans, masks, visit)
+    for rank, plan in enumerate(plans):
+        if isinstance(plan, SavePlan):
+            mask = _kept(masks[rank], len(plan.items))
+            _visit_items(grids, enumerate(item for item, keep in zip(plan.items, mask) if keep), rank, visit)
+
+
+def _final_counts(plans: Sequence[Any], masks: Sequence[bytes] | None) -> list[int]:
+    """The number of items of each rank's final plan."""
+    if masks is None:
+        return [len(plan.items) for plan in plans]
+    return [int(np.unpackbits(np.frombuffer(mask, dtype=np.uint8)).sum()) for mask in masks]
+
+
+def plan_index(metadata: Metadata, plans: Sequence[Any], masks: Sequence[bytes] | None = None, *,
+               replicas: bool = False) -> IndexPlan | None:
     """Which rank holds each chunk of each grid tensor, from the merged plan. Coordinator; pure.
 
     Args:
@@ -240,35 +267,45 @@ def plan_index(metadata: Metadata, plans: Sequence[Any], masks: Sequence[bytes] 
         plans: Every rank's plan: the final plans (``masks`` ``None``), or the local plans as sent (layout form or
             plain) with ``masks``, each rank's final plan as a bitmask over its local plan.
         masks: See ``plans``.
+        replicas: Several ranks may write a chunk (``remove_redundancy=False``): the lowest holds it, and each
+            rank is also told which of its items it holds (:attr:`RankIndexPlan.held`). Else a chunk written
+            twice declines.
 
     Returns:
-        The plan, or ``None`` when some grid chunk is not written by exactly one rank (replicas kept, or a plan
-        this function does not follow): that save commits from its write results.
+        The plan, or ``None`` when some grid chunk is written by no rank (or, without ``replicas``, by several),
+        or the plan is not one this function follows: that save commits from its write results.
     """
     grids, inline = _grids(metadata)
-    holders = {fqn: np.full(len(grid), -1, dtype=np.int64) for fqn, grid in grids.items()}
+    unset = np.iinfo(np.int64).max
+    holders = {fqn: np.full(len(grid), unset, dtype=np.int64) for fqn, grid in grids.items()}
+
+    def assign(fqn: str, flat: np.ndarray, ranks: np.ndarray, _finals: np.ndarray) -> None:
+        target = holders[fqn]
+        if not replicas and len(flat) and ((target[flat] != unset).any() or len(np.unique(flat)) != len(flat)):
+            raise _Irregular
+        np.minimum.at(target, flat, ranks)  # the lowest writer holds a chunk
+
     try:
-        if masks is None:
-            for rank, plan in enumerate(plans):
-                for item in plan.items:
-                    _assign_item(holders, grids, item, rank)
-        else:
-            _layout_tables(holders, grids, plans, masks)
-            for rank, plan in enumerate(plans):
-                if isinstance(plan, SavePlan):
-                    mask = _kept(masks[rank], len(plan.items))
-                    for position, item in enumerate(plan.items):
-                        if mask[position]:
-                            _assign_item(holders, grids, item, rank)
+        _visit(grids, plans, masks, assign)
     except _Irregular:
         return None
     counts = np.zeros(len(plans), dtype=np.int64)
     for ranks in holders.values():
-        if len(ranks) and ranks.min() < 0:
+        if len(ranks) and ranks.max() == unset:
             return None
         counts += np.bincount(ranks, minlength=len(plans))[: len(plans)]
+    held = None
+    if replicas:
+        bits = [np.zeros(count, dtype=bool) for count in _final_counts(plans, masks)]
+
+        def mark(fqn: str, flat: np.ndarray, ranks: np.ndarray, finals: np.ndarray) -> None:
+            for rank, final in zip(ranks[holders[fqn][flat] == ranks].tolist(), finals[holders[fqn][flat] == ranks].tolist()):
+                bits[rank][final] = True
+
+        _visit(grids, plans, masks, mark)
+        held = tuple(np.packbits(b, bitorder="little").tobytes() for b in bits)
     return IndexPlan(holders={fqn: fit_holders(grids[fqn].splits, ranks) for fqn, ranks in holders.items()},
-                     entries=tuple(int(c) for c in counts), inline_keys=inline)
+                     entries=tuple(int(c) for c in counts), inline_keys=inline, held=held)
 
 
 def summarise_rank(plan: SavePlan, results: Sequence[WriteResult], *, rank: int,
@@ -280,14 +317,17 @@ def summarise_rank(plan: SavePlan, results: Sequence[WriteResult], *, rank: int,
     """
     told: RankIndexPlan = plan.storage_data.index
     values = {item.index.fqn for item in plan.items if item.type == WriteItemType.BYTE_IO}
+    held = None if told.held is None else {
+        (item.index.fqn, tuple(item.index.offset)) for item, bit in zip(plan.items, _kept(told.held, len(plan.items)))
+        if bit}
     indexed: list[tuple[MetadataIndex, StorageInfo]] = []
     inline: list[WriteResult] = []
     for result in results:
-        fqn = result.index.fqn
+        fqn, offset = result.index.fqn, tuple(result.index.offset)
         if fqn in told.inline_keys or fqn in values:
             inline.append(result)
-        else:
-            indexed.append((MetadataIndex(fqn, tuple(result.index.offset)), result.storage_data))
+        elif held is None or (fqn, offset) in held:  # a replica a lower rank holds is listed by that rank's index
+            indexed.append((MetadataIndex(fqn, offset), result.storage_data))
     if len(indexed) != told.entries:
         raise CheckpointValueError(
             f"rank {rank}: wrote {len(indexed)} chunk(s) of grid tensors but the save plan gives it {told.entries}; "
