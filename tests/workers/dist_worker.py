@@ -377,10 +377,10 @@ def save_x_indexed() -> dict:
     dcp.load(target, checkpoint_id=path)
     same_files = _normalised_files(path) == _normalised_files(BASE / "Xi_built") if RANK == 0 else None
     kept = {}
-    for built in (False, True):  # replicas kept: every rank writes bias, rank 0 (the lowest) lists it in its index
-        where = BASE / ("Xi_kept_built" if built else "Xi_kept")
-        kept[built] = ReceivingWriter(where, metadata_form="indexed", built=built)
-        dcp.save(state, checkpoint_id=where, storage_writer=kept[built], remove_redundancy=False)
+    for by_coordinator in (False, True):  # replicas kept: every rank writes bias, rank 0 (the lowest) indexes it
+        where = BASE / ("Xi_kept_built" if by_coordinator else "Xi_kept")
+        kept[by_coordinator] = ReceivingWriter(where, metadata_form="indexed", built=by_coordinator)
+        dcp.save(state, checkpoint_id=where, storage_writer=kept[by_coordinator], remove_redundancy=False)
     same_kept = _normalised_files(BASE / "Xi_kept") == _normalised_files(BASE / "Xi_kept_built") if RANK == 0 else None
     return {"indexes": sorted(n.split(".")[0] for n in os.listdir(path) if "_index." in n),
             "grid": "grid" in (path / "metadata.json").read_text(), "chunks": len(meta.state_dict_metadata["model.x"].chunks),
