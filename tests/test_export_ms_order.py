@@ -11,7 +11,8 @@ import pytest
 from mindspore import nn
 
 import hyper_parallel.core.distributed_checkpoint as dcp
-from hyper_parallel.cli import export_mindspore
+from hyper_parallel.cli import export_mindspore, main
+from strategy_files import ParamStrategy, write_json_strategy_file
 
 ms.set_device("CPU")
 
@@ -59,3 +60,21 @@ def test_load_checkpoint_dict_gives_load_param_into_net_the_weights(tmp_path: Pa
     not_loaded, _ = ms.load_param_into_net(bare, params)
     assert not_loaded == []
     np.testing.assert_array_equal(bare.weight.asnumpy(), net.weight.asnumpy())
+
+
+def test_export_names_strategy_parameters_the_checkpoint_lacks(tmp_path, capsys):
+    """A destination strategy listing a parameter the checkpoint does not hold exported without a word (the job's
+    Parameter silently kept its initial value); listing none of its keys (a checkpoint under 'model.') wrote every
+    tensor whole to every rank."""
+    dcp.save({"w": np.arange(8, dtype=np.float32).reshape(4, 2), "b": np.ones(2, np.float32)},
+             checkpoint_id=tmp_path / "ckpt")
+    strategy = write_json_strategy_file(tmp_path / "s.json", (ParamStrategy("w", (2,), (0, -1)),
+                                                               ParamStrategy("head", (2,), (0, -1))))
+    assert main(["export-mindspore", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--strategy", strategy]) == 0
+    out = capsys.readouterr().out
+    assert "note: 'head': listed in the destination strategy but not in the checkpoint" in out
+    dcp.save({"model": {"w": np.arange(8, dtype=np.float32).reshape(4, 2)}}, checkpoint_id=tmp_path / "prefixed")
+    code = main(["export-mindspore", str(tmp_path / "prefixed"), str(tmp_path / "out2"), "--strategy", strategy])
+    err = capsys.readouterr().err
+    assert code == 2 and "none of the 2 parameter(s)" in err and "'model.w'" in err
+    assert not (tmp_path / "out2").exists()

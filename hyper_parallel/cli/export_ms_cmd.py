@@ -59,7 +59,8 @@ class ExportResult:
         out: The output directory.
         files: The files written (rank order, or the one unified file).
         total_bytes: Bytes of tensor content written over all files.
-        skipped: Keys left out, with the reason.
+        skipped: Keys left out, with the reason (and the destination strategy's parameters the checkpoint
+            does not hold).
     """
 
     out: str
@@ -184,6 +185,8 @@ def export_mindspore(
     tensors = _file_order([(fqn, s) for fqn, s in metadata.state_dict_metadata.items()
                            if isinstance(s, TensorStorageMetadata)])
     values, skipped = _value_items(directory, metadata, fmt)
+    if records is not None:
+        skipped += _absent_parameters(records, metadata, strategy_files or [])
     prepare_output_dir(out_dir)
     written: list[str] = []
     total = 0
@@ -203,6 +206,29 @@ def export_mindspore(
         written.append(str(path))
         total += sum(i.nbytes for i in items)
     return ExportResult(str(out_dir), tuple(written), total, tuple(skipped))
+
+
+def _absent_parameters(records: Mapping[str, Sequence[Any]], metadata: Metadata,
+                       strategy_files: Sequence[str | os.PathLike]) -> list[tuple[str, str]]:
+    """The destination strategy's parameters the checkpoint does not hold, as notes; none held at all is refused.
+
+    Raises:
+        CheckpointValueError: No parameter the strategy lists is in the checkpoint (another network, or keys
+            under a prefix such as ``model.``): every tensor would be written whole to every rank.
+    """
+    stored = metadata.state_dict_metadata
+    absent = sorted(name for name in records if name not in stored)
+    if absent and len(absent) == len(records):
+        prefixed = sorted(key for key in stored if any(key.endswith("." + name) for name in absent[:50]))
+        hint = (f"; the checkpoint holds them under a prefix (e.g. {prefixed[0]!r}): save it under MindSpore's "
+                "names (hyper_parallel.save_checkpoint(net, ...))") if prefixed else ""
+        raise CheckpointValueError(
+            f"none of the {len(records)} parameter(s) the strategy {', '.join(map(str, strategy_files))} lists is in "
+            f"the checkpoint (e.g. {absent[0]!r}){hint}: every tensor would be written whole to every rank; pass "
+            "the strategy of the job this checkpoint is for"
+        )
+    return [(name, "listed in the destination strategy but not in the checkpoint: the job's Parameter keeps the "
+                   "value it is initialised with") for name in absent]
 
 
 def _run(args: argparse.Namespace) -> int:
