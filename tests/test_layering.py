@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                                   "_format.indexed_storage", "_format.indexed_json"})),
     ("plans and planners", frozenset({"planner", "mapping", "_chunk_search", "type_handlers", "_builtin_handlers", "_flatten", "_mindspore_sliced", "_device_targets",
                                       "_state_items", "_global_plan", "_replicated_read", "standard_planner",
-                                      "_leaf_entry", "_save_planner", "_load_planner",
+                                      "_leaf_entry", "_save_planner", "_load_planner", "_load_target_checks",
                                       "_layout_plan", "_layout_merge", "_save_layout", "_whole_reads"})),
     ("storage", frozenset({"storage", "filesystem_writer", "filesystem_reader", "_run_reads", "_read_items",
                            "_safe_files", "_save_lease", "_file_ops", "_data_file", "_commit_cleanup", "_device_reads",

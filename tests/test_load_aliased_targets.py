@@ -79,7 +79,7 @@ def _reported_pairs(problems: list[str]) -> set[tuple[str, str]]:
 
 def test_overlap_sweep_finds_exactly_the_overlapping_pairs() -> None:
     """Random strided views of one buffer: the sorted sweep reports exactly the pairs a full comparison finds."""
-    from hyper_parallel.core.distributed_checkpoint._load_planner import _overlapping_views
+    from hyper_parallel.core.distributed_checkpoint._load_target_checks import _overlapping_views
 
     rng = np.random.default_rng(7)
     buffer = np.zeros((12, 10), np.float32)
