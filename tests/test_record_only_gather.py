@@ -382,3 +382,37 @@ def test_a_failed_index_write_names_the_rank_and_file(tmp_path, monkeypatch):
     monkeypatch.setattr(fs_writer, "write_atomically", full_disk)
     with pytest.raises(dcp.CheckpointIOError, match=r"rank 0: writing its index file .*r00000_index\.\w+\.json failed"):
         simulate_save(_states(), tmp_path / "c", rank_indexes=True, writer_options={"metadata_form": "indexed"})
+
+
+def test_an_interrupted_index_write_leaves_a_file_the_cleanup_removes(tmp_path, monkeypatch):
+    """A rank whose index write stops before its rename (a crash) leaves a partial file named with the save id,
+    whatever save id its own writer started with (a forked writer's parent never ran write_data): the
+    coordinator's abort removes it with the rest of the save."""
+    import hyper_parallel.core.distributed_checkpoint.filesystem_writer as fs_writer
+    from hyper_parallel.core.distributed_checkpoint._file_ops import OS_FILE_OPS
+
+    class Crashing(type(OS_FILE_OPS)):
+        def replace(self, source, target):
+            raise OSError(5, "power cut (injected)")
+
+        def unlink(self, path):  # the process is gone: nothing removes its partial file
+            raise OSError(5, "power cut (injected)")
+
+    writers = []
+
+    class Recording(dcp.FileSystemWriter):
+        def write_rank_index(self, plan, results):
+            writers.append(self)
+            self.save_id = "0" * 12  # as a parent whose forked child wrote the data
+            self.file_ops = Crashing()
+            return super().write_rank_index(plan, results)
+
+    with pytest.raises(dcp.CheckpointIOError, match="rank 0: writing its index file"):
+        simulate_save(_states(), tmp_path / "c", rank_indexes=True, writer_class=Recording,
+                      writer_options={"metadata_form": "indexed"})
+    partial = [n for n in os.listdir(tmp_path / "c") if n.endswith(".partial")]
+    assert partial and writers[0].save_id in partial[0] and "000000000000" not in partial[0]
+    coordinator = writers[0]
+    coordinator.file_ops = OS_FILE_OPS
+    coordinator.abort()
+    assert not [n for n in os.listdir(tmp_path / "c") if not n.startswith(".lease")], os.listdir(tmp_path / "c")

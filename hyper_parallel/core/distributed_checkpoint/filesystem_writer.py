@@ -500,7 +500,8 @@ class FileSystemWriter(StorageWriter):
             CheckpointIOError: the file cannot be written.
             CheckpointValueError: the results disagree with the plan.
         """
-        summary, data = summarise_rank(plan, results, rank=self.rank, save_id=plan.storage_data.save_id)
+        self.save_id = plan.storage_data.save_id  # also in a forked writer's parent (its child wrote the data)
+        summary, data = summarise_rank(plan, results, rank=self.rank, save_id=self.save_id)
         if summary.record is not None:
             self.store_rank_index(summary.record, data)  # type: ignore[arg-type]
         return summary
