@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel.core.distributed_checkpoint import ShardedTensor
 
 
 @pytest.fixture(name="saved")
@@ -50,3 +51,12 @@ def test_a_subset_of_the_checkpoint_still_loads(saved: Path) -> None:
     target = {"w": np.zeros(2, np.float32), "extra": {}, "empty": [], "sched": {"gamma": 0.0}}
     dcp.load(target, checkpoint_id=saved)
     assert target["sched"] == {"gamma": 0.1} and target["w"][0] == 1
+
+
+def test_containers_of_sharded_tensors_are_not_checked(tmp_path: Path) -> None:
+    """Global keys need not follow local paths: this stage's list of 2 layers holds layers 2 and 3 of 4."""
+    layers = [{"w": ShardedTensor.from_rank_offsets(f"layers.{i}.w", np.full(2, i, np.float32))} for i in range(4)]
+    dcp.save({"layers": layers}, checkpoint_id=tmp_path)
+    stage = [{"w": ShardedTensor.from_rank_offsets(f"layers.{i}.w", np.zeros(2, np.float32))} for i in (2, 3)]
+    dcp.load({"layers": stage}, checkpoint_id=tmp_path)
+    assert stage[0]["w"].data[0] == 2 and stage[1]["w"].data[0] == 3

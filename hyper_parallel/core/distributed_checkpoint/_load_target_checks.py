@@ -106,9 +106,14 @@ def cut_containers(flat: FlatStateDict, stored_of: dict[str, Any]) -> list[str]:
     dropped the third; an empty dict (an optimizer state not created yet) loaded nothing of what is stored under it.
     """
     keys = sorted(stored_of)
+    # A ShardedTensor / ShardedObject is stored under its own global key, which need not follow its local path
+    # (a pipeline stage's list of 2 layers may hold keys 'layers.2.*' of a 4-layer model): its containers are
+    # not checked.
+    global_keys = {path[:depth] for name, path in flat.paths.items() if flat.storage_keys[name] != name
+                   for depth in range(1, len(path))}
     problems = []
     for path, size in flat.sizes.items():
-        if not path:
+        if not path or path in global_keys:
             continue
         name = ".".join(map(str, path))
         prefix = name + "."
