@@ -416,3 +416,36 @@ def test_an_interrupted_index_write_leaves_a_file_the_cleanup_removes(tmp_path, 
     coordinator.file_ops = OS_FILE_OPS
     coordinator.abort()
     assert not [n for n in os.listdir(tmp_path / "c") if not n.startswith(".lease")], os.listdir(tmp_path / "c")
+
+
+def test_s3_missing_index_object_or_failed_put_aborts(s3_url):
+    """On object storage: an index object gone before the commit fails it naming rank and object; a failed PUT of
+    an index object names the rank and object."""
+
+    class Deleting(dcp.FsspecWriter):
+        def finish(self, metadata, results, **kwargs):
+            self.fs.rm_file(self._object(results[1].record.file))
+            return super().finish(metadata, results, **kwargs)
+
+    with pytest.raises(CorruptCheckpointError, match=r"r00001_index\.\w+\.json of rank 1 does not match"):
+        simulate_save(_states(), s3_url, rank_indexes=True, writer_class=Deleting,
+                      writer_options={"metadata_form": "indexed"})
+
+    class Refusing:
+        def __init__(self, fs):
+            self.fs = fs
+
+        def pipe_file(self, path, data):
+            raise OSError(28, "quota exceeded (injected)")
+
+        def __getattr__(self, name):
+            return getattr(self.fs, name)
+
+    class FailingPut(dcp.FsspecWriter):
+        def store_rank_index(self, record, data):
+            self.fs = Refusing(self.fs)
+            super().store_rank_index(record, data)
+
+    with pytest.raises(dcp.CheckpointIOError, match=r"rank 0: writing its index object .*r00000_index\.\w+\.json failed"):
+        simulate_save(_states(), s3_url + "x", rank_indexes=True, writer_class=FailingPut,
+                      writer_options={"metadata_form": "indexed"})
