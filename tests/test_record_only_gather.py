@@ -449,3 +449,27 @@ def test_s3_missing_index_object_or_failed_put_aborts(s3_url):
     with pytest.raises(dcp.CheckpointIOError, match=r"rank 0: writing its index object .*r00000_index\.\w+\.json failed"):
         simulate_save(_states(), s3_url + "x", rank_indexes=True, writer_class=FailingPut,
                       writer_options={"metadata_form": "indexed"})
+
+
+def test_one_rank_async_saves_commit_from_the_summary_also_reusing_a_deferred_plan(tmp_path):
+    """A one-rank async save of a new layout is planned after its snapshot (_deferred_save); it and the next save,
+    which reuses that plan, both commit from this rank's summary."""
+    from hyper_parallel.core.distributed_checkpoint._plan_cache import STATS
+
+    state = {"w": ms.Parameter(ms.Tensor(FULL.copy()), name="w_deferred"), "step": 4}
+    seen = []
+
+    class Recording(dcp.FileSystemWriter):
+        def finish(self, metadata, results, **kwargs):
+            seen.append(type(results[0]).__name__)
+            return super().finish(metadata, results, **kwargs)
+
+    reused = STATS.reused
+    for step in range(2):
+        path = tmp_path / f"a{step}"
+        dcp.async_save(state, checkpoint_id=path, no_dist=True, staging="copy",
+                       storage_writer=Recording(path, metadata_form="indexed")).result()
+        whole = {"w": np.zeros_like(FULL), "step": 0}
+        dcp.load(whole, checkpoint_id=path, no_dist=True)
+        assert np.array_equal(whole["w"], FULL) and whole["step"] == 4
+    assert seen == ["RankIndexSummary"] * 2 and STATS.reused == reused + 1

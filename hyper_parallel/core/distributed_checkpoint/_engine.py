@@ -331,7 +331,7 @@ def plan_save(
                 plan = replace(cached.final, storage_data=decision.storage_data)
                 planner.bind_sources(plan.items, cached.sources, cached.source_of)
             elif may_defer and not dist.use_dist:
-                return _deferred(dist, writer, planner, cache, decision.exchange, layouts[0], make_plan)
+                return _deferred(dist, writer, planner, cache, decision.exchange, layouts[0], make_plan, index_plans)
             else:
                 received = dist.reduce_scatter("plan", build_local, global_step)
                 plan = _expand(local_plans[0], received)
@@ -353,12 +353,14 @@ def _deferred(
     exchange: str,
     layout: Any,
     make_plan: Callable[[], PlannedSave],
+    index_plans: list[Callable[[], IndexPlan | None]],
 ) -> DeferredPlan:
-    """The rest of a one-rank :func:`plan_save`, to run later (see :class:`DeferredPlan`)."""
+    """The rest of a one-rank :func:`plan_save`, to run later (see :class:`DeferredPlan`). ``index_plans`` receives
+    the holders of the plan ``make_plan`` merges."""
 
     def adopt(planned: PlannedSave) -> SaveSession:
         cache.store(exchange, planned.plan, planned.all_final, planned.metadata, planned.local_plans,
-                    sources=planned.sources)
+                    sources=planned.sources, index_plan=index_plans[0] if index_plans else None)
         return SaveSession(dist=dist, writer=writer, planner=planner, plan=planner.finalize_plan(planned.plan),
                            metadata=planned.metadata)
 

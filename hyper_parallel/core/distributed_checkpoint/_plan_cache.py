@@ -118,7 +118,7 @@ class CachedPlan:
             while planning, as only they let the coordinator compare this save's digests by the cached groups.
         index_plan: Returns the holders of the indexed form for these plans (:class:`._index_plan.IndexPlan`, or
             ``None`` when the plans give no chunk exactly one writer), computed once when first asked; coordinator
-            only (``None`` elsewhere, and after a deferred plan: such a reuse commits from the write results).
+            only (``None`` elsewhere).
     """
 
     exchange: str
