@@ -289,3 +289,21 @@ def test_async_view_sees_a_commit_whose_records_were_left(tmp_path, monkeypatch)
     assert view.storage_meta.save_id == committed.storage_meta.save_id
     thread.join()
     assert 0.3 <= time.monotonic() - start < 5 and len(reads) == 2 and view == committed
+
+
+def test_a_view_changes_through_dataclasses_replace_as_the_metadata_does(tmp_path):
+    """``dataclasses.replace`` (how a frozen Metadata is changed) works on the view a non-coordinator rank gets
+    (sync saves, and async saves since their ranks get receipts): it gives the committed metadata with the change."""
+    import dataclasses
+
+    path = tmp_path / "ck"
+    committed, _ = simulate_save(_states(4), path)
+    read = metadata_reader_of(dcp.FileSystemWriter(path))
+    view = CommittedMetadataView(commit_answers(committed, world_size=4, location=path, read_back=read)[1], read)
+    changed = dataclasses.replace(view, planner_data={"note": 1})
+    assert isinstance(changed, Metadata) and changed.planner_data == {"note": 1}
+    assert changed.state_dict_metadata == committed.state_dict_metadata
+    assert changed.storage_meta.save_id == committed.storage_meta.save_id
+    assert changed == committed.replace(planner_data={"note": 1})
+    assert pickle.loads(pickle.dumps(changed)) == changed
+    assert dataclasses.replace(view) == committed

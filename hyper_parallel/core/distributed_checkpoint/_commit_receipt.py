@@ -168,6 +168,8 @@ class CommittedMetadataView(Metadata):
         receipt: The commit's receipt.
         read: Reads the checkpoint's committed metadata (a reader's ``read_metadata``).
         wait: How to wait for a commit still running; ``None``: the commit is over.
+        fields: Instead of the three above, the fields of a metadata (``dataclasses.replace`` of a view makes
+            one so): that metadata, nothing read.
 
     Raises (on first use):
         CheckpointNotFoundError: the checkpoint now holds another save, or none
@@ -177,11 +179,12 @@ class CommittedMetadataView(Metadata):
     """
 
     # pylint: disable=super-init-not-called  # the fields come from the checkpoint, on first use
-    def __init__(self, receipt: CommitReceipt, read: Callable[[], Metadata], *, wait: CommitWait | None = None) -> None:
+    def __init__(self, receipt: CommitReceipt | None = None, read: Callable[[], Metadata] | None = None, *,
+                 wait: CommitWait | None = None, **fields: Any) -> None:
         object.__setattr__(self, "_receipt", receipt)
         object.__setattr__(self, "_read", read)
         object.__setattr__(self, "_wait", wait)
-        object.__setattr__(self, "_loaded", None)
+        object.__setattr__(self, "_loaded", Metadata(**fields) if fields else None)  # dataclasses.replace(view)
         object.__setattr__(self, "_lock", threading.Lock())
 
     def __getattribute__(self, name: str) -> Any:
