@@ -87,6 +87,7 @@ def test_the_plan_lists_every_item_a_subclass_would_in_the_same_order(saved) -> 
     assert [item.dest_index.fqn for item in plan.items] == [item.dest_index.fqn for item in items_plan.items]
     assert plan.items is plan.items  # made once
     assert plan == items_plan and items_plan == plan and hash(plan) == hash(items_plan)
+    assert plan != items_plan.items and plan != dataclasses.replace(items_plan, planner_data=1)
     assert repr(plan).startswith("WholeReadPlan(items=(ReadItem(")
     # Each item made from a row is a direct target of the planner, with the row's view.
     direct = planner.direct_targets()
@@ -228,10 +229,66 @@ def test_a_cold_file_of_column_rows_only_is_primed(tmp_path: Path, monkeypatch: 
         return real_prime(source, start, end)
 
     monkeypatch.setattr(_reader_verify, "prime", recording)
-    monkeypatch.setattr(_reader_verify, "page_cached", lambda source, offset: False)  # as if cold
     targets = {name: ms.Parameter(ms.Tensor(np.zeros((rows, 256), np.float32)), name=name) for name in state}
+    assert (tmp_path / data_file).read_bytes()  # warm: in the page cache
+    dcp.load(targets, storage_reader=dcp.FileSystemReader(tmp_path), no_dist=True)
+    assert primed == []
+    cached = _reader_verify.page_cached
+    monkeypatch.setattr(_reader_verify, "page_cached", lambda source, offset: False)  # as if cold
     planner = dcp.StandardLoadPlanner()
     dcp.load(targets, storage_reader=dcp.FileSystemReader(tmp_path), planner=planner, no_dist=True)
     assert {name: value.asnumpy().tobytes() for name, value in targets.items()} == expected
-    assert len(planner.whole_reads) == 20 and data_file
+    assert len(planner.whole_reads) == 20 and data_file and cached is not None
     assert primed == [(min(i.offset for i in infos), max(i.offset + i.length for i in infos))]
+
+
+def test_a_file_cut_short_after_its_check_fails_the_read_naming_a_key(saved) -> None:
+    """The read pass reads what the verify pass checked; a file truncated in between ends a run early."""
+    path, _ = saved
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+
+    class Cutting(dcp.FileSystemReader):
+        def verify_data(self, plan):
+            future = super().verify_data(plan)
+            for name in files:
+                os.truncate(path / name, 4096 + 8)
+            return future
+
+    # (without the value and the large tensor: the first read after the check is of column rows)
+    state = {name: value for name, value in _state(zero=True).items() if name not in ("step", "big")}
+    with pytest.raises(dcp.CorruptCheckpointError, match=r"is truncated while reading key '(p\d\d|scalar)'"):
+        dcp.load(state, storage_reader=Cutting(path, verify_checksums=False), no_dist=True)
+
+
+@pytest.mark.parametrize("damage", ["brace", "length"])
+def test_a_header_that_does_not_parse_names_the_column_keys(saved, damage: str) -> None:
+    path, _ = saved
+    data_file = path / dcp.read_metadata(path).storage_data[dcp.MetadataIndex("p05", (0, 0))].relative_path
+    data = bytearray(data_file.read_bytes())
+    if damage == "brace":
+        data[8:9] = b"["  # the JSON object's opening brace
+    else:
+        data[0:8] = (len(data) * 2).to_bytes(8, "little")  # a header longer than the file
+    data_file.write_bytes(bytes(data))
+    state = _state(zero=True)
+    before = _bits(state)
+    with pytest.raises(dcp.CorruptCheckpointError, match=r"the file holds key\(s\) 'cast', 'p00', 'p01'"):  # items and column rows
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path, verify_checksums=False), no_dist=True)
+    assert _bits(state) == before
+
+
+def test_metadata_placing_a_column_row_past_the_file_end_is_refused(saved) -> None:
+    """A forged offset the header check meets entry by entry (the whole-file comparison fails first)."""
+    path, _ = saved
+    metadata = dcp.read_metadata(path)
+    info = metadata.storage_data[dcp.MetadataIndex("p05", (0, 0))]
+    size = (path / info.relative_path).stat().st_size
+    text = (path / "metadata.json").read_text()
+    entry = f'"fqn":"p05","offset":[0,0],"file":"{info.relative_path}","byte_offset":{info.offset},'
+    assert text.count(entry) == 1
+    (path / "metadata.json").write_text(text.replace(entry, entry.replace(str(info.offset), str(size + 64))))
+    state = _state(zero=True)
+    before = _bits(state)
+    with pytest.raises(dcp.CorruptCheckpointError, match=r"p05"):
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path, verify_checksums=False), no_dist=True)
+    assert _bits(state) == before
