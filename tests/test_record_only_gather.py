@@ -76,6 +76,17 @@ def _save_both(tmp_path, states, **kwargs):
     return out
 
 
+def _kind_recording(seen: list) -> type:
+    """A filesystem writer class whose commit appends to ``seen`` what rank 0 sent (its type name)."""
+
+    class Recording(dcp.FileSystemWriter):
+        def finish(self, metadata, results, **kwargs):
+            seen.append(type(results[0]).__name__)
+            return super().finish(metadata, results, **kwargs)
+
+    return Recording
+
+
 def _load_all(path, ranks: int, layout: Layout, tensors: int = 1) -> None:
     for rank in range(ranks):
         for k in range(tensors):
@@ -287,12 +298,8 @@ def test_one_process_save_and_plan_cache_reuse_commit_from_the_summary(tmp_path)
     from hyper_parallel.core.distributed_checkpoint._plan_cache import STATS
 
     state = {"w": ms.Parameter(ms.Tensor(FULL.copy()), name="w"), "step": 3}
-    seen = []
-
-    class Recording(dcp.FileSystemWriter):
-        def finish(self, metadata, results, **kwargs):
-            seen.append(type(results[0]).__name__)
-            return super().finish(metadata, results, **kwargs)
+    seen: list = []
+    Recording = _kind_recording(seen)
 
     reused = STATS.reused
     for step, form in enumerate(("inline", "indexed", "indexed")):  # the holders of a reused plan: computed once asked
@@ -457,12 +464,8 @@ def test_one_rank_async_saves_commit_from_the_summary_also_reusing_a_deferred_pl
     from hyper_parallel.core.distributed_checkpoint._plan_cache import STATS
 
     state = {"w": ms.Parameter(ms.Tensor(FULL.copy()), name="w_deferred"), "step": 4}
-    seen = []
-
-    class Recording(dcp.FileSystemWriter):
-        def finish(self, metadata, results, **kwargs):
-            seen.append(type(results[0]).__name__)
-            return super().finish(metadata, results, **kwargs)
+    seen: list = []
+    Recording = _kind_recording(seen)
 
     reused = STATS.reused
     for step in range(2):
