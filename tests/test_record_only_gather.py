@@ -476,3 +476,21 @@ def test_one_rank_async_saves_commit_from_the_summary_also_reusing_a_deferred_pl
         dcp.load(whole, checkpoint_id=path, no_dist=True)
         assert np.array_equal(whole["w"], FULL) and whole["step"] == 4
     assert seen == ["RankIndexSummary"] * 2 and STATS.reused == reused + 1
+
+
+@pytest.mark.parametrize("layout_form", [False, True])
+def test_auto_estimate_counts_digests_beyond_the_first_of_each_chunk_exactly(monkeypatch, layout_form):
+    """The plan-time ``"auto"`` estimate: 225 bytes per entry plus 19 per checksum digest past each chunk's first
+    (ceil(chunk bytes / block) - 1), at the byte: a chunk of exactly one block adds none, one byte more adds one."""
+    from hyper_parallel.core.distributed_checkpoint import _index_plan
+
+    planners, plans = plan_ranks([{"w": np.zeros(24, np.float32)}])  # one chunk of 96 bytes
+    if layout_form:
+        _, metadata = planners[0].build_global_masks([p.compact_local_plan(plan) for p, plan in zip(planners, plans)])
+    else:
+        _, metadata = planners[0].build_global_plan(plans)
+    for block, size in ((96, 225), (95, 225 + 19), (32, 225 + 2 * 19), (1, 225 + 95 * 19)):
+        monkeypatch.setattr(_index_plan, "AUTO_INDEX_BYTES", size - 1)
+        assert plan_wants_index("auto", metadata, block_bytes=block)
+        monkeypatch.setattr(_index_plan, "AUTO_INDEX_BYTES", size)
+        assert not plan_wants_index("auto", metadata, block_bytes=block)

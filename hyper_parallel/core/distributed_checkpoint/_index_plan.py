@@ -143,17 +143,24 @@ def plan_wants_index(form: str, metadata: Metadata, *, block_bytes: int) -> bool
     if form != "auto":
         return form == "indexed"
     entries = extra = 0
-    for item in metadata.state_dict_metadata.values():
+    prod = math.prod
+    for item in metadata.state_dict_metadata.values():  # runs at every save's plan step: no call a chunk can skip
         if not isinstance(item, TensorStorageMetadata):
             entries += 1
             continue
         chunks = item.chunks
+        count = len(chunks)
+        entries += count
         itemsize = DTYPE_NAMES.get(item.properties.dtype, 1)
-        entries += len(chunks)
         if isinstance(chunks, GridChunks):
-            extra += len(chunks) * max(0, math.ceil(math.prod(chunks.chunk_sizes) * itemsize / block_bytes) - 1)
-        else:
-            extra += sum(max(0, math.ceil(math.prod(c.sizes) * itemsize / block_bytes) - 1) for c in chunks)
+            nbytes = prod(chunks.chunk_sizes) * itemsize
+            if nbytes > block_bytes:  # digests beyond the first: ceil(nbytes / block_bytes) - 1
+                extra += count * (-(-nbytes // block_bytes) - 1)
+            continue
+        for chunk in chunks:
+            nbytes = prod(chunk.sizes) * itemsize
+            if nbytes > block_bytes:
+                extra += -(-nbytes // block_bytes) - 1
     return entries * ENTRY_JSON_BYTES + extra * DIGEST_JSON_BYTES > AUTO_INDEX_BYTES
 
 
