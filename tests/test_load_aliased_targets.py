@@ -11,6 +11,8 @@ import pytest
 from mindspore import Parameter, Tensor
 
 import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel import DTensor, Layout
+from sim_ranks import simulate_save
 
 ms.set_device("CPU")
 
@@ -149,3 +151,19 @@ def test_separate_arrays_skip_the_overlap_sweep(tmp_path: Path, monkeypatch: pyt
     buffer = np.zeros(600, np.float32)
     dcp.load({f"w{i}": buffer[3 * i:3 * i + 3] for i in range(200)}, checkpoint_id=tmp_path)
     assert len(spans) == 200 and np.array_equal(buffer, np.repeat(np.arange(200, dtype=np.float32), 3))
+
+
+def test_a_tied_target_is_refused_when_the_keys_are_stored_differently(tmp_path: Path) -> None:
+    """The same values stored in another dtype, or cut into other chunks, are not proven equal: refused."""
+    values = np.arange(4, dtype=np.float32)
+    dcp.save({"a": values, "b": values.astype(np.float16)}, checkpoint_id=tmp_path / "dtype")
+    simulate_save([{"a": DTensor.from_global(Tensor(values), Layout((2,), (0,)), rank=rank), "b": values}
+                   for rank in range(2)], tmp_path / "chunks")
+    for name in ("dtype", "chunks"):
+        shared = np.zeros(4, np.float32)
+        with pytest.raises(dcp.CheckpointValueError, match="'a' and 'b' are the same tensor object"):
+            dcp.load({"a": shared, "b": shared}, checkpoint_id=tmp_path / name)
+        assert not shared.any()
+        separate = {"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)}
+        dcp.load(separate, checkpoint_id=tmp_path / name)
+        assert np.array_equal(separate["a"], values) and np.array_equal(separate["b"], values)
