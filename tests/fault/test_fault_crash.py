@@ -110,9 +110,10 @@ OTHER_CASES: list[tuple[str, str, dict, object]] = [
     ("manager", "step3_half_written", {"target": "fs.os.write", "at_byte": "0.5"}, [1, 2]),
     ("manager", "retention_before_rename", {"target": "step_dirs.os.rename", "when": "before"}, [1, 2, 3]),
     ("manager", "retention_mid_delete", {"target": "os.unlink", "nth": 1, "when": "after"}, [2, 3]),
-    # The record is written after the deletions, by write_atomically: the 1st replace commits step 3's
-    # metadata, the 2nd would commit manager.json. The old record stays whole; its temporary file is swept.
-    ("manager", "record_before_rename", {"target": "fs.os.replace", "nth": 2, "when": "before"}, [2, 3]),
+    # The record is written before the deletions (so a crash loses no record of the step just saved), by
+    # write_atomically: the 1st replace commits step 3's metadata, the 2nd would commit manager.json; nothing is
+    # deleted yet. The old record stays whole; its temporary file is swept.
+    ("manager", "record_before_rename", {"target": "fs.os.replace", "nth": 2, "when": "before"}, [1, 2, 3]),
 ]
 
 
