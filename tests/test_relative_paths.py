@@ -60,3 +60,22 @@ def test_manager_with_a_relative_root_keeps_to_it(tmp_path: Path, monkeypatch: p
     assert sorted(p.name for p in (tmp_path / "run" / "ckpts").glob("step_*")) == ["step_00000002"]
     assert sorted(p.name for p in (tmp_path / "elsewhere" / "ckpts").glob("step_*")) == ["step_00000100"]
     assert manager.directory(2) == tmp_path / "run" / "ckpts" / "step_00000002"
+
+
+def test_a_working_directory_removed_fails_only_relative_local_ids(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process whose working directory was deleted still saves to and loads from an object store URL and an
+    absolute directory; a relative local id is refused naming it and the fix (was a bare FileNotFoundError for
+    the URL too: the object storage classes resolved a placeholder path against the missing directory)."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    state = {"x": np.arange(6, dtype=np.float32)}
+    dcp.save(state, storage_writer=dcp.FsspecWriter("memory://review10/ck"))
+    target = {"x": np.zeros(6, np.float32)}
+    dcp.load(target, storage_reader=dcp.FsspecReader("memory://review10/ck"))
+    np.testing.assert_array_equal(target["x"], state["x"])
+    dcp.save(state, checkpoint_id=tmp_path / "abs")
+    for make in (dcp.FileSystemWriter, dcp.FileSystemReader):
+        with pytest.raises(dcp.CheckpointValueError, match="'ck' is relative.*working directory.*absolute"):
+            make("ck")

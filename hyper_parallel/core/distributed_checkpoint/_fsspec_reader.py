@@ -9,6 +9,7 @@ larger than ``part_bytes`` are split into parts fetched at once.
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -82,7 +83,7 @@ class FsspecReader(FileSystemReader):
         **storage_options: Any,
     ) -> None:
         super().__init__(
-            "unused",
+            os.sep,  # a placeholder (reset sets the URL); absolute, so no working directory is looked up
             verify_checksums=verify_checksums,
             thread_count=thread_count,
             max_inflight_bytes=max_inflight_bytes,

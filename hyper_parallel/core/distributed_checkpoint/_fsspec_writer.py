@@ -18,6 +18,7 @@ results records, multipart uploads present as this save began; see
 
 from __future__ import annotations
 
+import os
 import threading
 import uuid
 from concurrent.futures import Future
@@ -120,7 +121,7 @@ class FsspecWriter(FileSystemWriter):
         **storage_options: Any,
     ) -> None:
         super().__init__(
-            "unused",
+            os.sep,  # a placeholder (reset sets the URL); absolute, so no working directory is looked up
             thread_count=thread_count,
             checksum_block_bytes=checksum_block_bytes,
             compression=compression,

@@ -20,6 +20,7 @@ from typing import Union
 
 from hyper_parallel.core.distributed_checkpoint._format.consistency import check_consistency
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import metadata_from_json, metadata_to_json
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex, StorageInfo
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 
@@ -78,8 +79,17 @@ def local_directory(checkpoint_id: CheckpointId) -> Path:
     set up: a script that changes its working directory later (before an async save's background writing, or
     between two saves of a manager) neither writes into nor deletes steps of another directory of that name.
     Symlinks are kept (not resolved).
+
+    Raises:
+        CheckpointValueError: the id is relative and the working directory no longer exists (names the id).
     """
-    return Path(os.path.abspath(os.fspath(checkpoint_id)))
+    given = os.fspath(checkpoint_id)
+    try:
+        return Path(os.path.abspath(given))
+    except FileNotFoundError as exc:  # os.getcwd() of a deleted directory
+        raise CheckpointValueError(
+            f"checkpoint id {given!r} is relative, but this process's working directory no longer exists: pass "
+            "an absolute path") from exc
 
 
 @dataclass(frozen=True)
