@@ -198,3 +198,18 @@ def test_bad_arguments_are_refused(tmp_path):
         hyper_parallel.load_checkpoint(tmp_path / "c", choice_func="weight")
     with pytest.raises(dcp.CheckpointValueError, match="net must be a mindspore.nn.Cell or a state dict"):
         hyper_parallel.load_checkpoint(tmp_path / "c", [1])
+
+
+def test_load_checkpoint_refuses_the_casts_mindspore_refuses(tmp_path):
+    """A float checkpoint into an int Parameter was truncated silently (MindSpore's load_param_into_net refuses
+    it); casts among floats or among ints still convert, as MindSpore does."""
+    hyper_parallel.save_checkpoint({"steps": np.array([1.7, 2.9], np.float32), "w": np.ones(2, np.float32),
+                                    "n": np.array([3, 4], np.int64)}, tmp_path / "c")
+    counter = ms.Parameter(ms.Tensor(np.zeros(2, np.int32)), name="steps")
+    with pytest.raises(dcp.CheckpointValueError, match=r"key 'steps': stored as float32, the target 'steps' is int32"):
+        hyper_parallel.load_checkpoint(tmp_path / "c", {"steps": counter})
+    assert not counter.asnumpy().any()
+    half = ms.Parameter(ms.Tensor(np.zeros(2, np.float16)), name="w")
+    wide = ms.Parameter(ms.Tensor(np.zeros(2, np.int32)), name="n")
+    hyper_parallel.load_checkpoint(tmp_path / "c", {"w": half, "n": wide})
+    assert half.asnumpy().tolist() == [1.0, 1.0] and wide.asnumpy().tolist() == [3, 4]

@@ -248,16 +248,35 @@ def _match(wanted: list[str], stored: dict[str, str], strict_load: bool,
     return matched
 
 
-def _check_dtypes(pairs: dict[str, str], flat_values: dict[str, Any], metadata: Metadata) -> None:
+#: The dtypes MindSpore's non-strict ``load_param_into_net`` converts among (its ``_type_convert``): floats
+#: among floats, signed integers among signed integers; any other change of dtype it refuses.
+_CONVERTIBLE = (frozenset({"float16", "float32", "float64", "bfloat16"}), frozenset({"int8", "int16", "int32", "int64"}))
+
+
+def _check_dtypes(pairs: dict[str, str], flat_values: dict[str, Any], metadata: Metadata, stored_names: dict[str, str],
+                  *, strict_load: bool) -> None:
+    """Refuse, before anything is read, the casts MindSpore refuses: any with ``strict_load``, else a change of
+    dtype family (a float checkpoint into an int Parameter was truncated silently). Any rank."""
     for name, key in pairs.items():
-        stored = metadata.state_dict_metadata.get(key)
+        stored = metadata.state_dict_metadata.get(stored_names.get(key, key))
         value = flat_values[name]
-        if isinstance(stored, TensorStorageMetadata) and (is_tensor(value) or isinstance(value, np.ndarray)):
-            if dtype_name(value) != stored.properties.dtype:
-                raise CheckpointValueError(
-                    f"key '{key}': stored as {stored.properties.dtype}, the target '{name}' is {dtype_name(value)}; "
-                    "strict_load=True refuses the cast (pass strict_load=False to convert)"
-                )
+        if not isinstance(stored, TensorStorageMetadata) or not (is_tensor(value) or isinstance(value, np.ndarray)):
+            continue
+        have, want = stored.properties.dtype, dtype_name(value)
+        if have == want:
+            continue
+        if strict_load:
+            raise CheckpointValueError(
+                f"key '{key}': stored as {have}, the target '{name}' is {want}; "
+                "strict_load=True refuses the cast (pass strict_load=False to convert)"
+            )
+        if not any({have, want} <= family for family in _CONVERTIBLE):
+            raise CheckpointValueError(
+                f"key '{key}': stored as {have}, the target '{name}' is {want}: as MindSpore's load_param_into_net, "
+                "load_checkpoint converts only among float dtypes or among signed int dtypes (this one would "
+                "truncate or wrap values); check that the key is meant for this Parameter, or give a target of "
+                "the stored dtype"
+            )
 
 
 def load_checkpoint(
@@ -281,7 +300,9 @@ def load_checkpoint(
         strict_load: Match names exactly and refuse dtype casts. Otherwise a
             ``net`` name missing from the checkpoint is also looked up with the
             one prefix the checkpoint adds (``model.`` of a ``{"model": net}``
-            save), and stored values are cast to the target's dtype.
+            save), and stored values are cast to the target's dtype among float
+            dtypes or among signed int dtypes (other casts are refused, as
+            MindSpore's ``load_param_into_net`` refuses them).
         filter_prefix: Checkpoint keys starting with it (a str or list) are not loaded.
         specify_prefix: Only checkpoint keys starting with it are loaded.
         choice_func: ``name -> bool``: load the keys it accepts. Ignored when
@@ -363,8 +384,7 @@ def _load_into(
             f"({len(matched)} of {len(wanted)} matched, e.g. {_shown(sorted(matched)[:3])}); pass "
             "allow_partial_load=True to load the matching ones, or filter_prefix to leave some out"
         )
-    if strict_load:
-        _check_dtypes({by_key[k]: ck for k, ck in chosen.items()}, flat.values, metadata)
+    _check_dtypes({by_key[k]: ck for k, ck in chosen.items()}, flat.values, metadata, stored, strict_load=strict_load)
     targets = {ck: flat.values[by_key[key]] for key, ck in chosen.items()}
     kwargs["strategy_file"] = LayoutSources(kwargs.get("strategy_file"), cells=cells_in(net))
     api.load(targets, checkpoint_id=checkpoint_id, **kwargs)
