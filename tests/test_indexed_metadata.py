@@ -365,7 +365,7 @@ _CRASH_CHILD = """
 import os, signal, sys
 import numpy as np
 import hyper_parallel.core.distributed_checkpoint as dcp
-from hyper_parallel.core.distributed_checkpoint import filesystem_writer as fw
+from hyper_parallel.core.distributed_checkpoint import _writer_index_form as fw
 path = sys.argv[1]
 dcp.save({"w": np.full((4, 6), 1.0, np.float32), "step": 1}, checkpoint_id=path, no_dist=True,
          storage_writer=dcp.FileSystemWriter(path, metadata_form="indexed"))

@@ -199,8 +199,8 @@ def test_a_replaced_index_file_aborts_the_commit_naming_rank_and_file(tmp_path):
         return summary, data
 
     _index_plan_patch = pytest.MonkeyPatch()
-    import hyper_parallel.core.distributed_checkpoint.filesystem_writer as fs_writer
-    _index_plan_patch.setattr(fs_writer, "summarise_rank", damaged)
+    import hyper_parallel.core.distributed_checkpoint._writer_index_form as index_form_writing
+    _index_plan_patch.setattr(index_form_writing, "summarise_rank", damaged)
     try:
         with pytest.raises(CorruptCheckpointError, match=r"index file r00002_index\.\w+\.json of rank 2 does not match"):
             simulate_save(_states(), path, rank_indexes=True, writer_options={"metadata_form": "indexed"})
@@ -377,16 +377,16 @@ def test_a_missing_index_file_aborts_the_commit(tmp_path):
 
 
 def test_a_failed_index_write_names_the_rank_and_file(tmp_path, monkeypatch):
-    import hyper_parallel.core.distributed_checkpoint.filesystem_writer as fs_writer
+    import hyper_parallel.core.distributed_checkpoint._writer_index_form as index_form_writing
 
-    real = fs_writer.write_atomically
+    real = index_form_writing.write_atomically
 
     def full_disk(path, data, **kwargs):
         if "_index." in path.name:
             raise OSError(28, "No space left on device (injected)")
         return real(path, data, **kwargs)
 
-    monkeypatch.setattr(fs_writer, "write_atomically", full_disk)
+    monkeypatch.setattr(index_form_writing, "write_atomically", full_disk)
     with pytest.raises(dcp.CheckpointIOError, match=r"rank 0: writing its index file .*r00000_index\.\w+\.json failed"):
         simulate_save(_states(), tmp_path / "c", rank_indexes=True, writer_options={"metadata_form": "indexed"})
 
@@ -395,7 +395,6 @@ def test_an_interrupted_index_write_leaves_a_file_the_cleanup_removes(tmp_path, 
     """A rank whose index write stops before its rename (a crash) leaves a partial file named with the save id,
     whatever save id its own writer started with (a forked writer's parent never ran write_data): the
     coordinator's abort removes it with the rest of the save."""
-    import hyper_parallel.core.distributed_checkpoint.filesystem_writer as fs_writer
     from hyper_parallel.core.distributed_checkpoint._file_ops import OS_FILE_OPS
 
     class Crashing(type(OS_FILE_OPS)):

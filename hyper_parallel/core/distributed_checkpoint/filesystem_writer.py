@@ -26,7 +26,6 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 
 from hyper_parallel.core.distributed_checkpoint._commit_cleanup import (
@@ -43,26 +42,10 @@ from hyper_parallel.core.distributed_checkpoint._file_ops import (
     make_directories,
     write_atomically,
 )
-from hyper_parallel.core.distributed_checkpoint._index_form import (
-    build_indexed,
-    check_metadata_form,
-    extra_digests,
-    wants_index_form,
-)
-from hyper_parallel.core.distributed_checkpoint._index_plan import (
-    IndexPlan,
-    RankIndexPlan,
-    RankIndexSummary,
-    check_stored_indexes,
-    inline_results,
-    plan_wants_index,
-    record_only_metadata,
-    summarise_rank,
-    with_rank_plans,
-)
-from hyper_parallel.core.distributed_checkpoint._format.rank_index import IndexRecord
-from hyper_parallel.core.distributed_checkpoint._metadata_file import bind_index_files
+from hyper_parallel.core.distributed_checkpoint._index_form import check_metadata_form
+from hyper_parallel.core.distributed_checkpoint._index_plan import IndexPlan, RankIndexPlan
 from hyper_parallel.core.distributed_checkpoint._options import check_option
+from hyper_parallel.core.distributed_checkpoint._writer_index_form import MAX_RECORD_BYTES, IndexFormWriting
 from hyper_parallel.core.distributed_checkpoint._data_file import LocalDataFile
 from hyper_parallel.core.distributed_checkpoint._data_writing import (
     AUTO_THREAD_BYTES,
@@ -81,12 +64,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointIOError,
     CheckpointValueError,
 )
-from hyper_parallel.core.distributed_checkpoint.metadata import (
-    BACKEND_NAME,
-    Metadata,
-    MetadataIndex,
-    StorageInfo,
-)
+from hyper_parallel.core.distributed_checkpoint.metadata import BACKEND_NAME, Metadata
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import metadata_to_json
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner
 from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, local_directory, StorageWriter, WriteResult
@@ -103,9 +81,6 @@ __all__ = [
     "write_atomically",
     "fsync_directory",
 ]
-
-#: Largest results record of one rank that is read (one entry per item it wrote).
-MAX_RECORD_BYTES = 1 << 30
 
 #: Name of the committed metadata of a collective save.
 METADATA_FILE = "metadata.json"
@@ -130,7 +105,7 @@ class FileSystemPlanData:
     index: RankIndexPlan | None = None
 
 
-class FileSystemWriter(StorageWriter):
+class FileSystemWriter(IndexFormWriting, StorageWriter):
     """Writes a checkpoint into a local or shared-filesystem directory.
 
     Args:
@@ -437,88 +412,6 @@ class FileSystemWriter(StorageWriter):
         )
         self._cleanup.start()
         return committed
-
-    def committed_metadata(self, metadata: Metadata, results: list[list[WriteResult]]) -> Metadata:
-        """The metadata :meth:`finish` commits: every rank's storage entries, this save's id. Coordinator; pure.
-
-        When every rank wrote its own index and sent a :class:`.RankIndexSummary` instead of its results, the
-        indexed metadata listing those files (the grid tensors' holders from the plan)."""
-        storage_data: dict[MetadataIndex, StorageInfo] = {}
-        for rank_results in results:
-            for result in inline_results(rank_results):
-                key = MetadataIndex(result.index.fqn, result.index.offset)
-                storage_data.setdefault(key, result.storage_data)
-        committed = metadata.replace(
-            storage_data=storage_data,
-            storage_meta=replace(metadata.storage_meta, backend=self.backend_name, save_id=self.save_id),
-        )
-        if results and isinstance(results[0], RankIndexSummary):
-            committed = record_only_metadata(committed, results, self.index_plan, save_id=self.save_id)  # type: ignore[arg-type]
-            return self.bind_indexes(committed)
-        return committed
-
-    def indexed_metadata(self, committed: Metadata, results: list[list[WriteResult]]) -> tuple[Metadata, list[Any]]:
-        """``committed`` in the form ``metadata_form`` picks, and the rank index files to write first. Coordinator.
-
-        Returns:
-            The metadata to commit and ``(IndexRecord, bytes)`` of each index file (none in the in-line form).
-        """
-        if results and isinstance(results[0], RankIndexSummary):  # every rank wrote its own index: check the files
-            self.check_rank_indexes(list(committed.storage_data.records.values()))  # type: ignore[union-attr]
-            return committed, []
-        storage = committed.storage_data or {}
-        wanted = self.index_plan is not None or wants_index_form(self.metadata_form, len(storage)) or (  # digests counted only when it may matter
-            self.metadata_form == "auto" and wants_index_form("auto", len(storage), extra_digests(storage)))
-        if self.rank_local or not wanted:
-            return committed, []
-        committed, files = build_indexed(committed, results, save_id=self.save_id)
-        return self.bind_indexes(committed), files
-
-    def bind_indexes(self, committed: Metadata) -> Metadata:
-        """Let the indexed metadata handed to every rank read the index files of this directory. Coordinator."""
-        if isinstance(self.path, Path):
-            bind_index_files(committed, self.path)
-        return committed
-
-    def wants_rank_indexes(self, metadata: Metadata) -> bool:
-        """Whether the save of ``metadata`` commits the indexed form, decided at plan time (``metadata_form``, or
-        its size estimated from the plan). Coordinator."""
-        return not self.rank_local and plan_wants_index(self.metadata_form, metadata,
-                                                        block_bytes=self.checksum_block_bytes)
-
-    def use_index_plan(self, plans: list[SavePlan], plan: IndexPlan) -> list[SavePlan]:
-        """Commit this save from rank index summaries; stamp each rank's plan with its part. Coordinator."""
-        self.index_plan = plan
-        return with_rank_plans(plans, plan)
-
-    def write_rank_index(self, plan: SavePlan, results: list[WriteResult]) -> RankIndexSummary:
-        """Write this rank's index file durably (after its data is durable); return what the coordinator needs.
-
-        All ranks of a save whose plan carries :attr:`FileSystemPlanData.index`.
-
-        Raises:
-            CheckpointIOError: the file cannot be written.
-            CheckpointValueError: the results disagree with the plan.
-        """
-        self.save_id = plan.storage_data.save_id  # also in a forked writer's parent (its child wrote the data)
-        summary, data = summarise_rank(plan, results, rank=self.rank, save_id=self.save_id)
-        if summary.record is not None:
-            self.store_rank_index(summary.record, data)  # type: ignore[arg-type]
-        return summary
-
-    def store_rank_index(self, record: IndexRecord, data: bytes) -> None:
-        """Write one index file atomically and (with ``sync_files``) durably. The rank it belongs to."""
-        try:
-            write_atomically(self.path / record.file, data, sync=self.sync_files, tag=self.save_id, ops=self.file_ops)
-        except OSError as exc:
-            raise CheckpointIOError(f"rank {self.rank}: writing its index file {self.path / record.file} failed: "
-                                    f"{exc}") from exc
-
-    def check_rank_indexes(self, records: list[IndexRecord]) -> None:
-        """The index files the ranks wrote have the lengths and digests they reported. Coordinator."""
-        check_stored_indexes(records, size_of=lambda name: os.lstat(self.path / name).st_size,
-                             read=lambda name: read_regular(self.path / name, limit=MAX_RECORD_BYTES),
-                             where=str(self.path))
 
     def abort(self) -> None:
         """Undo a failed save: delete its files, release its lease, remove the directory if planning failed.
