@@ -181,15 +181,30 @@ def _kind(obj: Any) -> str:
     return "function"
 
 
+def _is_part(base: type) -> bool:
+    """Whether ``base`` is a part of a public class (a class of a private module that no documented module
+    exports, e.g. ``_writer_index_form.IndexFormWriting``): its members are listed as the class's own."""
+    module = base.__module__
+    if not module.startswith("hyper_parallel.") or not any(part.startswith("_") for part in module.split(".")):
+        return False
+    return not any(getattr(importlib.import_module(m), base.__name__, None) is base for m in MODULES)
+
+
 def _bases(cls: type) -> str:
-    names = [b.__name__ for b in cls.__bases__ if b is not object]
+    names = [b.__name__ for b in cls.__bases__ if b is not object and not _is_part(b)]
     return f"({', '.join(names)})" if names else ""
 
 
 def _members(cls: type) -> Iterator[tuple[str, str, str]]:
-    """``(name, signature line, first paragraph)`` of public methods and properties ``cls`` defines."""
+    """``(name, signature line, first paragraph)`` of public methods and properties ``cls`` defines (its parts'
+    too, see :func:`_is_part`)."""
     fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
-    for name, raw in vars(cls).items():
+    owned = dict(vars(cls))
+    for part in (b for b in cls.__bases__ if _is_part(b)):
+        for name, raw in vars(part).items():
+            if getattr(cls, name, None) is getattr(part, name, None):  # not overridden below the part
+                owned.setdefault(name, raw)
+    for name, raw in owned.items():
         if name.startswith("_") or name in fields:
             continue
         if isinstance(raw, property):
