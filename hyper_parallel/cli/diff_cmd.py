@@ -61,8 +61,8 @@ class DiffReport:
         b: Checkpoint B.
         differences: Every differing key, sorted by key.
         compared: Number of keys present on both sides.
-        rtol: Relative tolerance used for floating-point values.
-        atol: Absolute tolerance used for floating-point values.
+        rtol: Relative tolerance used for floating-point tensors.
+        atol: Absolute tolerance used for floating-point tensors.
     """
 
     a: str
@@ -84,15 +84,25 @@ def _describe(stored: Any) -> str:
     return f"value {stored.type_name}"
 
 
+def _integer_gap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``|a - b|`` of same-dtype integer arrays, exact (as ``uint64``, which holds any 64-bit gap)."""
+    high, low = np.maximum(a, b).astype(np.uint64), np.minimum(a, b).astype(np.uint64)
+    return high - low  # modulo 2**64: the true gap, which is below 2**64
+
+
 def compare_arrays(a: np.ndarray, b: np.ndarray, rtol: float, atol: float) -> tuple[int, float]:
     """Count elements of same-shaped arrays that differ beyond ``atol + rtol * |b|``.
 
-    NaNs in the same position are equal. Returns the count and the largest
-    absolute difference among differing elements (``nan`` if not finite).
+    The tolerances apply to floating-point arrays only: integer and boolean
+    arrays are compared exactly (an int64 above 2**53 is never rounded to a
+    float64 first). NaNs in the same position are equal. Returns the count and
+    the largest absolute difference among differing elements (``nan`` if not
+    finite).
     """
     flat_a, flat_b = a.reshape(-1), b.reshape(-1)
     boolean = np.issubdtype(a.dtype, np.bool_)
-    exact = boolean or (rtol == 0 and atol == 0 and np.issubdtype(a.dtype, np.integer))
+    integer = np.issubdtype(a.dtype, np.integer)
+    exact = boolean or integer
     differing, worst = 0, 0.0
     for start in range(0, flat_a.size, _SLICE_ELEMENTS):
         part_a = flat_a[start : start + _SLICE_ELEMENTS]
@@ -109,6 +119,9 @@ def compare_arrays(a: np.ndarray, b: np.ndarray, rtol: float, atol: float) -> tu
         if boolean:
             worst = 1.0
             continue
+        if integer:
+            worst = max(worst, float(_integer_gap(part_a[mismatch], part_b[mismatch]).max()))
+            continue
         with np.errstate(invalid="ignore", over="ignore"):
             gap = np.abs(part_a[mismatch].astype(np.float64) - part_b[mismatch].astype(np.float64))
         worst = max(worst, float(np.max(gap))) if np.all(np.isfinite(gap)) else float("nan")
@@ -123,8 +136,9 @@ def diff_checkpoints(
     Args:
         a: Checkpoint A (a directory).
         b: Checkpoint B.
-        rtol: Relative tolerance for values (default exact).
-        atol: Absolute tolerance for values (default exact).
+        rtol: Relative tolerance for floating-point tensors (default exact).
+        atol: Absolute tolerance for floating-point tensors (default exact).
+            Integer and bool tensors and non-tensor values are always compared exactly.
 
     Returns:
         The differing keys (presence, kind, dtype, shape, values).
@@ -217,6 +231,10 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("a", help="checkpoint A")
     parser.add_argument("b", help="checkpoint B")
-    parser.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0: exact)")
-    parser.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: exact)")
+    parser.add_argument("--rtol", type=float, default=0.0,
+                        help="relative tolerance for floating-point tensors (default 0: exact); "
+                             "integer and bool tensors and stored values are always compared exactly")
+    parser.add_argument("--atol", type=float, default=0.0,
+                        help="absolute tolerance for floating-point tensors (default 0: exact); "
+                             "integer and bool tensors and stored values are always compared exactly")
     parser.set_defaults(func=_run)
