@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hyper_parallel.core.distributed_checkpoint._engine import rank_indexes as rank_indexes_of
+from hyper_parallel.core.distributed_checkpoint._engine import finalize_rank_plan, rank_indexes as rank_indexes_of
 from hyper_parallel.core.distributed_checkpoint._index_plan import plan_index
 from hyper_parallel.core.distributed_checkpoint import (
     FileSystemWriter,
@@ -28,11 +28,12 @@ def plan_ranks(
     remove_redundancy: bool = True,
     save_to_minimum_rank: bool = False,
     check_replicas: bool = True,
+    planner_class: type = StandardSavePlanner,
 ) -> tuple[list[StandardSavePlanner], list[SavePlan]]:
-    """Configure one planner per simulated rank and return them with their local plans."""
+    """Configure one planner per simulated rank (of ``planner_class``) and return them with their local plans."""
     planners, plans = [], []
     for rank, state in enumerate(states):
-        planner = StandardSavePlanner(check_replicas=check_replicas)
+        planner = planner_class(check_replicas=check_replicas)
         planner.configure_planner(
             state,
             rank=rank,
@@ -92,6 +93,7 @@ def simulate_save(
         index_plan = (lambda: plan_index(metadata, compact, masks, replicas=replicas)) if layout_form else (
             lambda: plan_index(metadata, final, replicas=replicas))
         final = rank_indexes_of(writers[0], metadata, final, index_plan)
+    final = [finalize_rank_plan(planner, plan) for planner, plan in zip(planners, final)]  # each rank, as dcp.save
     results = [writers[r].write_data(final[r], planners[r]).result() for r in range(len(states))]
     messages = [writers[r].write_rank_index(final[r], results[r]) if getattr(final[r].storage_data, "index", None)
                 else results[r] for r in range(len(states))]

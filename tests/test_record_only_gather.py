@@ -7,6 +7,7 @@ aside) with the one the coordinator builds from every rank's write results.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -161,6 +162,74 @@ def test_replicas_kept_each_chunk_indexed_by_its_lowest_writer(tmp_path, layout_
     found = plan_index(metadata, final, replicas=True)
     assert found.entries == (3, 2, 1, 1) and len(found.held) == 4
     assert plan_index(metadata, final) is None  # a chunk written twice, where replicas were not kept
+
+
+class _Reversing(dcp.StandardSavePlanner):
+    """A custom planner whose ``finalize_plan`` writes its items in reverse order."""
+
+    def finalize_plan(self, plan):
+        return dataclasses.replace(plan, items=tuple(reversed(plan.items)))
+
+
+class _StFirst(dcp.StandardSavePlanner):
+    """A custom planner whose ``finalize_plan`` writes the Megatron-style tensor ``st`` first."""
+
+    def finalize_plan(self, plan):
+        return dataclasses.replace(plan, items=tuple(sorted(plan.items, key=lambda item: item.index.fqn != "st")))
+
+
+class _DroppingLast(dcp.StandardSavePlanner):
+    """A custom planner whose ``finalize_plan`` drops its last grid chunk (``w0``)."""
+
+    def finalize_plan(self, plan):
+        last = max(i for i, item in enumerate(plan.items) if item.index.fqn == "w0")
+        return dataclasses.replace(plan, items=plan.items[:last] + plan.items[last + 1:])
+
+
+def _index_keys(path) -> list[set]:
+    """The (name, offset) of every entry of each rank's index file."""
+    from hyper_parallel.core.distributed_checkpoint._format.rank_index import IndexRecord, decode_rank_index
+
+    document = json.loads((path / "metadata.json").read_bytes())
+    files = [(IndexRecord(**r), (path / r["file"]).read_bytes()) for r in document["rank_indexes"]]
+    return [set(decode_rank_index(data, record=record, save_id=json.loads(data)["save_id"], source=record.file))
+            for record, data in files]
+
+
+@pytest.mark.parametrize("layout_form", [False, True])
+@pytest.mark.parametrize("planner_class", [_StFirst, _Reversing])
+def test_a_finalize_plan_reordering_its_items_keeps_each_index_to_the_chunks_its_rank_holds(tmp_path, layout_form,
+                                                                                          planner_class):
+    """The held bits mark items by position in the plan sent. Before, a ``finalize_plan`` writing ``st`` first
+    made rank 1 list the replicated ``rep`` (held by rank 0) and not its ``st`` chunk: the commit succeeded and
+    the load failed; reversed items failed the save (rank 0 listed 2 of its 4 chunks)."""
+    states = _states(layout=Layout((2, 2), (0, -1)), tensors=2)
+    options = {"writer_options": {"metadata_form": "indexed"}, "remove_redundancy": False,
+               "layout_form": layout_form, "rank_indexes": True}
+    sent: list = []
+    simulate_save(states, tmp_path / "standard", **options)
+    simulate_save(states, tmp_path / "reordered", sent=sent, planner_class=planner_class, **options)
+    assert all(isinstance(s, RankIndexSummary) for s in sent) and [s.entries for s in sent] == [4, 3, 1, 1]
+    assert _index_keys(tmp_path / "reordered") == _index_keys(tmp_path / "standard")
+    _load_all(tmp_path / "reordered", 2, Layout((2,), (-1, 0)), tensors=2)
+
+    with pytest.raises(CheckpointValueError, match=r"rank 0: wrote 3 chunk.* gives it 4.*finalize_plan"):
+        simulate_save(states, tmp_path / "dropped", planner_class=_DroppingLast, **options)
+    assert not (tmp_path / "dropped" / "metadata.json").exists()
+
+
+def test_plan_deltas_keep_the_order_the_coordinator_planned():
+    """A rank receives its final plan as a keep mask over its local plan only when that keeps the coordinator's
+    order (the held bits of the indexed form mark items by position)."""
+    from hyper_parallel.core.distributed_checkpoint._engine import _compress, _expand
+
+    _, plans = plan_ranks(_states(ranks=1))
+    local = plans[0]
+    subset = dataclasses.replace(local, items=local.items[1:])
+    assert _expand(local, _compress(local, subset)).items == subset.items
+    assert not isinstance(_compress(local, subset), dcp.SavePlan)  # a small mask
+    swapped = dataclasses.replace(local, items=local.items[1:2] + local.items[:1] + local.items[2:])
+    assert _compress(local, swapped) is swapped and _expand(local, _compress(local, swapped)).items == swapped.items
 
 
 def test_inline_form_and_small_auto_saves_send_results(tmp_path):

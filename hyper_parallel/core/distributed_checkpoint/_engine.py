@@ -44,7 +44,7 @@ from hyper_parallel.core.distributed_checkpoint._commit_receipt import (
     metadata_reader_of,
 )
 from hyper_parallel.core.distributed_checkpoint._deferred_save import DeferredPlan, PlannedSave
-from hyper_parallel.core.distributed_checkpoint._index_plan import IndexPlan, own_index, plan_index
+from hyper_parallel.core.distributed_checkpoint._index_plan import IndexPlan, bind_held, own_index, plan_index
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutArgument, apply_mindspore_layouts
 from hyper_parallel.core.distributed_checkpoint._plan_cache import (
     PlanCache,
@@ -67,6 +67,7 @@ __all__ = [
     "SaveOptions",
     "SaveSession",
     "plan_save",
+    "finalize_rank_plan",
     "write_local",
     "commit_save",
     "run_save",
@@ -102,12 +103,17 @@ class _PlanDelta:
 
 
 def _compress(local: SavePlan, final: SavePlan) -> _PlanDelta | SavePlan:
+    """``final`` as a keep mask over ``local``, or ``final`` itself when it is no subsequence of ``local`` (its
+    items in another order, or new ones): the rank must receive its items in the order the coordinator planned
+    (:attr:`._index_plan.RankIndexPlan.held` marks them by position)."""
     positions = {item: position for position, item in enumerate(local.items)}
     mask = bytearray((len(local.items) + 7) // 8)
+    last = -1
     for item in final.items:
         position = positions.get(item)
-        if position is None:
+        if position is None or position <= last:
             return final
+        last = position
         mask[position // 8] |= 1 << (position % 8)
     return _PlanDelta(keep=bytes(mask), storage_data=final.storage_data, planner_data=final.planner_data)
 
@@ -158,6 +164,13 @@ def _merge_layout_form(
     all_local.append(all_plans)
     return [_PlanDelta(keep=mask, storage_data=plan.storage_data, planner_data=None)
             for mask, plan in zip(masks, stamped)]
+
+
+def finalize_rank_plan(planner: SavePlanner, plan: SavePlan) -> SavePlan:
+    """This rank's final plan after its planner's ``finalize_plan``, the items it holds in its own index file
+    first resolved from their positions to their keys (:func:`._index_plan.bind_held`), so a ``finalize_plan``
+    that reorders or filters its items cannot change which chunks the index lists. All ranks."""
+    return planner.finalize_plan(bind_held(plan))
 
 
 def rank_indexes(writer: StorageWriter, metadata: Metadata, stamped: list[SavePlan],
@@ -338,7 +351,7 @@ def plan_save(
                 cache.store(decision.exchange, plan, all_final[0] if all_final else None,
                             merged[0] if merged else None, all_local[0] if all_local else None,
                             sources=planner.sources_for(plan.items), index_plan=index_plans[0] if index_plans else None)
-        plan = planner.finalize_plan(plan)
+        plan = finalize_rank_plan(planner, plan)
     except BaseException:
         writer.abort()
         raise
@@ -361,7 +374,7 @@ def _deferred(
     def adopt(planned: PlannedSave) -> SaveSession:
         cache.store(exchange, planned.plan, planned.all_final, planned.metadata, planned.local_plans,
                     sources=planned.sources, index_plan=index_plans[0] if index_plans else None)
-        return SaveSession(dist=dist, writer=writer, planner=planner, plan=planner.finalize_plan(planned.plan),
+        return SaveSession(dist=dist, writer=writer, planner=planner, plan=finalize_rank_plan(planner, planned.plan),
                            metadata=planned.metadata)
 
     return DeferredPlan(writer=writer, planner=planner, layout=layout, make=make_plan, adopt=adopt)

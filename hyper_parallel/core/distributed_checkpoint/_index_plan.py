@@ -20,7 +20,9 @@ files are exactly those the coordinator would have written.
 A save that keeps replicas (``remove_redundancy=False``) writes a chunk on
 several ranks; its holder is the lowest of them (as the coordinator-built
 form keeps the first entry in rank order), and each rank is also told which
-of its items it holds (:attr:`RankIndexPlan.held`, one bit per item).
+of its items it holds (:attr:`RankIndexPlan.held`, one bit per item). The rank
+resolves the bits to the keys of its items (:func:`bind_held`) before its
+planner's ``finalize_plan`` may reorder or filter them.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ __all__ = [
     "written_files",
     "record_only_metadata",
     "with_rank_plans",
+    "bind_held",
     "check_stored_indexes",
     "VERIFY_INDEX_BYTES",
 ]
@@ -84,11 +87,14 @@ class RankIndexPlan:
         held: With replicas kept (``remove_redundancy=False``): a bitmask over the items of this rank's final plan
             (bit ``i`` of byte ``i // 8``) of the grid chunks it holds (it is their lowest writer); the others it
             writes are listed by a lower rank's index. ``None``: it holds every grid chunk it writes.
+        held_keys: ``held`` resolved on the rank to the keys (name, offset) of those items (:func:`bind_held`,
+            before ``finalize_plan``); never sent. ``None``: not resolved yet.
     """
 
     inline_keys: frozenset[str]
     entries: int
     held: bytes | None = None
+    held_keys: frozenset[tuple[str, tuple[int, ...]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -324,9 +330,7 @@ def summarise_rank(plan: SavePlan, results: Sequence[WriteResult], *, rank: int,
     """
     told: RankIndexPlan = plan.storage_data.index
     values = {item.index.fqn for item in plan.items if item.type == WriteItemType.BYTE_IO}
-    held = None if told.held is None else {
-        (item.index.fqn, tuple(item.index.offset)) for item, bit in zip(plan.items, _kept(told.held, len(plan.items)))
-        if bit}
+    held = told.held_keys if told.held_keys is not None or told.held is None else _held_keys(plan.items, told.held)
     indexed: list[tuple[MetadataIndex, StorageInfo]] = []
     inline: list[WriteResult] = []
     for result in results:
@@ -338,7 +342,9 @@ def summarise_rank(plan: SavePlan, results: Sequence[WriteResult], *, rank: int,
     if len(indexed) != told.entries:
         raise CheckpointValueError(
             f"rank {rank}: wrote {len(indexed)} chunk(s) of grid tensors but the save plan gives it {told.entries}; "
-            "nothing was committed (a planner that changed its plan after planning?)")
+            "nothing was committed. A SavePlanner.finalize_plan (or a writer) that drops or adds items of its final "
+            "plan cannot save the indexed form: keep the items (their order may change), or pass "
+            "metadata_form='inline' to the writer")
     data, record = (None, None) if not indexed else encode_rank_index(save_id=save_id, rank=rank, entries=indexed)
     summary = RankIndexSummary(
         rank=rank, record=record, entries=len(indexed), bytes_written=sum(r.size_in_bytes for r in results),
@@ -403,6 +409,26 @@ def record_only_metadata(committed: Metadata, summaries: Sequence[RankIndexSumma
     inline = {index: info for index, info in (committed.storage_data or {}).items()}
     return indexed_metadata(committed, holders=dict(plan.holders), inline=inline, records=tuple(records),
                             save_id=save_id)
+
+
+def _held_keys(items: Sequence[Any], held: bytes) -> frozenset[tuple[str, tuple[int, ...]]]:
+    """The keys of the items ``held`` marks, by position in ``items``."""
+    return frozenset((item.index.fqn, tuple(item.index.offset)) for item, bit in zip(items, _kept(held, len(items)))
+                     if bit)
+
+
+def bind_held(plan: SavePlan) -> SavePlan:
+    """``plan`` (this rank's final plan as the coordinator sent it) with :attr:`RankIndexPlan.held` resolved to
+    :attr:`RankIndexPlan.held_keys`. That rank, before its planner's ``finalize_plan``; pure.
+
+    The bits mark items by position in the plan sent; a ``finalize_plan`` that reorders or filters the items
+    would otherwise make the rank's index list chunks it does not hold.
+    """
+    told = getattr(plan.storage_data, "index", None)
+    if told is None or told.held is None or told.held_keys is not None:
+        return plan
+    bound = replace(told, held_keys=_held_keys(plan.items, told.held))
+    return replace(plan, storage_data=replace(plan.storage_data, index=bound))
 
 
 def with_rank_plans(plans: Sequence[SavePlan], plan: IndexPlan) -> list[SavePlan]:
