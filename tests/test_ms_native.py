@@ -282,16 +282,18 @@ def test_export_pipeline_stages_from_a_flat_job(jobs, tmp_path):
 
 
 def test_export_strings_and_safetensors_unified(tmp_path, capsys):
-    state = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "note": "héllo", "step": 3}
+    state = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "note": "héllo", "step": 3, "none": None}
     dcp.save(state, checkpoint_id=tmp_path / "ckpt", no_dist=True)
     code = main(["export-mindspore", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--name", "model"])
     out = capsys.readouterr().out
-    assert code == 0 and "note: 'step'" in out
+    assert code == 0 and "note: 'none'" in out and "note: 'step'" not in out
     loaded = mindspore.load_checkpoint(str(tmp_path / "out" / "model.ckpt"))
     assert loaded["note"] == "héllo" and loaded["w"].asnumpy().tobytes() == state["w"].tobytes()
+    assert loaded["step"].asnumpy().item() == 3
     result = export_mindspore(tmp_path / "ckpt", tmp_path / "st", fmt="safetensors")
-    assert [n for n, _ in result.skipped] == ["note", "step"]
-    _assert_same(_load_file(tmp_path / "st" / "checkpoint.safetensors"), {"w": state["w"]}, "safetensors")
+    assert [n for n, _ in result.skipped] == ["none", "note"]
+    _assert_same(_load_file(tmp_path / "st" / "checkpoint.safetensors"), {"w": state["w"], "step": np.array(3)},
+                 "safetensors")
     with pytest.raises(CheckpointExistsError):
         export_mindspore(tmp_path / "ckpt", tmp_path / "st")
     with pytest.raises(CheckpointValueError, match="format"):

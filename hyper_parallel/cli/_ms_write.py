@@ -16,7 +16,7 @@ from hyper_parallel.cli._ms_files import MS_DTYPE_NAMES, STRING_DTYPE
 from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import HeaderEntry, build_header
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 
-__all__ = ["CKPT_CHUNK_BYTES", "ckpt_value_bytes", "MsItem", "string_item", "write_ms_file"]
+__all__ = ["CKPT_CHUNK_BYTES", "ckpt_value_bytes", "MsItem", "string_item", "scalar_item", "write_ms_file"]
 
 #: MindSpore splits a tensor's content into values of at most this many bytes.
 CKPT_CHUNK_BYTES = 512 * 1024 * 1024
@@ -82,6 +82,12 @@ def string_item(name: str, value: str) -> MsItem:
     """Return the :class:`MsItem` of a string value (as numpy stores ``np.array(value)``)."""
     data = np.array(value).tobytes()
     return MsItem(name, STRING_DTYPE, (), len(data), lambda: data)
+
+
+def scalar_item(name: str, value: np.ndarray) -> MsItem:
+    """Return the :class:`MsItem` of a 0-d array of a MindSpore dtype (how ``mindspore.save_checkpoint`` stores
+    an ``append_dict`` number)."""
+    return MsItem(name, value.dtype.name, (), value.nbytes, lambda: value)
 
 
 def _content_view(item: MsItem) -> memoryview:

@@ -12,8 +12,11 @@ Writes what a MindSpore job loads with ``mindspore.load_checkpoint`` +
 A tensor the strategy does not list goes whole into every rank's file (as
 ``transform_checkpoints`` does with ``global_step`` and the like); an
 optimizer state named after a parameter (``moment1.<param>``...) of the same
-global shape follows that parameter's layout. String values go into ``.ckpt``
-files as MindSpore ``str`` values; other plain values are left out (listed).
+global shape follows that parameter's layout. Int, float, bool and numpy
+scalar values are written as MindSpore's ``save_checkpoint(append_dict=...)``
+writes them, 0-d tensors (Int64, Float32, Bool, the numpy dtype), into every
+file; string values go into ``.ckpt`` files as MindSpore ``str`` values; other
+values are left out (listed).
 Each slice is read from the checkpoint (only the chunks it overlaps), written
 and dropped before the next: memory holds one slice.
 """
@@ -21,10 +24,13 @@ and dropped before the next: memory holds one slice.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
 
 from hyper_parallel.cli._common import (
     format_bytes,
@@ -34,7 +40,8 @@ from hyper_parallel.cli._common import (
     read_region,
     read_stored_bytes,
 )
-from hyper_parallel.cli._ms_write import MsItem, string_item, write_ms_file
+from hyper_parallel.cli._ms_files import MS_DTYPE_NAMES
+from hyper_parallel.cli._ms_write import MsItem, scalar_item, string_item, write_ms_file
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
@@ -79,19 +86,59 @@ def _tensor_item(directory: Path, metadata: Metadata, fqn: str, stored: TensorSt
     return MsItem(fqn, dtype, sizes, nbytes, content)
 
 
+#: Stored value types written as MindSpore 0-d tensors, as ``mindspore.save_checkpoint(append_dict=...)``
+#: stores an int (Int64), a float (Float32) or a bool (Bool); a numpy scalar keeps its dtype.
+_SCALAR_TYPES = ("int", "float", "bool", "numpy.scalar")
+
+
+def _scalar_array(type_name: str, value: Any) -> tuple[np.ndarray | None, str]:
+    """The 0-d array MindSpore would store for a plain number, or ``None`` and why it cannot."""
+    if type_name == "int":
+        if not np.iinfo(np.int64).min <= value <= np.iinfo(np.int64).max:
+            return None, f"int {value} does not fit MindSpore's Int64 (mindspore.save_checkpoint cannot store it)"
+        return np.array(value, np.int64), ""
+    if type_name == "float":
+        with np.errstate(over="ignore"):
+            array = np.array(value, np.float32)
+        if math.isfinite(value) and not np.isfinite(array):
+            return None, f"float {value!r} overflows MindSpore's Float32 (as mindspore.save_checkpoint stores floats)"
+        return array, ""
+    array = np.array(value)
+    if array.shape != () or array.dtype.name not in MS_DTYPE_NAMES.values():
+        return None, f"numpy scalar of dtype {array.dtype.name} is no dtype MindSpore files hold"
+    return array, ""
+
+
 def _value_items(directory: Path, metadata: Metadata, fmt: str) -> tuple[list[MsItem], list[tuple[str, str]]]:
+    """The non-tensor values MindSpore files hold, as MindSpore stores them, and notes for the others.
+
+    An int, float, bool or numpy scalar becomes a 0-d tensor (``mindspore.load_checkpoint`` returns it as a
+    Parameter, like ``epoch_num`` / ``step_num`` of MindSpore's own checkpoints); a ``str`` a MindSpore string
+    value in ``.ckpt`` files (safetensors files hold no strings); anything else is left out with a note.
+    """
     from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value  # pylint: disable=import-outside-toplevel
 
     items, skipped = [], []
     for fqn, stored in sorted(metadata.state_dict_metadata.items()):
         if not isinstance(stored, BytesStorageMetadata):
             continue
-        if stored.type_name != "str" or stored.global_shape or fmt != "ckpt":
-            why = "safetensors files hold tensors only" if fmt != "ckpt" else "MindSpore files hold tensors and strings"
+        scalar = stored.type_name in _SCALAR_TYPES
+        if stored.global_shape or not (scalar or (stored.type_name == "str" and fmt == "ckpt")):
+            why = ("a per-rank value" if stored.global_shape else
+                   "safetensors files hold no strings" if stored.type_name == "str" else
+                   "MindSpore files hold tensors, numbers and strings")
             skipped.append((fqn, f"value of type {stored.type_name!r} left out ({why})"))
             continue
-        payload = read_stored_bytes(directory, metadata, MetadataIndex(fqn, ()))
-        items.append(string_item(fqn, deserialize_value("str", payload, key=fqn)))
+        value = deserialize_value(stored.type_name, read_stored_bytes(directory, metadata, MetadataIndex(fqn, ())),
+                                  key=fqn)
+        if not scalar:
+            items.append(string_item(fqn, value))
+            continue
+        array, why = _scalar_array(stored.type_name, value)
+        if array is None:
+            skipped.append((fqn, f"left out: {why}"))
+        else:
+            items.append(scalar_item(fqn, array))
     return items, skipped
 
 
