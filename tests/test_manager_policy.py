@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -49,6 +50,41 @@ def test_recreated_manager_keeps_earlier_promises_and_its_own_step(tmp_path: Pat
     assert _steps_on_disk(tmp_path) == [2, 3, 4, 6]
     loaded = {"w": np.zeros(3, np.float32), "step": 0}
     assert second.load(loaded, step=3) == 3 and loaded["step"] == 33
+
+
+@pytest.mark.parametrize("metrics", [{"loss": 0.5}, None])
+def test_a_reused_step_number_decides_keep_forever_afresh(tmp_path: Path, metrics: dict | None) -> None:
+    """A new save of a step number starts a fresh record entry. Before, the entry of a deleted step promised 'keep
+    forever' passed its promise on (copied when the save started, or at its retention): the new step was never
+    pruned (disk leak)."""
+    first = CheckpointManager(tmp_path, max_to_keep=5, keep_every_n_steps=2)
+    for step in (1, 2):
+        first.save(step, _state(step))
+    shutil.rmtree(first.directory(2))  # rolled back: the run resumes from step 1
+    second = CheckpointManager(tmp_path, max_to_keep=1)
+    second.save(2, _state(20), metrics=metrics)
+    record = json.loads((tmp_path / "manager.json").read_text())
+    assert record["steps"]["2"]["keep_forever"] is False and record["steps"]["2"]["metrics"] == metrics
+    for step in (3, 4):
+        second.save(step, _state(10 * step), metrics=metrics)
+    assert _steps_on_disk(tmp_path) == [4]
+    record = json.loads((tmp_path / "manager.json").read_text())
+    assert list(record["steps"]) == ["4"] and record["steps"]["4"]["keep_forever"] is False
+
+
+def test_a_reused_step_number_saved_async_starts_a_fresh_entry(tmp_path: Path) -> None:
+    """An async save's entry is written when it starts (it may commit at exit, with no retention): the stale
+    promise of a deleted step of that number is gone from the record before the save commits."""
+    first = CheckpointManager(tmp_path, keep_every_n_steps=2)
+    for step in (1, 2):
+        first.save(step, _state(step))
+    shutil.rmtree(first.directory(2))
+    second = CheckpointManager(tmp_path, max_to_keep=1, async_save=True)
+    second.save(2, _state(20))
+    record = json.loads((tmp_path / "manager.json").read_text())
+    assert record["steps"]["2"]["keep_forever"] is False and record["steps"]["2"]["metrics"] is None
+    second.close()
+    assert _steps_on_disk(tmp_path) == [2]
 
 
 def test_steps_at_or_below_the_latest_are_refused(tmp_path: Path) -> None:

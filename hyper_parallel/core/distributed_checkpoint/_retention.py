@@ -98,8 +98,8 @@ def plan_retention(
     just_saved = None
     if committing is not None and committing[0] in committed:
         just_saved, metrics = committing
-        old = steps.get(just_saved)
-        forever = _promised_forever(policy, just_saved, now, steps) or (old is not None and old.keep_forever)
+        # A fresh entry: its own promise only (an earlier entry of this step number belonged to another save)
+        forever = _promised_forever(policy, just_saved, now, steps)
         steps[just_saved] = StepRecord(saved_at=now, keep_forever=forever, metrics=metrics)
     keep = _bounded_keep(policy, best_fn, committed, steps) | {committed[-1]}
     keep.update(s for s, r in steps.items() if r.keep_forever)

@@ -324,8 +324,8 @@ class CheckpointManager:
         self._writing = step
         self._committing = (step, metrics)
         self._prune = bool(prune)
-        if metrics is not None and step not in committed:
-            self._record_metrics_ahead(step, metrics)
+        if step not in committed:
+            self._record_ahead(step, metrics)
         try:
             if self.async_save:
                 self._handle = dcp_async_save(state_dict, checkpoint_id=self.directory(step), **kwargs)
@@ -340,24 +340,27 @@ class CheckpointManager:
         self._apply_retention()
         return True
 
-    def _record_metrics_ahead(self, step: int, metrics: dict[str, Any]) -> None:
-        """Record ``step``'s metrics before its save starts, on rank 0 (no communication; a failure only warns).
+    def _record_ahead(self, step: int, metrics: dict[str, Any] | None) -> None:
+        """Start ``step``'s fresh record entry (its metrics, no keep-forever promise) before its save starts, on
+        rank 0 (no communication; a failure only warns). Only for a step not committed now.
 
         An async step commits at the next ``save`` / ``wait`` / ``close``, or when the process exits; recorded
         only at its retention, a step committed at exit (no ``close``) kept no metrics, and best-k retention of
-        the next run ranked it last: the best step could be deleted. An entry of a step that never commits is
-        ignored (only committed steps are ranked); its retention records it again.
+        the next run ranked it last: the best step could be deleted. An entry left by an earlier step of this
+        number (deleted, or rolled back by a resumed run) is replaced: its keep-forever promise was not made to
+        this save. Without metrics and such an entry nothing is written. An entry of a step that never commits
+        is ignored (only committed steps are ranked); its retention records it again.
         """
         if not DistWrapper(use_dist=True).is_coordinator:
             return
         try:
             with self._record_session() as record:
-                old = record.record.steps.get(step)
-                entry = StepRecord(saved_at=time.time(), keep_forever=old is not None and old.keep_forever,
-                                   metrics=metrics)
+                if metrics is None and step not in record.record.steps:
+                    return
+                entry = StepRecord(saved_at=time.time(), keep_forever=False, metrics=metrics)
                 record.update(steps={**record.record.steps, step: entry})
         except Exception as exc:  # pylint: disable=broad-except  # retention records it (and reports) later
-            _LOG.warning("rank 0: could not record the metrics of step %d before saving it: %s", step, exc)
+            _LOG.warning("rank 0: could not record step %d before saving it: %s", step, exc)
 
     def wait(self) -> None:
         """Finish the in-flight async save: write, commit, then retention. All ranks call it.
