@@ -6,7 +6,12 @@ stripped), otherwise every key that is not optimizer state (the patterns of
 :data:`OPTIMIZER_PATTERNS`: MindSpore's ``moment1.`` / ``moment2.`` /
 ``beta1_power`` / ``global_step`` / ``learning_rate`` ..., an
 ``optimizer.`` group, PyTorch-style ``exp_avg``; the training position
-``hyper_parallel.steps_per_epoch`` of ``CheckpointCallback``); (2) ``include`` globs, if
+``hyper_parallel.steps_per_epoch`` of ``CheckpointCallback``; and a
+MindSpore optimizer's per-parameter state ``<prefix>.<param>`` for a prefix
+of :data:`SHADOW_PREFIXES` (``lamb_m.``, ``mean_square.``, ``linear.``,
+``moment.``...) when ``<param>`` is itself a key of the same shape, the
+Parameter it shadows: ``linear.`` or ``moment.`` alone are ordinary layer
+names, so no glob can tell); (2) ``include`` globs, if
 any, keep only the keys matching one; (3) ``exclude`` globs drop keys; (4)
 the first matching ``strip_prefixes`` entry is cut off the name; (5) the
 first matching ``renames`` pair ``(old, new)`` replaces the prefix ``old``
@@ -17,11 +22,12 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
+from hyper_parallel.core.strategy_file import OPTIMIZER_STATE_PREFIXES
 
-__all__ = ["OPTIMIZER_PATTERNS", "KeySelection", "parse_rename"]
+__all__ = ["OPTIMIZER_PATTERNS", "SHADOW_PREFIXES", "KeySelection", "parse_rename", "is_shadow_state"]
 
 #: Keys that hold optimizer (or training loop) state rather than model weights (fnmatch globs).
 OPTIMIZER_PATTERNS: tuple[str, ...] = (
@@ -29,8 +35,14 @@ OPTIMIZER_PATTERNS: tuple[str, ...] = (
     "moment1.*", "moment2.*", "moments.*", "accum.*", "adam_m.*", "adam_v.*", "exp_avg*",
     "*.moment1.*", "*.moment2.*", "*.exp_avg", "*.exp_avg_sq", "*.momentum_buffer",
     "beta1_power", "beta2_power", "global_step", "learning_rate", "current_iterator_step", "last_overflow_iterator_step",
-    "hyper_parallel.steps_per_epoch",
+    "hyper_parallel.steps_per_epoch", "momentum", "fake_lr", "fake_param",
 )
+#: The ``Parameter.clone(prefix=...)`` prefixes of MindSpore's optimizers (``mindspore/nn/optim``,
+#: ``mindspore/experimental/optim``; ``ax_.`` is ``nn.ASGD``'s): ``<prefix>.<param>`` is optimizer state when
+#: ``<param>`` is a key of the same shape.
+SHADOW_PREFIXES: tuple[str, ...] = OPTIMIZER_STATE_PREFIXES + ("ax_.",)
+#: ``nn.ASGD``'s per-parameter 0-d state ``eta_<param>`` / ``mu_<param>`` (``<param>`` a tensor key).
+_SCALAR_SHADOW_PREFIXES = ("eta_", "mu_")
 _MODEL_GROUP = "model."
 
 
@@ -44,6 +56,28 @@ def parse_rename(text: str) -> tuple[str, str]:
     if not sep or not old:
         raise CheckpointValueError(f"--rename {text!r}: expected OLD_PREFIX=NEW_PREFIX (NEW_PREFIX may be empty)")
     return old, new
+
+
+def is_shadow_state(key: str, shapes: Mapping[str, tuple[int, ...] | None]) -> bool:
+    """Whether ``key`` is a MindSpore optimizer's state of another key of the checkpoint.
+
+    ``<prefix>.<param>`` for a prefix of :data:`SHADOW_PREFIXES` is, when ``<param>`` is a tensor of the same
+    shape (``moment.linear.weight`` beside ``linear.weight``; FTRL's ``linear.linear.weight`` beside
+    ``linear.weight``); ASGD's ``eta_<param>`` / ``mu_<param>`` is, when 0-d and ``<param>`` is a tensor.
+
+    Args:
+        key: The checkpoint key.
+        shapes: Every key of the checkpoint -> its tensor shape (``None`` for a non-tensor value).
+    """
+    shape = shapes.get(key)
+    if shape is None:
+        return False
+    for prefix in SHADOW_PREFIXES:
+        if key.startswith(prefix) and shapes.get(key[len(prefix):]) == shape:
+            return True
+    return shape == () and any(
+        key.startswith(prefix) and shapes.get(key[len(prefix):]) is not None for prefix in _SCALAR_SHADOW_PREFIXES
+    )
 
 
 @dataclass(frozen=True)
@@ -64,20 +98,24 @@ class KeySelection:
     strip_prefixes: tuple[str, ...] = ()
     renames: tuple[tuple[str, str], ...] = ()
 
-    def names(self, keys: Iterable[str]) -> dict[str, str]:
+    def names(self, shapes: Mapping[str, tuple[int, ...] | None]) -> dict[str, str]:
         """Map every selected key to its output name, in sorted key order.
+
+        Args:
+            shapes: Every key of the checkpoint -> its tensor shape (``None`` for a non-tensor value); the
+                shapes tell a MindSpore optimizer's state from a layer of the same name (:func:`is_shadow_state`).
 
         Raises:
             CheckpointValueError: two keys end up with one output name (both named).
         """
-        keys = sorted(keys)
+        keys = sorted(shapes)
         auto_strip: tuple[str, ...] = ()
         if not self.everything:
             grouped = [k for k in keys if k.startswith(_MODEL_GROUP)]
             if grouped:
                 keys, auto_strip = grouped, (_MODEL_GROUP,)
             else:
-                keys = [k for k in keys if not _matches(k, OPTIMIZER_PATTERNS)]
+                keys = [k for k in keys if not _matches(k, OPTIMIZER_PATTERNS) and not is_shadow_state(k, shapes)]
         if self.include:
             keys = [k for k in keys if _matches(k, self.include)]
         keys = [k for k in keys if not _matches(k, self.exclude)]

@@ -171,7 +171,10 @@ def convert_to_safetensors(
     """
     limit = parse_size(max_shard_size)
     directory, metadata = open_checkpoint(src)
-    names = (selection or KeySelection(everything=True)).names(metadata.state_dict_metadata)
+    names = (selection or KeySelection(everything=True)).names({
+        fqn: tuple(stored.size) if isinstance(stored, TensorStorageMetadata) else None
+        for fqn, stored in metadata.state_dict_metadata.items()
+    })
     out_dir = Path(os.fspath(out))
     prepare_output_dir(out_dir)
     tensors = sorted(
