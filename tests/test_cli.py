@@ -499,3 +499,30 @@ def test_import_refuses_a_hugging_face_directory_it_would_import_in_part(tmp_pat
     code, _, err = run(capsys, "import", beside, tmp_path / "out4")
     assert code == 2 and "extra.safetensors would not be imported" in err
     assert run(capsys, "import", beside / "model.safetensors", tmp_path / "out5")[0] == 0
+
+
+def test_import_refuses_a_directory_with_several_index_files(tmp_path, capsys):
+    """Two index files (a model and its draft model beside it): the import took model.safetensors.index.json,
+    then refused the draft's shard as a stray file to list in that index, and no SRC could pick one model. Now the
+    refusal names both index files, and the index json passed as SRC imports the shards it names."""
+    both = tmp_path / "both"
+    both.mkdir()
+    save_file({"w": np.ones(3, np.float32)}, str(both / "model-00001-of-00001.safetensors"))
+    save_file({"d": np.full(2, 5, np.float32)}, str(both / "draft-00001-of-00001.safetensors"))
+    (both / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"w": "model-00001-of-00001.safetensors"}}))
+    (both / "draft.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"d": "draft-00001-of-00001.safetensors"}}))
+    code, _, err = run(capsys, "import", both, tmp_path / "out1")
+    assert code == 2
+    assert "holds 2 safetensors index files (draft.safetensors.index.json, model.safetensors.index.json)" in err
+    assert f"name the one to use (hp-ckpt import {both / 'draft.safetensors.index.json'} OUT)" in err
+    assert not (tmp_path / "out1").exists()
+    assert run(capsys, "import", both / "draft.safetensors.index.json", tmp_path / "draft")[0] == 0
+    _load_back(tmp_path / "draft", {"d": np.full(2, 5, np.float32)})
+    assert dcp.read_metadata(tmp_path / "draft").state_dict_metadata.keys() == {"d"}
+    draft = "draft-00001-of-00001.safetensors"
+    (both / "draft.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"d": draft, "lost": draft}}))
+    code, _, err = run(capsys, "import", both / "draft.safetensors.index.json", tmp_path / "out2")
+    assert code == 2 and "lists 1 tensor(s) that no file" in err and "'lost'" in err

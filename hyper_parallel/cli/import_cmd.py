@@ -5,7 +5,9 @@ Sources:
 - a MindSpore ``.ckpt`` file (``mindspore.save_checkpoint``) or a
   ``.safetensors`` file (MindSpore's ``format="safetensors"`` or any writer);
 - a Hugging Face directory: ``*.safetensors.index.json`` plus its shards, or a
-  single ``model.safetensors``, or else every ``*.safetensors`` file in it;
+  single ``model.safetensors``, or else every ``*.safetensors`` file in it (a
+  directory with several index files is refused: name the one to use);
+- a ``*.safetensors.index.json`` file: the files its ``weight_map`` names;
 - a directory of a MindSpore parallel job's per-rank files (``rank_<i>/``
   holding one ``.ckpt`` or ``.safetensors`` each) with the job's strategy
   file(s): the slices become chunks of the global tensors (see
@@ -51,7 +53,11 @@ from hyper_parallel.core.distributed_checkpoint.filesystem_writer import METADAT
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, TensorStorageMetadata
 from hyper_parallel.core.strategy_file import read_strategy_records
 
-__all__ = ["import_checkpoint", "index_weight_names", "restored_values", "safetensors_files", "register"]
+__all__ = ["import_checkpoint", "restored_values", "safetensors_files", "register"]
+
+
+_INDEX_SUFFIX = ".safetensors.index.json"
+_INDEX_GLOB = "*" + _INDEX_SUFFIX
 
 
 def _read_regular(path: Path, limit: int = 100 << 20) -> bytes:
@@ -92,16 +98,52 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def index_weight_names(directory: Path) -> set[str] | None:
-    """The tensor names the index json of a Hugging Face directory lists (``None`` without an index)."""
-    index_path = _index_path(directory)
-    return None if index_path is None else set(_weight_map(index_path))
-
-
 def _index_path(directory: Path) -> Path | None:
-    indexes = sorted(directory.glob("*.safetensors.index.json"))
-    preferred = directory / "model.safetensors.index.json"
-    return (preferred if preferred in indexes else indexes[0]) if indexes else None
+    """The directory's one index json (``None`` without); several are refused, naming them.
+
+    Raises:
+        CheckpointValueError: several ``*.safetensors.index.json`` files (importing one would leave the
+            tensors of the others out).
+    """
+    indexes = sorted(directory.glob(_INDEX_GLOB))
+    if len(indexes) > 1:
+        raise CheckpointValueError(
+            f"{directory} holds {len(indexes)} safetensors index files ({', '.join(p.name for p in indexes)}); "
+            f"importing one would leave the others' tensors out: name the one to use (hp-ckpt import "
+            f"{directory / indexes[0].name} OUT)"
+        )
+    return indexes[0] if indexes else None
+
+
+def _index_files(index_path: Path) -> list[Path]:
+    """The files the index json's ``weight_map`` names, each checked to be a file beside it.
+
+    Raises:
+        CorruptCheckpointError: a malformed index, or a name leaving its directory.
+        CheckpointNotFoundError: a named file that does not exist.
+    """
+    directory = index_path.parent
+    files = []
+    for name in sorted(set(_weight_map(index_path).values())):
+        path = (directory / name).resolve()
+        if path.parent != directory.resolve():
+            raise CorruptCheckpointError(f"{index_path}: file {name!r} is outside {directory}; refused")
+        if not path.is_file():
+            raise CheckpointNotFoundError(f"{index_path} names {name}, which does not exist")
+        files.append(path)
+    return files
+
+
+def _check_index_held(index_path: Path, files: list[MsFile]) -> None:
+    """Refuse an index listing tensors that none of ``files`` holds (nothing is imported)."""
+    listed = set(_weight_map(index_path))
+    missing = sorted(listed - {name for file in files for name in file.entries})
+    if missing:
+        raise CorruptCheckpointError(
+            f"{index_path} lists {len(missing)} tensor(s) that no file of {index_path.parent} holds, e.g. "
+            f"{', '.join(repr(n) for n in missing[:5])}: a shard is incomplete or from another model; "
+            "nothing was imported"
+        )
 
 
 def _weight_map(index_path: Path) -> dict[str, str]:
@@ -122,16 +164,7 @@ def _named_files(directory: Path) -> list[Path]:
         )
     index_path = _index_path(directory)
     if index_path is not None:
-        names = sorted(set(_weight_map(index_path).values()))
-        files = []
-        for name in names:
-            path = (directory / name).resolve()
-            if path.parent != directory.resolve():
-                raise CorruptCheckpointError(f"{index_path}: file {name!r} is outside {directory}; refused")
-            if not path.is_file():
-                raise CheckpointNotFoundError(f"{index_path} names {name}, which does not exist")
-            files.append(path)
-        return files
+        return _index_files(index_path)
     if (directory / "model.safetensors").is_file():
         return [directory / "model.safetensors"]
     files = sorted(directory.glob("*.safetensors"))
@@ -196,14 +229,12 @@ def _plan_source(
         )
     if src.is_dir():
         files = [open_ms_file(path) for path in safetensors_files(src)]
-        listed = index_weight_names(src)
-        missing = sorted(listed - {name for file in files for name in file.entries}) if listed else []
-        if missing:
-            raise CorruptCheckpointError(
-                f"{_index_path(src)} lists {len(missing)} tensor(s) that no file of {src} holds, e.g. "
-                f"{', '.join(repr(n) for n in missing[:5])}: a shard is incomplete or from another model; "
-                "nothing was imported"
-            )
+        index_path = _index_path(src)
+        if index_path is not None:
+            _check_index_held(index_path, files)
+    elif src.name.endswith(_INDEX_SUFFIX):
+        files = [open_ms_file(path) for path in _index_files(src)]
+        _check_index_held(src, files)
     elif src.suffix in (".ckpt", ".safetensors"):
         files = [open_ms_file(src)]
     else:
@@ -262,8 +293,9 @@ def import_checkpoint(
 
     Args:
         src: A ``.ckpt`` file, a ``.safetensors`` file, a directory of
-            safetensors shards (with or without an index json), or a directory
-            of MindSpore per-rank files (``rank_<i>/`` holding one ``.ckpt`` or
+            safetensors shards (with or without an index json; with several,
+            pass the index json to use), a ``*.safetensors.index.json`` file
+            (the shards it names), or a directory of MindSpore per-rank files (``rank_<i>/`` holding one ``.ckpt`` or
             ``.safetensors`` each, which needs ``strategy_files``).
         out: The checkpoint directory to write (new or empty).
         strategy_files: The strategy file(s) of the job that wrote per-rank
@@ -305,7 +337,8 @@ def register(subparsers: Any) -> None:
                     "files (with --strategy) or of a Hugging Face safetensors model as a hyper_parallel checkpoint.",
     )
     parser.add_argument("src", metavar="SRC",
-                        help=".ckpt file, .safetensors file, model directory, or directory of rank_<i>/ files")
+                        help=".ckpt file, .safetensors file, model directory (or one of its *.safetensors.index.json "
+                             "files), or directory of rank_<i>/ files")
     parser.add_argument("out", help="the checkpoint directory to write (new or empty)")
     parser.add_argument("--strategy", action="append", metavar="FILE",
                         help="strategy file of the job that wrote rank_<i>/ files (repeat once per pipeline stage)")
