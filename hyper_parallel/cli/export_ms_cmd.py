@@ -40,7 +40,6 @@ from hyper_parallel.cli._common import (
     read_region,
     read_stored_bytes,
 )
-from hyper_parallel.cli._ms_files import MS_DTYPE_NAMES
 from hyper_parallel.cli._ms_write import MsItem, scalar_item, string_item, write_ms_file
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.metadata import (
@@ -103,10 +102,7 @@ def _scalar_array(type_name: str, value: Any) -> tuple[np.ndarray | None, str]:
         if math.isfinite(value) and not np.isfinite(array):
             return None, f"float {value!r} overflows MindSpore's Float32 (as mindspore.save_checkpoint stores floats)"
         return array, ""
-    array = np.array(value)
-    if array.shape != () or array.dtype.name not in MS_DTYPE_NAMES.values():
-        return None, f"numpy scalar of dtype {array.dtype.name} is no dtype MindSpore files hold"
-    return array, ""
+    return np.array(value), ""  # a stored numpy scalar has a dtype of this library: each is a MindSpore dtype
 
 
 def _value_items(directory: Path, metadata: Metadata, fmt: str) -> tuple[list[MsItem], list[tuple[str, str]]]:
