@@ -56,6 +56,7 @@ from hyper_parallel.core.distributed_checkpoint._plan_cache import (
 )
 from hyper_parallel.core.distributed_checkpoint._save_layout import LayoutListener
 from hyper_parallel.core.distributed_checkpoint._storage_choice import rank_alone
+from hyper_parallel.core.distributed_checkpoint._unwritten_keys import name_refusal
 from hyper_parallel.core.distributed_checkpoint.errors import PlanValidationError
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
@@ -171,6 +172,15 @@ def finalize_rank_plan(planner: SavePlanner, plan: SavePlan) -> SavePlan:
     first resolved from their positions to their keys (:func:`._index_plan.bind_held`), so a ``finalize_plan``
     that reorders or filters its items cannot change which chunks the index lists. All ranks."""
     return planner.finalize_plan(bind_held(plan))
+
+
+def _named_refusal(exc: BaseException, planner: SavePlanner, dist: DistWrapper) -> PlanValidationError | None:
+    """The plan step's refusal of keys no rank writes, each named by the ranks holding it (they sent the
+    coordinator only hashes: :mod:`._unwritten_keys`), or ``None``. All ranks, when the plan step raised."""
+    names_of = getattr(planner, "unwritten_names", None)
+    if names_of is None:
+        return None
+    return name_refusal(exc, gather=lambda fn: dist.all_gather("name unwritten keys", fn), names_of=names_of)
 
 
 def rank_indexes(writer: StorageWriter, metadata: Metadata, stamped: list[SavePlan],
@@ -352,9 +362,14 @@ def plan_save(
                             merged[0] if merged else None, all_local[0] if all_local else None,
                             sources=planner.sources_for(plan.items), index_plan=index_plans[0] if index_plans else None)
         plan = finalize_rank_plan(planner, plan)
-    except BaseException:
-        writer.abort()
-        raise
+    except BaseException as exc:
+        try:
+            named = _named_refusal(exc, planner, dist)
+        finally:
+            writer.abort()
+        if named is None:
+            raise
+        raise named from exc
     return SaveSession(dist=dist, writer=writer, planner=planner, plan=plan, metadata=merged[0] if merged else None)
 
 

@@ -9,8 +9,6 @@ tensors stay in its cache, never in plans. The coordinator's merge is
 
 from __future__ import annotations
 
-import itertools
-import math
 from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
@@ -18,7 +16,7 @@ import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._format.checksum import digest
 from hyper_parallel import platform
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, PlanValidationError, UnsupportedTypeError
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, UnsupportedTypeError
 from hyper_parallel.core.distributed_checkpoint._flatten import FlatStateDict, flatten_state_dict
 from hyper_parallel.core.distributed_checkpoint._leaf_entry import classify_leaf
 from hyper_parallel.core.distributed_checkpoint._global_plan import build_global_save_plan
@@ -32,9 +30,9 @@ from hyper_parallel.core.distributed_checkpoint._save_layout import (
     plain_tensor,
 )
 from hyper_parallel.core.distributed_checkpoint._layout_merge import merge_layout_plans
+from hyper_parallel.core.distributed_checkpoint._unwritten_keys import key_hash, pack_hashes, refuse_unwritten
 from hyper_parallel.core.distributed_checkpoint._layout_plan import LayoutSavePlan, compact_save_plan
 from hyper_parallel.core.distributed_checkpoint.metadata import (
-    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -60,12 +58,12 @@ class AliasData:
 
     Attributes:
         aliases: ``(dotted name, stored key)`` pairs, sorted.
-        unwritten: Keys this rank holds only as replicas another rank writes (``replica_id`` not 0), sorted:
-            the coordinator refuses a key no rank writes.
+        unwritten: Keys this rank holds only as replicas another rank writes (``replica_id`` not 0), as sorted
+            8-byte hashes (:func:`._unwritten_keys.pack_hashes`): the coordinator refuses a key no rank writes.
     """
 
     aliases: tuple[tuple[str, str], ...]
-    unwritten: tuple[str, ...] = ()
+    unwritten: bytes = b""
 
 
 def _merged_aliases(all_plans: list[Any]) -> dict[str, Any] | None:
@@ -76,42 +74,6 @@ def _merged_aliases(all_plans: list[Any]) -> dict[str, Any] | None:
             for name, key in plan.planner_data.aliases:
                 aliases.setdefault(name, key)
     return {"aliases": dict(sorted(aliases.items()))} if aliases else None
-
-
-def _refuse_unwritten(all_plans: list[Any], metadata: Metadata) -> None:
-    """Refuse keys that ranks hold only as non-main replicas and no rank writes, and ShardedObjects some of whose
-    grid positions no rank writes (both were silently left out).
-
-    Coordinator only, after the global plan is built.
-
-    Raises:
-        PlanValidationError: Such keys (named, with their holding ranks or missing positions, and the fix).
-    """
-    holders: dict[str, list[int]] = {}
-    for rank, plan in enumerate(all_plans):
-        if isinstance(plan.planner_data, AliasData):
-            for key in plan.planner_data.unwritten:
-                holders.setdefault(key, []).append(rank)
-    stored = metadata.state_dict_metadata
-    unwritten = sorted(key for key in holders if key not in stored)
-    problems = [
-        f"{len(unwritten)} key(s) are held only as non-main replicas (replica_id not 0), so no rank would write "
-        f"them: {'; '.join(f'{key!r} on rank(s) {holders[key]}' for key in unwritten[:20])}. Give one holder of "
-        "each replica_id 0 (the main replica, which is written)"
-    ] if unwritten else []
-    for key, entry in stored.items():
-        if type(entry) is BytesStorageMetadata and entry.global_shape and (  # pylint: disable=unidiomatic-typecheck
-                len(entry.shard_offsets) != math.prod(entry.global_shape)):
-            have = set(entry.shard_offsets)
-            missing = [list(o) for o in itertools.islice(
-                (o for o in itertools.product(*map(range, entry.global_shape)) if o not in have), 5)]
-            problems.append(
-                f"ShardedObject '{key}' of global_shape {list(entry.global_shape)} has {len(have)} of "
-                f"{math.prod(entry.global_shape)} grid positions, e.g. {missing} missing: no rank holds them as main "
-                "replica; give every position of the grid a holder with replica_id 0"
-            )
-    if problems:
-        raise PlanValidationError("; ".join(problems))
 
 
 class StandardSavePlanner(SavePlanner):
@@ -142,6 +104,7 @@ class StandardSavePlanner(SavePlanner):
         self._bound_of: dict[MetadataIndex, LeafSource] = {}
         self.leaf_arrays: dict[str, np.ndarray] = {}
         self._layouts: dict[MetadataIndex, Any] = {}
+        self._unwritten: dict[int, str] = {}  # hash -> key this rank holds only as non-main replicas
         #: ``None``: replicas are hashed while planning; else the pieces to hash later (:meth:`digest_replicas_later`).
         self.later_replicas: list[tuple[str, tuple[int, ...], np.ndarray]] | None = None
 
@@ -313,7 +276,8 @@ class StandardSavePlanner(SavePlanner):
             else:
                 items.append(self._bytes_item(entry))
         aliases = tuple(sorted(self.flat.aliases.items()))
-        data = AliasData(aliases, tuple(sorted(unwritten))) if aliases or unwritten else None
+        self._unwritten = {key_hash(key): key for key in unwritten}
+        data = AliasData(aliases, pack_hashes(unwritten)) if aliases or unwritten else None
         return SavePlan(items=tuple(items), planner_data=data)
 
     def _tensor_items(self, entry: TensorEntry, name: str, plain: bool) -> list[WriteItem]:
@@ -374,7 +338,20 @@ class StandardSavePlanner(SavePlanner):
         """:func:`_refuse_unwritten`, unless each rank of a job of several saves alone (``use_collectives=False``:
         another rank's own checkpoint holds the main replica). Coordinator only."""
         if self.world_size > 1 or platform.get_world_size() == 1:
-            _refuse_unwritten(all_plans, metadata)
+            blobs = [plan.planner_data.unwritten if isinstance(plan.planner_data, AliasData) else b""
+                     for plan in all_plans]
+            refuse_unwritten(blobs, metadata, names_of=self.unwritten_names)
+
+    def unwritten_names(self, hashes: set[int]) -> dict[int, str]:
+        """This rank's keys of ``hashes`` (:func:`._unwritten_keys.key_hash`): those it holds only as non-main
+        replicas, else any it holds. All ranks, when the plan step refused keys no rank writes (the coordinator
+        while refusing; every rank after, :func:`._unwritten_keys.name_refusal`)."""
+        found = {h: key for h, key in self._unwritten.items() if h in hashes}
+        for name, value in self.flat.values.items() if self.flat is not None and len(found) < len(hashes) else ():
+            entry = classify_leaf(self.flat.storage_keys[name], value)
+            if not isinstance(entry, SkipEntry) and key_hash(entry.fqn) in hashes:
+                found.setdefault(key_hash(entry.fqn), entry.fqn)
+        return found
 
     def compact_local_plan(self, plan: SavePlan) -> LayoutSavePlan | SavePlan:
         """``plan`` (this rank's local plan) with its layout items described by layout. All ranks.
