@@ -30,6 +30,12 @@ from typing import Any, Iterator
 
 __all__ = ["MODULES", "BEGIN_MARKER", "END_MARKER", "format_signature", "render", "main"]
 
+#: The checkout this script belongs to: its package is the one documented, ahead of any other hyper_parallel on
+#: the path (an editable install points at one checkout; a git worktree's script must document its own code).
+_CHECKOUT = str(Path(__file__).resolve().parent.parent)
+if sys.path[:1] != [_CHECKOUT]:
+    sys.path.insert(0, _CHECKOUT)
+
 #: Modules documented, in order.
 MODULES = ("hyper_parallel", "hyper_parallel.core.distributed_checkpoint", "hyper_parallel.cli")
 #: Lines enclosing the generated part of docs/api.md.
