@@ -70,6 +70,24 @@ def test_convert_include_exclude_strip_rename(recipe: Path, tmp_path: Path, caps
     assert code == 2 and "OLD_PREFIX=NEW_PREFIX" in err
 
 
+def test_selection_names_still_takes_the_keys_or_the_metadata(tmp_path: Path) -> None:
+    """KeySelection.names keeps taking what it took before de64b2f: the keys alone (a list: optimizer state told
+    by the patterns) or the metadata's key -> storage entries (shapes read from the entries); on main a list raised
+    AttributeError and metadata entries kept ASGD's eta_/mu_ state as model weights."""
+    net = nn.Dense(3, 2)
+    state = {name: p for name, p in net.parameters_and_names()}
+    state.update({"moment1.weight": ms.Tensor(np.ones((2, 3), np.float32)),
+                  "linear.weight": ms.Tensor(np.ones((2, 3), np.float32)),  # FTRL's state of 'weight'
+                  "eta_weight": ms.Tensor(np.float32(0.5)), "epoch": 3})
+    dcp.save(state, checkpoint_id=tmp_path / "c")
+    metadata = dcp.read_metadata(tmp_path / "c")
+    assert KeySelection().names(["weight", "bias", "moment1.weight", "epoch"]) == {
+        "bias": "bias", "epoch": "epoch", "weight": "weight"}
+    assert KeySelection().names(metadata.state_dict_metadata) == {
+        "bias": "bias", "epoch": "epoch", "weight": "weight"}
+    assert set(KeySelection(everything=True).names(metadata.state_dict_metadata)) == set(state)
+
+
 def test_selection_without_model_group_drops_optimizer_state() -> None:
     keys = {"dense.weight": (2, 3), "moment1.dense.weight": (2, 3), "beta1_power": (), "global_step": (1,),
             "learning_rate": (), "epoch": None}

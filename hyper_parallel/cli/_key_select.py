@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
+from hyper_parallel.core.distributed_checkpoint.metadata import TensorStorageMetadata
 from hyper_parallel.core.strategy_file import OPTIMIZER_STATE_PREFIXES
 
 __all__ = ["OPTIMIZER_PATTERNS", "SHADOW_PREFIXES", "KeySelection", "parse_rename", "is_shadow_state"]
@@ -80,6 +81,14 @@ def is_shadow_state(key: str, shapes: Mapping[str, tuple[int, ...] | None]) -> b
     )
 
 
+def _shapes(given: Mapping[str, Any] | Iterable[str]) -> dict[str, tuple[int, ...] | None]:
+    """Key -> tensor shape from shapes, metadata entries or the keys alone (shapes unknown: ``None``)."""
+    if not isinstance(given, Mapping):
+        return dict.fromkeys(given)
+    return {key: tuple(value.size) if isinstance(value, TensorStorageMetadata) else
+            value if isinstance(value, tuple) else None for key, value in given.items()}
+
+
 @dataclass(frozen=True)
 class KeySelection:
     """The keys to export and their output names (see the module docstring for the order).
@@ -98,16 +107,19 @@ class KeySelection:
     strip_prefixes: tuple[str, ...] = ()
     renames: tuple[tuple[str, str], ...] = ()
 
-    def names(self, shapes: Mapping[str, tuple[int, ...] | None]) -> dict[str, str]:
+    def names(self, shapes: Mapping[str, Any] | Iterable[str]) -> dict[str, str]:
         """Map every selected key to its output name, in sorted key order.
 
         Args:
-            shapes: Every key of the checkpoint -> its tensor shape (``None`` for a non-tensor value); the
-                shapes tell a MindSpore optimizer's state from a layer of the same name (:func:`is_shadow_state`).
+            shapes: Every key of the checkpoint -> its tensor shape (``None`` for a non-tensor value) or its
+                metadata entry (``Metadata.state_dict_metadata``); the shapes tell a MindSpore optimizer's state
+                from a layer of the same name (:func:`is_shadow_state`). The keys alone (no shapes) are also
+                taken: optimizer state is then told by :data:`OPTIMIZER_PATTERNS` only.
 
         Raises:
             CheckpointValueError: two keys end up with one output name (both named).
         """
+        shapes = _shapes(shapes)
         keys = sorted(shapes)
         auto_strip: tuple[str, ...] = ()
         if not self.everything:
