@@ -292,3 +292,19 @@ def test_metadata_placing_a_column_row_past_the_file_end_is_refused(saved) -> No
     with pytest.raises(dcp.CorruptCheckpointError, match=r"p05"):
         dcp.load(state, storage_reader=dcp.FileSystemReader(path, verify_checksums=False), no_dist=True)
     assert _bits(state) == before
+
+
+def test_reader_classes_made_on_the_fly_are_freed(tmp_path) -> None:
+    """The reader-class cache of the column path does not keep a class alive after its last load."""
+    import gc
+    import weakref
+
+    dcp.save({"w": np.arange(4, dtype=np.float32)}, checkpoint_id=tmp_path)
+    made = type("OnTheFly", (dcp.FileSystemReader,), {})
+    target = {"w": np.zeros(4, np.float32)}
+    dcp.load(target, storage_reader=made(tmp_path))
+    np.testing.assert_array_equal(target["w"], np.arange(4, dtype=np.float32))
+    alive = weakref.ref(made)
+    del made
+    gc.collect()
+    assert alive() is None

@@ -81,7 +81,8 @@ _LENGTH = attrgetter("length")
 _COLUMN_METHODS = ("_run_per_file", "_file_groups", "_open_source", "_reads_in_part", "_prime", "_check_header",
                    "_header_entries", "_whole_file_matches", "_verify_files", "_small_flat", "_read_groups",
                    "_read_small")
-_READS_COLUMNS: dict[type, bool] = {}  # reader class -> whether none of _COLUMN_METHODS is overridden
+#: Reader class -> whether none of :data:`_COLUMN_METHODS` is overridden (weak: classes made on the fly are freed).
+_READS_COLUMNS: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
 
 
 class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
