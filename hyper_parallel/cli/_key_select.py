@@ -11,7 +11,16 @@ MindSpore optimizer's per-parameter state ``<prefix>.<param>`` for a prefix
 of :data:`SHADOW_PREFIXES` (``lamb_m.``, ``mean_square.``, ``linear.``,
 ``moment.``...) when ``<param>`` is itself a key of the same shape, the
 Parameter it shadows: ``linear.`` or ``moment.`` alone are ordinary layer
-names, so no glob can tell); (2) ``include`` globs, if
+names, so no glob can tell); a state dict of groups
+(``dcp.save({"net": net, "opt": opt})``, any group names) is read the same way
+one level down: a group whose every key is optimizer state (by those patterns,
+or ``<group>.<prefix>.<param>`` beside ``<other group>.<param>`` or
+``<param>`` of the same shape) and which holds the optimizer's bookkeeping
+(``global_step``, ``learning_rate``, ``beta1_power``...) is the optimizer's
+group and left out; when its state shadows the keys of one other group
+(``opt.moment1.linear.weight`` -> ``net.linear.weight``), that group is the
+network: its keys alone are kept, its prefix stripped, as for ``model.``
+(:func:`optimizer_groups`); (2) ``include`` globs, if
 any, keep only the keys matching one; (3) ``exclude`` globs drop keys; (4)
 the first matching ``strip_prefixes`` entry is cut off the name; (5) the
 first matching ``renames`` pair ``(old, new)`` replaces the prefix ``old``
@@ -28,7 +37,9 @@ from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueErr
 from hyper_parallel.core.distributed_checkpoint.metadata import TensorStorageMetadata
 from hyper_parallel.core.strategy_file import OPTIMIZER_STATE_PREFIXES
 
-__all__ = ["OPTIMIZER_PATTERNS", "SHADOW_PREFIXES", "KeySelection", "parse_rename", "is_shadow_state"]
+__all__ = [
+    "OPTIMIZER_PATTERNS", "SHADOW_PREFIXES", "KeySelection", "parse_rename", "is_shadow_state", "optimizer_groups",
+]
 
 #: Keys that hold optimizer (or training loop) state rather than model weights (fnmatch globs).
 OPTIMIZER_PATTERNS: tuple[str, ...] = (
@@ -45,6 +56,8 @@ SHADOW_PREFIXES: tuple[str, ...] = OPTIMIZER_STATE_PREFIXES + ("ax_.",)
 #: ``nn.ASGD``'s per-parameter 0-d state ``eta_<param>`` / ``mu_<param>`` (``<param>`` a tensor key).
 _SCALAR_SHADOW_PREFIXES = ("eta_", "mu_")
 _MODEL_GROUP = "model."
+#: An optimizer's bookkeeping keys: a group holding one of them and optimizer state only is an optimizer's group.
+_BOOKKEEPING = ("beta1_power", "beta2_power", "global_step", "learning_rate", "momentum")
 
 
 def parse_rename(text: str) -> tuple[str, str]:
@@ -81,6 +94,58 @@ def is_shadow_state(key: str, shapes: Mapping[str, tuple[int, ...] | None]) -> b
     )
 
 
+def optimizer_groups(shapes: Mapping[str, tuple[int, ...] | None]) -> tuple[frozenset[str], str | None]:
+    """The optimizers' groups of a state dict of groups, and the network's group when one is told.
+
+    A top-level group ``<g>.`` is an optimizer's when it holds a bookkeeping key (``<g>.global_step``,
+    ``<g>.learning_rate``, ``<g>.beta1_power``...) and every key of it is optimizer state: one of
+    :data:`OPTIMIZER_PATTERNS` below ``<g>.``, or ``<g>.<prefix>.<param>`` (a prefix of :data:`SHADOW_PREFIXES`)
+    beside a tensor ``<other group>.<param>`` or ``<param>`` of the same shape. The network's group is the one
+    other group that this state shadows (``opt.moment1.linear.weight`` -> ``net.linear.weight``); ``None`` when
+    none or several are, or when the state shadows ungrouped keys too.
+
+    Args:
+        shapes: Every key of the checkpoint -> its tensor shape (``None`` for a non-tensor value).
+    """
+    groups: dict[str, list[str]] = {}
+    for key in shapes:
+        group, dot, rest = key.partition(".")
+        if dot:
+            groups.setdefault(group, []).append(rest)
+    optimizers: set[str] = set()
+    owners: set[str] = set()
+    for group, rests in groups.items():
+        if not any(rest in _BOOKKEEPING for rest in rests):
+            continue
+        found: set[str] = set()
+        for rest in rests:
+            shadowed = _owners(group, rest, shapes, groups)
+            if not shadowed and not _matches(rest, OPTIMIZER_PATTERNS):
+                break
+            found |= shadowed
+        else:
+            optimizers.add(group)
+            owners |= found
+    network = next(iter(owners)) if len(owners) == 1 else None
+    return frozenset(optimizers), network or None
+
+
+def _owners(group: str, rest: str, shapes: Mapping[str, tuple[int, ...] | None], groups: Iterable[str]) -> set[str]:
+    """The groups (``""``: ungrouped) holding the ``<param>`` that ``<group>.<rest>`` is the state of."""
+    shape = shapes.get(f"{group}.{rest}")
+    if shape is None:
+        return set()
+    params = [(rest[len(prefix):], shape) for prefix in SHADOW_PREFIXES if rest.startswith(prefix)]
+    if shape == ():  # nn.ASGD's eta_<param> / mu_<param>: beside a tensor of any shape
+        params += [(rest[len(prefix):], None) for prefix in _SCALAR_SHADOW_PREFIXES if rest.startswith(prefix)]
+    found = set()
+    for param, want in params:
+        for other, name in [("", param)] + [(other, f"{other}.{param}") for other in groups if other != group]:
+            if shapes.get(name) is not None and want in (None, shapes.get(name)):
+                found.add(other)
+    return found
+
+
 def _shapes(given: Mapping[str, Any] | Iterable[str]) -> dict[str, tuple[int, ...] | None]:
     """Key -> tensor shape from shapes, metadata entries or the keys alone (shapes unknown: ``None``)."""
     if not isinstance(given, Mapping):
@@ -113,7 +178,8 @@ class KeySelection:
         Args:
             shapes: Every key of the checkpoint -> its tensor shape (``None`` for a non-tensor value) or its
                 metadata entry (``Metadata.state_dict_metadata``); the shapes tell a MindSpore optimizer's state
-                from a layer of the same name (:func:`is_shadow_state`). The keys alone (no shapes) are also
+                from a layer of the same name (:func:`is_shadow_state`) and an optimizer's group from a network's
+                (:func:`optimizer_groups`). The keys alone (no shapes) are also
                 taken: optimizer state is then told by :data:`OPTIMIZER_PATTERNS` only.
 
         Raises:
@@ -124,10 +190,14 @@ class KeySelection:
         auto_strip: tuple[str, ...] = ()
         if not self.everything:
             grouped = [k for k in keys if k.startswith(_MODEL_GROUP)]
+            optimizers, network = optimizer_groups(shapes) if not grouped else (frozenset(), None)
+            if network is not None:
+                grouped, auto_strip = [k for k in keys if k.startswith(network + ".")], (network + ".",)
             if grouped:
-                keys, auto_strip = grouped, (_MODEL_GROUP,)
+                keys, auto_strip = grouped, auto_strip or (_MODEL_GROUP,)
             else:
-                keys = [k for k in keys if not _matches(k, OPTIMIZER_PATTERNS) and not is_shadow_state(k, shapes)]
+                keys = [k for k in keys if not _matches(k, OPTIMIZER_PATTERNS) and not is_shadow_state(k, shapes)
+                        and k.partition(".")[0] not in optimizers]
         if self.include:
             keys = [k for k in keys if _matches(k, self.include)]
         keys = [k for k in keys if not _matches(k, self.exclude)]

@@ -248,7 +248,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 5GB or 500MiB")
     parser.add_argument("--all", action="store_true",
                         help="export every key (optimizer state and all groups); default: the model only "
-                             "(the 'model.' group, prefix stripped, else every key that is not optimizer state)")
+                             "(the 'model.' group, prefix stripped; else, for a checkpoint of groups such as "
+                             "{'net': net, 'opt': opt}, the group whose Parameters the optimizer's group holds the "
+                             "state of, prefix stripped; else every key that is not optimizer state)")
     parser.add_argument("--include", action="append", default=[], metavar="GLOB",
                         help="export only keys matching this glob (repeatable; '*' crosses dots)")
     parser.add_argument("--exclude", action="append", default=[], metavar="GLOB",
