@@ -144,17 +144,24 @@ def _plan_and_read(
 
 
 def _without(rounds: list[LoadPlan], taken: tuple[ReadItem, ...]) -> list[LoadPlan]:
-    """``rounds`` without the items already read (the values): every byte is read once. A round holding none of
-    them is kept as it is (the reader keeps its grouping of the verified plan for it)."""
+    """``rounds`` without the items already read (the values): every byte is read once.
+
+    A plan of columns (:class:`.WholeReadPlan`) drops them from its other items and keeps its columns (no item
+    made). Another plan holding none of them is kept as it is (the reader keeps its grouping of the verified
+    plan for it).
+    """
     if not taken:
         return rounds
     ids = {id(item) for item in taken}
-    return [
-        plan.without(ids) if type(plan) is WholeReadPlan  # its whole reads stay columns (no item made)  # pylint: disable=unidiomatic-typecheck
-        else dataclasses.replace(plan, items=tuple(item for item in plan.items if id(item) not in ids))
-        if any(id(item) in ids for item in plan.items) else plan
-        for plan in rounds
-    ]
+    kept: list[LoadPlan] = []
+    for plan in rounds:
+        if type(plan) is WholeReadPlan:  # pylint: disable=unidiomatic-typecheck
+            kept.append(plan.without(ids))
+        elif any(id(item) in ids for item in plan.items):
+            kept.append(dataclasses.replace(plan, items=tuple(item for item in plan.items if id(item) not in ids)))
+        else:
+            kept.append(plan)
+    return kept
 
 
 def _plans_stay_local(planner: LoadPlanner, reader: StorageReader) -> bool:
