@@ -562,3 +562,28 @@ def test_auto_estimate_counts_digests_beyond_the_first_of_each_chunk_exactly(mon
         assert plan_wants_index("auto", metadata, block_bytes=block)
         monkeypatch.setattr(_index_plan, "AUTO_INDEX_BYTES", size)
         assert not plan_wants_index("auto", metadata, block_bytes=block)
+
+
+def test_auto_estimate_of_a_reused_plan_is_made_once(monkeypatch):
+    """A cached plan's metadata comes back at every save: its in-line estimate is made once (the decision still
+    follows the threshold of each call); another metadata object, or another block size, is estimated anew."""
+    from hyper_parallel.core.distributed_checkpoint import _index_plan
+
+    planners, plans = plan_ranks([{"w": np.zeros(24, np.float32)}])
+    _, metadata = planners[0].build_global_plan(plans)
+    walks: list[int] = []
+
+    class Counted(dict):
+        def values(self):
+            walks.append(1)
+            return super().values()
+
+    counted = metadata.replace(state_dict_metadata=Counted(metadata.state_dict_metadata))
+    for _ in range(3):
+        assert not plan_wants_index("auto", counted, block_bytes=1 << 20)
+    assert len(walks) == 1
+    monkeypatch.setattr(_index_plan, "AUTO_INDEX_BYTES", 0)
+    assert plan_wants_index("auto", counted, block_bytes=1 << 20) and len(walks) == 1
+    assert plan_wants_index("auto", counted, block_bytes=32) and len(walks) == 2
+    again = counted.replace(state_dict_metadata=Counted(metadata.state_dict_metadata))
+    assert plan_wants_index("auto", again, block_bytes=1 << 20) and len(walks) == 3

@@ -28,6 +28,7 @@ planner's ``finalize_plan`` may reorder or filter them.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
@@ -140,17 +141,35 @@ class RankIndexSummary:
     inline: tuple[WriteResult, ...]
 
 
+#: The in-line size estimates of the last few plans: ``(metadata, block_bytes, bytes)``, newest first. A reused
+#: cached plan brings back its metadata object at every save, so its estimate is made once, not per save.
+_ESTIMATES: list[tuple["weakref.ref[Metadata]", int, int]] = []
+_KEPT_ESTIMATES = 4
+
+
 def plan_wants_index(form: str, metadata: Metadata, *, block_bytes: int) -> bool:
     """Whether the save of ``metadata`` commits the indexed form, decided from the plan. Coordinator; pure.
 
     ``"auto"`` estimates the in-line size as :func:`._index_form.wants_index_form` does at commit, each
-    chunk's checksum digests counted from its size in blocks of ``block_bytes``.
+    chunk's checksum digests counted from its size in blocks of ``block_bytes``. The estimate of a plan's
+    metadata (not changed once the plan is built) is remembered for the next saves of that plan.
     """
     if form != "auto":
         return form == "indexed"
+    for known, block, estimate in tuple(_ESTIMATES):
+        if known() is metadata and block == block_bytes:
+            return estimate > AUTO_INDEX_BYTES
+    estimate = _inline_estimate(metadata, block_bytes=block_bytes)
+    _ESTIMATES.insert(0, (weakref.ref(metadata), block_bytes, estimate))
+    del _ESTIMATES[_KEPT_ESTIMATES:]
+    return estimate > AUTO_INDEX_BYTES
+
+
+def _inline_estimate(metadata: Metadata, *, block_bytes: int) -> int:
+    """Bytes of ``metadata``'s storage entries in the in-line form, estimated from its chunks."""
     entries = extra = 0
     prod = math.prod
-    for item in metadata.state_dict_metadata.values():  # runs at every save's plan step: no call a chunk can skip
+    for item in metadata.state_dict_metadata.values():  # runs at a new plan's step: no call a chunk can skip
         if not isinstance(item, TensorStorageMetadata):
             entries += 1
             continue
@@ -167,7 +186,7 @@ def plan_wants_index(form: str, metadata: Metadata, *, block_bytes: int) -> bool
             nbytes = prod(chunk.sizes) * itemsize
             if nbytes > block_bytes:
                 extra += -(-nbytes // block_bytes) - 1
-    return entries * ENTRY_JSON_BYTES + extra * DIGEST_JSON_BYTES > AUTO_INDEX_BYTES
+    return entries * ENTRY_JSON_BYTES + extra * DIGEST_JSON_BYTES
 
 
 def _grids(metadata: Metadata) -> tuple[dict[str, GridChunks], frozenset[str]]:
