@@ -215,7 +215,8 @@ def _match(wanted: list[str], stored: dict[str, str], strict_load: bool,
     found as the tail of a stored key (of the fewest dots, the shortest) gives a prefix,
     which is then tried for every missing name; repeated while it finds more
     (``model.`` for the network and ``optimizer.`` for the moments of a
-    ``dcp.save({"model": net, "optimizer": opt})``). Only keys ``select`` keeps give prefixes.
+    ``dcp.save({"model": net, "optimizer": opt})``). Only keys ``select`` keeps give prefixes, and a key another
+    entry matched already (by its own name first) goes to no second entry: that entry stays unmatched.
 
     Raises:
         CheckpointValueError: Two prefixes of as few dots hold the name as two stored tensors (``model.`` and
@@ -224,11 +225,16 @@ def _match(wanted: list[str], stored: dict[str, str], strict_load: bool,
     matched = {name: name for name in wanted if name in stored}
     if strict_load:
         return matched
+    # A stored key goes to one net entry: one that another entry already matched (by its own name, or through an
+    # earlier prefix) is not a candidate. Two entries of one key loaded one of them only (one target per key),
+    # and the other, reported loaded, kept its old values.
+    claimed = set(matched.values())
     tried: set[str] = set()
     for name in wanted:
         if name in matched:
             continue
-        prefixes = {key[: -len(name)] for key in stored if key.endswith("." + name) and select(key)} - tried
+        prefixes = {key[: -len(name)] for key in stored
+                    if key.endswith("." + name) and key not in claimed and select(key)} - tried
         if not prefixes:
             continue
         depth = min(prefix.count(".") for prefix in prefixes)
@@ -241,7 +247,9 @@ def _match(wanted: list[str], stored: dict[str, str], strict_load: bool,
             )
         prefix = nearest[0]
         tried.add(prefix)
-        found = {n: prefix + n for n in wanted if n not in matched and prefix + n in stored}
+        found = {n: prefix + n for n in wanted
+                 if n not in matched and prefix + n in stored and prefix + n not in claimed}
+        claimed.update(found.values())
         _LOG.warning("load_checkpoint: %d checkpoint keys carry the prefix '%s'; loaded by name without it",
                      len(found), prefix)
         matched.update(found)
@@ -300,9 +308,10 @@ def load_checkpoint(
         strict_load: Match names exactly and refuse dtype casts. Otherwise a
             ``net`` name missing from the checkpoint is also looked up with the
             one prefix the checkpoint adds (``model.`` of a ``{"model": net}``
-            save), and stored values are cast to the target's dtype among float
-            dtypes or among signed int dtypes (other casts are refused, as
-            MindSpore's ``load_param_into_net`` refuses them).
+            save; never a key another entry has by its own name), and stored
+            values are cast to the target's dtype among float dtypes or among
+            signed int dtypes (other casts are refused, as MindSpore's
+            ``load_param_into_net`` refuses them).
         filter_prefix: Checkpoint keys starting with it (a str or list) are not loaded.
         specify_prefix: Only checkpoint keys starting with it are loaded.
         choice_func: ``name -> bool``: load the keys it accepts. Ignored when
