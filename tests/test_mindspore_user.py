@@ -213,3 +213,23 @@ def test_load_checkpoint_refuses_the_casts_mindspore_refuses(tmp_path):
     wide = ms.Parameter(ms.Tensor(np.zeros(2, np.int32)), name="n")
     hyper_parallel.load_checkpoint(tmp_path / "c", {"w": half, "n": wide})
     assert half.asnumpy().tolist() == [1.0, 1.0] and wide.asnumpy().tolist() == [3, 4]
+
+
+def test_load_checkpoint_refuses_those_casts_into_dtensors_and_sharded_tensors(tmp_path):
+    """The dtype check looked at Parameters and arrays only: a DTensor of an int Parameter got a float checkpoint
+    truncated, and a ShardedTensor of int8 data got 300.2 wrapped to 44, silently."""
+    from hyper_parallel import DTensor, Layout  # pylint: disable=import-outside-toplevel
+    from hyper_parallel.core.distributed_checkpoint.mapping import ShardedTensor  # pylint: disable=import-outside-toplevel
+
+    hyper_parallel.save_checkpoint({"w": np.array([[1.7, -2.6], [3.5, 300.2]], np.float32)}, tmp_path / "c")
+    shard = ms.Parameter(ms.Tensor(np.zeros((2, 2), np.int32)), name="w")
+    with pytest.raises(dcp.CheckpointValueError, match=r"key 'w': stored as float32, the target 'w' is int32"):
+        hyper_parallel.load_checkpoint(tmp_path / "c", {"w": DTensor(shard, Layout((1,), (-1, -1)), (2, 2))})
+    assert not shard.asnumpy().any()
+    data = np.zeros((2, 2), np.int8)
+    with pytest.raises(dcp.CheckpointValueError, match=r"key 'w': stored as float32, the target 'x' is int8"):
+        hyper_parallel.load_checkpoint(tmp_path / "c", {"x": ShardedTensor.from_rank_offsets("w", data)})
+    assert not data.any()
+    half = np.zeros((2, 2), np.float16)  # within the float family, converted as before
+    hyper_parallel.load_checkpoint(tmp_path / "c", {"x": ShardedTensor.from_rank_offsets("w", half)})
+    np.testing.assert_array_equal(half, np.array([[1.7, -2.6], [3.5, 300.2]], np.float16))

@@ -29,6 +29,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     MissingKeyError,
     UnsafeCheckpointError,
 )
+from hyper_parallel.core.distributed_checkpoint.mapping import ShardedTensor
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, TensorStorageMetadata
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardLoadPlanner, StandardSavePlanner
 from hyper_parallel.platform.tensor import dtype_name, from_numpy, is_cell, is_parameter, is_tensor, numpy_dtype
@@ -261,13 +262,22 @@ def _match(wanted: list[str], stored: dict[str, str], strict_load: bool,
 _CONVERTIBLE = (frozenset({"float16", "float32", "float64", "bfloat16"}), frozenset({"int8", "int16", "int32", "int64"}))
 
 
+def _local_data(value: Any) -> Any:
+    """The tensor a target's values land in: a DTensor's shard, a ShardedTensor's data, else the value."""
+    if isinstance(value, ShardedTensor):
+        return value.data
+    if hasattr(value, "to_local") and hasattr(value, "layout"):
+        return value.to_local()
+    return value
+
+
 def _check_dtypes(pairs: dict[str, str], flat_values: dict[str, Any], metadata: Metadata, stored_names: dict[str, str],
                   *, strict_load: bool) -> None:
     """Refuse, before anything is read, the casts MindSpore refuses: any with ``strict_load``, else a change of
     dtype family (a float checkpoint into an int Parameter was truncated silently). Any rank."""
     for name, key in pairs.items():
         stored = metadata.state_dict_metadata.get(stored_names.get(key, key))
-        value = flat_values[name]
+        value = _local_data(flat_values[name])
         if not isinstance(stored, TensorStorageMetadata) or not (is_tensor(value) or isinstance(value, np.ndarray)):
             continue
         have, want = stored.properties.dtype, dtype_name(value)
