@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import mindspore as ms
@@ -49,10 +50,11 @@ def test_exception_in_an_earlier_callbacks_step_end_saves_the_step_the_weights_a
                                                  async_save=async_save, append_info=["step_num"])
     with pytest.raises(RuntimeError, match="killed after step 3"):
         model.train(1, _data(), callbacks=[crash, callback], dataset_sink_mode=False)
-    steps = dcp.CheckpointManager(tmp_path).all_steps()
+    assert not dcp.CheckpointManager(tmp_path).all_steps()
+    steps = dcp.CheckpointManager(tmp_path, step_prefix="breakpoint_").all_steps()
     assert len(steps) == 1
     step = steps[0]
-    loaded = hyper_parallel.load_checkpoint(tmp_path / f"step_{step:08d}")
+    loaded = hyper_parallel.load_checkpoint(tmp_path / f"breakpoint_{step:08d}")
     assert loaded["step_num"].asnumpy().item() == step
     np.testing.assert_array_equal(net.weight.asnumpy(), _weights_after(3))  # the weights at the exception
     np.testing.assert_array_equal(loaded["weight"].asnumpy(), _weights_after(step))
@@ -80,8 +82,8 @@ def test_exception_before_the_network_ran_saves_the_previous_step(tmp_path: Path
     with pytest.raises(RuntimeError, match="killed before step 3"):
         model.train(1, _data(), callbacks=[crash, callback] if crash_first else [callback, crash],
                     dataset_sink_mode=False)
-    assert dcp.CheckpointManager(tmp_path).all_steps() == [2]
-    loaded = hyper_parallel.load_checkpoint(tmp_path / "step_00000002")
+    assert callback.breakpoint_manager.all_steps() == [2] and not callback.manager.all_steps()
+    loaded = hyper_parallel.load_checkpoint(tmp_path / "breakpoint_00000002")
     np.testing.assert_array_equal(net.weight.asnumpy(), _weights_after(2))
     np.testing.assert_array_equal(loaded["weight"].asnumpy(), _weights_after(2))
     assert loaded["step_num"].asnumpy().item() == 2
@@ -145,19 +147,21 @@ class _NanThenRaise(StepLog):
 @pytest.mark.parametrize("async_save", [False, True])
 def test_exception_save_deletes_no_earlier_step(tmp_path: Path, async_save: bool) -> None:
     """keep_checkpoint_max=1 and exception_save: the step saved at the exception (its state may be a diverged
-    one) is added, the last good step stays; the next run's saves prune as usual."""
+    one) is kept apart as breakpoint_<n>, the last good step stays; the next run's saves prune as usual."""
     model, net, _ = _model()
     callback = hyper_parallel.CheckpointCallback(tmp_path, save_checkpoint_steps=2, keep_checkpoint_max=1,
                                                  exception_save=True, async_save=async_save)
     with pytest.raises(ValueError, match="NaN"):
         model.train(1, _data(), callbacks=[callback, _NanThenRaise(crash_at=3)], dataset_sink_mode=False)
-    assert dcp.CheckpointManager(tmp_path).all_steps() == [2, 3]
+    assert dcp.CheckpointManager(tmp_path).all_steps() == [2]
+    assert dcp.CheckpointManager(tmp_path, step_prefix="breakpoint_").all_steps() == [3]
     good = hyper_parallel.load_checkpoint(tmp_path / "step_00000002")
     np.testing.assert_array_equal(good["weight"].asnumpy(), _weights_after(2))
-    assert np.isnan(hyper_parallel.load_checkpoint(tmp_path / "step_00000003")["weight"].asnumpy()).all()
+    assert np.isnan(hyper_parallel.load_checkpoint(tmp_path / "breakpoint_00000003")["weight"].asnumpy()).all()
     manager = dcp.CheckpointManager(tmp_path, max_to_keep=1)
     manager.save(4, {"weight": np.zeros(2, np.float32)})
     assert manager.all_steps() == [4]  # a later save's retention prunes as the policy says
+    assert callback.breakpoint_manager.all_steps() == [3]  # and leaves the breakpoint step alone
 
 
 class _FirstStep(StepLog):
@@ -186,3 +190,42 @@ def test_a_retry_after_a_failed_model_train_resumes_from_the_last_saved_step(tmp
     assert probe.first is not None and probe.first[0] == 3
     np.testing.assert_array_equal(probe.first[1], _weights_after(2))
     assert callback.manager.all_steps()[-1] == 6
+
+
+def test_a_resume_takes_the_last_regular_step_unless_the_breakpoint_is_asked_for(tmp_path: Path) -> None:
+    """NaN weights at step 3 with exception_save: the step is saved as breakpoint_00000003. A new job with the
+    default resume=True trains on from the last regular step 2 (not from NaN); resume="breakpoint" loads step 3
+    when asked; later exception saves keep the newest keep_checkpoint_max breakpoints."""
+    knobs = dict(save_checkpoint_steps=2, keep_checkpoint_max=1, exception_save=True, async_save=True)
+    root = tmp_path / "run"
+    model, _, _ = _model()
+    with pytest.raises(ValueError, match="NaN"):
+        model.train(1, _data(), callbacks=[hyper_parallel.CheckpointCallback(root, **knobs),
+                                           _NanThenRaise(crash_at=3)], dataset_sink_mode=False)
+    shutil.copytree(root, tmp_path / "copy")
+
+    model, net, _ = _model()
+    net.weight.set_data(ms.Tensor(np.zeros((2, 3), np.float32)))
+    plain, probe = hyper_parallel.CheckpointCallback(root, **knobs), _FirstStep()
+    assert plain.initial_epoch(4) == 0 and plain.breakpoint_manager.all_steps() == [3]
+    with pytest.raises(ValueError, match="NaN at step 7"):
+        model.train(2, _data(), callbacks=[plain, probe, _NanThenRaise(crash_at=7)], dataset_sink_mode=False)
+    assert plain.resumed_step == 2 and probe.first is not None and probe.first[0] == 3
+    np.testing.assert_array_equal(probe.first[1], _weights_after(2))  # the good weights, not the NaN ones
+    assert plain.manager.all_steps() == [6] and plain.breakpoint_manager.all_steps() == [7]  # 3 pruned (keep 1)
+    assert np.isnan(hyper_parallel.load_checkpoint(plain.breakpoint_manager.directory(7))["weight"].asnumpy()).all()
+
+    model, net, _ = _model()
+    asked, probe = hyper_parallel.CheckpointCallback(tmp_path / "copy", resume="breakpoint", **knobs), _FirstStep()
+    model.train(1, _data(), callbacks=[asked, probe], dataset_sink_mode=False)
+    assert asked.resumed_step == 3 and probe.first is not None and probe.first[0] == 4
+    assert np.isnan(probe.first[1]).all()  # what was asked for: the state at the exception
+    assert asked.manager.all_steps() == [7] and asked.breakpoint_manager.all_steps() == [3]  # 4 batches: steps 4-7
+    weights = {"weight": ms.Parameter(ms.Tensor(np.zeros((2, 3), np.float32)), name="weight")}
+    assert asked.breakpoint_manager.load(weights, step=3) == 3 and np.isnan(weights["weight"].asnumpy()).all()
+
+
+def test_resume_takes_only_true_false_or_breakpoint(tmp_path: Path) -> None:
+    for bad in ("yes", 1, None):
+        with pytest.raises(dcp.CheckpointValueError, match=r"resume must be True, False or 'breakpoint', got"):
+            hyper_parallel.CheckpointCallback(tmp_path, resume=bad)

@@ -46,15 +46,17 @@ def _state(net: nn.Cell, opt: nn.Optimizer) -> list[np.ndarray]:
         opt.global_step.asnumpy().copy()]
 
 
-@pytest.mark.parametrize("kind, save_steps, crash_at, sink, async_save, exception_save", [
-    ("sampler", 3, 7, False, True, False),          # newest step 6: 2 batches into epoch 2
-    ("buffer+random", 3, 11, False, False, False),  # newest step 9: 1 batch into epoch 3; shuffle buffer, random op
-    ("sampler", 4, 6, True, True, False),           # newest step 4: an epoch end of a shuffled dataset; sink on CPU
-    ("sampler", 3, 10, True, False, False),         # newest step 9, inside epoch 3; sink on CPU (MindSpore does not sink)
-    ("sampler", 5, 7, False, True, True),           # newest step 7 (exception_save), 3 batches into epoch 2
+@pytest.mark.parametrize("kind, save_steps, crash_at, sink, async_save, exception_save, resume", [
+    ("sampler", 3, 7, False, True, False, True),          # newest step 6: 2 batches into epoch 2
+    ("buffer+random", 3, 11, False, False, False, True),  # newest step 9: 1 into epoch 3; shuffle buffer, random op
+    ("sampler", 4, 6, True, True, False, True),           # newest step 4: an epoch end of a shuffled dataset; sink
+    ("sampler", 3, 10, True, False, False, True),         # newest step 9, inside epoch 3; sink (CPU: not sunk)
+    ("sampler", 5, 7, False, True, True, "breakpoint"),   # breakpoint step 7 (exception_save) asked for: 3 into epoch 2
+    ("sampler", 5, 7, False, True, True, True),           # a plain resume takes regular step 5, not breakpoint step 7
 ])
 def test_resume_after_a_kill_repeats_the_uninterrupted_run(tmp_path: Path, kind: str, save_steps: int, crash_at: int,
-                                                           sink: bool, async_save: bool, exception_save: bool) -> None:
+                                                           sink: bool, async_save: bool, exception_save: bool,
+                                                           resume: bool | str) -> None:
     model, net, opt = _model(1)
     reference = StepLog()
     model.train(EPOCHS, _data(kind), callbacks=[reference], dataset_sink_mode=sink)
@@ -62,15 +64,17 @@ def test_resume_after_a_kill_repeats_the_uninterrupted_run(tmp_path: Path, kind:
     expected_state = _state(net, opt)
 
     knobs = dict(save_checkpoint_steps=save_steps, keep_checkpoint_max=10, async_save=async_save,
-                 exception_save=exception_save, append_info=["epoch_num", "step_num"])
+                 exception_save=exception_save, append_info=["epoch_num", "step_num"], resume=resume)
     model, _, _ = _model(1)
     killed = StepLog(crash_at)
     with pytest.raises(RuntimeError, match="killed"):
         model.train(EPOCHS, _data(kind), callbacks=[hyper_parallel.CheckpointCallback(tmp_path, **knobs), killed],
                     dataset_sink_mode=sink)
-    newest = crash_at if exception_save else crash_at // save_steps * save_steps
-    saved_steps = sorted({*range(save_steps, crash_at + 1, save_steps), newest})
+    newest = crash_at if resume == "breakpoint" else crash_at // save_steps * save_steps
+    saved_steps = list(range(save_steps, crash_at + 1, save_steps))
     assert dcp.CheckpointManager(tmp_path).all_steps() == saved_steps
+    assert dcp.CheckpointManager(tmp_path, step_prefix="breakpoint_").all_steps() == ([crash_at] if exception_save
+                                                                                      else [])
 
     model, net, opt = _model(9)  # a new job: other initial values, a dataset built again
     callback = hyper_parallel.CheckpointCallback(tmp_path, **knobs)
@@ -86,6 +90,7 @@ def test_resume_after_a_kill_repeats_the_uninterrupted_run(tmp_path: Path, kind:
     for mine, theirs in zip(_state(net, opt), expected_state):
         np.testing.assert_array_equal(mine, theirs)
     assert callback.manager.all_steps() == sorted({*saved_steps, *range(save_steps, 13, save_steps), 12})
+    assert callback.breakpoint_manager.all_steps() == ([crash_at] if exception_save else [])
     for step in callback.manager.all_steps():  # the saved counters follow the uninterrupted numbering
         saved = hyper_parallel.load_checkpoint(tmp_path / f"step_{step:08d}", specify_prefix=["epoch", "step",
                                                                                               "hyper_parallel"])

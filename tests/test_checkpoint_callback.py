@@ -112,8 +112,8 @@ def test_exception_save_keeps_the_last_completed_step(tmp_path: Path) -> None:
                                                  append_info=["step_num"])
     with pytest.raises(RuntimeError, match="boom"):
         model.train(1, _data(), callbacks=[callback, _Boom()], dataset_sink_mode=False)
-    assert _steps_on_disk(tmp_path) == [2]
-    loaded = hyper_parallel.load_checkpoint(tmp_path / "step_00000002")
+    assert _steps_on_disk(tmp_path) == [] and callback.breakpoint_manager.all_steps() == [2]
+    loaded = hyper_parallel.load_checkpoint(tmp_path / "breakpoint_00000002")
     np.testing.assert_array_equal(loaded["weight"].asnumpy(), net.weight.asnumpy())
     assert loaded["step_num"].asnumpy().item() == 2
     model2, _, _ = _model()

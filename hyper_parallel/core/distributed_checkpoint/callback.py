@@ -9,6 +9,13 @@ once, under MindSpore's names, as ``ModelCheckpoint`` saves them), plus the
 ``run_context.original_args()`` fields (``train_network``, ``network``,
 ``optimizer``, ``cur_step_num``, ``batch_num``), never ``Model`` internals.
 
+The step ``exception_save`` saves when training raises is kept apart, as
+MindSpore keeps its ``_breakpoint`` files apart: it is
+``<directory>/breakpoint_<n:08d>``, a step of a second manager
+(:attr:`CheckpointCallback.breakpoint_manager`, step prefix ``breakpoint_``).
+Its state may be a diverged one (NaN weights), so a resume loads the newest
+regular step unless ``resume="breakpoint"`` asks for the exception step.
+
 Exact resume: every step is saved with ``Model.train``'s steps per epoch
 (the value ``hyper_parallel.steps_per_epoch``). :meth:`CheckpointCallback.resume_dataset`
 positions the dataset just after the newest committed step with
@@ -47,6 +54,9 @@ __all__ = ["CheckpointCallback"]
 _LOG = logging.getLogger(__name__)
 _APPEND_NAMES = ("epoch_num", "step_num")
 _STEPS_PER_EPOCH_KEY = "hyper_parallel.steps_per_epoch"  # the value saved with every step: Model.train's batch_num
+#: Step prefix of the steps ``exception_save`` writes (``<directory>/breakpoint_<n:08d>``).
+_BREAKPOINT_PREFIX = "breakpoint_"
+_RESUME_CHOICES = (True, False, "breakpoint")
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,11 +87,12 @@ def _net_outputs(cb_params: Any) -> Any:
 
 @dataclass(frozen=True, eq=False)
 class _DataPosition:
-    """Where :meth:`CheckpointCallback.resume_dataset` put a dataset: just after ``step``."""
+    """Where :meth:`CheckpointCallback.resume_dataset` put a dataset: just after ``step`` of ``source``."""
 
     step: int
     steps_per_epoch: int
     dataset: Any
+    source: CheckpointManager
 
 
 def _agree(step: str, check: Callable[[], None]) -> None:
@@ -121,7 +132,8 @@ class CheckpointCallback(Callback):
     Every rank of an ``msrun`` job passes the same callback arguments. With
     ``resume=True`` training begins by loading the newest committed step of
     ``directory`` into the network and the optimizer (resharded to this job's
-    layout) and step numbers continue after it. For a resumed run that
+    layout) and step numbers continue after it. A step ``exception_save``
+    wrote is not loaded unless ``resume="breakpoint"`` asks for it. For a resumed run that
     repeats an uninterrupted one exactly, also from a save inside an epoch
     and with a shuffled dataset, position the data before training: pass
     ``initial_epoch=callback.resume_dataset(dataset)`` to ``Model.train``
@@ -143,15 +155,31 @@ class CheckpointCallback(Callback):
         async_save: Return to training once the state is staged; writing and
             commit run in the background.
         exception_save: When training raises, save the last completed step
-            before the exception propagates.
+            before the exception propagates, apart from the regular steps: as
+            ``<directory>/breakpoint_<n:08d>`` (:attr:`breakpoint_manager`, which
+            keeps the newest ``keep_checkpoint_max`` of them, at least 1). It
+            deletes no regular step, and a resume does not load it unless asked.
         append_info: MindSpore's list: ``"epoch_num"`` / ``"step_num"`` store
             the current counters, one dict stores its (plain) values.
-        resume: Load the newest committed step when training begins.
+        resume: ``True``: load the newest committed regular step when training
+            begins. ``"breakpoint"``: load the newest committed step of either
+            kind, so the step ``exception_save`` wrote when it is newer than the
+            newest regular one (its state may have diverged: NaN weights).
+            ``False``: load nothing.
         strategy_file: MindSpore strategy file(s) describing how Parameters
             are sliced, passed to every save and load.
 
     Raises:
-        CheckpointValueError: A knob out of range, or all four save/keep knobs 0.
+    Attributes:
+        manager: The :class:`CheckpointManager` of the regular steps (``step_<n:08d>``).
+        breakpoint_manager: The :class:`CheckpointManager` of the steps ``exception_save``
+            wrote (``breakpoint_<n:08d>``): ``breakpoint_manager.all_steps()`` lists them,
+            ``breakpoint_manager.load(state, step=n)`` or ``load_checkpoint(breakpoint_manager.directory(n))``
+            loads one.
+
+    Raises:
+        CheckpointValueError: A knob out of range, all four save/keep knobs 0, or ``resume`` not
+            ``True``, ``False`` or ``"breakpoint"``.
             When training begins: ``resume=False`` on a directory holding newer
             steps, or a dataset not as :meth:`resume_dataset` prepared it.
     """
@@ -167,7 +195,7 @@ class CheckpointCallback(Callback):
         async_save: bool = True,
         exception_save: bool = False,
         append_info: list[Any] | None = None,
-        resume: bool = True,
+        resume: bool | str = True,
         strategy_file: Any = None,
     ) -> None:
         super().__init__()
@@ -183,7 +211,9 @@ class CheckpointCallback(Callback):
         self.save_checkpoint_steps = steps
         self.save_checkpoint_seconds = 0 if steps else seconds
         self.exception_save = bool(exception_save)
-        self.resume = bool(resume)
+        if not any(resume is choice or (isinstance(choice, str) and resume == choice) for choice in _RESUME_CHOICES):
+            raise CheckpointValueError(f"resume must be True, False or 'breakpoint', got {resume!r}")
+        self.resume: bool | str = resume
         self._counters, self._append = _append_values(append_info)
         self.strategy_file = strategy_file
         self._io_kwargs: dict[str, Any] = {"strategy_file": strategy_file}
@@ -195,6 +225,10 @@ class CheckpointCallback(Callback):
             keep_time_interval_seconds=per_minutes * 60 if (per_minutes and not keep_max) else None,
             async_save=bool(async_save),
         )
+        # Saved when training raises: a committed sync save before the exception propagates, never pruning a
+        # regular step (its own prefix), never taken by a plain resume.
+        self.breakpoint_manager = CheckpointManager(directory, max_to_keep=keep_max or 1,
+                                                    step_prefix=_BREAKPOINT_PREFIX)
         self.resumed_step: int | None = None
         self._position: _DataPosition | None = None  # set by resume_dataset, checked at train begin
         self._steps_per_epoch = 0  # Model.train's batch_num, saved with every step
@@ -222,15 +256,28 @@ class CheckpointCallback(Callback):
             CheckpointValueError: The newest step was saved with another
                 number of steps per epoch.
         """
-        if not self.resume:
+        point = self._resume_point() if self.resume else None
+        if point is None:
             return 0
-        latest = self.manager.latest_step()
-        if latest is None:
-            return 0
+        source, latest = point
         steps_per_epoch = max(1, int(steps_per_epoch))
-        saved = self._saved_steps_per_epoch(latest)
-        _agree("initial_epoch", lambda: self._check_steps_per_epoch(latest, saved, steps_per_epoch, "steps_per_epoch"))
+        saved = self._saved_steps_per_epoch(source, latest)
+        _agree("initial_epoch", lambda: self._check_steps_per_epoch(source, latest, saved, steps_per_epoch,
+                                                                    "steps_per_epoch"))
         return latest // steps_per_epoch
+
+    def _resume_point(self) -> tuple[CheckpointManager, int] | None:
+        """The manager and step a resume loads, or ``None`` without a committed step. All ranks.
+
+        The newest regular step; with ``resume="breakpoint"`` the newest ``exception_save`` step instead when it
+        is newer.
+        """
+        latest = self.manager.latest_step()
+        if self.resume == "breakpoint":
+            exception_step = self.breakpoint_manager.latest_step()
+            if exception_step is not None and (latest is None or exception_step > latest):
+                return self.breakpoint_manager, exception_step
+        return None if latest is None else (self.manager, latest)
 
     def resume_dataset(self, dataset: Any) -> int:
         """Position ``dataset`` after the newest committed step; return ``initial_epoch``. All ranks.
@@ -263,16 +310,16 @@ class CheckpointCallback(Callback):
                 holds on any.
         """
         self._position = None
-        if not self.resume:
+        point = self._resume_point() if self.resume else None
+        if point is None:
             return 0
+        source, latest = point
         steps_per_epoch = int(dataset.get_dataset_size())
-        latest = self.manager.latest_step()
-        if latest is None:
-            return 0
-        saved = self._saved_steps_per_epoch(latest)
+        saved = self._saved_steps_per_epoch(source, latest)
 
         def check() -> None:
-            self._check_steps_per_epoch(latest, saved, steps_per_epoch, "the dataset's size (get_dataset_size())")
+            self._check_steps_per_epoch(source, latest, saved, steps_per_epoch,
+                                        "the dataset's size (get_dataset_size())")
             if latest and dataset_config.get_debug_mode():
                 raise CheckpointValueError(
                     f"cannot position the dataset after step {latest}: MindSpore's dataset debug mode ignores "
@@ -282,22 +329,26 @@ class CheckpointCallback(Callback):
 
         _agree("resume_dataset", check)  # a rank whose shard does not fit stops every rank here
         dataset.set_init_step(latest)
-        self._position = _DataPosition(latest, steps_per_epoch, dataset)
+        self._position = _DataPosition(latest, steps_per_epoch, dataset, source)
         return latest // steps_per_epoch
 
-    def _saved_steps_per_epoch(self, step: int) -> int | None:
-        """The steps per epoch ``step`` was saved with (``None`` before the value existed). All ranks (a load)."""
-        if _STEPS_PER_EPOCH_KEY not in read_metadata(self.manager.directory(step)).state_dict_metadata:
+    @staticmethod
+    def _saved_steps_per_epoch(manager: CheckpointManager, step: int) -> int | None:
+        """The steps per epoch ``step`` of ``manager`` was saved with (``None`` before the value existed). All
+        ranks (a load)."""
+        if _STEPS_PER_EPOCH_KEY not in read_metadata(manager.directory(step)).state_dict_metadata:
             return None
         saved = {_STEPS_PER_EPOCH_KEY: 0}
-        self.manager.load(saved, step=step)
+        manager.load(saved, step=step)
         return int(saved[_STEPS_PER_EPOCH_KEY])
 
-    def _check_steps_per_epoch(self, step: int, saved: int | None, steps_per_epoch: int, source: str) -> None:
+    @staticmethod
+    def _check_steps_per_epoch(manager: CheckpointManager, step: int, saved: int | None, steps_per_epoch: int,
+                               source: str) -> None:
         """Refuse ``steps_per_epoch`` if ``step`` was ``saved`` with another number (``None``: not known)."""
         if saved is not None and saved != steps_per_epoch:
             raise CheckpointValueError(
-                f"step {step} in {self.manager.directory(step)} was saved with {saved} steps per epoch, but "
+                f"step {step} in {manager.directory(step)} was saved with {saved} steps per epoch, but "
                 f"{source} is {steps_per_epoch}: its data position (epoch {step // saved + 1}, "
                 f"{step % saved} batches in) does not exist in this dataset. Resume with the saving run's "
                 f"dataset, batch size and number of shards ({saved} steps per epoch), or load the weights "
@@ -330,7 +381,8 @@ class CheckpointCallback(Callback):
         return state
 
     def on_train_begin(self, run_context: RunContext) -> None:
-        """Load the newest committed step (``resume``) and continue its step numbering. All ranks.
+        """Load the newest committed step (``resume``; an ``exception_save`` step only with
+        ``resume="breakpoint"``) and continue its step numbering. All ranks.
 
         In a later ``Model.train`` call with this callback, after one that ended normally, the step it saved
         last is not loaded again (the Parameters are already there, with any change the script made between the
@@ -346,10 +398,11 @@ class CheckpointCallback(Callback):
         self._completed, self._running = int(cb_params.cur_step_num), None
         if self.manager.async_save:  # the first save then copies into buffers already backed
             self._staging = prepare_async_save(self._state)
-        latest = position.step if position is not None else self.manager.latest_step()
-        if latest is None:
+        point = (position.source, position.step) if position is not None else self._resume_point()
+        if point is None:
             return
-        if latest == self._last_saved == trained and running is None:
+        source, latest = point
+        if source is self.manager and latest == self._last_saved == trained and running is None:
             # This callback saved (or loaded) that step in this process and trained no step after it: a later
             # Model.train call with the same callback after one that ended normally. The Parameters are at that
             # step, with what the script changed in between (a learning rate, weights loaded by hand): loading
@@ -365,12 +418,12 @@ class CheckpointCallback(Callback):
                     "directory, or resume=True to continue after them"
                 )
             return
-        self.manager.load(dict(self._state), step=latest, **self._io_kwargs)  # append_info values stay as saved
+        source.load(dict(self._state), step=latest, **self._io_kwargs)  # append_info values stay as saved
         cb_params.cur_step_num = latest
         self._completed = self._last_saved = self.resumed_step = latest
         if position is None:
             self._warn_unpositioned(latest, cb_params)
-        _LOG.info("resumed from %s", self.manager.directory(latest))
+        _LOG.info("resumed from %s", source.directory(latest))
 
     def _check_position(self, position: _DataPosition, cb_params: Any) -> None:
         """Refuse a ``Model.train`` that does not iterate the dataset as :meth:`resume_dataset` positioned it."""
@@ -422,8 +475,9 @@ class CheckpointCallback(Callback):
                 "resume_dataset returned) to Model.train"
             )
 
-    def _save(self, step: int, epoch: int, *, force: bool, prune: bool = True) -> None:
-        """Save the training state (plus ``append_info``) as ``step``. All ranks."""
+    def _save(self, step: int, epoch: int, *, force: bool, manager: CheckpointManager | None = None) -> None:
+        """Save the training state (plus ``append_info``) as ``step`` of ``manager`` (default: the regular
+        steps). All ranks."""
         state = {**(self._state or {}), **self._append}
         if "epoch_num" in self._counters:
             state["epoch_num"] = epoch
@@ -431,7 +485,9 @@ class CheckpointCallback(Callback):
             state["step_num"] = step
         if self._steps_per_epoch:
             state[_STEPS_PER_EPOCH_KEY] = self._steps_per_epoch
-        if self.manager.save(step, state, force=force, prune=prune, **self._io_kwargs):
+        if manager is not None:
+            manager.save(step, state, force=force, **self._io_kwargs)
+        elif self.manager.save(step, state, force=force, **self._io_kwargs):
             self._last_saved = step
 
     def on_train_step_begin(self, run_context: RunContext) -> None:
@@ -471,14 +527,16 @@ class CheckpointCallback(Callback):
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        """Leaving ``Model.train``: with ``exception_save``, save the last completed step on an exception."""
+        """Leaving ``Model.train``: with ``exception_save``, save the last completed step on an exception, as a
+        step of :attr:`breakpoint_manager` (committed before the exception propagates)."""
         try:
             if exc_type is not None and self.exception_save and self._state is not None:
                 step, epoch = self._trained_step()
                 if step != self._last_saved and step > 0:
                     _LOG.warning("training raised %s: saving step %d (exception_save)", exc_type.__name__, step)
                     self.manager.wait()
-                    self._save(step, epoch, force=True, prune=False)  # a diverged state costs no good step
+                    # A diverged state (NaN weights) costs no regular step and is not what a plain resume loads.
+                    self._save(step, epoch, force=True, manager=self.breakpoint_manager)
         finally:
             self.manager.close()
 

@@ -276,9 +276,8 @@ class CheckpointManager:
                 kept in the root's record; numpy scalars, 0-d arrays and
                 one-element tensors are recorded as Python numbers.
             prune: ``False``: once this step commits, retention records it but
-                deletes nothing (a state that may be bad, such as the one
-                ``CheckpointCallback`` saves when training raises, never costs
-                an earlier step); the next save's retention prunes as usual.
+                deletes nothing (a state that may be bad never costs an
+                earlier step); the next save's retention prunes as usual.
             **kwargs: Passed on to :func:`save` / :func:`async_save` (``planner``, ...).
 
         Returns:
