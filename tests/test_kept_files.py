@@ -235,6 +235,12 @@ def replace(name):
     os.replace(os.path.join(path, name + ".new"), os.path.join(path, name))
 
 
+def overwrite_in_place(name):
+    with open(os.path.join(path, name), "r+b") as handle:  # the same inode
+        handle.seek(-64, os.SEEK_END)
+        handle.write(bytes(64))
+
+
 def restore():
     for name, data in originals.items():
         with open(os.path.join(path, name), "wb") as handle:
@@ -276,6 +282,21 @@ for change in ("replace", "delete"):
     assert all(not value.asnumpy().any() for value in state.values()), change
     assert open_here() == 0
     restore()
+# A kept file (the 4th) or one beyond the cap (the 30th) written to in place: refused by name, no target changed.
+for name in (files[3], files[29]):
+    for f in files:
+        os.utime(os.path.join(path, f), ns=(10**18, 10**18))  # an old checkpoint (not written this timestamp tick)
+    state = targets()
+    try:
+        dcp.load(state, storage_reader=BetweenPasses(lambda: overwrite_in_place(name)), no_dist=True)
+    except dcp.CorruptCheckpointError as exc:
+        text = str(exc)
+        assert name in text and "was written to" in text and "no target was changed" in text, text
+    else:
+        raise AssertionError(f"{name} written to in place between the passes was not refused")
+    assert all(not value.asnumpy().any() for value in state.values()), name
+    assert open_here() == 0
+    restore()
 print("OK")
 '''
 
@@ -304,13 +325,13 @@ def test_a_file_beyond_the_cap_is_reopened_only_if_it_is_the_one_checked(tmp_pat
     assert not files.keep("data.safetensors", FileSource(fd), name, "w", os.fstat(fd))  # cap 0: noted, not kept
     os.close(fd)
     assert files.get("data.safetensors") is None
-    files.check_reopened(tmp_path)
+    files.check_before_read(tmp_path)
     again = files.reopen("data.safetensors", name, "w", tmp_path)
     assert os.pread(again, 3, 0) == b"aaa"
     os.close(again)
     _replace_with_other_file(name)  # same size, another inode
     with pytest.raises(dcp.CheckpointNotFoundError, match="no target was changed") as checked:
-        files.check_reopened(tmp_path)
+        files.check_before_read(tmp_path)
     assert "data.safetensors (key 'w')" in str(checked.value) and "at most 0 data files" in str(checked.value)
     with pytest.raises(dcp.CheckpointNotFoundError, match="may hold new values"):
         files.reopen("data.safetensors", name, "w", tmp_path)
@@ -321,3 +342,76 @@ def test_a_file_beyond_the_cap_is_reopened_only_if_it_is_the_one_checked(tmp_pat
     with pytest.raises(dcp.CheckpointNotFoundError, match="data.safetensors"):  # not noted: plainly missing
         files.reopen("data.safetensors", name, "w", tmp_path)
     assert not _open_in(tmp_path)
+
+
+def _age(path: Path) -> None:
+    """Date the data files back, as those of a checkpoint saved a while ago (a write in the timestamp tick of the
+    save's own last write would keep the modification time: see _kept_files)."""
+    for data_file in _data_files(path):
+        os.utime(data_file, ns=(10**18, 10**18))
+
+
+def _overwrite_in_place(data_file: Path) -> None:
+    """Write other bytes over the file's data, through the same inode (as open(name, "r+b") or dd conv=notrunc)."""
+    size = data_file.stat().st_size
+    with open(data_file, "r+b") as handle:
+        handle.seek(size // 2)
+        handle.write(bytes(255 - b for b in data_file.read_bytes()[size // 2:]))
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_file_written_to_in_place_between_the_passes_fails_the_load_with_no_target_changed(saved, verify) -> None:
+    """A descriptor keeps a deleted or replaced file's bytes, not those of a file written to through its inode:
+    the read pass would land bytes never verified. The size and modification time noted at the first pass's open
+    are checked before the read pass."""
+    path, _ = saved
+    _age(path)
+    victim = _data_files(path)[2]
+    target = _state(1)
+    before = _values(target)
+    reader = BetweenPasses(path, lambda: _overwrite_in_place(victim), verify_checksums=verify)
+    with pytest.raises(dcp.CorruptCheckpointError) as caught:
+        dcp.load(target, storage_reader=reader, no_dist=True)
+    text = str(caught.value)
+    assert f"data file {victim.name} (key '" in text and f"of checkpoint {path} was written to" in text, text
+    assert "no target was changed" in text and "find what writes into the checkpoint" in text, text
+    for name, values in _values(target).items():
+        assert values.tobytes() == before[name].tobytes(), name
+    assert not _open_in(path)
+
+
+class _WritesWhileReading(dcp.StandardLoadPlanner):
+    """Writes into every data file, in place, when the read pass lands its first tensor."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path: Path | None = path
+
+    def apply_tensor(self, read_item, tensor) -> None:
+        path, self.path = self.path, None
+        if path is not None:
+            for data_file in _data_files(path):
+                _overwrite_in_place(data_file)
+        super().apply_tensor(read_item, tensor)
+
+
+def test_a_file_written_to_during_the_read_pass_fails_the_load_saying_targets_may_hold_unverified_bytes(
+        saved) -> None:
+    path, _ = saved
+    _age(path)
+    target = _state(1)
+    with pytest.raises(dcp.CorruptCheckpointError) as caught:
+        dcp.load(target, storage_reader=dcp.FileSystemReader(path, thread_count=1),
+                 planner=_WritesWhileReading(path), no_dist=True)
+    text = str(caught.value)
+    assert "was written to" in text and "may already hold bytes of it that were never verified" in text, text
+    assert not _open_in(path)
+
+
+def test_a_load_of_an_aged_unchanged_checkpoint_is_not_refused(saved) -> None:
+    path, expected = saved
+    _age(path)
+    target = _state(1)
+    dcp.load(target, storage_reader=BetweenPasses(path, lambda: None), no_dist=True)
+    for name, values in _values(target).items():
+        assert values.tobytes() == expected[name].tobytes(), name

@@ -149,6 +149,7 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         self._in_part: dict[str, bool] = {}  # data file -> read without readahead (decided once per load)
         self._resolved: dict[str, Path] = {}  # data file -> its checked path (resolved once per load)
         self._files = KeptFiles()  # the descriptors of the first pass, read by the read pass
+        self._landing = False  # the read pass is running (a file found changed after it: targets may hold its bytes)
         self._aheads: list[Any] = []  # the load's priming threads (_read_priming.ReadAhead), ended by finish_load
         weakref.finalize(self, self._files.close_all)  # a reader dropped without finish_load
 
@@ -290,11 +291,16 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
 
         Reads the files the verify pass opened through the descriptors it
         kept (up to a cap, see :mod:`._kept_files`): a data file deleted or
-        replaced since it was verified is read as verified.
+        replaced since it was verified is read as verified. A data file
+        written to in place (its size or modification time changed) since
+        the verify pass opened it fails the load.
 
         Raises (through the future):
             CheckpointNotFoundError: a data file beyond the cap of kept files
                 was deleted or replaced since it was verified (names it).
+            CorruptCheckpointError: a data file was written to in place since
+                the verify pass opened it (names it; says whether targets may
+                hold its unverified bytes: found after the read pass read it).
         """
         future = self.verify_data(plan)
         if future.exception() is not None:
@@ -303,8 +309,12 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
 
     def _read_checked(self, work: list[list[tuple[str, list[ReadItem]]]], planner: LoadPlanner) -> int:
         """The read pass, after the files beyond the cap of kept ones proved to be those verified."""
-        self._files.check_reopened(self.path)
-        return self._read_groups(work, planner)
+        self._files.check_before_read(self.path)
+        self._landing = True
+        try:
+            return self._read_groups(work, planner)
+        finally:
+            self._landing = False
 
     def _verify_groups(self, work: list[list[tuple[str, list[ReadItem]]]]) -> int:
         """Run the verify pass over the groups of files, one I/O thread per group; return the bytes read.
@@ -422,6 +432,7 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
             source, size = kept_source
             self._check_header(source, path, size, relative_path, items)
             yield source, path, size
+            self._files.check_unchanged(relative_path, source.fd, fqn, self.path, landed=self._landing)
             return
         if not first_open:  # beyond the cap of kept files: must still be the file the first pass checked
             fd = self._files.reopen(relative_path, path, fqn, self.path)
@@ -448,6 +459,7 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
             self._check_header(source, path, size, relative_path, items)
             kept = first_open and self._files.keep(relative_path, source, path, fqn, stat)
             yield source, path, size
+            self._files.check_unchanged(relative_path, fd, fqn, self.path, landed=self._landing)
         finally:
             if source is not None and source.ahead is not None:
                 source.ahead.stop()  # nothing more is read ahead of this pass
