@@ -120,6 +120,36 @@ def test_disk_full_at_the_commit(small_disk: Path) -> None:
     assert_only_committed_files(small_disk / "B")
 
 
+@contextlib.contextmanager
+def _file_size_limit(nbytes: int) -> Iterator[None]:
+    """No file of this process grows past ``nbytes`` (writes beyond fail with EFBIG, one past it is cut short)."""
+    import resource  # pylint: disable=import-outside-toplevel
+    import signal  # pylint: disable=import-outside-toplevel
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def test_a_lease_cut_short_is_not_left_behind(tmp_path: Path) -> None:
+    """A file size limit cut the save lease short (os.write wrote part of it, no error): the save failed on its
+    data, and its release() could not parse its own torn lease, so never removed it. Every later save to this id
+    was refused as 'being saved by another save' until the lease aged out (300 s)."""
+    dcp.save(_small(1), checkpoint_id=tmp_path / "A", no_dist=True)
+    with _file_size_limit(100):  # the lease is ~250 bytes
+        with pytest.raises(dcp.CheckpointIOError, match="File too large"):
+            dcp.save(_small(2), checkpoint_id=tmp_path / "A", no_dist=True)
+    assert not [name for name in os.listdir(tmp_path / "A") if name.endswith(".lease")]
+    assert_same_state(load_into_blank(tmp_path / "A", _small(1)), _small(1))
+    dcp.save(_small(3), checkpoint_id=tmp_path / "A", no_dist=True)
+    assert_same_state(load_into_blank(tmp_path / "A", _small(3)), _small(3))
+
+
 def test_read_only_directory(tmp_path: Path) -> None:
     with _tmpfs_or_skip(tmp_path / "ro", "size=1m") as disk:
         dcp.save(_small(1), checkpoint_id=disk / "A", no_dist=True)

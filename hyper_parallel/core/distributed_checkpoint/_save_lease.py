@@ -38,6 +38,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hyper_parallel.core.distributed_checkpoint._file_ops import OS_FILE_OPS, write_all
 from hyper_parallel.core.distributed_checkpoint._safe_files import describe_mode, read_regular
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
@@ -249,7 +250,10 @@ class SaveLease:
                 raise CheckpointIOError(f"cannot create the save lease {path}: {exc}") from exc
             lease = cls(path, _me(save_id), timeout)
             try:
-                os.write(fd, lease.holder.to_bytes())
+                # All of it or an error: a short write (a file size limit) left a lease no reader parses, which
+                # its own release() could not recognise and so never removed: saves to this id were refused
+                # until it aged out.
+                write_all(fd, memoryview(lease.holder.to_bytes()), OS_FILE_OPS)
             except OSError as exc:
                 os.remove(path)
                 raise CheckpointIOError(f"cannot write the save lease {path}: {exc}") from exc
