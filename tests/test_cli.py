@@ -33,6 +33,7 @@ from hyper_parallel.cli import (
 )
 from hyper_parallel.cli._common import parse_size
 from hyper_parallel.platform import numpy_dtype
+from sim_ranks import simulate_save
 
 mindspore.set_device("CPU")
 
@@ -153,6 +154,37 @@ def test_inspect_reads_metadata_only(ckpt, capsys):
         file.unlink()
     code, out, _ = run(capsys, "inspect", path)
     assert code == 0 and "optim.exp_avg" in out
+
+
+def test_inspect_lists_the_rank_index_files_with_their_sizes(tmp_path, capsys):
+    """The indexed form (format 2.1) keeps the chunk entries of grid tensors in one index file per rank: inspect
+    lists them (file, rank, bytes, digest) as metadata.json records them; the in-line form has none."""
+    path = tmp_path / "indexed"
+    simulate_save([_rank_state(_full_tensors(), r, 4) for r in range(4)], path,
+                  writer_options={"metadata_form": "indexed"})
+    on_disk = {p.name: p.stat().st_size for p in path.iterdir() if "_index." in p.name}
+    assert len(on_disk) >= 2
+    info = inspect_checkpoint(path)
+    assert {f["file"]: f["bytes"] for f in info["index_files"]} == on_disk
+    recorded = {r["file"]: r for r in json.loads((path / "metadata.json").read_bytes())["rank_indexes"]}
+    for entry in info["index_files"]:
+        assert entry["rank"] == recorded[entry["file"]]["rank"] and entry["file"].startswith(f"r{entry['rank']:05d}_")
+        assert entry["digest"] == recorded[entry["file"]]["digest"]
+    assert [f["rank"] for f in info["index_files"]] == sorted(f["rank"] for f in info["index_files"])
+    code, out, _ = run(capsys, "inspect", path)
+    assert code == 0 and f"index files     {len(on_disk)} (" in out
+    assert "index file" in out.splitlines()[-len(on_disk) - 2]  # the table's header, last in the output
+    for name, size in on_disk.items():
+        row = next(line for line in out.splitlines() if line.startswith(name))
+        assert row.split()[2] == str(size), row
+    code, out, _ = run(capsys, "inspect", path, "--json")
+    assert code == 0 and json.loads(out)["index_files"] == info["index_files"]
+    inline = tmp_path / "inline"
+    simulate_save([_rank_state(_full_tensors(), r, 4) for r in range(4)], inline,
+                  writer_options={"metadata_form": "inline"})
+    assert inspect_checkpoint(inline)["index_files"] == []
+    code, out, _ = run(capsys, "inspect", inline)
+    assert code == 0 and "index file" not in out
 
 
 @pytest.mark.parametrize("command", ["inspect", "verify"])

@@ -16,6 +16,7 @@ from hyper_parallel.cli._common import (
     rank_of_file,
     tensor_nbytes,
 )
+from hyper_parallel.core.distributed_checkpoint._format.indexed_storage import IndexedStorage
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
@@ -42,8 +43,12 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         tensor: ``key``, ``dtype``, ``shape``, ``chunks``, ``bytes``),
         ``values`` (non-tensor items: ``key``, ``type``, ``entries``,
         ``bytes``, ``value``: the ``repr`` of a small int / float / bool / str /
-        None / numpy scalar, read and checksum-verified, else ``None``), ``files`` (``file``, ``rank``, ``items``, ``bytes``) and
-        ``ranks`` (``rank``, ``files``, ``bytes``, ``bytes_planned``): bytes
+        None / numpy scalar, read and checksum-verified, else ``None``),
+        ``files`` (``file``, ``rank``, ``items``, ``bytes``), ``index_files``
+        (the rank index files of the indexed form, format 2.1, as
+        ``metadata.json`` records them: ``file``, ``rank``, ``bytes``,
+        ``digest``; empty for the in-line form) and ``ranks`` (``rank``,
+        ``files``, ``bytes``, ``bytes_planned``): bytes
         and files per rank, the rank taken from each data file's name.
 
     Raises:
@@ -89,6 +94,9 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         row["files"] += 1
         row["bytes"] += entry["bytes"]
     ordered_ranks = sorted(ranks.values(), key=lambda r: (r["rank"] is None, r["rank"] or 0))
+    records = storage.records.values() if isinstance(storage, IndexedStorage) else ()
+    index_files = [{"file": r.file, "rank": r.rank, "bytes": r.length, "digest": r.digest}
+                   for r in sorted(records, key=lambda r: r.rank)]
     return {
         "path": str(directory),
         "format_version": metadata.version,
@@ -100,6 +108,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         "tensors": tensors,
         "values": values,
         "files": sorted(files.values(), key=lambda f: f["file"]),
+        "index_files": index_files,
         "ranks": ordered_ranks,
     }
 
@@ -115,8 +124,11 @@ def format_inspect(info: dict[str, Any]) -> str:
         f"tensors         {len(info['tensors'])} ({format_bytes(info['tensor_bytes'])})",
         f"values          {len(info['values'])}",
         f"files           {len(info['files'])} ({format_bytes(info['total_bytes'])} stored)",
-        "",
     ]
+    if info["index_files"]:
+        index_bytes = sum(f["bytes"] for f in info["index_files"])
+        lines.append(f"index files     {len(info['index_files'])} ({format_bytes(index_bytes)})")
+    lines.append("")
     if info["tensors"]:
         rows = [
             [t["key"], t["dtype"], str(t["shape"]), t["chunks"], t["bytes"]]
@@ -135,6 +147,9 @@ def format_inspect(info: dict[str, Any]) -> str:
     lines += [format_table(["rank", "files", "bytes", "bytes planned"], rank_rows), ""]
     file_rows = [[f["file"], "?" if f["rank"] is None else f["rank"], f["items"], f["bytes"]] for f in info["files"]]
     lines.append(format_table(["file", "rank", "items", "bytes"], file_rows))
+    if info["index_files"]:
+        index_rows = [[f["file"], f["rank"], f["bytes"], f["digest"]] for f in info["index_files"]]
+        lines += ["", format_table(["index file", "rank", "bytes", "xxh3"], index_rows)]
     return "\n".join(lines)
 
 
