@@ -177,6 +177,66 @@ def test_the_device_path_forced_between_loads_gets_no_cached_view(monkeypatch: p
     assert renewed[1] is first[1]
 
 
+class _FlakyPointer(ms.Tensor):
+    """A host tensor whose ``data_ptr`` fails once ``fail`` is set."""
+
+    fail = False
+
+    def data_ptr(self) -> int:
+        if self.fail:
+            raise RuntimeError("no pointer")
+        return super().data_ptr()
+
+
+class _OnDevice(ms.Tensor):
+    """A tensor that says it lives in device memory."""
+
+    @property
+    def device(self) -> str:
+        return "Ascend:0"
+
+
+def _aliases(view: np.ndarray | None, tensor: object) -> bool:
+    return view is not None and view.__array_interface__["data"][0] == tensor.data_ptr()
+
+
+def test_cached_views_are_taken_column_by_column_only_when_every_check_holds() -> None:
+    """A pass whose every target has its cached view (same tensor, memory, shape) takes them at once; any other
+    value in the pass (an array, a device tensor, a new memory, another shape, a failing pointer) sends the whole
+    pass through the per-tensor checks, which give each value what it alone would get."""
+    param = ms.Parameter(ms.Tensor(np.arange(6, dtype=np.float32).reshape(2, 3)), name="a")
+    bf16 = ms.Tensor(np.ones(4), ms.bfloat16)
+    tensors = [param, bf16]
+    shapes = [(2, 3), (4,)]
+    first = writable_views(tensors, shapes)
+    assert all(_aliases(view, t) for view, t in zip(first, tensors))
+    again = writable_views(tensors, shapes)
+    assert again[0] is first[0] and again[1] is first[1]
+    array = np.zeros(3, np.float32)
+    frozen = np.zeros(3, np.float32)
+    frozen.flags.writeable = False
+    mixed = writable_views([param, array, bf16, frozen], [(2, 3), (3,), (4,), (3,)])
+    assert mixed[0] is first[0] and mixed[1] is array and mixed[2] is first[1] and mixed[3] is None
+    device = _OnDevice(np.ones(3, np.float32))
+    assert writable_views([param, device], [(2, 3), (3,)]) == [first[0], None]
+    assert writable_views([param, bf16], [(2, 3), None])[1] is first[1]  # a shape not given: the loop's own view
+    other_shape = writable_views([param, bf16], [(3, 2), (4,)])  # not the cached view's shape: a fresh look
+    assert other_shape[0] is not first[0] and _aliases(other_shape[0], param) and other_shape[1] is first[1]
+    _renew(param)  # new memory, same object and shape: a new view of it
+    renewed = writable_views(tensors, shapes)
+    assert renewed[0] is not first[0] and _aliases(renewed[0], param) and renewed[1] is first[1]
+    assert writable_views(tensors, shapes)[0] is renewed[0]
+    flaky = _FlakyPointer(np.ones(5, np.float32))
+    cached = writable_views([flaky, bf16], [(5,), (4,)])[0]
+    assert _aliases(cached, flaky)
+    _FlakyPointer.fail = True
+    try:
+        views = writable_views([flaky, bf16], [(5,), (4,)])  # no pointer: never the cached view unchecked
+    finally:
+        _FlakyPointer.fail = False
+    assert views[1] is first[1] and (views[0] is None or np.shares_memory(views[0], cached))
+
+
 def test_top_level_parameters_flatten_as_every_leaf_does() -> None:
     from hyper_parallel.core.distributed_checkpoint._flatten import flatten_state_dict
 

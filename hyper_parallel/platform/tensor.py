@@ -23,6 +23,8 @@ import os
 import sys
 import threading
 import weakref
+from itertools import repeat
+from operator import attrgetter, is_, itemgetter, methodcaller
 from typing import Any, Callable
 
 import numpy as np
@@ -251,6 +253,10 @@ def writable_views(values: list[Any], shapes: list[tuple[int, ...]] | None = Non
     forced = os.environ.get(DEVICE_COPIES_ENV) == "1"
     ms = _mindspore()
     tensor_type = ms.Tensor if ms is not None else ()
+    if not forced and shapes is not None and values and ms is not None:
+        known = _cached_views(values, shapes, tensor_type)
+        if known is not None:
+            return known  # type: ignore[return-value]
     views: list[np.ndarray | None] = []
     cached, host_devices = _VIEWS.get, _HOST_DEVICES.get
     for position, value in enumerate(values):
@@ -277,6 +283,32 @@ def writable_views(values: list[Any], shapes: list[tuple[int, ...]] | None = Non
                 continue
         view = _host_view(value, shape)
         views.append(view if view is not None else writable_view(value))
+    return views
+
+
+_HIT_REF, _HIT_VIEW, _HIT_POINTER = itemgetter(0), itemgetter(1), itemgetter(2)
+_SHAPE, _DATA_PTR, _DEREF = attrgetter("shape"), methodcaller("data_ptr"), methodcaller("__call__")
+
+
+def _cached_views(values: list[Any], shapes: list[Any], tensor_type: type) -> list[np.ndarray] | None:
+    """:func:`writable_views` of MindSpore tensors in host memory whose every view an earlier load made (the same
+    tensor, memory and shape): the checks of the loop, column by column (C loops, no Python per tensor); ``None``
+    when any value is something else (the loop then decides each).
+    """
+    if not all(issubclass(kind, tensor_type) for kind in set(map(type, values))):
+        return None
+    try:
+        for device in set(map(getattr, values, repeat("device"), repeat(None))):
+            if isinstance(device, str) and device and not _HOST_DEVICES.get(device, False):
+                return None  # a device tensor, or a device not seen yet: the loop (it learns the device)
+        hits = list(map(_VIEWS.get, map(id, values)))
+        if any(map(is_, hits, repeat(None))) or not all(map(is_, map(_DEREF, map(_HIT_REF, hits)), values)):
+            return None
+        views = list(map(_HIT_VIEW, hits))
+        if list(map(_SHAPE, views)) != shapes or list(map(int, map(_DATA_PTR, values))) != list(map(_HIT_POINTER, hits)):
+            return None
+    except (AttributeError, RuntimeError, TypeError, ValueError):  # the loop says what is wrong, value by value
+        return None
     return views
 
 
