@@ -225,6 +225,33 @@ def test_a_resume_takes_the_last_regular_step_unless_the_breakpoint_is_asked_for
     assert asked.breakpoint_manager.load(weights, step=3) == 3 and np.isnan(weights["weight"].asnumpy()).all()
 
 
+def test_a_breakpoint_of_an_abandoned_run_is_not_what_resume_breakpoint_loads(tmp_path: Path) -> None:
+    """Run A: NaN at step 7 (breakpoint 7; regular step 4). Run B resumes from step 4 and raises, healthy, at
+    step 5 (breakpoint 5). resume="breakpoint" loaded step 7, run A's NaN state (the highest number), not the
+    exception run B just saved; and retention by number kept that stale step 7 over newer breakpoints."""
+    knobs = dict(save_checkpoint_steps=4, keep_checkpoint_max=1, exception_save=True, async_save=False)
+    model, _, _ = _model()
+    with pytest.raises(ValueError, match="NaN at step 7"):
+        model.train(2, _data(), callbacks=[hyper_parallel.CheckpointCallback(tmp_path, **knobs),
+                                           _NanThenRaise(crash_at=7)], dataset_sink_mode=False)
+    assert dcp.CheckpointManager(tmp_path, step_prefix="breakpoint_").all_steps() == [7]
+
+    model, net, _ = _model()
+    resumed = hyper_parallel.CheckpointCallback(tmp_path, **knobs)
+    with pytest.raises(RuntimeError, match="killed after step 5"):
+        model.train(2, _data(), callbacks=[resumed, StepLog(crash_at=5)], dataset_sink_mode=False)
+    assert resumed.resumed_step == 4
+    at_exception = net.weight.asnumpy().copy()
+    assert not np.isnan(at_exception).any()
+    assert resumed.breakpoint_manager.all_steps() == [5]  # step 7 belonged to the run step 5 was resumed past
+
+    model, net, _ = _model()
+    asked, probe = hyper_parallel.CheckpointCallback(tmp_path, resume="breakpoint", **knobs), _FirstStep()
+    model.train(1, _data().take(1), callbacks=[asked, probe], dataset_sink_mode=False)
+    assert asked.resumed_step == 5 and probe.first is not None and probe.first[0] == 6
+    np.testing.assert_array_equal(probe.first[1], at_exception)
+
+
 def test_resume_takes_only_true_false_or_breakpoint(tmp_path: Path) -> None:
     for bad in ("yes", 1, None):
         with pytest.raises(dcp.CheckpointValueError, match=r"resume must be True, False or 'breakpoint', got"):

@@ -157,8 +157,10 @@ class CheckpointCallback(Callback):
         exception_save: When training raises, save the last completed step
             before the exception propagates, apart from the regular steps: as
             ``<directory>/breakpoint_<n:08d>`` (:attr:`breakpoint_manager`, which
-            keeps the newest ``keep_checkpoint_max`` of them, at least 1). It
-            deletes no regular step, and a resume does not load it unless asked.
+            keeps the newest ``keep_checkpoint_max`` of them, at least 1, and
+            deletes those above the step it saves: a run this one resumed
+            before left them). It deletes no regular step, and a resume does
+            not load it unless asked.
         append_info: MindSpore's list: ``"epoch_num"`` / ``"step_num"`` store
             the current counters, one dict stores its (plain) values.
         resume: ``True``: load the newest committed regular step when training
@@ -537,6 +539,13 @@ class CheckpointCallback(Callback):
                     self.manager.wait()
                     # A diverged state (NaN weights) costs no regular step and is not what a plain resume loads.
                     self._save(step, epoch, force=True, manager=self.breakpoint_manager)
+                    # Breakpoint steps above it were saved by a run this one resumed before (a resume from an
+                    # earlier regular step): the newest by number, they were what resume="breakpoint" loaded,
+                    # and what retention kept, instead of this step.
+                    dropped = self.breakpoint_manager._delete_after(step)  # pylint: disable=protected-access
+                    if dropped:
+                        _LOG.warning("exception_save: deleted breakpoint step(s) %s, saved by a run this one "
+                                     "resumed before", dropped)
         finally:
             self.manager.close()
 

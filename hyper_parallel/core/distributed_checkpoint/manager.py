@@ -421,6 +421,29 @@ class CheckpointManager:
     ) -> None:
         self.close()
 
+    def _delete_after(self, step: int) -> list[int]:
+        """Delete the committed steps above ``step``; return them. All ranks (rank 0 deletes, then broadcasts).
+
+        For steps saved with ``force`` below newer ones that an abandoned run left (``CheckpointCallback``'s
+        ``exception_save`` steps after a resume from an earlier step): kept, the newest by number stayed what a
+        resume loads, and what retention keeps, instead of the step just saved.
+        """
+        dist = DistWrapper(use_dist=True)
+
+        def drop() -> list[int]:
+            deleted = []
+            with self._record_session() as record:
+                steps = dict(record.record.steps)
+                for later in self._scan()[0]:
+                    if later > step and self._steps.delete(later):
+                        steps.pop(later, None)
+                        deleted.append(later)
+                record.update(steps=steps)
+            self._steps.sweep_deletions()
+            return deleted
+
+        return dist.broadcast("drop abandoned steps", drop)
+
     def _apply_retention(self) -> None:
         """Record the step just committed, delete what retention drops, on rank 0. All ranks.
 
