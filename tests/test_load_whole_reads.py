@@ -308,3 +308,44 @@ def test_reader_classes_made_on_the_fly_are_freed(tmp_path) -> None:
     del made
     gc.collect()
     assert alive() is None
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_load_leaves_nothing_for_the_garbage_collector(saved, verify: bool) -> None:
+    """Every record of a load (its entries, plan, columns, metadata) is freed by reference counting as the load
+    returns: none waits in a reference cycle for the cyclic collector, which would walk and free them all at its
+    next run (the planner and its columns formed one: 19,280 objects per load of 1,750 Parameters, about 1.5 us
+    per tensor). Also a load into a Cell, whose Parameters are reached through the network."""
+    import gc
+    from collections import Counter
+
+    from mindspore import nn
+
+    path, expected = saved
+    net = nn.SequentialCell([nn.Dense(3, 3) for _ in range(3)])
+    dcp.save({"model": net}, checkpoint_id=path.parent / "net", no_dist=True)
+    saved_net = {name: param.asnumpy().copy() for name, param in net.parameters_and_names()}
+    for param in net.get_parameters():
+        param.set_data(ms.Tensor(np.zeros(param.shape, np.float32)))
+    loads = {
+        "state": (_state(zero=True), path),
+        "net": ({"model": net}, path.parent / "net"),
+    }
+    for label, (state, where) in loads.items():
+        enabled = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        try:
+            dcp.load(state, storage_reader=dcp.FileSystemReader(where, verify_checksums=verify), no_dist=True)
+            gc.set_debug(gc.DEBUG_SAVEALL)  # keep what a collection finds unreachable, to name it
+            found = gc.collect()
+            kinds = Counter(type(obj).__name__ for obj in gc.garbage).most_common(5)
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            if enabled:
+                gc.enable()
+        assert found == 0, f"{label}: {found} objects left in cycles: {kinds}"
+    assert _bits(loads["state"][0]) == expected
+    for name, param in net.parameters_and_names():
+        np.testing.assert_array_equal(param.asnumpy(), saved_net[name])
