@@ -50,3 +50,26 @@ def test_s3_indexed_metadata_pickles_bound_to_its_index_objects(s3_url):  # noqa
     whole = {"w": np.zeros_like(FULL), "step": 0}
     dcp.load(whole, checkpoint_id=s3_url, no_dist=True)
     assert np.array_equal(whole["w"], FULL) and whole["step"] == 9
+
+
+def test_credentials_given_to_the_reader_are_not_pickled_with_its_metadata(s3_url):  # noqa: F811
+    """A reader given credentials explicitly (storage options) bound the metadata's index opener to its fsspec
+    filesystem, which pickles as its options: every copy of the metadata (sent to other ranks, pickled by the
+    user, written to a file) carried the access key and the secret. The copy keeps the other options (the
+    endpoint) and takes credentials from its own process's configuration, as a new reader would."""
+    _save(s3_url, 4)
+    key, secret, token = "AKIA-LEFTOVER-KEY-7", "leftover-secret-3f9c", "leftover-session-token-11"
+    reader = dcp.FsspecReader(s3_url, key=key, secret=secret, token=token, default_block_size=1234567,
+                              client_kwargs={"region_name": "us-east-1", "aws_secret_access_key": secret})
+    metadata = reader.read_metadata()
+    assert metadata.storage_data[dcp.MetadataIndex("w", (2, 0))].length == 2 * 6 * 4  # read with those credentials
+    blob = pickle.dumps(metadata)
+    for credential in (key, secret, token):
+        assert credential.encode() not in blob, credential
+    copy = pickle.loads(blob)
+    info = copy.storage_data[dcp.MetadataIndex("w", (6, 0))]  # its index object, read with this process's config
+    assert (info.relative_path, info.offset, info.length) == (
+        lambda i: (i.relative_path, i.offset, i.length))(metadata.storage_data[dcp.MetadataIndex("w", (6, 0))])
+    opener = copy.storage_data._opener  # pylint: disable=protected-access
+    assert opener.fs.storage_options.get("client_kwargs") == {"region_name": "us-east-1"}
+    assert opener.fs.storage_options.get("default_block_size") == 1234567 and "key" not in opener.fs.storage_options

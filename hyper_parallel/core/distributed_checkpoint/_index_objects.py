@@ -3,14 +3,23 @@
 :class:`IndexObjects` is the opener an object-store checkpoint's
 :class:`.IndexedStorage` reads its rank index objects with (docs/format.md
 section 12.1). It holds the store's filesystem, the prefix and the save id,
-and pickles with them (an fsspec filesystem pickles as its options): the
-committed metadata a save hands every rank, or a pickled ``read_metadata``
-result, still reads its index objects, as a directory's
-(``_metadata_file.IndexFiles``) does.
+and pickles with them: the committed metadata a save hands every rank, or a
+pickled ``read_metadata`` result, still reads its index objects, as a
+directory's (``_metadata_file.IndexFiles``) does.
+
+An fsspec filesystem pickles as its storage options, credentials included
+(``key``, ``secret``, ``token``, ``client_kwargs={"aws_secret_access_key":
+...}``). The opener pickles its filesystem's class and options without any
+option whose name says it is a credential (:func:`without_credentials`), so
+no copy of the metadata carries them to another rank or into a file; the
+copy's filesystem takes credentials from its own process's configuration
+(environment, profile), as a new reader does. A filesystem that is not an
+fsspec one (no ``storage_options``) is not pickled: the copy is unbound.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import save_id_from_head, save_id_of
@@ -23,11 +32,27 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     UnsafeCheckpointError,
 )
 
-__all__ = ["IndexObjects"]
+__all__ = ["IndexObjects", "without_credentials"]
+
+#: Option names that hold a credential, in any fsspec implementation (s3fs ``key`` / ``secret`` / ``token``,
+#: botocore's ``aws_*_key*`` / ``aws_session_token``, gcsfs ``token``, adlfs ``account_key`` / ``sas_token`` /
+#: ``connection_string`` / ``client_secret``, ``password``, SSE-C ``SSECustomerKey``, a ``session`` object).
+_CREDENTIAL = re.compile(r"key|secret|token|passw|credential|session|sas|auth|connection_string", re.IGNORECASE)
+
+
+def without_credentials(options: Any) -> Any:
+    """``options`` (nested dicts, lists, tuples) without the entries whose name says they hold a credential."""
+    if isinstance(options, dict):
+        return {name: without_credentials(value) for name, value in options.items()
+                if not (isinstance(name, str) and _CREDENTIAL.search(name))}
+    if isinstance(options, (list, tuple)):
+        return type(options)(without_credentials(value) for value in options)
+    return options
 
 
 class IndexObjects:
-    """Reads the rank index objects under one checkpoint prefix; pickles with its filesystem.
+    """Reads the rank index objects under one checkpoint prefix; pickles with its filesystem's options, never
+    its credentials.
 
     Args:
         fs: The fsspec filesystem of the store.
@@ -37,14 +62,24 @@ class IndexObjects:
         save_id: The save whose metadata lists them (tells a checkpoint replaced meanwhile).
     """
 
-    picklable = True
-
     def __init__(self, fs: Any, *, root: str, url: str, metadata_file: str, save_id: str) -> None:
         self.fs = fs
         self.root = root
         self.url = url
         self.metadata_file = metadata_file
         self.save_id = save_id
+
+    @property
+    def picklable(self) -> bool:
+        """Whether a copy can rebuild the filesystem (an fsspec filesystem: its class and options)."""
+        return isinstance(getattr(self.fs, "storage_options", None), dict)
+
+    def __reduce__(self) -> tuple:
+        """Pickles as the filesystem's class, positional arguments and options without credentials, and the
+        names (see the module docstring)."""
+        fs_class, args = type(self.fs), tuple(getattr(self.fs, "storage_args", ()))
+        options = without_credentials(dict(self.fs.storage_options))
+        return (_rebuilt, (fs_class, args, options, self.root, self.url, self.metadata_file, self.save_id))
 
     def __call__(self, name: str, limit: int = MAX_INDEX_BYTES) -> bytes:
         """The first ``limit`` bytes of index object ``name`` (one ranged GET: an object longer than its record is
@@ -103,3 +138,10 @@ class IndexObjects:
         except (ValueError, RecursionError):
             return False
         return committed is not None and committed != self.save_id
+
+
+def _rebuilt(fs_class: Any, args: tuple, options: dict[str, Any], root: str, url: str, metadata_file: str,
+             save_id: str) -> IndexObjects:
+    """An :class:`IndexObjects` from its pickled parts (the filesystem made anew: credentials from this process)."""
+    return IndexObjects(fs_class(*args, **options), root=root, url=url, metadata_file=metadata_file,
+                        save_id=save_id)
