@@ -72,3 +72,32 @@ def test_the_best_step_committed_at_exit_keeps_its_metrics(tmp_path: Path) -> No
     assert manager.all_steps() == [1, 2, 3]
     manager.save(4, {"w": np.full(3, 4, np.float32)}, metrics={"acc": 0.1})
     assert manager.all_steps() == [2, 3, 4]  # the best two (3, 2) and the newest
+
+
+_EXIT_WITHOUT_CLOSE_KEPT = """
+import sys
+import numpy as np
+from hyper_parallel.core.distributed_checkpoint import CheckpointManager
+
+manager = CheckpointManager(sys.argv[1], async_save=True, max_to_keep=1, keep_time_interval_seconds=3600,
+                            keep_every_n_steps=int(sys.argv[2]))
+manager.save(int(sys.argv[3]), {"w": np.full(3, 1, np.float32)})
+# the script ends without manager.close(): the step commits as the process exits
+"""
+
+
+def test_a_step_committed_at_exit_keeps_its_keep_forever_promise(tmp_path: Path) -> None:
+    """keep_time_interval_seconds promises the first step (and one per interval) forever, keep_every_n_steps its
+    multiples; the promise was recorded only at retention, which never ran for a step committed at exit: the next
+    run's retention (max_to_keep=1) deleted it. Now it is recorded when the save starts."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    for root, every, step in ((tmp_path / "time", 1000, 1), (tmp_path / "every", 5, 5)):
+        subprocess.run([sys.executable, "-c", _EXIT_WITHOUT_CLOSE_KEPT, str(root), str(every), str(step)],
+                       env=env, timeout=300, check=True)
+        record = json.loads((root / "manager.json").read_text())
+        assert record["steps"][str(step)]["keep_forever"] is True and record["steps"][str(step)]["metrics"] is None
+        manager = CheckpointManager(root, max_to_keep=1)  # a new run, without the promising policy
+        manager.save(step + 1, {"w": np.full(3, 2, np.float32)})
+        manager.save(step + 2, {"w": np.full(3, 3, np.float32)})
+        assert manager.all_steps() == [step, step + 2], root.name
+

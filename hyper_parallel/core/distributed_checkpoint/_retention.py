@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from hyper_parallel.core.distributed_checkpoint._manager_record import ManagerPolicy, StepRecord
 
-__all__ = ["RetentionPlan", "plan_retention"]
+__all__ = ["RetentionPlan", "plan_retention", "promised_forever"]
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,9 @@ class RetentionPlan:
     doomed: tuple[int, ...]
 
 
-def _promised_forever(policy: ManagerPolicy, step: int, now: float, steps: dict[int, StepRecord]) -> bool:
+def promised_forever(policy: ManagerPolicy, step: int, now: float, steps: dict[int, StepRecord]) -> bool:
+    """Whether ``step``, saved at ``now``, is promised "keep forever" (``keep_every_n_steps``, or
+    ``keep_time_interval_seconds`` since the newest kept-forever step of ``steps``, the committed steps' records)."""
     if policy.keep_every_n_steps is not None and step % policy.keep_every_n_steps == 0:
         return True
     if policy.keep_time_interval_seconds is None:
@@ -99,7 +101,7 @@ def plan_retention(
     if committing is not None and committing[0] in committed:
         just_saved, metrics = committing
         # A fresh entry: its own promise only (an earlier entry of this step number belonged to another save)
-        forever = _promised_forever(policy, just_saved, now, steps)
+        forever = promised_forever(policy, just_saved, now, steps)
         steps[just_saved] = StepRecord(saved_at=now, keep_forever=forever, metrics=metrics)
     keep = _bounded_keep(policy, best_fn, committed, steps) | {committed[-1]}
     keep.update(s for s, r in steps.items() if r.keep_forever)

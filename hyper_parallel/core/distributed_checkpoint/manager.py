@@ -59,7 +59,7 @@ from hyper_parallel.core.distributed_checkpoint._manager_record import (
     record_name,
 )
 from hyper_parallel.core.distributed_checkpoint._fsspec_writer import FsspecWriter
-from hyper_parallel.core.distributed_checkpoint._retention import plan_retention
+from hyper_parallel.core.distributed_checkpoint._retention import plan_retention, promised_forever
 from hyper_parallel.core.distributed_checkpoint._step_dirs import StepDirectories
 
 __all__ = ["CheckpointManager"]
@@ -324,7 +324,7 @@ class CheckpointManager:
         self._committing = (step, metrics)
         self._prune = bool(prune)
         if step not in committed:
-            self._record_ahead(step, metrics)
+            self._record_ahead(step, metrics, committed)
         try:
             if self.async_save:
                 self._handle = dcp_async_save(state_dict, checkpoint_id=self.directory(step), **kwargs)
@@ -339,24 +339,31 @@ class CheckpointManager:
         self._apply_retention()
         return True
 
-    def _record_ahead(self, step: int, metrics: dict[str, Any] | None) -> None:
-        """Start ``step``'s fresh record entry (its metrics, no keep-forever promise) before its save starts, on
-        rank 0 (no communication; a failure only warns). Only for a step not committed now.
+    def _record_ahead(self, step: int, metrics: dict[str, Any] | None, committed: list[int]) -> None:
+        """Start ``step``'s fresh record entry (its metrics, its keep-forever promise) before its save starts, on
+        rank 0 (no communication; a failure only warns). Only for a step not in ``committed`` (the committed
+        steps now).
 
         An async step commits at the next ``save`` / ``wait`` / ``close``, or when the process exits; recorded
         only at its retention, a step committed at exit (no ``close``) kept no metrics, and best-k retention of
-        the next run ranked it last: the best step could be deleted. An entry left by an earlier step of this
-        number (deleted, or rolled back by a resumed run) is replaced: its keep-forever promise was not made to
-        this save. Without metrics and such an entry nothing is written. An entry of a step that never commits
-        is ignored (only committed steps are ranked); its retention records it again.
+        the next run ranked it last: the best step could be deleted; nor its keep-forever promise
+        (``keep_every_n_steps``, ``keep_time_interval_seconds``, decided now against the committed steps'
+        records), so the next run's retention deleted a step the policy keeps forever. An entry left by an
+        earlier step of this number (deleted, or rolled back by a resumed run) is replaced: its promise was not
+        made to this save. Without metrics, promise or such an entry nothing is written. An entry of a step that
+        never commits is ignored (only committed steps are ranked or count as kept forever); its retention
+        records it again, with the promise decided afresh.
         """
         if not DistWrapper(use_dist=True).is_coordinator:
             return
         try:
             with self._record_session() as record:
-                if metrics is None and step not in record.record.steps:
+                now, done = time.time(), set(committed)
+                forever = promised_forever(self.policy, step, now,
+                                           {s: r for s, r in record.record.steps.items() if s in done})
+                if metrics is None and not forever and step not in record.record.steps:
                     return
-                entry = StepRecord(saved_at=time.time(), keep_forever=False, metrics=metrics)
+                entry = StepRecord(saved_at=now, keep_forever=forever, metrics=metrics)
                 record.update(steps={**record.record.steps, step: entry})
         except Exception as exc:  # pylint: disable=broad-except  # retention records it (and reports) later
             _LOG.warning("rank 0: could not record step %d before saving it: %s", step, exc)
