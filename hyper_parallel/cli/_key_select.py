@@ -46,7 +46,8 @@ OPTIMIZER_PATTERNS: tuple[str, ...] = (
     "optimizer.*", "optim.*", "opt_state.*",
     "moment1.*", "moment2.*", "moments.*", "accum.*", "adam_m.*", "adam_v.*", "exp_avg*",
     "*.moment1.*", "*.moment2.*", "*.exp_avg", "*.exp_avg_sq", "*.momentum_buffer",
-    "beta1_power", "beta2_power", "global_step", "learning_rate", "current_iterator_step", "last_overflow_iterator_step",
+    "beta1_power", "beta2_power", "global_step", "learning_rate",
+    "current_iterator_step", "last_overflow_iterator_step",
     "hyper_parallel.steps_per_epoch", "momentum", "fake_lr", "fake_param",
 )
 #: The ``Parameter.clone(prefix=...)`` prefixes of MindSpore's optimizers (``mindspore/nn/optim``,
@@ -83,15 +84,7 @@ def is_shadow_state(key: str, shapes: Mapping[str, tuple[int, ...] | None]) -> b
         key: The checkpoint key.
         shapes: Every key of the checkpoint -> its tensor shape (``None`` for a non-tensor value).
     """
-    shape = shapes.get(key)
-    if shape is None:
-        return False
-    for prefix in SHADOW_PREFIXES:
-        if key.startswith(prefix) and shapes.get(key[len(prefix):]) == shape:
-            return True
-    return shape == () and any(
-        key.startswith(prefix) and shapes.get(key[len(prefix):]) is not None for prefix in _SCALAR_SHADOW_PREFIXES
-    )
+    return bool(_owners(key, key, shapes, ()))
 
 
 def optimizer_groups(shapes: Mapping[str, tuple[int, ...] | None]) -> tuple[frozenset[str], str | None]:
@@ -118,8 +111,9 @@ def optimizer_groups(shapes: Mapping[str, tuple[int, ...] | None]) -> tuple[froz
         if not any(rest in _BOOKKEEPING for rest in rests):
             continue
         found: set[str] = set()
+        others = [other for other in groups if other != group]
         for rest in rests:
-            shadowed = _owners(group, rest, shapes, groups)
+            shadowed = _owners(f"{group}.{rest}", rest, shapes, others)
             if not shadowed and not _matches(rest, OPTIMIZER_PATTERNS):
                 break
             found |= shadowed
@@ -130,9 +124,11 @@ def optimizer_groups(shapes: Mapping[str, tuple[int, ...] | None]) -> tuple[froz
     return frozenset(optimizers), network or None
 
 
-def _owners(group: str, rest: str, shapes: Mapping[str, tuple[int, ...] | None], groups: Iterable[str]) -> set[str]:
-    """The groups (``""``: ungrouped) holding the ``<param>`` that ``<group>.<rest>`` is the state of."""
-    shape = shapes.get(f"{group}.{rest}")
+def _owners(key: str, rest: str, shapes: Mapping[str, tuple[int, ...] | None], groups: Iterable[str]) -> set[str]:
+    """The groups (``""``: ungrouped, else one of ``groups``) holding the ``<param>`` that ``key`` is a MindSpore
+    optimizer's state of, ``rest`` being ``key`` without its group (``<prefix>.<param>``): ``<param>`` (or
+    ``<group>.<param>``) of the same shape, or any tensor for ASGD's 0-d ``eta_`` / ``mu_`` state."""
+    shape = shapes.get(key)
     if shape is None:
         return set()
     params = [(rest[len(prefix):], shape) for prefix in SHADOW_PREFIXES if rest.startswith(prefix)]
@@ -140,7 +136,7 @@ def _owners(group: str, rest: str, shapes: Mapping[str, tuple[int, ...] | None],
         params += [(rest[len(prefix):], None) for prefix in _SCALAR_SHADOW_PREFIXES if rest.startswith(prefix)]
     found = set()
     for param, want in params:
-        for other, name in [("", param)] + [(other, f"{other}.{param}") for other in groups if other != group]:
+        for other, name in [("", param)] + [(other, f"{other}.{param}") for other in groups]:
             if shapes.get(name) is not None and want in (None, shapes.get(name)):
                 found.add(other)
     return found

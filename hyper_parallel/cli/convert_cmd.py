@@ -97,7 +97,8 @@ def _value_texts(
     directory: Path, metadata: Metadata, names: dict[str, str]
 ) -> tuple[dict[str, str], list[tuple[str, str]]]:
     """Small plain values as text for ``__metadata__``; every other value is skipped with a reason."""
-    from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value  # pylint: disable=import-outside-toplevel
+    # pylint: disable-next=import-outside-toplevel
+    from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value
 
     texts: dict[str, str] = {}
     types: dict[str, str] = {}
