@@ -30,9 +30,11 @@ __all__ = ["DATA_FILE_PATTERN", "MAX_CLEANUP_METADATA_BYTES", "committed_save_id
 
 #: Data file names: ``r<rank>_<counter>.<save id>.safetensors``, and a rank's storage index of an indexed
 #: checkpoint, ``r<rank>_index.<save id>.json`` (docs/format.md section 12.1): group 1 the rank, group 3 the
-#: save id, so every cleanup, sweep and tool treats index files exactly as data files.
+#: save id, so every cleanup, sweep and tool treats index files exactly as data files. The rank is padded to at
+#: least 5 digits and the counter to at least 3 (``{rank:05d}``, ``{counter:03d}``): rank 100000 and up, or a
+#: 1000th file of a rank, have more (once left out, their files were never swept).
 DATA_FILE_PATTERN = re.compile(
-    r"^r(\d{5})_(\d{3}(?=\.[0-9a-f]{12}\.safetensors$)|index(?=\.[0-9a-f]{12}\.json$))\.([0-9a-f]{12})\."
+    r"^r(\d{5,})_(\d{3,}(?=\.[0-9a-f]{12}\.safetensors$)|index(?=\.[0-9a-f]{12}\.json$))\.([0-9a-f]{12})\."
     r"(?:safetensors|json)$")
 #: Metadata larger than this is not read by the cleanup (its files are then left alone).
 MAX_CLEANUP_METADATA_BYTES = 1 << 30
