@@ -267,36 +267,32 @@ state = targets()
 dcp.load(state, storage_reader=BetweenPasses(lambda: replace(files[3])), no_dist=True)
 check(state)
 restore()
-# A file beyond the cap (the 30th) replaced, or deleted: refused by name, no target changed.
-for change in ("replace", "delete"):
+def refused(act, error, needles, label, **kwargs):
+    """A load with ``act`` run between its passes fails with ``error`` saying ``needles``; no target changed."""
     state = targets()
-    name = files[29]
-    act = (lambda: replace(name)) if change == "replace" else (lambda: os.unlink(os.path.join(path, name)))
     try:
-        dcp.load(state, storage_reader=BetweenPasses(act, verify_checksums=change == "delete"), no_dist=True)
-    except dcp.CheckpointNotFoundError as exc:
-        text = str(exc)
-        assert name in text and "no target was changed" in text and "at most 16 data files" in text, text
+        dcp.load(state, storage_reader=BetweenPasses(act, **kwargs), no_dist=True)
+    except error as exc:
+        assert all(needle in str(exc) for needle in needles), str(exc)
     else:
-        raise AssertionError(f"{change}: a file beyond the cap changed between the passes was not refused")
-    assert all(not value.asnumpy().any() for value in state.values()), change
+        raise AssertionError(f"{label}: not refused")
+    assert all(not value.asnumpy().any() for value in state.values()), label
     assert open_here() == 0
     restore()
+
+
+# A file beyond the cap (the 30th) replaced, or deleted: refused by name, no target changed.
+for change in ("replace", "delete"):
+    name = files[29]
+    act = (lambda: replace(name)) if change == "replace" else (lambda: os.unlink(os.path.join(path, name)))
+    refused(act, dcp.CheckpointNotFoundError, (name, "no target was changed", "at most 16 data files"),
+            f"{change} beyond the cap", verify_checksums=change == "delete")
 # A kept file (the 4th) or one beyond the cap (the 30th) written to in place: refused by name, no target changed.
 for name in (files[3], files[29]):
     for f in files:
         os.utime(os.path.join(path, f), ns=(10**18, 10**18))  # an old checkpoint (not written this timestamp tick)
-    state = targets()
-    try:
-        dcp.load(state, storage_reader=BetweenPasses(lambda: overwrite_in_place(name)), no_dist=True)
-    except dcp.CorruptCheckpointError as exc:
-        text = str(exc)
-        assert name in text and "was written to" in text and "no target was changed" in text, text
-    else:
-        raise AssertionError(f"{name} written to in place between the passes was not refused")
-    assert all(not value.asnumpy().any() for value in state.values()), name
-    assert open_here() == 0
-    restore()
+    refused(lambda: overwrite_in_place(name), dcp.CorruptCheckpointError,
+            (name, "was written to", "no target was changed"), f"{name} written to in place")
 print("OK")
 '''
 
