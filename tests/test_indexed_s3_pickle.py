@@ -73,3 +73,21 @@ def test_credentials_given_to_the_reader_are_not_pickled_with_its_metadata(s3_ur
     opener = copy.storage_data._opener  # pylint: disable=protected-access
     assert opener.fs.storage_options.get("client_kwargs") == {"region_name": "us-east-1"}
     assert opener.fs.storage_options.get("default_block_size") == 1234567 and "key" not in opener.fs.storage_options
+
+
+def test_option_names_that_say_credential_are_left_out_at_any_depth_and_other_filesystems_are_not_pickled():
+    from hyper_parallel.core.distributed_checkpoint._index_objects import (  # pylint: disable=import-outside-toplevel
+        IndexObjects,
+        without_credentials,
+    )
+
+    options = {"endpoint_url": "http://minio:9000", "password": "p", "client_kwargs": {"aws_session_token": "t",
+               "region_name": "r"}, "profiles": [{"account_key": "k", "name": "a"}, ("sas_token", "x")], "anon": False}
+    assert without_credentials(options) == {"endpoint_url": "http://minio:9000", "client_kwargs": {"region_name": "r"},
+                                            "profiles": [{"name": "a"}, ("sas_token", "x")], "anon": False}
+
+    class _OwnFilesystem:  # not an fsspec filesystem: no storage options to rebuild it from
+        pass
+
+    opener = IndexObjects(_OwnFilesystem(), root="b/p", url="s3://b/p", metadata_file="metadata.json", save_id="0" * 12)
+    assert not opener.picklable

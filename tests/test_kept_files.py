@@ -337,6 +337,16 @@ def test_a_file_beyond_the_cap_is_reopened_only_if_it_is_the_one_checked(tmp_pat
     files.close_all()
     with pytest.raises(dcp.CheckpointNotFoundError, match="data.safetensors"):  # not noted: plainly missing
         files.reopen("data.safetensors", name, "w", tmp_path)
+    name.write_bytes(b"b" * 100)  # noted anew, then written to in place (same inode, same size)
+    os.utime(name, ns=(10**18, 10**18))
+    fd = os.open(name, os.O_RDONLY)
+    assert not files.keep("data.safetensors", FileSource(fd), name, "w", os.fstat(fd))
+    os.close(fd)
+    with open(name, "r+b") as handle:
+        handle.write(b"c")
+    with pytest.raises(dcp.CorruptCheckpointError, match=r"data.safetensors \(key 'w'\) .* was written to .*"
+                                                         r"no target was changed"):
+        files.check_before_read(tmp_path)
     assert not _open_in(tmp_path)
 
 
