@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import mindspore as ms
 import numpy as np
 import pytest
@@ -171,6 +173,22 @@ def test_sharded_object_and_prepend_axis(tmp_path):
     full = np.zeros((2, 3), np.float32)
     dcp.load({"emb": full}, checkpoint_id=tmp_path / "c", no_dist=True)
     assert full.tolist() == [[0.0] * 3, [1.0] * 3]
+
+
+def test_sharded_objects_of_another_grid_are_refused(tmp_path):
+    """Per-rank objects saved by 2 ranks (grid (2,)), loaded by a job of 1 or 4 ranks: rank 0 of a 1-rank job and
+    rank 1 of a 4-rank job silently received the objects of ranks 0 and 1 of the saving job (a data loader's
+    position over the other half of the data, another rank's RNG state). Megatron refuses another grid."""
+    simulate_save([{"rng": dcp.ShardedObject("rng_state", {"seed": rank}, (2,), (rank,))} for rank in range(2)],
+                  tmp_path / "c")
+    for grid, position in (((1,), (0,)), ((4,), (1,)), ((4,), (3,)), ((2, 1), (1, 0))):
+        target = {"rng": dcp.ShardedObject("rng_state", None, grid, position)}
+        with pytest.raises(dcp.ShapeMismatchError, match=re.escape(f"grid of shape [2], the target's grid is {list(grid)}")):
+            dcp.load(target, checkpoint_id=tmp_path / "c", no_dist=True)
+        assert isinstance(target["rng"], dcp.ShardedObject) and target["rng"].data is None
+    target = {"rng": dcp.ShardedObject("rng_state", None, (2,), (1,))}  # the saved grid, asked for on purpose
+    dcp.load(target, checkpoint_id=tmp_path / "c", no_dist=True)
+    assert target["rng"] == {"seed": 1}
 
 
 def test_sharded_tensor_factory_builds_and_merges(tmp_path):

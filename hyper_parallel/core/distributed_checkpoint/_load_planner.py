@@ -207,6 +207,14 @@ class StandardLoadPlanner(LoadPlanner):
                         f"global shape {list(entry.global_shape)}"
                     )
             elif isinstance(stored, BytesStorageMetadata):
+                grid = entry.grid_shape if isinstance(entry, ValueEntry) else ()
+                if grid and tuple(stored.global_shape) != grid:
+                    raise ShapeMismatchError(  # the cell at this position of another grid is another rank's object
+                        f"key '{fqn}': the checkpoint holds a ShardedObject grid of shape {list(stored.global_shape)}, "
+                        f"the target's grid is {list(grid)}: its objects belong to the positions of that "
+                        "grid (the ranks of another world size); give the target the saved global_shape to take "
+                        "one of them, or leave the key out"
+                    )
                 refusal = value_refusal(stored.type_name, key=fqn, allow_pickle=self.allow_pickle)
                 if refusal is not None:
                     refused.append(refusal)
