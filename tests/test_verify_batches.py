@@ -12,6 +12,7 @@ import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, chunk_checksum, digest
+from hyper_parallel.core.distributed_checkpoint import _verify_reads
 from hyper_parallel.core.distributed_checkpoint._run_reads import FileSource
 from hyper_parallel.core.distributed_checkpoint._verify_reads import RegionCheck, verify_regions
 from hyper_parallel.core.distributed_checkpoint._verify_windows import BlockList, flat_windows
@@ -195,3 +196,36 @@ def test_chunk_of_no_bytes_must_have_the_checksum_of_no_bytes(tmp_path: Path) ->
     for checks, whole in (([], [("w", lying)]), ([RegionCheck("w", lying, None, 1)], [])):
         with pytest.raises(dcp.CorruptCheckpointError, match="key 'w': the metadata says it stores 0 bytes"):
             _verify(path, checks, whole=whole)
+
+
+def test_flat_window_is_read_and_hashed_a_piece_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    block = 4096
+    path, raw, infos = _file(tmp_path, block=block)
+    a, b, c, _ = infos  # 3.5 + 1 + 2 blocks, one after the other: one window hashed whole
+    monkeypatch.setattr(_verify_reads, "_PIECE_BYTES", 2 * block)
+    reads: list[tuple[int, int]] = []
+    real_preadv = os.preadv
+
+    def recording_preadv(fd: int, buffers: list, offset: int) -> int:
+        reads.append((offset, sum(memoryview(buffer).nbytes for buffer in buffers)))
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", recording_preadv)
+    whole = [("a", a), ("b", b), ("c", c)]
+    assert _verify(path, [], whole=whole) == a.length + b.length + c.length
+    # the blocks starting in each 2-block step, in file order, each byte once: 2, 2.5 and 2 blocks
+    assert reads == [(a.offset, 2 * block), (a.offset + 2 * block, 2 * block + block // 2),
+                     (b.offset + block, 2 * block)]
+    # a damaged byte in any piece is named by key, file and the block's bytes
+    for key, info, index in (("a", a, 0), ("b", b, 0), ("c", c, 1)):
+        damaged = bytearray(raw)
+        damaged[info.offset + index * block + 7] ^= 1
+        path.write_bytes(bytes(damaged))
+        end = min(info.offset + (index + 1) * block, info.offset + info.length)
+        with pytest.raises(dcp.CorruptCheckpointError,
+                           match=rf"data.bin, key '{key}' \(bytes {info.offset + index * block}\.\.{end}\)"):
+            _verify(path, [], whole=whole)
+    # a file cut short inside the last piece (as by another process during a load) is refused, not mapped past its end
+    path.write_bytes(bytes(raw[:c.offset + block + 10]))
+    with pytest.raises(dcp.CorruptCheckpointError, match="data.bin is truncated"):
+        _verify(path, [], whole=whole)

@@ -13,11 +13,15 @@ kernel readahead, a window read whole is left to that readahead; every other
 window (a sparse one, or any window of a file read without readahead) has
 exactly its hashed ranges announced with ``POSIX_FADV_WILLNEED`` up to
 32 MiB ahead of the window being hashed (see :func:`announces`). A window
-hashed whole is read into a cache-sized scratch buffer and hashed there
-(measured faster than mapping it: page faults); its many small blocks are
-hashed in one loop without Python per block. A sparse window is mapped
-read-only with ``MADV_RANDOM``, so the device reads what is verified and no
-readahead. The pages stay in the page cache, where the reading pass then
+of flat blocks hashed whole is read 1 MiB at a time into a scratch buffer
+that stays in the core's own cache, and each piece's many small blocks are
+hashed in one loop without Python per block; a slab of tiles hashed whole is
+read straight into tile order (:mod:`._verify_tiles`). Neither is mapped: a
+mapped file that another process truncates kills the reader with ``SIGBUS``,
+a read only comes back short. A sparse window is mapped read-only with
+``MADV_RANDOM``, so the device reads what is verified and no readahead (a
+file truncated while such a window is hashed is the one case left to
+``SIGBUS``). The pages stay in the page cache, where the reading pass then
 finds them: the load costs one hash pass (through the CPU cache) and one
 copy into the targets. The reader keeps some regions instead of hashing
 them here (see ``_reader_verify.VerifyPass._keep_buffer``): read once,
@@ -31,6 +35,8 @@ import mmap
 import os
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
+
+import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._format.checksum import digests_of
 from hyper_parallel.core.distributed_checkpoint._run_reads import FileSource, scratch
@@ -54,6 +60,8 @@ __all__ = ["RegionCheck", "announces", "hash_taken", "lookahead_limits", "verify
 
 #: Largest window hashed at once (fits the CPU cache of common machines).
 _CACHE_WINDOW = 8 << 20
+#: Bytes of a flat window read and hashed at a time (whole blocks; fits the core's own cache).
+_PIECE_BYTES = 1 << 20
 #: Bytes announced to the kernel (``POSIX_FADV_WILLNEED``) ahead of the window being hashed, so the
 #: device reads the next windows while this one is hashed (a cold load overlaps reading and hashing);
 #: windows the kernel reads ahead by itself are not announced (:func:`announces`).
@@ -110,17 +118,57 @@ def _bad_block(view: memoryview, window: Window, blocks: Blocks) -> int | None:
     first, stop = window.first, window.stop
     base = window.start
     got = digests_of(view, (blocks.starts[first:stop] - base).tolist(), (blocks.ends[first:stop] - base).tolist())
+    return _first_bad(got, blocks, first, stop)
+
+
+def _first_bad(got: list[str], blocks: Blocks, first: int, stop: int) -> int | None:
+    """Index of the first of blocks ``[first:stop]`` whose digest in ``got`` does not match, or ``None``."""
     expected = blocks.digests[first:stop]
     if got == expected:
         return None
     return first + next(k for k, (mine, theirs) in enumerate(zip(got, expected)) if mine != theirs)
 
 
+def _bad_block_read(fd: int, path: Path, window: Window, blocks: Blocks) -> int | None:
+    """:func:`_bad_block` of a flat window hashed whole, read from ``fd`` piece by piece.
+
+    A piece is the blocks starting in one ``_PIECE_BYTES`` step of the
+    window: read into the same small buffer and hashed at once, while the
+    core's own cache holds it (one read of the whole window left its first
+    bytes to the shared cache before they were hashed). The window's digests
+    are compared at once, at the end.
+
+    Raises:
+        CorruptCheckpointError: the file ends inside the window.
+    """
+    first, stop = window.first, window.stop
+    base = window.start
+    starts = blocks.starts[first:stop] - base
+    ends = blocks.ends[first:stop] - base
+    cuts = (np.flatnonzero(np.diff(starts // _PIECE_BYTES)) + 1).tolist()
+    starts_list, ends_list = starts.tolist(), ends.tolist()
+    buffer = memoryview(scratch(min(window.end - base, _PIECE_BYTES + int((ends - starts).max())), slot=2))
+    got: list[str] = []
+    low = 0
+    for high in cuts + [stop - first]:
+        offset, length = starts_list[low], ends_list[high - 1] - starts_list[low]
+        if os.preadv(fd, [buffer[:length]], base + offset) != length:
+            raise CorruptCheckpointError(f"data file {path} is truncated (bytes {base}..{window.end} are verified)")
+        got += digests_of(buffer, [start - offset for start in starts_list[low:high]],
+                          [end - offset for end in ends_list[low:high]])
+        low = high
+    return _first_bad(got, blocks, first, stop)
+
+
 def _mismatch(view: memoryview, window: Window, blocks: Blocks) -> str | None:
     """The key and the tile or bytes of ``window`` whose digest does not match, for a message; ``None`` if all do."""
     if window.slab is not None:
         return tile_problem(window.slab, bad_tile(view, window.slab))
-    bad = _bad_block(view, window, blocks)
+    return _block_problem(_bad_block(view, window, blocks), blocks)
+
+
+def _block_problem(bad: int | None, blocks: Blocks) -> str | None:
+    """The key and bytes of flat block ``bad``, for a message; ``None`` if ``bad`` is."""
     if bad is None:
         return None
     return f"key '{blocks.keys[bad]}' (bytes {int(blocks.starts[bad])}..{int(blocks.ends[bad])})"
@@ -191,9 +239,12 @@ def _hash_window(source: FileSource, path: Path, window: Window, blocks: Blocks)
         CorruptCheckpointError: a mismatch (names the file, key and bytes or tile).
     """
     done = False
+    fd = getattr(source, "fd", None)
     if scatters(source, window):  # read straight into tile order: no second pass to gather tiles
-        done, column = bad_tile_scattered(source.fd, window)
+        done, column = bad_tile_scattered(fd, window)
         problem = tile_problem(window.slab, column)
+    elif fd is not None and window.slab is None and window.whole:
+        done, problem = True, _block_problem(_bad_block_read(fd, path, window, blocks), blocks)
     if not done:
         with _window(source, path, window) as view:
             problem = _mismatch(view, window, blocks)
