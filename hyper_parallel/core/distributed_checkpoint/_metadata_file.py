@@ -8,6 +8,7 @@ from pathlib import Path
 
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import MAX_METADATA_BYTES, metadata_from_json
 from hyper_parallel.core.distributed_checkpoint._commit_cleanup import committed_save_id
+from hyper_parallel.core.distributed_checkpoint._format.deferred_storage import DecodedMetadata
 from hyper_parallel.core.distributed_checkpoint._format.indexed_storage import IndexedStorage
 from hyper_parallel.core.distributed_checkpoint._format.rank_index import MAX_INDEX_BYTES
 from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
@@ -130,6 +131,8 @@ class IndexFiles:
 
 def bind_index_files(metadata: Metadata, path: Path) -> Metadata:
     """Let an indexed checkpoint's ``storage_data`` read its rank index files from directory ``path``. Any rank."""
+    if isinstance(metadata, DecodedMetadata):  # its storage entries are all in metadata.json (none indexed)
+        return metadata
     storage = metadata.storage_data
     if isinstance(storage, IndexedStorage):
         storage.bind(IndexFiles(path, metadata.storage_meta.save_id))

@@ -2,7 +2,8 @@
 
 - :mod:`.safetensors_file`: the data files (safetensors headers, dtype names);
 - :mod:`.metadata_json`: the committed metadata as JSON (decoded as a stream by :mod:`.json_stream`,
-  its usual entries by runs by :mod:`.regular_runs`);
+  its usual entries by runs by :mod:`.regular_runs`, their records made on first access by
+  :mod:`.deferred_storage`);
 - :mod:`.storage_entry`: one ``storage_data`` entry as JSON (the decoder of both metadata forms);
 - :mod:`.consistency`: the checks that a metadata's items and storage entries match (single entries and byte
   ranges: :mod:`.entry_checks`);

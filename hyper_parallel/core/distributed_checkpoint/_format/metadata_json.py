@@ -27,7 +27,13 @@ from hyper_parallel.core.distributed_checkpoint._format.indexed_json import (
     indexed_storage_from_json,
 )
 from hyper_parallel.core.distributed_checkpoint._format.json_stream import Cursor, batches
-from hyper_parallel.core.distributed_checkpoint._format.regular_runs import items_by_runs, plain_text, storage_by_runs
+from hyper_parallel.core.distributed_checkpoint._format.deferred_storage import DecodedMetadata, PendingStorage
+from hyper_parallel.core.distributed_checkpoint._format.regular_runs import (
+    StorageRows,
+    items_by_runs,
+    plain_text,
+    storage_by_runs,
+)
 from hyper_parallel.core.distributed_checkpoint._format.storage_entry import (
     MAX_TENSOR_BYTES,
     check_relative_path,
@@ -243,7 +249,7 @@ def _decode_items(cursor: Cursor, shared: dict, plain: bool) -> dict[str, Tensor
     return items
 
 
-def _decode_storage(cursor: Cursor, shared: dict, plain: bool) -> dict[MetadataIndex, StorageInfo]:
+def _decode_storage(cursor: Cursor, shared: dict, plain: bool) -> dict[MetadataIndex, StorageInfo] | PendingStorage:
     source = cursor.source
     if cursor.skip() != "[":
         raise CorruptCheckpointError(f"{source}: storage_data must be a list")
@@ -254,10 +260,15 @@ def _decode_storage(cursor: Cursor, shared: dict, plain: bool) -> dict[MetadataI
         cursor, shared, lambda raw: storage_entry(raw, count, source, shared),
         lambda path: check_relative_path(path, f"{source}: storage_data"), MAX_TENSOR_BYTES) if plain else None
     if pairs is not None:
-        storage.update(pairs)
-        if len(storage) != len(pairs):
+        keys = [(index.fqn, index.offset) for index, _ in (part for part in pairs if type(part) is not StorageRows)]  # pylint: disable=unidiomatic-typecheck
+        rows = [part for part in pairs if type(part) is StorageRows]  # pylint: disable=unidiomatic-typecheck
+        count = len(keys) + sum(len(part.fqns) for part in rows)
+        unique = set(keys)
+        for part in rows:
+            unique.update(part.keys())
+        if len(unique) != count:
             raise CorruptCheckpointError(f"{source}: storage_data lists a chunk twice")
-        return storage
+        return PendingStorage(pairs) if rows else dict(pairs)
     for batch in batches(cursor, '},{"fqn":', "[]"):
         for raw in batch:
             index, info = storage_entry(raw, count, source, shared)
@@ -336,9 +347,11 @@ def metadata_from_json(data: bytes | bytearray | mmap.mmap, *, source: str = "me
         bytes_per_rank=_ints(document.get("bytes_per_rank", []), source, "bytes_per_rank"),
     )
     if raw_grids or "rank_indexes" in document:
+        if type(storage) is PendingStorage:  # pylint: disable=unidiomatic-typecheck
+            storage = storage.records()
         storage = indexed_storage_from_json(items, storage, raw_grids, document.get("rank_indexes"),
                                             meta=storage_meta, source=source)
-    return Metadata(
+    return (DecodedMetadata if type(storage) is PendingStorage else Metadata)(  # pylint: disable=unidiomatic-typecheck
         state_dict_metadata=items,
         planner_data=document.get("planner_data"),
         storage_data=storage,

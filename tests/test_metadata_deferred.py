@@ -1,0 +1,121 @@
+"""``read_metadata`` checks every storage entry at once but makes the records of the usual ones
+(``MetadataIndex``, ``StorageInfo``, ``ChunkChecksum``) when ``storage_data`` is first asked for
+(``_format.deferred_storage``). The metadata it returns behaves in every way as the ``Metadata`` of the same
+fields: equal both ways, the same repr, pickles and copies as one, ``replace``-s, refuses hashing and assignment.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import pickle
+import threading
+from pathlib import Path
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel.core.distributed_checkpoint._format import metadata_json
+from hyper_parallel.core.distributed_checkpoint._format.deferred_storage import DecodedMetadata, PendingStorage
+from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
+
+
+def _state() -> dict[str, object]:
+    rng = np.random.default_rng(11)
+    state: dict[str, object] = {}
+    for i in range(40):
+        values = rng.standard_normal((i % 3 + 1, 5)).astype(np.float32)
+        state[f"w{i}"] = ms.Parameter(ms.Tensor(values, ms.bfloat16 if i % 2 else ms.float32), name=f"w{i}")
+    state["wide"] = ms.Parameter(ms.Tensor(np.ones((64, 4096), np.float32)), name="wide")  # tile checksums
+    state["step"] = 3
+    return state
+
+
+def _full(raw: bytes) -> dcp.Metadata:
+    """The member-by-member decode (every record made at once): a plain ``Metadata``."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(metadata_json, "plain_text", lambda data: False)
+        return metadata_json.metadata_from_json(raw)
+
+
+@pytest.fixture(name="saved")
+def _saved(tmp_path: Path) -> Path:
+    dcp.save(_state(), checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    return tmp_path / "ckpt"
+
+
+def test_the_records_are_made_on_first_access_and_equal_the_full_decode(saved: Path) -> None:
+    metadata = dcp.read_metadata(saved)
+    full = _full((saved / "metadata.json").read_bytes())
+    assert type(full) is dcp.Metadata and isinstance(metadata, DecodedMetadata)
+    assert type(metadata.__dict__["_storage"]) is PendingStorage  # nothing made by read_metadata
+    assert metadata.state_dict_metadata == full.state_dict_metadata
+    storage = metadata.storage_data
+    assert type(storage) is dict and metadata.storage_data is storage  # made once, then the same dict
+    assert list(storage) == list(full.storage_data) and storage == full.storage_data
+    assert [repr(info) for info in storage.values()] == [repr(info) for info in full.storage_data.values()]
+    assert all(type(index.offset) is tuple and index.index is None for index in storage)
+
+
+def test_it_behaves_as_the_metadata_of_the_same_fields(saved: Path) -> None:
+    metadata = dcp.read_metadata(saved)
+    plain = dcp.Metadata(**{field.name: getattr(dcp.read_metadata(saved), field.name)
+                            for field in dataclasses.fields(dcp.Metadata)})
+    assert metadata == plain and plain == metadata and not metadata != plain and not plain != metadata
+    assert metadata == dcp.read_metadata(saved) and metadata != object() and metadata != 1
+    other = dataclasses.replace(plain, version="0.0")
+    assert metadata != other and other != metadata
+    assert repr(metadata) == repr(plain) and str(metadata) == str(plain)
+    for copied in (pickle.loads(pickle.dumps(metadata)), copy.copy(metadata), copy.deepcopy(metadata)):
+        assert type(copied) is dcp.Metadata and copied == plain
+    replaced = dataclasses.replace(metadata, version="0.0")
+    assert replaced.version == "0.0" and replaced.storage_data is metadata.storage_data
+    assert replaced.state_dict_metadata is metadata.state_dict_metadata and replaced != metadata
+    fresh = dcp.read_metadata(saved)  # replaced before its records exist: they come along
+    assert fresh.replace(version=fresh.version) == plain
+    with pytest.raises(TypeError):
+        hash(metadata)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        metadata.storage_data = {}  # type: ignore[misc]
+    assert [field.name for field in dataclasses.fields(metadata)] == [f.name for f in dataclasses.fields(plain)]
+
+
+def test_threads_asking_first_get_one_dict(saved: Path) -> None:
+    metadata = dcp.read_metadata(saved)
+    start = threading.Barrier(4)
+    seen: list[object] = []
+
+    def ask() -> None:
+        start.wait()
+        seen.append(metadata.storage_data)
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(seen) == 4 and all(found is seen[0] for found in seen) and len(seen[0]) == 42
+
+
+def test_a_chunk_listed_twice_is_still_refused_by_read_metadata(saved: Path) -> None:
+    """The check that needs every key runs at once, not when the records are made."""
+    path = saved / "metadata.json"
+    text = path.read_text()
+    start = text.index('{"fqn":"w7"')
+    entry = text[start:text.index("}}", start) + 2]
+    path.write_text(text.replace(entry, entry + "," + entry, 1))
+    with pytest.raises(CorruptCheckpointError, match="storage_data lists a chunk twice"):
+        dcp.read_metadata(saved)
+
+
+def test_a_load_from_it_is_bit_exact(saved: Path) -> None:
+    target = {key: (ms.Parameter(ms.Tensor(np.zeros(value.shape, np.float32), value.dtype), name=key)
+                    if isinstance(value, ms.Parameter) else None) for key, value in _state().items()}
+    dcp.load(target, checkpoint_id=saved, no_dist=True)
+    for key, value in _state().items():
+        if isinstance(value, ms.Parameter):
+            np.testing.assert_array_equal(target[key].asnumpy().astype(np.float32),
+                                          value.asnumpy().astype(np.float32), err_msg=key)
+    assert target["step"] == 3
