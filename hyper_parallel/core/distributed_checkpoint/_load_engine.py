@@ -22,6 +22,7 @@ from hyper_parallel.core.distributed_checkpoint._background_commit import settle
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutArgument, apply_mindspore_layouts, copy_back_values
 from hyper_parallel.core.distributed_checkpoint._storage_choice import rank_alone
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointNotFoundError
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
@@ -70,8 +71,30 @@ def read_checkpoint_metadata(reader: StorageReader, options: LoadOptions) -> Met
     settle_before_load(no_dist=options.no_dist, use_collectives=options.use_collectives)
     rank = rank_alone(options.no_dist, options.use_collectives)
     found: list[Metadata] = []
-    dist.agree("read metadata", lambda: found.append(reader.read_metadata(rank=rank)))
+
+    def read() -> str | None:
+        found.append(reader.read_metadata(rank=rank))
+        return getattr(found[0].storage_meta, "save_id", None)
+
+    # Each rank reads the metadata itself: a save that commits between two ranks' reads (its cleanup not done
+    # yet, or the old files kept open) would have them load two saves, a mix no checksum tells. Only the save ids
+    # travel (to the coordinator), as the failures of an agree step would.
+    dist.reduce_scatter("read metadata", read, _one_save)
     return found[0]
+
+
+def _one_save(save_ids: list[str | None]) -> list[None]:
+    """Refuse metadata of different saves on different ranks (coordinator); a ``None`` part for every rank."""
+    if len(set(save_ids)) > 1:
+        ranks: dict[str | None, list[int]] = {}
+        for position, save_id in enumerate(save_ids):
+            ranks.setdefault(save_id, []).append(position)
+        seen = "; ".join(f"save {save_id} on ranks {holders}" for save_id, holders in ranks.items())
+        raise CheckpointNotFoundError(
+            f"the checkpoint was replaced by another save while the ranks read its metadata ({seen}): loading on "
+            "would mix the two saves across ranks. Load again once no save to this checkpoint id runs"
+        )
+    return [None] * len(save_ids)
 
 
 def run_load(
