@@ -18,8 +18,15 @@ import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.core.distributed_checkpoint._format import metadata_json
-from hyper_parallel.core.distributed_checkpoint._format.deferred_storage import DecodedMetadata, PendingStorage
+from hyper_parallel.core.distributed_checkpoint._format.consistency import check_consistency, storage_by_key
+from hyper_parallel.core.distributed_checkpoint._format.deferred_storage import (
+    DecodedMetadata,
+    PendingStorage,
+    StorageOf,
+    has_storage,
+)
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
+from hyper_parallel.core.distributed_checkpoint.metadata import MetadataIndex
 
 
 def _state() -> dict[str, object]:
@@ -119,3 +126,76 @@ def test_a_load_from_it_is_bit_exact(saved: Path) -> None:
             np.testing.assert_array_equal(target[key].asnumpy().astype(np.float32),
                                           value.asnumpy().astype(np.float32), err_msg=key)
     assert target["step"] == 3
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_load_looks_entries_up_by_key_and_never_makes_the_records(saved: Path, verify: bool) -> None:
+    """The reader's table of entries by ``(key, offset)`` comes from the checked columns: a load makes no
+    ``MetadataIndex`` per entry, and a later ``storage_data`` holds the very records the load used."""
+    kept: list[dcp.Metadata] = []
+
+    class Keeping(dcp.FileSystemReader):
+        def read_metadata(self, **kwargs):  # type: ignore[no-untyped-def]
+            kept.append(super().read_metadata(**kwargs))
+            return kept[-1]
+
+    reader = Keeping(saved, verify_checksums=verify)
+    target = {key: (ms.Parameter(ms.Tensor(np.zeros(value.shape, np.float32), value.dtype), name=key)
+                    if isinstance(value, ms.Parameter) else None) for key, value in _state().items()}
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    for key, value in _state().items():
+        if isinstance(value, ms.Parameter):
+            assert np.array_equal(target[key].asnumpy(), value.asnumpy()), key
+    metadata = kept[0]
+    assert type(metadata.__dict__["_storage"]) is PendingStorage  # no record of storage_data made
+    keyed = storage_by_key(metadata)
+    assert keyed is metadata.pending_by_key() and has_storage(metadata)
+    full = _full((saved / "metadata.json").read_bytes())
+    assert list(keyed.items()) == list(storage_by_key(full).items())
+    assert all(metadata.storage_data[MetadataIndex(key, offset)] is info for (key, offset), info in keyed.items())
+    assert metadata.pending_by_key() is keyed  # (kept: the same records)
+    assert storage_by_key(dataclasses.replace(metadata)) == keyed  # a copy made after: by its records
+
+
+def _edited(saved: Path, change) -> dcp.Metadata:  # type: ignore[no-untyped-def]
+    path = saved / "metadata.json"
+    path.write_text(change(path.read_text()))
+    metadata = dcp.read_metadata(saved)
+    assert type(metadata.__dict__["_storage"]) is PendingStorage  # still the writer's form: decoded by runs
+    return metadata
+
+
+def test_the_consistency_checks_name_keys_from_the_columns(saved: Path) -> None:
+    """An entry of no item and two entries sharing bytes are refused as before, named by key and offset."""
+    def orphan(text: str) -> str:
+        start = text.index('"w7":{')
+        return text[:start] + text[text.index("}", text.index("]]]", start)) + 2:]
+
+    metadata = _edited(saved, orphan)
+    with pytest.raises(CorruptCheckpointError, match=r"storage entry of key 'w7' at offset \[0, 0\] belongs to no item"):
+        check_consistency(metadata, by_key=storage_by_key(metadata))
+
+
+def test_overlapping_entries_are_named_from_the_columns(saved: Path) -> None:
+    full = _full((saved / "metadata.json").read_bytes())
+    infos = {index.fqn: info for index, info in full.storage_data.items()}
+    first, second = infos["w3"], infos["w5"]
+    assert first.relative_path == second.relative_path
+
+    def overlap(text: str) -> str:
+        start = text.index('{"fqn":"w5"')
+        entry = text[start:text.index("}}", start)]
+        return text.replace(entry, entry.replace(f'"byte_offset":{second.offset},', f'"byte_offset":{first.offset + 1},'), 1)
+
+    metadata = _edited(saved, overlap)
+    with pytest.raises(CorruptCheckpointError, match=r"key '(w3|w5)' at offset \[0, 0\] starts at byte .* inside the bytes of key '(w3|w5)'"):
+        check_consistency(metadata, by_key=storage_by_key(metadata))
+    with pytest.raises(CorruptCheckpointError, match="inside the bytes of key"):
+        dcp.load({"w3": np.zeros((1, 5), np.float32)}, checkpoint_id=saved, no_dist=True)
+
+
+def test_storage_of_and_has_storage_without_storage_data() -> None:
+    empty = dcp.Metadata(state_dict_metadata={}, storage_data=None)
+    assert not has_storage(empty) and StorageOf(empty).get(MetadataIndex("k"), 5) == 5
+    some = dcp.Metadata(state_dict_metadata={}, storage_data={MetadataIndex("k"): "info"})  # type: ignore[dict-item]
+    assert has_storage(some) and StorageOf(some).get(MetadataIndex("k")) == "info"

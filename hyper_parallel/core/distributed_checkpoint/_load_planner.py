@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._device_targets import DeviceRegions
+from hyper_parallel.core.distributed_checkpoint._format.deferred_storage import StorageOf
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
     CheckpointValueError,
@@ -220,7 +221,7 @@ class StandardLoadPlanner(LoadPlanner):
                     refused.append(refusal)
             entries[name] = entry
         problems.extend(aliased_targets(self.flat.aliases, stored_of, stored_aliases, entries,
-                                        storage=metadata.storage_data))
+                                        storage=StorageOf(metadata)))
         if self.flat.sizes:
             problems.extend(cut_containers(self.flat, stored_of))
         if problems:

@@ -34,6 +34,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from hyper_parallel.core.distributed_checkpoint._format.deferred_storage import has_storage
 from hyper_parallel.core.distributed_checkpoint._format.consistency import storage_by_key
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import check_consistency, metadata_from_json
 from hyper_parallel.core.distributed_checkpoint._kept_files import KeptFiles, keep_cap
@@ -343,7 +344,7 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
         bytes it read)."""
         future: Future[None] = Future()
         try:
-            if self.metadata is None or self.metadata.storage_data is None or self._items is None:
+            if self.metadata is None or self._items is None or not has_storage(self.metadata):
                 raise CheckpointValueError(f"{verb} called before set_up_storage_reader")
             items = self._plan_items(plan)
             if verb == "verify" and items is self._plan_checked:  # read_data after verify_data of this plan

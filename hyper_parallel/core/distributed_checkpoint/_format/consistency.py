@@ -8,10 +8,16 @@ rules are those of docs/format.md ("Consistency").
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, expected_blocks
 from hyper_parallel.core.distributed_checkpoint._format.cover import check_exact_cover
-from hyper_parallel.core.distributed_checkpoint._format.entry_checks import check_disjoint_bytes, entry_of as _entry_of
+from hyper_parallel.core.distributed_checkpoint._format.deferred_storage import DecodedMetadata
+from hyper_parallel.core.distributed_checkpoint._format.entry_checks import (
+    check_disjoint_bytes,
+    chunk_key,
+    entry_of as _entry_of,
+)
 from hyper_parallel.core.distributed_checkpoint._format.indexed_storage import IndexedStorage
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import (
@@ -43,6 +49,9 @@ def _whole_chunk(item: TensorStorageMetadata | BytesStorageMetadata) -> tuple[tu
 def storage_by_key(metadata: Metadata) -> dict[tuple[str, tuple[int, ...]], StorageInfo]:
     """``metadata.storage_data`` keyed by plain ``(key, offset)`` tuples (hashing and comparing them is C, a
     :class:`MetadataIndex`'s is Python); for an indexed checkpoint a lazy view with ``get``. Any rank; pure."""
+    keyed = metadata.pending_by_key() if isinstance(metadata, DecodedMetadata) else None
+    if keyed is not None:  # decoded, its records not asked for: no MetadataIndex made
+        return keyed
     if isinstance(metadata.storage_data, IndexedStorage):
         return metadata.storage_data.by_key()  # type: ignore[union-attr,return-value]
     return {(index.fqn, tuple(index.offset)): info for index, info in (metadata.storage_data or {}).items()}
@@ -74,9 +83,11 @@ def check_consistency(
     Raises:
         CorruptCheckpointError: the first mismatch found (names ``source`` and the key).
     """
-    storage = metadata.storage_data or {}
     if by_key is None:
         by_key = storage_by_key(metadata)
+    keyed = metadata.pending_by_key() if isinstance(metadata, DecodedMetadata) else None
+    # Decoded and its records not asked for: its entries are those of by_key, each key once (the decoder checked).
+    storage: Any = keyed if keyed is not None and by_key is keyed else metadata.storage_data or {}
     grids: dict = {}
     if isinstance(storage, IndexedStorage):  # grid tensors tile by construction; their entries are checked as their index loads
         grids, storage = storage.grids, storage.inline  # type: ignore[union-attr]
@@ -123,10 +134,10 @@ def check_consistency(
         if problems:
             raise CorruptCheckpointError(f"{where}: the stored chunks do not tile the tensor: {problems[0]}")
     if len(claimed) != len(storage):
-        orphan = next((index for index in storage if (index.fqn, tuple(index.offset)) not in claimed), None)
+        orphan = next((key for key in map(chunk_key, storage) if key not in claimed), None)
         if orphan is None:  # two entries of one chunk (an offset given as a list and as a tuple)
             raise CorruptCheckpointError(f"{source}: storage_data lists a chunk twice")
         raise CorruptCheckpointError(
-            f"{source}: storage entry of key '{orphan.fqn}' at offset {list(orphan.offset)} belongs to no item"
+            f"{source}: storage entry of key '{orphan[0]}' at offset {list(orphan[1])} belongs to no item"
         )
     check_disjoint_bytes(storage, source)

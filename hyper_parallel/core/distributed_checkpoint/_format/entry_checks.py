@@ -12,7 +12,7 @@ from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITH
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import MetadataIndex, StorageInfo
 
-__all__ = ["entry_of", "check_chunk_entry", "check_disjoint_bytes"]
+__all__ = ["entry_of", "check_chunk_entry", "check_disjoint_bytes", "chunk_key"]
 
 
 def entry_of(
@@ -73,8 +73,17 @@ def check_chunk_entry(info: StorageInfo, fqn: str, offset: tuple[int, ...], size
         )
 
 
-def check_disjoint_bytes(storage: dict[MetadataIndex, StorageInfo], source: str) -> None:
-    """No two stored items share a byte of one file (sorted per file: O(n log n))."""
+def chunk_key(index: MetadataIndex | tuple[str, tuple[int, ...]]) -> tuple[str, tuple[int, ...]]:
+    """The plain ``(key, offset)`` of a storage entry's ``MetadataIndex`` (or of the tuple itself). Pure."""
+    if type(index) is tuple:  # pylint: disable=unidiomatic-typecheck
+        return index
+    return index.fqn, tuple(index.offset)  # type: ignore[union-attr]
+
+
+def check_disjoint_bytes(storage: dict[MetadataIndex, StorageInfo] | dict[tuple[str, tuple[int, ...]], StorageInfo],
+                         source: str) -> None:
+    """No two stored items share a byte of one file (sorted per file: O(n log n)). ``storage`` keyed by
+    ``MetadataIndex`` or by plain ``(key, offset)`` tuples."""
     indexes = list(storage)
     # The position breaks ties (MetadataIndex has no order): plain tuples sort in C, no key function.
     ranges = sorted(
@@ -84,9 +93,9 @@ def check_disjoint_bytes(storage: dict[MetadataIndex, StorageInfo], source: str)
     )
     for (path, _, end, first), (next_path, begin, _, second) in zip(ranges, ranges[1:]):
         if path == next_path and begin < end:
-            first, second = indexes[first], indexes[second]
+            (first_key, first_offset), (second_key, second_offset) = chunk_key(indexes[first]), chunk_key(indexes[second])
             raise CorruptCheckpointError(
-                f"{source}: data file {path}: key '{second.fqn}' at offset {list(second.offset)} starts at byte "
-                f"{begin}, inside the bytes of key '{first.fqn}' at offset {list(first.offset)} (up to {end}); "
+                f"{source}: data file {path}: key '{second_key}' at offset {list(second_offset)} starts at byte "
+                f"{begin}, inside the bytes of key '{first_key}' at offset {list(first_offset)} (up to {end}); "
                 "two items never share bytes: the metadata is damaged or forged"
             )

@@ -231,16 +231,24 @@ class StorageRows(NamedTuple):
         """Each entry's ``(key, offsets)``."""
         return zip(self.fqns, self.offsets)
 
-    def pairs(self) -> list[tuple[MetadataIndex, StorageInfo]]:
-        """The ``(MetadataIndex, StorageInfo)`` of each entry, in order: equal to the full decode's."""
+    def infos(self) -> list[StorageInfo]:
+        """The ``StorageInfo`` of each entry (its ``ChunkChecksum`` in it), in order: equal to the full decode's."""
         count = len(self.fqns)
         checksums = list(map(_new_object, repeat(ChunkChecksum, count)))
         _set_all(checksums, _CHECKSUM_SLOTS, (repeat(ALGORITHM), self.blocks, zip(self.digests), repeat(())))
         infos = list(map(_new_object, repeat(StorageInfo, count)))
         _set_all(infos, _INFO_SLOTS, (self.files, self.starts, self.lengths, checksums, repeat(None), repeat(None)))
-        indexes = list(map(_new_object, repeat(MetadataIndex, count)))
+        return infos
+
+    def indexes(self) -> list[MetadataIndex]:
+        """The ``MetadataIndex`` of each entry, in order: equal to the full decode's."""
+        indexes = list(map(_new_object, repeat(MetadataIndex, len(self.fqns))))
         _set_all(indexes, _INDEX_SLOTS, (self.fqns, self.offsets, repeat(None)))
-        return list(zip(indexes, infos))
+        return indexes
+
+    def pairs(self) -> list[tuple[MetadataIndex, StorageInfo]]:
+        """The ``(MetadataIndex, StorageInfo)`` of each entry, in order: equal to the full decode's."""
+        return list(zip(self.indexes(), self.infos()))
 
 
 def _after_first(cursor: Cursor, marker: str, first: Callable[[], Any], run: Callable[[int, int], Any]) -> Any:
