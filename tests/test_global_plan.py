@@ -76,6 +76,17 @@ def test_validation_reports_every_problem_at_once():
     assert isinstance(caught.value, ValueError)
 
 
+@pytest.mark.parametrize("layout_form", [False, True])
+@pytest.mark.parametrize("values", [(np.float32(1.5), np.array(1.5, np.float32)),
+                                    (np.array(1.5, np.float32), np.float32(1.5))])
+def test_a_value_on_one_rank_and_a_tensor_on_another_is_named(tmp_path, layout_form, values):
+    """A numpy scalar on one rank and a 0-d array on the other (one a value, one a tensor): only each item's first
+    holder was compared, so the coordinator met the other kind in its checks and raised AttributeError."""
+    with pytest.raises(dcp.PlanValidationError, match="'x': saved as a tensor by some ranks and as a non-tensor value"):
+        simulate_save([{"x": value} for value in values], tmp_path / "c", layout_form=layout_form)
+    assert not (tmp_path / "c" / "metadata.json").exists()
+
+
 def test_overlapping_and_missing_shards_refused():
     full = np.arange(16, dtype=np.float32).reshape(4, 4)
     layout = Layout((2,), (0, -1))

@@ -167,6 +167,9 @@ def _build_global_save_plan(
     return final_plans, metadata
 
 
+_MIXED_KINDS = "'{fqn}': saved as a tensor by some ranks and as a non-tensor value by others"
+
+
 def describe_general(fqn: str, keys: list[ItemKey], groups: dict[ItemKey, list[Holder]], all_plans: Any,
                      out: dict[str, Any]) -> list[str]:
     """Check the items of ``fqn`` agree and put its metadata into ``out``; return the problems.
@@ -175,7 +178,7 @@ def describe_general(fqn: str, keys: list[ItemKey], groups: dict[ItemKey, list[H
     """
     first = [all_plans[groups[k][0][0]].items[groups[k][0][1]] for k in keys]
     if len({item.tensor_data is not None for item in first}) > 1:
-        return [f"'{fqn}': saved as a tensor by some ranks and as a non-tensor value by others"]
+        return [_MIXED_KINDS.format(fqn=fqn)]
     if first[0].tensor_data is not None:
         return _describe_tensor(fqn, keys, groups, all_plans, out)
     return _describe_bytes(fqn, keys, groups, all_plans, out)
@@ -242,6 +245,8 @@ def _describe_tensor(fqn, keys, groups, all_plans, out) -> list[str]:
     for key in keys:
         for rank, position in groups[key]:
             data = all_plans[rank].items[position].tensor_data
+            if data is None:  # a later holder's item of the other kind (a numpy scalar here, a 0-d array there)
+                return [_MIXED_KINDS.format(fqn=fqn)]
             dtypes[data.properties.dtype].add(rank)
             shapes[data.size].add(rank)
     if len(dtypes) > 1:
@@ -270,6 +275,8 @@ def _describe_bytes(fqn, keys, groups, all_plans, out) -> list[str]:
     for key in keys:
         for rank, position in groups[key]:
             data = all_plans[rank].items[position].bytes_io_data
+            if data is None:
+                return [_MIXED_KINDS.format(fqn=fqn)]
             type_names[data.type_name].append(rank)
             grids.add(data.global_shape)
     problems = []
