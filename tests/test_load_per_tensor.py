@@ -53,7 +53,8 @@ def test_plain_leaf_entries_equal_make_entry_and_leave_the_rest_to_it() -> None:
     # Not a plain tensor of a stored dtype: None, and make_entry classifies it (or refuses, naming the key).
     for other in (np.ones(3, np.float32), 5, "text", None, {"a": 1}):
         assert _state_items.plain_tensor_entry("k", other) is None
-    assert _state_items.plain_tensor_entry("c", ms.Tensor(np.ones(2, np.complex64))) is None
+    for _ in range(2):  # (the second time from the table of dtypes seen)
+        assert _state_items.plain_tensor_entry("c", ms.Tensor(np.ones(2, np.complex64))) is None
     with pytest.raises(dcp.UnsupportedTypeError, match="'c'.*complex64"):
         _state_items.make_entry("c", ms.Tensor(np.ones(2, np.complex64)))
 
@@ -235,6 +236,37 @@ def test_cached_views_are_taken_column_by_column_only_when_every_check_holds() -
     finally:
         _FlakyPointer.fail = False
     assert views[1] is first[1] and (views[0] is None or np.shares_memory(views[0], cached))
+
+
+def test_a_dict_of_parameters_is_flattened_and_walked_at_once_as_leaf_by_leaf() -> None:
+    """A dict of distinct Parameters under str keys (the usual state) is flattened column by column, with what
+    the walk gives each such leaf; anything else in it (a Parameter twice, another leaf, a key that is no str)
+    takes the walk. The layout pass finds no Cell and every Parameter in it at once."""
+    from hyper_parallel.core.distributed_checkpoint._flatten import flatten_state_dict
+    from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import _parameters, cells_in
+
+    p, q, r = (ms.Parameter(ms.Tensor(np.ones(2, np.float32)), name=n) for n in "pqr")
+    state = {"b.c": q, "a": p, "f": r}
+    flat = flatten_state_dict(state)
+    assert list(flat.values.items()) == [("b.c", q), ("a", p), ("f", r)] and flat.values is not state
+    assert flat.paths == {"b.c": ("b.c",), "a": ("a",), "f": ("f",)}
+    assert flat.storage_keys == {"b.c": "b.c", "a": "a", "f": "f"}
+    assert flat.key_users == {"b.c": ["b.c"], "a": ["a"], "f": ["f"]}
+    assert flat.key_users["a"] is not flat.key_users["f"]  # a list of its own each
+    assert flat.aliases == {} and flat.sizes == {} and flat.containers == {(): "dict"}
+    assert cells_in(state) == () and _parameters(state) == [q, p, r]
+    twice = flatten_state_dict({"a": p, "e": p, "f": r})
+    assert list(twice.values) == ["a", "f"] and twice.aliases == {"e": "a"}
+    tensor = ms.Tensor(np.ones(2, np.float32))
+    mixed = flatten_state_dict({"a": p, "t": tensor})
+    assert mixed.values == {"a": p, "t": tensor} and mixed.storage_keys == {"a": "a", "t": "t"}
+    assert set(_parameters({"a": p, "t": tensor})) == {p}
+    with pytest.raises(dcp.CheckpointValueError, match="only str keys"):
+        flatten_state_dict({"a": p, 3: q})
+    empty = flatten_state_dict({})
+    assert empty.values == {} and empty.sizes == {} and cells_in({}) == () and _parameters({}) == []
+    net = ms.nn.Dense(2, 2)
+    assert cells_in({"net": net}) == (net,) and len(_parameters({"net": net})) == 2
 
 
 def test_top_level_parameters_flatten_as_every_leaf_does() -> None:

@@ -35,6 +35,7 @@ __all__ = [
     "is_parameter",
     "is_cell",
     "parameter_and_cell_types",
+    "all_parameters",
     "to_numpy",
     "writable_view",
     "writable_views",
@@ -130,6 +131,15 @@ def parameter_and_cell_types() -> tuple[type | tuple[()], type | tuple[()]]:
     (``()`` for each while MindSpore is not imported: nothing is an instance of it)."""
     ms = _mindspore()
     return (ms.Parameter, ms.nn.Cell) if ms is not None else ((), ())
+
+
+def all_parameters(values: list[Any]) -> bool:
+    """Whether ``values`` (not empty) are all MindSpore Parameters: each distinct type looked at once (a state of
+    thousands of Parameters, as most are, is told in C loops). Pure."""
+    if not values:
+        return False
+    parameter_type = parameter_and_cell_types()[0]
+    return parameter_type != () and all(issubclass(kind, parameter_type) for kind in set(map(type, values)))  # type: ignore[arg-type]
 
 
 def to_numpy(value: Any) -> np.ndarray:

@@ -20,7 +20,7 @@ from typing import Any, Union
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.mapping import ShardedObject, ShardedTensor
 from hyper_parallel.core.dtensor import DTensor
-from hyper_parallel.platform.tensor import is_cell, is_parameter, parameter_and_cell_types
+from hyper_parallel.platform.tensor import all_parameters, is_cell, is_parameter, parameter_and_cell_types
 
 __all__ = ["PathElement", "FlatStateDict", "cell_parameters", "flatten_state_dict", "set_by_path"]
 
@@ -137,6 +137,8 @@ def flatten_state_dict(state_dict: dict[str, Any]) -> FlatStateDict:
             f"state_dict must be a dict, got {type(state_dict).__name__}; wrap a Cell as {{'model': net}}"
         )
     flat = FlatStateDict(values={}, paths={}, containers={(): "dict"})
+    if _top_level_parameters(state_dict, flat):
+        return flat
     containers = flat.containers
     values, paths, storage_keys, key_users = flat.values, flat.paths, flat.storage_keys, flat.key_users
     # An explicit stack, not nested recursive closures: those would form a
@@ -185,6 +187,21 @@ def flatten_state_dict(state_dict: dict[str, Any]) -> FlatStateDict:
         else:
             _add_leaf(flat, path, value, seen)
     return flat
+
+
+def _top_level_parameters(state_dict: dict[str, Any], flat: FlatStateDict) -> bool:
+    """Flatten ``state_dict`` into ``flat`` when it is a dict of distinct Parameters under str keys (the usual
+    state: every leaf the loop's usual leaf, a Parameter at the top reached once, its key its own), column by
+    column; else leave ``flat`` as it is and return ``False``."""
+    leaves = list(state_dict.values())
+    if not all_parameters(leaves) or set(map(type, state_dict)) != {str} or len(set(map(id, leaves))) != len(leaves):
+        return False
+    keys = list(state_dict)
+    flat.values.update(state_dict)
+    flat.paths.update(zip(keys, zip(keys)))
+    flat.storage_keys.update(zip(keys, keys))
+    flat.key_users.update(zip(keys, map(list, zip(keys))))
+    return True
 
 
 def set_by_path(root: dict[str, Any], path: tuple[PathElement, ...], value: Any) -> None:

@@ -23,7 +23,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import LayoutError, Slice
 from hyper_parallel.core.dtensor import DTensor
 from hyper_parallel.core.layout import Layout
 from hyper_parallel.core.strategy_file import StrategySource, layout_for_state_key, layouts_from_strategy
-from hyper_parallel.platform.tensor import is_cell, is_parameter, parameter_and_cell_types
+from hyper_parallel.platform.tensor import all_parameters, is_cell, is_parameter, parameter_and_cell_types
 
 __all__ = [
     "LayoutSources",
@@ -59,6 +59,8 @@ LayoutArgument = Union[StrategySource, Mapping[str, Any], LayoutSources, None]
 
 def cells_in(obj: Any) -> tuple[Any, ...]:
     """Return every ``mindspore.nn.Cell`` in ``obj`` (nested dicts, lists, tuples), outermost first."""
+    if isinstance(obj, dict) and all_parameters(list(obj.values())):
+        return ()  # a dict of Parameters (the usual state): told at once
     found: list[Any] = []
     stack = [obj]
     parameter_type, cell_type = parameter_and_cell_types()
@@ -225,6 +227,10 @@ def _any_sliced(params: list[Any]) -> bool:
 
 def _parameters(obj: Any) -> list[Any]:
     """Every Parameter in ``obj`` (nested dicts, lists, tuples, Cells)."""
+    if isinstance(obj, dict):
+        values = list(obj.values())
+        if all_parameters(values):
+            return values  # a dict of Parameters (the usual state): told at once
     found: list[Any] = []
     stack = [obj]
     parameter_type, cell_type = parameter_and_cell_types()

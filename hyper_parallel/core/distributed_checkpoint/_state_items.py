@@ -217,6 +217,11 @@ def _is_plain(kind: type, value: Any) -> bool:
     return plain
 
 
+#: id() of a MindSpore dtype -> (the dtype, its stored name or None: not stored); the dtype is held, so the
+#: identity check makes a reused id harmless.
+_DTYPE_NAMES: dict[int, tuple[Any, str | None]] = {}
+
+
 def plain_tensor_entry(fqn: str, value: Any) -> TensorEntry | None:
     """:func:`make_entry` of a plain MindSpore tensor (a Parameter, a Tensor) of a dtype the checkpoint stores, in
     one call (the usual leaf of a state of thousands); ``None`` for any other leaf, which :func:`make_entry`
@@ -225,12 +230,22 @@ def plain_tensor_entry(fqn: str, value: Any) -> TensorEntry | None:
     plain = _PLAIN_TENSOR_TYPES.get(kind)
     if not (plain or plain is None and _is_plain(kind, value)):
         return None
-    try:
-        dtype = tensor_dtype_name(value)
-    except TypeError:
+    dtype = value.dtype
+    known = _DTYPE_NAMES.get(id(dtype))  # (tensor_dtype_name, its calls inlined: one lookup per leaf)
+    if known is None or known[0] is not dtype:
+        try:
+            name = tensor_dtype_name(value)
+        except TypeError:
+            name = None  # a dtype no checkpoint stores: make_entry refuses it, naming it
+        known = _DTYPE_NAMES[id(dtype)] = (dtype, name)
+    name = known[1]
+    if name is None:
         return None
     shape = value.shape
-    return _plain_tensor_entry(fqn, dtype, shape if type(shape) is tuple else tuple(map(int, shape)), value)  # pylint: disable=unidiomatic-typecheck
+    if type(shape) is not tuple:  # pylint: disable=unidiomatic-typecheck
+        shape = tuple(map(int, shape))
+    # _plain_tensor_entry, inlined: the fields in order.
+    return _new_tuple(TensorEntry, (fqn, name, shape, _whole_pieces(shape), value, shape, True, False, True, None))
 
 
 def _make_entry(fqn: str, value: Any) -> TensorEntry | ValueEntry | SkipEntry:
