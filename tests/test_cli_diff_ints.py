@@ -44,6 +44,22 @@ def test_diff_with_tolerance_compares_integers_exactly(tmp_path, capsys):
     assert main(["diff", str(tmp_path / "a"), str(tmp_path / "a"), "--rtol", "1e-6"]) == 0
 
 
+def test_diff_of_bfloat16_tensors_that_differ_reports_them(tmp_path, capsys):
+    """Two bfloat16 tensors differing in one element: the differing elements were picked with a boolean mask on
+    MindSpore's numpy bfloat16, which raises MemoryError (memcpy_s failed), so hp-ckpt diff crashed instead of
+    reporting the difference."""
+    import mindspore as ms  # pylint: disable=import-outside-toplevel
+
+    for name, values in (("a", [1.0, 2.0, 3.0]), ("b", [1.0, 5.0, 3.0])):
+        dcp.save({"w": ms.Tensor(np.array(values, np.float32), ms.bfloat16)}, checkpoint_id=tmp_path / name,
+                 no_dist=True)
+    code = main(["diff", str(tmp_path / "a"), str(tmp_path / "b")])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("w ")]
+    assert code == 1 and len(lines) == 1
+    assert "1 of 3 element(s) differ, max |a-b| = 3" in lines[0]
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--atol", "3"]) == 0
+
+
 def test_diff_help_says_tolerances_are_for_floats(capsys):
     assert main(["diff", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())

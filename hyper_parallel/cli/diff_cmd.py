@@ -110,8 +110,9 @@ def compare_arrays(a: np.ndarray, b: np.ndarray, rtol: float, atol: float) -> tu
         if exact:
             mismatch = part_a != part_b
         else:
-            mismatch = ~np.isclose(part_a.astype(np.float64), part_b.astype(np.float64),
-                                   rtol=rtol, atol=atol, equal_nan=True)
+            # float64 copies first: a boolean mask on MindSpore's numpy bfloat16 raises MemoryError (memcpy_s)
+            part_a, part_b = part_a.astype(np.float64), part_b.astype(np.float64)
+            mismatch = ~np.isclose(part_a, part_b, rtol=rtol, atol=atol, equal_nan=True)
         count = int(np.count_nonzero(mismatch))
         if not count:
             continue
@@ -123,7 +124,7 @@ def compare_arrays(a: np.ndarray, b: np.ndarray, rtol: float, atol: float) -> tu
             worst = max(worst, float(_integer_gap(part_a[mismatch], part_b[mismatch]).max()))
             continue
         with np.errstate(invalid="ignore", over="ignore"):
-            gap = np.abs(part_a[mismatch].astype(np.float64) - part_b[mismatch].astype(np.float64))
+            gap = np.abs(part_a[mismatch] - part_b[mismatch])
         worst = max(worst, float(np.max(gap))) if np.all(np.isfinite(gap)) else float("nan")
     return differing, worst
 
