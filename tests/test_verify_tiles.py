@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import mmap
 import os
 from pathlib import Path
 
@@ -230,4 +231,46 @@ def test_scattered_reads_stay_inside_the_window_of_a_larger_kept_buffer(saved, k
                 assert np.array_equal(buffer[:size], expected)
     finally:
         os.close(fd)
+        _run_reads.release_scratch()
+
+
+def _anon_huge_kib(address: int) -> int:
+    """AnonHugePages (KiB) of the mapping of this process holding ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps", encoding="ascii") as handle:
+        for line in handle:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(part, 16) for part in head.split("-"))
+                inside = low <= address < high
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_verify_scratch_of_a_huge_page_or_more_is_a_huge_page_mapping_within_its_size() -> None:
+    """The verify pass's scratch (slabs of tiles scattered into it) is advised for transparent huge pages: fewer
+    page faults and TLB misses for the kernel's scatter read. Smaller requests and other slots stay plain."""
+    try:
+        small = _run_reads.scratch(_run_reads.HUGE_PAGE_BYTES - 1, slot=2, huge=True)
+        assert isinstance(small.base, np.ndarray) and small.base.base is None  # plain memory below a huge page
+        buffer = _run_reads.scratch(8 << 20, slot=2, huge=True)
+        assert buffer.size == 8 << 20 and buffer.ctypes.data != small.ctypes.data  # grown: a fresh buffer
+        mapped = buffer
+        while isinstance(mapped, np.ndarray):
+            mapped = mapped.base
+        mapped = mapped.obj if isinstance(mapped, memoryview) else mapped
+        assert isinstance(mapped, mmap.mmap) and len(mapped) == 8 << 20  # never more memory than asked for
+        buffer[:] = np.arange(buffer.size, dtype=np.uint64).view(np.uint8)[: buffer.size]
+        assert int(buffer[8]) == 1 and int(buffer[-8]) == (buffer.size // 8 - 1) & 0xFF
+        assert _run_reads.scratch(5 << 20, slot=2, huge=True).ctypes.data == buffer.ctypes.data  # kept, reused
+        assert _run_reads.scratch(4 << 20, slot=3).base.base is None  # another slot without huge: plain
+        try:
+            with open("/sys/kernel/mm/transparent_hugepage/enabled", encoding="ascii") as handle:
+                offered = "[never]" not in handle.read()
+        except OSError:
+            offered = False
+        if offered:  # the kernel backs the touched buffer with huge pages
+            assert _anon_huge_kib(buffer.ctypes.data) >= 2048
+    finally:
         _run_reads.release_scratch()

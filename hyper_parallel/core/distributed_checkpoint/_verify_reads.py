@@ -91,7 +91,7 @@ def _window(source: FileSource, path: Path, window: Window) -> Iterator[memoryvi
         if mapped is not None and hasattr(mapped, "madvise") and hasattr(mmap, "MADV_RANDOM"):
             mapped.madvise(mmap.MADV_RANDOM)
     if mapped is None:
-        buffer = scratch(end - start, slot=2)
+        buffer = scratch(end - start, slot=2, huge=True)
         if source.readinto(buffer, start) != end - start:
             raise CorruptCheckpointError(f"data file {path} is truncated (bytes {start}..{end} are verified)")
         yield memoryview(buffer)
@@ -147,7 +147,8 @@ def _bad_block_read(fd: int, path: Path, window: Window, blocks: Blocks) -> int 
     ends = blocks.ends[first:stop] - base
     cuts = (np.flatnonzero(np.diff(starts // _PIECE_BYTES)) + 1).tolist()
     starts_list, ends_list = starts.tolist(), ends.tolist()
-    buffer = memoryview(scratch(min(window.end - base, _PIECE_BYTES + int((ends - starts).max())), slot=2))
+    size = min(window.end - base, _PIECE_BYTES + int((ends - starts).max()))
+    buffer = memoryview(scratch(size, slot=2, huge=True))
     got: list[str] = []
     low = 0
     for high in cuts + [stop - first]:

@@ -162,7 +162,7 @@ def bad_tile_scattered(fd: int, window: Window) -> tuple[bool, int | None]:
     spans = [_column_bytes(slab, column) for column in slab.columns]
     widths = tuple(hi - lo for lo, hi in spans)
     pieces = slab.rows * inner
-    buffer = scratch(window.end - window.start, slot=2)
+    buffer = scratch(window.end - window.start, slot=2, huge=True)
     iovecs = _pieces_for(buffer, pieces, widths)
     step = _iov_max()
     offset = window.start
