@@ -66,6 +66,28 @@ class AliasData:
     unwritten: bytes = b""
 
 
+def _check_utf8_keys(keys: dict[str, list[str]]) -> None:
+    """Refuse a key that is not valid UTF-8 (a lone surrogate such as ``"w\\udc80"``): the data file's JSON
+    header would name it by an escape every other safetensors reader rejects. One encode of all keys."""
+    try:
+        "".join(keys).encode("utf-8")
+    except UnicodeEncodeError:
+        bad = next(key for key in keys if not _is_utf8(key))
+        raise CheckpointValueError(
+            f"checkpoint key {ascii(bad)} holds a lone surrogate (not valid UTF-8): a safetensors reader cannot "
+            "open a file naming it; rename the key to valid Unicode (e.g. decode the bytes it came from with "
+            "errors='replace' instead of 'surrogateescape')"
+        ) from None
+
+
+def _is_utf8(key: str) -> bool:
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _merged_aliases(all_plans: list[Any]) -> dict[str, Any] | None:
     """The metadata's planner data: every rank's aliases (first rank naming one wins)."""
     aliases: dict[str, str] = {}
@@ -118,8 +140,13 @@ class StandardSavePlanner(SavePlanner):
         remove_redundancy: bool = True,
         save_to_minimum_rank: bool = False,
     ) -> None:
-        """Flatten this rank's state dict. All ranks call it first."""
+        """Flatten this rank's state dict. All ranks call it first.
+
+        Raises:
+            CheckpointValueError: a key a safetensors file cannot hold (not valid UTF-8: a lone surrogate).
+        """
         self.flat = flatten_state_dict(state_dict)
+        _check_utf8_keys(self.flat.key_users)
         self.rank, self.world_size, self.is_coordinator = rank, world_size, is_coordinator
         self.remove_redundancy = remove_redundancy
         self.save_to_minimum_rank = save_to_minimum_rank
