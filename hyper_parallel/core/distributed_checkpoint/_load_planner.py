@@ -272,24 +272,29 @@ class StandardLoadPlanner(LoadPlanner):
         whole = WholeReads(self, direct) if type(self) is StandardLoadPlanner and not self.shares_reads else None  # pylint: disable=unidiomatic-typecheck
         positions: list[int] = []  # the position among all reads of each of items (when whole reads are columns)
         append_whole = whole.rows.append if whole is not None else None
+        # id(stored record) -> (the record, a target's pieces, the stored numpy dtype if those pieces read the record
+        # whole, else None): records and pieces are shared by the keys of one dtype and shape, so the checks of a
+        # whole read are made once for each (see _whole_dtype).
+        wholes: dict[int, tuple[Any, Any, np.dtype | None]] = {}
         for name, entry in entries:
             fqn = entry.fqn
             tensor = isinstance(entry, TensorEntry)
             view = next(views) if tensor else None
             stored = stored_of[fqn] if tensor or not isinstance(entry, SkipEntry) else None
             if tensor and isinstance(stored, TensorStorageMetadata):
-                pieces, chunks = entry.pieces, stored.chunks
-                if view is not None and len(pieces) == 1 and len(chunks) == 1:
+                pieces = entry.pieces
+                known = wholes.get(id(stored)) if view is not None else None
+                if view is not None and (known is None or known[0] is not stored or known[1] is not pieces):
+                    known = wholes[id(stored)] = (stored, pieces, _whole_dtype(pieces, stored))
+                if known is not None and known[2] is not None:
                     # The common case: a whole host target stored as one chunk of its shape, one read.
-                    piece, chunk = pieces[0], chunks[0]
+                    piece = pieces[0]
                     offsets, sizes = piece.offsets, piece.sizes
                     key = (fqn, offsets)
-                    if (piece.flat_start is None and chunk.offsets == offsets and chunk.sizes == sizes
-                            and math.prod(sizes) and key not in pieces_of):
+                    if key not in pieces_of:
                         pieces_of[key] = (name, entry, piece)
-                        dtype = view.dtype
-                        if whole is not None and view.nbytes <= SMALL_WHOLE_BYTES and view.flags.c_contiguous and (
-                                dtype == numpy_dtype(stored.properties.dtype)):
+                        same = view.dtype == known[2] and view.flags.c_contiguous
+                        if whole is not None and same and view.nbytes <= SMALL_WHOLE_BYTES:
                             # (its target array is found by _target() if an item of it is ever acquired)
                             append_whole((fqn, offsets, sizes, view if view.shape == sizes else view.reshape(sizes)))
                             continue
@@ -299,7 +304,7 @@ class StandardLoadPlanner(LoadPlanner):
                             positions.append(len(items) + len(whole))
                         item = whole_read_item(fqn, offsets, sizes)
                         items.append(item)
-                        if dtype == numpy_dtype(stored.properties.dtype) and view.flags.c_contiguous:
+                        if same:
                             direct[id(item)] = (item, view)
                         continue
                 reads = self._tensor_reads(name, entry, stored)
@@ -521,6 +526,18 @@ class StandardLoadPlanner(LoadPlanner):
             set_by_path(self.state_dict, self.flat.paths[name], self._entries[name].value)
         for name, value in self._values.items():  # values decoded, tensors a placeholder received
             set_by_path(self.state_dict, self.flat.paths[name], value)
+
+
+def _whole_dtype(pieces: tuple[TensorPiece, ...], stored: TensorStorageMetadata) -> np.dtype | None:
+    """The stored numpy dtype when a target of ``pieces`` reads ``stored`` whole: one box, not a flat range, stored
+    as one chunk of exactly that box, not empty; else ``None``. Pure."""
+    if len(pieces) != 1 or len(stored.chunks) != 1:
+        return None
+    piece, chunk = pieces[0], stored.chunks[0]
+    if piece.flat_start is not None or chunk.offsets != piece.offsets or chunk.sizes != piece.sizes or not math.prod(
+            piece.sizes):
+        return None
+    return numpy_dtype(stored.properties.dtype)
 
 
 def _refuse_values(refused: list[CheckpointError], rank: int) -> None:
