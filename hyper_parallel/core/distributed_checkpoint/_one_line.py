@@ -16,12 +16,13 @@ not loaded as ``mindspore.load_param_into_net`` does.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint import api
-from hyper_parallel.core.distributed_checkpoint._load_engine import settle_before_load
+from hyper_parallel.core.distributed_checkpoint._load_engine import LoadOptions
 from hyper_parallel.core.distributed_checkpoint._flatten import cell_parameters, flatten_state_dict, set_by_path
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutSources, cells_in
 from hyper_parallel.core.distributed_checkpoint.errors import (
@@ -31,6 +32,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
 )
 from hyper_parallel.core.distributed_checkpoint.mapping import ShardedTensor
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, TensorStorageMetadata
+from hyper_parallel.core.distributed_checkpoint.planner import LoadPlanner
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardLoadPlanner, StandardSavePlanner
 from hyper_parallel.platform.tensor import dtype_name, from_numpy, is_cell, is_parameter, is_tensor, numpy_dtype
 
@@ -350,11 +352,16 @@ def load_checkpoint(
         CheckpointError: As :func:`load`.
     """
     select = _selector(filter_prefix, specify_prefix, choice_func)
-    if "planner" not in kwargs:
-        kwargs["planner"] = StandardLoadPlanner(allow_pickle=allow_pickle)
-    # All ranks are here: a step saved just before by async_save is committed before its metadata is read.
-    settle_before_load(no_dist=kwargs.get("no_dist", False), use_collectives=kwargs.get("use_collectives", True))
-    metadata = api.read_metadata(checkpoint_id)
+    planner = kwargs.pop("planner", None) or StandardLoadPlanner(allow_pickle=allow_pickle)
+    reader = kwargs.pop("storage_reader", None)
+    options = LoadOptions(no_dist=kwargs.pop("no_dist", False), use_collectives=kwargs.pop("use_collectives", True),
+                          strategy_file=kwargs.pop("strategy_file", None))
+    if kwargs:
+        raise TypeError(f"load_checkpoint() got unexpected keyword arguments {sorted(kwargs)}")
+    # All ranks read the metadata once (an async save of this process committed first); the checks below and the
+    # load use that one save, so a save landing meanwhile is neither checked nor loaded.
+    opened = api.open_checkpoint(checkpoint_id, reader, options)
+    metadata = opened.metadata
     if net is None:
         keys = [key for key in metadata.state_dict_metadata if select(key)]
         if not keys:
@@ -363,21 +370,22 @@ def load_checkpoint(
                 f"(keys: {_shown(sorted(metadata.state_dict_metadata))}); check the prefixes"
             )
         target = _whole_targets(metadata, keys)
-        api.load(target, checkpoint_id=checkpoint_id, **kwargs)
+        api.load_opened(target, opened, planner=planner)
         skipped = sorted(set(metadata.state_dict_metadata) - set(target))
         return LoadedParameters({k: _as_parameter(k, v) for k, v in target.items()}, [], skipped)
-    return _load_into(checkpoint_id, net, metadata, select, strict_load, allow_partial_load, kwargs)
+    return _load_into(checkpoint_id, net, opened, select, strict_load, allow_partial_load, planner)
 
 
 def _load_into(
     checkpoint_id: Any,
     net: Any,
-    metadata: Metadata,
+    opened: api.OpenedCheckpoint,
     select: Callable[[str], bool],
     strict_load: bool,
     allow_partial_load: bool,
-    kwargs: dict[str, Any],
+    planner: LoadPlanner,
 ) -> LoadedParameters:
+    metadata = opened.metadata
     state = mindspore_state_dict(net, "net")
     flat = flatten_state_dict(state)
     stored = _stored_names(metadata)
@@ -405,8 +413,8 @@ def _load_into(
         )
     _check_dtypes({by_key[k]: ck for k, ck in chosen.items()}, flat.values, metadata, stored, strict_load=strict_load)
     targets = {ck: flat.values[by_key[key]] for key, ck in chosen.items()}
-    kwargs["strategy_file"] = LayoutSources(kwargs.get("strategy_file"), cells=cells_in(net))
-    api.load(targets, checkpoint_id=checkpoint_id, **kwargs)
+    layouts = LayoutSources(opened.options.strategy_file, cells=cells_in(net))
+    api.load_opened(targets, replace(opened, options=replace(opened.options, strategy_file=layouts)), planner=planner)
     loaded: dict[str, Any] = {}
     for key, ck in chosen.items():
         name = by_key[key]

@@ -10,6 +10,7 @@ rank writes (or reads), the coordinator commits.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from hyper_parallel import platform
@@ -119,16 +120,47 @@ def load(
         MissingKeyError / ShapeMismatchError: the target does not match.
         CorruptCheckpointError: a checksum mismatch (names file and key).
     """
-    reader = reader_for(checkpoint_id, storage_reader)
     options = LoadOptions(no_dist=no_dist, use_collectives=use_collectives, strategy_file=strategy_file)
-    metadata = read_checkpoint_metadata(reader, options)
-    strategy = check_load_compatible(metadata)
+    load_opened(state_dict, open_checkpoint(checkpoint_id, storage_reader, options), planner=planner)
+
+
+@dataclass(frozen=True)
+class OpenedCheckpoint:
+    """A checkpoint whose committed metadata every rank has read once: a load of it uses that one save.
+
+    Attributes:
+        reader: The storage reader.
+        options: How the load runs.
+        metadata: The metadata read (the same save on every rank).
+    """
+
+    reader: StorageReader
+    options: LoadOptions
+    metadata: Metadata
+
+
+def open_checkpoint(
+    checkpoint_id: CheckpointId | None, storage_reader: StorageReader | None, options: LoadOptions
+) -> OpenedCheckpoint:
+    """Read the committed metadata for a load (one collective step, as :func:`load`'s first). All ranks.
+
+    A caller that looks at the metadata before loading (``load_checkpoint``) passes the result to
+    :func:`load_opened`, so what it checked is what is loaded: a save landing in between is not read.
+    """
+    reader = reader_for(checkpoint_id, storage_reader)
+    return OpenedCheckpoint(reader=reader, options=options, metadata=read_checkpoint_metadata(reader, options))
+
+
+@gc_paused
+def load_opened(state_dict: dict[str, Any], opened: OpenedCheckpoint, *, planner: LoadPlanner | None) -> None:
+    """:func:`load` of the save whose metadata :func:`open_checkpoint` read. All ranks."""
+    strategy = check_load_compatible(opened.metadata)
     strategy.load(
         state_dict,
-        storage_reader=reader,
+        storage_reader=opened.reader,
         planner=planner or StandardLoadPlanner(),
-        metadata=metadata,
-        options=options,
+        metadata=opened.metadata,
+        options=opened.options,
     )
 
 
