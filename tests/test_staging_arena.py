@@ -4,7 +4,7 @@ import mindspore as ms
 import numpy as np
 
 from hyper_parallel.core import distributed_checkpoint as dcp
-from hyper_parallel.core.distributed_checkpoint import _async_engine
+from hyper_parallel.core.distributed_checkpoint import _async_engine, _stage_copies
 from hyper_parallel.core.distributed_checkpoint._staging import StagingPool
 
 ms.set_device("CPU")
@@ -153,3 +153,33 @@ def test_the_kept_staging_layout_follows_a_reshaped_or_replaced_parameter(tmp_pa
     loaded = _load(tmp_path / "replaced", again)
     for key, value in again.items():
         assert loaded[key].tobytes() == value.tobytes(), key
+
+
+def test_large_copies_run_in_steps_below_the_l2_size_and_land_every_byte(monkeypatch):
+    """A staging thread copies a large piece in memcpy steps of ``_COPY_BYTES`` (below the core's L2 size, where
+    ``rep movsb`` skips the write-allocate reads); odd tails and small typed copies land exactly."""
+    step = _stage_copies._COPY_BYTES  # pylint: disable=protected-access
+    rng = np.random.default_rng(3)
+    sizes = [3 * step + 17, _stage_copies._PIECE_BYTES + 5, step, 2 * step - 1]  # pylint: disable=protected-access
+    sources = [rng.integers(0, 256, size, dtype=np.uint8) for size in sizes]
+    targets = [np.zeros_like(source) for source in sources]
+    typed = rng.standard_normal((3, 1000)).astype(np.float32)
+    typed_target = np.zeros_like(typed)
+    copied: list[int] = []
+    real = np.copyto
+
+    def counting(target, source, **kwargs):
+        copied.append(np.asarray(source).nbytes)
+        return real(target, source, **kwargs)
+
+    monkeypatch.setattr(np, "copyto", counting)
+    copier = _stage_copies.Copier(caller_share=True)
+    for target, source in zip(targets, sources):
+        copier.add(target, source)
+    copier.add_small([(typed_target, typed)], [typed.nbytes])
+    copier.finish()
+    monkeypatch.setattr(np, "copyto", real)
+    assert all(t.tobytes() == s.tobytes() for t, s in zip(targets, sources)), "every byte, odd tails included"
+    assert typed_target.tobytes() == typed.tobytes()
+    assert max(copied) <= step, "no memcpy larger than a step"
+    assert sum(copied) == sum(sizes) + typed.nbytes, "each byte copied once"
