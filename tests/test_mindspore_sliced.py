@@ -8,6 +8,7 @@ import mindspore as ms
 import numpy as np
 import pytest
 
+import hyper_parallel
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel import DTensor, Layout
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import (
@@ -167,3 +168,41 @@ def test_digests_only_where_replicas_can_exist():
     assert by_key["s"] is None and by_key["r"] is not None
     _, single = plan_ranks([{"r": FULL}])
     assert single[0].items[0].tensor_data.replica_digest is None
+
+
+# ------------------------------------------------------------------ whole Parameters under a strategy file
+
+
+def test_whole_parameter_split_by_a_strategy_file_alone_is_refused(tmp_path):
+    """Not marked sliced, whole [8, 4], the file splits its rows: saving it would store a [16, 4] tensor."""
+    path = _row_strategy(tmp_path)
+    for rank in (0, 1):  # every rank holds the whole tensor: the plan would cover a [16, 4] tensor and pass
+        with pytest.raises(dcp.SlicedParameterError, match=rf"rank {rank}: key 'model.w'.*global shape \(16, 4\)"):
+            apply_mindspore_layouts({"model": Net(rows=8, fill=FULL)}, source=path, rank=rank)
+    net = Net(rows=8, fill=FULL)  # never compiled: MindSpore would have set w.sliced with its slice
+    for save in (lambda: dcp.save({"model": net}, checkpoint_id=tmp_path / "c", no_dist=True, strategy_file=path),
+                 lambda: hyper_parallel.save_checkpoint(net, tmp_path / "c", strategy_file=path)):
+        with pytest.raises(dcp.SlicedParameterError) as info:
+            save()
+        text = str(info.value)
+        assert "rank 0:" in text and "(Parameter 'w', shape (8, 4))" in text and repr(str(path)) in text, text
+        assert "global shape (16, 4)" in text and "Parameter.sliced = True" in text, text
+        assert "'b'" not in text  # replicated by the file: whole either way
+        assert not (tmp_path / "c").exists()
+    dcp.save({"model": Net(rows=8, fill=FULL)}, checkpoint_id=tmp_path / "whole", no_dist=True)
+    with pytest.raises(dcp.SlicedParameterError, match=r"key 'model.w' \(Parameter 'w', shape \(8, 4\)\)"):
+        dcp.load({"model": Net(rows=8)}, checkpoint_id=tmp_path / "whole", no_dist=True, strategy_file=path)
+    assert hyper_parallel.load_checkpoint(tmp_path / "whole")["model.w"].shape == (8, 4)
+
+
+def test_marked_slice_under_a_strategy_file_keeps_its_global_shape(tmp_path):
+    path = _row_strategy(tmp_path)
+    net = Net(rows=4, sliced=True, fill=FULL[:4])
+    state = apply_mindspore_layouts({"model": net}, source=path, rank=0)
+    assert state["model"]["w"].shape == (8, 4) and state["model"]["b"].shape == (4,)
+    moment = ms.Parameter(ms.Tensor(FULL.copy()), name="moment1.w")  # whole, though its Parameter is a slice
+    with pytest.raises(dcp.SlicedParameterError, match=r"rank 0: key 'opt.moment1.w' \(Parameter 'moment1.w', sha"):
+        apply_mindspore_layouts({"model": net, "opt": {"moment1.w": moment}}, source=path, rank=0)
+    whole = Net(rows=8, fill=FULL)
+    whole.w.sliced = True  # the caller says it is this rank's slice: its layout is taken as given
+    assert apply_mindspore_layouts({"model": whole}, source=path, rank=0)["model"]["w"].shape == (16, 4)

@@ -7,13 +7,15 @@ runs on every rank inside the first collective step of a save or load: it
 turns every Parameter with a known layout (by its MindSpore name; optimizer
 states such as ``moment1.<param>`` follow ``<param>``) into a
 :class:`~hyper_parallel.core.dtensor.DTensor` over that very Parameter, and
-refuses a sliced Parameter whose layout is unknown, naming the key and the fix.
+refuses a sliced Parameter whose layout is unknown, and an unmarked one its layout
+splits (whole or a slice, nothing tells), naming the key and the fix.
 The state dict is not changed; a new one is returned (Cells holding wrapped
 Parameters become dicts of the same names).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any, Mapping, Union
@@ -22,7 +24,12 @@ from hyper_parallel.core.distributed_checkpoint._flatten import cell_parameters,
 from hyper_parallel.core.distributed_checkpoint.errors import LayoutError, SlicedParameterError
 from hyper_parallel.core.dtensor import DTensor
 from hyper_parallel.core.layout import Layout
-from hyper_parallel.core.strategy_file import StrategySource, layout_for_state_key, layouts_from_strategy
+from hyper_parallel.core.strategy_file import (
+    OPTIMIZER_STATE_PREFIXES,
+    StrategySource,
+    layout_for_state_key,
+    layouts_from_strategy,
+)
 from hyper_parallel.platform.tensor import all_parameters, is_cell, is_parameter, parameter_and_cell_types
 
 __all__ = [
@@ -115,10 +122,14 @@ class _Wrapper:
     """Wraps Parameters once each (a Parameter reached twice gets the same DTensor)."""
 
     def __init__(self, layouts: Mapping[str, Layout], rank: int,
-                 slice_shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
+                 slice_shapes: Mapping[str, tuple[int, ...]] | None = None, origin: str = "") -> None:
         self.layouts = layouts
         self.rank = rank
         self.slice_shapes = slice_shapes or {}
+        self.origin = origin  # where the layouts came from, as refusals name it
+        self.sliced_shapes: dict[str, tuple[int, ...]] = {}  # name -> shape of every Parameter marked sliced
+        #: Unmarked Parameters a layout splits: (path, Parameter, global shape); see :meth:`unmarked_problems`.
+        self.unmarked: list[tuple[str, Any, tuple[int, ...]]] = []
         self.done: dict[int, Any] = {}
         self.unknown: list[str] = []
         self.bad: list[str] = []
@@ -145,10 +156,36 @@ class _Wrapper:
                 wrapped = DTensor(value, layout, rank=self.rank)
             except LayoutError as exc:
                 self.bad.append(f"key '{path}' (Parameter '{value.name}', local shape {tuple(value.shape)}): {exc}")
+            else:
+                if value.sliced:
+                    self.sliced_shapes[value.name] = tuple(value.shape)
+                elif expected is None and wrapped.shape != tuple(value.shape):
+                    self.unmarked.append((path, value, wrapped.shape))
         elif getattr(value, "sliced", False):
             self.unknown.append(f"'{path}' (Parameter '{value.name}')")
         self.done[id(value)] = wrapped
         return wrapped
+
+    def unmarked_problems(self) -> list[str]:
+        """The unmarked Parameters a layout splits that are not told to be slices, after the walk.
+
+        One is a slice when it is an optimizer state (``moment1.w``) of a Parameter marked sliced whose shape it
+        has: it was made from that slice. Any other may hold the whole tensor (MindSpore's parallel compile marks
+        every Parameter it slices), so saving it under the layout would store a wrong global shape.
+        """
+        return [self._whole_under_split(path, value, global_shape) for path, value, global_shape in self.unmarked
+                if self.sliced_shapes.get(_owner_name(value.name), ()) != tuple(value.shape)]
+
+    def _whole_under_split(self, path: str, value: Any, global_shape: tuple[int, ...]) -> str:
+        """A Parameter not marked sliced that its layout splits: whole or a slice, nothing tells (refused)."""
+        return (
+            f"key '{path}' (Parameter '{value.name}', shape {tuple(value.shape)}) is not marked sliced "
+            f"(Parameter.sliced is False) but the layout of {self.origin} splits it, which would make it a slice of "
+            f"global shape {global_shape}: MindSpore's parallel compile marks every Parameter it slices, so this "
+            "one may hold the whole tensor, and saving it under that layout would store a wrong global shape. If "
+            "it holds this rank's slice, set Parameter.sliced = True; if it is whole, compile the parallel network "
+            "first (MindSpore slices it) or save it without strategy_file="
+        )
 
     def walk(self, path: str, value: Any) -> Any:
         if isinstance(value, dict):
@@ -180,14 +217,17 @@ def apply_mindspore_layouts(state_dict: dict[str, Any], *, source: LayoutArgumen
         SlicedParameterError: Parameters marked ``sliced`` with no known layout
             (all listed), or whose local shape does not fit their layout or
             differs from the slice shape of their ``parameter_layout_dict``
-            entry (a whole tensor under a splitting layout).
+            entry (a whole tensor under a splitting layout); Parameters not
+            marked ``sliced`` that a layout splits, unless they are optimizer
+            states of a marked Parameter of their shape (nothing tells them
+            from whole tensors, which would be saved with a wrong global shape).
         StrategyFileError / LayoutError: As :func:`hyper_parallel.layouts_from_strategy`.
     """
     layouts = resolve_layouts(source, state_dict, rank=rank)
     if not layouts and not _any_sliced(_parameters(state_dict)):
         return state_dict
     cells = (source.cells if isinstance(source, LayoutSources) else ()) + cells_in(state_dict)
-    wrapper = _Wrapper(layouts, rank, _cell_slice_shapes(cells))
+    wrapper = _Wrapper(layouts, rank, _cell_slice_shapes(cells), _origin(source))
     result = wrapper.walk("", state_dict)
     if wrapper.unknown:
         shown = ", ".join(wrapper.unknown[:_SHOWN])
@@ -198,8 +238,9 @@ def apply_mindspore_layouts(state_dict: dict[str, Any], *, source: LayoutArgumen
             "MindSpore wrote through strategy_ckpt_config={'save_file': ...}), or save the Cell whose "
             "parameter_layout_dict holds them, or wrap them in hyper_parallel.DTensor"
         )
-    if wrapper.bad:
-        raise SlicedParameterError(f"rank {rank}: " + "; ".join(wrapper.bad[:_SHOWN]))
+    bad = wrapper.bad + wrapper.unmarked_problems()
+    if bad:
+        raise SlicedParameterError(f"rank {rank}: " + "; ".join(bad[:_SHOWN]))
     return result
 
 
@@ -214,6 +255,26 @@ def copy_back_values(loaded: dict[str, Any], state_dict: dict[str, Any]) -> None
     for name, value in after.values.items():
         if name in before and before[name] is not value and not isinstance(value, DTensor):
             set_by_path(state_dict, after.paths[name], value)
+
+
+def _owner_name(name: str) -> str:
+    """The Parameter an optimizer state ``name`` belongs to (``moment1.w`` -> ``w``); else ``name``."""
+    for prefix in OPTIMIZER_STATE_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
+def _origin(source: LayoutArgument) -> str:
+    """Where ``strategy_file=`` took the layouts from, as a refusal names it."""
+    given = source.strategy_file if isinstance(source, LayoutSources) else source
+    if given is None:
+        return "its Cell's parameter_layout_dict"
+    if isinstance(given, Mapping):
+        return "the mapping given as strategy_file="
+    if isinstance(given, (list, tuple)):
+        return f"strategy files {[os.fspath(p) for p in given]!r}"
+    return f"strategy file {os.fspath(given)!r}"
 
 
 def _any_sliced(params: list[Any]) -> bool:

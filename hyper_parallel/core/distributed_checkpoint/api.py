@@ -64,7 +64,8 @@ def save(
             file, a list of per-stage files (or their directory), or
             ``{name: Layout}``. A Cell whose ``parameter_layout_dict`` is
             non-empty is used by itself. A Parameter with ``sliced`` set and no
-            known layout is refused (:class:`SlicedParameterError`).
+            known layout is refused (:class:`SlicedParameterError`), as is one
+            without ``sliced`` that its layout splits (it may be whole).
         check_replicas: Compare a digest of every replicated tensor across
             the ranks holding it; a difference fails the save naming the key
             and ranks. Applies to the default planner (a planner passed in
