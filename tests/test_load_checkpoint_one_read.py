@@ -53,3 +53,8 @@ def test_the_metadata_is_read_once_and_the_save_it_names_is_loaded(tmp_path):
     assert np.array_equal(hyper_parallel.load_checkpoint(path, storage_reader=whole, no_dist=True)["w"].asnumpy(),
                           [6.0, 7.0])
     assert len(whole.save_ids) == 1
+
+
+def test_an_unknown_keyword_is_refused_before_reading(tmp_path):
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['reader'\]"):
+        hyper_parallel.load_checkpoint(tmp_path / "missing", reader=None)

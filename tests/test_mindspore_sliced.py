@@ -206,3 +206,17 @@ def test_marked_slice_under_a_strategy_file_keeps_its_global_shape(tmp_path):
     whole = Net(rows=8, fill=FULL)
     whole.w.sliced = True  # the caller says it is this rank's slice: its layout is taken as given
     assert apply_mindspore_layouts({"model": whole}, source=path, rank=0)["model"]["w"].shape == (16, 4)
+
+
+def test_the_refusal_names_where_the_splitting_layout_came_from(tmp_path):
+    path = _row_strategy(tmp_path)
+    sources = {"the mapping given as strategy_file=": {"w": Layout((2,), (0, -1))},
+               f"strategy files {[str(path)]!r}": [path],
+               "its Cell's parameter_layout_dict": None}
+    for origin, source in sources.items():
+        net = Net(rows=8, fill=FULL)
+        if source is None:  # an entry without its slice shape: nothing to compare the shape with
+            net.parameter_layout_dict = {"w": [[2], [0, -1], [], 0, True, ""]}
+        with pytest.raises(dcp.SlicedParameterError) as info:
+            apply_mindspore_layouts({"model": net}, source=source, rank=1)
+        assert f"but the layout of {origin} splits it" in str(info.value), str(info.value)
