@@ -199,3 +199,27 @@ def test_storage_of_and_has_storage_without_storage_data() -> None:
     assert not has_storage(empty) and StorageOf(empty).get(MetadataIndex("k"), 5) == 5
     some = dcp.Metadata(state_dict_metadata={}, storage_data={MetadataIndex("k"): "info"})  # type: ignore[dict-item]
     assert has_storage(some) and StorageOf(some).get(MetadataIndex("k")) == "info"
+
+
+def test_a_decoded_metadata_is_checked_by_key_as_the_full_decode(saved: Path) -> None:
+    """check_consistency of a decoded metadata whose records were not made (entries by key from the columns)
+    names an entry of another length, and gives a load the same facts by key as for the full decode."""
+    full = _full((saved / "metadata.json").read_bytes())
+    info = next(info for index, info in full.storage_data.items() if index.fqn == "w4")
+
+    def longer(text: str) -> str:
+        start = text.index('{"fqn":"w4"')
+        entry = text[start:text.index("}}", start)]
+        return text.replace(entry, entry.replace(f'"length":{info.length},', f'"length":{info.length + 2},'), 1)
+
+    metadata = _edited(saved, longer)
+    with pytest.raises(CorruptCheckpointError, match=rf"key 'w4': the chunk at offset \[0, 0\] stores {info.length + 2} bytes"):
+        check_consistency(metadata, by_key=storage_by_key(metadata))
+    whole: dict = {}  # what a load looks up by key: the same facts as the per-key checks give
+    dcp.save(_state(), checkpoint_id=saved.parent / "fresh", no_dist=True)
+    fresh = dcp.read_metadata(saved.parent / "fresh")
+    check_consistency(fresh, by_key=storage_by_key(fresh), whole=whole)
+    full_whole: dict = {}
+    plain = _full((saved.parent / "fresh" / "metadata.json").read_bytes())
+    check_consistency(plain, whole=full_whole)
+    assert whole == full_whole and len(whole) == 40  # every tensor but "wide" (tile checksums)
