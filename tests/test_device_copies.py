@@ -108,3 +108,29 @@ def test_load_memory_stays_bounded(tmp_path, device_copies, verify):
 def test_bad_region_size():
     with pytest.raises(dcp.CheckpointValueError, match="device_region_bytes"):
         dcp.StandardLoadPlanner(device_region_bytes=0)
+
+
+@pytest.mark.parametrize("dtype", [ms.bfloat16, ms.float32])
+def test_a_sliced_parameter_loaded_on_the_device_path_can_be_saved_again(tmp_path, device_copies, dtype):
+    """A load that writes a Parameter through ``set_data`` keeps MindSpore's ``sliced`` mark: ``set_data``
+    without ``slice_shape`` clears it, and a save under a strategy file then refused the Parameter as a whole
+    tensor (the bfloat16 region write falls back to a whole assign on CPU; a staged target always takes it)."""
+    from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import apply_mindspore_layouts
+    from tests.strategy_files import ParamStrategy, write_strategy_file
+
+    one = write_strategy_file(tmp_path / "one.ckpt", (ParamStrategy("w", (1,), (0, -1)),))
+    two = write_strategy_file(tmp_path / "two.ckpt", (ParamStrategy("w", (2,), (0, -1)),))
+    stored = ms.Tensor(np.arange(16, dtype=np.float32).reshape(4, 4), dtype)
+    dcp.save({"w": ms.Parameter(stored, name="w")}, checkpoint_id=tmp_path / "c", no_dist=True)
+    w = ms.Parameter(ms.Tensor(np.zeros((4, 4), np.float32), dtype), name="w")
+    w.sliced = True  # this rank's [4, 4] slice of an [8, 4] tensor, as MindSpore's parallel compile marks it
+    dcp.load({"w": w}, checkpoint_id=tmp_path / "c", no_dist=True, strategy_file=one)
+    np.testing.assert_array_equal(w.float().asnumpy(), np.arange(16).reshape(4, 4))
+    assert w.sliced
+    state = apply_mindspore_layouts({"w": w}, source=two, rank=1)  # what the next save does on rank 1
+    assert state["w"].shape == (8, 4) and state["w"].global_offset == (4, 0)
+    whole = ms.Parameter(ms.Tensor(np.zeros((4, 4), np.float32), dtype), name="w")
+    platform.assign(whole, np.ones((4, 4), np.float32))  # an unmarked Parameter stays unmarked
+    assert not whole.sliced and float(whole.float().asnumpy().sum()) == 16
+    platform.assign(w, np.full((4, 4), 2, np.float32))  # a staged target's whole assign, whatever the dtype
+    assert w.sliced and float(w.float().asnumpy().sum()) == 32

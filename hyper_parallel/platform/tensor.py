@@ -342,7 +342,9 @@ def assign(target: Any, array: np.ndarray) -> None:
         raise TypeError(f"cannot assign into {type(target).__name__}")
     new = from_numpy(np.asarray(array, dtype=to_numpy_dtype(target)), copy=True)
     if isinstance(target, ms.Parameter):
-        target.set_data(new)
+        # set_data clears MindSpore's ``sliced`` mark unless told the data is a slice (as its own load does):
+        # a slice loaded here would then be refused as a whole tensor by the next save under a strategy file.
+        target.set_data(new, bool(target.sliced))
     else:
         target.assign_value(new)
 
