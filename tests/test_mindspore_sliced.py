@@ -203,6 +203,11 @@ def test_marked_slice_under_a_strategy_file_keeps_its_global_shape(tmp_path):
     moment = ms.Parameter(ms.Tensor(FULL.copy()), name="moment1.w")  # whole, though its Parameter is a slice
     with pytest.raises(dcp.SlicedParameterError, match=r"rank 0: key 'opt.moment1.w' \(Parameter 'moment1.w', sha"):
         apply_mindspore_layouts({"model": net, "opt": {"moment1.w": moment}}, source=path, rank=0)
+    net.w.set_data(ms.Tensor(FULL[4:].copy()))  # MindSpore clears the mark: the refusal says how to keep it
+    with pytest.raises(dcp.SlicedParameterError, match=r"set_data\(data\) clears the mark: pass slice_shape=True"):
+        apply_mindspore_layouts({"model": net}, source=path, rank=0)
+    net.w.set_data(ms.Tensor(FULL[4:].copy()), slice_shape=True)
+    assert apply_mindspore_layouts({"model": net}, source=path, rank=1)["model"]["w"].global_offset == (4, 0)
     whole = Net(rows=8, fill=FULL)
     whole.w.sliced = True  # the caller says it is this rank's slice: its layout is taken as given
     assert apply_mindspore_layouts({"model": whole}, source=path, rank=0)["model"]["w"].shape == (16, 4)

@@ -183,8 +183,9 @@ class _Wrapper:
             f"(Parameter.sliced is False) but the layout of {self.origin} splits it, which would make it a slice of "
             f"global shape {global_shape}: MindSpore's parallel compile marks every Parameter it slices, so this "
             "one may hold the whole tensor, and saving it under that layout would store a wrong global shape. If "
-            "it holds this rank's slice, set Parameter.sliced = True; if it is whole, compile the parallel network "
-            "first (MindSpore slices it) or save it without strategy_file="
+            "it holds this rank's slice, set Parameter.sliced = True (Parameter.set_data(data) clears the mark: "
+            "pass slice_shape=True to keep it); if it is whole, compile the parallel network first (MindSpore "
+            "slices it) or save it without strategy_file="
         )
 
     def walk(self, path: str, value: Any) -> Any:
