@@ -183,3 +183,40 @@ def test_large_copies_run_in_steps_below_the_l2_size_and_land_every_byte(monkeyp
     assert typed_target.tobytes() == typed.tobytes()
     assert max(copied) <= step, "no memcpy larger than a step"
     assert sum(copied) == sum(sizes) + typed.nbytes, "each byte copied once"
+
+
+def test_stepped_copies_of_large_parameters_hold_the_bytes_at_the_call_and_follow_set_data(tmp_path):
+    """Large Parameters (several 512 KiB steps, odd tails, bf16 and float32) staged by steady async saves: bytes
+    written right after the call returns never reach the checkpoint, and a Parameter given new memory by
+    ``set_data`` between two saves of the same layout is saved with its new data."""
+    rng = np.random.default_rng(11)
+    step = _stage_copies._COPY_BYTES  # pylint: disable=protected-access
+    shapes = [(3 * step // 4 + 5,), (2 * step // 2 + 3, 3), (4096, 9)]
+    state = {}
+    for i, shape in enumerate(shapes * 2):
+        dtype = ms.bfloat16 if i % 2 else ms.float32
+        state[f"w{i}"] = ms.Parameter(ms.Tensor(rng.standard_normal(shape).astype(np.float32), dtype), name=f"w{i}")
+    state.update({f"s{i}": ms.Parameter(ms.Tensor(np.full((7,), i, np.float32)), name=f"s{i}") for i in range(30)})
+
+    def saved_now(path):
+        expected = {key: p.asnumpy().copy() for key, p in state.items()}
+        handle = dcp.async_save(state, checkpoint_id=path, no_dist=True)
+        for p in state.values():  # the next training step writes every tensor at once
+            p.asnumpy()[...] = -3.0
+        handle.result()
+        loaded = _load(path, expected)
+        for key, value in expected.items():
+            assert loaded[key].tobytes() == value.tobytes(), (path.name, key)
+        for key, value in expected.items():  # give the state its values back for the next save
+            state[key].asnumpy()[...] = value
+
+    saved_now(tmp_path / "first")
+    saved_now(tmp_path / "steady")
+    layouts = _async_engine._POOL.layouts_reused  # pylint: disable=protected-access
+    old = state["w1"].asnumpy()
+    state["w1"].set_data(ms.Tensor(np.full(shapes[1], 5.5, np.float32), ms.bfloat16))
+    assert state["w1"].asnumpy().__array_interface__["data"][0] != old.__array_interface__["data"][0]
+    old[...] = 9.0  # the replaced memory (still held here) must not be what is saved
+    saved_now(tmp_path / "after_set_data")
+    assert _async_engine._POOL.layouts_reused == layouts + 1, "the same layout: the kept staging layout is reused"
+    assert np.all(_load(tmp_path / "after_set_data", {"w1": np.zeros(shapes[1], np.float32)})["w1"] == 5.5)
