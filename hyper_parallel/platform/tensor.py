@@ -139,7 +139,8 @@ def all_parameters(values: list[Any]) -> bool:
     if not values:
         return False
     parameter_type = parameter_and_cell_types()[0]
-    return parameter_type != () and all(issubclass(kind, parameter_type) for kind in set(map(type, values)))  # type: ignore[arg-type]
+    kinds = set(map(type, values))
+    return parameter_type != () and all(issubclass(kind, parameter_type) for kind in kinds)  # type: ignore[arg-type]
 
 
 def to_numpy(value: Any) -> np.ndarray:
@@ -315,7 +316,9 @@ def _cached_views(values: list[Any], shapes: list[Any], tensor_type: type) -> li
         if any(map(is_, hits, repeat(None))) or not all(map(is_, map(_DEREF, map(_HIT_REF, hits)), values)):
             return None
         views = list(map(_HIT_VIEW, hits))
-        if list(map(_SHAPE, views)) != shapes or list(map(int, map(_DATA_PTR, values))) != list(map(_HIT_POINTER, hits)):
+        if list(map(_SHAPE, views)) != shapes:
+            return None
+        if list(map(int, map(_DATA_PTR, values))) != list(map(_HIT_POINTER, hits)):
             return None
     except (AttributeError, RuntimeError, TypeError, ValueError):  # the loop says what is wrong, value by value
         return None

@@ -93,7 +93,8 @@ def check_disjoint_bytes(storage: dict[MetadataIndex, StorageInfo] | dict[tuple[
     )
     for (path, _, end, first), (next_path, begin, _, second) in zip(ranges, ranges[1:]):
         if path == next_path and begin < end:
-            (first_key, first_offset), (second_key, second_offset) = chunk_key(indexes[first]), chunk_key(indexes[second])
+            first_key, first_offset = chunk_key(indexes[first])
+            second_key, second_offset = chunk_key(indexes[second])
             raise CorruptCheckpointError(
                 f"{source}: data file {path}: key '{second_key}' at offset {list(second_offset)} starts at byte "
                 f"{begin}, inside the bytes of key '{first_key}' at offset {list(first_offset)} (up to {end}); "
