@@ -257,3 +257,20 @@ def test_rank_local_saves_of_two_ranks_share_a_directory(tmp_path: Path) -> None
         assert {e["file"] for e in meta["storage_data"]} <= set(names)
         assert meta["save_id"] == results[rank].storage_meta.save_id
     assert not [n for n in names if n.endswith(".lease")]
+
+
+def test_an_empty_lease_of_a_save_that_died_creating_it_is_stale_after_the_grace(tmp_path: Path) -> None:
+    """A save killed between creating its lease and writing it leaves an empty lease: a restarted job waited
+    the whole lease timeout (300 s) before it could save to that id. It now waits at most 30 s."""
+    path = tmp_path / "ckpt"
+    dcp.save(make_state(1), checkpoint_id=path, no_dist=True)
+    lease = path / ".metadata.json.lease"
+    lease.write_bytes(b"")
+    with pytest.raises(dcp.ConcurrentSaveError, match=r"unreadable, 0 s old\): a save that died .* stale 30 s"):
+        dcp.save(make_state(2), checkpoint_id=path, no_dist=True)
+    assert_same_state(load_into_blank(path, make_state(1)), make_state(1))
+    aged = time.time() - 31
+    os.utime(lease, (aged, aged))
+    dcp.save(make_state(2), checkpoint_id=path, no_dist=True)
+    assert not lease.exists()
+    assert_same_state(load_into_blank(path, make_state(2)), make_state(2))

@@ -17,7 +17,11 @@ A second save finding the lease judges it:
   that process exists and is the same one (start time), stale otherwise;
 - held by another host: live while its modification time is younger than
   ``timeout`` seconds (the heartbeat keeps it young), stale after;
-- unreadable: stale once older than ``timeout``.
+- unreadable (empty or not a lease): stale once older than
+  ``min(timeout, 30 s)``. A live save's lease is unreadable only between
+  its creation and its one write, microseconds (on NFS, until the writer
+  closes it); after that only a save that died there leaves one, and a
+  restarted job should not wait the whole timeout for it.
 
 A live lease makes the second save fail with :class:`ConcurrentSaveError`
 naming the holder. A stale one is broken under a second exclusive file
@@ -38,7 +42,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hyper_parallel.core.distributed_checkpoint._file_ops import OS_FILE_OPS, write_all
 from hyper_parallel.core.distributed_checkpoint._safe_files import describe_mode, read_regular
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
@@ -52,6 +55,8 @@ __all__ = ["DEFAULT_LEASE_TIMEOUT", "LeaseHolder", "SaveLease", "lease_name", "l
 #: Seconds without a heartbeat after which another host's lease counts as stale.
 DEFAULT_LEASE_TIMEOUT = 300.0
 _BREAK_TIMEOUT = 30.0
+#: Seconds after which an unreadable lease counts as stale (at most the lease timeout).
+_UNREADABLE_GRACE = 30.0
 _MAX_LEASE_BYTES = 4096
 _LOG = logging.getLogger(__name__)
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -177,7 +182,7 @@ def _observe(path: Path) -> tuple[bytes, LeaseHolder | None, float] | None:
 
 def _live(holder: LeaseHolder | None, age: float, timeout: float) -> bool:
     if holder is None:
-        return age <= timeout
+        return age <= min(timeout, _UNREADABLE_GRACE)
     if holder.same_host():
         if holder.pid == os.getpid():
             with _HELD_LOCK:
@@ -249,11 +254,18 @@ class SaveLease:
             except OSError as exc:
                 raise CheckpointIOError(f"cannot create the save lease {path}: {exc}") from exc
             lease = cls(path, _me(save_id), timeout)
+            data = lease.holder.to_bytes()
             try:
-                # All of it or an error: a short write (a file size limit) left a lease no reader parses, which
-                # its own release() could not recognise and so never removed: saves to this id were refused
-                # until it aged out.
-                write_all(fd, memoryview(lease.holder.to_bytes()), OS_FILE_OPS)
+                # One write, all of it or an error: a short write (a file size limit) left a torn lease that its
+                # own release() could not recognise and so never removed. (Not through the writer's file
+                # operations: a lease is no data file, and one write keeps the window in which it is empty
+                # as short as it can be; crash tests count the data files' bytes there.)
+                written = 0
+                while written < len(data):  # a short write is retried: the next one names the cause (EFBIG...)
+                    step = os.write(fd, data[written:])
+                    if step <= 0:
+                        raise OSError(f"short write ({written} of {len(data)} bytes)")
+                    written += step
             except OSError as exc:
                 os.remove(path)
                 raise CheckpointIOError(f"cannot write the save lease {path}: {exc}") from exc
@@ -354,7 +366,9 @@ def _break(path: Path, observed: bytes) -> None:
 def _clash_message(directory: Path, path: Path, holder: LeaseHolder | None, age: float, timeout: float) -> str:
     if holder is None:
         return (f"checkpoint {directory} is being saved by another save (lease {path} unreadable, "
-                f"{age:.0f} s old); if no save runs, delete {path}")
+                f"{age:.0f} s old): a save that died right after creating it leaves one, which counts as stale "
+                f"{min(timeout, _UNREADABLE_GRACE):.0f} s after it was written; save again then, or delete {path} "
+                "now if no save runs")
     text = f"checkpoint {directory} is being saved by another save ({holder.describe()}; lease {path}): "
     if holder.pid == os.getpid() and holder.same_host():
         return text + ("this process has not committed it yet: call result() on its async_save handle (or "
