@@ -172,8 +172,16 @@ def test_the_consistency_checks_name_keys_from_the_columns(saved: Path) -> None:
         return text[:start] + text[text.index("}", text.index("]]]", start)) + 2:]
 
     metadata = _edited(saved, orphan)
-    with pytest.raises(CorruptCheckpointError, match=r"storage entry of key 'w7' at offset \[0, 0\] belongs to no item"):
+    with pytest.raises(CorruptCheckpointError,
+                       match=r"storage entry of key 'w7' at offset \[0, 0\] belongs to no item"):
         check_consistency(metadata, by_key=storage_by_key(metadata))
+
+
+def _entry_field(text: str, key: str, field: str, old: int, new: int) -> str:
+    """``text`` (metadata JSON) with the number ``field`` of ``key``'s first storage entry changed from old to new."""
+    start = text.index(f'{{"fqn":"{key}"')
+    entry = text[start:text.index("}}", start)]
+    return text.replace(entry, entry.replace(f'"{field}":{old},', f'"{field}":{new},'), 1)
 
 
 def test_overlapping_entries_are_named_from_the_columns(saved: Path) -> None:
@@ -182,13 +190,9 @@ def test_overlapping_entries_are_named_from_the_columns(saved: Path) -> None:
     first, second = infos["w3"], infos["w5"]
     assert first.relative_path == second.relative_path
 
-    def overlap(text: str) -> str:
-        start = text.index('{"fqn":"w5"')
-        entry = text[start:text.index("}}", start)]
-        return text.replace(entry, entry.replace(f'"byte_offset":{second.offset},', f'"byte_offset":{first.offset + 1},'), 1)
-
-    metadata = _edited(saved, overlap)
-    with pytest.raises(CorruptCheckpointError, match=r"key '(w3|w5)' at offset \[0, 0\] starts at byte .* inside the bytes of key '(w3|w5)'"):
+    metadata = _edited(saved, lambda text: _entry_field(text, "w5", "byte_offset", second.offset, first.offset + 1))
+    with pytest.raises(CorruptCheckpointError,
+                       match=r"key '(w3|w5)' at offset \[0, 0\] starts at byte .* inside the bytes of key '(w3|w5)'"):
         check_consistency(metadata, by_key=storage_by_key(metadata))
     with pytest.raises(CorruptCheckpointError, match="inside the bytes of key"):
         dcp.load({"w3": np.zeros((1, 5), np.float32)}, checkpoint_id=saved, no_dist=True)
@@ -207,13 +211,9 @@ def test_a_decoded_metadata_is_checked_by_key_as_the_full_decode(saved: Path) ->
     full = _full((saved / "metadata.json").read_bytes())
     info = next(info for index, info in full.storage_data.items() if index.fqn == "w4")
 
-    def longer(text: str) -> str:
-        start = text.index('{"fqn":"w4"')
-        entry = text[start:text.index("}}", start)]
-        return text.replace(entry, entry.replace(f'"length":{info.length},', f'"length":{info.length + 2},'), 1)
-
-    metadata = _edited(saved, longer)
-    with pytest.raises(CorruptCheckpointError, match=rf"key 'w4': the chunk at offset \[0, 0\] stores {info.length + 2} bytes"):
+    metadata = _edited(saved, lambda text: _entry_field(text, "w4", "length", info.length, info.length + 2))
+    with pytest.raises(CorruptCheckpointError,
+                       match=rf"key 'w4': the chunk at offset \[0, 0\] stores {info.length + 2} bytes"):
         check_consistency(metadata, by_key=storage_by_key(metadata))
     whole: dict = {}  # what a load looks up by key: the same facts as the per-key checks give
     dcp.save(_state(), checkpoint_id=saved.parent / "fresh", no_dist=True)
