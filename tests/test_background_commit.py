@@ -275,8 +275,8 @@ def test_reading_one_checkpoint_waits_only_for_commits_to_it(tmp_path: Path) -> 
         commits[1].finished.set()
         waiter.join(10)
         assert not waiter.is_alive()
-        assert bg._same_location("s3://bucket/x/", "s3://bucket/x") and not bg._same_location("s3://b/x", "s3://b/y")
-        assert bg._same_location(None, tmp_path)  # a writer without a path: waited for, to be safe
+        assert bg.same_location("s3://bucket/x/", "s3://bucket/x") and not bg.same_location("s3://b/x", "s3://b/y")
+        assert bg.same_location(None, tmp_path)  # a writer without a path: waited for, to be safe
     finally:
         assert bg.take_pending_commits() == commits
 

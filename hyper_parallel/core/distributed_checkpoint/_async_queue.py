@@ -192,10 +192,33 @@ class AsyncCallsQueue:
         Returns:
             Whether a call used ``resource`` (and the calls were finalized).
         """
-        if not any(call.uses is resource and not call.finalized() for call in self._calls):
+        return self.finish_calls_if(lambda uses: uses is resource)
+
+    def finish_calls_if(self, predicate: Callable[[object], bool]) -> bool:
+        """Finalize every call (blocking) if one not finalized yet uses an object ``predicate`` accepts. Caller's thread.
+
+        As :meth:`finish_calls_using`, for a test of the object (an async save's
+        writer) instead of its identity.
+
+        Returns:
+            Whether a call's object was accepted (and the calls were finalized).
+        """
+        if not any(not call.finalized() and predicate(call.uses) for call in self._calls):
             return False
         self.maybe_finalize_async_calls(blocking=True)
         return True
+
+    @classmethod
+    def finish_all_queues_if(cls, predicate: Callable[[object], bool]) -> bool:
+        """:meth:`finish_calls_if` on every queue of the process. Caller's thread.
+
+        Returns:
+            Whether some queue finalized its calls.
+        """
+        finished = False
+        for queue in list(cls._instances):
+            finished = queue.finish_calls_if(predicate) or finished
+        return finished
 
     def get_num_unfinalized_calls(self) -> int:
         """Number of scheduled calls not finalized yet."""

@@ -68,6 +68,7 @@ __all__ = [
     "failed_commit_to",
     "raise_local_commit_failures",
     "raise_commit_failures",
+    "same_location",
     "settle_background_commits",
     "take_pending_commits",
 ]
@@ -311,7 +312,7 @@ def take_pending_commits() -> list[BackgroundCommit]:
     return pending
 
 
-def _same_location(written: Any, read: Any) -> bool:
+def same_location(written: Any, read: Any) -> bool:
     """Whether a writer's ``path`` and a reader's name one checkpoint (a writer without one: assume so)."""
     if written is None or read is None:
         return True
@@ -343,7 +344,7 @@ def await_own_commits(location: Any) -> bool:
 def _pending_to(location: Any) -> list[BackgroundCommit]:
     """This rank's pending background commits whose writer writes to ``location``."""
     with _PENDING_LOCK:
-        return [c for c in _PENDING if _same_location(getattr(c.writer, "path", None), location)]
+        return [c for c in _PENDING if same_location(getattr(c.writer, "path", None), location)]
 
 
 def failed_commit_to(location: Any) -> BaseException | None:

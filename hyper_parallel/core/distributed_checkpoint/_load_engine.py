@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyper_parallel import platform
-from hyper_parallel.core.distributed_checkpoint._background_commit import settle_background_commits
+from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncCallsQueue
+from hyper_parallel.core.distributed_checkpoint._background_commit import same_location, settle_background_commits
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutArgument, apply_mindspore_layouts, copy_back_values
 from hyper_parallel.core.distributed_checkpoint._storage_choice import rank_alone
@@ -49,15 +50,21 @@ class LoadOptions:
     strategy_file: LayoutArgument = None
 
 
-def settle_before_load(*, no_dist: bool, use_collectives: bool) -> None:
+def settle_before_load(*, no_dist: bool, use_collectives: bool, location: Any = None) -> None:
     """Share the outcome of earlier async saves' background commits before a load reads. All ranks.
 
-    A load with collectives first runs :func:`settle_background_commits`: a
-    step saved just before (``result()`` returned) is then committed on every
-    rank, or its commit failure raises on every rank. Without collectives
-    nothing runs.
+    A load with collectives first finishes this process's async save still
+    writing to ``location`` (the checkpoint it loads; the collective step of
+    its ``result()``, reached by every rank in the same load: each rank
+    started that save), then runs :func:`settle_background_commits`: a step
+    saved just before is then committed on every rank, or its failure raises
+    on every rank. So a load right after ``async_save`` reads that save.
+    Without collectives nothing runs.
     """
     if DistWrapper(use_dist=not no_dist and use_collectives).use_dist:
+        if location is not None:
+            AsyncCallsQueue.finish_all_queues_if(
+                lambda writer: getattr(writer, "path", None) is not None and same_location(writer.path, location))
         settle_background_commits()
 
 
@@ -68,7 +75,8 @@ def read_checkpoint_metadata(reader: StorageReader, options: LoadOptions) -> Met
     (:func:`settle_background_commits`): a step saved just before is committed.
     """
     dist = DistWrapper(use_dist=not options.no_dist and options.use_collectives)
-    settle_before_load(no_dist=options.no_dist, use_collectives=options.use_collectives)
+    settle_before_load(no_dist=options.no_dist, use_collectives=options.use_collectives,
+                       location=getattr(reader, "path", None))
     rank = rank_alone(options.no_dist, options.use_collectives)
     found: list[Metadata] = []
 
