@@ -110,3 +110,16 @@ def test_a_four_rank_save_resharded_to_three_ranks_and_one(launches):
     assert np.array_equal(target["b"], FULL_B)
     full = hyper_parallel.load_checkpoint(str(launches["base"] / "strategy"))
     assert np.array_equal(full["w"].asnumpy(), FULL_W) and np.array_equal(full["b"].asnumpy(), FULL_B)
+
+
+def test_a_callback_save_failing_on_one_rank_stops_every_rank_and_resume_continues(tmp_path):
+    results = run_workers(Path(__file__).parent / "workers" / "callback_fail_worker.py", workers=2,
+                          tmp_path=tmp_path, args=[str(tmp_path / "base")],
+                          env={"HP_CKPT_COLLECTIVE_TIMEOUT": str(TIMEOUT)}, timeout=400)
+    for name in ("callback_sync", "callback_async"):
+        for info in scenario_values(results, name):
+            first, second = info["first"], info["second"]
+            assert first["error"].startswith("CollectiveStepError") and first["failed_ranks"] == [1], info
+            assert "No space left on device" in first["error"], info
+            assert first["steps"] == [2] and "weight" in first["step2_keys"] and "moment1.weight" in first["step2_keys"]
+            assert second["error"] is None and second["resumed_step"] == 2 and second["steps"] == [2, 4, 6, 8], info
