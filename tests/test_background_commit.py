@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import hyper_parallel
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.core.distributed_checkpoint._rank_records import (
     RankRecord,
@@ -329,3 +330,24 @@ def test_a_failed_commit_is_explained_and_raised_once_by_a_save_alone(tmp_path: 
         np.testing.assert_array_equal(loaded["w"], state["w"])
     finally:
         assert bg.take_pending_commits() == [commit]  # still pending: the next collective step shares it
+
+
+@pytest.mark.parametrize("no_dist", [False, True])
+def test_a_load_in_one_process_right_after_async_save_reads_that_save(tmp_path: Path, no_dist: bool) -> None:
+    """A process alone (no msrun) loading the checkpoint its async save is still writing gets the new state:
+    its result() needs no other rank, so the load finishes it first, as a load with collectives does. It read
+    the checkpoint the save was replacing (1.0 instead of 2.0), silently."""
+    old = {f"w{i}": np.full(1 << 18, 1.0, np.float32) for i in range(16)}  # 16 MiB: the save is still writing
+    dcp.save(old, checkpoint_id=tmp_path / "c", no_dist=no_dist)
+    dcp.save({"w0": np.full(4, 5.0, np.float32)}, checkpoint_id=tmp_path / "other", no_dist=no_dist)
+    for value, load in ((2.0, lambda t: dcp.load(t, checkpoint_id=tmp_path / "c", no_dist=no_dist)),
+                        (3.0, lambda t: hyper_parallel.load_checkpoint(tmp_path / "c", t, no_dist=no_dist))):
+        handle = dcp.async_save({k: np.full_like(v, value) for k, v in old.items()}, checkpoint_id=tmp_path / "c",
+                                no_dist=no_dist)
+        other = {"w0": np.zeros(4, np.float32)}
+        dcp.load(other, checkpoint_id=tmp_path / "other", no_dist=no_dist)  # another checkpoint: read as it is
+        assert other["w0"].tolist() == [5.0] * 4
+        target = {k: np.zeros_like(v) for k, v in old.items()}
+        load(target)
+        assert {float(v[0]) for v in target.values()} == {value} and all((v == value).all() for v in target.values())
+        handle.result()

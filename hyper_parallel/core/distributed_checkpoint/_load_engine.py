@@ -59,12 +59,15 @@ def settle_before_load(*, no_dist: bool, use_collectives: bool, location: Any = 
     started that save), then runs :func:`settle_background_commits`: a step
     saved just before is then committed on every rank, or its failure raises
     on every rank. So a load right after ``async_save`` reads that save.
-    Without collectives nothing runs.
+    A process alone (a world of one) finishes its save to ``location`` too:
+    its ``result()`` needs no other rank. Otherwise, without collectives,
+    nothing runs (another rank may not reach that save's collective step).
     """
-    if DistWrapper(use_dist=not no_dist and use_collectives).use_dist:
-        if location is not None:
-            AsyncCallsQueue.finish_all_queues_if(
-                lambda writer: getattr(writer, "path", None) is not None and same_location(writer.path, location))
+    collective = DistWrapper(use_dist=not no_dist and use_collectives).use_dist
+    if location is not None and (collective or platform.get_world_size() <= 1):
+        AsyncCallsQueue.finish_all_queues_if(
+            lambda writer: getattr(writer, "path", None) is not None and same_location(writer.path, location))
+    if collective:
         settle_background_commits()
 
 

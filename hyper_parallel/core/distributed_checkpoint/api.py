@@ -113,9 +113,10 @@ def load(
     region, whatever layout or world size saved them. Non-tensor values are
     replaced in the dict. Parameters MindSpore sliced receive their own slice:
     their layouts come from ``strategy_file`` (as in :func:`save`) or from the
-    ``parameter_layout_dict`` of the Cell holding them. With collectives, an
-    async save of this process still writing to the checkpoint is finished
-    first (as its ``result()``), so a load right after ``async_save`` reads it.
+    ``parameter_layout_dict`` of the Cell holding them. With collectives, or
+    in a process alone, an async save of this process still writing to the
+    checkpoint is finished first (as its ``result()``), so a load right after
+    ``async_save`` reads it.
 
     Raises:
         CheckpointNotFoundError: no such directory.
