@@ -25,6 +25,7 @@ from typing import Any, Callable
 import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel.core.distributed_checkpoint._save_lease import unreadable_grace
 from hyper_parallel.core.distributed_checkpoint._save_lease import LeaseHolder, SaveLease, lease_name, live_lease_in
 
 from fault_common import assert_only_committed_files, assert_same_state, load_into_blank, make_state
@@ -261,15 +262,19 @@ def test_rank_local_saves_of_two_ranks_share_a_directory(tmp_path: Path) -> None
 
 def test_an_empty_lease_of_a_save_that_died_creating_it_is_stale_after_the_grace(tmp_path: Path) -> None:
     """A save killed between creating its lease and writing it leaves an empty lease: a restarted job waited
-    the whole lease timeout (300 s) before it could save to that id. It now waits at most 30 s."""
+    the whole lease timeout (300 s) before it could save to that id. It now waits two heartbeats (75 s): a live
+    lease it cannot parse (another version's) is never older than one heartbeat."""
+    assert unreadable_grace(300.0) == 75.0 and unreadable_grace(20.0) == 20.0 and unreadable_grace(120.0) == 30.0
     path = tmp_path / "ckpt"
     dcp.save(make_state(1), checkpoint_id=path, no_dist=True)
     lease = path / ".metadata.json.lease"
     lease.write_bytes(b"")
-    with pytest.raises(dcp.ConcurrentSaveError, match=r"unreadable, 0 s old\): a save that died .* stale 30 s"):
+    aged = time.time() - 70  # a live other-version lease between two heartbeats (37.5 s apart) is younger
+    os.utime(lease, (aged, aged))
+    with pytest.raises(dcp.ConcurrentSaveError, match=r"unreadable, 70 s old\): a save that died .* stale 75 s"):
         dcp.save(make_state(2), checkpoint_id=path, no_dist=True)
     assert_same_state(load_into_blank(path, make_state(1)), make_state(1))
-    aged = time.time() - 31
+    aged = time.time() - 76
     os.utime(lease, (aged, aged))
     dcp.save(make_state(2), checkpoint_id=path, no_dist=True)
     assert not lease.exists()

@@ -18,10 +18,13 @@ A second save finding the lease judges it:
 - held by another host: live while its modification time is younger than
   ``timeout`` seconds (the heartbeat keeps it young), stale after;
 - unreadable (empty or not a lease): stale once older than
-  ``min(timeout, 30 s)``. A live save's lease is unreadable only between
-  its creation and its one write, microseconds (on NFS, until the writer
-  closes it); after that only a save that died there leaves one, and a
-  restarted job should not wait the whole timeout for it.
+  :func:`unreadable_grace` (two heartbeats, at least 30 s, at most
+  ``timeout``: 75 s by default). A live save's lease is unreadable only
+  between its creation and its one write, microseconds (on NFS, until the
+  writer closes it), or if another version of this library wrote it (its
+  heartbeat keeps it younger than two heartbeats); otherwise only a save
+  that died there leaves one, and a restarted job should not wait the whole
+  timeout for it.
 
 A live lease makes the second save fail with :class:`ConcurrentSaveError`
 naming the holder. A stale one is broken under a second exclusive file
@@ -50,12 +53,12 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     UnsafeCheckpointError,
 )
 
-__all__ = ["DEFAULT_LEASE_TIMEOUT", "LeaseHolder", "SaveLease", "lease_name", "live_lease_in"]
+__all__ = ["DEFAULT_LEASE_TIMEOUT", "LeaseHolder", "SaveLease", "lease_name", "live_lease_in", "unreadable_grace"]
 
 #: Seconds without a heartbeat after which another host's lease counts as stale.
 DEFAULT_LEASE_TIMEOUT = 300.0
 _BREAK_TIMEOUT = 30.0
-#: Seconds after which an unreadable lease counts as stale (at most the lease timeout).
+#: Least seconds after which an unreadable lease counts as stale (see :func:`unreadable_grace`).
 _UNREADABLE_GRACE = 30.0
 _MAX_LEASE_BYTES = 4096
 _LOG = logging.getLogger(__name__)
@@ -180,9 +183,22 @@ def _observe(path: Path) -> tuple[bytes, LeaseHolder | None, float] | None:
     return raw, LeaseHolder.from_bytes(raw), max(0.0, time.time() - info.st_mtime)
 
 
+def _heartbeat(timeout: float) -> float:
+    return max(0.05, timeout / 8)
+
+
+def unreadable_grace(timeout: float) -> float:
+    """Seconds after its last write or heartbeat that an unreadable lease counts as stale (any process).
+
+    Two heartbeats and at least 30 s, so that a live lease this version cannot parse (written by another
+    version, which beats as often) is never judged stale between two beats; at most ``timeout``.
+    """
+    return min(timeout, max(_UNREADABLE_GRACE, 2 * _heartbeat(timeout)))
+
+
 def _live(holder: LeaseHolder | None, age: float, timeout: float) -> bool:
     if holder is None:
-        return age <= min(timeout, _UNREADABLE_GRACE)
+        return age <= unreadable_grace(timeout)
     if holder.same_host():
         if holder.pid == os.getpid():
             with _HELD_LOCK:
@@ -280,7 +296,7 @@ class SaveLease:
         )
 
     def _beat(self) -> None:
-        while not self._stop.wait(max(0.05, self.timeout / 8)):
+        while not self._stop.wait(_heartbeat(self.timeout)):
             try:
                 os.utime(self.path)
             except OSError:
@@ -367,7 +383,7 @@ def _clash_message(directory: Path, path: Path, holder: LeaseHolder | None, age:
     if holder is None:
         return (f"checkpoint {directory} is being saved by another save (lease {path} unreadable, "
                 f"{age:.0f} s old): a save that died right after creating it leaves one, which counts as stale "
-                f"{min(timeout, _UNREADABLE_GRACE):.0f} s after it was written; save again then, or delete {path} "
+                f"{unreadable_grace(timeout):.0f} s after it was written; save again then, or delete {path} "
                 "now if no save runs")
     text = f"checkpoint {directory} is being saved by another save ({holder.describe()}; lease {path}): "
     if holder.pid == os.getpid() and holder.same_host():
