@@ -89,7 +89,11 @@ def test_two_async_saves_finished_in_the_other_order(launches):
 def test_rank_local_saves_loaded_collectively(launches):
     for rank, info in enumerate(scenario_values(launches["four"], "local_then_collective")):
         assert info["local_mine"] == [rank] * 4, info
-        assert info["collective_mine"] in ([rank] * 4, [-1] * 4), info  # its own values, or refused untouched
+        # Refused on every rank, targets untouched, naming the rank-local saves and the fix.
+        assert info["collective"]["type"] == "CollectiveIncompleteCheckpointError", info
+        assert "metadata.rank00000.json" in info["collective"]["message"], info
+        assert "use_collectives=False" in info["collective"]["message"], info
+        assert info["collective_mine"] == [-1] * 4, info
 
 
 def test_a_four_rank_save_resharded_to_three_ranks_and_one(launches):

@@ -50,6 +50,18 @@ def _committed_subdirectories(path: Path, metadata_file: str) -> list[str]:
     return [name for name in entries if (path / name / metadata_file).is_file()]
 
 
+def _rank_local_metadata(path: Path, metadata_file: str) -> list[str]:
+    """Names of the rank-local metadata files (``metadata.rank<r>.json``) beside a missing ``metadata_file``, sorted."""
+    stem, dot, suffix = metadata_file.rpartition(".")
+    if not dot:
+        return []
+    try:
+        names = sorted(e.name for e in os.scandir(path) if e.is_file())
+    except OSError:
+        return []
+    return [name for name in names if name.startswith(f"{stem}.rank") and name.endswith(f".{suffix}")]
+
+
 @gc_paused  # thousands of records, no cycles: a collection meanwhile only walks them (measured 25% of the decode)
 def read_committed_metadata(path: Path, metadata_file: str) -> Metadata:
     """Read and decode ``path / metadata_file``. Any rank; no collectives.
@@ -68,6 +80,14 @@ def read_committed_metadata(path: Path, metadata_file: str) -> Metadata:
                 f"{path} is a CheckpointManager root (it holds the checkpoints {', '.join(steps[-3:])}), "
                 f"not one checkpoint: pass a step directory such as {path / steps[-1]} (the newest), or "
                 f"load with CheckpointManager({str(path)!r}).load(state_dict)"
+            )
+        rank_local = _rank_local_metadata(path, metadata_file)
+        if rank_local:
+            raise IncompleteCheckpointError(
+                f"checkpoint {path} has no {metadata_file}, only rank-local saves ({', '.join(rank_local[:3])}"
+                f"{', ...' if len(rank_local) > 3 else ''}: saved with use_collectives=False, each rank alone): "
+                "load them with dcp.load(..., use_collectives=False) on each rank (each reads its own file, in "
+                "the layout it saved), or save with collectives to load collectively or reshard"
             )
         raise IncompleteCheckpointError(
             f"checkpoint {path} has no {metadata_file}: the save did not commit (it crashed or "
