@@ -94,6 +94,10 @@ def test_rank_local_saves_loaded_collectively(launches):
         assert "metadata.rank00000.json" in info["collective"]["message"], info
         assert "use_collectives=False" in info["collective"]["message"], info
         assert info["collective_mine"] == [-1] * 4, info
+        # A rank-local save of DTensor shards is refused naming the option asked for, not uninitialised communication.
+        assert info["sharded"]["type"] == "PlanValidationError", info
+        assert "use_collectives=False" in info["sharded"]["message"], info
+        assert "not initialised" not in info["sharded"]["message"], info
 
 
 def test_a_four_rank_save_resharded_to_three_ranks_and_one(launches):

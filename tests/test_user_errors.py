@@ -49,6 +49,11 @@ def test_dtensor_saved_without_communication_init_in_a_job(tmp_path: Path, monke
     text = str(caught.value)
     assert text.startswith("MindSpore communication was not initialised")
     assert "MS_WORKER_NUM=2" in text and "mindspore.communication.init()" in text and "'w'" in text
+    for option, chosen in (({"use_collectives": False}, "use_collectives=False"), ({"no_dist": True}, "no_dist=True")):
+        with pytest.raises(dcp.PlanValidationError) as alone:  # asked to save alone: the option is the cause
+            dcp.save({"w": shard}, checkpoint_id=tmp_path / "c", **option)
+        assert f"asked to run alone ({chosen})" in str(alone.value) and "not initialised" not in str(alone.value)
+        assert "'w'" in str(alone.value)
     monkeypatch.delenv("MS_WORKER_NUM")
     with pytest.raises(dcp.PlanValidationError) as plain:  # a real one-process run: the plan check alone
         dcp.save({"w": shard}, checkpoint_id=tmp_path / "c")

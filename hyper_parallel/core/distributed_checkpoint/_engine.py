@@ -227,13 +227,22 @@ class SaveSession:
 _JOB_SIZE_VARIABLES = ("MS_WORKER_NUM", "RANK_SIZE")
 
 
-def _uninitialised_communication(world_size: int) -> str | None:
+def _uninitialised_communication(world_size: int, options: SaveOptions) -> str | None:
     """Explain a one-process save inside what looks like a distributed job, or ``None``."""
     if world_size > 1:
         return None
     for name in _JOB_SIZE_VARIABLES:
         value = os.environ.get(name, "")
         if value.isdigit() and int(value) > 1:
+            if options.no_dist or not options.use_collectives:
+                chosen = "no_dist=True" if options.no_dist else "use_collectives=False"
+                return (
+                    f"this save was asked to run alone ({chosen}) in a job of {value} workers ({name}={value}): "
+                    "it checks its plan as rank 0 of 1, so a sharded tensor (DTensor, ShardedTensor, sliced "
+                    "Parameter) with only this rank's shard does not cover its global shape. Save sharded "
+                    "state with collectives (every rank calls save), or save this rank's shard as a plain "
+                    "tensor under a key of its own"
+                )
             return (
                 f"MindSpore communication was not initialised, although this process runs in a job of {value} "
                 f"workers ({name}={value}): it saved alone, as rank 0 of 1, so sharded tensors miss the other "
@@ -320,7 +329,7 @@ def plan_save(
                                           index_plans)
             final_plans, metadata = planner.build_global_plan(all_plans)
         except PlanValidationError as exc:
-            hint = _uninitialised_communication(dist.world_size)
+            hint = _uninitialised_communication(dist.world_size, options)
             if hint is None:
                 raise
             raise PlanValidationError(f"{hint}. The plan check said: {exc}") from exc
