@@ -3,13 +3,14 @@
 Usage: ``collective_audit_worker.py PHASE BASE_DIR``. Phase ``four`` (4 ranks)
 runs the failure scenarios (one rank raising in planning, writing or the
 commit; sync and async; ``CheckpointManager``), the mismatch scenarios and the
-saves that phases ``three`` and ``two`` (3 and 2 ranks) load resharded.
+saves that phase ``three`` (3 ranks) loads resharded.
 Each scenario returns plain values that the pytest side asserts.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import sys
 import time
 from pathlib import Path
@@ -121,28 +122,9 @@ def _failing_save(name: str, how: str, *, use_async: bool) -> dict:
     return info
 
 
-def sync_plan() -> dict:
-    return _failing_save("sync_plan", "plan", use_async=False)
-
-
-def sync_write() -> dict:
-    return _failing_save("sync_write", "write", use_async=False)
-
-
-def sync_commit() -> dict:
-    return _failing_save("sync_commit", "commit", use_async=False)
-
-
-def async_plan() -> dict:
-    return _failing_save("async_plan", "plan", use_async=True)
-
-
-def async_write() -> dict:
-    return _failing_save("async_write", "write", use_async=True)
-
-
-def async_commit() -> dict:
-    return _failing_save("async_commit", "commit", use_async=True)
+#: One rank failing a save (plan, write on FAIL_RANK; the commit on the coordinator), sync and async.
+FAILING_SAVES = {f"{mode}_{how}": functools.partial(_failing_save, f"{mode}_{how}", how, use_async=mode == "async")
+                 for mode in ("sync", "async") for how in ("plan", "write", "commit")}
 
 
 def _manager(use_async: bool) -> dict:
@@ -213,7 +195,7 @@ def dtensor_shape_on_one_rank() -> dict:
 
 
 def save_reshard() -> dict:
-    """The DTensor save that phases three and two (and the no_dist load) reshard."""
+    """The DTensor save that phase three (and the no_dist load) reshard."""
     state = {"w": DTensor.from_global(ms.Tensor(FULL_W), SAVE_LAYOUT, rank=RANK),
              "r": DTensor.from_global(ms.Tensor(FULL_W * 2), SAVE_REPL, rank=RANK),
              "b": ms.Tensor(FULL_B)}
@@ -250,7 +232,7 @@ def save_strategy() -> dict:
 
 
 def _load_reshard() -> dict:
-    layout = Layout((WORLD,), (0, -1)) if WORLD == 3 else Layout((WORLD,), (-1, 0))
+    layout = Layout((WORLD,), (0, -1))
     target = {"w": DTensor(ms.Parameter(ms.Tensor(np.zeros(layout.local_shape(FULL_W.shape), np.float32)),
                                         name="w"), layout, FULL_W.shape),
               "r": DTensor(ms.Parameter(ms.Tensor(np.zeros(layout.local_shape(FULL_W.shape), np.float32)),
@@ -326,11 +308,10 @@ def local_then_collective() -> dict:
 
 
 PHASES = {
-    "four": [sync_plan, sync_write, sync_commit, async_plan, async_write, async_commit, manager_sync,
-             manager_async, key_on_one_rank, shape_on_one_rank, dtype_on_one_rank, dtensor_shape_on_one_rank,
-             save_reshard, save_strategy, async_then_load, two_async_other_order, local_then_collective],
+    "four": [*FAILING_SAVES.values(), manager_sync, manager_async, key_on_one_rank, shape_on_one_rank,
+             dtype_on_one_rank, dtensor_shape_on_one_rank, save_reshard, save_strategy, async_then_load, two_async_other_order, local_then_collective],
     "three": [_load_reshard, load_strategy],
-    "two": [_load_reshard, load_strategy],
 }
 
-run_scenarios({fn.__name__.strip("_"): fn for fn in PHASES[PHASE]})
+NAMES = {fn: name for name, fn in FAILING_SAVES.items()}
+run_scenarios({NAMES.get(fn) or fn.__name__.strip("_"): fn for fn in PHASES[PHASE]})
