@@ -77,3 +77,18 @@ def test_partial_load_says_what_matched_and_refuses_nothing(tmp_path: Path, capl
         target = {"model": {"a": np.zeros(2), "zz": np.zeros(1)}}
         dcp.load(target, checkpoint_id=tmp_path / "c", planner=dcp.StandardLoadPlanner(allow_partial_load=True))
     assert target["model"]["a"].tolist() == [1.0, 1.0] and "'model.zz'" in caplog.text
+
+
+def test_a_directory_of_only_rank_local_saves_names_them_when_metadata_json_is_asked_for(tmp_path: Path) -> None:
+    from hyper_parallel.core.distributed_checkpoint._metadata_file import read_committed_metadata  # noqa: PLC0415
+
+    for rank in range(5):
+        (tmp_path / f"metadata.rank{rank:05d}.json").write_text("{}")
+    with pytest.raises(dcp.IncompleteCheckpointError) as caught:
+        read_committed_metadata(tmp_path, "metadata.json")
+    text = str(caught.value)
+    assert "metadata.rank00000.json, metadata.rank00001.json, metadata.rank00002.json, ..." in text
+    assert "use_collectives=False" in text and "did not commit" not in text
+    with pytest.raises(dcp.IncompleteCheckpointError) as gone:  # no directory to list: the plain message
+        read_committed_metadata(tmp_path / "missing", "metadata.json")
+    assert "did not commit" in str(gone.value)

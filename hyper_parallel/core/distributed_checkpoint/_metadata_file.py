@@ -52,9 +52,7 @@ def _committed_subdirectories(path: Path, metadata_file: str) -> list[str]:
 
 def _rank_local_metadata(path: Path, metadata_file: str) -> list[str]:
     """Names of the rank-local metadata files (``metadata.rank<r>.json``) beside a missing ``metadata_file``, sorted."""
-    stem, dot, suffix = metadata_file.rpartition(".")
-    if not dot:
-        return []
+    stem, _, suffix = metadata_file.rpartition(".")
     try:
         names = sorted(e.name for e in os.scandir(path) if e.is_file())
     except OSError:
