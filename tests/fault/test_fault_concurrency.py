@@ -162,7 +162,24 @@ def test_two_async_saves_from_two_threads(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ loads during an async save
 
 
+def _load_in_thread(path: Path, like: dict) -> tuple[threading.Thread, list[Any]]:
+    """Start loading ``path`` into a blank copy of ``like`` in a thread; its outcome lands in the list."""
+    outcome: list[Any] = []
+
+    def load() -> None:
+        try:
+            outcome.append(load_into_blank(path, like))
+        except BaseException as exc:  # pylint: disable=broad-except
+            outcome.append(exc)
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    return thread, outcome
+
+
 def test_load_while_an_async_save_to_another_id_is_in_flight(tmp_path: Path) -> None:
+    """A load of another id does not wait for the async save; a load of its own id finishes it first and reads
+    it (d0d4c08, 30184f4: a load right after async_save reads that save), instead of refusing it as uncommitted."""
     dcp.save(make_state(1), checkpoint_id=tmp_path / "A", no_dist=True)
     state = make_state(2)
     writer = GatedWriter(tmp_path / "B")
@@ -171,21 +188,30 @@ def test_load_while_an_async_save_to_another_id_is_in_flight(tmp_path: Path) -> 
     assert writer.writing.wait(WAIT)
     assert not handle.done()
     assert_same_state(load_into_blank(tmp_path / "A", make_state(1)), make_state(1))
-    with pytest.raises(dcp.IncompleteCheckpointError, match="did not commit"):
-        load_into_blank(tmp_path / "B", make_state(2))
     assert dcp.CheckpointManager(tmp_path).all_steps() == []  # (not a step layout: nothing listed)
+    thread, outcome = _load_in_thread(tmp_path / "B", make_state(2))
+    thread.join(0.5)
+    assert thread.is_alive() and not outcome, "the load of B did not wait for B's async save"
     writer.gate.set()
+    thread.join(WAIT)
+    assert not thread.is_alive()
+    assert_same_state(outcome[0], make_state(2))
     handle.result(timeout=WAIT)
-    assert_same_state(load_into_blank(tmp_path / "B", make_state(2)), make_state(2))
 
 
 def test_load_while_an_async_resave_of_the_same_id_is_in_flight(tmp_path: Path) -> None:
+    """The load finishes this process's resave of the id first, then reads the new save, whole."""
     dcp.save(make_state(1), checkpoint_id=tmp_path / "A", no_dist=True)
     writer = GatedWriter(tmp_path / "A")
     handle = dcp.async_save(make_state(2), storage_writer=writer, no_dist=True)
     assert writer.writing.wait(WAIT)
-    assert_same_state(load_into_blank(tmp_path / "A", make_state(1)), make_state(1))  # the old one, whole
+    thread, outcome = _load_in_thread(tmp_path / "A", make_state(1))
+    thread.join(0.5)
+    assert thread.is_alive() and not outcome, "the load did not wait for the resave"
     writer.gate.set()
+    thread.join(WAIT)
+    assert not thread.is_alive()
+    assert_same_state(outcome[0], make_state(2))
     handle.result(timeout=WAIT)
     assert_same_state(load_into_blank(tmp_path / "A", make_state(2)), make_state(2))
 
