@@ -258,25 +258,26 @@ def load_strategy() -> dict:
                                       np.asarray(DTensor.from_global(FULL_B, layouts["b"], rank=RANK).to_local())))}
 
 
+def _values_or_error(path):
+    """What a load of ``path`` gives on this rank: its values, or the error's type and text."""
+    try:
+        return _load_values(path)
+    except dcp.CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
 def async_then_load() -> dict:
     """Async saves on all ranks, then at once a load of that id on all ranks (no result() first)."""
     path = BASE / "async_then_load"
     dcp.save(_state(1.0), checkpoint_id=path)
     handle = dcp.async_save(_state(4.0), checkpoint_id=path)
-    info = {}
-    try:
-        info["loaded"] = _load_values(path)
-    except dcp.CheckpointError as exc:
-        info["loaded"] = f"{type(exc).__name__}: {exc}"
+    info = {"loaded": _values_or_error(path)}
     handle.result(timeout=120)
     info["after"] = _load_values(path)
     # A fresh id: nothing committed there until the async save finishes.
     fresh = BASE / "async_then_load_fresh"
     handle = dcp.async_save(_state(5.0), checkpoint_id=fresh)
-    try:
-        info["fresh"] = _load_values(fresh)
-    except dcp.CheckpointError as exc:
-        info["fresh"] = f"{type(exc).__name__}"
+    info["fresh"] = _values_or_error(fresh)
     handle.result(timeout=120)
     info["fresh_after"] = _load_values(fresh)
     return info
