@@ -4,36 +4,29 @@
 the overlap with each stored chunk, straight into the target's memory when the
 framework shares it (CPU), otherwise into a staging copy assigned back at the
 end. Non-tensor values are replaced in the caller's (nested) dict.
-Re-exported by :mod:`.standard_planner`.
+Re-exported by :mod:`.standard_planner`. Matching the target's leaves to the
+checkpoint's records is :mod:`._load_target_match`; the reads of one piece,
+:mod:`._piece_reads`.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any
 
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._device_targets import DeviceRegions
-from hyper_parallel.core.distributed_checkpoint._format.deferred_storage import StorageOf
-from hyper_parallel.core.distributed_checkpoint.errors import (
-    CheckpointError,
-    CheckpointValueError,
-    MissingKeyError,
-    ShapeMismatchError,
-    UnsafeCheckpointError,
-)
-from hyper_parallel.core.distributed_checkpoint._chunk_search import overlapping_chunks
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, MissingKeyError, UnsafeCheckpointError
 from hyper_parallel.core.distributed_checkpoint._flatten import FlatStateDict, flatten_state_dict, set_by_path
-from hyper_parallel.core.distributed_checkpoint._leaf_entry import classify_leaf
-from hyper_parallel.core.distributed_checkpoint._load_target_checks import aliased_targets, cut_containers
+from hyper_parallel.core.distributed_checkpoint._load_target_match import match_targets
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
     MetadataIndex,
     TensorStorageMetadata,
 )
+from hyper_parallel.core.distributed_checkpoint._piece_reads import fitted, local_shape, overlap_reads, whole_dtype
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel.core.distributed_checkpoint._replicated_read import (
     ReadExchange,
@@ -47,9 +40,8 @@ from hyper_parallel.core.distributed_checkpoint._state_items import (
     ValueEntry,
     make_entry,
     piece_view,
-    plain_tensor_entry,
 )
-from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value, value_refusal
+from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value
 from hyper_parallel.core.distributed_checkpoint._whole_reads import (
     SMALL_WHOLE_BYTES,
     WholeReadPlan,
@@ -60,30 +52,7 @@ from hyper_parallel.platform.tensor import DTYPE_NAMES, assign, numpy_dtype, to_
 
 __all__ = ["StandardLoadPlanner"]
 
-_LOG = logging.getLogger(__name__)
-_SHOWN_REFUSALS = 5
 _NO_READS = LoadPlan(items=())
-
-
-def _shown(keys: list[str], limit: int = 20) -> str:
-    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
-    return ", ".join(f"'{k}'" for k in keys[:limit]) + more
-
-
-def _fitted(array: np.ndarray, entry: TensorEntry) -> np.ndarray:
-    """A target's array in its local shape (a flat-range target keeps its flat array)."""
-    if entry.pieces[0].flat_start is None and tuple(array.shape) != entry.local_shape:
-        return array.reshape(entry.local_shape)
-    return array
-
-
-def _local_shape(entry: TensorEntry) -> tuple[int, ...] | None:
-    """The shape of a plain tensor leaf's tensor, read when its entry was made; ``None`` for other leaves.
-
-    (A plain tensor or array leaf is the entry that may be replicated and has no layout; a DTensor has a
-    layout, a ``ShardedTensor`` is never marked replicated.)
-    """
-    return entry.local_shape if entry.may_be_replicated and entry.layout is None else None
 
 
 class StandardLoadPlanner(LoadPlanner):
@@ -170,87 +139,9 @@ class StandardLoadPlanner(LoadPlanner):
         self._pieces.clear()
         self._value_names.clear()
         self._values.clear()
-        problems = []
-        refused: list[CheckpointError] = []  # stored values this load may not or cannot decode
-        stored_aliases = metadata.planner_data.get("aliases", {}) if isinstance(metadata.planner_data, dict) else {}
-        stored_of, storage_keys, entries = metadata.state_dict_metadata, self.flat.storage_keys, self._entries
-        for name, value in self.flat.values.items():
-            fqn = storage_keys[name]
-            stored = stored_of.get(fqn)
-            if stored is None and stored_aliases.get(fqn) in stored_of:
-                fqn = stored_aliases[fqn]  # a Parameter saved once under another path (e.g. the model's)
-                stored = stored_of[fqn]
-            entry = plain_tensor_entry(fqn, value)  # the usual leaf, in one call
-            if entry is not None and type(stored) is TensorStorageMetadata and stored.size == entry.global_shape:  # pylint: disable=unidiomatic-typecheck
-                entries[name] = entry
-                continue
-            if entry is None:
-                entry = classify_leaf(fqn, value)
-            if isinstance(entry, SkipEntry):
-                entries[name] = entry
-                self._skipped.append(name)
-                continue
-            if stored is None:
-                self.missing_keys.append(fqn)
-                continue
-            if isinstance(entry, TensorEntry):
-                if not isinstance(stored, TensorStorageMetadata):
-                    problems.append(f"key '{fqn}': the target is a tensor but the checkpoint stores a value")
-                    continue
-                if isinstance(entry.local, np.ndarray) and not entry.local.flags.writeable:
-                    problems.append(f"key '{fqn}': the target numpy array is read-only; pass a writable array")
-                    continue
-                size = stored.size
-                if (size if type(size) is tuple else tuple(size)) != entry.global_shape and (  # pylint: disable=unidiomatic-typecheck
-                        not entry.allow_shape_mismatch):
-                    raise ShapeMismatchError(
-                        f"key '{fqn}': checkpoint global shape {list(stored.size)} differs from the target's "
-                        f"global shape {list(entry.global_shape)}"
-                    )
-            elif isinstance(stored, BytesStorageMetadata):
-                grid = entry.grid_shape if isinstance(entry, ValueEntry) else ()
-                if grid and tuple(stored.global_shape) != grid:
-                    raise ShapeMismatchError(  # the cell at this position of another grid is another rank's object
-                        f"key '{fqn}': the checkpoint holds a ShardedObject grid of shape {list(stored.global_shape)}, "
-                        f"the target's grid is {list(grid)}: its objects belong to the positions of that "
-                        "grid (the ranks of another world size); give the target the saved global_shape to take "
-                        "one of them, or leave the key out"
-                    )
-                refusal = value_refusal(stored.type_name, key=fqn, allow_pickle=self.allow_pickle)
-                if refusal is not None:
-                    refused.append(refusal)
-            entries[name] = entry
-        problems.extend(aliased_targets(self.flat.aliases, stored_of, stored_aliases, entries,
-                                        storage=StorageOf(metadata)))
-        if self.flat.sizes:
-            problems.extend(cut_containers(self.flat, stored_of))
-        if problems:
-            raise CheckpointValueError(f"rank {rank}: " + "; ".join(problems))
-        if refused:
-            _refuse_values(refused, rank)
-        if self.missing_keys:
-            self._report_missing(metadata, rank)
-
-    def _report_missing(self, metadata: Metadata, rank: int) -> None:
-        """Say what matched and what did not; refuse a load that would load nothing, even partial."""
-        matched = sorted(e.fqn for e in self._entries.values() if not isinstance(e, SkipEntry))
-        stored = sorted(metadata.state_dict_metadata)
-        summary = (
-            f"rank {rank}: {len(self.missing_keys)} of {len(self.missing_keys) + len(matched)} requested key(s) are "
-            f"not in the checkpoint: {_shown(self.missing_keys)}; matched: {_shown(matched) or 'none'}; "
-            f"the checkpoint holds {len(stored)} key(s), e.g. {_shown(stored, 5) or 'none'}"
-        )
-        if not matched:
-            raise MissingKeyError(
-                f"{summary}. Nothing would load, even with allow_partial_load=True: this checkpoint is of "
-                "another model, or its keys carry another prefix (save and load the same structure, e.g. both "
-                "{'model': net}, or use hyper_parallel.load_checkpoint(path, net), which matches MindSpore names)"
-            )
-        if not self.allow_partial_load:
-            raise MissingKeyError(
-                f"{summary}. Pass StandardLoadPlanner(allow_partial_load=True) to load only the matched keys"
-            )
-        _LOG.warning("%s; loading only the matched keys (allow_partial_load=True)", summary)
+        match_targets(self.flat, metadata, entries=self._entries, skipped=self._skipped,
+                      missing_keys=self.missing_keys, rank=rank, allow_pickle=self.allow_pickle,
+                      allow_partial_load=self.allow_partial_load)
 
     def build_local_plan(self) -> LoadPlan:
         """Return the overlap of every target piece with every stored chunk. All ranks.
@@ -264,7 +155,7 @@ class StandardLoadPlanner(LoadPlanner):
         # One pass over the targets: the memory of each tensor numpy can write in place (none: a device tensor),
         # in the order of the entries.
         tensors = [entry for _, entry in entries if isinstance(entry, TensorEntry)]
-        views = iter(writable_views([entry.local for entry in tensors], [_local_shape(entry) for entry in tensors]))
+        views = iter(writable_views([entry.local for entry in tensors], [local_shape(entry) for entry in tensors]))
         stored_of = self.metadata.state_dict_metadata
         pieces_of, targets, direct = self._pieces, self._targets, self._direct
         # The small whole reads, as columns (no ReadItem each; see _whole_reads), when nothing of this planner
@@ -285,7 +176,7 @@ class StandardLoadPlanner(LoadPlanner):
                 pieces = entry.pieces
                 known = wholes.get(id(stored)) if view is not None else None
                 if view is not None and (known is None or known[0] is not stored or known[1] is not pieces):
-                    known = wholes[id(stored)] = (stored, pieces, _whole_dtype(pieces, stored))
+                    known = wholes[id(stored)] = (stored, pieces, whole_dtype(pieces, stored))
                 if known is not None and known[2] is not None:
                     # The common case: a whole host target stored as one chunk of its shape, one read.
                     piece = pieces[0]
@@ -311,7 +202,7 @@ class StandardLoadPlanner(LoadPlanner):
                 if view is None:  # device memory (or a copy): regions may go through host buffers
                     reads = self._device.plan(name, entry, reads, self.device_region_bytes)
                 else:
-                    targets[name] = _fitted(view, entry)
+                    targets[name] = fitted(view, entry)
                 if whole is not None:
                     positions.extend(range(len(items) + len(whole), len(items) + len(whole) + len(reads)))
                 items.extend(reads)
@@ -351,24 +242,7 @@ class StandardLoadPlanner(LoadPlanner):
                 if math.prod(piece.sizes):  # the common case, a piece stored as one chunk: read it whole
                     reads.append(whole_read_item(entry.fqn, tuple(piece.offsets), tuple(piece.sizes), position))
                 continue
-            dest = MetadataIndex(entry.fqn, piece.offsets, index=position)
-            for chunk in overlapping_chunks(chunks, piece.offsets, piece.sizes):
-                lo = tuple(max(a, b) for a, b in zip(piece.offsets, chunk.offsets))
-                hi = tuple(
-                    min(a + s, b + t) for a, s, b, t in zip(piece.offsets, piece.sizes, chunk.offsets, chunk.sizes)
-                )
-                if math.prod(piece.sizes) == 0 or any(h <= l for l, h in zip(lo, hi)):
-                    continue
-                reads.append(
-                    ReadItem(
-                        type=LoadItemType.TENSOR,
-                        dest_index=dest,
-                        dest_offsets=tuple(l - p for l, p in zip(lo, piece.offsets)),
-                        storage_index=MetadataIndex(entry.fqn, chunk.offsets),
-                        storage_offsets=tuple(l - c for l, c in zip(lo, chunk.offsets)),
-                        lengths=tuple(h - l for l, h in zip(lo, hi)),
-                    )
-                )
+            reads.extend(overlap_reads(entry.fqn, piece, position, chunks))
         return reads
 
     def _new_tensor_reads(self, name: str, fqn: str, stored: TensorStorageMetadata) -> list[ReadItem]:
@@ -450,7 +324,7 @@ class StandardLoadPlanner(LoadPlanner):
             if array is None:
                 array = np.array(to_numpy(entry.local), copy=True)
                 self._staged.add(name)
-            array = self._targets[name] = _fitted(array, entry)
+            array = self._targets[name] = fitted(array, entry)
         return array
 
     def acquire_tensor(self, read_item: ReadItem, shared: bool = True) -> np.ndarray:
@@ -526,27 +400,3 @@ class StandardLoadPlanner(LoadPlanner):
             set_by_path(self.state_dict, self.flat.paths[name], self._entries[name].value)
         for name, value in self._values.items():  # values decoded, tensors a placeholder received
             set_by_path(self.state_dict, self.flat.paths[name], value)
-
-
-def _whole_dtype(pieces: tuple[TensorPiece, ...], stored: TensorStorageMetadata) -> np.dtype | None:
-    """The stored numpy dtype when a target of ``pieces`` reads ``stored`` whole: one box, not a flat range, stored
-    as one chunk of exactly that box, not empty; else ``None``. Pure."""
-    if len(pieces) != 1 or len(stored.chunks) != 1:
-        return None
-    piece, chunk = pieces[0], stored.chunks[0]
-    if piece.flat_start is not None or chunk.offsets != piece.offsets or chunk.sizes != piece.sizes or not math.prod(
-            piece.sizes):
-        return None
-    return numpy_dtype(stored.properties.dtype)
-
-
-def _refuse_values(refused: list[CheckpointError], rank: int) -> None:
-    """Raise the refusals of stored values, found while planning: before any target changes (all or nothing).
-
-    A pickled value without ``allow_pickle`` first (``UnsafeCheckpointError``), else an unknown type string
-    (``UnsupportedFormatError``); every refusal is listed.
-    """
-    refused.sort(key=lambda exc: not isinstance(exc, UnsafeCheckpointError))
-    shown = "; ".join(str(exc) for exc in refused[:_SHOWN_REFUSALS])
-    more = f" (and {len(refused) - _SHOWN_REFUSALS} more)" if len(refused) > _SHOWN_REFUSALS else ""
-    raise type(refused[0])(f"rank {rank}: {shown}{more}; no target was changed")
