@@ -14,7 +14,8 @@ MindSpore keeps its ``_breakpoint`` files apart: it is
 ``<directory>/breakpoint_<n:08d>``, a step of a second manager
 (:attr:`CheckpointCallback.breakpoint_manager`, step prefix ``breakpoint_``).
 Its state may be a diverged one (NaN weights), so a resume loads the newest
-regular step unless ``resume="breakpoint"`` asks for the exception step.
+regular step unless ``resume="breakpoint"`` asks for the exception step. Those
+steps are handled in :mod:`._breakpoint_steps`.
 
 Exact resume: every step is saved with ``Model.train``'s steps per epoch
 (the value ``hyper_parallel.steps_per_epoch``). :meth:`CheckpointCallback.resume_dataset`
@@ -41,6 +42,13 @@ from typing import Any, Callable
 from mindspore.dataset import config as dataset_config
 from mindspore.train import Callback, RunContext
 
+from hyper_parallel.core.distributed_checkpoint._breakpoint_steps import (
+    RunningStep,
+    breakpoint_manager,
+    resume_point,
+    save_breakpoint,
+    trained_step,
+)
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutSources, cells_in
 from hyper_parallel.core.distributed_checkpoint._one_line import mindspore_state_dict
@@ -54,35 +62,7 @@ __all__ = ["CheckpointCallback"]
 _LOG = logging.getLogger(__name__)
 _APPEND_NAMES = ("epoch_num", "step_num")
 _STEPS_PER_EPOCH_KEY = "hyper_parallel.steps_per_epoch"  # the value saved with every step: Model.train's batch_num
-#: Step prefix of the steps ``exception_save`` writes (``<directory>/breakpoint_<n:08d>``).
-_BREAKPOINT_PREFIX = "breakpoint_"
 _RESUME_CHOICES = (True, False, "breakpoint")
-
-
-@dataclass(frozen=True, eq=False)
-class _RunningStep:
-    """A step ``Model.train`` began (``on_train_step_begin``) whose end this callback has not seen yet.
-
-    Attributes:
-        step: Its number.
-        epoch: Its epoch.
-        params: ``run_context.original_args()``; ``params.net_outputs`` is replaced when the network finishes it.
-        outputs: ``params.net_outputs`` when it began (the previous step's outputs, kept alive, so the identity
-            test is sound).
-    """
-
-    step: int
-    epoch: int
-    params: Any
-    outputs: Any
-
-
-def _net_outputs(cb_params: Any) -> Any:
-    """``cb_params.net_outputs`` or ``None`` (MindSpore's internal parameters are a dict without it before the
-    first step)."""
-    if isinstance(cb_params, dict):
-        return cb_params.get("net_outputs")
-    return getattr(cb_params, "net_outputs", None)
 
 
 @dataclass(frozen=True, eq=False)
@@ -111,7 +91,8 @@ def _append_values(append_info: list[Any] | None) -> tuple[tuple[str, ...], dict
     if append_info is None:
         return (), {}
     if not isinstance(append_info, list):
-        raise CheckpointValueError(f"append_info must be a list (as in CheckpointConfig), got {type(append_info).__name__}")
+        raise CheckpointValueError(
+            f"append_info must be a list (as in CheckpointConfig), got {type(append_info).__name__}")
     counters: list[str] = []
     values: dict[str, Any] = {}
     for element in append_info:
@@ -171,7 +152,6 @@ class CheckpointCallback(Callback):
         strategy_file: MindSpore strategy file(s) describing how Parameters
             are sliced, passed to every save and load.
 
-    Raises:
     Attributes:
         manager: The :class:`CheckpointManager` of the regular steps (``step_<n:08d>``).
         breakpoint_manager: The :class:`CheckpointManager` of the steps ``exception_save``
@@ -229,15 +209,14 @@ class CheckpointCallback(Callback):
         )
         # Saved when training raises: a committed sync save before the exception propagates, never pruning a
         # regular step (its own prefix), never taken by a plain resume.
-        self.breakpoint_manager = CheckpointManager(directory, max_to_keep=keep_max or 1,
-                                                    step_prefix=_BREAKPOINT_PREFIX)
+        self.breakpoint_manager = breakpoint_manager(directory, max_to_keep=keep_max or 1)
         self.resumed_step: int | None = None
         self._position: _DataPosition | None = None  # set by resume_dataset, checked at train begin
         self._steps_per_epoch = 0  # Model.train's batch_num, saved with every step
         self._last_saved: int | None = None
         self._completed = 0
         self._epoch = 0
-        self._running: _RunningStep | None = None  # the step begun and not yet ended here (exception_save)
+        self._running: RunningStep | None = None  # the step begun and not yet ended here (exception_save)
         self._state: dict[str, Any] | None = None
         self._staging: Future[int] | None = None  # the staging buffers being prepared (async saves)
 
@@ -269,17 +248,8 @@ class CheckpointCallback(Callback):
         return latest // steps_per_epoch
 
     def _resume_point(self) -> tuple[CheckpointManager, int] | None:
-        """The manager and step a resume loads, or ``None`` without a committed step. All ranks.
-
-        The newest regular step; with ``resume="breakpoint"`` the newest ``exception_save`` step instead when it
-        is newer.
-        """
-        latest = self.manager.latest_step()
-        if self.resume == "breakpoint":
-            exception_step = self.breakpoint_manager.latest_step()
-            if exception_step is not None and (latest is None or exception_step > latest):
-                return self.breakpoint_manager, exception_step
-        return None if latest is None else (self.manager, latest)
+        """The manager and step a resume loads (see :func:`._breakpoint_steps.resume_point`). All ranks."""
+        return resume_point(self.manager, self.breakpoint_manager, resume=self.resume)
 
     def resume_dataset(self, dataset: Any) -> int:
         """Position ``dataset`` after the newest committed step; return ``initial_epoch``. All ranks.
@@ -477,9 +447,8 @@ class CheckpointCallback(Callback):
                 "resume_dataset returned) to Model.train"
             )
 
-    def _save(self, step: int, epoch: int, *, force: bool, manager: CheckpointManager | None = None) -> None:
-        """Save the training state (plus ``append_info``) as ``step`` of ``manager`` (default: the regular
-        steps). All ranks."""
+    def _step_state(self, step: int, epoch: int) -> dict[str, Any]:
+        """The training state plus ``append_info`` (and the steps per epoch) to save as ``step``."""
         state = {**(self._state or {}), **self._append}
         if "epoch_num" in self._counters:
             state["epoch_num"] = epoch
@@ -487,16 +456,16 @@ class CheckpointCallback(Callback):
             state["step_num"] = step
         if self._steps_per_epoch:
             state[_STEPS_PER_EPOCH_KEY] = self._steps_per_epoch
-        if manager is not None:
-            manager.save(step, state, force=force, **self._io_kwargs)
-        elif self.manager.save(step, state, force=force, **self._io_kwargs):
+        return state
+
+    def _save(self, step: int, epoch: int, *, force: bool) -> None:
+        """Save the training state (plus ``append_info``) as regular step ``step``. All ranks."""
+        if self.manager.save(step, self._step_state(step, epoch), force=force, **self._io_kwargs):
             self._last_saved = step
 
     def on_train_step_begin(self, run_context: RunContext) -> None:
         """Note the step begun, for ``exception_save`` (no file access, no communication). All ranks."""
-        cb_params = run_context.original_args()
-        self._running = _RunningStep(int(cb_params.cur_step_num), int(getattr(cb_params, "cur_epoch_num", 0) or 0),
-                                     cb_params, _net_outputs(cb_params))
+        self._running = RunningStep.began(run_context.original_args())
 
     def on_train_step_end(self, run_context: RunContext) -> None:
         """Save this step if the interval says so. All ranks."""
@@ -533,33 +502,9 @@ class CheckpointCallback(Callback):
         step of :attr:`breakpoint_manager` (committed before the exception propagates)."""
         try:
             if exc_type is not None and self.exception_save and self._state is not None:
-                step, epoch = self._trained_step()
+                step, epoch = trained_step(self._running, self._completed, self._epoch)
                 if step != self._last_saved and step > 0:
-                    _LOG.warning("training raised %s: saving step %d (exception_save)", exc_type.__name__, step)
-                    self.manager.wait()
-                    # A diverged state (NaN weights) costs no regular step and is not what a plain resume loads.
-                    self._save(step, epoch, force=True, manager=self.breakpoint_manager)
-                    # Breakpoint steps above it were saved by a run this one resumed before (a resume from an
-                    # earlier regular step): the newest by number, they were what resume="breakpoint" loaded,
-                    # and what retention kept, instead of this step.
-                    dropped = self.breakpoint_manager._delete_after(step)  # pylint: disable=protected-access
-                    if dropped:
-                        _LOG.warning("exception_save: deleted breakpoint step(s) %s, saved by a run this one "
-                                     "resumed before", dropped)
+                    save_breakpoint(self.breakpoint_manager, self.manager, step, self._step_state(step, epoch),
+                                    reason=exc_type.__name__, io_kwargs=self._io_kwargs)
         finally:
             self.manager.close()
-
-    def _trained_step(self) -> tuple[int, int]:
-        """The step (and epoch) the Parameters are at when training raised.
-
-        The last step whose end this callback saw, or the step running when training raised if its network
-        already returned (``net_outputs`` replaced): then a callback listed before this one raised in
-        ``on_train_step_end`` (MindSpore's ``LossMonitor`` on a NaN loss does), after the optimizer updated the
-        Parameters; saving them under the previous step would make a resume train that batch twice.
-        """
-        running = self._running
-        if running is not None and running.step > self._completed and (
-            _net_outputs(running.params) is not running.outputs
-        ):
-            return running.step, running.epoch
-        return self._completed, self._epoch
