@@ -14,6 +14,7 @@ import mindspore as ms
 import numpy as np
 import pytest
 
+import hyper_parallel
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.core.distributed_checkpoint import _state_items
 from hyper_parallel.core.distributed_checkpoint._format.consistency import check_consistency, storage_by_key
@@ -50,9 +51,20 @@ def test_plain_leaf_entries_equal_make_entry_and_leave_the_rest_to_it() -> None:
             entry = _state_items.plain_tensor_entry("k", value)
             assert entry == _state_items.make_entry("k", value) and entry.local is value
             assert type(entry.global_shape) is tuple and entry.global_shape == tuple(value.shape)
-    # Not a plain tensor of a stored dtype: None, and make_entry classifies it (or refuses, naming the key).
-    for other in (np.ones(3, np.float32), 5, "text", None, {"a": 1}):
+    for array in (np.ones((2, 3), np.float32), np.zeros(4, np.int8), np.array(2.5), np.ones(0, np.bool_)):
+        for _ in range(2):  # (the second time from the table of dtypes seen)
+            entry = _state_items.plain_tensor_entry("k", array)
+            assert entry == _state_items.make_entry("k", array) and entry.local is array
+            assert _state_items.plain_dtype_name(array) == entry.dtype == str(array.dtype)
+    # Not a plain tensor or writable array of a stored dtype: None, and make_entry classifies it (or refuses,
+    # naming the key; a read-only array is the load planner's to refuse, see test_read_only_array_target_...).
+    frozen = np.ones(3, np.float32)
+    frozen.flags.writeable = False
+    objects = np.array([{"a": 1}, None], dtype=object)
+    for other in (frozen, objects, np.ones(2, np.complex64), np.ma.masked_array(np.ones(2)), 5, "text", None, {"a": 1}):
         assert _state_items.plain_tensor_entry("k", other) is None
+    assert _state_items.plain_dtype_name(frozen) == "float32"  # (a dtype name says nothing about writing)
+    assert _state_items.plain_dtype_name(objects) is None and _state_items.plain_dtype_name(5) is None
     for _ in range(2):  # (the second time from the table of dtypes seen)
         assert _state_items.plain_tensor_entry("c", ms.Tensor(np.ones(2, np.complex64))) is None
     with pytest.raises(dcp.UnsupportedTypeError, match="'c'.*complex64"):
@@ -378,3 +390,29 @@ def test_a_sliced_parameter_is_found_among_thousands(tmp_path: Path) -> None:
     assert _any_sliced(params) and _any_sliced([object(), params[37]]) and not _any_sliced([object()])
     with pytest.raises(dcp.SlicedParameterError, match="w37"):
         dcp.save({p.name: p for p in params}, checkpoint_id=tmp_path, no_dist=True)
+
+
+def test_read_only_array_target_and_dtype_refusals_hold_for_plain_arrays(tmp_path: Path) -> None:
+    """Plain numpy targets take the one-call entry: a read-only one is still refused before any target changes,
+    arrays of another dtype still load as the general path loads them (bit exact against it), and
+    ``load_checkpoint`` still refuses a float checkpoint into an int array."""
+    values = {f"a{i}": np.arange(6, dtype=np.float32).reshape(2, 3) * (i + 1) for i in range(30)}
+    dcp.save(values, checkpoint_id=tmp_path, no_dist=True)
+    targets = {name: np.zeros((2, 3), np.float32) for name in values}
+    targets["a7"].flags.writeable = False
+    with pytest.raises(dcp.CheckpointValueError, match="'a7'.*read-only"):
+        dcp.load(targets, checkpoint_id=tmp_path, no_dist=True)
+    assert not any(target.any() for target in targets.values())
+    targets["a7"] = np.zeros((2, 3), np.float32)
+    targets["a3"] = np.zeros((2, 3), np.float16)  # another float dtype: converted
+    dcp.load(targets, checkpoint_id=tmp_path, no_dist=True)
+    for name, value in values.items():
+        np.testing.assert_array_equal(targets[name], value.astype(targets[name].dtype))
+    counters = {"a1": np.zeros((2, 3), np.int32), "a2": np.zeros((2, 3), np.float32)}
+    with pytest.raises(dcp.CheckpointValueError, match="key 'a1': stored as float32, the target 'a1' is int32"):
+        hyper_parallel.load_checkpoint(tmp_path, counters)
+    assert not counters["a1"].any() and not counters["a2"].any()
+    loaded = hyper_parallel.load_checkpoint(tmp_path, {"a2": counters["a2"], "a4": ms.Parameter(
+        ms.Tensor(np.zeros((2, 3), np.float32)), name="a4")})
+    np.testing.assert_array_equal(counters["a2"], values["a2"])
+    np.testing.assert_array_equal(loaded["a4"].asnumpy(), values["a4"])

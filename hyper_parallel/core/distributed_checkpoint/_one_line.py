@@ -34,7 +34,16 @@ from hyper_parallel.core.distributed_checkpoint.mapping import ShardedTensor
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, TensorStorageMetadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlanner
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardLoadPlanner, StandardSavePlanner
-from hyper_parallel.platform.tensor import dtype_name, from_numpy, is_cell, is_parameter, is_tensor, numpy_dtype
+from hyper_parallel.core.distributed_checkpoint._state_items import plain_dtype_name
+from hyper_parallel.platform.tensor import (
+    dtype_name,
+    from_numpy,
+    is_cell,
+    is_parameter,
+    is_tensor,
+    numpy_dtype,
+    parameter_and_cell_types,
+)
 
 __all__ = ["save_checkpoint", "load_checkpoint", "LoadedParameters", "mindspore_state_dict"]
 
@@ -277,12 +286,19 @@ def _check_dtypes(pairs: dict[str, str], flat_values: dict[str, Any], metadata: 
                   *, strict_load: bool) -> None:
     """Refuse, before anything is read, the casts MindSpore refuses: any with ``strict_load``, else a change of
     dtype family (a float checkpoint into an int Parameter was truncated silently). Any rank."""
+    stored_of = metadata.state_dict_metadata
     for name, key in pairs.items():
-        stored = metadata.state_dict_metadata.get(stored_names.get(key, key))
-        value = _local_data(flat_values[name])
-        if not isinstance(stored, TensorStorageMetadata) or not (is_tensor(value) or isinstance(value, np.ndarray)):
+        stored = stored_of.get(stored_names.get(key, key))
+        value = flat_values[name]
+        want = plain_dtype_name(value)  # a plain Parameter or array (most targets): its dtype's name, cached
+        if want is None:
+            value = _local_data(value)
+            if not isinstance(stored, TensorStorageMetadata) or not (is_tensor(value) or isinstance(value, np.ndarray)):
+                continue
+            want = dtype_name(value)
+        elif not isinstance(stored, TensorStorageMetadata):
             continue
-        have, want = stored.properties.dtype, dtype_name(value)
+        have = stored.properties.dtype
         if have == want:
             continue
         if strict_load:
@@ -416,9 +432,13 @@ def _load_into(
     layouts = LayoutSources(opened.options.strategy_file, cells=cells_in(net))
     api.load_opened(targets, replace(opened, options=replace(opened.options, strategy_file=layouts)), planner=planner)
     loaded: dict[str, Any] = {}
+    parameter_type = parameter_and_cell_types()[0]
     for key, ck in chosen.items():
         name = by_key[key]
         value = targets[ck]
+        if isinstance(value, parameter_type):
+            loaded[key] = value  # (most entries: a Parameter, loaded in place; _as_parameter returns it)
+            continue
         if not (is_tensor(value) or isinstance(value, np.ndarray) or hasattr(value, "to_local")):
             set_by_path(state, flat.paths[name], value)  # a plain value: replaced, not filled in
             if isinstance(net, dict) and flat.paths[name][0] in net:

@@ -36,6 +36,7 @@ __all__ = [
     "SkipEntry",
     "make_entry",
     "plain_tensor_entry",
+    "plain_dtype_name",
     "flat_range_boxes",
     "piece_view",
 ]
@@ -217,29 +218,43 @@ def _is_plain(kind: type, value: Any) -> bool:
     return plain
 
 
-#: id() of a MindSpore dtype -> (the dtype, its stored name or None: not stored); the dtype is held, so the
-#: identity check makes a reused id harmless.
+#: id() of a MindSpore or numpy dtype -> (the dtype, its stored name or None: not stored); the dtype is held, so
+#: the identity check makes a reused id harmless.
 _DTYPE_NAMES: dict[int, tuple[Any, str | None]] = {}
 
 
-def plain_tensor_entry(fqn: str, value: Any) -> TensorEntry | None:
-    """:func:`make_entry` of a plain MindSpore tensor (a Parameter, a Tensor) of a dtype the checkpoint stores, in
-    one call (the usual leaf of a state of thousands); ``None`` for any other leaf, which :func:`make_entry`
-    classifies (and refuses with its message, e.g. a dtype no checkpoint stores). Pure; never raises."""
+def _stored_name(dtype: Any, value: Any) -> str | None:
+    """The stored name of ``value``'s dtype ``dtype`` (looked up once per dtype object); ``None``: not stored."""
+    known = _DTYPE_NAMES.get(id(dtype))
+    if known is None or known[0] is not dtype:
+        try:
+            name = dtype_name(value)
+        except TypeError:
+            name = None  # a dtype no checkpoint stores (an object array too): make_entry classifies or refuses it
+        known = _DTYPE_NAMES[id(dtype)] = (dtype, name)
+    return known[1]
+
+
+def plain_dtype_name(value: Any) -> str | None:
+    """The stored dtype name of a plain MindSpore tensor (a Parameter, a Tensor) or a plain numpy array, as
+    :func:`.dtype_name` gives it, looked up once per dtype object; ``None`` for any other leaf (a DTensor, a
+    ``ShardedTensor``, an array subclass, a value) and for a dtype no checkpoint stores. Pure; never raises."""
     kind = type(value)
+    if kind is np.ndarray:
+        return _stored_name(value.dtype, value)
     plain = _PLAIN_TENSOR_TYPES.get(kind)
     if not (plain or plain is None and _is_plain(kind, value)):
         return None
-    dtype = value.dtype
-    known = _DTYPE_NAMES.get(id(dtype))  # (tensor_dtype_name, its calls inlined: one lookup per leaf)
-    if known is None or known[0] is not dtype:
-        try:
-            name = tensor_dtype_name(value)
-        except TypeError:
-            name = None  # a dtype no checkpoint stores: make_entry refuses it, naming it
-        known = _DTYPE_NAMES[id(dtype)] = (dtype, name)
-    name = known[1]
-    if name is None:
+    return _stored_name(value.dtype, value)
+
+
+def plain_tensor_entry(fqn: str, value: Any) -> TensorEntry | None:
+    """:func:`make_entry` of a plain MindSpore tensor (a Parameter, a Tensor) or a plain writable numpy array of a
+    dtype the checkpoint stores, in one call (the usual leaf of a state of thousands); ``None`` for any other leaf,
+    which :func:`make_entry` classifies (and refuses with its message, e.g. a dtype no checkpoint stores; a
+    read-only array is refused by the load planner's own check). Pure; never raises."""
+    name = plain_dtype_name(value)
+    if name is None or type(value) is np.ndarray and not value.flags.writeable:  # pylint: disable=unidiomatic-typecheck
         return None
     shape = value.shape
     if type(shape) is not tuple:  # pylint: disable=unidiomatic-typecheck
