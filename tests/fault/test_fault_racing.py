@@ -11,6 +11,7 @@ committed before the race is never lost.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -100,24 +101,29 @@ def test_two_threads_race_for_one_id(tmp_path: Path, over_committed: bool) -> No
         _assert_one_won(outcomes, path, ok=lambda outcome: isinstance(outcome, dcp.Metadata))
 
 
-def test_sync_save_while_an_async_save_to_the_same_id_is_pending(tmp_path: Path) -> None:
+@pytest.mark.parametrize("no_dist", [False, True])
+@pytest.mark.parametrize("second", ["save", "async_save"])
+def test_a_save_to_the_id_of_this_process_s_pending_async_save_finishes_it_first(
+        tmp_path: Path, no_dist: bool, second: str) -> None:
+    """A process alone saving to the id its own async save still writes finishes that save first (its result()
+    needs no other rank), then replaces it, as a load of that id does. A sync save failed with
+    ConcurrentSaveError, naming a clash with the caller's own save."""
     path = tmp_path / "ckpt"
-    dcp.save(make_state(7), checkpoint_id=path, no_dist=True)
-    old = dcp.read_metadata(path).storage_meta.save_id
-    # Held in flight: one process commits in the background, which could otherwise win before the checks.
-    writer = GatedWriter(path)
-    handle = dcp.async_save(make_state(1), storage_writer=writer, no_dist=True)
-    with pytest.raises(dcp.CheckpointError) as caught:
-        dcp.save(make_state(2), checkpoint_id=path, no_dist=True)
-    _assert_clash(caught.value, path)
-    assert "result()" in str(caught.value)
-    # The old save is still the committed one, meanwhile (a load here would finish the async save first).
-    assert dcp.read_metadata(path).storage_meta.save_id == old
-    writer.gate.set()
-    handle.result(timeout=WAIT)
-    assert _loads_as_one_of(path, [1]) == 1
-    dcp.save(make_state(2), checkpoint_id=path, no_dist=True)  # the id is free again
-    assert _loads_as_one_of(path, [2]) == 2
+    dcp.save(make_state(7), checkpoint_id=path, no_dist=no_dist)
+    writer = GatedWriter(path)  # held in flight: one process commits in the background, which could win first
+    handle = dcp.async_save(make_state(1), storage_writer=writer, no_dist=no_dist)
+    assert writer.writing.wait(WAIT)
+    opener = threading.Timer(0.5, writer.gate.set)
+    opener.start()
+    start = time.monotonic()
+    if second == "save":
+        dcp.save(make_state(2), checkpoint_id=path, no_dist=no_dist)
+    else:
+        dcp.async_save(make_state(2), checkpoint_id=path, no_dist=no_dist).result(timeout=WAIT)
+    assert time.monotonic() - start >= 0.4  # it waited for the gated save, which committed first
+    first = handle.result(timeout=WAIT)
+    assert first.storage_meta.save_id != dcp.read_metadata(path).storage_meta.save_id
+    assert _loads_as_one_of(path, [2, 1]) == 2
 
 
 def test_two_managers_on_one_root_save_the_same_step(tmp_path: Path) -> None:

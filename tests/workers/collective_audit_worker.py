@@ -283,6 +283,40 @@ def async_then_load() -> dict:
     return info
 
 
+class SlowWriter(dcp.FileSystemWriter):
+    """Writes after a second on every rank: the async save still holds its id when the next save comes."""
+
+    def write_data(self, plan, planner):
+        time.sleep(1.0)
+        return super().write_data(plan, planner)
+
+
+def async_then_save() -> dict:
+    """A save to the id this job's async save still writes: with collectives it finishes that save first."""
+    path = BASE / "async_then_save"
+    dcp.save(_state(1.0), checkpoint_id=path)
+    handle = dcp.async_save(_state(4.0), storage_writer=SlowWriter(path))
+    info = {"sync": _failure(lambda: dcp.save(_state(9.0), checkpoint_id=path))}
+    info["first_step"] = _failure(lambda: handle.result(timeout=120))["type"]
+    info["after_sync"] = _load_values(path)
+    handle = dcp.async_save(_state(10.0), storage_writer=SlowWriter(path))
+    dcp.async_save(_state(11.0), checkpoint_id=path).result(timeout=120)
+    handle.result(timeout=120)
+    info["after_async"] = _load_values(path)
+    # Alone in a job of several ranks: the async save's result() is a step the other ranks may not reach now.
+    handle = dcp.async_save(_state(12.0), storage_writer=SlowWriter(path))
+    if RANK == 0:
+        info["alone"] = _failure(lambda: dcp.save({"x": np.ones(2, np.float32)}, checkpoint_id=path, no_dist=True))
+    info["local"] = _failure(lambda: dcp.save({"x": np.full(2, RANK, np.float32)}, checkpoint_id=path,
+                                              use_collectives=False))
+    handle.result(timeout=120)
+    info["after_alone"] = _load_values(path)
+    target = {"x": np.zeros(2, np.float32)}
+    info["local_load"] = _failure(lambda: dcp.load(target, checkpoint_id=path, use_collectives=False))
+    info["local_x"] = target["x"].tolist()
+    return info
+
+
 def two_async_other_order() -> dict:
     first = dcp.async_save(_state(6.0), checkpoint_id=BASE / "two_a")
     second = dcp.async_save(_state(7.0), checkpoint_id=BASE / "two_b")
@@ -310,7 +344,8 @@ def local_then_collective() -> dict:
 
 PHASES = {
     "four": [*FAILING_SAVES.values(), manager_sync, manager_async, key_on_one_rank, shape_on_one_rank,
-             dtype_on_one_rank, dtensor_shape_on_one_rank, save_reshard, save_strategy, async_then_load, two_async_other_order, local_then_collective],
+             dtype_on_one_rank, dtensor_shape_on_one_rank, save_reshard, save_strategy, async_then_load, async_then_save,
+             two_async_other_order, local_then_collective],
     "three": [_load_reshard, load_strategy],
 }
 

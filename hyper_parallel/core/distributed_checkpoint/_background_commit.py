@@ -35,7 +35,8 @@ import os
 import threading
 from typing import Any, Callable
 
-from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncRequest
+from hyper_parallel import platform
+from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncCallsQueue, AsyncRequest
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper, collective_timeout
 from hyper_parallel.core.distributed_checkpoint._commit_receipt import (
     CommitReceipt,
@@ -66,6 +67,7 @@ __all__ = [
     "check_record_replicas",
     "explain_commit_failure",
     "failed_commit_to",
+    "finish_own_saves_to",
     "raise_local_commit_failures",
     "raise_commit_failures",
     "same_location",
@@ -320,6 +322,27 @@ def same_location(written: Any, read: Any) -> bool:
     if "://" in written or "://" in read:
         return written.rstrip("/") == read.rstrip("/")
     return os.path.realpath(written) == os.path.realpath(read)
+
+
+def finish_own_saves_to(location: Any, *, collective: bool) -> bool:
+    """Finish (as ``result()``) this process's async saves if one still writes to ``location``. All ranks alike.
+
+    For a load or a save of ``location`` that would otherwise meet that save
+    half done. Run when every rank reaches this point together
+    (``collective``: the save's ``result()`` step then runs on every rank,
+    each having started that save in the same ``async_save`` and finished it
+    only at such shared points, so every rank decides alike), or in a process
+    alone (its ``result()`` needs no other rank). Otherwise nothing runs: a
+    rank saving or loading alone in a job of several ranks cannot tell that
+    the others will reach that save's collective step.
+
+    Returns:
+        Whether async saves were finished.
+    """
+    if location is None or not (collective or platform.get_world_size() <= 1):
+        return False
+    return AsyncCallsQueue.finish_all_queues_if(
+        lambda writer: getattr(writer, "path", None) is not None and same_location(writer.path, location))
 
 
 def await_own_commits(location: Any) -> bool:

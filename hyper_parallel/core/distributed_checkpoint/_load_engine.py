@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyper_parallel import platform
-from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncCallsQueue
-from hyper_parallel.core.distributed_checkpoint._background_commit import same_location, settle_background_commits
+from hyper_parallel.core.distributed_checkpoint._background_commit import finish_own_saves_to, settle_background_commits
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutArgument, apply_mindspore_layouts, copy_back_values
 from hyper_parallel.core.distributed_checkpoint._storage_choice import rank_alone
@@ -64,9 +63,7 @@ def settle_before_load(*, no_dist: bool, use_collectives: bool, location: Any = 
     nothing runs (another rank may not reach that save's collective step).
     """
     collective = DistWrapper(use_dist=not no_dist and use_collectives).use_dist
-    if location is not None and (collective or platform.get_world_size() <= 1):
-        AsyncCallsQueue.finish_all_queues_if(
-            lambda writer: getattr(writer, "path", None) is not None and same_location(writer.path, location))
+    finish_own_saves_to(location, collective=collective)
     if collective:
         settle_background_commits()
 

@@ -14,7 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyper_parallel import platform
-from hyper_parallel.core.distributed_checkpoint._background_commit import await_own_commits, failed_commit_to
+from hyper_parallel.core.distributed_checkpoint._background_commit import (
+    await_own_commits,
+    failed_commit_to,
+    finish_own_saves_to,
+)
+from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions
 from hyper_parallel.core.distributed_checkpoint._load_engine import LoadOptions, read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
@@ -49,7 +54,12 @@ def save(
 
     An async save of this process still running with the same
     ``storage_writer`` object is finished (committed) first: a writer holds
-    one save's state at a time.
+    one save's state at a time. So is one still writing to the same
+    checkpoint, with collectives or in a process alone (as :func:`load`
+    does): the save then replaces it. A save without collectives in a job of
+    several ranks does not finish it (the other ranks may not reach its
+    ``result()`` step) and fails with :class:`ConcurrentSaveError`: call
+    ``result()`` first.
 
     Args:
         state_dict: The (nested) state to save; see docs for accepted values.
@@ -82,6 +92,10 @@ def save(
     """
     writer = writer_for(checkpoint_id, storage_writer)
     finish_async_saves_using(writer)  # a writer holds one save's state: never two saves at once
+    # This process's async save to the same id is finished first, where every rank decides alike (see there):
+    # it would hold the id's lease, and this save would fail as a concurrent one.
+    finish_own_saves_to(getattr(writer, "path", None),
+                        collective=DistWrapper(use_dist=not no_dist and use_collectives).use_dist)
     return save_strategy().save(
         state_dict,
         storage_writer=writer,
