@@ -11,6 +11,9 @@ exception hook: a script that dies of an uncaught exception reports
 pytest side can show that traceback first. Reported objects are plain
 builtins (dicts, strings) so that unpickling never needs this module.
 
+:func:`sliced_rows` builds the small network of Parameters marked sliced that
+several workers save and load with a strategy file.
+
 Collective scenarios must fail symmetrically: a scenario that raises on one
 rank before a collective the other ranks enter makes those ranks wait until
 the harness timeout.
@@ -18,6 +21,7 @@ the harness timeout.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import sys
@@ -34,6 +38,7 @@ __all__ = [
     "report",
     "run_scenarios",
     "scenario_tmp_dir",
+    "sliced_rows",
 ]
 
 RESULT_DIR_ENV = "HP_TEST_RESULT_DIR"
@@ -126,6 +131,37 @@ def scenario_tmp_dir(name: str) -> Path:
     path = _result_dir().parent / "shared" / name
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def sliced_rows(w: Any, b: Any) -> Any:
+    """A ``mindspore.nn.Cell`` computing ``x @ w.T + b`` from this rank's slices ``w`` and ``b``.
+
+    Its Parameters ``w`` and ``b`` (copies of the numpy arrays) are marked ``sliced``, as MindSpore's parallel
+    compile marks a rank's slices, so a save or load with a strategy file takes their layouts from it. Call after
+    :func:`init_worker`.
+    """
+    return _sliced_rows_class()(w, b)
+
+
+@functools.cache
+def _sliced_rows_class() -> type:
+    """The Cell class of :func:`sliced_rows`, made once (MindSpore is imported only by :func:`init_worker`)."""
+    import mindspore as ms  # pylint: disable=import-outside-toplevel
+
+    class SlicedRows(ms.nn.Cell):
+        """``x @ w.T + b`` for this rank's rows of ``w`` and ``b`` (sliced Parameters)."""
+
+        def __init__(self, w: Any, b: Any) -> None:
+            super().__init__()
+            self.w = ms.Parameter(ms.Tensor(w.copy()), name="w")
+            self.b = ms.Parameter(ms.Tensor(b.copy()), name="b")
+            self.w.sliced = True
+            self.b.sliced = True
+
+        def construct(self, x):
+            return ms.ops.matmul(x, self.w.T) + self.b
+
+    return SlicedRows
 
 
 def _report_uncaught(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:

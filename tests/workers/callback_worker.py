@@ -18,12 +18,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from worker_lib import init_worker, report
+from worker_lib import init_worker, report, sliced_rows
 
 RANK, WORLD = init_worker()
 
-import mindspore as ms  # noqa: E402  (after init_worker, which sets the device)
-from mindspore import dataset as ds  # noqa: E402
+from mindspore import dataset as ds  # noqa: E402  (after init_worker, which sets the device)
 from mindspore import nn  # noqa: E402
 from mindspore.train import Model  # noqa: E402
 from train_steps import StepLog  # noqa: E402
@@ -42,20 +41,6 @@ Y = (X @ RNG.standard_normal((4, 8)).astype(np.float32)).astype(np.float32)
 STEPS_PER_EPOCH = 4
 
 
-class Rows(nn.Cell):
-    """``x @ w.T + b`` for this rank's rows of ``w`` and ``b`` (sliced Parameters)."""
-
-    def __init__(self, w: np.ndarray, b: np.ndarray) -> None:
-        super().__init__()
-        self.w = ms.Parameter(ms.Tensor(w.copy()), name="w")
-        self.b = ms.Parameter(ms.Tensor(b.copy()), name="b")
-        self.w.sliced = True
-        self.b.sliced = True
-
-    def construct(self, x):
-        return ms.ops.matmul(x, self.w.T) + self.b
-
-
 CRASH_AT = 7
 
 
@@ -68,9 +53,10 @@ def dataset(batch: int = 16 // STEPS_PER_EPOCH) -> ds.Dataset:
 
 
 def train(root: str, epochs: int, *, fresh: bool,
-          crash_at: int | None = None) -> tuple[StepLog, hyper_parallel.CheckpointCallback, Rows, nn.Adam]:
+          crash_at: int | None = None) -> tuple[StepLog, hyper_parallel.CheckpointCallback, nn.Cell, nn.Adam]:
     rows = slice(RANK * ROWS, (RANK + 1) * ROWS)
-    net = Rows(np.zeros((ROWS, 4), np.float32), np.zeros(ROWS, np.float32)) if fresh else Rows(W[rows], B[rows])
+    w, b = (np.zeros((ROWS, 4), np.float32), np.zeros(ROWS, np.float32)) if fresh else (W[rows], B[rows])
+    net = sliced_rows(w, b)
     opt = nn.Adam(net.trainable_params(), learning_rate=0.05)
     data = dataset()
     callback = hyper_parallel.CheckpointCallback(root, save_checkpoint_steps=3, keep_checkpoint_max=2,

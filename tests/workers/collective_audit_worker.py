@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from worker_lib import init_worker, run_scenarios
+from worker_lib import init_worker, run_scenarios, sliced_rows
 
 RANK, WORLD = init_worker()
 
@@ -203,18 +203,7 @@ def save_reshard() -> dict:
     return True
 
 
-class Sliced(ms.nn.Cell):
-    """Parameters sliced as the strategy file says (``w`` and ``b``)."""
-
-    def __init__(self, w: np.ndarray, b: np.ndarray) -> None:
-        super().__init__()
-        self.w = ms.Parameter(ms.Tensor(w.copy()), name="w")
-        self.b = ms.Parameter(ms.Tensor(b.copy()), name="b")
-        self.w.sliced = True
-        self.b.sliced = True
-
-
-def _strategy_state(world: int, zero: bool = False) -> tuple[Sliced, str]:
+def _strategy_state(world: int, zero: bool = False) -> tuple[ms.nn.Cell, str]:
     path = str(STRATEGIES / f"s{world}.ckpt")
     layouts = hyper_parallel.layouts_from_strategy(path, rank=RANK)
     w = DTensor.from_global(FULL_W, layouts["w"], rank=RANK).to_local()
@@ -222,7 +211,7 @@ def _strategy_state(world: int, zero: bool = False) -> tuple[Sliced, str]:
     w, b = np.asarray(w), np.asarray(b)
     if zero:
         w, b = np.zeros_like(w), np.zeros_like(b)
-    return Sliced(w, b), path
+    return sliced_rows(w, b), path
 
 
 def save_strategy() -> dict:
