@@ -416,3 +416,35 @@ def test_read_only_array_target_and_dtype_refusals_hold_for_plain_arrays(tmp_pat
         ms.Tensor(np.zeros((2, 3), np.float32)), name="a4")})
     np.testing.assert_array_equal(counters["a2"], values["a2"])
     np.testing.assert_array_equal(loaded["a4"].asnumpy(), values["a4"])
+
+
+def test_a_tensor_whose_dtype_changed_in_its_own_memory_is_not_read_through_its_old_view(tmp_path: Path) -> None:
+    """``assign_value`` of a bitcast (``p.view(ms.int32)``) keeps a Parameter's memory and shape and changes its
+    dtype: the cached float32 view was reused, so a save stored the int32 Parameter as float32 values and a load
+    wrote float32 bits of the stored ints into it, silently. The view is renewed on a change of dtype (the save's
+    layout pass, a load's column check and its per-tensor loop)."""
+    params = [ms.Parameter(ms.Tensor(np.arange(4, dtype=np.float32) + i), name=f"p{i}") for i in range(3)]
+    state = {f"p{i}": p for i, p in enumerate(params)}
+    dcp.save(state, checkpoint_id=tmp_path / "float", no_dist=True)  # caches the float32 views
+    dcp.load(state, checkpoint_id=tmp_path / "float", no_dist=True)
+    for p in params:
+        pointer = p.data_ptr()
+        p.assign_value(p.view(ms.int32))
+        assert p.dtype == ms.int32 and p.data_ptr() == pointer and tuple(p.shape) == (4,)
+    bits = {name: p.asnumpy().copy() for name, p in state.items()}
+    dcp.save(state, checkpoint_id=tmp_path / "int", no_dist=True)
+    assert {e.properties.dtype for e in dcp.read_metadata(tmp_path / "int").state_dict_metadata.values()} == {"int32"}
+    loaded = {name: np.zeros(4, np.int32) for name in state}
+    dcp.load(loaded, checkpoint_id=tmp_path / "int", no_dist=True)
+    assert all(np.array_equal(loaded[name], bits[name]) for name in state)
+    ints = {name: np.arange(4, dtype=np.int32) * (i + 2) for i, name in enumerate(state)}
+    dcp.save(ints, checkpoint_id=tmp_path / "ints", no_dist=True)
+    dcp.load(state, checkpoint_id=tmp_path / "ints", no_dist=True)  # column check: every target has a cached view
+    assert all(p.dtype == ms.int32 and np.array_equal(p.asnumpy(), ints[name]) for name, p in state.items())
+    views = writable_views(params, [(4,)] * 3)
+    for p in params:  # back to float32 in the same memory, then the per-tensor loop (an array in the pass)
+        p.assign_value(p.view(ms.float32))
+    mixed = writable_views([*params, np.zeros(2, np.float32)], [(4,)] * 3 + [(2,)])
+    assert all(view is None or (view.dtype == np.float32 and view is not old) for view, old in zip(mixed, views))
+    dcp.load(state, checkpoint_id=tmp_path / "float", no_dist=True)
+    assert all(np.array_equal(p.asnumpy(), np.arange(4, dtype=np.float32) + i) for i, p in enumerate(params))

@@ -164,7 +164,8 @@ def to_numpy(value: Any) -> np.ndarray:
     raise TypeError(f"expected a MindSpore Tensor or numpy array, got {type(value).__name__}")
 
 
-_VIEWS: dict[int, tuple[Any, np.ndarray, int]] = {}
+#: id(tensor) -> (weak reference to it, its numpy view, its data_ptr and its dtype when the view was made).
+_VIEWS: dict[int, tuple[Any, np.ndarray, int, Any]] = {}
 
 
 def shared_view(value: Any) -> np.ndarray | None:
@@ -172,8 +173,8 @@ def shared_view(value: Any) -> np.ndarray | None:
 
     ``asnumpy()`` costs tens of microseconds for bfloat16 (numpy parses the
     buffer format); repeated saves and loads of the same tensors reuse the
-    view while the tensor lives and its memory (``data_ptr``) and shape are
-    unchanged. The cache holds the tensor only weakly and drops the view when
+    view while the tensor lives and its memory (``data_ptr``), shape and
+    dtype are unchanged (``assign_value`` of a bitcast keeps memory and shape). The cache holds the tensor only weakly and drops the view when
     the tensor dies.
     """
     return _host_view(value) if host_memory_shared(value) else None
@@ -219,7 +220,7 @@ def _host_view(value: Any, shape: tuple[int, ...] | None = None) -> np.ndarray |
     key = id(value)
     hit = _VIEWS.get(key)
     if hit is not None and hit[0]() is value and hit[2] == pointer and hit[1].shape == (
-            shape if shape is not None else tuple(value.shape)):
+            shape if shape is not None else tuple(value.shape)) and hit[3] is value.dtype:
         return hit[1]
     view = value.asnumpy()
     if view.size == 0 or view.__array_interface__["data"][0] != pointer or not view.flags.writeable:
@@ -228,7 +229,7 @@ def _host_view(value: Any, shape: tuple[int, ...] | None = None) -> np.ndarray |
         ref = weakref.ref(value, lambda _, key=key: _VIEWS.pop(key, None))
     except TypeError:
         return view
-    _VIEWS[key] = (ref, view, pointer)
+    _VIEWS[key] = (ref, view, pointer, value.dtype)
     return view
 
 
@@ -282,9 +283,10 @@ def writable_views(values: list[Any], shapes: list[tuple[int, ...]] | None = Non
             views.append(None)
             continue
         shape = shapes[position] if shapes is not None else None
-        # A view made by an earlier load (_host_view's cache hit, inlined): the same tensor, memory and shape.
+        # A view made by an earlier load (_host_view's cache hit, inlined): the same tensor, memory, shape, dtype.
         hit = cached(id(value))
-        if hit is not None and hit[0]() is value and shape is not None and hit[1].shape == shape:
+        if hit is not None and hit[0]() is value and shape is not None and hit[1].shape == shape and (
+                hit[3] is value.dtype):
             try:
                 pointer = int(value.data_ptr())
             except (AttributeError, RuntimeError, TypeError, ValueError):
@@ -297,13 +299,14 @@ def writable_views(values: list[Any], shapes: list[tuple[int, ...]] | None = Non
     return views
 
 
-_HIT_REF, _HIT_VIEW, _HIT_POINTER = itemgetter(0), itemgetter(1), itemgetter(2)
-_SHAPE, _DATA_PTR, _DEREF = attrgetter("shape"), methodcaller("data_ptr"), methodcaller("__call__")
+_HIT_REF, _HIT_VIEW, _HIT_POINTER, _HIT_DTYPE = itemgetter(0), itemgetter(1), itemgetter(2), itemgetter(3)
+_SHAPE, _DTYPE = attrgetter("shape"), attrgetter("dtype")
+_DATA_PTR, _DEREF = methodcaller("data_ptr"), methodcaller("__call__")
 
 
 def _cached_views(values: list[Any], shapes: list[Any], tensor_type: type) -> list[np.ndarray] | None:
     """:func:`writable_views` of MindSpore tensors in host memory whose every view an earlier load made (the same
-    tensor, memory and shape): the checks of the loop, column by column (C loops, no Python per tensor); ``None``
+    tensor, memory, shape and dtype): the checks of the loop, column by column (C loops, no Python per tensor); ``None``
     when any value is something else (the loop then decides each).
     """
     if not all(issubclass(kind, tensor_type) for kind in set(map(type, values))):
@@ -320,6 +323,8 @@ def _cached_views(values: list[Any], shapes: list[Any], tensor_type: type) -> li
             return None
         if list(map(int, map(_DATA_PTR, values))) != list(map(_HIT_POINTER, hits)):
             return None
+        if not all(map(is_, map(_DTYPE, values), map(_HIT_DTYPE, hits))):
+            return None  # memory and shape kept, dtype changed (assign_value of a bitcast): a view of the new dtype
     except (AttributeError, RuntimeError, TypeError, ValueError):  # the loop says what is wrong, value by value
         return None
     return views
