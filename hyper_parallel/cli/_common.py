@@ -30,9 +30,15 @@ from hyper_parallel.core.distributed_checkpoint._fsspec_reader import FsspecRead
 from hyper_parallel.core.distributed_checkpoint._fsspec_writer import is_object_url
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import DATA_FILE_PATTERN, METADATA_FILE
 from hyper_parallel.core.distributed_checkpoint._format.cover import check_exact_cover
-from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from hyper_parallel.core.distributed_checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel.core.distributed_checkpoint.strategies import check_load_compatible
+from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value
 from hyper_parallel.platform.tensor import DTYPE_NAMES, numpy_dtype
 
 __all__ = [
@@ -358,9 +364,6 @@ def plain_value(directory: Path, metadata: Metadata, fqn: str) -> tuple[bool, An
     Raises:
         CorruptCheckpointError: As :func:`read_stored_bytes`.
     """
-    from hyper_parallel.core.distributed_checkpoint.metadata import BytesStorageMetadata  # pylint: disable=import-outside-toplevel
-    from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value  # pylint: disable=import-outside-toplevel
-
     stored = metadata.state_dict_metadata.get(fqn)
     info = (metadata.storage_data or {}).get(MetadataIndex(fqn, ()))
     if not isinstance(stored, BytesStorageMetadata) or stored.type_name not in TEXT_VALUE_TYPES or (

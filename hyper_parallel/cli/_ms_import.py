@@ -34,7 +34,12 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     LayoutError,
     UnsupportedFormatError,
 )
-from hyper_parallel.core.distributed_checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
+from hyper_parallel.core.distributed_checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+)
 from hyper_parallel.core.distributed_checkpoint.planner import (
     BytesWriteData,
     SavePlan,

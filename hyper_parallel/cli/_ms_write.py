@@ -37,7 +37,8 @@ def _length_field(number: int, length: int) -> bytes:
     return _varint(number << 3 | 2) + _varint(length)
 
 
-def ckpt_value_bytes(name: str, dtype: str, shape: tuple[int, ...], content: memoryview) -> Iterable[memoryview | bytes]:
+def ckpt_value_bytes(name: str, dtype: str, shape: tuple[int, ...],
+                     content: memoryview) -> Iterable[memoryview | bytes]:
     """Yield the bytes of one ``.ckpt`` value (several for content above 512 MiB).
 
     Args:

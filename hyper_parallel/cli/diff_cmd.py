@@ -26,7 +26,11 @@ from hyper_parallel.cli._common import (
     read_stored_bytes,
 )
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
-from hyper_parallel.core.distributed_checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+from hyper_parallel.core.distributed_checkpoint.metadata import (
+    BytesStorageMetadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 
 __all__ = ["KeyDifference", "DiffReport", "compare_arrays", "diff_checkpoints", "format_diff", "register"]
 

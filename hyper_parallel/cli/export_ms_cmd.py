@@ -48,6 +48,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     MetadataIndex,
     TensorStorageMetadata,
 )
+from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value
 from hyper_parallel.core.layout import Layout
 from hyper_parallel.core.strategy_file import OPTIMIZER_STATE_PREFIXES, read_strategy_records
 from hyper_parallel.platform.tensor import DTYPE_NAMES
@@ -112,8 +113,6 @@ def _value_items(directory: Path, metadata: Metadata, fmt: str) -> tuple[list[Ms
     Parameter, like ``epoch_num`` / ``step_num`` of MindSpore's own checkpoints); a ``str`` a MindSpore string
     value in ``.ckpt`` files (safetensors files hold no strings); anything else is left out with a note.
     """
-    from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value  # pylint: disable=import-outside-toplevel
-
     items, skipped = [], []
     for fqn, stored in sorted(metadata.state_dict_metadata.items()):
         if not isinstance(stored, BytesStorageMetadata):

@@ -156,7 +156,8 @@ def _check_coverage(metadata: Metadata) -> list[VerifyProblem]:
                 expected.add(index)
                 info = storage.get(index)
                 if info is None:
-                    problems.append(VerifyProblem(None, fqn, f"chunk at offset {list(chunk.offsets)} has no storage entry"))
+                    problems.append(VerifyProblem(None, fqn,
+                                                  f"chunk at offset {list(chunk.offsets)} has no storage entry"))
                     continue
                 length = info.raw_length if info.compression else info.length
                 want = math.prod(chunk.sizes) * (itemsize or 0)
