@@ -17,7 +17,7 @@ from train_steps import StepLog
 
 import hyper_parallel
 import hyper_parallel.core.distributed_checkpoint as dcp
-from hyper_parallel.core.distributed_checkpoint.callback import _STEPS_PER_EPOCH_KEY
+from hyper_parallel.core.distributed_checkpoint._resume_position import STEPS_PER_EPOCH_KEY
 
 ms.set_device("CPU")
 STEPS_PER_EPOCH, EPOCHS = 4, 3
@@ -95,7 +95,7 @@ def test_resume_after_a_kill_repeats_the_uninterrupted_run(tmp_path: Path, kind:
         saved = hyper_parallel.load_checkpoint(tmp_path / f"step_{step:08d}", specify_prefix=["epoch", "step",
                                                                                               "hyper_parallel"])
         assert {k: v.asnumpy().item() for k, v in saved.items()} == {
-            "epoch_num": (step - 1) // STEPS_PER_EPOCH + 1, "step_num": step, _STEPS_PER_EPOCH_KEY: STEPS_PER_EPOCH}
+            "epoch_num": (step - 1) // STEPS_PER_EPOCH + 1, "step_num": step, STEPS_PER_EPOCH_KEY: STEPS_PER_EPOCH}
 
 
 def _saved_run(root: Path) -> None:
@@ -196,7 +196,7 @@ def test_convert_leaves_the_training_position_out_of_the_model(tmp_path: Path, c
     from hyper_parallel.cli.main import main  # pylint: disable=import-outside-toplevel
 
     _saved_run(tmp_path / "run")
-    assert _STEPS_PER_EPOCH_KEY in dcp.read_metadata(tmp_path / "run" / "step_00000006").state_dict_metadata
+    assert STEPS_PER_EPOCH_KEY in dcp.read_metadata(tmp_path / "run" / "step_00000006").state_dict_metadata
     assert main(["convert", str(tmp_path / "run" / "step_00000006"), str(tmp_path / "hf"), "--no-progress"]) == 0
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), "np") as handle:
         assert set(handle.keys()) == {"weight", "bias"}
@@ -204,5 +204,5 @@ def test_convert_leaves_the_training_position_out_of_the_model(tmp_path: Path, c
     assert main(["convert", str(tmp_path / "run" / "step_00000006"), str(tmp_path / "all"), "--all",
                  "--no-progress"]) == 0
     with safe_open(str(tmp_path / "all" / "model.safetensors"), "np") as handle:
-        assert handle.metadata()[_STEPS_PER_EPOCH_KEY] == "4"
+        assert handle.metadata()[STEPS_PER_EPOCH_KEY] == "4"
     capsys.readouterr()

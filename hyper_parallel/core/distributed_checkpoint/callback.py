@@ -23,7 +23,8 @@ positions the dataset just after the newest committed step with
 MindSpore's ``Dataset.set_init_step`` (a global step: the pipeline begins at
 epoch ``step // steps_per_epoch`` with that epoch's shuffle order and skips
 ``step % steps_per_epoch`` batches of it), so a resumed run repeats an
-uninterrupted one even after a save inside an epoch.
+uninterrupted one even after a save inside an epoch. Its checks are in
+:mod:`._resume_position`.
 
 This module imports MindSpore when it is imported (the class derives from
 ``mindspore.train.Callback``); ``hyper_parallel.CheckpointCallback`` loads it
@@ -35,7 +36,6 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import Future
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Callable
 
@@ -52,27 +52,22 @@ from hyper_parallel.core.distributed_checkpoint._breakpoint_steps import (
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutSources, cells_in
 from hyper_parallel.core.distributed_checkpoint._one_line import mindspore_state_dict
-from hyper_parallel.core.distributed_checkpoint.api import read_metadata
 from hyper_parallel.core.distributed_checkpoint.async_checkpoint import prepare_async_save
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.manager import CheckpointManager
+from hyper_parallel.core.distributed_checkpoint._resume_position import (
+    STEPS_PER_EPOCH_KEY,
+    DataPosition,
+    check_steps_per_epoch,
+    saved_steps_per_epoch,
+    warn_unpositioned,
+)
 
 __all__ = ["CheckpointCallback"]
 
 _LOG = logging.getLogger(__name__)
 _APPEND_NAMES = ("epoch_num", "step_num")
-_STEPS_PER_EPOCH_KEY = "hyper_parallel.steps_per_epoch"  # the value saved with every step: Model.train's batch_num
 _RESUME_CHOICES = (True, False, "breakpoint")
-
-
-@dataclass(frozen=True, eq=False)
-class _DataPosition:
-    """Where :meth:`CheckpointCallback.resume_dataset` put a dataset: just after ``step`` of ``source``."""
-
-    step: int
-    steps_per_epoch: int
-    dataset: Any
-    source: CheckpointManager
 
 
 def _agree(step: str, check: Callable[[], None]) -> None:
@@ -211,7 +206,7 @@ class CheckpointCallback(Callback):
         # regular step (its own prefix), never taken by a plain resume.
         self.breakpoint_manager = breakpoint_manager(directory, max_to_keep=keep_max or 1)
         self.resumed_step: int | None = None
-        self._position: _DataPosition | None = None  # set by resume_dataset, checked at train begin
+        self._position: DataPosition | None = None  # set by resume_dataset, checked at train begin
         self._steps_per_epoch = 0  # Model.train's batch_num, saved with every step
         self._last_saved: int | None = None
         self._completed = 0
@@ -242,9 +237,9 @@ class CheckpointCallback(Callback):
             return 0
         source, latest = point
         steps_per_epoch = max(1, int(steps_per_epoch))
-        saved = self._saved_steps_per_epoch(source, latest)
-        _agree("initial_epoch", lambda: self._check_steps_per_epoch(source, latest, saved, steps_per_epoch,
-                                                                    "steps_per_epoch"))
+        saved = saved_steps_per_epoch(source, latest)
+        _agree("initial_epoch",
+               lambda: check_steps_per_epoch(source, latest, saved, steps_per_epoch, "steps_per_epoch"))
         return latest // steps_per_epoch
 
     def _resume_point(self) -> tuple[CheckpointManager, int] | None:
@@ -287,11 +282,10 @@ class CheckpointCallback(Callback):
             return 0
         source, latest = point
         steps_per_epoch = int(dataset.get_dataset_size())
-        saved = self._saved_steps_per_epoch(source, latest)
+        saved = saved_steps_per_epoch(source, latest)
 
         def check() -> None:
-            self._check_steps_per_epoch(source, latest, saved, steps_per_epoch,
-                                        "the dataset's size (get_dataset_size())")
+            check_steps_per_epoch(source, latest, saved, steps_per_epoch, "the dataset's size (get_dataset_size())")
             if latest and dataset_config.get_debug_mode():
                 raise CheckpointValueError(
                     f"cannot position the dataset after step {latest}: MindSpore's dataset debug mode ignores "
@@ -301,31 +295,8 @@ class CheckpointCallback(Callback):
 
         _agree("resume_dataset", check)  # a rank whose shard does not fit stops every rank here
         dataset.set_init_step(latest)
-        self._position = _DataPosition(latest, steps_per_epoch, dataset, source)
+        self._position = DataPosition(latest, steps_per_epoch, dataset, source)
         return latest // steps_per_epoch
-
-    @staticmethod
-    def _saved_steps_per_epoch(manager: CheckpointManager, step: int) -> int | None:
-        """The steps per epoch ``step`` of ``manager`` was saved with (``None`` before the value existed). All
-        ranks (a load)."""
-        if _STEPS_PER_EPOCH_KEY not in read_metadata(manager.directory(step)).state_dict_metadata:
-            return None
-        saved = {_STEPS_PER_EPOCH_KEY: 0}
-        manager.load(saved, step=step)
-        return int(saved[_STEPS_PER_EPOCH_KEY])
-
-    @staticmethod
-    def _check_steps_per_epoch(manager: CheckpointManager, step: int, saved: int | None, steps_per_epoch: int,
-                               source: str) -> None:
-        """Refuse ``steps_per_epoch`` if ``step`` was ``saved`` with another number (``None``: not known)."""
-        if saved is not None and saved != steps_per_epoch:
-            raise CheckpointValueError(
-                f"step {step} in {manager.directory(step)} was saved with {saved} steps per epoch, but "
-                f"{source} is {steps_per_epoch}: its data position (epoch {step // saved + 1}, "
-                f"{step % saved} batches in) does not exist in this dataset. Resume with the saving run's "
-                f"dataset, batch size and number of shards ({saved} steps per epoch), or load the weights "
-                "yourself (CheckpointManager.load) and train in a new directory"
-            )
 
     def _state_of(self, cb_params: Any) -> dict[str, Any]:
         """The train network and the optimizer as ``{MindSpore name: Parameter}`` (each once)."""
@@ -343,7 +314,7 @@ class CheckpointCallback(Callback):
         # parameter_layout_dict, or from strategy_file.
         self._io_kwargs = {"strategy_file": LayoutSources(self.strategy_file, cells=cells_in(cells))}
         state = mindspore_state_dict(cells, "the training state")
-        clashes = sorted(set(state) & {*self._append, *self._counters, _STEPS_PER_EPOCH_KEY})
+        clashes = sorted(set(state) & {*self._append, *self._counters, STEPS_PER_EPOCH_KEY})
         if clashes:
             raise CheckpointValueError(
                 f"append_info key(s) {', '.join(repr(c) for c in clashes)} are also names of Parameters of the "
@@ -364,7 +335,7 @@ class CheckpointCallback(Callback):
         self._steps_per_epoch = int(getattr(cb_params, "batch_num", 0) or 0)
         position = self._position
         if position is not None:
-            self._check_position(position, cb_params)
+            position.check_training(cb_params, self._steps_per_epoch)
         self._state = self._state_of(cb_params)
         trained, running = self._completed, self._running  # what an earlier Model.train call of this callback left
         self._completed, self._running = int(cb_params.cur_step_num), None
@@ -394,58 +365,15 @@ class CheckpointCallback(Callback):
         cb_params.cur_step_num = latest
         self._completed = self._last_saved = self.resumed_step = latest
         if position is None:
-            self._warn_unpositioned(latest, cb_params)
+            warn_unpositioned(latest, cb_params, self._steps_per_epoch)
         _LOG.info("resumed from %s", source.directory(latest))
-
-    def _check_position(self, position: _DataPosition, cb_params: Any) -> None:
-        """Refuse a ``Model.train`` that does not iterate the dataset as :meth:`resume_dataset` positioned it."""
-        if getattr(cb_params, "train_dataset", None) is not position.dataset:
-            raise CheckpointValueError(
-                "Model.train got another dataset object than the one resume_dataset positioned after step "
-                f"{position.step}: pass the same object to both (a dataset built again starts at its first batch)"
-            )
-        if self._steps_per_epoch != position.steps_per_epoch:
-            raise CheckpointValueError(
-                f"Model.train counts {self._steps_per_epoch} steps per epoch (sink_size) but the dataset "
-                f"resume_dataset positioned after step {position.step} has "
-                f"{position.steps_per_epoch} batches: pass sink_size=-1 for an exact resume"
-            )
-        if getattr(cb_params, "dataset_sink_mode", False) and position.step % position.steps_per_epoch:
-            raise CheckpointValueError(
-                f"step {position.step} was saved inside an epoch ({position.step % position.steps_per_epoch} of "
-                f"{position.steps_per_epoch} batches), and dataset sink mode resumes only at epoch ends "
-                "(MindSpore rounds the dataset back to the epoch's start): train with dataset_sink_mode=False"
-            )
-
-    def _warn_unpositioned(self, latest: int, cb_params: Any) -> None:
-        """Warn when the data of a resumed run will not be the uninterrupted run's (no :meth:`resume_dataset`)."""
-        dataset = getattr(cb_params, "train_dataset", None)
-        batch_num = self._steps_per_epoch
-        if batch_num and latest % batch_num:
-            reason = (f"inside epoch {latest // batch_num + 1} of {batch_num} steps: Model.train restarts that "
-                      "epoch's data from its start")
-        elif latest and dataset is not None and dataset.get_init_step() == 0 and dataset.is_shuffled():
-            reason = "the dataset is shuffled: Model.train restarts it in its first epoch's order"
-        else:
-            return
-        _LOG.warning(
-            "resumed from step %d, %s; pass initial_epoch=callback.resume_dataset(dataset) to Model.train for an "
-            "exact replay", latest, reason,
-        )
 
     def on_train_epoch_begin(self, run_context: RunContext) -> None:
         """Check that the first epoch is the one :meth:`resume_dataset` positioned the dataset in. All ranks."""
         position, self._position = self._position, None
         if position is None:
             return
-        epoch = int(run_context.original_args().cur_epoch_num)
-        expected = position.step // position.steps_per_epoch + 1
-        if epoch != expected:
-            raise CheckpointValueError(
-                f"Model.train begins at epoch {epoch}, but resume_dataset positioned the dataset after step "
-                f"{position.step}, in epoch {expected}: pass initial_epoch={expected - 1} (the value "
-                "resume_dataset returned) to Model.train"
-            )
+        position.check_epoch(int(run_context.original_args().cur_epoch_num))
 
     def _step_state(self, step: int, epoch: int) -> dict[str, Any]:
         """The training state plus ``append_info`` (and the steps per epoch) to save as ``step``."""
@@ -455,7 +383,7 @@ class CheckpointCallback(Callback):
         if "step_num" in self._counters:
             state["step_num"] = step
         if self._steps_per_epoch:
-            state[_STEPS_PER_EPOCH_KEY] = self._steps_per_epoch
+            state[STEPS_PER_EPOCH_KEY] = self._steps_per_epoch
         return state
 
     def _save(self, step: int, epoch: int, *, force: bool) -> None:
