@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from mindspore import Parameter, Tensor
 
+import hyper_parallel
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel import DTensor, Layout
 from sim_ranks import simulate_save
@@ -167,3 +168,47 @@ def test_a_tied_target_is_refused_when_the_keys_are_stored_differently(tmp_path:
         separate = {"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)}
         dcp.load(separate, checkpoint_id=tmp_path / name)
         assert np.array_equal(separate["a"], values) and np.array_equal(separate["b"], values)
+
+
+_VIEWS_OF = {  # a MindSpore view of a (3, 4) tensor, and where its values sit in that tensor
+    "rows": (lambda t: t[0:2], np.s_[0:2]),
+    "row": (lambda t: t[1], np.s_[1]),
+    "columns": (lambda t: t[:, 1:3], np.s_[:, 1:3]),
+    "transpose": (lambda t: t.T, np.s_[:]),
+    "reshape": (lambda t: t.reshape(12), np.s_[:]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_VIEWS_OF))
+@pytest.mark.parametrize("device_path", [False, True], ids=["host", "device_path"])
+def test_a_tensor_viewing_another_tensor_s_memory_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             kind: str, device_path: bool) -> None:
+    """A load into a MindSpore view (``t[0:2]``, ``t.T``, ``t.reshape(12)``) filled a copy of it and left the tensor
+    it views unchanged, reporting success. It is refused naming the key and the fix; nothing changes. A copy of
+    the view loads, and so does a Parameter set to a view (it takes the values in memory of its own, as
+    MindSpore's load_param_into_net gives them)."""
+    make, where = _VIEWS_OF[kind]
+    base = Tensor(np.zeros((3, 4), np.float32))
+    view = make(base)
+    values = np.arange(1, view.size + 1, dtype=np.float32).reshape(view.shape)
+    dcp.save({"v": values, "step": 3}, checkpoint_id=tmp_path)
+    if device_path:
+        monkeypatch.setenv("HYPER_PARALLEL_DEVICE_COPIES", "1")
+        if kind == "reshape":  # a view of all the memory is seen only through host memory
+            pytest.skip("not told apart in device memory")
+    for load in (lambda t: dcp.load(t, checkpoint_id=tmp_path), lambda t: hyper_parallel.load_checkpoint(tmp_path, t)):
+        target = {"v": view, "step": 0}
+        with pytest.raises(dcp.CheckpointValueError) as refused:
+            load(target)
+        assert "key 'v'" in str(refused.value) and "view" in str(refused.value), refused.value
+        assert "view.copy()" in str(refused.value) and "no target was changed" in str(refused.value)
+        assert not base.asnumpy().any() and not view.asnumpy().any() and target["step"] == 0
+    own = view.copy()
+    dcp.load({"v": own}, checkpoint_id=tmp_path)
+    assert np.array_equal(own.asnumpy(), values) and not base.asnumpy().any()
+    param = Parameter(Tensor(np.zeros(values.shape, np.float32)), name="p")
+    param.set_data(make(base))
+    dcp.load({"v": param}, checkpoint_id=tmp_path)
+    assert np.array_equal(param.asnumpy(), values)
+    if not device_path:  # set_data: memory of its own (the device path writes its regions through the view)
+        assert not base.asnumpy()[where].any()

@@ -39,6 +39,7 @@ __all__ = [
     "to_numpy",
     "writable_view",
     "writable_views",
+    "view_of_other_memory",
     "shared_view",
     "shared_view_reader",
     "host_memory_shared",
@@ -446,3 +447,29 @@ def ms_dtype(name: str) -> Any:
     import mindspore as ms  # pylint: disable=import-outside-toplevel
 
     return {"bool": ms.bool_}.get(name) or getattr(ms, name)
+
+
+def view_of_other_memory(value: Any) -> str | None:
+    """How a MindSpore tensor views memory of another tensor (a slice, transpose, reshape...), or ``None``.
+
+    Such a tensor (``t[0:2]``, ``t.T``, ``t.reshape(-1)`` in PyNative mode) cannot be loaded into in place:
+    ``asnumpy()`` hands back a copy, and assigning new data to it leaves the tensor it views unchanged
+    (MindSpore's own in-place copy into a view fails or writes nothing on CPU). Told by its storage offset,
+    contiguity and storage size; in host memory also by ``asnumpy()`` not aliasing its memory (a view of the
+    whole memory). For a load's targets without a writable view only: it may copy the tensor.
+    """
+    if not is_tensor(value):
+        return None
+    try:
+        offset, contiguous = int(value.storage_offset()), bool(value.is_contiguous())
+        storage = int(value.untyped_storage().nbytes())
+        nbytes = int(value.nbytes)
+        if not offset and contiguous and storage == nbytes:
+            if not host_memory_shared(value) or not nbytes:
+                return None
+            copied = value.asnumpy().__array_interface__["data"][0] != int(value.data_ptr())
+            return "a view of all of another tensor's memory (e.g. a reshape)" if copied else None
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
+    return (f"{nbytes} bytes at element {offset} of another tensor's {storage}-byte memory"
+            f"{'' if contiguous else ', not contiguous (e.g. a transpose)'}")

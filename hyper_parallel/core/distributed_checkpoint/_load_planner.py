@@ -19,6 +19,7 @@ import numpy as np
 from hyper_parallel.core.distributed_checkpoint._device_targets import DeviceRegions
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, MissingKeyError, UnsafeCheckpointError
 from hyper_parallel.core.distributed_checkpoint._flatten import FlatStateDict, flatten_state_dict, set_by_path
+from hyper_parallel.core.distributed_checkpoint._load_target_checks import view_target
 from hyper_parallel.core.distributed_checkpoint._load_target_match import match_targets
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
@@ -167,6 +168,7 @@ class StandardLoadPlanner(LoadPlanner):
         # whole, else None): records and pieces are shared by the keys of one dtype and shape, so the checks of a
         # whole read are made once for each (see _whole_dtype).
         wholes: dict[int, tuple[Any, Any, np.dtype | None]] = {}
+        views_refused: list[str] = []  # MindSpore Tensors viewing another tensor's memory (see view_target)
         for name, entry in entries:
             fqn = entry.fqn
             tensor = isinstance(entry, TensorEntry)
@@ -200,6 +202,9 @@ class StandardLoadPlanner(LoadPlanner):
                         continue
                 reads = self._tensor_reads(name, entry, stored)
                 if view is None:  # device memory (or a copy): regions may go through host buffers
+                    refused = view_target(fqn, entry.local)
+                    if refused is not None:
+                        views_refused.append(refused)
                     reads = self._device.plan(name, entry, reads, self.device_region_bytes)
                 else:
                     targets[name] = fitted(view, entry)
@@ -222,6 +227,8 @@ class StandardLoadPlanner(LoadPlanner):
                 if whole is not None:
                     positions.extend(range(len(items) + len(whole), len(items) + len(whole) + len(reads)))
                 items.extend(reads)
+        if views_refused:
+            raise CheckpointValueError(f"rank {self.rank}: " + "; ".join(views_refused) + "; no target was changed")
         self.whole_reads = whole
         if whole:
             return WholeReadPlan(rest=tuple(items), rest_positions=tuple(positions), whole=whole)

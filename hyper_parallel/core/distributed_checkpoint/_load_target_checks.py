@@ -1,7 +1,8 @@
 """The checks of a load's targets against the checkpoint, made while planning (before any target changes).
 
-Two keys whose targets are one memory (one stored value would silently win over the other), and containers of
-the target shorter than the checkpoint's (the target's structure would silently cut the load). Used by
+Two keys whose targets are one memory (one stored value would silently win over the other), containers of
+the target shorter than the checkpoint's (the target's structure would silently cut the load), and MindSpore
+tensors viewing another tensor's memory (the load would fill a copy, leaving the viewed tensor unchanged). Used by
 :class:`.StandardLoadPlanner` on every rank; pure, no file access, no communication.
 """
 
@@ -16,8 +17,9 @@ import numpy as np
 from hyper_parallel.core.distributed_checkpoint._flatten import FlatStateDict
 from hyper_parallel.core.distributed_checkpoint._state_items import TensorEntry
 from hyper_parallel.core.distributed_checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from hyper_parallel.platform.tensor import is_parameter, view_of_other_memory
 
-__all__ = ["aliased_targets", "cut_containers"]
+__all__ = ["aliased_targets", "cut_containers", "view_target"]
 
 
 def aliased_targets(aliases: dict[str, str], stored_of: dict[str, Any], stored_aliases: dict[str, str],
@@ -133,3 +135,22 @@ def cut_containers(flat: FlatStateDict, stored_of: dict[str, Any]) -> list[str]:
                                 "values)")
                 break
     return problems
+
+
+def view_target(fqn: str, target: Any) -> str | None:
+    """Why a target without a writable view cannot be loaded into, if it is a MindSpore Tensor viewing another
+    tensor's memory (``t[0:2]``, ``t.T``, ``t.reshape(-1)``); else ``None``.
+
+    Its values would land in memory of its own (``asnumpy()`` copies a view, and MindSpore cannot copy into a
+    view in place on CPU), never in the tensor it views: the load would report success with that tensor
+    unchanged. A Parameter is not refused: it receives the values in memory of its own, as MindSpore's
+    ``load_param_into_net`` gives them (``set_data``), whatever memory it viewed before.
+    """
+    if is_parameter(target):
+        return None
+    what = view_of_other_memory(target)
+    if what is None:
+        return None
+    return (f"key '{fqn}': the target Tensor is a view ({what}): a load would fill a copy of it and leave the "
+            "tensor it views unchanged; load into the tensor it views (the whole tensor, then take the view), or "
+            "pass a tensor of its own (view.copy()) and copy its values where they belong")
