@@ -301,6 +301,36 @@ def test_top_level_parameters_flatten_as_every_leaf_does() -> None:
         flatten_state_dict({"x": {"y": q}, "x.y": p})
 
 
+def test_a_dict_of_arrays_and_parameters_flattens_at_once_as_the_walk_does(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain numpy arrays at the top (alone or with Parameters) are flattened column by column, exactly as the walk
+    flattens them; the layout pass finds no Cell and only the Parameters. The same array under two keys still
+    takes the walk, and its load is still refused (one memory, two stored values)."""
+    from hyper_parallel.core.distributed_checkpoint import _flatten
+    from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import _parameters, cells_in
+
+    p = ms.Parameter(ms.Tensor(np.ones(2, np.float32)), name="p")
+    a, b = np.zeros(3, np.float32), np.array(2.5)
+    states = [{"x": a, "y": b}, {"y": b, "p": p, "x": a}, {"x": a, "m": np.ma.masked_array(np.ones(2))}]
+    fast = [_flatten.flatten_state_dict(state) for state in states]
+    monkeypatch.setattr(_flatten, "_top_level_parameters", lambda state_dict, flat: False)
+    for state, flat in zip(states, fast):
+        assert flat == _flatten.flatten_state_dict(state)
+    monkeypatch.undo()
+    assert cells_in(states[1]) == () and _parameters(states[1]) == [p] and _parameters(states[0]) == []
+    dcp.save({"x": np.arange(3, dtype=np.float32), "y": np.arange(3, dtype=np.float32) + 1}, checkpoint_id=tmp_path,
+             no_dist=True)
+    with pytest.raises(dcp.CheckpointValueError, match="'x' and 'y' are the same tensor object"):
+        dcp.load({"x": a, "y": a}, checkpoint_id=tmp_path, no_dist=True)
+    assert not a.any()
+    overlapping = np.zeros(6, np.float32)
+    with pytest.raises(dcp.CheckpointValueError, match="overlap"):
+        dcp.load({"x": overlapping[:3], "y": overlapping[2:5]}, checkpoint_id=tmp_path, no_dist=True)
+    targets = {"x": np.zeros(3, np.float32), "y": np.zeros(3, np.float32)}
+    dcp.load(targets, checkpoint_id=tmp_path, no_dist=True)
+    assert targets["x"].tolist() == [0, 1, 2] and targets["y"].tolist() == [1, 2, 3]
+
+
 def test_a_parameter_reached_twice_loads_once_bit_exact(tmp_path: Path) -> None:
     shared = ms.Parameter(ms.Tensor(np.arange(6, dtype=np.float32)), name="shared")
     other = ms.Parameter(ms.Tensor(np.arange(4, dtype=np.float32) * 3, ms.bfloat16), name="other")

@@ -20,7 +20,7 @@ from typing import Any, Union
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.mapping import ShardedObject, ShardedTensor
 from hyper_parallel.core.dtensor import DTensor
-from hyper_parallel.platform.tensor import all_parameters, is_cell, is_parameter, parameter_and_cell_types
+from hyper_parallel.platform.tensor import all_plain_leaves, is_cell, is_parameter, parameter_and_cell_types
 
 __all__ = ["PathElement", "FlatStateDict", "cell_parameters", "flatten_state_dict", "set_by_path"]
 
@@ -190,11 +190,11 @@ def flatten_state_dict(state_dict: dict[str, Any]) -> FlatStateDict:
 
 
 def _top_level_parameters(state_dict: dict[str, Any], flat: FlatStateDict) -> bool:
-    """Flatten ``state_dict`` into ``flat`` when it is a dict of distinct Parameters under str keys (the usual
-    state: every leaf the loop's usual leaf, a Parameter at the top reached once, its key its own), column by
+    """Flatten ``state_dict`` into ``flat`` when it is a dict of distinct Parameters or plain numpy arrays under str
+    keys (the usual state: every leaf the loop's usual leaf, at the top reached once, its key its own), column by
     column; else leave ``flat`` as it is and return ``False``."""
     leaves = list(state_dict.values())
-    if not all_parameters(leaves) or set(map(type, state_dict)) != {str} or len(set(map(id, leaves))) != len(leaves):
+    if not all_plain_leaves(leaves) or set(map(type, state_dict)) != {str} or len(set(map(id, leaves))) != len(leaves):
         return False
     keys = list(state_dict)
     flat.values.update(state_dict)

@@ -30,7 +30,7 @@ from hyper_parallel.core.strategy_file import (
     layout_for_state_key,
     layouts_from_strategy,
 )
-from hyper_parallel.platform.tensor import all_parameters, is_cell, is_parameter, parameter_and_cell_types
+from hyper_parallel.platform.tensor import all_parameters, all_plain_leaves, is_cell, is_parameter, parameter_and_cell_types
 
 __all__ = [
     "LayoutSources",
@@ -66,8 +66,8 @@ LayoutArgument = Union[StrategySource, Mapping[str, Any], LayoutSources, None]
 
 def cells_in(obj: Any) -> tuple[Any, ...]:
     """Return every ``mindspore.nn.Cell`` in ``obj`` (nested dicts, lists, tuples), outermost first."""
-    if isinstance(obj, dict) and all_parameters(list(obj.values())):
-        return ()  # a dict of Parameters (the usual state): told at once
+    if isinstance(obj, dict) and all_plain_leaves(list(obj.values())):
+        return ()  # a dict of Parameters or arrays (the usual state): told at once
     found: list[Any] = []
     stack = [obj]
     parameter_type, cell_type = parameter_and_cell_types()
@@ -293,6 +293,8 @@ def _parameters(obj: Any) -> list[Any]:
         values = list(obj.values())
         if all_parameters(values):
             return values  # a dict of Parameters (the usual state): told at once
+        if all_plain_leaves(values):  # of Parameters and arrays (or arrays alone): no walk
+            return [value for value in values if is_parameter(value)]
     found: list[Any] = []
     stack = [obj]
     parameter_type, cell_type = parameter_and_cell_types()
