@@ -13,7 +13,8 @@ and item:
   ranks of one replica group, replica digests are compared column-wise with
   numpy, and the rank written by each chunk is chosen by the same greedy rule
   (largest first, to the least-loaded holder, lowest rank on ties) with one
-  lazily refreshed heap per holder group instead of a scan over the holders;
+  lazily refreshed heap per holder group instead of a scan over the holders
+  (:mod:`._layout_writers`);
 - general items (values, ``ShardedTensor`` boxes) go through the per-item
   code of :mod:`._global_plan`.
 
@@ -26,10 +27,9 @@ bitmask over its own local plan, the form the engine scatters.
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,6 +42,7 @@ from hyper_parallel.core.distributed_checkpoint._global_plan import (
     describe_general,
 )
 from hyper_parallel.core.distributed_checkpoint._grid_chunks import GridChunks
+from hyper_parallel.core.distributed_checkpoint._layout_writers import ChunkWriters, RegularTensor
 from hyper_parallel.core.distributed_checkpoint._layout_plan import (
     DIGEST_BYTES,
     WHOLE,
@@ -59,7 +60,6 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, WriteItem
-from hyper_parallel.platform.tensor import DTYPE_NAMES
 
 __all__ = ["LayoutMergeStats", "MERGE_STATS", "merge_layout_plans", "keep_masks"]
 
@@ -83,20 +83,6 @@ MERGE_STATS = LayoutMergeStats()
 
 class _Irregular(Exception):
     """Internal: the plans need the general merge."""
-
-
-@dataclass
-class _Tensor:
-    """A regular tensor: how its declarations agree, and where the ranks are."""
-
-    fqn: str
-    dtype: str
-    size: tuple[int, ...]
-    layout: Any  # the canonical Layout, or None (whole on every declaring rank)
-    digest: bool
-    tables: list[int] = field(default_factory=list)
-    columns: list[int] = field(default_factory=list)  # the digest column in each table (-1: none)
-    positions: list[int] = field(default_factory=list)  # the entry position in each table
 
 
 def keep_masks(local_plans: list[SavePlan], final_plans: list[SavePlan]) -> list[bytes]:
@@ -170,7 +156,7 @@ class _Merge:  # pylint: disable=too-many-instance-attributes
         self.tables: list[PlanTable] = []
         self.table_ranks: list[list[int]] = []
         self.rank_table = np.full(self.world, -1, dtype=np.int64)
-        self.tensors: dict[str, _Tensor] = {}
+        self.tensors: dict[str, RegularTensor] = {}
         self.grids: dict[Any, Any] = {}
         self.declared: dict[tuple[int, ...], np.ndarray] = {}
         self.regular: set[tuple[int, int]] = set()
@@ -209,7 +195,8 @@ class _Merge:  # pylint: disable=too-many-instance-attributes
                 layout = layouts[entry.layout] if entry.layout != WHOLE else None
                 found = self.tensors.get(entry.fqn)
                 if found is None:
-                    found = self.tensors[entry.fqn] = _Tensor(entry.fqn, entry.dtype, entry.size, layout, entry.digest)
+                    found = self.tensors[entry.fqn] = RegularTensor(entry.fqn, entry.dtype, entry.size, layout,
+                                                                    entry.digest)
                 elif (found.dtype, found.size, found.digest) != (entry.dtype, entry.size, entry.digest) or (
                     found.layout is not layout
                 ):
@@ -242,7 +229,7 @@ class _Merge:  # pylint: disable=too-many-instance-attributes
                 groups[(item.index.fqn, item.index.offset)].append((rank, position))
         return groups
 
-    def _ranks_of(self, tensor: _Tensor) -> np.ndarray:
+    def _ranks_of(self, tensor: RegularTensor) -> np.ndarray:
         key = tuple(tensor.tables)
         ranks = self.declared.get(key)
         if ranks is None:
@@ -250,7 +237,9 @@ class _Merge:  # pylint: disable=too-many-instance-attributes
             ranks = self.declared[key] = np.sort(np.concatenate(parts))
         return ranks
 
-    def _grid(self, layout: Any) -> Any:
+    def grid(self, layout: Any) -> Any:
+        """The shard grid of ``layout`` (made once); raises :class:`_Irregular` for a layout naming ranks beyond
+        the world."""
         grid = self.grids.get(id(layout))
         if grid is None:
             grid = self.grids[id(layout)] = shard_grid(layout, self.world)
@@ -260,7 +249,7 @@ class _Merge:  # pylint: disable=too-many-instance-attributes
 
     # ------------------------------------------------------------------ checks
 
-    def _check_regular(self, tensor: _Tensor, ranks: np.ndarray) -> None:
+    def _check_regular(self, tensor: RegularTensor, ranks: np.ndarray) -> None:
         """Every rank of the layout declares the tensor (else chunks would be missing)."""
         if tensor.layout is None or (id(tensor.layout), id(ranks)) in self.regular:
             return
@@ -296,7 +285,7 @@ class _Merge:  # pylint: disable=too-many-instance-attributes
             first = np.zeros(1, dtype=np.int64)
             row_of = np.zeros(len(ranks), dtype=np.int64)
         else:
-            shard = self._grid(layout).shard_of_rank[ranks]
+            shard = self.grid(layout).shard_of_rank[ranks]
             first = np.zeros(int(shard.max()) + 1, dtype=np.int64)
             first[shard[::-1]] = np.arange(len(ranks) - 1, -1, -1)  # the lowest rank of each shard
             row_of = first[shard]
@@ -330,7 +319,7 @@ class _Merge:  # pylint: disable=too-many-instance-attributes
             ranks = ranks_of[tensor.fqn] = self._ranks_of(tensor)
             self._check_regular(tensor, ranks)
         self._check_digests(digest_rows, ranks_of)
-        writers, general_keep, bytes_per_rank = _Writers(self, groups, ranks_of).choose()
+        writers, general_keep, bytes_per_rank = ChunkWriters(self, groups, ranks_of).choose()
         metadata = Metadata(
             state_dict_metadata=self._describe(general_metadata),
             planner_data=planner_data,
@@ -399,102 +388,3 @@ class _Merge:  # pylint: disable=too-many-instance-attributes
                 mask[position // 8] |= 1 << (position % 8)
             masks[rank] = bytes(mask)
         return masks
-
-
-class _Writers:
-    """Which rank writes each chunk: the rule of :func:`.assign_writers`, per holder group."""
-
-    def __init__(self, merge: _Merge, groups: dict[Any, list[tuple[int, int]]], ranks_of: dict[str, np.ndarray]):
-        self.merge = merge
-        self.groups = groups
-        self.ranks_of = ranks_of
-        self.load = np.zeros(merge.world, dtype=np.int64)
-        self.heaps: dict[Any, list[tuple[int, int]]] = {}
-
-    def _size(self, tensor: _Tensor) -> int:
-        local = tensor.layout.local_shape(tensor.size) if tensor.layout is not None else tensor.size
-        return math.prod(local) * DTYPE_NAMES[tensor.dtype]
-
-    def choose(self) -> tuple[dict[str, np.ndarray], dict[int, set[int]], tuple[int, ...]]:
-        """Per regular tensor the writer of each rank's chunk (``None``-less: every rank), general keeps, bytes."""
-        merge = self.merge
-        writers: dict[str, np.ndarray] = {}
-        written = np.zeros(merge.world, dtype=np.int64)
-        units: list[tuple[Any, ...]] = []
-        for tensor in merge.tensors.values():
-            ranks = self.ranks_of[tensor.fqn]
-            size = self._size(tensor)
-            replicas = len(ranks) if tensor.layout is None else self.merge._grid(tensor.layout).replicas
-            if replicas == 1 or not merge.remove_redundancy:
-                written[ranks] += size
-                self.load[ranks] += size
-                continue
-            units.append((-size, tensor.fqn, (), tensor))
-        general_keep: dict[int, set[int]] = defaultdict(set)
-        for key, holders in self.groups.items():
-            item = merge.general[holders[0][0]].items[holders[0][1]]
-            size = item.storage_size()
-            ranks = sorted({rank for rank, _ in holders})
-            if len(holders) == 1:
-                self.load[ranks[0]] += size
-            elif merge.remove_redundancy:
-                units.append((-size, key[0], key[1], holders))
-                continue
-            self._keep(general_keep, holders, ranks, size, written)
-        units.sort(key=lambda unit: unit[:3])
-        load = self.load.tolist()
-        for size, _, _, what in units:
-            if isinstance(what, _Tensor):
-                writers[what.fqn] = self._tensor_writers(what, -size, load, written)
-            else:
-                ranks = sorted({rank for rank, _ in what})
-                best = ranks[0] if merge.save_to_minimum else min(ranks, key=lambda r: (load[r], r))
-                load[best] += -size
-                self._keep(general_keep, what, [best], -size, written)
-        return writers, general_keep, tuple(int(b) for b in written)
-
-    @staticmethod
-    def _keep(keep: dict[int, set[int]], holders: list[tuple[int, int]], ranks: list[int], size: int,
-              written: np.ndarray) -> None:
-        position_of: dict[int, int] = {}
-        for rank, position in holders:
-            position_of.setdefault(rank, position)
-        for rank in ranks:
-            keep[rank].add(position_of[rank])
-            written[rank] += size
-
-    def _tensor_writers(self, tensor: _Tensor, size: int, load: list[int], written: np.ndarray) -> np.ndarray:
-        """The writer of every rank's chunk of a replicated tensor (shards in offset order)."""
-        merge = self.merge
-        ranks = self.ranks_of[tensor.fqn]
-        chosen = np.full(merge.world, -1, dtype=np.int64)
-        if tensor.layout is None:
-            groups = [(("whole", tuple(tensor.tables)), ranks)]
-        else:
-            shard = merge._grid(tensor.layout).shard_of_rank[ranks]
-            order = np.argsort(shard, kind="stable")
-            bounds = np.flatnonzero(np.diff(shard[order])) + 1
-            groups = [((id(tensor.layout), int(shard[part[0]])), ranks[part])
-                      for part in np.split(order, bounds)]
-        for key, holders in groups:
-            if merge.save_to_minimum:
-                best = int(holders.min())
-            else:
-                best = self._least_loaded(key, holders, load)
-            load[best] += size
-            written[best] += size
-            chosen[holders] = best
-        return chosen
-
-    def _least_loaded(self, key: Any, holders: np.ndarray, load: list[int]) -> int:
-        """The holder with the least load (lowest rank on ties), by a lazily refreshed heap."""
-        heap = self.heaps.get(key)
-        if heap is None:
-            heap = self.heaps[key] = [(load[r], r) for r in holders.tolist()]
-            heapq.heapify(heap)
-        while True:
-            stored, rank = heap[0]
-            if stored == load[rank]:
-                break
-            heapq.heapreplace(heap, (load[rank], rank))
-        return rank  # its entry turns stale when the caller adds to its load; refreshed on a later look
