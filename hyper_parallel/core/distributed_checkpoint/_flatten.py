@@ -113,7 +113,7 @@ def cell_parameters(cell: Any, where: str) -> dict[str, Any]:
         CheckpointValueError: Two Parameters share a name (names both attribute paths and the fix).
     """
     params: dict[str, Any] = {}
-    for param in cell.get_parameters():
+    for _, param in cell.parameters_and_names():  # (get_parameters()'s own loop, without its generator around it)
         other = params.setdefault(param.name, param)
         if other is not param:
             paths = [name for name, found in cell.parameters_and_names() if found is other or found is param]

@@ -83,8 +83,8 @@ def mindspore_state_dict(obj: Any, what: str = "save_obj") -> dict[str, Any]:
             different objects end up under one name.
     """
     if is_cell(obj):
-        obj = {"": obj}
-    elif not isinstance(obj, dict):
+        return cell_parameters(obj, what)  # one Cell: its Parameters by name (each name once, refused otherwise)
+    if not isinstance(obj, dict):
         raise CheckpointValueError(f"{what} must be a mindspore.nn.Cell or a state dict, got {type(obj).__name__}")
     out: dict[str, Any] = {}
     origin: dict[str, str] = {}
@@ -162,16 +162,22 @@ def _selector(
     exclude = _prefixes("filter_prefix", filter_prefix)
     if specify is None and exclude is None:
         if choice_func is None:
-            return lambda name: True
+            return _every
         if not callable(choice_func):
             raise CheckpointValueError(f"choice_func must be callable (name -> bool), got {type(choice_func).__name__}")
         return lambda name: bool(choice_func(name))
     return lambda name: (specify is None or name.startswith(specify)) and not (exclude and name.startswith(exclude))
 
 
+def _every(name: str) -> bool:  # pylint: disable=unused-argument
+    """The selection without filter_prefix / specify_prefix / choice_func: every key."""
+    return True
+
+
 def _stored_names(metadata: Metadata) -> dict[str, str]:
     """Checkpoint keys, plus the paths saved as aliases of them (a Parameter saved once), each -> its stored key."""
-    names = {key: key for key in metadata.state_dict_metadata}
+    keys = list(metadata.state_dict_metadata)
+    names = dict(zip(keys, keys))
     data = metadata.planner_data
     if isinstance(data, dict):
         names.update((alias, key) for alias, key in data.get("aliases", {}).items() if key in names)
@@ -405,8 +411,8 @@ def _load_into(
     state = mindspore_state_dict(net, "net")
     flat = flatten_state_dict(state)
     stored = _stored_names(metadata)
-    wanted = [flat.storage_keys[name] for name in flat.values]
-    by_key = {flat.storage_keys[name]: name for name in flat.values}
+    wanted = list(map(flat.storage_keys.__getitem__, flat.values))
+    by_key = dict(zip(wanted, flat.values))
     matched = _match(wanted, stored, strict_load, select)
     if not matched:
         raise CheckpointValueError(
@@ -414,7 +420,7 @@ def _load_into(
             f"net has {_shown(sorted(wanted))}; the checkpoint has {_shown(sorted(metadata.state_dict_metadata))}. "
             "Load the checkpoint of this network, or map the names (strict_load=False strips one common prefix)"
         )
-    chosen = {key: ck for key, ck in matched.items() if select(ck)}
+    chosen = dict(matched) if select is _every else {key: ck for key, ck in matched.items() if select(ck)}
     if not chosen:
         raise CheckpointValueError(
             f"checkpoint {checkpoint_id}: filter_prefix / specify_prefix / choice_func left out every matching key "
