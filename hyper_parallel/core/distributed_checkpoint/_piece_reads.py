@@ -11,7 +11,11 @@ from typing import Sequence
 
 import numpy as np
 
-from hyper_parallel.core.distributed_checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+from hyper_parallel.core.distributed_checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, ReadItem
 from hyper_parallel.core.distributed_checkpoint._chunk_search import overlapping_chunks
 from hyper_parallel.core.distributed_checkpoint._state_items import TensorEntry, TensorPiece
