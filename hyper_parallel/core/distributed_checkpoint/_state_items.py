@@ -253,8 +253,17 @@ def plain_tensor_entry(fqn: str, value: Any) -> TensorEntry | None:
     dtype the checkpoint stores, in one call (the usual leaf of a state of thousands); ``None`` for any other leaf,
     which :func:`make_entry` classifies (and refuses with its message, e.g. a dtype no checkpoint stores; a
     read-only array is refused by the load planner's own check). Pure; never raises."""
-    name = plain_dtype_name(value)
-    if name is None or type(value) is np.ndarray and not value.flags.writeable:  # pylint: disable=unidiomatic-typecheck
+    kind = type(value)
+    if kind is np.ndarray:
+        name = _stored_name(value.dtype, value) if value.flags.writeable else None
+    else:  # (plain_dtype_name, its cache hit inlined: one call per leaf)
+        plain = _PLAIN_TENSOR_TYPES.get(kind)
+        if not (plain or plain is None and _is_plain(kind, value)):
+            return None
+        dtype = value.dtype
+        known = _DTYPE_NAMES.get(id(dtype))
+        name = known[1] if known is not None and known[0] is dtype else _stored_name(dtype, value)
+    if name is None:
         return None
     shape = value.shape
     if type(shape) is not tuple:  # pylint: disable=unidiomatic-typecheck
