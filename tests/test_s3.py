@@ -116,6 +116,33 @@ def test_missing_and_uncommitted_locations(s3_url: str) -> None:
         dcp.read_metadata(s3_url)
 
 
+def test_a_prefix_of_only_rank_local_saves_names_them(s3_url: str) -> None:
+    """A collective load of rank-local saves (use_collectives=False: metadata.rank<r>.json objects) says so, names
+    them and the fix, as on disk (537ebef); on S3 it said the save 'did not commit', sending the user away from a
+    good checkpoint."""
+    dcp.save(_state(7), checkpoint_id=s3_url, no_dist=True)
+    fs, root = new_filesystem(), s3_url[len("s3://"):]
+    for rank in range(4):  # what four ranks saving alone leave: a metadata object each, no metadata.json
+        fs.copy(f"{root}/metadata.json", f"{root}/metadata.rank{rank:05d}.json")
+    fs.rm(f"{root}/metadata.json")
+    target = _blank()
+    with pytest.raises(dcp.IncompleteCheckpointError) as caught:
+        dcp.load(target, checkpoint_id=s3_url)
+    text = str(caught.value)
+    assert "metadata.rank00000.json, metadata.rank00001.json, metadata.rank00002.json, ..." in text, text
+    assert "use_collectives=False" in text and "did not commit" not in text and s3_url in text, text
+    assert not target["w"].asnumpy().any() and target["step"] == -1
+    import s3fs  # pylint: disable=import-outside-toplevel
+
+    class NoListing(s3fs.S3FileSystem):  # a role allowed GetObject but not ListBucket
+        def ls(self, path, detail=False, **kwargs):
+            raise PermissionError(f"ListObjectsV2 on {path}: AccessDenied")
+
+    reader = dcp.FsspecReader(s3_url, filesystem=NoListing(skip_instance_cache=True))
+    with pytest.raises(dcp.IncompleteCheckpointError, match="did not commit"):  # no listing: the plain message
+        dcp.load(_blank(), storage_reader=reader)
+
+
 _SINK_PEAK_SCRIPT = """
 import sys, tracemalloc
 import numpy as np
@@ -456,7 +483,6 @@ def test_threads_racing_for_one_id_never_mix(s3_url: str) -> None:
 
 
 def test_sync_save_while_an_async_save_is_pending(s3_url: str) -> None:
-    """Whichever commits second (the async save's background commit may come first) fails naming the clash."""
     dcp.save(_state(40), checkpoint_id=s3_url, no_dist=True)
     handle = dcp.async_save(_state(41), checkpoint_id=s3_url, no_dist=True)
     errors: dict[int, BaseException] = {}
@@ -468,11 +494,9 @@ def test_sync_save_while_an_async_save_is_pending(s3_url: str) -> None:
         handle.result()
     except dcp.CheckpointError as exc:
         errors[41] = exc
-    assert len(errors) <= 1, errors
-    for error in errors.values():
-        assert isinstance(error, dcp.ConcurrentSaveError) and "another save committed it" in str(error)
-    winner = _loads_as_one_of(s3_url, [41, 42])
-    assert winner == (41 if 42 in errors else 42)
+    # The sync save finishes this process's async save to the id first (its result()), then replaces it.
+    assert not errors, errors
+    assert _loads_as_one_of(s3_url, [41, 42]) == 42
     assert len([n for n in _objects(s3_url) if n.endswith(".safetensors")]) == 1
 
 

@@ -19,6 +19,7 @@ from hyper_parallel.core.distributed_checkpoint._format.indexed_storage import I
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import metadata_from_json
 from hyper_parallel.core.distributed_checkpoint._fsspec_writer import is_object_url
 from hyper_parallel.core.distributed_checkpoint._index_objects import IndexObjects
+from hyper_parallel.core.distributed_checkpoint._metadata_file import rank_local_names, uncommitted_message
 from hyper_parallel.core.distributed_checkpoint._object_io import (
     DEFAULT_CONNECTIONS,
     DEFAULT_PART_BYTES,
@@ -146,10 +147,7 @@ class FsspecReader(FileSystemReader):
         if not exists:
             raise CheckpointNotFoundError(f"checkpoint {self.path} does not exist (no object under that prefix)")
         if tagged is None:
-            raise IncompleteCheckpointError(
-                f"checkpoint {self.path} has no {self.metadata_file}: the save did not commit (it crashed or "
-                "is still running); load an earlier checkpoint"
-            )
+            raise IncompleteCheckpointError(uncommitted_message(self.path, self.metadata_file, self._rank_local()))
         if len(tagged.data) > MAX_METADATA_BYTES:
             raise UnsafeCheckpointError(f"{location}: metadata of {len(tagged.data)} bytes is larger than allowed; refused")
         metadata = metadata_from_json(tagged.data, source=location)
@@ -158,6 +156,14 @@ class FsspecReader(FileSystemReader):
                                                     metadata_file=self.metadata_file,
                                                     save_id=metadata.storage_meta.save_id))
         return metadata
+
+    def _rank_local(self) -> list[str]:
+        """The rank-local metadata objects under the prefix (a save with ``use_collectives=False``), sorted."""
+        try:
+            names = [str(name).rstrip("/").rsplit("/", 1)[-1] for name in self.fs.ls(self.root, detail=False)]
+        except Exception:  # pylint: disable=broad-except  # only a hint: the plain message then
+            return []
+        return rank_local_names(names, self.metadata_file)
 
     def resolve(self, relative_path: str, fqn: str) -> str:  # type: ignore[override]  # object path, not a Path
         """Return the data object's path, refusing names that leave the prefix.

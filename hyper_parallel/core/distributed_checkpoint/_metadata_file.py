@@ -5,6 +5,7 @@ from __future__ import annotations
 import mmap
 import os
 from pathlib import Path
+from typing import Iterable
 
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import MAX_METADATA_BYTES, metadata_from_json
 from hyper_parallel.core.distributed_checkpoint._commit_cleanup import committed_save_id
@@ -23,7 +24,8 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
 )
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 
-__all__ = ["MAX_METADATA_BYTES", "IndexFiles", "bind_index_files", "not_a_directory", "read_committed_metadata", "read_index_file"]
+__all__ = ["MAX_METADATA_BYTES", "IndexFiles", "bind_index_files", "not_a_directory", "rank_local_names",
+           "read_committed_metadata", "read_index_file", "uncommitted_message"]
 
 _ANONYMOUS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
 #: Metadata files smaller than this are read into a bytearray, larger ones into an anonymous map.
@@ -52,12 +54,31 @@ def _committed_subdirectories(path: Path, metadata_file: str) -> list[str]:
 
 def _rank_local_metadata(path: Path, metadata_file: str) -> list[str]:
     """Names of the rank-local metadata files (``metadata.rank<r>.json``) beside a missing ``metadata_file``, sorted."""
-    stem, _, suffix = metadata_file.rpartition(".")
     try:
-        names = sorted(e.name for e in os.scandir(path) if e.is_file())
+        return rank_local_names((e.name for e in os.scandir(path) if e.is_file()), metadata_file)
     except OSError:
         return []
-    return [name for name in names if name.startswith(f"{stem}.rank") and name.endswith(f".{suffix}")]
+
+
+def rank_local_names(names: Iterable[str], metadata_file: str) -> list[str]:
+    """Those of ``names`` (a checkpoint's files or objects) that are rank-local metadata of ``metadata_file``
+    (``metadata.rank<r>.json``: a save with ``use_collectives=False``), sorted."""
+    stem, _, suffix = metadata_file.rpartition(".")
+    return sorted(name for name in names if name.startswith(f"{stem}.rank") and name.endswith(f".{suffix}"))
+
+
+def uncommitted_message(location: str, metadata_file: str, rank_local: list[str]) -> str:
+    """Why a checkpoint without ``metadata_file`` does not load: only rank-local saves (``rank_local``, their
+    names), or a save that did not commit. For every storage."""
+    if rank_local:
+        return (
+            f"checkpoint {location} has no {metadata_file}, only rank-local saves ({', '.join(rank_local[:3])}"
+            f"{', ...' if len(rank_local) > 3 else ''}: saved with use_collectives=False, each rank alone): "
+            "load them with dcp.load(..., use_collectives=False) on each rank (each reads its own file, in "
+            "the layout it saved), or save with collectives to load collectively or reshard"
+        )
+    return (f"checkpoint {location} has no {metadata_file}: the save did not commit (it crashed or is still "
+            "running); load an earlier checkpoint")
 
 
 @gc_paused  # thousands of records, no cycles: a collection meanwhile only walks them (measured 25% of the decode)
@@ -79,18 +100,8 @@ def read_committed_metadata(path: Path, metadata_file: str) -> Metadata:
                 f"not one checkpoint: pass a step directory such as {path / steps[-1]} (the newest), or "
                 f"load with CheckpointManager({str(path)!r}).load(state_dict)"
             )
-        rank_local = _rank_local_metadata(path, metadata_file)
-        if rank_local:
-            raise IncompleteCheckpointError(
-                f"checkpoint {path} has no {metadata_file}, only rank-local saves ({', '.join(rank_local[:3])}"
-                f"{', ...' if len(rank_local) > 3 else ''}: saved with use_collectives=False, each rank alone): "
-                "load them with dcp.load(..., use_collectives=False) on each rank (each reads its own file, in "
-                "the layout it saved), or save with collectives to load collectively or reshard"
-            )
-        raise IncompleteCheckpointError(
-            f"checkpoint {path} has no {metadata_file}: the save did not commit (it crashed or "
-            "is still running); load an earlier checkpoint"
-        )
+        raise IncompleteCheckpointError(uncommitted_message(str(path), metadata_file,
+                                                            _rank_local_metadata(path, metadata_file)))
     root = os.path.realpath(path)
     if os.path.commonpath([root, os.path.realpath(meta_path)]) != root:
         raise UnsafeCheckpointError(f"{meta_path} is a link leading outside checkpoint {path}; refused")
