@@ -420,6 +420,17 @@ def test_a_sliced_parameter_is_found_among_thousands(tmp_path: Path) -> None:
     assert _any_sliced(params) and _any_sliced([object(), params[37]]) and not _any_sliced([object()])
     with pytest.raises(dcp.SlicedParameterError, match="w37"):
         dcp.save({p.name: p for p in params}, checkpoint_id=tmp_path, no_dist=True)
+    # Among plain arrays too (a dict of Parameters and arrays is walked column by column): refused on save and
+    # on load, nothing written into the targets.
+    mixed = {f"a{i}": np.zeros(2, np.float32) for i in range(20)} | {"w37": params[37]}
+    with pytest.raises(dcp.SlicedParameterError, match="w37"):
+        dcp.save(mixed, checkpoint_id=tmp_path / "mixed", no_dist=True)
+    plain = {f"a{i}": np.full(2, i, np.float32) for i in range(20)} | {"w37": ms.Parameter(
+        ms.Tensor(np.full(2, 7, np.float32)), name="w37")}
+    dcp.save(plain, checkpoint_id=tmp_path / "plain", no_dist=True)
+    with pytest.raises(dcp.SlicedParameterError, match="w37"):
+        dcp.load(mixed, checkpoint_id=tmp_path / "plain", no_dist=True)
+    assert not any(mixed[f"a{i}"].any() for i in range(20)) and params[37].asnumpy().tolist() == [1, 1]
 
 
 def test_read_only_array_target_and_dtype_refusals_hold_for_plain_arrays(tmp_path: Path) -> None:
