@@ -96,14 +96,14 @@ def test_process_exit_with_async_save_in_flight_commits_it_whole(tmp_path):
 
 def test_filesystem_backend_is_registered_and_recorded(tmp_path):
     metadata = dcp.save({"a": np.ones(2)}, checkpoint_id=tmp_path / "c")
-    assert (metadata.storage_meta.backend, metadata.version) == ("filesystem", "2.1") == ("filesystem", FORMAT_VERSION)
-    strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, "filesystem", "2.1")
+    assert (metadata.storage_meta.backend, metadata.version) == ("filesystem", "2.2") == ("filesystem", FORMAT_VERSION)
+    strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, "filesystem", "2.2")
     assert isinstance(strategy, StandardLoadStrategy)
     assert check_load_compatible(metadata) is strategy
     older = get_default_strategy(StrategyAction.LOAD_SHARDED, "filesystem", "1.0")
     assert isinstance(older, StandardLoadStrategy) and older.version == "1.0" and older is not strategy
     assert get_default_strategy(StrategyAction.LOAD_SHARDED, "filesystem", "2.0").version == "2.0"
-    save_strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, "filesystem", "2.1")
+    save_strategy = get_default_strategy(StrategyAction.SAVE_SHARDED, "filesystem", "2.2")
     committed = save_strategy.save({"a": np.full(2, 3.0)}, storage_writer=dcp.FileSystemWriter(tmp_path / "via"),
                                    planner=dcp.StandardSavePlanner(), options=SaveOptions(no_dist=True))
     target = {"a": np.zeros(2)}
@@ -131,7 +131,7 @@ def _rewrite(path, **fields):
 
 
 @pytest.mark.parametrize("fields,expected", [
-    ({"backend": "zarr"}, "backend 'zarr' version '2.1'"),
+    ({"backend": "zarr"}, "backend 'zarr' version '2.2'"),
     ({"version": "3.0"}, "backend 'filesystem' version '3.0'"),
     ({"version": "2.7"}, "backend 'filesystem' version '2.7'"),
     ({"version": "1.7"}, "backend 'filesystem' version '1.7'"),
@@ -141,7 +141,7 @@ def test_unknown_backend_or_future_version_is_refused(tmp_path, fields, expected
     _rewrite(tmp_path / "c", **fields)
     with pytest.raises(dcp.UnsupportedFormatError) as caught:
         dcp.load({"a": np.zeros(2)}, checkpoint_id=tmp_path / "c")
-    assert expected in str(caught.value) and "supported: filesystem 1.0, filesystem 2.0, filesystem 2.1" in str(caught.value)
+    assert expected in str(caught.value) and "supported: filesystem 1.0, filesystem 2.0, filesystem 2.1, filesystem 2.2" in str(caught.value)
 
 
 def test_registering_a_strategy_for_a_new_version(tmp_path):
@@ -161,9 +161,9 @@ def test_registering_a_strategy_for_a_new_version(tmp_path):
 
         strategies._REGISTRY.pop((StrategyAction.LOAD_SHARDED, "filesystem", "2.5"))  # pylint: disable=protected-access
     with pytest.raises(dcp.CheckpointValueError):
-        register_default_strategy("load", "filesystem", "2.1", Reader25("filesystem", "2.1"))
+        register_default_strategy("load", "filesystem", "2.2", Reader25("filesystem", "2.2"))
     with pytest.raises(dcp.CheckpointValueError, match="must be a SaveStrategyBase"):
-        register_default_strategy(StrategyAction.SAVE_SHARDED, "filesystem", "2.1", Reader25("filesystem", "2.1"))
+        register_default_strategy(StrategyAction.SAVE_SHARDED, "filesystem", "2.2", Reader25("filesystem", "2.2"))
 
 
 @contextlib.contextmanager
@@ -201,7 +201,7 @@ def test_save_async_save_and_load_call_the_registered_strategies(tmp_path):
         dcp.async_save({"a": np.full(2, 2.0)}, checkpoint_id=tmp_path / "t").result()
         target = {"a": np.zeros(2)}
         dcp.load(target, checkpoint_id=tmp_path / "t", use_collectives=False)
-    assert calls == [("save", "FileSystemWriter", False), ("async_save", "copy"), ("load", "2.1", ["a"], False)]
+    assert calls == [("save", "FileSystemWriter", False), ("async_save", "copy"), ("load", "2.2", ["a"], False)]
     assert target["a"].tolist() == [2.0, 2.0]
     dcp.load(target, checkpoint_id=tmp_path / "s")
     assert target["a"].tolist() == [1.0, 1.0] and len(calls) == 3, "the default strategies are back"
@@ -252,7 +252,7 @@ def test_fork_staging_snapshots_at_call_time_and_reports_child_errors(tmp_path):
         dcp.async_save({"p": param}, checkpoint_id=tmp_path / "h", staging="mmap")
 
 
-@pytest.mark.parametrize("version,accepted", [("2", True), ("2.0", True), ("2.1", True), ("1", True), ("2.2", False), ("2.x", False), ("", False)])
+@pytest.mark.parametrize("version,accepted", [("2", True), ("2.0", True), ("2.1", True), ("2.2", True), ("1", True), ("2.3", False), ("2.x", False), ("", False)])
 def test_a_version_is_accepted_by_a_registered_strategy_of_the_same_major(tmp_path, version, accepted):
     dcp.save({"a": np.ones(2)}, checkpoint_id=tmp_path / "c")
     _rewrite(tmp_path / "c", version=version)

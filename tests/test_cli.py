@@ -121,7 +121,7 @@ def test_inspect_table_lists_keys_and_writers(ckpt, capsys):
     path, _ = ckpt
     code, out, err = run(capsys, "inspect", path)
     assert code == 0 and err == ""
-    for text in ("format version  2.1", "backend         filesystem", "world size      4", "bfloat16",
+    for text in ("format version  2.2", "backend         filesystem", "world size      4", "bfloat16",
                  "optim.exp_avg", "[8, 6]", "step", "str"):
         assert text in out
     for rank in range(4):
@@ -139,7 +139,7 @@ def test_inspect_json_matches_function(ckpt, capsys):
     assert tensors["b"]["dtype"] == "bfloat16" and tensors["b"]["chunks"] == 4
     assert tensors["bias"]["chunks"] == 1
     assert {v["key"]: v["type"] for v in info["values"]} == {"step": "int", "name": "str"}
-    assert info["format_version"] == "2.1" and info["backend"] == "filesystem" and info["world_size"] == 4
+    assert info["format_version"] == "2.2" and info["backend"] == "filesystem" and info["world_size"] == 4
     assert [r["rank"] for r in info["ranks"]] == [0, 1, 2, 3]
     assert all(r["files"] == 1 and r["bytes"] == r["bytes_planned"] for r in info["ranks"])
     on_disk = {p.name: p.stat().st_size for p in data_files(path)}

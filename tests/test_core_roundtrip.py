@@ -126,7 +126,7 @@ def test_metadata_is_versioned_json_not_pickle(tmp_path):
     assert not raw.startswith(b"\x80"), "metadata must not be a pickle"
     document = json.loads(raw)
     assert document["format"] == "hyper_parallel.distributed_checkpoint"
-    assert document["version"] == "2.1" and document["backend"] == "filesystem"
+    assert document["version"] == "2.2" and document["backend"] == "filesystem"
     entry = document["storage_data"][0]
     assert set(entry) >= {"fqn", "file", "byte_offset", "length", "checksum"}
     assert entry["checksum"]["algorithm"] == "xxh3_64"

@@ -57,7 +57,7 @@ def test_indexed_round_trip_and_reshard(tmp_path):
     path = tmp_path / "c"
     committed, _ = _save(path)
     document = json.loads((path / "metadata.json").read_bytes())
-    assert document["version"] == "2.1"
+    assert document["version"] == "2.2"
     assert "grid" in document["state_dict_metadata"]["w"] and "chunks" not in document["state_dict_metadata"]["w"]
     assert document["state_dict_metadata"]["w"]["grid"]["splits"] == [2, 2]
     assert {e["fqn"] for e in document["storage_data"]} == {"step"}  # grid tensors' entries are in the indexes
@@ -415,7 +415,7 @@ def test_cli_verify_inspect_diff_convert_read_every_index(tmp_path, capsys):
     assert "error" not in capsys.readouterr().out.lower()
     assert main(["inspect", str(path), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["format_version"] == "2.1" and info["world_size"] == 4
+    assert info["format_version"] == "2.2" and info["world_size"] == 4
     assert main(["diff", str(path), str(inline)]) == 0
     assert main(["convert", str(path), str(tmp_path / "out"), "--all", "--no-progress"]) == 0
     merged = {}

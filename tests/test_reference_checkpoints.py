@@ -27,7 +27,8 @@ sys.path.insert(0, str(DATA))
 from make_reference_checkpoints import reference_full_state  # noqa: E402  pylint: disable=wrong-import-position
 
 #: (directory, format version recorded in it).
-REFERENCES = (("ckpt_v1_0", "1.0"), ("ckpt_v2_0", "2.0"), ("ckpt_v2_0_zstd", "2.0"))
+REFERENCES = (("ckpt_v1_0", "1.0"), ("ckpt_v2_0", "2.0"), ("ckpt_v2_0_zstd", "2.0"), ("ckpt_v2_1", "2.1"),
+              ("ckpt_v2_1_zstd", "2.1"))
 
 
 def _zeros_like(value):
@@ -95,8 +96,9 @@ def test_reference_digests_match_an_independent_xxh3(name, version):
             kinds["flat"] += 1
         kinds["zstd"] += entry.get("compression") == "zstd"
     assert kinds["flat"] > 0
-    if name == "ckpt_v2_0":
-        assert kinds["tiles"] == 2 and kinds["zstd"] == 0, "the 2.0 reference carries tile checksums"
+    if name in ("ckpt_v2_0", "ckpt_v2_1"):
+        assert kinds["tiles"] == 2 and kinds["zstd"] == 0, "the 2.0 and 2.1 references carry tile checksums"
+        assert not any("flat_digests" in entry["checksum"] for entry in document["storage_data"])
     if name.endswith("zstd"):
         assert kinds["zstd"] == len(document["storage_data"]) and kinds["tiles"] == 0
     if version == "1.0":

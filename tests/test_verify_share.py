@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
+from tile_only import strip_flat_digests
 from hyper_parallel.core.distributed_checkpoint import _read_priming, _reader_verify, _verify_reads
 from hyper_parallel.core.distributed_checkpoint._verify_share import SharedFile, WindowShare
 
@@ -41,6 +42,7 @@ def _save(path: Path, threads: int) -> tuple[Path, dict, dict[str, np.ndarray]]:
     state = _state(0)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=threads, checksum_block_bytes=BLOCK),
              no_dist=True)
+    assert strip_flat_digests(path) == 1  # "big" is verified by its tiles, as a format 2.1 checkpoint
     entries = {e["fqn"]: e for e in json.loads((path / "metadata.json").read_text())["storage_data"]}
     assert entries["big"]["checksum"]["block_shape"] == [64, 256]
     return path, entries, _bytes(state)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
+from tile_only import strip_flat_digests
 from hyper_parallel.core.distributed_checkpoint import _run_reads, _verify_tiles
 from hyper_parallel.core.distributed_checkpoint._run_reads import FileSource
 from hyper_parallel.core.distributed_checkpoint import _verify_reads
@@ -52,6 +53,7 @@ def _saved(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
     path = tmp_path / "ckpt"
     dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=1, checksum_block_bytes=BLOCK),
              no_dist=True)
+    assert strip_flat_digests(path) == 2  # whole loads verify the tiles, as of a format 2.1 checkpoint
     return path, _bytes(state)
 
 

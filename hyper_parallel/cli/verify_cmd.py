@@ -22,7 +22,7 @@ from typing import Any
 
 from hyper_parallel.cli._common import checkpoint_reader, format_bytes, open_checkpoint, open_data_file
 from hyper_parallel.cli._common import progress as show_progress
-from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, bad_blocks, expected_blocks
+from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, bad_blocks, expected_blocks, flat_count
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint._format.cover import check_exact_cover
 from hyper_parallel.core.distributed_checkpoint.metadata import (
@@ -237,18 +237,26 @@ def _check_chunk(
     if checksum.algorithm != ALGORITHM or checksum.block_bytes <= 0:
         return [VerifyProblem(name, fqn, f"{where}: unsupported checksum {checksum.algorithm!r}")], None
     blocks = expected_blocks(checksum, sizes, info.length)
+    flat = flat_count(info.length, checksum.block_bytes)
     if len(checksum.digests) != blocks or (checksum.block_shape and sizes is None):
         return [VerifyProblem(
             name, fqn, f"{where}: metadata lists {len(checksum.digests)} checksums for {blocks} blocks"
         )], None
+    if checksum.flat_digests and len(checksum.flat_digests) != flat:
+        return [VerifyProblem(
+            name, fqn, f"{where}: metadata lists {len(checksum.flat_digests)} flat_digests for {flat} flat blocks"
+        )], None
     handle.seek(info.offset)
     data = handle.read(info.length)
-    bad = bad_blocks(data, checksum, sizes, itemsize)
-    if bad:
-        kind = "tile" if checksum.block_shape else "block"
-        shown = ", ".join(str(b) for b in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-        return [VerifyProblem(name, fqn, f"checksum mismatch in {where} ({kind}(s) {shown})")], info.length
-    return [], info.length
+    problems = []
+    # A tiled chunk's tiles, then (format 2.2) its flat blocks: a load may verify either.
+    for kind, bad in (("tile" if checksum.block_shape else "block", bad_blocks(data, checksum, sizes, itemsize)),
+                      ("flat block", bad_blocks(data, checksum, sizes, itemsize, flat=True)
+                       if checksum.flat_digests else [])):
+        if bad:
+            shown = ", ".join(str(b) for b in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            problems.append(VerifyProblem(name, fqn, f"checksum mismatch in {where} ({kind}(s) {shown})"))
+    return problems, info.length
 
 
 def format_verify(report: VerifyReport) -> str:

@@ -165,7 +165,7 @@ class VerifyPass:
 
     def _small_flat(self, source: Any, file_size: int, items: list[ReadItem]
                     ) -> tuple[list[tuple[str, StorageInfo]], list[ReadItem]]:
-        """Split a file's items into the small whole chunks with flat checksums, as ``(key, chunk)``, and the rest.
+        """Split a file's items into the small whole chunks with flat block digests, as ``(key, chunk)``, and the rest.
 
         The former (most of a state's Parameters) are verified in place without a
         :class:`RegionCheck` each: :attr:`._read_items.ItemFacts.small` already
@@ -183,7 +183,7 @@ class VerifyPass:
             facts = facts_of(item)
             info = facts.info
             checksum = info.checksum
-            if (facts.small and (checksum is None or not checksum.block_shape)
+            if (facts.small and (checksum is None or not checksum.block_shape or checksum.flat_digests)
                     and info.offset + info.length <= file_size):
                 whole.append((item.storage_index.fqn, info))
             else:
@@ -192,7 +192,8 @@ class VerifyPass:
 
     def _read_kept(self, source: FileSource, path: Path, check: RegionCheck, item: ReadItem, kept: np.ndarray) -> int:
         """Read ``item``'s region into the private buffer ``kept``, verifying every block or tile it touches."""
-        if check.info.checksum.block_shape:
+        checksum = check.info.checksum
+        if checksum.block_shape and not (checksum.flat_digests and kept.nbytes == check.info.length):
             return read_tiles(source, path, check.fqn, check.info, check.sizes, kept.dtype, item, kept,
                               exact=source.exact)
         runs = box_runs(check.sizes, check.itemsize, tuple(item.storage_offsets), tuple(item.lengths))

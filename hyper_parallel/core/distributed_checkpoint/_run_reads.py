@@ -89,7 +89,8 @@ def read_runs(
 def read_runs_verified(
     source: FileSource, path: Path, fqn: str, info: StorageInfo, runs: Runs, target: np.ndarray, max_inflight_bytes: int
 ) -> int:
-    """Fill ``target`` with the runs, reading and verifying the whole flat checksum blocks they touch.
+    """Fill ``target`` with the runs, reading and verifying the whole flat checksum blocks they touch (of a flat
+    checksum, or a tiled one's ``flat_digests``).
 
     Blocks are read in segments of at most ``max_inflight_bytes``; an item
     read whole goes straight into the target and is verified in place.
@@ -98,6 +99,7 @@ def read_runs_verified(
     """
     checksum = info.checksum
     block = checksum.block_bytes
+    expected = checksum.flat_digests or checksum.digests  # a tiled chunk's flat blocks (format 2.2)
     nblocks = max(1, -(-info.length // block))  # digest count checked by _format.metadata_json.check_consistency
     if runs.starts.size == 1 and runs.length == info.length and target[0].flags.c_contiguous:
         # The whole item: read straight into the target, verify it in place.
@@ -137,7 +139,7 @@ def read_runs_verified(
         read += got
         for blk in range(first_block, end_block):
             lo = blk * block - seg_start
-            if digest(memoryview(buffer[lo : lo + block])) != checksum.digests[blk]:
+            if digest(memoryview(buffer[lo : lo + block])) != expected[blk]:
                 raise CorruptCheckpointError(
                     f"checksum mismatch in data file {path}, key '{fqn}' (bytes {info.offset + blk * block}.."
                     f"{info.offset + min((blk + 1) * block, info.length)}): the checkpoint is corrupt"

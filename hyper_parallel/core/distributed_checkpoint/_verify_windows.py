@@ -229,27 +229,29 @@ class BlockList:
         self.partial: dict[int, tuple[str, StorageInfo, set[int]]] = {}  # id(chunk) -> key, chunk, blocks
 
     def add_whole(self, fqn: str, info: StorageInfo) -> None:
-        """Every block of the chunk ``info`` (non-empty, flat checksum)."""
+        """Every flat block of the chunk ``info`` (non-empty; a flat checksum, or tiles with ``flat_digests``)."""
         if id(info) in self.whole:
             return
         self.whole.add(id(info))
         checksum, offset, length = info.checksum, info.offset, info.length
         block = checksum.block_bytes
+        expected = checksum.flat_digests or checksum.digests
         if length <= block:  # the usual small chunk: one block
             self.starts.append(offset)
             self.ends.append(offset + length)
-            self.digests.append(checksum.digests[0])
+            self.digests.append(expected[0])
             self.keys.append(fqn)
             return
         count = -(-length // block)
         starts = range(offset, offset + length, block)
         self.starts.extend(starts)
         self.ends.extend(min(start + block, offset + length) for start in starts)
-        self.digests.extend(checksum.digests[:count])
+        self.digests.extend(expected[:count])
         self.keys.extend([fqn] * count)
 
     def add_small(self, path: Path, chunks: Iterable[tuple[str, StorageInfo]]) -> None:
-        """Every block of each ``(key, chunk)``; the usual chunk of one block costs a few list appends."""
+        """Every flat block of each ``(key, chunk)`` (a flat checksum, tiles with ``flat_digests``, or none); the
+        usual chunk of one block costs a few list appends."""
         whole, starts, ends, digests, keys = self.whole, self.starts, self.ends, self.digests, self.keys
         for fqn, info in chunks:
             checksum = info.checksum
@@ -260,7 +262,7 @@ class BlockList:
                 whole.add(id(info))
                 starts.append(info.offset)
                 ends.append(info.offset + length)
-                digests.append(checksum.digests[0])
+                digests.append((checksum.flat_digests or checksum.digests)[0])
                 keys.append(fqn)
             elif length:
                 self.add_whole(fqn, info)

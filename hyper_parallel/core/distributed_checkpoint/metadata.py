@@ -32,8 +32,9 @@ __all__ = [
 #: Version of the on-disk format written by this code (docs/format.md section 12).
 #: 2.0 added tile checksums (``checksum.block_shape``) and zstd compression,
 #: which a 1.0 reader would misread; 2.1 the indexed form (grid tensors, rank
-#: index files) for large saves; 1.0 and 2.0 checkpoints still load.
-FORMAT_VERSION = "2.1"
+#: index files) for large saves; 2.2 flat block digests next to the tiles of a
+#: tiled chunk (``checksum.flat_digests``); 1.0, 2.0 and 2.1 checkpoints still load.
+FORMAT_VERSION = "2.2"
 #: Name of the storage backend of the filesystem format (a local or shared directory).
 BACKEND_NAME = "filesystem"
 #: Backend recorded by a save to S3 (``s3://``, through fsspec): the same files as a directory.
@@ -139,12 +140,18 @@ class ChunkChecksum:
         digests: One lowercase hex digest per block.
         block_shape: Empty for flat blocks; else the tile shape, blocks are
             a grid of boxes of the chunk (see :mod:`.checksum`).
+        flat_digests: With tiles (``block_shape`` set), also the digests of
+            the chunk's flat blocks of ``block_bytes`` (format 2.2; empty in
+            older checkpoints): a load reading the chunk whole verifies these,
+            one hash pass over bytes as they lie in the file, instead of
+            gathering each tile. Always empty for flat blocks.
     """
 
     algorithm: str
     block_bytes: int
     digests: tuple[str, ...]
     block_shape: tuple[int, ...] = ()
+    flat_digests: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

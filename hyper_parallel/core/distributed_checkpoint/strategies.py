@@ -248,7 +248,7 @@ def check_load_compatible(metadata: Metadata) -> LoadStrategyBase:
 
 
 #: Older format versions the built-in load strategy still reads (docs/format.md section 12).
-READABLE_OLDER_VERSIONS = ("1.0", "2.0")
+READABLE_OLDER_VERSIONS = ("1.0", "2.0", "2.1")
 
 for _action, _cls in (
     (StrategyAction.SAVE_SHARDED, StandardSaveStrategy),

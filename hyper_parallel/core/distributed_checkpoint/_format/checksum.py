@@ -9,11 +9,15 @@ Two block layouts, recorded in :class:`ChunkChecksum`:
   grid order, each over the tile's elements in row-major order. A load that
   needs some columns of a chunk (a column-split reshard) then verifies exactly
   the tiles it reads, instead of whole rows: verification costs no extra reads.
+  A tiled chunk also carries the digests of its flat blocks (``flat_digests``,
+  format 2.2), which a load reading the chunk whole verifies instead: one hash
+  pass over the bytes as stored, no tile gathered.
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import xxhash
@@ -26,6 +30,9 @@ __all__ = [
     "MIN_TILE_ROW_BYTES",
     "digest",
     "digests_of",
+    "flat_digests",
+    "flat_count",
+    "is_digest",
     "tile_shape",
     "grid_shape",
     "expected_blocks",
@@ -41,6 +48,7 @@ DEFAULT_BLOCK_BYTES = 1 << 20
 #: half of a 2 KiB row is still verified without reading the other half).
 MIN_TILE_ROW_BYTES = 1024
 _MAX_COLUMN_TILES = 8
+_DIGEST = re.compile("[0-9a-f]{16}")
 
 
 def digest(data: memoryview | bytes) -> str:
@@ -51,6 +59,24 @@ def digest(data: memoryview | bytes) -> str:
 def digests_of(data: memoryview, starts: list[int], ends: list[int]) -> list[str]:
     """The digests of ``data[starts[i]:ends[i]]`` for every ``i``, in one loop without Python per piece."""
     return list(map(xxhash.xxh3_64_hexdigest, map(data.__getitem__, map(slice, starts, ends))))
+
+
+def flat_digests(data: memoryview, block_bytes: int) -> tuple[str, ...]:
+    """The digests of ``data`` (a 1-D byte view) cut into flat blocks of ``block_bytes`` (one for no bytes)."""
+    if not len(data):
+        return (digest(b""),)
+    starts = range(0, len(data), block_bytes)
+    return tuple(digests_of(data, list(starts), [start + block_bytes for start in starts]))
+
+
+def flat_count(length: int, block_bytes: int) -> int:
+    """How many flat blocks of ``block_bytes`` an item stored in ``length`` bytes has."""
+    return max(1, -(-length // block_bytes))
+
+
+def is_digest(value: object) -> bool:
+    """Whether ``value`` is a digest as the format writes one: 16 lowercase hex digits."""
+    return type(value) is str and _DIGEST.fullmatch(value) is not None  # pylint: disable=unidiomatic-typecheck
 
 
 def tile_shape(sizes: tuple[int, ...], itemsize: int, block_bytes: int) -> tuple[int, ...]:
@@ -116,29 +142,30 @@ def chunk_checksum(
     """Return the block checksums of one chunk's stored bytes (a 1-D byte view).
 
     With ``sizes`` (the chunk's shape) and ``tiles``, 2-D and larger chunks
-    wide enough get tile checksums.
+    wide enough get tile checksums, and the digests of their flat blocks as well.
     """
     block_shape = tile_shape(tuple(sizes), itemsize, block_bytes) if (tiles and sizes is not None) else ()
     if block_shape:
         array = np.frombuffer(data, dtype=np.uint8)
         digests = tuple(digest(tile) for _, tile in _tiles(array, tuple(sizes), itemsize, block_shape))
-        return ChunkChecksum(algorithm=ALGORITHM, block_bytes=block_bytes, digests=digests, block_shape=block_shape)
-    length = len(data)
-    if length == 0:
-        flat: tuple[str, ...] = (digest(b""),)
-    else:
-        flat = tuple(digest(data[start : start + block_bytes]) for start in range(0, length, block_bytes))
-    return ChunkChecksum(algorithm=ALGORITHM, block_bytes=block_bytes, digests=flat)
+        return ChunkChecksum(algorithm=ALGORITHM, block_bytes=block_bytes, digests=digests, block_shape=block_shape,
+                             flat_digests=flat_digests(data, block_bytes))
+    return ChunkChecksum(algorithm=ALGORITHM, block_bytes=block_bytes, digests=flat_digests(data, block_bytes))
 
 
-def bad_blocks(data: bytes | memoryview, checksum: ChunkChecksum, sizes: tuple[int, ...] | None, itemsize: int) -> list[int]:
-    """Indices of the blocks of a whole stored chunk whose digest does not match."""
+def bad_blocks(data: bytes | memoryview, checksum: ChunkChecksum, sizes: tuple[int, ...] | None, itemsize: int,
+               *, flat: bool = False) -> list[int]:
+    """Indices of the blocks of a whole stored chunk whose digest does not match.
+
+    With ``sizes`` and a tiled ``checksum``: its tiles; otherwise (or with
+    ``flat``) its flat blocks, checked against ``flat_digests`` when the
+    checksum has tiles.
+    """
     view = memoryview(data).cast("B")
-    if checksum.block_shape and sizes is not None:
+    if checksum.block_shape and sizes is not None and not flat:
         array = np.frombuffer(view, dtype=np.uint8)
         return [i for i, tile in _tiles(array, tuple(sizes), itemsize, checksum.block_shape)
                 if i >= len(checksum.digests) or digest(tile) != checksum.digests[i]]
-    block = checksum.block_bytes
-    starts = range(0, max(len(view), 1), block)
-    return [i for i, start in enumerate(starts)
-            if i >= len(checksum.digests) or digest(view[start : start + block]) != checksum.digests[i]]
+    expected = checksum.flat_digests if checksum.block_shape else checksum.digests
+    got = flat_digests(view, checksum.block_bytes)
+    return [i for i, mine in enumerate(got) if i >= len(expected) or mine != expected[i]]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, expected_blocks
+from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, expected_blocks, flat_count
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import MetadataIndex, StorageInfo
 
@@ -53,6 +53,11 @@ def entry_of(
             raise CorruptCheckpointError(
                 f"{where}: {len(checksum.digests)} checksums listed for the {blocks} block(s) of the chunk at "
                 f"offset {list(offset)}"
+            )
+        if checksum.flat_digests and len(checksum.flat_digests) != flat_count(info.length, checksum.block_bytes):
+            raise CorruptCheckpointError(
+                f"{where}: {len(checksum.flat_digests)} flat_digests listed for the "
+                f"{flat_count(info.length, checksum.block_bytes)} flat block(s) of the chunk at offset {list(offset)}"
             )
     return info
 

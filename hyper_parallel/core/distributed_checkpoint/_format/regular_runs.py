@@ -59,7 +59,7 @@ _ITEM = re.compile(
 )
 _ENTRY = re.compile(
     r',\{"fqn":"([^"]*)","offset":\[([0-9,]*)\],"file":"([^"]*)","byte_offset":' + _NUMBER + ',"length":' + _NUMBER
-    + r',"checksum":\{"algorithm":"xxh3_64","block_bytes":' + _NUMBER + r',"digests":\["([^"]*)"\]\}\}'
+    + r',"checksum":\{"algorithm":"xxh3_64","block_bytes":' + _NUMBER + r',"digests":\["([0-9a-f]{16})"\]\}\}'
     r'|,(\{"fqn":[^{}]*(?:\{[^{}]*\}[^{}]*)*\})'  # any other entry (tiles, compression, blocks), decoded whole
     r"|([\s\S]+)"
 )
@@ -68,7 +68,7 @@ _new_object = object.__new__
 # twice as much; none of these classes has a __post_init__). tests/test_metadata_runs.py checks the records
 # equal those of the full decode.
 _CHECKSUM_SLOTS = (ChunkChecksum.algorithm.__set__, ChunkChecksum.block_bytes.__set__, ChunkChecksum.digests.__set__,
-                   ChunkChecksum.block_shape.__set__)
+                   ChunkChecksum.block_shape.__set__, ChunkChecksum.flat_digests.__set__)
 _INFO_SLOTS = (StorageInfo.relative_path.__set__, StorageInfo.offset.__set__, StorageInfo.length.__set__,
                StorageInfo.checksum.__set__, StorageInfo.compression.__set__, StorageInfo.raw_length.__set__)
 _INDEX_SLOTS = (MetadataIndex.fqn.__set__, MetadataIndex.offset.__set__, MetadataIndex.index.__set__)
@@ -235,7 +235,7 @@ class StorageRows(NamedTuple):
         """The ``StorageInfo`` of each entry (its ``ChunkChecksum`` in it), in order: equal to the full decode's."""
         count = len(self.fqns)
         checksums = list(map(_new_object, repeat(ChunkChecksum, count)))
-        _set_all(checksums, _CHECKSUM_SLOTS, (repeat(ALGORITHM), self.blocks, zip(self.digests), repeat(())))
+        _set_all(checksums, _CHECKSUM_SLOTS, (repeat(ALGORITHM), self.blocks, zip(self.digests), repeat(()), repeat(())))
         infos = list(map(_new_object, repeat(StorageInfo, count)))
         _set_all(infos, _INFO_SLOTS, (self.files, self.starts, self.lengths, checksums, repeat(None), repeat(None)))
         return infos

@@ -11,6 +11,7 @@ from __future__ import annotations
 import posixpath
 from typing import Any
 
+from hyper_parallel.core.distributed_checkpoint._format.checksum import is_digest
 from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import naturals
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import (
@@ -51,6 +52,8 @@ def storage_entry_to_json(index: MetadataIndex, info: StorageInfo) -> dict[str, 
         }
         if info.checksum.block_shape:
             entry["checksum"]["block_shape"] = list(info.checksum.block_shape)
+        if info.checksum.flat_digests:
+            entry["checksum"]["flat_digests"] = list(info.checksum.flat_digests)
     if info.compression is not None:
         entry["compression"] = info.compression
         entry["raw_length"] = info.raw_length
@@ -112,9 +115,9 @@ def _str(value: Any, where: str, what: Any = "") -> str:
 # setting their slots directly (about half the cost of a frozen dataclass's __init__; none of these classes
 # has a __post_init__). tests/test_load_flat.py checks the result equals the full decode's.
 _new_object = object.__new__
-_set_algorithm, _set_block_bytes, _set_digests, _set_block_shape = (
+_set_algorithm, _set_block_bytes, _set_digests, _set_block_shape, _set_flat_digests = (
     ChunkChecksum.algorithm.__set__, ChunkChecksum.block_bytes.__set__, ChunkChecksum.digests.__set__,
-    ChunkChecksum.block_shape.__set__)
+    ChunkChecksum.block_shape.__set__, ChunkChecksum.flat_digests.__set__)
 _set_relative_path, _set_offset, _set_length, _set_checksum, _set_compression, _set_raw_length = (
     StorageInfo.relative_path.__set__, StorageInfo.offset.__set__, StorageInfo.length.__set__,
     StorageInfo.checksum.__set__, StorageInfo.compression.__set__, StorageInfo.raw_length.__set__)
@@ -146,7 +149,7 @@ def _flat_checked_entry(raw: Any, shared: dict) -> tuple[MetadataIndex, StorageI
             or type(digests) is not list or not naturals(offset)):  # pylint: disable=unidiomatic-typecheck
         return None
     for digest in digests:
-        if type(digest) is not str:  # pylint: disable=unidiomatic-typecheck
+        if not is_digest(digest):
             return None
     offset = tuple(offset)
     # The records of checked fields, built without their frozen __init__ (see _new_object above).
@@ -155,6 +158,7 @@ def _flat_checked_entry(raw: Any, shared: dict) -> tuple[MetadataIndex, StorageI
     _set_block_bytes(checksum, block)
     _set_digests(checksum, tuple(digests))
     _set_block_shape(checksum, ())
+    _set_flat_digests(checksum, ())
     info = _new_object(StorageInfo)
     _set_relative_path(info, path)
     _set_offset(info, start)
@@ -167,6 +171,34 @@ def _flat_checked_entry(raw: Any, shared: dict) -> tuple[MetadataIndex, StorageI
     _set_chunk_offset(index, shared.setdefault(offset, offset))
     _set_index(index, None)
     return index, info
+
+
+def _check_digests(digests: list, where: str, fqn: str, member: str) -> None:
+    """Refuse a digest list member that is not 16 lowercase hex digits, naming the entry, key and member."""
+    for position, value in enumerate(digests):
+        if not is_digest(value):
+            raise CorruptCheckpointError(
+                f"{where}: malformed checksum for key '{fqn}': {member}[{position}] is {value!r:.40}, not 16 "
+                "lowercase hex digits"
+            )
+
+
+def _flat_digests(raw: Any, where: str, fqn: str, block_shape: tuple[int, ...]) -> tuple[str, ...]:
+    """The ``flat_digests`` member of a checksum (format 2.2; ``()`` when absent or null), checked.
+
+    Raises:
+        CorruptCheckpointError: not a list of digests, or given with flat blocks (no ``block_shape``).
+    """
+    if raw is None:
+        return ()
+    if type(raw) is not list or not raw:  # pylint: disable=unidiomatic-typecheck
+        raise CorruptCheckpointError(f"{where}: malformed checksum for key '{fqn}': flat_digests must be a "
+                                     f"non-empty list of digests, got {raw!r:.80}")
+    if not block_shape:
+        raise CorruptCheckpointError(f"{where}: malformed checksum for key '{fqn}': flat_digests given with flat "
+                                     "blocks (they belong to tiled checksums only)")
+    _check_digests(raw, where, fqn, "flat_digests")
+    return tuple(raw)
 
 
 def storage_entry(raw: Any, position: int, source: str, shared: dict) -> tuple[MetadataIndex, StorageInfo]:
@@ -198,12 +230,14 @@ def storage_entry(raw: Any, position: int, source: str, shared: dict) -> tuple[M
             raise CorruptCheckpointError(f"{where}: checksum must be an object")
         block = _int(chk.get("block_bytes"), where, "block_bytes")
         digests = chk.get("digests")
-        if block <= 0 or not isinstance(digests, list) or not all(isinstance(d, str) for d in digests):
+        if block <= 0 or not isinstance(digests, list):
             raise CorruptCheckpointError(f"{where}: malformed checksum for key '{fqn}'")
+        _check_digests(digests, where, fqn, "digests")
         block_shape = _ints(chk.get("block_shape", []), where, "block_shape", minimum=1)
         algorithm = _str(chk.get("algorithm"), where, "algorithm")
-        # Positional (cheaper per entry): algorithm, block_bytes, digests, block_shape.
-        checksum = ChunkChecksum(shared.setdefault(algorithm, algorithm), block, tuple(digests), block_shape)
+        flat = _flat_digests(chk.get("flat_digests"), where, fqn, block_shape)
+        # Positional (cheaper per entry): algorithm, block_bytes, digests, block_shape, flat_digests.
+        checksum = ChunkChecksum(shared.setdefault(algorithm, algorithm), block, tuple(digests), block_shape, flat)
     compression = raw.get("compression")
     if compression is not None and compression != "zstd":
         raise CorruptCheckpointError(f"{where}: unknown compression {compression!r} for key '{fqn}'")
