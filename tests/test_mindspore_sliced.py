@@ -16,7 +16,7 @@ from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import (
     apply_mindspore_layouts,
     cells_in,
 )
-from sim_ranks import plan_ranks
+from sim_ranks import plan_ranks, simulate_save
 from tests.strategy_files import ParamStrategy, write_strategy_file
 
 ms.set_device("CPU")
@@ -225,3 +225,36 @@ def test_the_refusal_names_where_the_splitting_layout_came_from(tmp_path):
         with pytest.raises(dcp.SlicedParameterError) as info:
             apply_mindspore_layouts({"model": net}, source=source, rank=1)
         assert f"but the layout of {origin} splits it" in str(info.value), str(info.value)
+
+
+def _blocks_net(rank):
+    """Rank ``rank``'s [4, 4] block of an [8, 8] ``w`` compiled as dev (2, 2), map (1, 0), as MindSpore marks it."""
+    full = np.arange(64, dtype=np.float32).reshape(8, 8)
+    row, col = divmod(rank, 2)
+    net = Net(rows=4, cols=4, sliced=True, fill=full[row * 4:row * 4 + 4, col * 4:col * 4 + 4])
+    net.parameter_layout_dict = {"w": [[2, 2], [1, 0], [4, 4], 0, True, "", [8, 8], [4, 4]]}
+    return net, full
+
+
+def test_a_strategy_file_placing_slices_elsewhere_than_the_compile_is_refused(tmp_path):
+    """strategy_file= overrides a Cell's parameter_layout_dict; one of another compile with the same slice shapes
+    (blocks as (0, 1) instead of (1, 0)) saved ranks 1 and 2's blocks at each other's places, silently. Refused on
+    the ranks it misplaces, naming both places; a file that agrees is used, and the save is exact."""
+    stale = write_strategy_file(tmp_path / "stale.ckpt", (ParamStrategy("w", (2, 2), (0, 1)),))
+    good = write_strategy_file(tmp_path / "good.ckpt", (ParamStrategy("w", (2, 2), (1, 0)),))
+    for rank in range(4):
+        net, _ = _blocks_net(rank)
+        if rank in (1, 2):
+            with pytest.raises(dcp.SlicedParameterError) as refused:
+                apply_mindspore_layouts({"model": net}, source=stale, rank=rank)
+            text = str(refused.value)
+            assert "key 'model.w'" in text and "stale.ckpt" in text and f"rank {rank}" in text, text
+            assert "offset (4, 0)" in text and "offset (0, 4)" in text and "parameter_layout_dict" in text, text
+        else:  # the diagonal blocks sit alike under both
+            assert apply_mindspore_layouts({"model": net}, source=stale, rank=rank)["model"]["w"].to_local() is net.w
+    states = [apply_mindspore_layouts({"model": _blocks_net(rank)[0]}, source=good, rank=rank) for rank in range(4)]
+    simulate_save(states, tmp_path / "c")
+    assert np.array_equal(hyper_parallel.load_checkpoint(str(tmp_path / "c"))["model.w"].asnumpy(), _blocks_net(0)[1])
+    mapping = {"w": Layout((2, 2), (0, 1))}  # a {name: Layout} mapping is compared alike
+    with pytest.raises(dcp.SlicedParameterError, match="the mapping given as strategy_file="):
+        apply_mindspore_layouts({"model": _blocks_net(1)[0]}, source=mapping, rank=1)

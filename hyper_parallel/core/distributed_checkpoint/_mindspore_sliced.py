@@ -95,16 +95,33 @@ def resolve_layouts(source: LayoutArgument, state_dict: Any, *, rank: int) -> di
     Layouts from the Cells' ``parameter_layout_dict`` (those in ``state_dict``
     and in ``source.cells``) come first; a strategy file overrides them.
     """
+    cell_layouts, given = _layouts_by_source(source, state_dict, rank=rank)
+    return {**cell_layouts, **given}
+
+
+def _layouts_by_source(source: LayoutArgument, state_dict: Any, *, rank: int
+                       ) -> tuple[dict[str, Layout], dict[str, Layout]]:
+    """The layouts of the Cells' ``parameter_layout_dict`` and those of ``strategy_file=``, apart."""
     sources = source if isinstance(source, LayoutSources) else LayoutSources(strategy_file=source)
-    layouts: dict[str, Layout] = {}
+    cell_layouts: dict[str, Layout] = {}
     for cell in sources.cells + cells_in(state_dict):
-        layouts.update(_cell_layouts(cell, rank))
+        cell_layouts.update(_cell_layouts(cell, rank))
     given = sources.strategy_file
     if isinstance(given, Mapping):
-        layouts.update({name: Layout.from_any(layout) for name, layout in given.items()})
-    elif given is not None:
-        layouts.update(layouts_from_strategy(given, rank=rank))
-    return layouts
+        return cell_layouts, {name: Layout.from_any(layout) for name, layout in given.items()}
+    return cell_layouts, ({} if given is None else layouts_from_strategy(given, rank=rank))
+
+
+def _placement(layout: Layout, shape: tuple[int, ...], rank: int) -> tuple[tuple[int, ...], ...] | None:
+    """Where ``layout`` puts this rank's slice of local ``shape``: (global shape, offset); ``None`` if nowhere."""
+    splits = layout.splits_per_dim()
+    if len(splits) != len(shape):
+        return None
+    global_shape = tuple(n * s for n, s in zip(shape, splits))
+    try:
+        return global_shape, layout.shard_offsets(global_shape, rank)
+    except LayoutError:
+        return None
 
 
 def _cell_slice_shapes(cells: tuple[Any, ...]) -> dict[str, tuple[int, ...]]:
@@ -122,8 +139,11 @@ class _Wrapper:
     """Wraps Parameters once each (a Parameter reached twice gets the same DTensor)."""
 
     def __init__(self, layouts: Mapping[str, Layout], rank: int,
-                 slice_shapes: Mapping[str, tuple[int, ...]] | None = None, origin: str = "") -> None:
+                 slice_shapes: Mapping[str, tuple[int, ...]] | None = None, origin: str = "",
+                 cell_layouts: Mapping[str, Layout] | None = None) -> None:
         self.layouts = layouts
+        #: The Cells' own layouts, when ``strategy_file=`` overrides some: each is compared with the one used.
+        self.cell_layouts = cell_layouts or {}
         self.rank = rank
         self.slice_shapes = slice_shapes or {}
         self.origin = origin  # where the layouts came from, as refusals name it
@@ -151,6 +171,8 @@ class _Wrapper:
                 "describes (saving it would place the wrong bytes in the global tensor); save the Parameters of "
                 "the compiled parallel network, or drop its parameter_layout_dict entry if it is whole"
             )
+        elif layout is not None and self._disagrees(path, value, layout):
+            pass
         elif layout is not None:
             try:
                 wrapped = DTensor(value, layout, rank=self.rank)
@@ -165,6 +187,27 @@ class _Wrapper:
             self.unknown.append(f"'{path}' (Parameter '{value.name}')")
         self.done[id(value)] = wrapped
         return wrapped
+
+    def _disagrees(self, path: str, value: Any, layout: Layout) -> bool:
+        """Whether ``strategy_file=`` places this rank's slice elsewhere than the Cell's ``parameter_layout_dict``
+        (a file of another job or compile: the slices would be saved or loaded at the wrong offsets); noted."""
+        if not self.cell_layouts:
+            return False
+        own = layout_for_state_key(self.cell_layouts, value.name)
+        if own is None or own == layout:
+            return False
+        shape = tuple(value.shape)
+        given, compiled = _placement(layout, shape, self.rank), _placement(own, shape, self.rank)
+        if given == compiled:
+            return False
+        self.bad.append(
+            f"key '{path}' (Parameter '{value.name}', shape {shape}): {self.origin} places this rank's slice at "
+            f"{_where(given)}, its Cell's parameter_layout_dict at {_where(compiled)}: the strategy file is not "
+            "the one of the compile that sliced this network (saving or loading under it would put the slices at "
+            "the wrong places); pass the strategy file this job wrote, or leave strategy_file= out to use the "
+            "Cell's own layouts"
+        )
+        return True
 
     def unmarked_problems(self) -> list[str]:
         """The unmarked Parameters a layout splits that are not told to be slices, after the walk.
@@ -224,11 +267,13 @@ def apply_mindspore_layouts(state_dict: dict[str, Any], *, source: LayoutArgumen
             from whole tensors, which would be saved with a wrong global shape).
         StrategyFileError / LayoutError: As :func:`hyper_parallel.layouts_from_strategy`.
     """
-    layouts = resolve_layouts(source, state_dict, rank=rank)
+    cell_layouts, given = _layouts_by_source(source, state_dict, rank=rank)
+    layouts = {**cell_layouts, **given}
     if not layouts and not _any_sliced(_parameters(state_dict)):
         return state_dict
     cells = (source.cells if isinstance(source, LayoutSources) else ()) + cells_in(state_dict)
-    wrapper = _Wrapper(layouts, rank, _cell_slice_shapes(cells), _origin(source))
+    wrapper = _Wrapper(layouts, rank, _cell_slice_shapes(cells), _origin(source),
+                       cell_layouts=cell_layouts if given else None)
     result = wrapper.walk("", state_dict)
     if wrapper.unknown:
         shown = ", ".join(wrapper.unknown[:_SHOWN])
@@ -256,6 +301,12 @@ def copy_back_values(loaded: dict[str, Any], state_dict: dict[str, Any]) -> None
     for name, value in after.values.items():
         if name in before and before[name] is not value and not isinstance(value, DTensor):
             set_by_path(state_dict, after.paths[name], value)
+
+
+def _where(placement: tuple[tuple[int, ...], ...] | None) -> str:
+    if placement is None:
+        return "no place (it does not fit that layout, or this rank holds no slice of it)"
+    return f"offset {placement[1]} of global shape {placement[0]}"
 
 
 def _owner_name(name: str) -> str:
