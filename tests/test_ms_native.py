@@ -400,6 +400,18 @@ def test_unlisted_tensor_that_differs_between_ranks_is_refused(jobs, tmp_path):
         "stray": mindspore.Tensor(np.zeros(rank + 1, np.float32))})
     with pytest.raises(LayoutError, match="'stray' is not in the strategy.*sliced"):
         import_checkpoint(src, tmp_path / "out", strategy_files=job.stage_files)
+    # Slices of one shape on every rank (a parameter the strategy does not list): only the bytes tell. The
+    # import stored rank 0's slice as the whole tensor, silently.
+    src = _with_extra_entries(job, tmp_path / "same_shape", lambda rank, e: {
+        "stray": mindspore.Tensor(np.full((2, 3), rank, np.float32))})
+    with pytest.raises(LayoutError) as refused:
+        import_checkpoint(src, tmp_path / "out", strategy_files=job.stage_files)
+    assert "'stray' is not in the strategy" in str(refused.value) and "ranks [1, 2, 3]" in str(refused.value)
+    assert not (tmp_path / "out" / "metadata.json").exists()
+    src = _with_extra_entries(job, tmp_path / "alike", lambda rank, e: {  # a replica everywhere: stored whole
+        "stray": mindspore.Tensor(np.full((2, 3), 5, np.float32))})
+    import_checkpoint(src, tmp_path / "alike_out", strategy_files=job.stage_files)
+    assert _load_ours(tmp_path / "alike_out")["stray"].tolist() == [[5.0] * 3] * 2
     (tmp_path / "mixed" / "rank_0").mkdir(parents=True)
     (tmp_path / "mixed" / "rank_1").mkdir()
     shutil.copy(next((job.ranks / "rank_0").iterdir()), tmp_path / "mixed" / "rank_0")

@@ -9,7 +9,7 @@ each needed byte is read once, by the writer, and memory holds no tensor.
 
 A parameter absent from the strategy is taken whole from the lowest rank
 holding it (as MindSpore's ``transform_checkpoints`` does), after checking
-that every rank holds it with the same shape and dtype; an optimizer state
+that every rank holds it with the same shape, dtype and bytes; an optimizer state
 named after a parameter (``moment1.<param>``, ``adam_m.<param>`` ...) follows
 that parameter's layout when its slices have the parameter's shape.
 """
@@ -158,7 +158,12 @@ def _check_cover(
 
 
 def _whole_piece(name: str, files: Mapping[int, MsFile]) -> SourcePiece:
-    """A tensor absent from the strategy: the lowest rank's copy, all copies alike in shape and dtype."""
+    """A tensor absent from the strategy: the lowest rank's copy, all copies alike in shape, dtype and bytes.
+
+    Its copies are read on every rank holding it (such tensors are small: ``global_step``, ``learning_rate``):
+    a parameter the strategy does not list but the job sliced has slices of one shape on every rank, and only
+    their bytes tell it from a replicated tensor (stored whole, the lowest rank's slice would pass for it).
+    """
     holders = sorted(r for r, f in files.items() if name in f.entries)
     first = files[holders[0]].entries[name]
     for rank in holders[1:]:
@@ -168,6 +173,17 @@ def _whole_piece(name: str, files: Mapping[int, MsFile]) -> SourcePiece:
                 f"parameter '{name}' is not in the strategy file but rank {holders[0]} holds {first.dtype} "
                 f"{list(first.shape)} and rank {rank} holds {entry.dtype} {list(entry.shape)}: it is sliced; "
                 "pass the strategy file(s) that list it (one per pipeline stage)"
+            )
+    if len(holders) > 1:
+        held = digest(files[holders[0]].raw(name))
+        differ = [rank for rank in holders[1:] if digest(files[rank].raw(name)) != held]
+        if differ:
+            raise LayoutError(
+                f"parameter '{name}' is not in the strategy file but ranks {differ} hold other values than rank "
+                f"{holders[0]} ({first.dtype} {list(first.shape)} on each): it is sliced (slices of one shape), "
+                "not a replica, and rank "
+                f"{holders[0]}'s slice would be stored as the whole tensor; pass the strategy file(s) that list it "
+                "(one per pipeline stage)"
             )
     return SourcePiece(name, files[holders[0]], first, (0,) * len(first.shape), first.shape)
 
