@@ -212,3 +212,20 @@ def test_a_tensor_viewing_another_tensor_s_memory_is_refused(tmp_path: Path, mon
     assert np.array_equal(param.asnumpy(), values)
     if not device_path:  # set_data: memory of its own (the device path writes its regions through the view)
         assert not base.asnumpy()[where].any()
+
+
+class _NoStorage(Tensor):
+    """A tensor whose storage cannot be asked for (a framework version without it)."""
+
+    def storage_offset(self) -> int:
+        raise RuntimeError("no storage")
+
+
+def test_what_is_no_view_of_another_tensor() -> None:
+    from hyper_parallel.platform.tensor import view_of_other_memory  # pylint: disable=import-outside-toplevel
+
+    assert view_of_other_memory(np.zeros(3, np.float32)) is None  # numpy views write through: not refused
+    assert view_of_other_memory(_NoStorage(np.zeros(3, np.float32))) is None
+    assert view_of_other_memory(Tensor(np.zeros((0, 2), np.float32))) is None
+    base = Tensor(np.zeros((3, 4), np.float32))
+    assert "not contiguous" in view_of_other_memory(base.T) and view_of_other_memory(base[1:].copy()) is None

@@ -258,3 +258,6 @@ def test_a_strategy_file_placing_slices_elsewhere_than_the_compile_is_refused(tm
     mapping = {"w": Layout((2, 2), (0, 1))}  # a {name: Layout} mapping is compared alike
     with pytest.raises(dcp.SlicedParameterError, match="the mapping given as strategy_file="):
         apply_mindspore_layouts({"model": _blocks_net(1)[0]}, source=mapping, rank=1)
+    for layout in (Layout((2,), (0,)), Layout((2,), (0, -1), rank_list=(2, 3))):  # another rank count, other ranks
+        with pytest.raises(dcp.SlicedParameterError, match="at no place"):
+            apply_mindspore_layouts({"model": _blocks_net(1)[0]}, source={"w": layout}, rank=1)

@@ -38,7 +38,6 @@ __all__ = [
     "apply_mindspore_layouts",
     "cells_in",
     "copy_back_values",
-    "resolve_layouts",
 ]
 
 _SHOWN = 10
@@ -89,19 +88,11 @@ def _cell_layouts(cell: Any, rank: int) -> dict[str, Layout]:
     return {name: Layout.from_mindspore_layout(entry, name=name, rank=rank) for name, entry in entries.items()}
 
 
-def resolve_layouts(source: LayoutArgument, state_dict: Any, *, rank: int) -> dict[str, Layout]:
-    """Return ``{MindSpore parameter name: Layout}`` for ``rank``. Any rank; reads files, no communication.
-
-    Layouts from the Cells' ``parameter_layout_dict`` (those in ``state_dict``
-    and in ``source.cells``) come first; a strategy file overrides them.
-    """
-    cell_layouts, given = _layouts_by_source(source, state_dict, rank=rank)
-    return {**cell_layouts, **given}
-
-
 def _layouts_by_source(source: LayoutArgument, state_dict: Any, *, rank: int
                        ) -> tuple[dict[str, Layout], dict[str, Layout]]:
-    """The layouts of the Cells' ``parameter_layout_dict`` and those of ``strategy_file=``, apart."""
+    """``{MindSpore parameter name: Layout}`` for ``rank`` from the Cells' ``parameter_layout_dict`` (those in
+    ``state_dict`` and in ``source.cells``) and from ``strategy_file=`` (which overrides them), apart. Any rank;
+    reads files, no communication."""
     sources = source if isinstance(source, LayoutSources) else LayoutSources(strategy_file=source)
     cell_layouts: dict[str, Layout] = {}
     for cell in sources.cells + cells_in(state_dict):
