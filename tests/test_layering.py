@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                                       "_state_items", "_global_plan", "_replicated_read", "standard_planner",
                                       "_leaf_entry", "_save_planner", "_load_planner", "_load_target_checks",
                                       "_load_target_match", "_piece_reads",
-                                      "_layout_plan", "_layout_merge", "_layout_writers", "_save_layout", "_whole_reads", "_unwritten_keys"})),
+                                      "_layout_plan", "_layout_merge", "_layout_writers", "_save_layout", "_layout_memo", "_whole_reads", "_unwritten_keys"})),
     ("storage", frozenset({"storage", "filesystem_writer", "filesystem_reader", "_run_reads", "_read_items",
                            "_safe_files", "_save_lease", "_file_ops", "_data_file", "_commit_cleanup", "_device_reads",
                            "_rank_records", "_data_writing", "_commit_guard", "_index_form", "_index_plan", "_writer_index_form",

@@ -43,6 +43,7 @@ __all__ = [
     "view_of_other_memory",
     "shared_view",
     "shared_view_reader",
+    "cached_views_at",
     "host_memory_shared",
     "assign_region",
     "to_numpy_dtype",
@@ -309,6 +310,28 @@ def writable_views(values: list[Any], shapes: list[tuple[int, ...]] | None = Non
         view = _host_view(value, shape)
         views.append(view if view is not None else writable_view(value))
     return views
+
+
+def cached_views_at(values: list[Any], pointers: list[int], dtypes: list[Any]) -> list[np.ndarray] | None:
+    """The cached numpy view of each tensor of ``values``, if an earlier save or load made every one for the memory
+    and dtype the tensor has now; else ``None``.
+
+    ``pointers`` and ``dtypes`` are the tensors' ``data_ptr()`` and ``dtype``
+    as the caller just read them: a view counts only if it was made for this
+    very tensor object at that address with that dtype (a tensor in device
+    memory, or one whose memory moved since, has none). The caller checks the
+    views' shapes against what it expects. ``None`` too when
+    ``HYPER_PARALLEL_DEVICE_COPIES=1``. The checks run column by column (no
+    Python per tensor).
+    """
+    if not values or os.environ.get(DEVICE_COPIES_ENV) == "1":
+        return None
+    hits = list(map(_VIEWS.get, map(id, values)))
+    if any(map(is_, hits, repeat(None))) or list(map(_HIT_POINTER, hits)) != pointers:
+        return None
+    if not all(map(is_, map(_DEREF, map(_HIT_REF, hits)), values)) or list(map(_HIT_DTYPE, hits)) != dtypes:
+        return None
+    return list(map(_HIT_VIEW, hits))
 
 
 _HIT_REF, _HIT_VIEW, _HIT_POINTER, _HIT_DTYPE = itemgetter(0), itemgetter(1), itemgetter(2), itemgetter(3)

@@ -31,6 +31,7 @@ import numpy as np
 import xxhash
 
 from hyper_parallel.core.distributed_checkpoint._format.checksum import digest
+from hyper_parallel.core.distributed_checkpoint._layout_memo import recall, remember
 from hyper_parallel.core.distributed_checkpoint._state_items import (
     SkipEntry,
     TensorEntry,
@@ -68,6 +69,10 @@ class LayoutListener(Protocol):
 
     def leaf(self, name: str, array: np.ndarray) -> None:
         """A whole tensor in host memory: its C-contiguous data, valid while the save blocks."""
+
+    def leaves(self, names: list[str], arrays: list[np.ndarray], nbytes: list[int]) -> None:
+        """:meth:`leaf` of each whole tensor, in order (``nbytes``: each one's bytes), when a pass repeats the
+        last one's (:mod:`._layout_memo`)."""
 
     def described(self, layout: LayoutDescription) -> None:
         """The pass is over."""
@@ -116,6 +121,11 @@ def _plain_class(cls: type) -> bool:
     return ms is not None and issubclass(cls, ms.Tensor)
 
 
+def _tensor_classes(plain_types: dict[type, bool]) -> bool:
+    """Whether the leaf classes met are all MindSpore tensor classes (no numpy arrays, nothing else)."""
+    return all(plain and not issubclass(cls, np.ndarray) for cls, plain in plain_types.items())
+
+
 def _dtype_name(dtype: np.dtype) -> str | None:
     """The stored dtype name of a numpy dtype (``None``: not storable)."""
     name = _NUMPY_NAMES.get(dtype)
@@ -155,10 +165,19 @@ def describe_layout(planner: Any, listener: LayoutListener | None = None) -> Lay
         UnsupportedTypeError: A value or dtype no checkpoint stores (names the key).
     """
     flat = planner.flat
+    check = planner.check_replicas and planner.world_size > 1
+    recalled = None if check or flat.aliases else recall(flat.values)
+    if recalled is not None:  # the last pass's state again (:mod:`._layout_memo`): no leaf walked
+        memo, views = recalled
+        planner.leaf_arrays.update(zip(memo.names, views))
+        if listener is not None:
+            listener.leaves(memo.names, views, memo.nbytes)
+            listener.described(memo.layout)
+        return memo.layout
     pieces = 0
     rows: list[tuple[Any, ...]] = []
     replicas: list[str] = []
-    check = planner.check_replicas and planner.world_size > 1
+    converted = False  # a host array that is not its tensor's own view (a copy in native byte order)
     later = planner.later_replicas if check else None  # kept for the writer to hash (a forked writer's snapshot)
     total = 0
     storage_keys = flat.storage_keys
@@ -173,7 +192,7 @@ def describe_layout(planner: Any, listener: LayoutListener | None = None) -> Lay
         if plain and (not isinstance(value, np.ndarray) or value.dtype != object):
             array = view_of(value)
             if array is not None and not (array.flags.c_contiguous and array.dtype.isnative):
-                array = host_array(value)
+                array, converted = host_array(value), True
             dtype = _dtype_name(array.dtype) if array is not None else None
             if dtype is None:  # device memory (not copied out here), or a dtype to report against its key
                 shape, dtype = tuple(value.shape), planner.classify_dtype(fqn, value)
@@ -221,6 +240,8 @@ def describe_layout(planner: Any, listener: LayoutListener | None = None) -> Lay
     rows.append(("aliases", tuple(sorted(flat.aliases.items()))))
     layout = xxhash.xxh3_128_hexdigest(pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL))
     found = LayoutDescription(digest=layout, replica_digests=tuple(replicas), tensor_bytes=total, pieces=pieces)
+    if not (check or converted or flat.aliases) and len(arrays) == len(flat.values) and _tensor_classes(plain_types):
+        remember(flat.values, list(arrays.values()), found)
     if listener is not None:
         listener.described(found)
     return found

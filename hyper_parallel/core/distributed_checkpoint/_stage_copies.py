@@ -32,7 +32,7 @@ import weakref
 from bisect import bisect_left
 from concurrent.futures import Future
 from contextlib import contextmanager
-from itertools import accumulate
+from itertools import accumulate, compress
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
@@ -348,6 +348,23 @@ class EarlyCopies:
             self._small_arrays.append(array)
             return
         self._place(name, array)
+
+    def leaves(self, names: list[str], arrays: list[np.ndarray], nbytes: list[int]) -> None:
+        """:meth:`leaf` of each, in order (``nbytes``: each one's bytes): a layout pass repeating the last one's.
+
+        The small ones are held in one step when none of them was copied ahead
+        (the large ones are still met one by one, to adopt their copies ahead).
+        """
+        large = [size >= SMALL_COPY_BYTES for size in nbytes]
+        small = list(compress(names, map(operator.not_, large)))
+        if self._wanted is not None or not self._ahead.keys().isdisjoint(small):
+            for name, array in zip(names, arrays):
+                self.leaf(name, array)
+            return
+        for name, array in compress(zip(names, arrays), large):
+            self.leaf(name, array)
+        self._small_names.extend(small)
+        self._small_arrays.extend(compress(arrays, map(operator.not_, large)))
 
     def _place(self, name: str, array: np.ndarray) -> None:
         """Give ``array`` the next place in the arena, under ``name``; copy it now if the arena fits."""

@@ -243,7 +243,9 @@ def prepare_async_save(state_dict: dict[str, Any]) -> "Future[int]":
     On the caller's thread, before it returns, it also looks up every
     tensor's host memory once (a numpy view, kept while the tensor and its
     memory live, as saves and loads keep it), so the first save's layout
-    pass costs what a steady save's does. A tensor replaced, reshaped or
+    pass costs what a steady save's does; the layout pass itself is made
+    here too, so a first save of the state as it is now skips it as a
+    steady save does (:mod:`._layout_memo`). A tensor replaced, reshaped or
     added after this call is looked up again by the save, which stays exact.
 
     Returns:
@@ -260,6 +262,7 @@ def prepare_async_save(state_dict: dict[str, Any]) -> "Future[int]":
     pool.expect(((name, value, sizes[name]) for name, value in flat.values.items() if plain_tensor(value)),
                 fresh=True)
     _expect_small(flat.values)
+    _describe_now(state_dict)
     future: Future[int] = Future()
 
     def prefault() -> None:
@@ -274,6 +277,19 @@ def prepare_async_save(state_dict: dict[str, Any]) -> "Future[int]":
 
     threading.Thread(target=prefault, name="hp-ckpt-prepare-staging", daemon=True).start()
     return future
+
+
+def _describe_now(state_dict: dict[str, Any]) -> None:
+    """Make the layout pass of a save of ``state_dict`` by one rank now, for the first save to recall it.
+
+    Best effort: a state the pass refuses is left for the save to report.
+    """
+    planner = StandardSavePlanner()
+    try:
+        planner.configure_planner(state_dict)
+        planner.describe_layout()
+    except Exception:  # pylint: disable=broad-except
+        _LOG.debug("prepare_async_save: no layout pass made ahead", exc_info=True)
 
 
 def _expect_small(values: dict[str, Any]) -> None:

@@ -1,0 +1,123 @@
+"""A save repeating the last save's MindSpore tensors skips its layout pass.
+
+A training job saves the same Parameters again and again. The layout pass
+(:func:`._save_layout.describe_layout`) then meets, leaf by leaf, what the
+previous save met: the same keys, tensors, dtypes and shapes, hence the same
+layout digest. :func:`remember` keeps what a pass found about a state of
+MindSpore tensors in host memory; :func:`recall` hands it back when the state
+holds, in the same order under the same names, the very tensor objects with
+their dtype, shape and memory (``data_ptr``) unchanged, and their numpy views
+(:func:`.platform.tensor.cached_views_at`) of the shape and dtype recorded. Every
+leaf is still read (its ``data_ptr``, shape and dtype), column by column:
+
+- ``Parameter.set_data`` / ``set_dtype`` / ``assign_value`` give the tensor
+  new memory (a new ``data_ptr``, measured with MindSpore 2.10): missed;
+- a Parameter replaced by another object, a key added, removed, renamed or
+  moved: missed (the tensors are held weakly, so an id reused by a new
+  object never matches);
+- a changed dtype or shape: missed.
+
+Only states whose every leaf is a whole MindSpore tensor in host memory
+(C-contiguous, native byte order), without aliases, are remembered, and
+only for a pass that hashes no replicas (one rank, or ``check_replicas``
+off): replica digests depend on the values. The memo holds no tensor and no
+view: names, ids, weak references, shapes, dtypes and the layout found.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from operator import attrgetter, is_, methodcaller
+from typing import Any
+
+import numpy as np
+
+from hyper_parallel.platform.tensor import cached_views_at
+
+__all__ = ["LayoutMemo", "recall", "remember", "forget"]
+
+_SHAPE, _DTYPE, _NBYTES = attrgetter("shape"), attrgetter("dtype"), attrgetter("nbytes")
+_DEREF, _DATA_PTR = methodcaller("__call__"), methodcaller("data_ptr")
+
+
+@dataclass(frozen=True)
+class LayoutMemo:
+    """What a layout pass found about a state of MindSpore tensors (see the module docstring).
+
+    Attributes:
+        names: The leaves' dotted names, in traversal order.
+        ids: ``id`` of each leaf's tensor.
+        refs: A weak reference to each leaf's tensor.
+        shapes: Each tensor's shape.
+        dtypes: Each tensor's MindSpore dtype.
+        pointers: Each tensor's ``data_ptr()``.
+        view_dtypes: Each tensor's numpy view's dtype.
+        nbytes: Bytes of each leaf.
+        layout: The pass's result (a :class:`._save_layout.LayoutDescription`).
+    """
+
+    names: list[str]
+    ids: list[int]
+    refs: list[weakref.ref[Any]]
+    shapes: list[tuple[int, ...]]
+    dtypes: list[Any]
+    pointers: list[int]
+    view_dtypes: list[np.dtype]
+    nbytes: list[int]
+    layout: Any
+
+
+_MEMO: LayoutMemo | None = None
+
+
+def remember(values: dict[str, Any], views: list[np.ndarray], layout: Any) -> None:
+    """Keep what a layout pass found about ``values`` (leaf name -> MindSpore tensor). Any thread.
+
+    Args:
+        values: The flattened state, every leaf a whole MindSpore tensor in host memory, without aliases.
+        views: Each leaf's numpy view as the pass met it (C-contiguous, native byte order).
+        layout: The pass's result.
+    """
+    global _MEMO  # pylint: disable=global-statement
+    tensors = list(values.values())
+    try:
+        refs = list(map(weakref.ref, tensors))
+        _MEMO = LayoutMemo(names=list(values), ids=list(map(id, tensors)), refs=refs,
+                           shapes=list(map(_SHAPE, tensors)), dtypes=list(map(_DTYPE, tensors)),
+                           pointers=list(map(_DATA_PTR, tensors)), view_dtypes=list(map(_DTYPE, views)),
+                           nbytes=list(map(_NBYTES, views)), layout=layout)
+    except (AttributeError, RuntimeError, TypeError, ValueError):  # pragma: no cover - a tensor class without weak
+        _MEMO = None  # references, dtype or data_ptr (MindSpore's have them): not kept
+
+
+def forget() -> None:
+    """Drop the memo (the next pass walks every leaf)."""
+    global _MEMO  # pylint: disable=global-statement
+    _MEMO = None
+
+
+def recall(values: dict[str, Any]) -> tuple[LayoutMemo, list[np.ndarray]] | None:
+    """The memo and each leaf's numpy view, when ``values`` repeats the remembered state; else ``None``. Any thread.
+
+    Reads every leaf's identity, shape, dtype and ``data_ptr``, and checks its cached view's shape and dtype.
+    """
+    memo = _MEMO
+    if memo is None or len(values) != len(memo.names) or list(values) != memo.names:
+        return None
+    tensors = list(values.values())
+    if list(map(id, tensors)) != memo.ids or not all(map(is_, map(_DEREF, memo.refs), tensors)):
+        return None
+    try:
+        dtypes = list(map(_DTYPE, tensors))
+        if list(map(_SHAPE, tensors)) != memo.shapes or dtypes != memo.dtypes:
+            return None
+        pointers = list(map(_DATA_PTR, tensors))
+    except (AttributeError, RuntimeError, TypeError, ValueError):  # pragma: no cover - the tensors remembered had them
+        return None
+    if pointers != memo.pointers:
+        return None
+    views = cached_views_at(tensors, pointers, dtypes)
+    if views is None or list(map(_SHAPE, views)) != memo.shapes or list(map(_DTYPE, views)) != memo.view_dtypes:
+        return None
+    return memo, views
