@@ -408,6 +408,11 @@ def test_unlisted_tensor_that_differs_between_ranks_is_refused(jobs, tmp_path):
         import_checkpoint(src, tmp_path / "out", strategy_files=job.stage_files)
     assert "'stray' is not in the strategy" in str(refused.value) and "ranks [1, 2, 3]" in str(refused.value)
     assert not (tmp_path / "out" / "metadata.json").exists()
+    src = _with_extra_entries(job, tmp_path / "steps", lambda rank, e: {  # rank 3's file of a later step
+        "global_step": mindspore.Tensor(np.array([43 if rank == 3 else 42], np.int32))})
+    with pytest.raises(LayoutError, match=r"'global_step' is not in the strategy file but ranks \[3\]") as mixed:
+        import_checkpoint(src, tmp_path / "out", strategy_files=job.stage_files)
+    assert "different steps" in str(mixed.value)
     src = _with_extra_entries(job, tmp_path / "alike", lambda rank, e: {  # a replica everywhere: stored whole
         "stray": mindspore.Tensor(np.full((2, 3), 5, np.float32))})
     import_checkpoint(src, tmp_path / "alike_out", strategy_files=job.stage_files)

@@ -180,10 +180,10 @@ def _whole_piece(name: str, files: Mapping[int, MsFile]) -> SourcePiece:
         if differ:
             raise LayoutError(
                 f"parameter '{name}' is not in the strategy file but ranks {differ} hold other values than rank "
-                f"{holders[0]} ({first.dtype} {list(first.shape)} on each): it is sliced (slices of one shape), "
-                "not a replica, and rank "
-                f"{holders[0]}'s slice would be stored as the whole tensor; pass the strategy file(s) that list it "
-                "(one per pipeline stage)"
+                f"{holders[0]} ({first.dtype} {list(first.shape)} on each), so it is no replica: either it is "
+                f"sliced (slices of one shape; rank {holders[0]}'s would be stored as the whole tensor): pass the "
+                "strategy file(s) that list it (one per pipeline stage); or the rank files are of different steps "
+                "(a global_step, a learning rate): take every rank's file of one step"
             )
     return SourcePiece(name, files[holders[0]], first, (0,) * len(first.shape), first.shape)
 
