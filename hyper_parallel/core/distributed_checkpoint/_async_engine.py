@@ -224,7 +224,7 @@ def _expect_next(planner: SavePlanner, early: EarlyCopies) -> None:
         _POOL.expect((), missed=early.missed)
         return
     values = flat.values
-    _POOL.expect(((name, values[name], nbytes) for name, (_, nbytes) in early.placed.items()), missed=early.missed)
+    _POOL.expect(((name, values[name], nbytes) for name, nbytes in early.large_placed()), missed=early.missed)
 
 
 def _auto_forks(writer: StorageWriter, planner: SavePlanner) -> bool:

@@ -311,6 +311,7 @@ class EarlyCopies:
         self.arena = arena
         self._minimum = minimum
         self.placed: dict[str, tuple[int, int]] = {}
+        self._large: dict[str, None] = {}  # the names _place gave a place (copies ahead, large leaves), in order
         self.end = 0
         self._wanted = wanted
         self._reserve = reserve
@@ -372,6 +373,7 @@ class EarlyCopies:
         offset = self.end
         self.end = offset + round_up(source.size, ALIGN)
         self.placed[name] = (offset, source.size)
+        self._large[name] = None
         self._arrays.append((name, offset, source))
         if self.arena is not None and self._issued == len(self._arrays) - 1 and self.end <= self.arena.size:
             self._copier.add(self.arena[offset : offset + source.size], source)
@@ -438,6 +440,11 @@ class EarlyCopies:
         self.end = run.end
         self.small_run = run
         return run
+
+    def large_placed(self) -> list[tuple[str, int]]:
+        """``(leaf name, bytes)`` of the large leaves with an early copy (copies ahead adopted included), in order."""
+        placed = self.placed
+        return [(name, placed[name][1]) for name in self._large if name in placed]
 
     def settle(self) -> None:
         """Give up the copies ahead no leaf adopted (their places stay unused); count them in :attr:`missed`."""
