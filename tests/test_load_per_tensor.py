@@ -454,7 +454,7 @@ def test_read_only_array_target_and_dtype_refusals_hold_for_plain_arrays(tmp_pat
         hyper_parallel.load_checkpoint(tmp_path, counters)
     assert not counters["a1"].any() and not counters["a2"].any()
     dcp.save({"step": 3}, checkpoint_id=tmp_path / "values", no_dist=True)
-    with pytest.raises(dcp.CheckpointValueError, match="'step': the target is a tensor but the checkpoint stores a value"):
+    with pytest.raises(dcp.CheckpointValueError, match="'step': the target is a tensor but the checkpoint stores a"):
         hyper_parallel.load_checkpoint(tmp_path / "values", {"step": np.zeros(1, np.int64)})
     loaded = hyper_parallel.load_checkpoint(tmp_path, {"a2": counters["a2"], "a4": ms.Parameter(
         ms.Tensor(np.zeros((2, 3), np.float32)), name="a4")})
