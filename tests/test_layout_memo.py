@@ -136,6 +136,14 @@ def test_a_layout_from_a_strategy_file_is_not_recalled(tmp_path):
     _assert_saved(tmp_path / "b", _values(state))
 
 
+def test_a_parameter_marked_sliced_after_a_save_is_still_refused(tmp_path):
+    state = _state(5)
+    _async(state, tmp_path / "a")
+    state["p1"].sliced = True  # a slice of this rank with no layout known: saving it whole would lose the others
+    with pytest.raises(dcp.SlicedParameterError, match="p1"):
+        dcp.async_save(state, checkpoint_id=tmp_path / "b", no_dist=True)
+
+
 def test_the_memo_keeps_no_tensor_alive():
     state = _state(2)
     _described(state)
