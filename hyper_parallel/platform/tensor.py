@@ -177,8 +177,24 @@ def to_numpy(value: Any) -> np.ndarray:
     raise TypeError(f"expected a MindSpore Tensor or numpy array, got {type(value).__name__}")
 
 
-#: id(tensor) -> (weak reference to it, its numpy view, its data_ptr and its dtype when the view was made).
+#: id(tensor) -> (weak reference to it, its numpy view, its data_ptr and its dtype when the view was made). A view
+#: is reused only while the tensor is contiguous (see _contiguous).
 _VIEWS: dict[int, tuple[Any, np.ndarray, int, Any]] = {}
+
+
+def _contiguous(value: Any) -> bool:
+    """Whether tensor ``value`` is laid out row-major in its memory, as its cached view reads it.
+
+    ``Parameter.assign_value(p.T)`` of a square Parameter keeps its memory, shape and dtype and makes it a
+    non-contiguous view (MindSpore 2.10): its cached view would read the old layout. A MindSpore without
+    ``is_contiguous`` has no such views.
+    """
+    try:
+        return bool(value.is_contiguous())
+    except AttributeError:
+        return True
+    except (RuntimeError, TypeError, ValueError):
+        return False
 
 
 def shared_view(value: Any) -> np.ndarray | None:
@@ -187,7 +203,8 @@ def shared_view(value: Any) -> np.ndarray | None:
     ``asnumpy()`` costs tens of microseconds for bfloat16 (numpy parses the
     buffer format); repeated saves and loads of the same tensors reuse the
     view while the tensor lives and its memory (``data_ptr``), shape and
-    dtype are unchanged (``assign_value`` of a bitcast keeps memory and shape). The cache holds the tensor only weakly and drops the view when
+    dtype are unchanged (``assign_value`` of a bitcast keeps memory and shape) and it is contiguous (that of a
+    transpose keeps memory, and a square shape). The cache holds the tensor only weakly and drops the view when
     the tensor dies.
     """
     return _host_view(value) if host_memory_shared(value) else None
@@ -233,10 +250,11 @@ def _host_view(value: Any, shape: tuple[int, ...] | None = None) -> np.ndarray |
     key = id(value)
     hit = _VIEWS.get(key)
     if hit is not None and hit[0]() is value and hit[2] == pointer and hit[1].shape == (
-            shape if shape is not None else tuple(value.shape)) and hit[3] is value.dtype:
+            shape if shape is not None else tuple(value.shape)) and hit[3] is value.dtype and _contiguous(value):
         return hit[1]
     view = value.asnumpy()
-    if view.size == 0 or view.__array_interface__["data"][0] != pointer or not view.flags.writeable:
+    if (view.size == 0 or view.__array_interface__["data"][0] != pointer or not view.flags.writeable
+            or not _contiguous(value)):
         return view if view.size == 0 else None
     try:
         ref = weakref.ref(value, lambda _, key=key: _VIEWS.pop(key, None))
@@ -296,10 +314,11 @@ def writable_views(values: list[Any], shapes: list[tuple[int, ...]] | None = Non
             views.append(None)
             continue
         shape = shapes[position] if shapes is not None else None
-        # A view made by an earlier load (_host_view's cache hit, inlined): the same tensor, memory, shape, dtype.
+        # A view made by an earlier load (_host_view's cache hit, inlined): the same tensor, memory, shape, dtype,
+        # still contiguous.
         hit = cached(id(value))
         if hit is not None and hit[0]() is value and shape is not None and hit[1].shape == shape and (
-                hit[3] is value.dtype):
+                hit[3] is value.dtype) and _contiguous(value):
             try:
                 pointer = int(value.data_ptr())
             except (AttributeError, RuntimeError, TypeError, ValueError):
@@ -331,12 +350,18 @@ def cached_views_at(values: list[Any], pointers: list[int], dtypes: list[Any]) -
         return None
     if not all(map(is_, map(_DEREF, map(_HIT_REF, hits)), values)) or list(map(_HIT_DTYPE, hits)) != dtypes:
         return None
+    try:
+        if not all(map(_IS_CONTIGUOUS, values)):  # a transpose in the same memory: the view reads the old layout
+            return None
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
     return list(map(_HIT_VIEW, hits))
 
 
 _HIT_REF, _HIT_VIEW, _HIT_POINTER, _HIT_DTYPE = itemgetter(0), itemgetter(1), itemgetter(2), itemgetter(3)
 _SHAPE, _DTYPE = attrgetter("shape"), attrgetter("dtype")
 _DATA_PTR, _DEREF = methodcaller("data_ptr"), methodcaller("__call__")
+_IS_CONTIGUOUS = methodcaller("is_contiguous")  # (_contiguous without its call, for the column checks)
 
 
 def _cached_views(values: list[Any], shapes: list[Any], tensor_type: type) -> list[np.ndarray] | None:
@@ -360,6 +385,8 @@ def _cached_views(values: list[Any], shapes: list[Any], tensor_type: type) -> li
             return None
         if not all(map(is_, map(_DTYPE, values), map(_HIT_DTYPE, hits))):
             return None  # memory and shape kept, dtype changed (assign_value of a bitcast): a view of the new dtype
+        if not all(map(_IS_CONTIGUOUS, values)):
+            return None  # memory, shape and dtype kept, now a transpose (assign_value(p.T)): no view reads it
     except (AttributeError, RuntimeError, TypeError, ValueError):  # the loop says what is wrong, value by value
         return None
     return views
