@@ -126,6 +126,29 @@ def test_every_change_walks_the_state_again(tmp_path, change):
     _assert_saved(tmp_path / "c", expected)
 
 
+def test_values_beside_the_tensors_are_checked_each_save(tmp_path):
+    state = _state(6)
+    state["steps_per_epoch"] = 100  # as CheckpointCallback saves with every step
+    state["meta"] = {"lr": 0.5, "tag": "run-a"}
+    _, first = _described(state)
+    _, again = _described(state)
+    assert again is first, "tensors and values alike: recalled"
+    _async(state, tmp_path / "a")
+    state["meta"]["lr"] = 0.25  # a new value is a new layout: walked again, and saved
+    _, changed = _described(state)
+    assert changed is not first and changed.digest != first.digest
+    expected = _values({k: v for k, v in state.items() if isinstance(v, ms.Parameter)})
+    _async(state, tmp_path / "b")
+    target = {**_state(7), "steps_per_epoch": 0, "meta": {"lr": 0.0, "tag": ""}}
+    dcp.load(target, checkpoint_id=tmp_path / "b", no_dist=True)
+    assert target["steps_per_epoch"] == 100 and target["meta"] == {"lr": 0.25, "tag": "run-a"}
+    for name, value in expected.items():
+        np.testing.assert_array_equal(target[name].asnumpy().view(np.uint8), value.view(np.uint8), err_msg=name)
+    state["steps_per_epoch"] = ms.Parameter(ms.Tensor(np.ones(2, np.float32)), name="steps_per_epoch")
+    _, as_tensor = _described(state)  # a value turned tensor under the same name
+    assert as_tensor is not changed and as_tensor.pieces == changed.pieces + 1
+
+
 def test_a_layout_from_a_strategy_file_is_not_recalled(tmp_path):
     state = {"w": ms.Parameter(ms.Tensor(np.arange(16, dtype=np.float32).reshape(4, 4)), name="w")}
     _async(state, tmp_path / "a")
@@ -157,6 +180,11 @@ def test_states_it_cannot_vouch_for_are_not_remembered(monkeypatch):
     _layout_memo.forget()
     arrays = {"a": np.ones((4, 4), np.float32), "b": np.zeros(3, np.int32)}
     _described(arrays)
+    assert _layout_memo._MEMO is None  # pylint: disable=protected-access
+    _described({**_state(8), "a": np.ones((4, 4), np.float32)})  # a numpy leaf among Parameters
+    assert _layout_memo._MEMO is None  # pylint: disable=protected-access
+    whole = {"w": ms.Parameter(ms.Tensor(np.ones((4, 4), np.float32)), name="w"), **_state(9)}
+    _described(apply_mindspore_layouts(whole, source={"w": Layout((2,), (-1, -1))}, rank=0))  # a DTensor leaf
     assert _layout_memo._MEMO is None  # pylint: disable=protected-access
     param = ms.Parameter(ms.Tensor(np.ones((2, 2), np.float32)), name="w")
     _described({"x": param, "y": {"again": param}})  # an alias

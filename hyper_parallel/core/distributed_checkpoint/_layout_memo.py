@@ -15,13 +15,19 @@ leaf is still read (its ``data_ptr``, shape and dtype), column by column:
 - a Parameter replaced by another object, a key added, removed, renamed or
   moved: missed (the tensors are held weakly, so an id reused by a new
   object never matches);
-- a changed dtype or shape: missed.
+- a changed dtype or shape (``assign_value`` of a bitcast keeps the memory): missed.
 
-Only states whose every leaf is a whole MindSpore tensor in host memory
-(C-contiguous, native byte order), without aliases, are remembered, and
-only for a pass that hashes no replicas (one rank, or ``check_replicas``
-off): replica digests depend on the values. The memo holds no tensor and no
-view: names, ids, weak references, shapes, dtypes and the layout found.
+Other leaves (values such as the steps per epoch a :class:`.CheckpointCallback`
+saves, skipped leaves) are classified and serialised again by every save, as
+the pass does: the memo holds only when each has its remembered layout row
+(a value whose payload changed is a new layout).
+
+Only states whose every tensor leaf is a whole MindSpore tensor in host
+memory (C-contiguous, native byte order), without aliases or sharded
+tensors, are remembered, and only for a pass that hashes no replicas (one
+rank, or ``check_replicas`` off): replica digests depend on the values. The
+memo holds no tensor and no view: names, ids, weak references, shapes,
+dtypes, the value leaves' rows and the layout found.
 """
 
 from __future__ import annotations
@@ -47,6 +53,9 @@ class LayoutMemo:
 
     Attributes:
         names: The leaves' dotted names, in traversal order.
+        tensor_names: The names of the tensor leaves, in order (the columns below are theirs).
+        others: ``(name, layout row)`` of each other leaf (a value or a skipped leaf), in order: whoever recalls
+            the memo checks each has that row again (:func:`._save_layout.describe_layout`).
         ids: ``id`` of each leaf's tensor.
         refs: A weak reference to each leaf's tensor.
         shapes: Each tensor's shape.
@@ -58,6 +67,8 @@ class LayoutMemo:
     """
 
     names: list[str]
+    tensor_names: list[str]
+    others: tuple[tuple[str, tuple[Any, ...]], ...]
     ids: list[int]
     refs: list[weakref.ref[Any]]
     shapes: list[tuple[int, ...]]
@@ -71,19 +82,24 @@ class LayoutMemo:
 _MEMO: LayoutMemo | None = None
 
 
-def remember(values: dict[str, Any], views: list[np.ndarray], layout: Any) -> None:
-    """Keep what a layout pass found about ``values`` (leaf name -> MindSpore tensor). Any thread.
+def remember(values: dict[str, Any], views: dict[str, np.ndarray], layout: Any, *,
+             others: tuple[tuple[str, tuple[Any, ...]], ...] = ()) -> None:
+    """Keep what a layout pass found about ``values`` (the flattened state: leaf name -> leaf). Any thread.
 
     Args:
-        values: The flattened state, every leaf a whole MindSpore tensor in host memory, without aliases.
-        views: Each leaf's numpy view as the pass met it (C-contiguous, native byte order).
+        values: The flattened state, without aliases: whole MindSpore tensors in host memory and ``others``.
+        views: Each tensor leaf's numpy view as the pass met it (C-contiguous, native byte order), by name.
         layout: The pass's result.
+        others: ``(name, layout row)`` of every other leaf (skipped, or stored as a value).
     """
     global _MEMO  # pylint: disable=global-statement
-    tensors = list(values.values())
+    tensor_names = list(views)
+    tensors = list(map(values.__getitem__, tensor_names)) if others else list(values.values())
+    views = list(views.values())
     try:
         refs = list(map(weakref.ref, tensors))
-        _MEMO = LayoutMemo(names=list(values), ids=list(map(id, tensors)), refs=refs,
+        _MEMO = LayoutMemo(names=list(values), tensor_names=tensor_names, others=others,
+                           ids=list(map(id, tensors)), refs=refs,
                            shapes=list(map(_SHAPE, tensors)), dtypes=list(map(_DTYPE, tensors)),
                            pointers=list(map(_DATA_PTR, tensors)), view_dtypes=list(map(_DTYPE, views)),
                            nbytes=list(map(_NBYTES, views)), layout=layout)
@@ -98,14 +114,15 @@ def forget() -> None:
 
 
 def recall(values: dict[str, Any]) -> tuple[LayoutMemo, list[np.ndarray]] | None:
-    """The memo and each leaf's numpy view, when ``values`` repeats the remembered state; else ``None``. Any thread.
+    """The memo and each tensor leaf's numpy view, when ``values`` repeats the remembered state's names and tensors;
+    else ``None``. Any thread. The caller checks the other leaves (:attr:`LayoutMemo.others`).
 
     Reads every leaf's identity, shape, dtype and ``data_ptr``, and checks its cached view's shape and dtype.
     """
     memo = _MEMO
     if memo is None or len(values) != len(memo.names) or list(values) != memo.names:
         return None
-    tensors = list(values.values())
+    tensors = list(map(values.__getitem__, memo.tensor_names)) if memo.others else list(values.values())
     if list(map(id, tensors)) != memo.ids or not all(map(is_, map(_DEREF, memo.refs), tensors)):
         return None
     try:

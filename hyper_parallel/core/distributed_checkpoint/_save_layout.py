@@ -122,8 +122,32 @@ def _plain_class(cls: type) -> bool:
 
 
 def _tensor_classes(plain_types: dict[type, bool]) -> bool:
-    """Whether the leaf classes met are all MindSpore tensor classes (no numpy arrays, nothing else)."""
-    return all(plain and not issubclass(cls, np.ndarray) for cls, plain in plain_types.items())
+    """Whether the whole-tensor classes met are all MindSpore tensor classes (no numpy array)."""
+    return not any(plain and issubclass(cls, np.ndarray) for cls, plain in plain_types.items())
+
+
+def _value_row(planner: Any, name: str, fqn: str, entry: Any) -> tuple[Any, ...] | None:
+    """The layout row of a leaf skipped or stored as a value (its payload serialised, kept by the planner for
+    writing); ``None`` for any other entry."""
+    if isinstance(entry, SkipEntry):
+        return (name, fqn, "skip")
+    if not isinstance(entry, ValueEntry):
+        return None
+    row: tuple[Any, ...] = (name, fqn, "value", entry.offset, entry.grid_shape, entry.write)
+    if entry.write:
+        type_name, payload = planner.serialize(entry)
+        row += (type_name, len(payload), digest(payload))
+    return row
+
+
+def _values_repeat(planner: Any, others: tuple[tuple[str, tuple[Any, ...]], ...]) -> bool:
+    """Whether each leaf of ``others`` (a remembered pass's ``(name, row)`` of its values) has that row now."""
+    values, storage_keys = planner.flat.values, planner.flat.storage_keys
+    for name, row in others:
+        fqn = storage_keys[name]
+        if _value_row(planner, name, fqn, planner.classify(fqn, values[name])) != row:
+            return False
+    return True
 
 
 def _dtype_name(dtype: np.dtype) -> str | None:
@@ -167,17 +191,19 @@ def describe_layout(planner: Any, listener: LayoutListener | None = None) -> Lay
     flat = planner.flat
     check = planner.check_replicas and planner.world_size > 1
     recalled = None if check or flat.aliases else recall(flat.values)
-    if recalled is not None:  # the last pass's state again (:mod:`._layout_memo`): no leaf walked
-        memo, views = recalled
-        planner.leaf_arrays.update(zip(memo.names, views))
+    if recalled is not None and _values_repeat(planner, recalled[0].others):  # the last pass's state again
+        memo, views = recalled  # (:mod:`._layout_memo`): no tensor walked
+        planner.leaf_arrays.update(zip(memo.tensor_names, views))
         if listener is not None:
-            listener.leaves(memo.names, views, memo.nbytes)
+            listener.leaves(memo.tensor_names, views, memo.nbytes)
             listener.described(memo.layout)
         return memo.layout
     pieces = 0
     rows: list[tuple[Any, ...]] = []
     replicas: list[str] = []
     converted = False  # a host array that is not its tensor's own view (a copy in native byte order)
+    others: list[tuple[str, tuple[Any, ...]]] = []  # (name, row) of every leaf skipped or stored as a value
+    sharded = False  # a leaf stored as pieces (DTensor, ShardedTensor)
     later = planner.later_replicas if check else None  # kept for the writer to hash (a forked writer's snapshot)
     total = 0
     storage_keys = flat.storage_keys
@@ -214,9 +240,12 @@ def describe_layout(planner: Any, listener: LayoutListener | None = None) -> Lay
                 replicas.append(found)
             continue
         entry = planner.classify(fqn, value)
-        if isinstance(entry, SkipEntry):
-            rows.append((name, fqn, "skip"))
+        row = _value_row(planner, name, fqn, entry)
+        if row is not None:
+            rows.append(row)
+            others.append((name, row))
         elif isinstance(entry, TensorEntry):
+            sharded = True
             boxes = tuple((p.offsets, p.sizes, p.flat_start) for p in entry.pieces)
             rows.append((name, fqn, "tensor", entry.dtype, entry.global_shape, entry.local_shape, boxes,
                          entry.write, entry.may_be_replicated, entry.layout))
@@ -231,17 +260,12 @@ def describe_layout(planner: Any, listener: LayoutListener | None = None) -> Lay
                     found = digest(memoryview(piece_array(entry, piece).reshape(-1).view(np.uint8)))
                     planner.keep_replica_digest(fqn, piece.offsets, found)
                     replicas.append(found)
-        elif isinstance(entry, ValueEntry):
-            row: tuple[Any, ...] = (name, fqn, "value", entry.offset, entry.grid_shape, entry.write)
-            if entry.write:
-                type_name, payload = planner.serialize(entry)
-                row += (type_name, len(payload), digest(payload))
-            rows.append(row)
     rows.append(("aliases", tuple(sorted(flat.aliases.items()))))
     layout = xxhash.xxh3_128_hexdigest(pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL))
     found = LayoutDescription(digest=layout, replica_digests=tuple(replicas), tensor_bytes=total, pieces=pieces)
-    if not (check or converted or flat.aliases) and len(arrays) == len(flat.values) and _tensor_classes(plain_types):
-        remember(flat.values, list(arrays.values()), found)
+    if (not (check or converted or sharded or flat.aliases) and len(arrays) + len(others) == len(flat.values)
+            and _tensor_classes(plain_types)):
+        remember(flat.values, arrays, found, others=tuple(others))
     if listener is not None:
         listener.described(found)
     return found
