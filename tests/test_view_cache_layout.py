@@ -20,7 +20,7 @@ import hyper_parallel
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.core.distributed_checkpoint import _layout_memo
 from hyper_parallel.core.distributed_checkpoint._flatten import flatten_state_dict
-from hyper_parallel.platform.tensor import shared_view, writable_views
+from hyper_parallel.platform.tensor import _contiguous, shared_view, writable_views
 
 ms.set_device("CPU")
 
@@ -68,3 +68,15 @@ def test_a_load_never_writes_rows_into_a_parameter_transposed_in_its_own_memory(
     dcp.load(targets, checkpoint_id=tmp_path / "new", no_dist=True)
     for name, p in state.items():
         np.testing.assert_array_equal(p.asnumpy(), stored[name], err_msg=name)
+
+
+def test_a_tensor_that_cannot_tell_its_layout_gets_no_cached_view() -> None:
+    """``is_contiguous`` failing counts as not contiguous; a tensor class without it (no views) as contiguous."""
+
+    class Failing:
+        def is_contiguous(self) -> bool:
+            raise RuntimeError("no layout")
+
+    assert _contiguous(Failing()) is False
+    assert _contiguous(object()) is True
+    assert _contiguous(ms.Tensor(np.zeros((2, 3), np.float32)).T) is False

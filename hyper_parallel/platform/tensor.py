@@ -353,7 +353,7 @@ def cached_views_at(values: list[Any], pointers: list[int], dtypes: list[Any]) -
     try:
         if not all(map(_IS_CONTIGUOUS, values)):  # a transpose in the same memory: the view reads the old layout
             return None
-    except (AttributeError, RuntimeError, TypeError, ValueError):
+    except (AttributeError, RuntimeError, TypeError, ValueError):  # pragma: no cover - the views were made for them
         return None
     return list(map(_HIT_VIEW, hits))
 
