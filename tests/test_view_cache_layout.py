@@ -80,3 +80,18 @@ def test_a_tensor_that_cannot_tell_its_layout_gets_no_cached_view() -> None:
     assert _contiguous(Failing()) is False
     assert _contiguous(object()) is True
     assert _contiguous(ms.Tensor(np.zeros((2, 3), np.float32)).T) is False
+
+
+def test_a_plain_tensor_transposed_in_its_own_memory_saves_its_values_and_a_load_into_it_is_refused(
+        tmp_path: Path) -> None:
+    """Not a Parameter: a load cannot give it memory of its own, so it is refused as a view (4ae16d6), unchanged."""
+    tensor = ms.Tensor(np.arange(16, dtype=np.float32).reshape(4, 4))
+    dcp.save({"t": tensor}, checkpoint_id=tmp_path / "cache", no_dist=True)  # caches its row-major view
+    tensor.assign_value(tensor.T)
+    expected = tensor.asnumpy().copy()
+    dcp.save({"t": tensor}, checkpoint_id=tmp_path / "out", no_dist=True)
+    np.testing.assert_array_equal(hyper_parallel.load_checkpoint(tmp_path / "out")["t"].asnumpy(), expected)
+    dcp.save({"t": np.full((4, 4), 7.0, np.float32)}, checkpoint_id=tmp_path / "new", no_dist=True)
+    with pytest.raises(dcp.CheckpointError, match="key 't'.*not contiguous"):
+        dcp.load({"t": tensor}, checkpoint_id=tmp_path / "new", no_dist=True)
+    np.testing.assert_array_equal(tensor.asnumpy(), expected)
