@@ -42,6 +42,29 @@ def test_one_array_or_tensor_at_two_keys_is_refused(saved: Path) -> None:
         assert not np.asarray(shared.asnumpy() if isinstance(shared, Tensor) else shared).any()
 
 
+def test_a_numpy_array_on_a_parameter_s_memory_beside_it_is_refused(saved: Path) -> None:
+    """``p.asnumpy()`` on CPU views ``p``'s memory: loaded beside ``p``, the two stored values landed in one place
+    (``p`` silently held ``b``'s value); refused naming both, nothing changed. A copy, or an array on a buffer of
+    its own (``np.frombuffer``), loads."""
+    for make in (lambda: Parameter(Tensor(np.zeros(4, np.float32)), name="w"), lambda: Tensor(np.zeros(4, np.float32))):
+        weight = make()
+        view = weight.asnumpy()
+        assert view.__array_interface__["data"][0] == weight.data_ptr()
+        for target in ({"a": weight, "b": view, "step": 0}, {"a": view, "b": weight, "step": 0}):
+            with pytest.raises(dcp.CheckpointValueError, match="share memory") as refused:
+                dcp.load(target, checkpoint_id=saved)
+            assert "'a'" in str(refused.value) and "'b'" in str(refused.value) and "rank 0" in str(refused.value)
+            assert not weight.asnumpy().any() and target["step"] == 0
+        copied = {"a": weight, "b": weight.asnumpy().copy(), "step": 0}
+        dcp.load(copied, checkpoint_id=saved)
+        assert (weight.asnumpy() == 1).all() and (copied["b"] == 2).all()
+    buffer = np.frombuffer(bytearray(16), np.float32)  # memory of its own (a bytearray's), no tensor's
+    weight = Parameter(Tensor(np.zeros(4, np.float32)), name="w")
+    target = {"a": weight, "b": buffer, "step": 0}
+    dcp.load(target, checkpoint_id=saved)
+    assert (weight.asnumpy() == 1).all() and (buffer == 2).all()
+
+
 def test_overlapping_numpy_views_are_refused_separate_ones_load(saved: Path) -> None:
     buffer = np.zeros(8, np.float32)
     with pytest.raises(dcp.CheckpointValueError, match="'a' and 'b' are numpy arrays whose memory overlaps"):

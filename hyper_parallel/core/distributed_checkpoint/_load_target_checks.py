@@ -17,7 +17,7 @@ import numpy as np
 from hyper_parallel.core.distributed_checkpoint._flatten import FlatStateDict
 from hyper_parallel.core.distributed_checkpoint._state_items import TensorEntry
 from hyper_parallel.core.distributed_checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-from hyper_parallel.platform.tensor import is_parameter, view_of_other_memory
+from hyper_parallel.platform.tensor import host_memory_shared, is_parameter, is_tensor, view_of_other_memory
 
 __all__ = ["aliased_targets", "cut_containers", "view_target"]
 
@@ -29,7 +29,8 @@ def aliased_targets(aliases: dict[str, str], stored_of: dict[str, Any], stored_a
     A Parameter reached at two paths is loaded once, under its first path: refused when the checkpoint stores the
     later path as a tensor of its own (two values for one Parameter). Other target tensors: the same object at two
     paths (unless the checkpoint stores both keys with the same bytes, as a save of that tied state dict does:
-    ``storage`` is the metadata's storage data), or numpy views of one array whose memory overlaps.
+    ``storage`` is the metadata's storage data), numpy views of one array whose memory overlaps, or a numpy array
+    on a target tensor's memory (``p.asnumpy()`` beside ``p``: a view on CPU).
     """
     problems = [
         f"state_dict paths '{name}' and '{key}' are the same Parameter, but the checkpoint stores '{name}' and "
@@ -39,6 +40,7 @@ def aliased_targets(aliases: dict[str, str], stored_of: dict[str, Any], stored_a
     ]
     first: dict[int, str] = {}
     views: dict[int, list[tuple[str, np.ndarray]]] = {}
+    foreign: list[tuple[str, np.ndarray]] = []  # arrays on memory no numpy array owns (a tensor's, a buffer's)
     for name, entry in entries.items():
         if type(entry) is not TensorEntry:  # pylint: disable=unidiomatic-typecheck
             continue
@@ -54,9 +56,41 @@ def aliased_targets(aliases: dict[str, str], stored_of: dict[str, Any], stored_a
             while isinstance(root.base, np.ndarray):
                 root = root.base
             views.setdefault(id(root), []).append((name, local))
+            if root.base is not None:
+                foreign.append((name, local))
     for group in views.values():
         if len(group) > 1:  # one view of an array overlaps nothing: most targets are arrays of their own
             problems.extend(_overlapping_views(group))
+    if foreign:  # rare: most arrays own their memory, or view an array that does
+        problems.extend(_arrays_on_tensor_memory(foreign, entries))
+    return problems
+
+
+def _arrays_on_tensor_memory(arrays: list[tuple[str, np.ndarray]], entries: dict[str, Any]) -> list[str]:
+    """The pairs of a target tensor in host memory and an array of ``arrays`` sharing bytes with it, as refusals.
+
+    Each is filled from its own stored value, the array through the tensor's memory: one value silently wins.
+    """
+    spans = []
+    for name, entry in entries.items():
+        local = entry.local if type(entry) is TensorEntry else None  # pylint: disable=unidiomatic-typecheck
+        if local is None or isinstance(local, np.ndarray) or not is_tensor(local) or not host_memory_shared(local):
+            continue
+        try:
+            start, size = int(local.data_ptr()), int(local.nbytes)
+        except (AttributeError, RuntimeError, TypeError, ValueError):
+            continue
+        if size:
+            spans.append((start, start + size, name))
+    problems = []
+    for name, array in arrays:
+        low, high = np.byte_bounds(array)
+        for start, end, tensor in spans:
+            if array.size and low < end and start < high:
+                problems.append(
+                    f"state_dict entries '{tensor}' and '{name}' share memory: the numpy array views the tensor's "
+                    "memory (e.g. tensor.asnumpy() on CPU), so the two stored values would land in one place and "
+                    "one would silently win; pass a copy (tensor.asnumpy().copy()) or leave one key out")
     return problems
 
 
