@@ -15,7 +15,10 @@ leaf is still read (its ``data_ptr``, shape and dtype), column by column:
 - a Parameter replaced by another object, a key added, removed, renamed or
   moved: missed (the tensors are held weakly, so an id reused by a new
   object never matches);
-- a changed dtype or shape (``assign_value`` of a bitcast keeps the memory): missed.
+- a changed dtype or shape (``assign_value`` of a bitcast keeps the memory): missed;
+- a tensor made non-contiguous in its own memory (``assign_value(p.T)`` keeps
+  ``data_ptr``, shape and dtype): its cached view is not handed out
+  (:func:`.platform.tensor.cached_views_at`), missed.
 
 Other leaves (values such as the steps per epoch a :class:`.CheckpointCallback`
 saves, skipped leaves) are classified and serialised again by every save, as
