@@ -16,12 +16,12 @@ exactly its hashed ranges announced with ``POSIX_FADV_WILLNEED`` up to
 of flat blocks hashed whole is read 1 MiB at a time into a scratch buffer
 that stays in the core's own cache, and each piece's many small blocks are
 hashed in one loop without Python per block; a slab of tiles hashed whole is
-read straight into tile order (:mod:`._verify_tiles`). Neither is mapped: a
-mapped file that another process truncates kills the reader with ``SIGBUS``,
-a read only comes back short. A sparse window is mapped read-only with
-``MADV_RANDOM``, so the device reads what is verified and no readahead (a
-file truncated while such a window is hashed is the one case left to
-``SIGBUS``). The pages stay in the page cache, where the reading pass then
+read straight into tile order (:mod:`._verify_tiles`). Of a sparse window
+only its hashed ranges are read, each at its place in a scratch buffer (ranges
+sharing pages in one call), so the device reads what is verified and no more.
+No data file is mapped: a mapped file that another process truncates kills
+the reader with ``SIGBUS``, a read only comes back short (reported as a
+truncated file). The pages stay in the page cache, where the reading pass then
 finds them: the load costs one hash pass (through the CPU cache) and one
 copy into the targets. The reader keeps some regions instead of hashing
 them here (see ``_reader_verify.VerifyPass._keep_buffer``): read once,
@@ -57,7 +57,7 @@ from hyper_parallel.core.distributed_checkpoint._verify_windows import (
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import StorageInfo
 
-__all__ = ["RegionCheck", "announces", "hash_taken", "lookahead_limits", "verify_regions"]
+__all__ = ["RegionCheck", "announces", "hash_taken", "lookahead_limits", "page_runs", "verify_regions"]
 
 #: Largest window hashed at once (fits the CPU cache of common machines).
 _CACHE_WINDOW = 8 << 20
@@ -67,47 +67,56 @@ _PIECE_BYTES = 1 << 20
 #: device reads the next windows while this one is hashed (a cold load overlaps reading and hashing);
 #: windows the kernel reads ahead by itself are not announced (:func:`announces`).
 _LOOKAHEAD_BYTES = 32 << 20
+#: Page size of the page cache (the unit the device reads a file in).
+_PAGE_BYTES = mmap.PAGESIZE
 
 
 @contextlib.contextmanager
 def _window(source: FileSource, path: Path, window: Window) -> Iterator[memoryview]:
-    """The bytes of ``window`` in the source.
+    """The bytes of ``window``, read into a scratch buffer at their places in the window.
 
-    Read into a scratch buffer, or mapped read-only when sparse (a file that
-    cannot be mapped, or a source without a file descriptor, is read).
+    A window hashed whole is read in one call. Of a sparse window only the
+    hashed ranges are read, each at its place (the bytes between them are
+    left as they were: nothing hashes them), ranges whose pages touch in one
+    call (:func:`page_runs`): the device reads the pages of the ranges and no
+    more (the caller announced them; a file read without readahead has
+    ``POSIX_FADV_RANDOM`` on its descriptor). No data file is mapped: a file
+    another process truncates meanwhile gives a short read, reported as a
+    truncated file, where a mapping would kill the process with ``SIGBUS``.
+    A source without a file descriptor (object storage) reads the window whole.
+
+    Raises:
+        CorruptCheckpointError: the file ends inside a range read.
     """
-    fd = getattr(source, "fd", None)
-    mapped = None
     start, end = window.start, window.end
-    if fd is not None and not window.whole:  # the caller announced ``window.ranges`` (POSIX_FADV_WILLNEED)
-        # A sparse window is mapped and faults page by page without read-around, so the device
-        # reads only the ranges announced. A window hashed whole is read into a cache-sized
-        # scratch buffer instead: measured faster than mapping it (page faults; tiles are gathered
-        # from it), 94-99 ms against 131-153 ms per GiB of tiles on this VM.
-        aligned = start - start % mmap.ALLOCATIONGRANULARITY
-        try:
-            mapped = mmap.mmap(fd, end - aligned, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=aligned)
-        except (OSError, ValueError):
-            mapped = None
-        if mapped is not None and hasattr(mapped, "madvise") and hasattr(mmap, "MADV_RANDOM"):
-            mapped.madvise(mmap.MADV_RANDOM)
-    if mapped is None:
-        buffer = scratch(end - start, slot=2, huge=True)
+    buffer = memoryview(scratch(end - start, slot=2, huge=True))
+    fd = getattr(source, "fd", None)
+    if fd is None or window.whole:
         if source.readinto(buffer, start) != end - start:
             raise CorruptCheckpointError(f"data file {path} is truncated (bytes {start}..{end} are verified)")
-        yield memoryview(buffer)
+        yield buffer
         return
-    whole = memoryview(mapped)
-    view = whole[start - aligned:]
-    try:
-        yield view
-    finally:
-        try:
-            view.release()
-            whole.release()
-            mapped.close()
-        except BufferError:  # a traceback still holds a view; the map closes when it is collected
-            pass
+    for low, high in page_runs(window.ranges):
+        if os.preadv(fd, [buffer[low - start : high - start]], low) != high - low:
+            raise CorruptCheckpointError(f"data file {path} is truncated (bytes {low}..{high} are verified)")
+    yield buffer
+
+
+def page_runs(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` (sorted, disjoint) merged where no whole page lies between two of them: one read each.
+
+    A read of the merged run makes the device read the same pages as reads
+    of its ranges would (every page it touches holds a byte of a range), in
+    fewer calls: rows narrower than a page are read many per call.
+    """
+    if len(ranges) < 2:
+        return list(ranges)
+    bounds = np.asarray(ranges, dtype=np.int64)
+    lows, highs = bounds[:, 0], bounds[:, 1]
+    apart = np.flatnonzero(lows[1:] // _PAGE_BYTES > (highs[:-1] - 1) // _PAGE_BYTES + 1) + 1
+    firsts = np.concatenate(([0], apart))
+    lasts = np.concatenate((apart - 1, [len(ranges) - 1]))
+    return list(zip(lows[firsts].tolist(), highs[lasts].tolist()))
 
 
 def _bad_block(view: memoryview, window: Window, blocks: Blocks) -> int | None:
@@ -212,8 +221,10 @@ def announces(*, whole: bool, readahead: bool) -> bool:
     of 256 MiB in 2 MiB folios by readahead), which made the device pass
     1.3-1.7x slower than plain reads and the read pass's copy out of the page
     cache 4x slower (2 files of 512 MiB: 0.197 s against 0.047 s). Every other window is
-    announced: a sparse window is mapped without read-around, and a file read
-    without readahead (``FileSource.exact``) fetches nothing ahead by itself.
+    announced: a sparse window's ranges are read one by one (a file read with
+    readahead would fetch the gaps too when such a read missed the cache),
+    and a file read without readahead (``FileSource.exact``) fetches nothing
+    ahead by itself.
 
     Args:
         whole: The window is read whole into a buffer (its one hashed range is the whole window).

@@ -11,8 +11,9 @@ the chunk's rows whole: a tile is strided in the file. The verify pass
   (:func:`bad_tile`) copies every byte a second time: measured on the
   benchmark's many-tensor state (4 + 48 tiled matrices), that pass made the
   verify pass 1.6x its floor (reading and hashing flat blocks) on one thread.
-- :func:`bad_tile`, for a slab already in memory (mapped, or read from object
-  storage in one request), or where ``preadv`` cannot be called: each tile
+- :func:`bad_tile`, for a slab already in memory (its ranges read into a
+  buffer, or read from object storage in one request), or where ``preadv``
+  cannot be called: each tile
   gathered from the slab, then hashed.
 
 The row pieces' addresses are built with array operations once per slab shape

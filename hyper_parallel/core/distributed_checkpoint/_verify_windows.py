@@ -137,10 +137,10 @@ class Window:
 def flat_windows(blocks: Blocks, window: int, others: Sequence[int] = ()) -> list[Window]:
     """Group ``blocks`` (sorted by position) into windows of at most ``window`` bytes.
 
-    Blocks less than ``GAP_BYTES`` apart share a window (the gap is read
-    along), unless one of ``others`` (sorted starts of windows hashed apart,
-    tile slabs) lies in the gap: those bytes are read by their own window, and
-    a window with a gap is sparse (mapped, announced page by page). The work
+    Blocks less than ``GAP_BYTES`` apart share a window, unless one of
+    ``others`` (sorted starts of windows hashed apart, tile slabs) lies in the
+    gap: those bytes are read by their own window, and a window with a gap is
+    sparse (only its ranges read, announced page by page). The work
     is a few array operations per window, none per block.
     """
     starts, ends = blocks.starts, blocks.ends
