@@ -58,6 +58,11 @@ def test_a_numpy_array_on_a_parameter_s_memory_beside_it_is_refused(saved: Path)
         copied = {"a": weight, "b": weight.asnumpy().copy(), "step": 0}
         dcp.load(copied, checkpoint_id=saved)
         assert (weight.asnumpy() == 1).all() and (copied["b"] == 2).all()
+    tied = Parameter(Tensor(np.arange(4, dtype=np.float32)), name="t")  # such a state saved, then loaded back
+    dcp.save({"a": tied, "b": tied.asnumpy()}, checkpoint_id=saved / "tied")
+    tied.asnumpy()[...] = 0
+    dcp.load({"a": tied, "b": tied.asnumpy()}, checkpoint_id=saved / "tied")
+    assert np.array_equal(tied.asnumpy(), np.arange(4))
     buffer = np.frombuffer(bytearray(16), np.float32)  # memory of its own (a bytearray's), no tensor's
     weight = Parameter(Tensor(np.zeros(4, np.float32)), name="w")
     target = {"a": weight, "b": buffer, "step": 0}

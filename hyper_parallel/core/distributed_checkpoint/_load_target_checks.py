@@ -62,14 +62,17 @@ def aliased_targets(aliases: dict[str, str], stored_of: dict[str, Any], stored_a
         if len(group) > 1:  # one view of an array overlaps nothing: most targets are arrays of their own
             problems.extend(_overlapping_views(group))
     if foreign:  # rare: most arrays own their memory, or view an array that does
-        problems.extend(_arrays_on_tensor_memory(foreign, entries))
+        problems.extend(_arrays_on_tensor_memory(foreign, entries, stored_of, storage))
     return problems
 
 
-def _arrays_on_tensor_memory(arrays: list[tuple[str, np.ndarray]], entries: dict[str, Any]) -> list[str]:
+def _arrays_on_tensor_memory(arrays: list[tuple[str, np.ndarray]], entries: dict[str, Any],
+                             stored_of: dict[str, Any], storage: Any) -> list[str]:
     """The pairs of a target tensor in host memory and an array of ``arrays`` sharing bytes with it, as refusals.
 
-    Each is filled from its own stored value, the array through the tensor's memory: one value silently wins.
+    Each is filled from its own stored value, the array through the tensor's memory: one value silently wins;
+    unless the array is all of the tensor's memory and the checkpoint stores both keys with the same bytes (a
+    save of that state dict).
     """
     spans = []
     for name, entry in entries.items():
@@ -86,7 +89,9 @@ def _arrays_on_tensor_memory(arrays: list[tuple[str, np.ndarray]], entries: dict
     for name, array in arrays:
         low, high = np.byte_bounds(array)
         for start, end, tensor in spans:
-            if array.size and low < end and start < high:
+            if array.size and low < end and start < high and not (
+                    (low, high) == (start, end)
+                    and _same_stored_bytes(stored_of, storage, entries[tensor].fqn, entries[name].fqn)):
                 problems.append(
                     f"state_dict entries '{tensor}' and '{name}' share memory: the numpy array views the tensor's "
                     "memory (e.g. tensor.asnumpy() on CPU), so the two stored values would land in one place and "
