@@ -232,3 +232,20 @@ def test_small_leaves_copied_ahead_under_their_name_take_the_per_leaf_path():
     copies.wait()
     offset, nbytes = copies.placed["s"]
     np.testing.assert_array_equal(arena[offset:offset + nbytes], small)
+
+
+def test_scalars_beside_the_parameters_flatten_at_once_as_the_walk_does(monkeypatch):
+    """A CheckpointCallback state (Parameters plus the steps per epoch) takes the column flattening; the same
+    scalar object under two keys (ids alike) takes the walk. Either way the result is the walk's."""
+    from hyper_parallel.core.distributed_checkpoint import _flatten  # pylint: disable=import-outside-toplevel
+
+    params = _state(10)
+    states = [{**params, "steps_per_epoch": 100, "lr": 0.5, "tag": "a", "flag": True, "none": None},
+              {"n": 7, **params, "m": 7}, {"only": 3}]
+    fast = [_flatten.flatten_state_dict(state) for state in states]
+    assert _flatten._top_level_parameters(states[0], _flatten.FlatStateDict(values={}, paths={}, containers={}))
+    monkeypatch.setattr(_flatten, "_top_level_parameters", lambda state_dict, flat: False)
+    for state, flat in zip(states, fast):
+        walked = _flatten.flatten_state_dict(state)
+        assert flat == walked and list(flat.values) == list(walked.values) == list(state)
+

@@ -191,10 +191,12 @@ def flatten_state_dict(state_dict: dict[str, Any]) -> FlatStateDict:
 
 def _top_level_parameters(state_dict: dict[str, Any], flat: FlatStateDict) -> bool:
     """Flatten ``state_dict`` into ``flat`` when it is a dict of distinct Parameters or plain numpy arrays under str
-    keys (the usual state: every leaf the loop's usual leaf, at the top reached once, its key its own), column by
-    column; else leave ``flat`` as it is and return ``False``."""
+    keys (the usual state: every leaf the loop's usual leaf, at the top reached once, its key its own), with maybe
+    a few plain scalars beside them (the steps per epoch a CheckpointCallback saves: leaves of their own key too),
+    column by column; else leave ``flat`` as it is and return ``False``."""
     leaves = list(state_dict.values())
-    if not all_plain_leaves(leaves) or set(map(type, state_dict)) != {str} or len(set(map(id, leaves))) != len(leaves):
+    tensors = leaves if _SCALARS.isdisjoint(map(type, leaves)) else [v for v in leaves if type(v) not in _SCALARS]
+    if not all_plain_leaves(tensors) or set(map(type, state_dict)) != {str} or len(set(map(id, leaves))) != len(leaves):
         return False
     keys = list(state_dict)
     flat.values.update(state_dict)
@@ -202,6 +204,10 @@ def _top_level_parameters(state_dict: dict[str, Any], flat: FlatStateDict) -> bo
     flat.storage_keys.update(zip(keys, keys))
     flat.key_users.update(zip(keys, map(list, zip(keys))))
     return True
+
+
+#: Leaf types the column flattening takes beside tensors (each a leaf under its own key, as the walk makes it).
+_SCALARS = frozenset({int, float, bool, str, type(None)})
 
 
 def set_by_path(root: dict[str, Any], path: tuple[PathElement, ...], value: Any) -> None:
