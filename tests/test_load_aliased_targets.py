@@ -68,6 +68,9 @@ def test_a_numpy_array_on_a_parameter_s_memory_beside_it_is_refused(saved: Path)
     target = {"a": weight, "b": buffer, "step": 0}
     dcp.load(target, checkpoint_id=saved)
     assert (weight.asnumpy() == 1).all() and (buffer == 2).all()
+    alone = {"a": np.frombuffer(bytearray(16), np.float32), "b": buffer, "step": 0}  # no tensor target at all
+    dcp.load(alone, checkpoint_id=saved)
+    assert (alone["a"] == 1).all() and (alone["b"] == 2).all()
 
 
 def test_overlapping_numpy_views_are_refused_separate_ones_load(saved: Path) -> None:

@@ -85,13 +85,22 @@ def _arrays_on_tensor_memory(arrays: list[tuple[str, np.ndarray]], entries: dict
             continue
         if size:
             spans.append((start, start + size, name))
+    if not spans:
+        return []
+    spans.sort()
+    starts = np.array([span[0] for span in spans], dtype=np.int64)
+    reach = np.maximum.accumulate(np.array([span[1] for span in spans], dtype=np.int64))  # furthest end so far
     problems = []
     for name, array in arrays:
+        if not array.size:
+            continue
         low, high = np.byte_bounds(array)
-        for start, end, tensor in spans:
-            if array.size and low < end and start < high and not (
-                    (low, high) == (start, end)
-                    and _same_stored_bytes(stored_of, storage, entries[tensor].fqn, entries[name].fqn)):
+        below = int(np.searchsorted(starts, high))  # the spans starting before the array ends
+        if not below or int(reach[below - 1]) <= low:  # none of them reaches into it (most arrays: one test)
+            continue
+        for start, end, tensor in spans[:below]:
+            if low < end and not ((low, high) == (start, end)
+                                  and _same_stored_bytes(stored_of, storage, entries[tensor].fqn, entries[name].fqn)):
                 problems.append(
                     f"state_dict entries '{tensor}' and '{name}' share memory: the numpy array views the tensor's "
                     "memory (e.g. tensor.asnumpy() on CPU), so the two stored values would land in one place and "
