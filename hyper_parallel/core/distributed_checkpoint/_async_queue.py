@@ -54,10 +54,12 @@ class AsyncRequest:
 class AsyncCall:
     """One scheduled request: its thread, its outcome, its finalization."""
 
-    def __init__(self, request: AsyncRequest, name: str, *, uses: object | None = None) -> None:
+    def __init__(self, request: AsyncRequest, name: str, *, uses: object | None = None, all_ranks: bool = False) -> None:
         self.request = request
         #: The object the call works with (an async save's storage writer) until it is finalized.
         self.uses = uses
+        #: Whether finalizing the call runs collectives (every rank of the job finalizes it together).
+        self.all_ranks = all_ranks
         self._value: Any = None
         self._error: BaseException | None = None
         self._finalized = False
@@ -139,16 +141,19 @@ class AsyncCallsQueue:
         self._counter = 0
         AsyncCallsQueue._instances.add(self)
 
-    def schedule_async_request(self, request: AsyncRequest, *, uses: object | None = None) -> AsyncCall:
+    def schedule_async_request(
+        self, request: AsyncRequest, *, uses: object | None = None, all_ranks: bool = False
+    ) -> AsyncCall:
         """Finalize any earlier call (blocking), then start ``request``. Caller's thread.
 
         Args:
             request: The work.
             uses: The object the work uses until it is finalized (see :meth:`finish_calls_using`).
+            all_ranks: Its finalization runs collectives (see :meth:`pending_all_ranks`).
         """
         self.maybe_finalize_async_calls(blocking=True)
         self._counter += 1
-        call = AsyncCall(request, name=f"hp-ckpt-async-{self._counter}", uses=uses)
+        call = AsyncCall(request, name=f"hp-ckpt-async-{self._counter}", uses=uses, all_ranks=all_ranks)
         self._calls.append(call)
         call.thread.start()
         return call
@@ -219,6 +224,13 @@ class AsyncCallsQueue:
         for queue in list(cls._instances):
             finished = queue.finish_calls_if(predicate) or finished
         return finished
+
+    def pending_all_ranks(self) -> AsyncCall | None:
+        """A call not finalized yet whose finalization runs collectives, or ``None``. Caller's thread.
+
+        Finalizing it (as :meth:`maybe_finalize_async_calls` with ``blocking`` does) waits for every rank.
+        """
+        return next((call for call in self._calls if call.all_ranks and not call.finalized()), None)
 
     def get_num_unfinalized_calls(self) -> int:
         """Number of scheduled calls not finalized yet."""

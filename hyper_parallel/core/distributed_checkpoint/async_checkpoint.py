@@ -36,8 +36,11 @@ from typing import Any
 
 import numpy as np
 
+from hyper_parallel import platform
+
 from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncCall, AsyncCallsQueue, AsyncRequest
 from hyper_parallel.core.distributed_checkpoint._async_engine import prefault_arena, staging_pool
+from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions
 from hyper_parallel.core.distributed_checkpoint._flatten import flatten_state_dict
 from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
@@ -45,7 +48,7 @@ from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutA
 from hyper_parallel.core.distributed_checkpoint._save_layout import host_array, plain_tensor
 from hyper_parallel.core.distributed_checkpoint._stage_copies import ALIGN, SMALL_COPY_BYTES, arena_bytes, round_up
 from hyper_parallel.core.distributed_checkpoint._storage_choice import writer_for
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, ConcurrentSaveError
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlanner
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
@@ -156,7 +159,11 @@ def async_save(
     collectives whose layout is not cached is planned afterwards, from the
     staged snapshot): the caller may change or delete its tensors; the
     checkpoint keeps the values at call time. A previous async save is
-    finished (committed) first.
+    finished (committed) first; a save without collectives in a job of
+    several ranks (``no_dist`` or ``use_collectives=False``) cannot finish a
+    pending collective one (its ``result()`` needs every rank) and fails at
+    once with :class:`ConcurrentSaveError` naming it: call ``result()`` on
+    every rank first.
 
     Args:
         staging: ``"copy"`` (default): copy the state into reused host
@@ -325,6 +332,9 @@ def _async_save_locked(
     gate: threading.Event,
 ) -> AsyncSaveHandle:
     queue = default_queue()
+    collective = DistWrapper(use_dist=not options.no_dist and options.use_collectives).use_dist
+    if not collective:
+        _refuse_finishing_alone(queue.pending_all_ranks())
     queue.maybe_finalize_async_calls(blocking=True)
     writer = writer_for(checkpoint_id, storage_writer)
     request = save_strategy().async_save(
@@ -334,7 +344,27 @@ def _async_save_locked(
         options=options,
         staging=staging,
     )
-    return AsyncSaveHandle(queue.schedule_async_request(_gated(request, gate), uses=writer))
+    return AsyncSaveHandle(queue.schedule_async_request(_gated(request, gate), uses=writer, all_ranks=collective))
+
+
+def _refuse_finishing_alone(pending: AsyncCall | None) -> None:
+    """Refuse an async save alone (no collectives) while a collective async save is pending. Caller's thread.
+
+    Finishing that save (as this save would first) runs its ``result()`` step, which waits for every rank:
+    on a rank saving alone, the others may never get there, and the call would hang.
+
+    Raises:
+        ConcurrentSaveError: ``pending`` is such a save (names its checkpoint, save id and the fix).
+    """
+    if pending is None:
+        return
+    writer = pending.uses
+    raise ConcurrentSaveError(
+        f"async_save without collectives (no_dist or use_collectives=False) on rank {platform.get_rank()} cannot "
+        f"start while this process's collective async save to {getattr(writer, 'path', writer)} (save id "
+        f"{getattr(writer, 'save_id', '?')}) is pending: finishing it first needs every rank. Call result() on "
+        "that save's handle on every rank, then save alone"
+    )
 
 
 def _gated(request: AsyncRequest, gate: threading.Event) -> AsyncRequest:

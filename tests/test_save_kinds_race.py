@@ -1,0 +1,78 @@
+"""Rank-local and collective saves of one directory, and a save alone beside a pending collective async save.
+
+One 2-rank msrun launch (tests/workers/save_kinds_worker.py), and the refusal's parts in this process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import hyper_parallel.core.distributed_checkpoint as dcp
+from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncRequest
+from hyper_parallel.core.distributed_checkpoint.async_checkpoint import _refuse_finishing_alone
+from msrun_harness import run_workers
+
+WORKER = Path(__file__).resolve().parent / "workers" / "save_kinds_worker.py"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list:
+    """Every rank's scenario results."""
+    return run_workers(WORKER, workers=2, tmp_path=tmp_path_factory.mktemp("save_kinds"), timeout=400)
+
+
+def test_rank_local_and_collective_saves_of_one_directory_keep_each_other_whole(results: list) -> None:
+    """Rank-local saves (metadata.rank<r>.json, thread) and collective async saves (metadata.json) commit to one
+    directory at once on both ranks: they take different leases, but data files carry their save's id and
+    every sweep removes files by save id, so each committed checkpoint of either kind loads its own values
+    whole (checksums checked), never the other kind's nor a mix."""
+    for rank in (0, 1):
+        entry = results[rank]["kinds_race"]
+        assert entry["ok"], entry
+        local, whole = entry["value"]["local"], entry["value"]["whole"]
+        assert local == [(value, [float(value)]) for value in range(100 + 10 * rank, 118 + 10 * rank)], local
+        for i, values in whole:
+            # result() does not wait for the coordinator's background commit, and a no_dist load in a job of
+            # several ranks does not finish it: the previous collective save may still be the committed one.
+            assert values in ([float(i)], [float(i - 1)]), (i, values)
+
+
+def test_an_async_save_alone_beside_a_pending_collective_async_save_fails_fast(results: list) -> None:
+    """Rank 0 alone starts an async save (use_collectives=False or no_dist) while a collective async save is
+    pending and rank 1 is not in its result(): it used to finish that save first, whose result() step waits
+    for every rank, and hung until rank 1 got there (here after 20 s). Now it raises at once naming the
+    pending save and the fix; once result() ran on every rank the same save commits. A sync save alone does
+    not finish the pending save and commits at once."""
+    outcomes = results[0]["alone_after_collective"]
+    assert outcomes["ok"], outcomes
+    for name, outcome in outcomes["value"].items():
+        assert outcome["collective"] == [3.0], (name, outcome)
+        assert outcome["alone"] == [7.0], (name, outcome)
+        assert outcome["seconds"] < 10.0, (name, outcome)
+        if name.startswith("async"):
+            assert outcome["error"] == "ConcurrentSaveError", (name, outcome)
+            assert f"collective_{name}" in outcome["message"] and "Call result() on" in outcome["message"], outcome
+            assert "every rank" in outcome["message"], outcome
+        else:
+            assert outcome["error"] is None, (name, outcome)
+    other = results[1]["alone_after_collective"]
+    assert other["ok"] and all(o["collective"] == [3.0] for o in other["value"].values()), other
+
+
+def test_the_queue_names_a_pending_call_whose_finishing_needs_every_rank(tmp_path: Path) -> None:
+    """Only a call scheduled with all_ranks and not finalized yet is pending for every rank; refusing names its
+    checkpoint and save id, and nothing is refused once it is finalized."""
+    queue = dcp.AsyncCallsQueue()
+    writer = dcp.FileSystemWriter(tmp_path / "ckpt")
+    queue.schedule_async_request(AsyncRequest(async_fn=lambda: 1), uses=object())
+    assert queue.pending_all_ranks() is None
+    call = queue.schedule_async_request(AsyncRequest(async_fn=lambda: 2), uses=writer, all_ranks=True)
+    assert queue.pending_all_ranks() is call
+    with pytest.raises(dcp.ConcurrentSaveError) as caught:
+        _refuse_finishing_alone(call)
+    assert str(tmp_path / "ckpt") in str(caught.value) and writer.save_id in str(caught.value)
+    queue.close()
+    assert queue.pending_all_ranks() is None and call.finalize() == 2
+    _refuse_finishing_alone(queue.pending_all_ranks())  # nothing pending: no error
