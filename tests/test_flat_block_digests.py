@@ -217,3 +217,28 @@ def test_a_malformed_digest_of_a_usual_entry_is_refused(saved):
     _rewrite(saved, document)
     with pytest.raises(dcp.CorruptCheckpointError, match=r"key 'b'.*digests\[0\] is 'gggggggggggggggg'"):
         dcp.read_metadata(saved)
+
+
+@pytest.mark.parametrize("shape,dtype,block", [
+    ((512, 4096), np.float32, MIB),  # one slab of 8 tiles, 8 whole blocks
+    ((1000, 4096), np.float32, MIB),  # 16 slabs of 64 rows (1 MiB each): slab and block edges meet
+    ((300, 3, 1024), np.float32, 15 * 1024),  # slabs of 5 rows (60 KiB): blocks straddle slab edges
+    ((48, 2048), np.float16, 15 * 1024),  # last slab shorter (3 of 15 rows)
+    ((5, 3, 4096), np.float32, 100),  # blocks far smaller than a slab
+])
+def test_the_writer_hashes_tiles_and_flat_blocks_as_the_format_says(shape, dtype, block):
+    """The one-pass computation (flat blocks hashed slab by slab) against xxhash over the whole bytes."""
+    from hyper_parallel.core.distributed_checkpoint._format.checksum import chunk_checksum  # pylint: disable=import-outside-toplevel
+
+    values = np.random.default_rng(3).standard_normal(shape).astype(dtype)
+    raw = values.tobytes()
+    checksum = chunk_checksum(memoryview(raw), block, sizes=shape, itemsize=values.itemsize)
+    assert checksum.block_shape
+    assert checksum.flat_digests == tuple(xxhash.xxh3_64(raw[s : s + block], seed=0).hexdigest()
+                                          for s in range(0, len(raw), block))
+    rows, width = checksum.block_shape[0], checksum.block_shape[-1]
+    cube = np.frombuffer(raw, np.uint8).reshape(shape[0], -1, shape[-1] * values.itemsize)
+    tiles = [xxhash.xxh3_64(np.ascontiguousarray(
+        cube[r : r + rows, :, c * values.itemsize : (c + width) * values.itemsize]).tobytes(), seed=0).hexdigest()
+        for r in range(0, shape[0], rows) for c in range(0, shape[-1], width)]
+    assert checksum.digests == tuple(tiles)
