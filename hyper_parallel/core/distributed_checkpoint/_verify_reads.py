@@ -89,10 +89,11 @@ def _window(source: FileSource, path: Path, window: Window) -> Iterator[memoryvi
         CorruptCheckpointError: the file ends inside a range read.
     """
     start, end = window.start, window.end
-    buffer = memoryview(scratch(end - start, slot=2, huge=True))
+    array = scratch(end - start, slot=2, huge=True)
+    buffer = memoryview(array)
     fd = getattr(source, "fd", None)
     if fd is None or window.whole:
-        if source.readinto(buffer, start) != end - start:
+        if source.readinto(array, start) != end - start:  # an object store's source fills arrays
             raise CorruptCheckpointError(f"data file {path} is truncated (bytes {start}..{end} are verified)")
         yield buffer
         return
