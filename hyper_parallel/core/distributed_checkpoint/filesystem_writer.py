@@ -82,6 +82,9 @@ __all__ = [
     "fsync_directory",
 ]
 
+#: Times a save makes its directory again if another rank's abort removes it meanwhile (set-up).
+_DIRECTORY_ATTEMPTS = 3
+
 #: Name of the committed metadata of a collective save.
 METADATA_FILE = "metadata.json"
 
@@ -238,19 +241,34 @@ class FileSystemWriter(IndexFormWriting, StorageWriter):
             )
         # The new entries are made durable by write_data, before any commit: off the blocking part of an async save.
         self._unsynced_parents = []
+        for attempt in range(_DIRECTORY_ATTEMPTS):
+            # Another rank's abort of a save that failed in planning removes the directory it made, if still
+            # empty, and may do so just after this rank made or found it: then it is made again.
+            last = attempt == _DIRECTORY_ATTEMPTS - 1
+            self._make_directory(is_coordinator=is_coordinator)
+            if not self.path.is_dir() and not last:
+                continue
+            if not os.access(self.path, os.W_OK):
+                raise CheckpointIOError(f"checkpoint directory {self.path} is not writable (rank {rank})")
+            if is_coordinator:
+                try:
+                    self._take_lease()
+                except CheckpointIOError as exc:
+                    if last or not isinstance(exc.__cause__, FileNotFoundError) or self.path.is_dir():
+                        raise
+                    continue
+            return
+
+    def _make_directory(self, *, is_coordinator: bool) -> None:
+        """Create the directory and its missing parents (durably with ``sync_files``). Any rank."""
         try:
-            self._created_directory = make_directories(
-                self.file_ops, self.path, sync=self.sync_files, deferred=self._unsynced_parents
-            )
-            if self.sync_files and is_coordinator and not self._created_directory:
+            if make_directories(self.file_ops, self.path, sync=self.sync_files, deferred=self._unsynced_parents):
+                self._created_directory = True
+            elif self.sync_files and is_coordinator and self.path.parent not in self._unsynced_parents:
                 # A directory left by an earlier (crashed) save may not be durable yet.
                 self._unsynced_parents.append(self.path.parent)
         except OSError as exc:
             raise CheckpointIOError(f"cannot create checkpoint directory {self.path}: {exc}") from exc
-        if not os.access(self.path, os.W_OK):
-            raise CheckpointIOError(f"checkpoint directory {self.path} is not writable (rank {rank})")
-        if is_coordinator:
-            self._take_lease()
 
     def _metadata_name(self) -> str:
         return rank_metadata_file(self.rank) if self.rank_local else METADATA_FILE
