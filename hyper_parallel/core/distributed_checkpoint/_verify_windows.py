@@ -19,7 +19,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._format.byte_ranges import box_runs
-from hyper_parallel.core.distributed_checkpoint._format.checksum import digest, grid_shape
+from hyper_parallel.core.distributed_checkpoint._format.checksum import digest, flat_count, grid_shape
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import StorageInfo
 
@@ -55,7 +55,7 @@ class RegionCheck:
 def flat_blocks(check: RegionCheck) -> range | np.ndarray:
     """Indices of the flat blocks the region touches (a ``range`` when it covers the whole chunk)."""
     block = check.info.checksum.block_bytes
-    count = max(1, -(-check.info.length // block))
+    count = flat_count(check.info.length, block)
     if check.sizes is None or math.prod(check.lengths) * check.itemsize == check.info.length:
         return range(count)
     runs = box_runs(check.sizes, check.itemsize, check.offsets, check.lengths)

@@ -110,7 +110,7 @@ def expected_blocks(checksum: ChunkChecksum, sizes: tuple[int, ...] | None, leng
     if checksum.block_shape and sizes is not None and len(sizes) == len(checksum.block_shape):
         rows, columns = grid_shape(sizes, checksum.block_shape)
         return rows * columns
-    return max(1, -(-length // checksum.block_bytes))
+    return flat_count(length, checksum.block_bytes)
 
 
 def _tiles(data: np.ndarray, sizes: tuple[int, ...], itemsize: int, block_shape: tuple[int, ...]):
