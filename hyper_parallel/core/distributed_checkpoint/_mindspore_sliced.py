@@ -162,18 +162,18 @@ class _Wrapper:
                 "describes (saving it would place the wrong bytes in the global tensor); save the Parameters of "
                 "the compiled parallel network, or drop its parameter_layout_dict entry if it is whole"
             )
-        elif layout is not None and self._disagrees(path, value, layout):
-            pass
         elif layout is not None:
-            try:
-                wrapped = DTensor(value, layout, rank=self.rank)
-            except LayoutError as exc:
-                self.bad.append(f"key '{path}' (Parameter '{value.name}', local shape {tuple(value.shape)}): {exc}")
-            else:
-                if value.sliced:
-                    self.sliced_shapes[value.name] = tuple(value.shape)
-                elif expected is None and wrapped.shape != tuple(value.shape):
-                    self.unmarked.append((path, value, wrapped.shape))
+            if not self._disagrees(path, value, layout):  # a disagreement is noted in self.bad
+                try:
+                    wrapped = DTensor(value, layout, rank=self.rank)
+                except LayoutError as exc:
+                    self.bad.append(f"key '{path}' (Parameter '{value.name}', local shape {tuple(value.shape)}): "
+                                    f"{exc}")
+                else:
+                    if value.sliced:
+                        self.sliced_shapes[value.name] = tuple(value.shape)
+                    elif expected is None and wrapped.shape != tuple(value.shape):
+                        self.unmarked.append((path, value, wrapped.shape))
         elif getattr(value, "sliced", False):
             self.unknown.append(f"'{path}' (Parameter '{value.name}')")
         self.done[id(value)] = wrapped

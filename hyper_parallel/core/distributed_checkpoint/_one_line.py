@@ -295,15 +295,15 @@ def _check_dtypes(pairs: dict[str, str], flat_values: dict[str, Any], metadata: 
     stored_of = metadata.state_dict_metadata
     for name, key in pairs.items():
         stored = stored_of.get(stored_names.get(key, key))
+        if not isinstance(stored, TensorStorageMetadata):
+            continue
         value = flat_values[name]
         want = plain_dtype_name(value)  # a plain Parameter or array (most targets): its dtype's name, cached
         if want is None:
             value = _local_data(value)
-            if not isinstance(stored, TensorStorageMetadata) or not (is_tensor(value) or isinstance(value, np.ndarray)):
+            if not (is_tensor(value) or isinstance(value, np.ndarray)):
                 continue
             want = dtype_name(value)
-        elif not isinstance(stored, TensorStorageMetadata):
-            continue
         have = stored.properties.dtype
         if have == want:
             continue
