@@ -8,7 +8,8 @@ load's values are returned, or its error.
 Scenario ``alone_after_collective``: a collective ``async_save`` is pending on both ranks; rank 0 alone then
 starts another save (async or sync, ``use_collectives=False`` or ``no_dist``) while rank 1 waits (up to
 :data:`WAIT` seconds) before calling ``result()``. Returns rank 0's outcome and how long it took, then both
-ranks finish the pending save and rank 0 repeats its save, which must then commit.
+ranks finish the pending save and rank 0 repeats its save, which must then commit. The ``*_shared_writer``
+cases give rank 0's sync save the very writer object the pending save uses (``storage_writer=``).
 """
 
 from __future__ import annotations
@@ -81,19 +82,23 @@ def main() -> None:
     def alone_after_collective() -> dict:
         outcomes = {}
         cases = {
-            "async_rank_local": lambda d: dcp.async_save(own(7.0), checkpoint_id=d, use_collectives=False).result(),
-            "async_no_dist": lambda d: dcp.async_save(plain(7.0), checkpoint_id=d, no_dist=True).result(),
-            "sync_rank_local": lambda d: dcp.save(own(7.0), checkpoint_id=d, use_collectives=False),
-            "sync_no_dist": lambda d: dcp.save(plain(7.0), checkpoint_id=d, no_dist=True),
+            "async_rank_local": lambda d, _: dcp.async_save(own(7.0), checkpoint_id=d, use_collectives=False).result(),
+            "async_no_dist": lambda d, _: dcp.async_save(plain(7.0), checkpoint_id=d, no_dist=True).result(),
+            "sync_rank_local": lambda d, _: dcp.save(own(7.0), checkpoint_id=d, use_collectives=False),
+            "sync_no_dist": lambda d, _: dcp.save(plain(7.0), checkpoint_id=d, no_dist=True),
+            "sync_rank_local_shared_writer": lambda _, w: dcp.save(own(7.0), storage_writer=w, use_collectives=False),
+            "sync_no_dist_shared_writer": lambda _, w: dcp.save(plain(7.0), storage_writer=w, no_dist=True),
         }
         for name, alone in cases.items():
             marker = shared / f"{name}.tried"
-            handle = dcp.async_save(state(3.0), checkpoint_id=shared / f"collective_{name}")
+            writer = dcp.FileSystemWriter(shared / f"collective_{name}")
+            handle = dcp.async_save(state(3.0), storage_writer=writer)
             outcome: dict = {}
+            alone_dir = writer.path if name.endswith("shared_writer") else shared / f"alone_{name}"
             if rank == 0:
                 start = time.monotonic()
                 try:
-                    alone(shared / f"alone_{name}")
+                    alone(alone_dir, writer)
                     outcome = {"error": None, "message": ""}
                 except dcp.CheckpointError as exc:
                     outcome = {"error": type(exc).__name__, "message": str(exc)}
@@ -109,9 +114,9 @@ def main() -> None:
             outcome["collective"] = sorted(set(whole["w"].asnumpy().ravel().tolist()))
             if rank == 0:
                 if outcome["error"] is not None:
-                    alone(shared / f"alone_{name}")  # nothing pending now: it commits
+                    alone(alone_dir, writer)  # nothing pending now: it commits
                 target = plain(0.0) if "no_dist" in name else own(0.0)
-                dcp.load(target, checkpoint_id=shared / f"alone_{name}", use_collectives=False,
+                dcp.load(target, checkpoint_id=alone_dir, use_collectives=False,
                          no_dist="no_dist" in name)
                 outcome["alone"] = local_values(target)
             outcomes[name] = outcome

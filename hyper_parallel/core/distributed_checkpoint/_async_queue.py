@@ -21,6 +21,9 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from hyper_parallel import platform
+from hyper_parallel.core.distributed_checkpoint.errors import ConcurrentSaveError
+
 __all__ = ["AsyncRequest", "AsyncCall", "AsyncCallsQueue"]
 
 _LOG = logging.getLogger(__name__)
@@ -158,16 +161,28 @@ class AsyncCallsQueue:
         call.thread.start()
         return call
 
-    def maybe_finalize_async_calls(self, blocking: bool = False) -> int:
+    def maybe_finalize_async_calls(self, blocking: bool = False, *, collective: bool = True) -> int:
         """Finalize calls whose background work is done (all of them if ``blocking``).
 
         Caller's thread. A failure nobody has seen yet (no ``finalize(seen=True)``
         raised it) is kept; with ``blocking`` it is raised here, after every
         call was finalized, so no error is ever lost silently.
 
+        Args:
+            blocking: Finalize every call, waiting for its background work.
+            collective: Every rank of the job reaches this call together. ``False`` (a save or load without
+                collectives in a job of several ranks) refuses to finish a call whose finalization waits for
+                every rank (see :meth:`pending_all_ranks`): the other ranks may never get there.
+
         Returns:
             The number of calls still unfinalized.
+
+        Raises:
+            ConcurrentSaveError: not ``collective`` and such a call is pending (names its checkpoint, save id
+                and the fix); nothing was finalized.
         """
+        if not collective:
+            _refuse_finishing_alone(self.pending_all_ranks())
         kept = []
         unseen: BaseException | None = None
         for call in self._calls:
@@ -188,18 +203,18 @@ class AsyncCallsQueue:
             raise unseen
         return sum(1 for call in kept if not call.finalized())
 
-    def finish_calls_using(self, resource: object) -> bool:
+    def finish_calls_using(self, resource: object, *, collective: bool = True) -> bool:
         """Finalize every call (blocking) if one not finalized yet uses ``resource``. Caller's thread.
 
-        As :meth:`maybe_finalize_async_calls` with ``blocking``: a failure of
+        As :meth:`maybe_finalize_async_calls` with ``blocking`` (``collective`` as there): a failure of
         those calls nobody has seen yet is raised here.
 
         Returns:
             Whether a call used ``resource`` (and the calls were finalized).
         """
-        return self.finish_calls_if(lambda uses: uses is resource)
+        return self.finish_calls_if(lambda uses: uses is resource, collective=collective)
 
-    def finish_calls_if(self, predicate: Callable[[object], bool]) -> bool:
+    def finish_calls_if(self, predicate: Callable[[object], bool], *, collective: bool = True) -> bool:
         """Finalize every call (blocking) if one not finalized yet uses an object ``predicate`` accepts. Caller's thread.
 
         As :meth:`finish_calls_using`, for a test of the object (an async save's
@@ -210,7 +225,7 @@ class AsyncCallsQueue:
         """
         if not any(not call.finalized() and predicate(call.uses) for call in self._calls):
             return False
-        self.maybe_finalize_async_calls(blocking=True)
+        self.maybe_finalize_async_calls(blocking=True, collective=collective)
         return True
 
     @classmethod
@@ -246,6 +261,23 @@ class AsyncCallsQueue:
             for call in queue._calls:  # pylint: disable=protected-access
                 if not call.finalized() or call.thread.is_alive():
                     call.thread.join()  # the whole background work, a commit after ``ready`` included
+
+
+def _refuse_finishing_alone(pending: AsyncCall | None) -> None:
+    """Refuse to finish ``pending``, a call whose finalization waits for every rank, on one rank alone.
+
+    Raises:
+        ConcurrentSaveError: ``pending`` is not ``None`` (names its checkpoint, save id and the fix).
+    """
+    if pending is None:
+        return
+    writer = pending.uses
+    raise ConcurrentSaveError(
+        f"a save without collectives (no_dist or use_collectives=False) on rank {platform.get_rank()} cannot "
+        f"finish this process's collective async save to {getattr(writer, 'path', writer)} (save id "
+        f"{getattr(writer, 'save_id', '?')}), as it must first (it is pending, and a writer holds one save at a "
+        "time): finishing it needs every rank. Call result() on that save's handle on every rank, then save alone"
+    )
 
 
 atexit.register(AsyncCallsQueue._drain_at_exit)  # pylint: disable=protected-access

@@ -54,7 +54,9 @@ def save(
 
     An async save of this process still running with the same
     ``storage_writer`` object is finished (committed) first: a writer holds
-    one save's state at a time. So is one still writing to the same
+    one save's state at a time (a save without collectives in a job of
+    several ranks refuses, with :class:`ConcurrentSaveError`, when that async
+    save is a collective one). So is one still writing to the same
     checkpoint, with collectives or in a process alone (as :func:`load`
     does): the save then replaces it. A save without collectives in a job of
     several ranks does not finish it (the other ranks may not reach its
@@ -91,11 +93,12 @@ def save(
             async save finished first failed and its failure was not raised yet.
     """
     writer = writer_for(checkpoint_id, storage_writer)
-    finish_async_saves_using(writer)  # a writer holds one save's state: never two saves at once
+    collective = DistWrapper(use_dist=not no_dist and use_collectives).use_dist
+    # A writer holds one save's state: never two saves at once (refused alone if finishing needs every rank).
+    finish_async_saves_using(writer, collective=collective)
     # This process's async save to the same id is finished first, where every rank decides alike (see there):
     # it would hold the id's lease, and this save would fail as a concurrent one.
-    finish_own_saves_to(getattr(writer, "path", None),
-                        collective=DistWrapper(use_dist=not no_dist and use_collectives).use_dist)
+    finish_own_saves_to(getattr(writer, "path", None), collective=collective)
     return save_strategy().save(
         state_dict,
         storage_writer=writer,

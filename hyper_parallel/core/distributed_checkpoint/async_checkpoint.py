@@ -48,7 +48,7 @@ from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutA
 from hyper_parallel.core.distributed_checkpoint._save_layout import host_array, plain_tensor
 from hyper_parallel.core.distributed_checkpoint._stage_copies import ALIGN, SMALL_COPY_BYTES, arena_bytes, round_up
 from hyper_parallel.core.distributed_checkpoint._storage_choice import writer_for
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, ConcurrentSaveError
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlanner
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
@@ -72,7 +72,7 @@ def default_queue() -> AsyncCallsQueue:
         return _QUEUE
 
 
-def finish_async_saves_using(writer: StorageWriter) -> None:
+def finish_async_saves_using(writer: StorageWriter, *, collective: bool) -> None:
     """Finish (commit) this process's async save that still uses ``writer``, if any. All ranks call it.
 
     A storage writer holds one save's state (its save id, the committed
@@ -83,12 +83,18 @@ def finish_async_saves_using(writer: StorageWriter) -> None:
     is the same collective step as ``handle.result()``: every rank reaches it
     in the same ``dcp.save`` call.
 
+    Args:
+        writer: The storage writer of the save about to start.
+        collective: That save runs collectives (every rank is here). ``False`` refuses to finish a
+            collective async save (its ``result()`` step needs every rank) instead of waiting alone.
+
     Raises:
         CheckpointError: that async save failed and its failure was not
             raised to the caller yet (so it is never lost).
+        ConcurrentSaveError: not ``collective`` and that async save is a collective one (names it and the fix).
     """
     if _QUEUE is not None:
-        _QUEUE.finish_calls_using(writer)
+        _QUEUE.finish_calls_using(writer, collective=collective)
 
 
 class AsyncSaveHandle:
@@ -333,9 +339,7 @@ def _async_save_locked(
 ) -> AsyncSaveHandle:
     queue = default_queue()
     collective = DistWrapper(use_dist=not options.no_dist and options.use_collectives).use_dist
-    if not collective:
-        _refuse_finishing_alone(queue.pending_all_ranks())
-    queue.maybe_finalize_async_calls(blocking=True)
+    queue.maybe_finalize_async_calls(blocking=True, collective=collective)
     writer = writer_for(checkpoint_id, storage_writer)
     request = save_strategy().async_save(
         state_dict,
@@ -345,26 +349,6 @@ def _async_save_locked(
         staging=staging,
     )
     return AsyncSaveHandle(queue.schedule_async_request(_gated(request, gate), uses=writer, all_ranks=collective))
-
-
-def _refuse_finishing_alone(pending: AsyncCall | None) -> None:
-    """Refuse an async save alone (no collectives) while a collective async save is pending. Caller's thread.
-
-    Finishing that save (as this save would first) runs its ``result()`` step, which waits for every rank:
-    on a rank saving alone, the others may never get there, and the call would hang.
-
-    Raises:
-        ConcurrentSaveError: ``pending`` is such a save (names its checkpoint, save id and the fix).
-    """
-    if pending is None:
-        return
-    writer = pending.uses
-    raise ConcurrentSaveError(
-        f"async_save without collectives (no_dist or use_collectives=False) on rank {platform.get_rank()} cannot "
-        f"start while this process's collective async save to {getattr(writer, 'path', writer)} (save id "
-        f"{getattr(writer, 'save_id', '?')}) is pending: finishing it first needs every rank. Call result() on "
-        "that save's handle on every rank, then save alone"
-    )
 
 
 def _gated(request: AsyncRequest, gate: threading.Event) -> AsyncRequest:
