@@ -61,11 +61,8 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     UnsafeCheckpointError,
 )
 from hyper_parallel.core.distributed_checkpoint._data_writing import FileJob
-from hyper_parallel.core.distributed_checkpoint.filesystem_writer import (
-    MAX_RECORD_BYTES,
-    FileSystemPlanData,
-    FileSystemWriter,
-)
+from hyper_parallel.core.distributed_checkpoint._writer_records import record_name
+from hyper_parallel.core.distributed_checkpoint.filesystem_writer import MAX_RECORD_BYTES, FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.metadata import FSSPEC_BACKEND_NAME, S3_BACKEND_NAME, Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner
 from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, WriteResult
@@ -364,9 +361,8 @@ class FsspecWriter(FileSystemWriter):
         Raises:
             CheckpointIOError: the store refused it.
         """
-        save_id = plan.storage_data.save_id if isinstance(plan.storage_data, FileSystemPlanData) else self.save_id
         try:
-            self.fs.pipe_file(self._object(f".{save_id}.rank{rank:05d}.results"), data)
+            self.fs.pipe_file(self._object(record_name(self._plan_save_id(plan), rank)), data)
         except Exception as exc:  # pylint: disable=broad-except
             raise CheckpointIOError(f"writing the results record of rank {rank} under {self.path} failed: {exc}") from exc
 
@@ -380,7 +376,7 @@ class FsspecWriter(FileSystemWriter):
             CheckpointIOError: the store cannot be read.
         """
         try:
-            found = get_with_tag(self.fs, self._object(f".{save_id or self.save_id}.rank{rank:05d}.results"))
+            found = get_with_tag(self.fs, self._object(record_name(save_id or self.save_id, rank)))
         except Exception as exc:  # pylint: disable=broad-except
             raise CheckpointIOError(f"reading the results record of rank {rank} under {self.path} failed: {exc}") from exc
         if found is not None and len(found.data) > MAX_RECORD_BYTES:
@@ -389,7 +385,7 @@ class FsspecWriter(FileSystemWriter):
 
     def remove_rank_records(self, world_size: int) -> None:
         """Delete this save's record objects (best effort, never raises). Coordinator."""
-        remove_objects(self.fs, [self._object(f".{self.save_id}.rank{rank:05d}.results") for rank in range(world_size)])
+        remove_objects(self.fs, [self._object(record_name(self.save_id, rank)) for rank in range(world_size)])
 
     def _superseded_files(self) -> set[str]:
         """Data objects listed by the metadata this commit replaced (empty if it is unreadable)."""

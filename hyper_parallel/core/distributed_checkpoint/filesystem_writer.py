@@ -15,7 +15,10 @@ the old checkpoint or the new one, complete.
 Racing saves: the coordinator holds the directory's save lease and checks,
 compare-and-swap style, before it commits (:mod:`._commit_guard`); after the
 commit it deletes only the files of the save it replaced
-(:mod:`._commit_cleanup`). How items become data files: :mod:`._data_writing`.
+(:mod:`._commit_cleanup`). How items become data files: :mod:`._data_writing`;
+the directory and lease set-up: :mod:`._writer_set_up`; the rank records of a
+multi-rank async save: :mod:`._writer_records`; the metadata forms:
+:mod:`._writer_index_form`.
 """
 
 from __future__ import annotations
@@ -27,19 +30,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-
 from hyper_parallel.core.distributed_checkpoint._commit_cleanup import (
     DATA_FILE_PATTERN,
     committed_save_id,
     garbage_files,
     remove_files,
 )
-from hyper_parallel.core.distributed_checkpoint._commit_guard import check_commit, clean_up_after_commit, drop_dead_save, file_signature
+from hyper_parallel.core.distributed_checkpoint._commit_guard import check_commit, clean_up_after_commit
 from hyper_parallel.core.distributed_checkpoint._file_ops import (
     OS_FILE_OPS,
     FileOps,
     fsync_directory,
-    make_directories,
     write_atomically,
 )
 from hyper_parallel.core.distributed_checkpoint._index_form import check_metadata_form
@@ -57,8 +58,9 @@ from hyper_parallel.core.distributed_checkpoint._data_writing import (
     zstd_module,
 )
 from hyper_parallel.core.distributed_checkpoint._format.checksum import DEFAULT_BLOCK_BYTES
-from hyper_parallel.core.distributed_checkpoint._safe_files import read_regular
 from hyper_parallel.core.distributed_checkpoint._save_lease import DEFAULT_LEASE_TIMEOUT, SaveLease
+from hyper_parallel.core.distributed_checkpoint._writer_records import RankRecordFiles
+from hyper_parallel.core.distributed_checkpoint._writer_set_up import DirectorySetUp
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointExistsError,
     CheckpointIOError,
@@ -81,9 +83,6 @@ __all__ = [
     "write_atomically",
     "fsync_directory",
 ]
-
-#: Times a save makes its directory again if another rank's abort removes it meanwhile (set-up).
-_DIRECTORY_ATTEMPTS = 3
 
 #: Name of the committed metadata of a collective save.
 METADATA_FILE = "metadata.json"
@@ -108,7 +107,7 @@ class FileSystemPlanData:
     index: RankIndexPlan | None = None
 
 
-class FileSystemWriter(IndexFormWriting, StorageWriter):
+class FileSystemWriter(DirectorySetUp, RankRecordFiles, IndexFormWriting, StorageWriter):
     """Writes a checkpoint into a local or shared-filesystem directory.
 
     Args:
@@ -239,50 +238,10 @@ class FileSystemWriter(IndexFormWriting, StorageWriter):
             raise CheckpointExistsError(
                 f"checkpoint path {self.path} exists and is not a directory; choose another checkpoint_id"
             )
-        # The new entries are made durable by write_data, before any commit: off the blocking part of an async save.
-        self._unsynced_parents = []
-        for attempt in range(_DIRECTORY_ATTEMPTS):
-            # Another rank's abort of a save that failed in planning removes the directory it made, if still
-            # empty, and may do so just after this rank made or found it: then it is made again.
-            last = attempt == _DIRECTORY_ATTEMPTS - 1
-            self._make_directory(is_coordinator=is_coordinator)
-            if not self.path.is_dir() and not last:
-                continue
-            if not os.access(self.path, os.W_OK):
-                raise CheckpointIOError(f"checkpoint directory {self.path} is not writable (rank {rank})")
-            if is_coordinator:
-                try:
-                    self._take_lease()
-                except CheckpointIOError as exc:
-                    if last or not isinstance(exc.__cause__, FileNotFoundError) or self.path.is_dir():
-                        raise
-                    continue
-            return
-
-    def _make_directory(self, *, is_coordinator: bool) -> None:
-        """Create the directory and its missing parents (durably with ``sync_files``). Any rank."""
-        try:
-            if make_directories(self.file_ops, self.path, sync=self.sync_files, deferred=self._unsynced_parents):
-                self._created_directory = True
-            elif self.sync_files and is_coordinator and self.path.parent not in self._unsynced_parents:
-                # A directory left by an earlier (crashed) save may not be durable yet.
-                self._unsynced_parents.append(self.path.parent)
-        except OSError as exc:
-            raise CheckpointIOError(f"cannot create checkpoint directory {self.path}: {exc}") from exc
+        self._set_up_directory(is_coordinator=is_coordinator)
 
     def _metadata_name(self) -> str:
         return rank_metadata_file(self.rank) if self.rank_local else METADATA_FILE
-
-    def _take_lease(self) -> None:
-        """Hold the directory's save lease; note the committed metadata; drop a dead save's files. Coordinator."""
-        if self._lease is not None and not self._lease.released.is_set():
-            self._lease.release()  # this writer's earlier save never finished nor aborted
-        name = self._metadata_name()
-        self._lease, broken = SaveLease.acquire(self.path, name, self.save_id, timeout=self.lease_timeout)
-        self._base = file_signature(self.path / name)
-        if broken is not None:
-            drop_dead_save(self.path, name, broken, save_id=self.save_id,
-                           rank=self.rank if self.rank_local else None, unlink=self.file_ops.unlink)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Return the plan unchanged: file names are given by the coordinator. All ranks call it."""
@@ -292,9 +251,12 @@ class FileSystemWriter(IndexFormWriting, StorageWriter):
         """Give every plan the coordinator's save id (:class:`FileSystemPlanData`). Coordinator only."""
         return [replace(plan, storage_data=FileSystemPlanData(save_id=self.save_id)) for plan in plans]
 
+    def _plan_save_id(self, plan: SavePlan) -> str:
+        """The save id ``plan`` carries (:class:`FileSystemPlanData`), else this writer's. Any rank."""
+        return plan.storage_data.save_id if isinstance(plan.storage_data, FileSystemPlanData) else self.save_id
+
     def _jobs(self, plan: SavePlan) -> list[FileJob]:
-        if isinstance(plan.storage_data, FileSystemPlanData):
-            self.save_id = plan.storage_data.save_id
+        self.save_id = self._plan_save_id(plan)
         return file_jobs(plan.items, rank=self.rank, save_id=self.save_id, thread_count=self.thread_count,
                          auto_thread_bytes=self.auto_thread_bytes)
 
@@ -455,49 +417,6 @@ class FileSystemWriter(IndexFormWriting, StorageWriter):
             except OSError:
                 pass
             self._created_directory = False
-
-    def supports_rank_records(self) -> bool:
-        """Records are hidden files ``.<save id>.rank<r>.results`` in the directory. Any rank."""
-        return True
-
-    def _record_path(self, rank: int, save_id: str | None = None) -> Path:
-        return self.path / f".{save_id or self.save_id}.rank{rank:05d}.results"
-
-    def write_rank_record(self, rank: int, data: bytes, *, plan: SavePlan) -> None:
-        """Write ``rank``'s record atomically (temporary file, rename), named by the plan's save id. The rank itself.
-
-        No ``fsync``: the record is written after this rank's data files are
-        durable and is only a message to the coordinator's commit; a record
-        lost in a crash means no commit, and after the commit it is deleted.
-
-        Raises:
-            CheckpointIOError: it cannot be written.
-        """
-        save_id = plan.storage_data.save_id if isinstance(plan.storage_data, FileSystemPlanData) else self.save_id
-        try:
-            write_atomically(self._record_path(rank, save_id), data, sync=False, tag=save_id, ops=self.file_ops)
-        except OSError as exc:
-            raise CheckpointIOError(f"writing the results record of rank {rank} in {self.path} failed: {exc}") from exc
-
-    def read_rank_record(self, rank: int, *, save_id: str | None = None) -> bytes | None:
-        """``rank``'s record of ``save_id`` (default this save), or ``None`` while absent. Coordinator; a rank: its own.
-
-        A regular file of bounded size (see :meth:`.StorageWriter.read_rank_record`).
-
-        Raises:
-            UnsafeCheckpointError: the name holds something else than a regular file, or too much.
-            CheckpointIOError: it cannot be read.
-        """
-        try:
-            return read_regular(self._record_path(rank, save_id), limit=MAX_RECORD_BYTES)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise CheckpointIOError(f"reading the results record of rank {rank} in {self.path} failed: {exc}") from exc
-
-    def remove_rank_records(self, world_size: int) -> None:
-        """Delete the records of this save (regular files only; logs the rest). Coordinator."""
-        remove_files([self._record_path(rank) for rank in range(world_size)], unlink=self.file_ops.unlink)
 
     def wait_cleanup(self) -> None:
         """Wait until the files of older saves are deleted. Coordinator."""
