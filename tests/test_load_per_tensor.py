@@ -492,3 +492,27 @@ def test_a_tensor_whose_dtype_changed_in_its_own_memory_is_not_read_through_its_
     assert all(view is None or (view.dtype == np.float32 and view is not old) for view, old in zip(mixed, views))
     dcp.load(state, checkpoint_id=tmp_path / "float", no_dist=True)
     assert all(np.array_equal(p.asnumpy(), np.arange(4, dtype=np.float32) + i) for i, p in enumerate(params))
+
+
+def test_fresh_dtype_objects_keep_their_names_and_the_name_table_bounded(tmp_path: Path) -> None:
+    """A big-endian or structured numpy dtype is a new object per array: each used to stay in the dtype name
+    table for good (1,000 arrays: 1,000 entries). The table now stops at its bound, every array still gets its
+    own dtype's name (never a name looked up for another dtype object, whatever ids are reused), and a state of
+    such arrays saves and loads bit-exact."""
+    for _ in range(2 * _state_items._MAX_DTYPE_NAMES):
+        big = np.arange(3, dtype=np.float32).astype(np.dtype(np.float32).newbyteorder(">"))
+        wide = np.arange(3, dtype=np.int64).astype(np.dtype(np.int64).newbyteorder(">"))
+        record = np.zeros(3, dtype=[("a", "<f4"), ("b", "<i4")])
+        assert _state_items.plain_dtype_name(big) == "float32" and _state_items.plain_dtype_name(wide) == "int64"
+        assert _state_items.plain_dtype_name(record) is None
+        assert _state_items.plain_tensor_entry("k", wide).dtype == "int64"
+    assert len(_state_items._DTYPE_NAMES) <= _state_items._MAX_DTYPE_NAMES
+    assert _state_items.plain_dtype_name(np.zeros(2, np.float16)) == "float16"
+    state = {f"w{i}": np.arange(4, dtype=np.dtype(kind).newbyteorder(">")) * (i + 1)
+             for i, kind in enumerate(("f4", "i8", "f8", "i4") * 80)}
+    dcp.save(state, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    target = {key: np.zeros(4, dtype=value.dtype.newbyteorder("=")) for key, value in state.items()}
+    dcp.load(target, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    for key, value in state.items():
+        assert target[key].dtype == value.dtype and np.array_equal(target[key], value), key
+    assert len(_state_items._DTYPE_NAMES) <= _state_items._MAX_DTYPE_NAMES
