@@ -19,7 +19,7 @@ import numpy as np
 from hyper_parallel import platform
 from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncRequest
 from hyper_parallel.core.distributed_checkpoint._background_commit import background_commit_request
-from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
+from hyper_parallel.core.distributed_checkpoint._collectives import collectives_on
 from hyper_parallel.core.distributed_checkpoint._deferred_save import DeferredPlan, deferred_request
 from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions, SaveSession, commit_save, plan_save, write_local
 from hyper_parallel.core.distributed_checkpoint._fork_writer import fork_write, fork_write_and_hash
@@ -86,7 +86,7 @@ def _plan_and_stage(
     # commits (_background_commit): the blocking part hashes nothing.
     later = (type(planner) is StandardSavePlanner  # pylint: disable=unidiomatic-typecheck
              and planner.check_replicas and writer.supports_rank_records()
-             and DistWrapper(use_dist=not options.no_dist and options.use_collectives).use_dist)
+             and collectives_on(no_dist=options.no_dist, use_collectives=options.use_collectives))
     if type(planner) is StandardSavePlanner:  # pylint: disable=unidiomatic-typecheck
         planner.digest_replicas_later(later)
     early = None

@@ -41,6 +41,7 @@ __all__ = [
     "COLLECTIVE_TIMEOUT_ENV",
     "DEFAULT_COLLECTIVE_TIMEOUT",
     "collective_timeout",
+    "collectives_on",
     "DistWrapper",
     "RankFailure",
     "raise_failures",
@@ -203,6 +204,21 @@ def _pickled_parts(parts: list[Any]) -> list[bytes]:
     return blobs
 
 
+def _communicating() -> bool:
+    """Whether communication is initialised with more than one rank. Any rank; no communication."""
+    return platform.is_initialized() and platform.get_world_size() > 1
+
+
+def collectives_on(*, no_dist: bool, use_collectives: bool) -> bool:
+    """Whether a save or load with these options runs its steps with collectives, as its :class:`DistWrapper` does.
+
+    For a caller that needs only this flag: asked for (neither ``no_dist`` nor
+    ``use_collectives=False``) and communication initialised with more than
+    one rank. Any rank; no communication.
+    """
+    return bool(not no_dist and use_collectives) and _communicating()
+
+
 class DistWrapper:
     """Runs the steps of a save or load on all ranks, with uniform errors.
 
@@ -214,7 +230,7 @@ class DistWrapper:
     """
 
     def __init__(self, *, use_dist: bool, coordinator_rank: int = 0, timeout: float | None = None) -> None:
-        self.use_dist = bool(use_dist) and platform.is_initialized() and platform.get_world_size() > 1
+        self.use_dist = bool(use_dist) and _communicating()
         self.rank = platform.get_rank() if self.use_dist else 0
         self.world_size = platform.get_world_size() if self.use_dist else 1
         self.coordinator_rank = coordinator_rank

@@ -49,20 +49,21 @@ class LoadOptions:
     strategy_file: LayoutArgument = None
 
 
-def settle_before_load(*, no_dist: bool, use_collectives: bool, location: Any = None) -> None:
+def settle_before_load(*, collective: bool, location: Any = None) -> None:
     """Share the outcome of earlier async saves' background commits before a load reads. All ranks.
 
-    A load with collectives first finishes this process's async save still
-    writing to ``location`` (the checkpoint it loads; the collective step of
-    its ``result()``, reached by every rank in the same load: each rank
-    started that save), then runs :func:`settle_background_commits`: a step
-    saved just before is then committed on every rank, or its failure raises
-    on every rank. So a load right after ``async_save`` reads that save.
-    A process alone (a world of one) finishes its save to ``location`` too:
+    ``collective``: whether the load runs its steps with collectives (its
+    :class:`._collectives.DistWrapper`'s ``use_dist``). A load with
+    collectives first finishes this process's async save still writing to
+    ``location`` (the checkpoint it loads; the collective step of its
+    ``result()``, reached by every rank in the same load: each rank started
+    that save), then runs :func:`settle_background_commits`: a step saved
+    just before is then committed on every rank, or its failure raises on
+    every rank. So a load right after ``async_save`` reads that save. A
+    process alone (a world of one) finishes its save to ``location`` too:
     its ``result()`` needs no other rank. Otherwise, without collectives,
     nothing runs (another rank may not reach that save's collective step).
     """
-    collective = DistWrapper(use_dist=not no_dist and use_collectives).use_dist
     finish_own_saves_to(location, collective=collective)
     if collective:
         settle_background_commits()
@@ -75,8 +76,7 @@ def read_checkpoint_metadata(reader: StorageReader, options: LoadOptions) -> Met
     (:func:`settle_background_commits`): a step saved just before is committed.
     """
     dist = DistWrapper(use_dist=not options.no_dist and options.use_collectives)
-    settle_before_load(no_dist=options.no_dist, use_collectives=options.use_collectives,
-                       location=getattr(reader, "path", None))
+    settle_before_load(collective=dist.use_dist, location=getattr(reader, "path", None))
     rank = rank_alone(options.no_dist, options.use_collectives)
     found: list[Metadata] = []
 

@@ -19,7 +19,7 @@ from hyper_parallel.core.distributed_checkpoint._background_commit import (
     failed_commit_to,
     finish_own_saves_to,
 )
-from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
+from hyper_parallel.core.distributed_checkpoint._collectives import collectives_on
 from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions
 from hyper_parallel.core.distributed_checkpoint._load_engine import LoadOptions, read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
@@ -93,7 +93,7 @@ def save(
             async save finished first failed and its failure was not raised yet.
     """
     writer = writer_for(checkpoint_id, storage_writer)
-    collective = DistWrapper(use_dist=not no_dist and use_collectives).use_dist
+    collective = collectives_on(no_dist=no_dist, use_collectives=use_collectives)
     # A writer holds one save's state: never two saves at once (refused alone if finishing needs every rank).
     finish_async_saves_using(writer, collective=collective)
     # This process's async save to the same id is finished first, where every rank decides alike (see there):

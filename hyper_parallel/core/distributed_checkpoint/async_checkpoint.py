@@ -40,7 +40,7 @@ from hyper_parallel import platform
 
 from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncCall, AsyncCallsQueue, AsyncRequest
 from hyper_parallel.core.distributed_checkpoint._async_engine import prefault_arena, staging_pool
-from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
+from hyper_parallel.core.distributed_checkpoint._collectives import collectives_on
 from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions
 from hyper_parallel.core.distributed_checkpoint._flatten import flatten_state_dict
 from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
@@ -338,7 +338,7 @@ def _async_save_locked(
     gate: threading.Event,
 ) -> AsyncSaveHandle:
     queue = default_queue()
-    collective = DistWrapper(use_dist=not options.no_dist and options.use_collectives).use_dist
+    collective = collectives_on(no_dist=options.no_dist, use_collectives=options.use_collectives)
     queue.maybe_finalize_async_calls(blocking=True, collective=collective)
     writer = writer_for(checkpoint_id, storage_writer)
     request = save_strategy().async_save(
