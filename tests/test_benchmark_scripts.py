@@ -84,8 +84,8 @@ def test_benchmark_reports_every_figure_for_both_states(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert set(result["states"]) == {"many", "large"}
-    # hp-ckpt import of 4 MindSpore rank files: each needed byte read once, the replicas' bytes not at all.
-    assert result["ms_import"]["ratios"]["read_bytes import / model bytes"] < 1.2
+    # hp-ckpt import of 4 MindSpore rank files: each byte of them read once (the replicas to compare them).
+    assert result["ms_import"]["median"]["import"]["read_bytes"] < 1.2 * result["ms_import"]["rank_file_bytes"]
     assert result["ms_import"]["median"]["transform_checkpoints"]["read_bytes"] >= result["ms_import"]["rank_file_bytes"]
     assert result["states"]["many"]["tensors"] >= 200 and result["states"]["large"]["tensors"] == 16
     for kind, state in result["states"].items():

@@ -429,6 +429,34 @@ def test_unlisted_tensor_that_differs_between_ranks_is_refused(jobs, tmp_path):
         import_checkpoint(tmp_path / "empty", tmp_path / "out", strategy_files=job.stage_files)
 
 
+def test_listed_replicas_that_differ_between_ranks_are_refused(jobs, tmp_path):
+    """A box the strategy gives several ranks (a replica) whose copies differ used to be imported from its lowest
+    rank, silently: a strategy from another compile (a data-parallel mesh dim where the job split the tensor) or
+    rank files of different steps. Now refused naming the parameter, the box and the ranks; nothing committed."""
+    job = jobs("dp_replicas_4")  # mesh (2, 2): ranks 2 and 3 hold the replicas of ranks 0 and 1
+    src = _with_extra_entries(job, tmp_path / "src", lambda rank, e: {  # rank 3's weight rows of a later step
+        "dense.weight": mindspore.Tensor(e["dense.weight"].asnumpy() + (rank == 3))})
+    with pytest.raises(LayoutError) as refused:
+        import_checkpoint(src, tmp_path / "out", strategy_files=job.stage_files)
+    message = str(refused.value)
+    assert "parameter 'dense.weight' (global shape [8, 6])" in message, message
+    assert "ranks [3] hold other values than rank 1 for the box at [4, 0]" in message, message
+    assert "different steps" in message and "strategy file" in message, message
+    assert not (tmp_path / "out" / "metadata.json").exists()
+    src = _with_extra_entries(job, tmp_path / "bias", lambda rank, e: {  # replicated everywhere: one differs
+        "dense.bias": mindspore.Tensor(e["dense.bias"].asnumpy() * (2 if rank == 2 else 1))})
+    with pytest.raises(LayoutError, match=r"'dense.bias'.*ranks \[2\] hold other values than rank 0 for the box "
+                                          r"at \[0\]"):
+        import_checkpoint(src, tmp_path / "out", strategy_files=job.stage_files)
+    assert main(["import", str(src), str(tmp_path / "unchecked"), "--strategy", str(job.stage_files[0]),
+                 "--no-check-replicas"]) == 0  # the caller's choice: rank 0's copies, unread replicas
+    rank_0 = _load_file(src / "rank_0" / "checkpoint_0.ckpt")["dense.bias"]
+    assert _load_ours(tmp_path / "unchecked")["dense.bias"].tobytes() == rank_0.tobytes()
+    job = jobs("opt_parallel_8")  # optimizer-parallel shards of one shape on the ranks of a group: not replicas
+    import_checkpoint(job.ranks, tmp_path / "opt", strategy_files=job.stage_files)
+    _assert_same(_load_ours(tmp_path / "opt"), {k: v.asnumpy() for k, v in job.full.items()}, "opt_parallel_8")
+
+
 def test_rank_files_saved_without_redundancy_import_whole(jobs, tmp_path):
     """Files saved with remove_redundancy (a replica's slice on one rank only) import as long as every slice is held."""
     job = jobs("dp_replicas_4")  # mesh (2, 2): ranks 2 and 3 hold the replicas of ranks 0 and 1

@@ -4,8 +4,14 @@ A MindSpore parallel job writes ``rank_<i>/<name>.ckpt`` (or ``.safetensors``)
 per rank, each holding that rank's slices. With the job's strategy file(s)
 every slice gets its box in the global tensor. The import stores each
 distinct box once, as a chunk of the global tensor, mapped straight from the
-rank file that holds it (the lowest such rank): replicas are never read,
-each needed byte is read once, by the writer, and memory holds no tensor.
+rank file that holds it (the lowest such rank): each stored byte is written
+from there, and memory holds no tensor. The other ranks' copies of a box (its
+replicas) are read once, to compare digests (unless the caller turns that
+off): copies that differ are refused,
+naming the ranks (a strategy that is not the job's, or rank files of different
+steps). MindSpore's ``transform_checkpoints`` takes each destination rank's
+copy from its own source rank, so differing copies have no one meaning there
+either.
 
 A parameter absent from the strategy is taken whole from the lowest rank
 holding it (as MindSpore's ``transform_checkpoints`` does), after checking
@@ -109,9 +115,9 @@ def find_rank_files(src: Path) -> dict[int, Path]:
 
 
 def _layout_pieces(
-    name: str, layouts: Sequence[Layout], files: Mapping[int, MsFile]
+    name: str, layouts: Sequence[Layout], files: Mapping[int, MsFile], check_replicas: bool
 ) -> list[SourcePiece]:
-    """One piece per distinct box of ``name``, from the lowest rank holding it."""
+    """One piece per distinct box of ``name``, from the lowest rank holding it; its other copies are compared."""
     holders = [(r, layout) for layout in layouts for r in layout.rank_list
                if r in files and name in files[r].entries]
     first_rank, first_layout = holders[0]
@@ -123,6 +129,7 @@ def _layout_pieces(
             f"tensor_map {first_layout.tensor_map} describes {len(first_layout.tensor_map)} dims"
         )
     pieces: dict[tuple[int, ...], SourcePiece] = {}
+    copies: dict[tuple[int, ...], list[int]] = {}
     for rank, layout in holders:
         entry = files[rank].entries[name]
         expected = layout.local_shape(global_shape, name)
@@ -134,8 +141,32 @@ def _layout_pieces(
             )
         offsets = layout.shard_offsets(global_shape, rank, name)
         pieces.setdefault(offsets, SourcePiece(name, files[rank], entry, offsets, global_shape))
+        copies.setdefault(offsets, []).append(rank)
     _check_cover(name, global_shape, list(pieces.values()), layouts, files)
+    if check_replicas:
+        _check_copies(name, global_shape, copies, files)
     return list(pieces.values())
+
+
+def _check_copies(
+    name: str, global_shape: tuple[int, ...], copies: Mapping[tuple[int, ...], Sequence[int]],
+    files: Mapping[int, MsFile],
+) -> None:
+    """Refuse a box of ``name`` whose copies (the ranks holding it, first the one stored) differ in bytes."""
+    problems = []
+    for offsets, ranks in copies.items():
+        if len(ranks) < 2:
+            continue
+        differ = _differing_copies(name, ranks, files)
+        if differ:
+            problems.append(f"ranks {differ} hold other values than rank {ranks[0]} for the box at {list(offsets)}")
+    if problems:
+        raise LayoutError(
+            f"parameter '{name}' (global shape {list(global_shape)}): the strategy makes replicas of ranks' slices "
+            f"that differ: {'; '.join(problems)}. Either the strategy file is not the one of the job that wrote "
+            "these files (pass that job's strategy file(s), one per pipeline stage), or the rank files are of "
+            "different steps (take every rank's file of one step)"
+        )
 
 
 def _check_cover(
@@ -175,8 +206,7 @@ def _whole_piece(name: str, files: Mapping[int, MsFile]) -> SourcePiece:
                 "pass the strategy file(s) that list it (one per pipeline stage)"
             )
     if len(holders) > 1:
-        held = digest(files[holders[0]].raw(name))
-        differ = [rank for rank in holders[1:] if digest(files[rank].raw(name)) != held]
+        differ = _differing_copies(name, holders, files)
         if differ:
             raise LayoutError(
                 f"parameter '{name}' is not in the strategy file but ranks {differ} hold other values than rank "
@@ -186,6 +216,20 @@ def _whole_piece(name: str, files: Mapping[int, MsFile]) -> SourcePiece:
                 "(a global_step, a learning rate): take every rank's file of one step"
             )
     return SourcePiece(name, files[holders[0]], first, (0,) * len(first.shape), first.shape)
+
+
+def _differing_copies(name: str, ranks: Sequence[int], files: Mapping[int, MsFile]) -> list[int]:
+    """The ranks after ``ranks[0]`` whose copy of ``name`` differs in bytes from ``ranks[0]``'s (by digest).
+
+    Raises:
+        CorruptCheckpointError: copies differ and one of the files involved fails its stored crc (read whole
+            here): damage, not a strategy or step problem.
+    """
+    held = digest(files[ranks[0]].raw(name))
+    differ = sorted(rank for rank in ranks[1:] if digest(files[rank].raw(name)) != held)
+    for rank in (ranks[0], *differ) if differ else ():
+        files[rank].check_crc_except(set())
+    return differ
 
 
 def _follows_parameter(name: str, layouts: Sequence[Layout], files: Mapping[int, MsFile]) -> bool:
@@ -200,20 +244,22 @@ def _follows_parameter(name: str, layouts: Sequence[Layout], files: Mapping[int,
 
 
 def plan_rank_import(
-    files: Mapping[int, MsFile], records: Mapping[str, Sequence[Any]]
+    files: Mapping[int, MsFile], records: Mapping[str, Sequence[Any]], *, check_replicas: bool = True
 ) -> tuple[list[SourcePiece], dict[str, Any]]:
     """Decide, for every parameter of the rank files, which boxes to store from which file.
 
     Args:
         files: Rank -> its indexed file.
         records: :func:`hyper_parallel.core.strategy_file.read_strategy_records` output.
+        check_replicas: Compare the copies of every box the strategy gives several ranks.
 
     Returns:
         The pieces to store (every distinct box once) and the string values.
 
     Raises:
-        LayoutError: a slice shape or dtype that contradicts the strategy, or a
-            tensor absent from the strategy that differs between ranks.
+        LayoutError: a slice shape or dtype that contradicts the strategy, a
+            tensor absent from the strategy that differs between ranks, or
+            (``check_replicas``) copies of one box that differ.
         CheckpointNotFoundError: slices of a parameter are missing (names the ranks).
         CheckpointValueError: a rank directory beyond the strategy's ranks.
     """
@@ -238,7 +284,7 @@ def plan_rank_import(
             inherited = layout_for_state_key(layouts, name)
             if inherited is not None and _follows_parameter(name, inherited, files):
                 own = inherited
-        pieces.extend(_layout_pieces(name, own, files) if own else [_whole_piece(name, files)])
+        pieces.extend(_layout_pieces(name, own, files, check_replicas) if own else [_whole_piece(name, files)])
     return pieces, values
 
 

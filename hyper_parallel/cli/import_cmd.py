@@ -204,7 +204,8 @@ def _check_out(src: Path, out: Path) -> None:
 
 
 def _plan_source(
-    src: Path, strategy_files: Sequence[str | os.PathLike] | None, show_progress: bool | None
+    src: Path, strategy_files: Sequence[str | os.PathLike] | None, show_progress: bool | None,
+    check_replicas: bool,
 ) -> tuple[list[SourcePiece], dict[str, Any]]:
     if not src.exists():
         raise CheckpointNotFoundError(f"{src} does not exist")
@@ -220,7 +221,7 @@ def _plan_source(
             files = {rank: open_ms_file(path) for rank, path in
                      progress(sorted(rank_files.items()), desc="index rank files", unit="file",
                                        enabled=show_progress)}
-            pieces, values = plan_rank_import(files, records)
+            pieces, values = plan_rank_import(files, records, check_replicas=check_replicas)
             check_unstored_crcs(files.values(), pieces)
             return pieces, values
     if strategy_files:
@@ -283,13 +284,14 @@ def _save_with_progress(out: Path, planner: PieceSavePlanner, total: int, show_p
 
 def import_checkpoint(
     src: str | os.PathLike, out: str | os.PathLike, *, strategy_files: Sequence[str | os.PathLike] | None = None,
-    show_progress: bool | None = None,
+    show_progress: bool | None = None, check_replicas: bool = True,
 ) -> Metadata:
     """Save MindSpore or Hugging Face weights as a checkpoint. Single process.
 
     Every tensor is mapped from its source file and written once; memory
     holds no tensor. Per-rank slices are stored as chunks of the global
-    tensors (each distinct slice once, replicas skipped).
+    tensors (each distinct slice once, from its lowest rank; its replicas on
+    other ranks are compared with it and not stored).
 
     Args:
         src: A ``.ckpt`` file, a ``.safetensors`` file, a directory of
@@ -301,6 +303,11 @@ def import_checkpoint(
         strategy_files: The strategy file(s) of the job that wrote per-rank
             files (one per pipeline stage, or one merged file).
         show_progress: Progress bars on stderr; ``None``: only on a terminal.
+        check_replicas: Compare every replica of a slice the strategy lists
+            with the stored copy (reads each replica once); copies that
+            differ are refused naming the parameter and ranks. ``False``
+            reads only the stored copies. A tensor the strategy does not
+            list is compared in any case.
 
     Returns:
         The committed metadata of the new checkpoint.
@@ -310,15 +317,17 @@ def import_checkpoint(
         CheckpointValueError: per-rank files without a strategy, or a strategy without them.
         CheckpointError: the source is missing, unsupported, malformed, or
             contradicts the strategy (names the parameter, rank and file).
+        LayoutError: replicas of a slice differ (names the parameter, box and ranks).
     """
     src_path, out_path = Path(os.fspath(src)), Path(os.fspath(out))
     _check_out(src_path, out_path)
-    pieces, values = _plan_source(src_path, strategy_files, show_progress)
+    pieces, values = _plan_source(src_path, strategy_files, show_progress, check_replicas)
     return _save_with_progress(out_path, PieceSavePlanner(pieces, values), total_bytes(pieces), show_progress)
 
 
 def _run(args: argparse.Namespace) -> int:
-    metadata = import_checkpoint(args.src, args.out, strategy_files=args.strategy)
+    metadata = import_checkpoint(args.src, args.out, strategy_files=args.strategy,
+                                 check_replicas=not args.no_check_replicas)
     stored = metadata.state_dict_metadata.values()
     tensors = [s for s in stored if isinstance(s, TensorStorageMetadata)]
     total = sum(info.length for info in (metadata.storage_data or {}).values())
@@ -342,4 +351,6 @@ def register(subparsers: Any) -> None:
     parser.add_argument("out", help="the checkpoint directory to write (new or empty)")
     parser.add_argument("--strategy", action="append", metavar="FILE",
                         help="strategy file of the job that wrote rank_<i>/ files (repeat once per pipeline stage)")
+    parser.add_argument("--no-check-replicas", action="store_true",
+                        help="do not read the replicas of listed slices to compare them with the stored copy")
     parser.set_defaults(func=_run)
