@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from hyper_parallel.core.distributed_checkpoint._format.checksum import digest
+from hyper_parallel.core.distributed_checkpoint._format.checksum import digest, flat_count, grid_shape, tile_shape
 from hyper_parallel.core.distributed_checkpoint._format.grid_holders import GridHolders, fit_holders, flat_position, grid_position
 from hyper_parallel.core.distributed_checkpoint._format.rank_index import IndexRecord, encode_rank_index, index_file_name
 from hyper_parallel.core.distributed_checkpoint._grid_chunks import GridChunks
@@ -62,6 +62,7 @@ __all__ = [
     "RankIndexPlan",
     "RankIndexSummary",
     "plan_wants_index",
+    "chunk_digests",
     "plan_index",
     "summarise_rank",
     "own_index",
@@ -141,34 +142,50 @@ class RankIndexSummary:
     inline: tuple[WriteResult, ...]
 
 
-#: The in-line size estimates of the last few plans: ``(metadata, block_bytes, bytes)``, newest first. A reused
-#: cached plan brings back its metadata object at every save, so its estimate is made once, not per save.
-_ESTIMATES: list[tuple["weakref.ref[Metadata]", int, int]] = []
+#: The in-line size estimates of the last few plans: ``(metadata, block_bytes, tiles, bytes)``, newest first. A
+#: reused cached plan brings back its metadata object at every save, so its estimate is made once, not per save.
+_ESTIMATES: list[tuple["weakref.ref[Metadata]", int, bool, int]] = []
 _KEPT_ESTIMATES = 4
 
 
-def plan_wants_index(form: str, metadata: Metadata, *, block_bytes: int) -> bool:
+def plan_wants_index(form: str, metadata: Metadata, *, block_bytes: int, tiles: bool = True) -> bool:
     """Whether the save of ``metadata`` commits the indexed form, decided from the plan. Coordinator; pure.
 
     ``"auto"`` estimates the in-line size as :func:`._index_form.wants_index_form` does at commit, each
-    chunk's checksum digests counted from its size in blocks of ``block_bytes``. The estimate of a plan's
-    metadata (not changed once the plan is built) is remembered for the next saves of that plan.
+    chunk's checksum digests counted from its shape as the save will store them (:func:`chunk_digests`;
+    ``tiles``: the writer's ``tile_checksums``). The estimate of a plan's metadata (not changed once the plan
+    is built) is remembered for the next saves of that plan.
     """
     if form != "auto":
         return form == "indexed"
-    for known, block, estimate in tuple(_ESTIMATES):
-        if known() is metadata and block == block_bytes:
+    for known, block, tiled, estimate in tuple(_ESTIMATES):
+        if known() is metadata and block == block_bytes and tiled == tiles:
             return estimate > AUTO_INDEX_BYTES
-    estimate = _inline_estimate(metadata, block_bytes=block_bytes)
-    _ESTIMATES.insert(0, (weakref.ref(metadata), block_bytes, estimate))
+    estimate = _inline_estimate(metadata, block_bytes=block_bytes, tiles=tiles)
+    _ESTIMATES.insert(0, (weakref.ref(metadata), block_bytes, tiles, estimate))
     del _ESTIMATES[_KEPT_ESTIMATES:]
     return estimate > AUTO_INDEX_BYTES
 
 
-def _inline_estimate(metadata: Metadata, *, block_bytes: int) -> int:
+def chunk_digests(sizes: tuple[int, ...], itemsize: int, *, block_bytes: int, tiles: bool) -> int:
+    """How many checksum digests a save stores for an uncompressed tensor chunk of ``sizes``. Any rank; pure.
+
+    Its flat blocks (at least one), and, when the chunk gets tiles (``tiles`` and a wide enough chunk of two or
+    more dims, :func:`._format.checksum.tile_shape`), its tiles as well: a tiled chunk lists both
+    (``digests`` and ``flat_digests``, format 2.2).
+    """
+    flat = flat_count(math.prod(sizes) * itemsize, block_bytes)
+    shape = tile_shape(sizes, itemsize, block_bytes) if tiles else ()
+    if not shape:
+        return flat
+    rows, columns = grid_shape(sizes, shape)
+    return flat + rows * columns
+
+
+def _inline_estimate(metadata: Metadata, *, block_bytes: int, tiles: bool) -> int:
     """Bytes of ``metadata``'s storage entries in the in-line form, estimated from its chunks."""
     entries = extra = 0
-    prod = math.prod
+    counted: dict[tuple[tuple[int, ...], int], int] = {}  # digests of a chunk shape and item size
     for item in metadata.state_dict_metadata.values():  # runs at a new plan's step: no call a chunk can skip
         if not isinstance(item, TensorStorageMetadata):
             entries += 1
@@ -178,14 +195,15 @@ def _inline_estimate(metadata: Metadata, *, block_bytes: int) -> int:
         entries += count
         itemsize = DTYPE_NAMES.get(item.properties.dtype, 1)
         if isinstance(chunks, GridChunks):
-            nbytes = prod(chunks.chunk_sizes) * itemsize
-            if nbytes > block_bytes:  # digests beyond the first: ceil(nbytes / block_bytes) - 1
-                extra += count * (-(-nbytes // block_bytes) - 1)
+            extra += count * (chunk_digests(tuple(chunks.chunk_sizes), itemsize, block_bytes=block_bytes,
+                                            tiles=tiles) - 1)
             continue
         for chunk in chunks:
-            nbytes = prod(chunk.sizes) * itemsize
-            if nbytes > block_bytes:
-                extra += -(-nbytes // block_bytes) - 1
+            key = (tuple(chunk.sizes), itemsize)
+            digests = counted.get(key)
+            if digests is None:
+                digests = counted[key] = chunk_digests(key[0], itemsize, block_bytes=block_bytes, tiles=tiles)
+            extra += digests - 1
     return entries * ENTRY_JSON_BYTES + extra * DIGEST_JSON_BYTES
 
 

@@ -49,8 +49,8 @@ class IndexFormWriting:
     """The metadata-form methods of the filesystem writer (see the module docstring).
 
     The writer sets these attributes: ``path``, ``rank``, ``rank_local``,
-    ``save_id``, ``backend_name``, ``metadata_form``, ``checksum_block_bytes``,
-    ``sync_files``, ``file_ops`` and ``index_plan`` (the holders decided at plan
+    ``save_id``, ``backend_name``, ``metadata_form``, ``checksum_block_bytes``, ``tile_checksums``,
+    ``compression``, ``sync_files``, ``file_ops`` and ``index_plan`` (the holders decided at plan
     time, or ``None``).
     """
 
@@ -60,6 +60,8 @@ class IndexFormWriting:
     save_id: str
     metadata_form: str
     checksum_block_bytes: int
+    tile_checksums: bool
+    compression: str | None
     sync_files: bool
     file_ops: FileOps
     index_plan: IndexPlan | None
@@ -111,7 +113,8 @@ class IndexFormWriting:
         """Whether the save of ``metadata`` commits the indexed form, decided at plan time (``metadata_form``, or
         its size estimated from the plan). Coordinator."""
         return not self.rank_local and plan_wants_index(self.metadata_form, metadata,
-                                                        block_bytes=self.checksum_block_bytes)
+                                                        block_bytes=self.checksum_block_bytes,
+                                                        tiles=self.tile_checksums and not self.compression)
 
     def use_index_plan(self, plans: list[SavePlan], plan: IndexPlan) -> list[SavePlan]:
         """Commit this save from rank index summaries; stamp each rank's plan with its part. Coordinator."""
