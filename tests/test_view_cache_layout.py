@@ -70,6 +70,23 @@ def test_a_load_never_writes_rows_into_a_parameter_transposed_in_its_own_memory(
         np.testing.assert_array_equal(p.asnumpy(), stored[name], err_msg=name)
 
 
+def test_a_parameter_transposed_before_any_view_is_never_aliased(tmp_path: Path) -> None:
+    """No cached view to check: ``asnumpy()`` of a tensor that is not contiguous is a copy at another address, so
+    no view of it is made or cached; a save stores its values and a load writes them in its layout."""
+    p = ms.Parameter(ms.Tensor(np.arange(16, dtype=np.float32).reshape(4, 4)), name="fresh")
+    pointer = p.data_ptr()
+    p.assign_value(p.T)
+    assert p.data_ptr() == pointer and not p.is_contiguous()
+    assert p.asnumpy().__array_interface__["data"][0] != pointer
+    assert shared_view(p) is None and writable_views([p], [(4, 4)]) == [None] and shared_view(p) is None
+    expected = np.arange(16, dtype=np.float32).reshape(4, 4).T
+    dcp.save({"p": p}, checkpoint_id=tmp_path / "out", no_dist=True)
+    np.testing.assert_array_equal(hyper_parallel.load_checkpoint(tmp_path / "out")["p"].asnumpy(), expected)
+    dcp.save({"p": np.full((4, 4), 3.0, np.float32)}, checkpoint_id=tmp_path / "threes", no_dist=True)
+    dcp.load({"p": p}, checkpoint_id=tmp_path / "threes", no_dist=True)
+    np.testing.assert_array_equal(p.asnumpy(), np.full((4, 4), 3.0, np.float32))
+
+
 def test_a_tensor_that_cannot_tell_its_layout_gets_no_cached_view() -> None:
     """``is_contiguous`` failing counts as not contiguous; a tensor class without it (no views) as contiguous."""
 

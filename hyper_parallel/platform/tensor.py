@@ -253,8 +253,8 @@ def _host_view(value: Any, shape: tuple[int, ...] | None = None) -> np.ndarray |
             shape if shape is not None else tuple(value.shape)) and hit[3] is value.dtype and _contiguous(value):
         return hit[1]
     view = value.asnumpy()
-    if (view.size == 0 or view.__array_interface__["data"][0] != pointer or not view.flags.writeable
-            or not _contiguous(value)):
+    # A tensor that is not contiguous gets a row-major copy from asnumpy(), elsewhere: refused by the pointer test.
+    if view.size == 0 or view.__array_interface__["data"][0] != pointer or not view.flags.writeable:
         return view if view.size == 0 else None
     try:
         ref = weakref.ref(value, lambda _, key=key: _VIEWS.pop(key, None))
