@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import mindspore as ms
 import numpy as np
 import pytest
@@ -9,7 +11,12 @@ import pytest
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel import DTensor, Layout
 from hyper_parallel.cli import main as cli_main
-from hyper_parallel.core.distributed_checkpoint._format.checksum import bad_blocks, chunk_checksum, tile_shape
+from hyper_parallel.core.distributed_checkpoint._format.checksum import (
+    bad_blocks,
+    chunk_checksum,
+    flat_expected,
+    tile_shape,
+)
 
 FULL = np.random.default_rng(7).standard_normal((512, 4096)).astype(np.float32)  # 16 KiB rows, 8 MiB
 
@@ -94,3 +101,18 @@ def test_format_md_tile_example_matches_the_writer():
     assert tile_shape((512, 4096), 4, 1 << 20) == (512, 512)
     assert tile_shape((512, 4096), 2, 1 << 20) == (512, 512)  # bf16: 8 groups of 1 KiB
     assert tile_shape((512, 512), 2, 1 << 20) == ()  # rows of 1 KiB: under 2 KiB, flat blocks
+
+
+def test_flat_blocks_are_checked_against_flat_digests_of_a_tiled_chunk_only():
+    """A tiled chunk's flat blocks are checked against its flat_digests, never its tile digests (a format 2.1
+    tiled chunk has none: nothing to check flat blocks against); a flat chunk's against its digests."""
+    data = np.arange(64 * 512, dtype=np.float32).reshape(64, 512)
+    view = memoryview(data.reshape(-1).view(np.uint8))
+    tiled = chunk_checksum(view, 8192, sizes=(64, 512), itemsize=4)
+    assert tiled.block_shape and flat_expected(tiled) == tiled.flat_digests and len(tiled.flat_digests) == 16
+    assert tiled.digests != tiled.flat_digests
+    flat = chunk_checksum(view, 8192, sizes=(64, 512), itemsize=4, tiles=False)
+    assert flat_expected(flat) == flat.digests == tiled.flat_digests
+    old = dataclasses.replace(tiled, flat_digests=())
+    assert flat_expected(old) == ()
+    assert bad_blocks(view, old, None, 4) == list(range(16))  # no flat digest to match

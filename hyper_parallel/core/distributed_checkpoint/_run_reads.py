@@ -21,7 +21,13 @@ import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._device_reads import read_runs_exact
 from hyper_parallel.core.distributed_checkpoint._format.byte_ranges import Runs, box_runs
-from hyper_parallel.core.distributed_checkpoint._format.checksum import bad_blocks, digest, flat_count, grid_shape
+from hyper_parallel.core.distributed_checkpoint._format.checksum import (
+    bad_blocks,
+    digest,
+    flat_count,
+    flat_expected,
+    grid_shape,
+)
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import StorageInfo
 from hyper_parallel.core.distributed_checkpoint.planner import ReadItem
@@ -99,7 +105,7 @@ def read_runs_verified(
     """
     checksum = info.checksum
     block = checksum.block_bytes
-    expected = checksum.flat_digests or checksum.digests  # a tiled chunk's flat blocks (format 2.2)
+    expected = flat_expected(checksum)  # a tiled chunk's flat blocks (format 2.2; the reader sends no 2.1 one)
     nblocks = flat_count(info.length, block)  # digest count checked by _format.metadata_json.check_consistency
     if runs.starts.size == 1 and runs.length == info.length and target[0].flags.c_contiguous:
         # The whole item: read straight into the target, verify it in place.

@@ -32,6 +32,7 @@ __all__ = [
     "digests_of",
     "flat_digests",
     "flat_count",
+    "flat_expected",
     "is_digest",
     "tile_shape",
     "grid_shape",
@@ -72,6 +73,12 @@ def flat_digests(data: memoryview, block_bytes: int) -> tuple[str, ...]:
 def flat_count(length: int, block_bytes: int) -> int:
     """How many flat blocks of ``block_bytes`` an item stored in ``length`` bytes has."""
     return max(1, -(-length // block_bytes))
+
+
+def flat_expected(checksum: ChunkChecksum) -> tuple[str, ...]:
+    """The digests ``checksum``'s flat blocks are checked against: a tiled chunk's ``flat_digests``, else its
+    ``digests``. ``()`` for a tiled chunk of format 2.1 (no flat digests): verify it by tiles."""
+    return checksum.flat_digests if checksum.block_shape else checksum.digests
 
 
 def is_digest(value: object) -> bool:
@@ -191,6 +198,6 @@ def bad_blocks(data: bytes | memoryview, checksum: ChunkChecksum, sizes: tuple[i
         array = np.frombuffer(view, dtype=np.uint8)
         return [i for i, tile in _tiles(array, tuple(sizes), itemsize, checksum.block_shape)
                 if i >= len(checksum.digests) or digest(tile) != checksum.digests[i]]
-    expected = checksum.flat_digests if checksum.block_shape else checksum.digests
+    expected = flat_expected(checksum)
     got = flat_digests(view, checksum.block_bytes)
     return [i for i, mine in enumerate(got) if i >= len(expected) or mine != expected[i]]
