@@ -219,3 +219,29 @@ def test_same_storage_key_twice_is_refused(tmp_path):
     st = dcp.ShardedTensor.from_rank_offsets("k", np.ones(2, np.float32))
     with pytest.raises(dcp.CheckpointValueError, match="both map to checkpoint key 'k'"):
         dcp.save({"a": st, "k": np.ones(2)}, checkpoint_id=tmp_path / "c")
+
+
+def test_two_main_replicas_of_one_box_on_a_rank_are_refused(tmp_path):
+    """Two ShardedTensors (or ShardedObjects) of one key and box, both main replicas, on one rank: the save kept
+    one of them silently (the later tensor, the earlier object). Now refused naming both paths, the key and the
+    box, sync and async; a copy marked replica_id=1, other boxes or other flat ranges of one key still save."""
+    ones, zeros = np.ones(4, np.float32), np.zeros(4, np.float32)
+    twice = {"s1": dcp.ShardedTensor.from_rank_offsets("x", ones), "s2": dcp.ShardedTensor.from_rank_offsets("x", zeros)}
+    objects = {"o1": dcp.ShardedObject("o", {"v": 1}, (2,), (1,)), "o2": dcp.ShardedObject("o", {"v": 2}, (2,), (1,))}
+    for save in (dcp.save, lambda *a, **k: dcp.async_save(*a, **k).result()):
+        with pytest.raises(dcp.CheckpointValueError) as refused:
+            save(twice, checkpoint_id=tmp_path / "twice", no_dist=True)
+        assert str(refused.value).startswith("state_dict paths state_dict['s1'] and state_dict['s2'] are both the "
+                                             "main replica of checkpoint key 'x' at global offset [0]")
+        with pytest.raises(dcp.CheckpointValueError, match=r"'o1'\] and state_dict\['o2'\] .* key 'o' at global "
+                                                           r"offset \[1\]"):
+            save(objects, checkpoint_id=tmp_path / "objects", no_dist=True)
+    assert not (tmp_path / "twice" / "metadata.json").exists()
+    copy = {"s1": dcp.ShardedTensor.from_rank_offsets("x", ones),
+            "s2": dcp.ShardedTensor.from_rank_offsets("x", ones.copy(), replica_id=1),
+            "f1": dcp.ShardedTensor.from_rank_offsets_flat("f", ones[:2].copy(), (4,), flattened_range=slice(0, 2)),
+            "f2": dcp.ShardedTensor.from_rank_offsets_flat("f", zeros[2:].copy(), (4,), flattened_range=slice(2, 4))}
+    dcp.save(copy, checkpoint_id=tmp_path / "ok", no_dist=True)
+    target = {"x": np.full(4, -1, np.float32), "f": np.full(4, -1, np.float32)}
+    dcp.load(target, checkpoint_id=tmp_path / "ok", no_dist=True)
+    assert target["x"].tolist() == [1.0] * 4 and target["f"].tolist() == [1.0, 1.0, 0.0, 0.0]

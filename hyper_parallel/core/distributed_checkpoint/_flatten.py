@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
-from hyper_parallel.core.distributed_checkpoint.mapping import ShardedObject, ShardedTensor
+from hyper_parallel.core.distributed_checkpoint.mapping import ShardedObject, ShardedTensor, is_main_replica
 from hyper_parallel.core.dtensor import DTensor
 from hyper_parallel.platform.tensor import all_plain_leaves, is_cell, is_parameter, parameter_and_cell_types
 
-__all__ = ["PathElement", "FlatStateDict", "cell_parameters", "flatten_state_dict", "set_by_path"]
+__all__ = ["PathElement", "FlatStateDict", "cell_parameters", "check_one_main_replica_per_box", "flatten_state_dict",
+           "set_by_path"]
 
 #: One step of a path: a dict key, a list/tuple index, or a Cell parameter name.
 PathElement = Union[str, int]
@@ -44,6 +45,7 @@ class FlatStateDict:
             reached -> the checkpoint key of its first path.
         sizes: The length of every list and tuple (a load checks the
             checkpoint holds no more items), and 0 for every empty dict.
+        shared_keys: The checkpoint keys several ShardedTensors/ShardedObjects share.
     """
 
     values: dict[str, Any]
@@ -53,6 +55,7 @@ class FlatStateDict:
     key_users: dict[str, list[str]] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     sizes: dict[tuple[PathElement, ...], int] = field(default_factory=dict)
+    shared_keys: set[str] = field(default_factory=set)
 
 
 def _own_key(value: Any) -> str | None:
@@ -93,10 +96,41 @@ def _add_leaf(
         raise CheckpointValueError(
             f"state_dict paths '{first}' and '{name}' both map to checkpoint key '{key}'; rename one of them"
         )
+    if users:
+        flat.shared_keys.add(key)
     users.append(name)
     flat.values[name] = value
     flat.paths[name] = path
     flat.storage_keys[name] = key
+
+
+def check_one_main_replica_per_box(flat: "FlatStateDict") -> None:
+    """Refuse two main replicas of one box of a shared key on this rank (a save would keep one, silently).
+
+    Several ShardedTensors (or ShardedObjects) of one key are the boxes of one global tensor (or object): two
+    with the same global offset (and flat range) that are both main replicas both claim to be the copy written,
+    and the writer kept one of them without a word. Checks :attr:`FlatStateDict.shared_keys` only. Any rank.
+
+    Raises:
+        CheckpointValueError: names both state-dict paths, the key, the box and the fix.
+    """
+    for key in sorted(flat.shared_keys):
+        claimed: dict[tuple[Any, ...], str] = {}
+        for name in flat.key_users[key]:
+            value = flat.values[name]
+            if not is_main_replica(value.replica_id):
+                continue
+            flat_range = getattr(value, "flattened_range", None)
+            box = (tuple(value.global_offset),
+                   None if flat_range is None else (flat_range.start, flat_range.stop))
+            first = claimed.setdefault(box, name)
+            if first != name:
+                raise CheckpointValueError(
+                    f"state_dict paths {_spelled(flat.paths[first])} and {_spelled(flat.paths[name])} are both the "
+                    f"main replica of checkpoint key '{key}' at global offset {list(box[0])}"
+                    f"{'' if box[1] is None else f' (flat range {box[1][0]}:{box[1][1]})'}: only one of them could "
+                    "be saved; give the other a replica_id other than 0 if it is a copy, or its own key or offset"
+                )
 
 
 def cell_parameters(cell: Any, where: str) -> dict[str, Any]:

@@ -17,7 +17,11 @@ import numpy as np
 from hyper_parallel.core.distributed_checkpoint._format.checksum import digest
 from hyper_parallel import platform
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, UnsupportedTypeError
-from hyper_parallel.core.distributed_checkpoint._flatten import FlatStateDict, flatten_state_dict
+from hyper_parallel.core.distributed_checkpoint._flatten import (
+    FlatStateDict,
+    check_one_main_replica_per_box,
+    flatten_state_dict,
+)
 from hyper_parallel.core.distributed_checkpoint._leaf_entry import classify_leaf
 from hyper_parallel.core.distributed_checkpoint._global_plan import build_global_save_plan
 from hyper_parallel.core.distributed_checkpoint._save_layout import (
@@ -143,10 +147,13 @@ class StandardSavePlanner(SavePlanner):
         """Flatten this rank's state dict. All ranks call it first.
 
         Raises:
-            CheckpointValueError: a key a safetensors file cannot hold (not valid UTF-8: a lone surrogate).
+            CheckpointValueError: a key a safetensors file cannot hold (not valid UTF-8: a lone surrogate), or
+                two main replicas of one box of a ShardedTensor/ShardedObject key.
         """
         self.flat = flatten_state_dict(state_dict)
         _check_utf8_keys(self.flat.key_users)
+        if self.flat.shared_keys:
+            check_one_main_replica_per_box(self.flat)
         self.rank, self.world_size, self.is_coordinator = rank, world_size, is_coordinator
         self.remove_redundancy = remove_redundancy
         self.save_to_minimum_rank = save_to_minimum_rank
