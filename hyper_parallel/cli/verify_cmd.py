@@ -22,7 +22,12 @@ from typing import Any
 
 from hyper_parallel.cli._common import checkpoint_reader, format_bytes, open_checkpoint, open_data_file
 from hyper_parallel.cli._common import progress as show_progress
-from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, bad_blocks, expected_blocks, flat_count
+from hyper_parallel.core.distributed_checkpoint._format.checksum import (
+    ALGORITHM,
+    bad_blocks,
+    expected_blocks,
+    flat_count,
+)
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint._format.cover import check_exact_cover
 from hyper_parallel.core.distributed_checkpoint.metadata import (

@@ -124,7 +124,8 @@ class MindSporeLayoutRecord:
         if self.opt_weight_shard_step and self.opt_weight_shard_size:
             mesh, dims = self._add_optimizer_split(mesh, dims)
         tensor_map = tuple(
-            -1 if not split else (len(mesh) - 1 - split[0] if len(split) == 1 else tuple(len(mesh) - 1 - m for m in split))
+            -1 if not split
+            else (len(mesh) - 1 - split[0] if len(split) == 1 else tuple(len(mesh) - 1 - m for m in split))
             for split in dims
         )
         return Layout(tuple(mesh), tensor_map, rank_list=self.stage_ranks())  # a refined mesh has as many ranks

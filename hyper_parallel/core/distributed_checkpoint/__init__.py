@@ -167,7 +167,8 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     if name != "CheckpointCallback":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from hyper_parallel.core.distributed_checkpoint.callback import CheckpointCallback  # pylint: disable=import-outside-toplevel
+    # pylint: disable-next=import-outside-toplevel
+    from hyper_parallel.core.distributed_checkpoint.callback import CheckpointCallback
 
     globals()[name] = CheckpointCallback
     return CheckpointCallback

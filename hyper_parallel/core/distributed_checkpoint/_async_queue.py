@@ -57,7 +57,9 @@ class AsyncRequest:
 class AsyncCall:
     """One scheduled request: its thread, its outcome, its finalization."""
 
-    def __init__(self, request: AsyncRequest, name: str, *, uses: object | None = None, all_ranks: bool = False) -> None:
+    def __init__(
+        self, request: AsyncRequest, name: str, *, uses: object | None = None, all_ranks: bool = False
+    ) -> None:
         self.request = request
         #: The object the call works with (an async save's storage writer) until it is finalized.
         self.uses = uses
@@ -215,9 +217,9 @@ class AsyncCallsQueue:
         return self.finish_calls_if(lambda uses: uses is resource, collective=collective)
 
     def finish_calls_if(self, predicate: Callable[[object], bool], *, collective: bool = True) -> bool:
-        """Finalize every call (blocking) if one not finalized yet uses an object ``predicate`` accepts. Caller's thread.
+        """Finalize every call (blocking) if one not finalized yet uses an object ``predicate`` accepts.
 
-        As :meth:`finish_calls_using`, for a test of the object (an async save's
+        Caller's thread. As :meth:`finish_calls_using`, for a test of the object (an async save's
         writer) instead of its identity.
 
         Returns:

@@ -122,7 +122,8 @@ def _compress(local: SavePlan, final: SavePlan) -> _PlanDelta | SavePlan:
 def _expand(local: SavePlan, received: _PlanDelta | SavePlan) -> SavePlan:
     if isinstance(received, SavePlan):
         return received
-    items = tuple(item for position, item in enumerate(local.items) if received.keep[position // 8] >> (position % 8) & 1)
+    keep = received.keep
+    items = tuple(item for position, item in enumerate(local.items) if keep[position // 8] >> (position % 8) & 1)
     return SavePlan(items=items, storage_data=received.storage_data, planner_data=received.planner_data)
 
 

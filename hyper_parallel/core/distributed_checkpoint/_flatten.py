@@ -74,7 +74,8 @@ def _add_leaf(
 ) -> None:
     """Add leaf ``value`` at ``path`` (``parameter``: the caller knows it is a Parameter)."""
     top = path[0]
-    name = top if len(path) == 1 and type(top) is str else ".".join(map(str, path))  # pylint: disable=unidiomatic-typecheck
+    # pylint: disable-next=unidiomatic-typecheck
+    name = top if len(path) == 1 and type(top) is str else ".".join(map(str, path))
     if parameter or is_parameter(value) or isinstance(value, DTensor):
         first = seen.get(id(value))
         if first is not None:

@@ -149,7 +149,8 @@ class FsspecReader(FileSystemReader):
         if tagged is None:
             raise IncompleteCheckpointError(uncommitted_message(self.path, self.metadata_file, self._rank_local()))
         if len(tagged.data) > MAX_METADATA_BYTES:
-            raise UnsafeCheckpointError(f"{location}: metadata of {len(tagged.data)} bytes is larger than allowed; refused")
+            raise UnsafeCheckpointError(
+                f"{location}: metadata of {len(tagged.data)} bytes is larger than allowed; refused")
         metadata = metadata_from_json(tagged.data, source=location)
         if isinstance(metadata.storage_data, IndexedStorage):
             metadata.storage_data.bind(IndexObjects(self.fs, root=self.root, url=self.path,

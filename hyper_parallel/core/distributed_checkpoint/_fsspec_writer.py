@@ -330,7 +330,8 @@ class FsspecWriter(FileSystemWriter):
                              where=self.path)
 
     def _index_objects(self, save_id: str) -> IndexObjects:
-        return IndexObjects(self.fs, root=self.root, url=self.path, metadata_file=self._metadata_name(), save_id=save_id)
+        return IndexObjects(self.fs, root=self.root, url=self.path, metadata_file=self._metadata_name(),
+                            save_id=save_id)
 
     def abort(self) -> None:
         """Undo a failed save: the coordinator deletes every data object and results record named with this save's id.
@@ -364,7 +365,8 @@ class FsspecWriter(FileSystemWriter):
         try:
             self.fs.pipe_file(self._object(record_name(self._plan_save_id(plan), rank)), data)
         except Exception as exc:  # pylint: disable=broad-except
-            raise CheckpointIOError(f"writing the results record of rank {rank} under {self.path} failed: {exc}") from exc
+            raise CheckpointIOError(
+                f"writing the results record of rank {rank} under {self.path} failed: {exc}") from exc
 
     def read_rank_record(self, rank: int, *, save_id: str | None = None) -> bytes | None:
         """``rank``'s record object of ``save_id`` (default this save), or ``None``. Coordinator; a rank: its own.
@@ -378,7 +380,8 @@ class FsspecWriter(FileSystemWriter):
         try:
             found = get_with_tag(self.fs, self._object(record_name(save_id or self.save_id, rank)))
         except Exception as exc:  # pylint: disable=broad-except
-            raise CheckpointIOError(f"reading the results record of rank {rank} under {self.path} failed: {exc}") from exc
+            raise CheckpointIOError(
+                f"reading the results record of rank {rank} under {self.path} failed: {exc}") from exc
         if found is not None and len(found.data) > MAX_RECORD_BYTES:
             raise UnsafeCheckpointError(f"{self.path}: the results record of rank {rank} is larger than allowed")
         return None if found is None else found.data

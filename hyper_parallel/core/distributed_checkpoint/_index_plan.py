@@ -35,8 +35,17 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._format.checksum import digest, flat_count, grid_shape, tile_shape
-from hyper_parallel.core.distributed_checkpoint._format.grid_holders import GridHolders, fit_holders, flat_position, grid_position
-from hyper_parallel.core.distributed_checkpoint._format.rank_index import IndexRecord, encode_rank_index, index_file_name
+from hyper_parallel.core.distributed_checkpoint._format.grid_holders import (
+    GridHolders,
+    fit_holders,
+    flat_position,
+    grid_position,
+)
+from hyper_parallel.core.distributed_checkpoint._format.rank_index import (
+    IndexRecord,
+    encode_rank_index,
+    index_file_name,
+)
 from hyper_parallel.core.distributed_checkpoint._grid_chunks import GridChunks
 from hyper_parallel.core.distributed_checkpoint._index_form import (
     AUTO_INDEX_BYTES,
@@ -349,7 +358,8 @@ def plan_index(metadata: Metadata, plans: Sequence[Any], masks: Sequence[bytes] 
         bits = [np.zeros(count, dtype=bool) for count in _final_counts(plans, masks)]
 
         def mark(fqn: str, flat: np.ndarray, ranks: np.ndarray, finals: np.ndarray) -> None:
-            for rank, final in zip(ranks[holders[fqn][flat] == ranks].tolist(), finals[holders[fqn][flat] == ranks].tolist()):
+            held = holders[fqn][flat] == ranks
+            for rank, final in zip(ranks[held].tolist(), finals[held].tolist()):
                 bits[rank][final] = True
 
         _visit(grids, plans, masks, mark)
@@ -435,8 +445,8 @@ def record_only_metadata(committed: Metadata, summaries: Sequence[RankIndexSumma
     for rank, summary in enumerate(summaries):
         expected = index_file_name(rank, save_id)
         record = summary.record
-        if summary.rank != rank or summary.entries != plan.entries[rank] or (record is None) != (summary.entries == 0) or (
-                record is not None and record.file != expected):
+        if (summary.rank != rank or summary.entries != plan.entries[rank] or (record is None) != (summary.entries == 0)
+                or (record is not None and record.file != expected)):
             raise CorruptCheckpointError(
                 f"rank {rank}: its index file {expected} is reported with {summary.entries} entries "
                 f"({record.file if record is not None else 'no file'}), but the save plan gives the rank "

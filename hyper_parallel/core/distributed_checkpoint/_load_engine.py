@@ -20,7 +20,11 @@ from typing import Any
 from hyper_parallel import platform
 from hyper_parallel.core.distributed_checkpoint._background_commit import finish_own_saves_to, settle_background_commits
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
-from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutArgument, apply_mindspore_layouts, copy_back_values
+from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import (
+    LayoutArgument,
+    apply_mindspore_layouts,
+    copy_back_values,
+)
 from hyper_parallel.core.distributed_checkpoint._storage_choice import rank_alone
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointNotFoundError
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader

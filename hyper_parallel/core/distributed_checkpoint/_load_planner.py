@@ -17,7 +17,11 @@ from typing import Any
 import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint._device_targets import DeviceRegions
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, MissingKeyError, UnsafeCheckpointError
+from hyper_parallel.core.distributed_checkpoint.errors import (
+    CheckpointValueError,
+    MissingKeyError,
+    UnsafeCheckpointError,
+)
 from hyper_parallel.core.distributed_checkpoint._flatten import FlatStateDict, flatten_state_dict, set_by_path
 from hyper_parallel.core.distributed_checkpoint._load_target_checks import view_target
 from hyper_parallel.core.distributed_checkpoint._load_target_match import match_targets
@@ -161,7 +165,8 @@ class StandardLoadPlanner(LoadPlanner):
         pieces_of, targets, direct = self._pieces, self._targets, self._direct
         # The small whole reads, as columns (no ReadItem each; see _whole_reads), when nothing of this planner
         # needs to see them one by one (a subclass may override a hook; shared reads exchange items).
-        whole = WholeReads(self, direct) if type(self) is StandardLoadPlanner and not self.shares_reads else None  # pylint: disable=unidiomatic-typecheck
+        # pylint: disable-next=unidiomatic-typecheck
+        whole = WholeReads(self, direct) if type(self) is StandardLoadPlanner and not self.shares_reads else None
         positions: list[int] = []  # the position among all reads of each of items (when whole reads are columns)
         append_whole = whole.rows.append if whole is not None else None
         # id(stored record) -> (the record, a target's pieces, the stored numpy dtype if those pieces read the record
@@ -364,7 +369,8 @@ class StandardLoadPlanner(LoadPlanner):
             slot, round_index = self._exchange.send[key]
             self._outbox[slot] = (round_index, tensor)
         elif self._device.holds(read_item):
-            self._device.write(read_item, self._pieces[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))][1])
+            dest = read_item.dest_index
+            self._device.write(read_item, self._pieces[(dest.fqn, tuple(dest.offset))][1])
 
     def _fill(self, read_item: ReadItem, value: np.ndarray) -> None:
         """Copy ``value`` into the target region of ``read_item`` (a device target: copied in)."""

@@ -112,7 +112,8 @@ def _same_stored_bytes(stored_of: dict[str, Any], storage: Any, first: str, seco
     """Whether the checkpoint stores keys ``first`` and ``second`` as the same tensor, chunk for chunk, with equal
     checksums of equal stored bytes (a tied tensor saved at two keys): loading both into one target loses nothing."""
     one, two = stored_of.get(first), stored_of.get(second)
-    if (type(one) is not TensorStorageMetadata or type(two) is not TensorStorageMetadata  # pylint: disable=unidiomatic-typecheck
+    # pylint: disable-next=unidiomatic-typecheck
+    if (type(one) is not TensorStorageMetadata or type(two) is not TensorStorageMetadata
             or one.properties != two.properties or tuple(one.size) != tuple(two.size) or storage is None):
         return False
     chunks = [(tuple(c.offsets), tuple(c.sizes)) for c in one.chunks]

@@ -90,7 +90,8 @@ def match_targets(
             fqn = stored_aliases[fqn]  # a Parameter saved once under another path (e.g. the model's)
             stored = stored_of[fqn]
         entry = plain_tensor_entry(fqn, value)  # the usual leaf, in one call
-        if entry is not None and type(stored) is TensorStorageMetadata and stored.size == entry.global_shape:  # pylint: disable=unidiomatic-typecheck
+        # pylint: disable-next=unidiomatic-typecheck
+        if entry is not None and type(stored) is TensorStorageMetadata and stored.size == entry.global_shape:
             entries[name] = entry
             continue
         if entry is None:
@@ -110,7 +111,8 @@ def match_targets(
                 problems.append(f"key '{fqn}': the target numpy array is read-only; pass a writable array")
                 continue
             size = stored.size
-            if (size if type(size) is tuple else tuple(size)) != entry.global_shape and (  # pylint: disable=unidiomatic-typecheck
+            # pylint: disable-next=unidiomatic-typecheck
+            if (size if type(size) is tuple else tuple(size)) != entry.global_shape and (
                     not entry.allow_shape_mismatch):
                 raise ShapeMismatchError(
                     f"key '{fqn}': checkpoint global shape {list(stored.size)} differs from the target's "

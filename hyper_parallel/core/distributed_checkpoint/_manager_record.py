@@ -1,7 +1,8 @@
 """What a ``CheckpointManager`` promised about its steps, persisted in its root.
 
-``<root>/manager.json`` (JSON, no pickle; under an object-store root the object ``<root>/manager.json``) holds the policy of the last
-manager that saved there and, per committed step, when it was saved, its
+``<root>/manager.json`` (JSON, no pickle; under an object-store root the
+object ``<root>/manager.json``) holds the policy of the last manager that
+saved there and, per committed step, when it was saved, its
 metrics and whether it is kept forever. A manager re-created with another
 policy reads it back, so a step once promised "keep forever" (by
 ``keep_every_n_steps`` or ``keep_time_interval_seconds``) is never deleted,

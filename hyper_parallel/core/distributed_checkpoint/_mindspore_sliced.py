@@ -30,7 +30,13 @@ from hyper_parallel.core.strategy_file import (
     layout_for_state_key,
     layouts_from_strategy,
 )
-from hyper_parallel.platform.tensor import all_parameters, all_plain_leaves, is_cell, is_parameter, parameter_and_cell_types
+from hyper_parallel.platform.tensor import (
+    all_parameters,
+    all_plain_leaves,
+    is_cell,
+    is_parameter,
+    parameter_and_cell_types,
+)
 
 __all__ = [
     "LayoutSources",

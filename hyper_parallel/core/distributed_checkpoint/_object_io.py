@@ -70,7 +70,9 @@ class Tagged:
     tag: str
 
 
-def filesystem_for(location: str, filesystem: Any = None, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
+def filesystem_for(
+    location: str, filesystem: Any = None, storage_options: dict[str, Any] | None = None
+) -> tuple[Any, str]:
     """Return the fsspec filesystem and the protocol-less root path of ``location``.
 
     Args:

@@ -4,8 +4,9 @@ Each step is a prefix ``<root>/<step name>/`` holding one checkpoint. Listing
 reads, per step prefix, whether its metadata object exists (and its tag, so
 an unchanged step is not re-read); deleting removes the metadata object
 first (the step is then uncommitted for every reader), then the data
-objects, and aborts the multipart uploads a killed save left under it. An uncommitted step is deleted only once all its objects are older
-than :data:`UNCOMMITTED_GRACE_SECONDS`, because on object storage no lease
+objects, and aborts the multipart uploads a killed save left under it. An
+uncommitted step is deleted only once all its objects are older than
+:data:`UNCOMMITTED_GRACE_SECONDS`, because on object storage no lease
 tells whether another process is still writing it.
 """
 

@@ -89,7 +89,8 @@ def mindspore_state_dict(obj: Any, what: str = "save_obj") -> dict[str, Any]:
     out: dict[str, Any] = {}
     origin: dict[str, str] = {}
     for key, value in obj.items():
-        entries = cell_parameters(value, what if key == "" else f"{what}[{key!r}]").items() if is_cell(value) else [(key, value)]
+        entries = (cell_parameters(value, what if key == "" else f"{what}[{key!r}]").items() if is_cell(value)
+                   else [(key, value)])
         for name, item in entries:
             if name in out:
                 if out[name] is item:
@@ -150,7 +151,8 @@ def _prefixes(name: str, prefix: str | Sequence[str] | None) -> tuple[str, ...] 
     if not isinstance(prefixes, (list, tuple)) or not prefixes or not all(
         isinstance(p, str) and p for p in prefixes
     ):
-        raise CheckpointValueError(f"{name} must be a non-empty str or a non-empty list of non-empty str, got {prefix!r}")
+        raise CheckpointValueError(
+            f"{name} must be a non-empty str or a non-empty list of non-empty str, got {prefix!r}")
     return tuple(prefixes)
 
 
@@ -276,7 +278,8 @@ def _match(wanted: list[str], stored: dict[str, str], strict_load: bool,
 
 #: The dtypes MindSpore's non-strict ``load_param_into_net`` converts among (its ``_type_convert``): floats
 #: among floats, signed integers among signed integers; any other change of dtype it refuses.
-_CONVERTIBLE = (frozenset({"float16", "float32", "float64", "bfloat16"}), frozenset({"int8", "int16", "int32", "int64"}))
+_CONVERTIBLE = (frozenset({"float16", "float32", "float64", "bfloat16"}),
+                frozenset({"int8", "int16", "int32", "int64"}))
 
 
 def _local_data(value: Any) -> Any:
@@ -455,7 +458,8 @@ def _load_into(
     used = {aliases.get(ck, ck) for ck in chosen.values()}
     ckpt_not_load = sorted(k for k in metadata.state_dict_metadata if k not in used)
     if param_not_load:
-        _LOG.warning("load_checkpoint: %d entries of net are not loaded: %s", len(param_not_load), _shown(param_not_load))
+        _LOG.warning("load_checkpoint: %d entries of net are not loaded: %s", len(param_not_load),
+                     _shown(param_not_load))
     if ckpt_not_load:
         _LOG.info("load_checkpoint: %d checkpoint keys are not loaded: %s", len(ckpt_not_load), _shown(ckpt_not_load))
     return LoadedParameters(loaded, param_not_load, ckpt_not_load)

@@ -43,7 +43,16 @@ from hyper_parallel.core.distributed_checkpoint.mapping import ShardedTensor
 from hyper_parallel.core.dtensor import DTensor
 from hyper_parallel.platform.tensor import DTYPE_NAMES, is_tensor, shared_view, shared_view_reader, to_numpy
 
-__all__ = ["LayoutDescription", "LayoutListener", "LeafSource", "describe_layout", "plain_tensor", "leaf_array", "host_array", "piece_array"]
+__all__ = [
+    "LayoutDescription",
+    "LayoutListener",
+    "LeafSource",
+    "describe_layout",
+    "plain_tensor",
+    "leaf_array",
+    "host_array",
+    "piece_array",
+]
 
 
 @dataclass(frozen=True)
@@ -112,7 +121,8 @@ def host_array(value: Any) -> np.ndarray | None:
 
 
 def _plain_class(cls: type) -> bool:
-    """Whether values of class ``cls`` may be whole tensors (:func:`plain_tensor`, before a numpy array's dtype test)."""
+    """Whether values of class ``cls`` may be whole tensors (:func:`plain_tensor`, before a numpy array's dtype
+    test)."""
     if issubclass(cls, np.ndarray):
         return True
     if issubclass(cls, (DTensor, ShardedTensor)):

@@ -187,7 +187,7 @@ class StandardSavePlanner(SavePlanner):
         return describe_layout(self, listener)
 
     def digest_replicas_later(self, later: bool) -> None:
-        """Whether the layout pass keeps the possibly replicated pieces instead of hashing them. All ranks, before planning.
+        """Whether the layout pass keeps the possibly replicated pieces unhashed. All ranks, before planning.
 
         With ``later``, the plans carry no replica digests: the writer hashes
         its snapshot of the kept pieces (:meth:`replica_digests`) and the
@@ -254,7 +254,10 @@ class StandardSavePlanner(SavePlanner):
         return tuple(self._sources.get(MetadataIndex(item.index.fqn, item.index.offset)) for item in items)
 
     def bind_sources(
-        self, items: tuple[WriteItem, ...], sources: tuple[LeafSource | None, ...], by_index: dict[MetadataIndex, LeafSource]
+        self,
+        items: tuple[WriteItem, ...],
+        sources: tuple[LeafSource | None, ...],
+        by_index: dict[MetadataIndex, LeafSource],
     ) -> None:
         """Serve the items of a reused plan from this save's leaves (no local plan built). All ranks.
 

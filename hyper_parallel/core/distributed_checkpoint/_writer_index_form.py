@@ -82,7 +82,8 @@ class IndexFormWriting:
             storage_meta=replace(metadata.storage_meta, backend=self.backend_name, save_id=self.save_id),
         )
         if results and isinstance(results[0], RankIndexSummary):
-            committed = record_only_metadata(committed, results, self.index_plan, save_id=self.save_id)  # type: ignore[arg-type]
+            committed = record_only_metadata(
+                committed, results, self.index_plan, save_id=self.save_id)  # type: ignore[arg-type]
             return self.bind_indexes(committed)
         return committed
 
@@ -96,7 +97,8 @@ class IndexFormWriting:
             self.check_rank_indexes(list(committed.storage_data.records.values()))  # type: ignore[union-attr]
             return committed, []
         storage = committed.storage_data or {}
-        wanted = self.index_plan is not None or wants_index_form(self.metadata_form, len(storage)) or (  # digests counted only when it may matter
+        # The digests are counted only when they may matter.
+        wanted = self.index_plan is not None or wants_index_form(self.metadata_form, len(storage)) or (
             self.metadata_form == "auto" and wants_index_form("auto", len(storage), extra_digests(storage)))
         if self.rank_local or not wanted:
             return committed, []

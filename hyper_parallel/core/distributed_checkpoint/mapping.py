@@ -87,7 +87,8 @@ class ShardedTensor:
                 )
         if self.flattened_range is not None:
             rng = self.flattened_range
-            if rng.step not in (None, 1) or rng.start < 0 or rng.stop > math.prod(self.local_shape) or rng.start > rng.stop:
+            if (rng.step not in (None, 1) or rng.start < 0 or rng.stop > math.prod(self.local_shape)
+                    or rng.start > rng.stop):
                 raise CheckpointValueError(
                     f"ShardedTensor '{self.key}': flattened_range {rng} is not a contiguous range inside the "
                     f"local shape {self.local_shape}"

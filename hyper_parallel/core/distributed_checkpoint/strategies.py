@@ -198,7 +198,8 @@ def register_default_strategy(action: StrategyAction, backend: str, version: str
     """Register ``strategy`` for ``action`` on ``backend`` at format ``version``."""
     if not isinstance(action, StrategyAction):
         raise CheckpointValueError(f"action must be a StrategyAction, got {action!r}")
-    wanted = SaveStrategyBase if action in (StrategyAction.SAVE_SHARDED, StrategyAction.SAVE_COMMON) else LoadStrategyBase
+    saving = action in (StrategyAction.SAVE_SHARDED, StrategyAction.SAVE_COMMON)
+    wanted = SaveStrategyBase if saving else LoadStrategyBase
     if not isinstance(strategy, wanted):
         raise CheckpointValueError(
             f"a {action.value} strategy must be a {wanted.__name__}, got {type(strategy).__name__}"

@@ -89,7 +89,8 @@ def check_consistency(
     # Decoded and its records not asked for: its entries are those of by_key, each key once (the decoder checked).
     storage: Any = keyed if keyed is not None and by_key is keyed else metadata.storage_data or {}
     grids: dict = {}
-    if isinstance(storage, IndexedStorage):  # grid tensors tile by construction; their entries are checked as their index loads
+    # Grid tensors tile by construction; their entries are checked as their index loads.
+    if isinstance(storage, IndexedStorage):
         grids, storage = storage.grids, storage.inline  # type: ignore[union-attr]
     claimed: set[tuple[str, tuple[int, ...]]] = set()
     facts_of: dict[int, tuple[tuple[int, ...], int] | None] = {}  # id(record) -> _whole_chunk (records are shared)
@@ -107,8 +108,9 @@ def check_consistency(
             info = by_key.get(key)
             checksum = info.checksum if info is not None else None
             if (info is not None and not info.compression and info.length == facts[1]
-                    and (checksum is None or (checksum.algorithm == ALGORITHM and not checksum.block_shape
-                                              and len(checksum.digests) == max(1, -(-info.length // checksum.block_bytes))))):
+                    and (checksum is None or (
+                        checksum.algorithm == ALGORITHM and not checksum.block_shape
+                        and len(checksum.digests) == max(1, -(-info.length // checksum.block_bytes))))):
                 claimed.add(key)
                 if whole is not None:
                     whole[fqn] = (facts[0], info, item)

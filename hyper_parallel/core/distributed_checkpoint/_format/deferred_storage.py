@@ -41,7 +41,8 @@ class PendingStorage:
     def _rows_infos(self) -> list[list[StorageInfo] | None]:
         """For each part, its rows' records (``None`` for a pair)."""
         if self._infos is None:
-            self._infos = [part.infos() if type(part) is StorageRows else None for part in self.parts]  # pylint: disable=unidiomatic-typecheck
+            # pylint: disable-next=unidiomatic-typecheck
+            self._infos = [part.infos() if type(part) is StorageRows else None for part in self.parts]
         return self._infos
 
     def by_key(self) -> dict[tuple[str, tuple[int, ...]], StorageInfo]:

@@ -19,7 +19,15 @@ import numpy as np
 
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["MAX_GRID_CHUNKS", "GridHolders", "fit_holders", "flat_position", "grid_position", "holders_from_json", "splits_from_json"]
+__all__ = [
+    "MAX_GRID_CHUNKS",
+    "GridHolders",
+    "fit_holders",
+    "flat_position",
+    "grid_position",
+    "holders_from_json",
+    "splits_from_json",
+]
 
 #: Most chunks one grid tensor may declare (larger is refused as hostile).
 MAX_GRID_CHUNKS = 1 << 24
@@ -113,13 +121,15 @@ def holders_from_json(raw: dict, splits: tuple[int, ...], world_size: int, where
     """
     if "holders" in raw:
         ranks = raw["holders"]
-        if type(ranks) is not list or len(ranks) != math.prod(splits) or not all(  # pylint: disable=unidiomatic-typecheck
+        # pylint: disable-next=unidiomatic-typecheck
+        if type(ranks) is not list or len(ranks) != math.prod(splits) or not all(
                 type(r) is int for r in ranks):  # pylint: disable=unidiomatic-typecheck
             raise CorruptCheckpointError(f"{where}: grid.holders must list one rank per chunk ({math.prod(splits)})")
         holders = GridHolders(splits=splits, ranks=tuple(ranks))
     else:
         base, strides = raw.get("holder_base"), raw.get("holder_strides")
-        if (type(base) is not int or type(strides) is not list or len(strides) != len(splits)  # pylint: disable=unidiomatic-typecheck
+        # pylint: disable-next=unidiomatic-typecheck
+        if (type(base) is not int or type(strides) is not list or len(strides) != len(splits)
                 or not all(type(s) is int for s in strides)):  # pylint: disable=unidiomatic-typecheck
             raise CorruptCheckpointError(
                 f"{where}: grid needs holder_base (an integer) and holder_strides (one integer per dim), or holders")

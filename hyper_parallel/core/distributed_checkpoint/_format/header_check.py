@@ -61,7 +61,10 @@ class HeaderSpan:
 
 
 def expected_span(
-    index: MetadataIndex, info: StorageInfo, stored: TensorStorageMetadata | BytesStorageMetadata | None, sizes: tuple[int, ...] | None
+    index: MetadataIndex,
+    info: StorageInfo,
+    stored: TensorStorageMetadata | BytesStorageMetadata | None,
+    sizes: tuple[int, ...] | None,
 ) -> HeaderSpan:
     """The header entry the writer gives one stored item. Any rank; pure.
 
@@ -166,7 +169,8 @@ def header_is_exactly(text: bytes, size: int, rows: list[tuple[int, int, str, st
         file_metadata, _ = _DECODER.raw_decode(header, len(_HEAD))
     except ValueError:
         return False
-    if type(file_metadata) is not dict or not all(type(v) is str for v in file_metadata.values()):  # pylint: disable=unidiomatic-typecheck
+    # pylint: disable-next=unidiomatic-typecheck
+    if type(file_metadata) is not dict or not all(type(v) is str for v in file_metadata.values()):
         return False
     data_start = 8 + len(text)
     position = 0

@@ -184,8 +184,8 @@ class IndexedStorage(Mapping[MetadataIndex, StorageInfo]):
                 "its checkpoint; read it with dcp.read_metadata(checkpoint_id)")
         source = f"{self.source.rsplit('/', 1)[0]}/{record.file}" if "/" in self.source else record.file
         # One byte past the recorded length tells a longer file (refused by the length check) without reading it.
-        entries = decode_rank_index(self._opener(record.file, record.length + 1), record=record, save_id=self.save_id, source=source,
-                                    listed_in=self.source)
+        entries = decode_rank_index(self._opener(record.file, record.length + 1), record=record, save_id=self.save_id,
+                                    source=source, listed_in=self.source)
         prefix = f"r{rank:05d}_"
         for (fqn, offset), info in entries.items():
             where = f"{source}: key '{fqn}'"

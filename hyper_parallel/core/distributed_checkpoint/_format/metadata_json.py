@@ -160,12 +160,14 @@ def _whole_tensor_key(raw: dict) -> tuple[Any, ...] | None:
     if type(pair) is not list or len(pair) != 2:  # pylint: disable=unidiomatic-typecheck
         return None
     offsets, sizes = pair
-    if (type(offsets) is not list or type(sizes) is not list or len(offsets) != len(size)  # pylint: disable=unidiomatic-typecheck
+    # pylint: disable-next=unidiomatic-typecheck
+    if (type(offsets) is not list or type(sizes) is not list or len(offsets) != len(size)
             or len(sizes) != len(size)):
         return None
     # Each dim an int >= 0 in both lists and equal (a float or bool would compare equal), every offset 0.
     for full, part, offset in zip(size, sizes, offsets):
-        if (type(full) is not int or type(part) is not int or type(offset) is not int  # pylint: disable=unidiomatic-typecheck
+        # pylint: disable-next=unidiomatic-typecheck
+        if (type(full) is not int or type(part) is not int or type(offset) is not int
                 or full != part or full < 0 or offset):
             return None
     return ("whole tensor", dtype, tuple(size))
@@ -260,7 +262,8 @@ def _decode_storage(cursor: Cursor, shared: dict, plain: bool) -> dict[MetadataI
         cursor, shared, lambda raw: storage_entry(raw, count, source, shared),
         lambda path: check_relative_path(path, f"{source}: storage_data"), MAX_TENSOR_BYTES) if plain else None
     if pairs is not None:
-        keys = [(index.fqn, index.offset) for index, _ in (part for part in pairs if type(part) is not StorageRows)]  # pylint: disable=unidiomatic-typecheck
+        # pylint: disable-next=unidiomatic-typecheck
+        keys = [(index.fqn, index.offset) for index, _ in (part for part in pairs if type(part) is not StorageRows)]
         rows = [part for part in pairs if type(part) is StorageRows]  # pylint: disable=unidiomatic-typecheck
         count = len(keys) + sum(len(part.fqns) for part in rows)
         unique = set(keys)
@@ -369,7 +372,8 @@ _SAVE_ID = re.compile(r"^[0-9a-f]{12}$")
 
 
 def save_id_from_head(head: bytes) -> str | None:
-    """The save id in the first bytes of metadata this code wrote; ``None``: decode the whole with :func:`save_id_of`."""
+    """The save id in the first bytes of metadata this code wrote; ``None``: decode the whole with
+    :func:`save_id_of`."""
     match = _SAVE_ID_HEAD.match(head)
     return match.group(1).decode("ascii") if match else None
 

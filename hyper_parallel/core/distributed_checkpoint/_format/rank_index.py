@@ -64,7 +64,9 @@ def index_file_name(rank: int, save_id: str) -> str:
     return f"r{rank:05d}_index.{save_id}.json"
 
 
-def encode_rank_index(*, save_id: str, rank: int, entries: Iterable[tuple[MetadataIndex, StorageInfo]]) -> tuple[bytes, IndexRecord]:
+def encode_rank_index(
+    *, save_id: str, rank: int, entries: Iterable[tuple[MetadataIndex, StorageInfo]]
+) -> tuple[bytes, IndexRecord]:
     """The bytes of ``rank``'s index file and its record. Called by the rank that writes the file; pure."""
     document = {
         "format": INDEX_FORMAT_NAME,
@@ -98,7 +100,8 @@ def decode_rank_index(data: bytes, *, record: IndexRecord, save_id: str, source:
         document = json.loads(data)
     except (ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{source}: not a valid index file ({exc})") from exc
-    if (type(document) is not dict or document.get("format") != INDEX_FORMAT_NAME  # pylint: disable=unidiomatic-typecheck
+    # pylint: disable-next=unidiomatic-typecheck
+    if (type(document) is not dict or document.get("format") != INDEX_FORMAT_NAME
             or document.get("save_id") != save_id or document.get("rank") != record.rank):
         raise CorruptCheckpointError(f"{source}: not the index file of rank {record.rank} of save {save_id}")
     raw_entries = document.get("storage_data")

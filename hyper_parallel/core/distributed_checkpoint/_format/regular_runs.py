@@ -235,7 +235,8 @@ class StorageRows(NamedTuple):
         """The ``StorageInfo`` of each entry (its ``ChunkChecksum`` in it), in order: equal to the full decode's."""
         count = len(self.fqns)
         checksums = list(map(_new_object, repeat(ChunkChecksum, count)))
-        _set_all(checksums, _CHECKSUM_SLOTS, (repeat(ALGORITHM), self.blocks, zip(self.digests), repeat(()), repeat(())))
+        _set_all(checksums, _CHECKSUM_SLOTS,
+                 (repeat(ALGORITHM), self.blocks, zip(self.digests), repeat(()), repeat(())))
         infos = list(map(_new_object, repeat(StorageInfo, count)))
         _set_all(infos, _INFO_SLOTS, (self.files, self.starts, self.lengths, checksums, repeat(None), repeat(None)))
         return infos

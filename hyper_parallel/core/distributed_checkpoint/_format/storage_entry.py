@@ -137,15 +137,18 @@ def _flat_checked_entry(raw: Any, shared: dict) -> tuple[MetadataIndex, StorageI
     try:  # subscripts (cheaper than .get per field); a missing field is not the usual form
         fqn, offset, start, length, chk, path = (
             raw["fqn"], raw["offset"], raw["byte_offset"], raw["length"], raw["checksum"], raw["file"])
-        if (type(fqn) is not str or type(offset) is not list or type(start) is not int  # pylint: disable=unidiomatic-typecheck
-                or type(length) is not int or type(chk) is not dict or len(chk) != 3):  # pylint: disable=unidiomatic-typecheck
+        # pylint: disable-next=unidiomatic-typecheck
+        if (type(fqn) is not str or type(offset) is not list or type(start) is not int
+                # pylint: disable-next=unidiomatic-typecheck
+                or type(length) is not int or type(chk) is not dict or len(chk) != 3):
             return None
         algorithm, block, digests = chk["algorithm"], chk["block_bytes"], chk["digests"]
     except KeyError:
         return None
     path = shared.get(("file", path)) if type(path) is str else None  # pylint: disable=unidiomatic-typecheck
     if (path is None or not 0 <= start <= MAX_TENSOR_BYTES or not 0 <= length <= MAX_TENSOR_BYTES
-            or type(algorithm) is not str or type(block) is not int or block <= 0  # pylint: disable=unidiomatic-typecheck
+            # pylint: disable-next=unidiomatic-typecheck
+            or type(algorithm) is not str or type(block) is not int or block <= 0
             or type(digests) is not list or not naturals(offset)):  # pylint: disable=unidiomatic-typecheck
         return None
     for digest in digests:
@@ -241,7 +244,8 @@ def storage_entry(raw: Any, position: int, source: str, shared: dict) -> tuple[M
     compression = raw.get("compression")
     if compression is not None and compression != "zstd":
         raise CorruptCheckpointError(f"{where}: unknown compression {compression!r} for key '{fqn}'")
-    info = StorageInfo(  # positional (cheaper per entry): relative_path, offset, length, checksum, compression, raw_length
+    # Positional (cheaper per entry): relative_path, offset, length, checksum, compression, raw_length.
+    info = StorageInfo(
         path,
         _int(raw.get("byte_offset"), where, "byte_offset"),
         _int(raw.get("length"), where, "length"),
