@@ -220,3 +220,75 @@ def test_stepped_copies_of_large_parameters_hold_the_bytes_at_the_call_and_follo
     saved_now(tmp_path / "after_set_data")
     assert _async_engine._POOL.layouts_reused == layouts + 1, "the same layout: the kept staging layout is reused"
     assert np.all(_load(tmp_path / "after_set_data", {"w1": np.zeros(shapes[1], np.float32)})["w1"] == 5.5)
+
+
+def _stage_threads_held():
+    """Both staging threads blocked until the returned event is set (nothing handed to them runs meanwhile)."""
+    import threading  # pylint: disable=import-outside-toplevel
+
+    from hyper_parallel.core.distributed_checkpoint._lazy_pool import lazy_executor  # pylint: disable=C0415
+
+    release, started = threading.Event(), threading.Barrier(_stage_copies.STAGING_THREADS + 1)
+
+    def hold():
+        started.wait()
+        release.wait(30)
+
+    pool = lazy_executor("stage", _stage_copies.STAGING_THREADS)
+    held = [pool.submit(hold) for _ in range(_stage_copies.STAGING_THREADS)]
+    started.wait(30)
+    return release, held
+
+
+def test_the_caller_copies_the_lead_of_the_first_large_copy_itself_while_the_threads_wake():
+    """The first ``lead_bytes`` of the first large copy land on the caller's thread before ``add`` returns (the
+    staging threads, blocked here, copy nothing meanwhile); the rest and later copies land after ``finish``."""
+    rng = np.random.default_rng(11)
+    lead = 3 << 20
+    sources = [rng.integers(0, 256, size, dtype=np.uint8) for size in (lead + (9 << 20) + 5, lead // 2, 2 << 20)]
+    targets = [np.zeros_like(s) for s in sources]
+    release, held = _stage_threads_held()
+    try:
+        copier = _stage_copies.Copier(caller_share=False, lead_bytes=lead)
+        for target, source in zip(targets, sources):
+            copier.add(target, source)
+        assert targets[0][:lead].tobytes() == sources[0][:lead].tobytes(), "the lead is copied by the caller"
+        assert not targets[0][lead:].any() and not targets[1].any() and not targets[2].any(), \
+            "only the lead of the first copy: the rest waits for the (blocked) threads"
+    finally:
+        release.set()
+    for future in held:
+        future.result()
+    copier.finish()
+    assert all(t.tobytes() == s.tobytes() for t, s in zip(targets, sources)), "every byte once the threads ran"
+    early = _stage_copies.EarlyCopies(None, None, lambda n: np.zeros(n, np.uint8))
+    assert early._copier._lead == _stage_copies.LEAD_BYTES > 0, "a save's early copies have a lead"  # pylint: disable=W0212
+
+
+def test_copies_ahead_whose_lookup_fails_midway_leave_no_copy_running():
+    """The tensors copied ahead are looked up one by one as the copies start: a lookup that raises after some
+    copies were handed out waits for them before the error leaves (no thread writes into the arena after)."""
+    import threading  # pylint: disable=import-outside-toplevel
+
+    import pytest  # pylint: disable=import-outside-toplevel
+
+    rng = np.random.default_rng(12)
+    first = rng.integers(0, 256, _stage_copies.LEAD_BYTES + (6 << 20), dtype=np.uint8)  # beyond the caller's lead
+    arena = np.zeros(first.size + (1 << 20), np.uint8)
+
+    def ahead():
+        yield "a", first
+        raise RuntimeError("a lookup failed")
+
+    release, held = _stage_threads_held()
+    timer = threading.Timer(0.3, release.set)
+    timer.start()
+    try:
+        with pytest.raises(RuntimeError, match="a lookup failed"):
+            _stage_copies.EarlyCopies(arena, None, lambda n: arena, ahead=ahead())
+        assert arena[: first.size].tobytes() == first.tobytes(), "the copies handed out are over when it raises"
+    finally:
+        release.set()
+        timer.cancel()
+    for future in held:
+        future.result()
