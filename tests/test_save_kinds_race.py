@@ -64,6 +64,26 @@ def test_an_async_save_alone_beside_a_pending_collective_async_save_fails_fast(r
     assert other["ok"] and all(o["collective"] == [3.0] for o in other["value"].values()), other
 
 
+def test_a_collective_save_whose_ranks_name_different_checkpoints_is_refused(results: list) -> None:
+    """Each rank passed its own checkpoint_id (split_<kind>_<rank>) to one collective save. The sync save used to
+    return on every rank, committing split_sync_0/metadata.json that lists rank 1's file, which sat in
+    split_sync_1 (the load then failed: file missing); the async one committed nothing but said nothing until
+    the next save, after the collective timeout. Both are now refused at the first step, on every rank, naming
+    the ranks and their paths; nothing is committed, and a save of both ranks to one id commits next."""
+    for rank in (0, 1):
+        entry = results[rank]["split_ids"]
+        assert entry["ok"], entry
+        for kind, outcome in entry["value"].items():
+            assert outcome["error"] is not None and outcome["value_error"], (rank, kind, outcome)
+            message = outcome["message"]
+            assert "name 2 different checkpoints" in message, message
+            for r in (0, 1):
+                assert f"ranks [{r}] to " in message and f"split_{kind}_{r}" in message, message
+            assert "the same checkpoint_id" in message, message
+            assert all(not held or "metadata.json" not in held for held in outcome["held"].values()), outcome
+            assert outcome["joined"] == [9.0], outcome
+
+
 def test_the_queue_refuses_to_finish_alone_a_call_whose_finishing_needs_every_rank(tmp_path: Path) -> None:
     """Only a call scheduled with all_ranks and not finalized yet is pending for every rank. Finishing it without
     collectives (an async save's start, or dcp.save's finishing of the writer it shares) is refused naming its

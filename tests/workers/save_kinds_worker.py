@@ -10,6 +10,10 @@ starts another save (async or sync, ``use_collectives=False`` or ``no_dist``) wh
 :data:`WAIT` seconds) before calling ``result()``. Returns rank 0's outcome and how long it took, then both
 ranks finish the pending save and rank 0 repeats its save, which must then commit. The ``*_shared_writer``
 cases give rank 0's sync save the very writer object the pending save uses (``storage_writer=``).
+
+Scenario ``split_ids``: each rank passes its own checkpoint_id (``split_<kind>_<rank>``) to one collective
+save, sync then async; returns each outcome (error type and text), what each directory holds after, and
+the values a following save of both ranks to one id loads back.
 """
 
 from __future__ import annotations
@@ -122,7 +126,25 @@ def main() -> None:
             outcomes[name] = outcome
         return outcomes
 
-    run_scenarios({"alone_after_collective": alone_after_collective, "kinds_race": kinds_race})
+    def split_ids() -> dict:
+        outcomes = {}
+        for kind, save in (("sync", dcp.save), ("async", lambda *a, **k: dcp.async_save(*a, **k).result())):
+            try:
+                save(state(float(rank + 1)), checkpoint_id=shared / f"split_{kind}_{rank}")
+                outcome = {"error": None, "message": ""}
+            except dcp.CheckpointError as exc:
+                outcome = {"error": type(exc).__name__, "message": str(exc),
+                           "value_error": isinstance(exc, ValueError)}
+            dcp.save(state(9.0), checkpoint_id=shared / f"split_{kind}_joined")  # the same id on both: commits
+            whole = plain(0.0)
+            dcp.load(whole, checkpoint_id=shared / f"split_{kind}_joined", no_dist=True)
+            outcome["joined"] = local_values(whole)
+            outcome["held"] = {r: sorted(p.name for p in (shared / f"split_{kind}_{r}").glob("*"))
+                               if (shared / f"split_{kind}_{r}").exists() else None for r in (0, 1)}
+            outcomes[kind] = outcome
+        return outcomes
+
+    run_scenarios({"alone_after_collective": alone_after_collective, "kinds_race": kinds_race, "split_ids": split_ids})
 
 
 if __name__ == "__main__":
