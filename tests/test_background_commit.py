@@ -247,7 +247,7 @@ def test_a_ready_request_finalizes_while_its_background_goes_on() -> None:
     assert call.finalize() == "confirmed" and seen == [(None, None)]
     assert not call.background_done()
     release.set()
-    call.thread.join(10)
+    call.join(10)
     assert call.background_done() and call.finalize() == "confirmed" and len(seen) == 1
     queue.close()
 
