@@ -41,7 +41,12 @@ from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITH
 from hyper_parallel.core.distributed_checkpoint._format.grid_holders import GridHolders
 from hyper_parallel.core.distributed_checkpoint._format.rank_index import IndexRecord, index_file_name
 from hyper_parallel.core.distributed_checkpoint._grid_chunks import GridChunks
-from hyper_parallel.core.distributed_checkpoint._index_plan import IndexPlan, RankIndexPlan, RankIndexSummary, summarise_rank
+from hyper_parallel.core.distributed_checkpoint._index_plan import (
+    IndexPlan,
+    RankIndexPlan,
+    RankIndexSummary,
+    summarise_rank,
+)
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSystemPlanData
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     ChunkChecksum,
@@ -191,8 +196,10 @@ def main(argv: list[str] | None = None) -> None:
                   f"{f['received_bytes_per_rank']:>11} {f['received_bytes_per_chunk']:>8.1f} {f['commit_s']:>8.3f} "
                   f"{f['peak_bytes'] / 1e6:>8.1f} {f['peak_bytes_per_chunk']:>12.1f}")
     print(f"MEASURED record-only commit at {large['ranks']} ranks x {large['tensors']} tensors "
-          f"({large['chunks']:,} chunks): {large['commit_s']:.2f} s, metadata.json {large['metadata_bytes'] / 1e6:.2f} MB, "
-          f"{large['received_bytes_per_rank']} B received per rank, peak Python memory {large['peak_bytes'] / 1e6:.0f} MB")
+          f"({large['chunks']:,} chunks): {large['commit_s']:.2f} s, "
+          f"metadata.json {large['metadata_bytes'] / 1e6:.2f} MB, "
+          f"{large['received_bytes_per_rank']} B received per rank, "
+          f"peak Python memory {large['peak_bytes'] / 1e6:.0f} MB")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump({"rows": rows, "large": large}, handle, indent=1)

@@ -106,7 +106,8 @@ def _rank_plan_seconds(metadata: Metadata, ranks: int, tensors: int, rank: int) 
 
 
 def _read_with_memory(path: Path) -> tuple[Metadata, float, float, int, int]:
-    """``dcp.read_metadata(path)`` with its wall and CPU seconds and its peak and retained resident-memory growth in bytes."""
+    """``dcp.read_metadata(path)`` with its wall and CPU seconds and its peak and retained resident-memory growth in
+    bytes."""
     process = psutil.Process()
     gc.collect()
     base = process.memory_info().rss
@@ -276,11 +277,13 @@ def main(argv: list[str] | None = None) -> None:
             plan_seconds = _rank_plan_seconds(read, ranks, args.tensors, rank=ranks // 2)
             chunks = ranks * args.tensors
             rows.append({"ranks": ranks, "tensors": args.tensors, "chunks": chunks, "metadata_bytes": size,
-                         "read_metadata_s": read_seconds, "read_metadata_cpu_s": read_cpu, "rank_load_planning_s": plan_seconds,
+                         "read_metadata_s": read_seconds, "read_metadata_cpu_s": read_cpu,
+                         "rank_load_planning_s": plan_seconds,
                          "bytes_per_chunk": size / chunks,
                          "read_peak_rss_bytes": peak_rss, "read_retained_rss_bytes": retained_rss,
                          "read_peak_rss_per_file_byte": peak_rss / size,
-                         "read_retained_rss_per_file_byte": retained_rss / size, "read_us_per_chunk": read_seconds / chunks * 1e6,
+                         "read_retained_rss_per_file_byte": retained_rss / size,
+                         "read_us_per_chunk": read_seconds / chunks * 1e6,
                          "planning_us_per_tensor": plan_seconds / args.tensors * 1e6})
             del read
             (path / "metadata.json").unlink()
@@ -289,7 +292,8 @@ def main(argv: list[str] | None = None) -> None:
     target_chunks = args.target_ranks * args.target_tensors
     chunk_counts = [row["chunks"] for row in rows]
     fits = {name: _fit(chunk_counts, [row[name] for row in rows]) for name in
-            ("metadata_bytes", "read_metadata_s", "read_metadata_cpu_s", "read_peak_rss_bytes", "read_retained_rss_bytes")}
+            ("metadata_bytes", "read_metadata_s", "read_metadata_cpu_s", "read_peak_rss_bytes",
+             "read_retained_rss_bytes")}
     planning = [row["planning_us_per_tensor"] for row in rows]
     extrapolated = {"label": "EXTRAPOLATED from the least-squares linear fit over the measured sizes",
                     "ranks": args.target_ranks, "tensors": args.target_tensors, "chunks": target_chunks,
@@ -306,10 +310,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"linear fit {name}: {fit['slope']:.4g} per chunk + {fit['intercept']:.4g}, "
               f"max deviation of a measured size {fit['max_relative_deviation']:.1%}")
     print(f"rank load planning per tensor across sizes: {min(planning):.1f} to {max(planning):.1f} us "
-          f"(largest / smallest world: {planning[-1] / planning[0]:.2f}x for {chunk_counts[-1] / chunk_counts[0]:.0f}x the chunks)")
+          f"(largest / smallest world: {planning[-1] / planning[0]:.2f}x for "
+          f"{chunk_counts[-1] / chunk_counts[0]:.0f}x the chunks)")
     print(f"MEASURED indexed form (format 2.1) at {indexed['ranks']} ranks x {indexed['tensors']} tensors "
           f"({indexed['chunks']:,} chunks): metadata.json {indexed['metadata_bytes'] / 1e6:.2f} MB "
-          f"({indexed['metadata_bytes_per_chunk']:.3f} B/chunk; one rank index {indexed['index_file_bytes'] / 1e6:.2f} MB, "
+          f"({indexed['metadata_bytes_per_chunk']:.3f} B/chunk; "
+          f"one rank index {indexed['index_file_bytes'] / 1e6:.2f} MB, "
           f"{indexed['index_bytes_per_chunk']:.0f} B/chunk, read only by the ranks that need it), built in "
           f"{indexed['build_cpu_s']:.2f} s CPU; read_metadata {indexed['read_metadata_s']:.3f} s "
           f"(CPU {indexed['read_metadata_cpu_s']:.3f} s, peak memory +{indexed['read_peak_rss_bytes'] / 1e6:.0f} MB); "
@@ -320,11 +326,15 @@ def main(argv: list[str] | None = None) -> None:
           f"({commit['chunks']:,} chunks): in-line {commit['inline_commit_s']:.2f} s (CPU "
           f"{commit['inline_commit_cpu_s']:.2f} s), metadata.json {commit['inline_metadata_bytes'] / 1e6:.1f} MB; "
           f"indexed {commit['indexed_commit_s']:.2f} s (CPU {commit['indexed_commit_cpu_s']:.2f} s), metadata.json "
-          f"{commit['indexed_metadata_bytes'] / 1e6:.3f} MB + index files {commit['indexed_index_bytes'] / 1e6:.1f} MB; "
-          f"the coordinator gathers {commit['gathered_bytes_per_chunk']:.0f} B per chunk of write results in both forms")
-    print(f"EXTRAPOLATED in-line form, for comparison (linear fit) to {args.target_ranks} ranks x {args.target_tensors} tensors: "
+          f"{commit['indexed_metadata_bytes'] / 1e6:.3f} MB + "
+          f"index files {commit['indexed_index_bytes'] / 1e6:.1f} MB; "
+          f"the coordinator gathers {commit['gathered_bytes_per_chunk']:.0f} B per chunk of write results "
+          "in both forms")
+    print(f"EXTRAPOLATED in-line form, for comparison (linear fit) to {args.target_ranks} ranks x "
+          f"{args.target_tensors} tensors: "
           f"metadata {extrapolated['metadata_bytes'] / 1e9:.1f} GB, read_metadata "
-          f"{extrapolated['read_metadata_s']:.0f} s (CPU {extrapolated['read_metadata_cpu_s']:.0f} s), read peak memory {extrapolated['read_peak_rss_bytes'] / 1e9:.1f} GB, "
+          f"{extrapolated['read_metadata_s']:.0f} s (CPU {extrapolated['read_metadata_cpu_s']:.0f} s), "
+          f"read peak memory {extrapolated['read_peak_rss_bytes'] / 1e9:.1f} GB, "
           f"one rank's load planning {extrapolated['rank_load_planning_s']:.1f} s")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:

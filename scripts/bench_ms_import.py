@@ -206,7 +206,8 @@ def report(figures: dict[str, Any]) -> str:
              f"{figures['rank_file_bytes'] / GIB:.3f} GiB"]
     for tool, row in figures["median"].items():
         lines.append(f"  {tool:<22} {row['seconds']:8.2f} s  read_bytes {row['read_bytes'] / GIB:7.3f} GiB  "
-                     f"rchar {row['rchar'] / GIB:7.3f} GiB  peak extra RSS {row['peak_extra_rss_bytes'] / GIB:6.3f} GiB "
+                     f"rchar {row['rchar'] / GIB:7.3f} GiB  "
+                     f"peak extra RSS {row['peak_extra_rss_bytes'] / GIB:6.3f} GiB "
                      f"(anonymous {row['peak_extra_anon_bytes'] / GIB:6.3f} GiB)")
     lines += [f"  {name}: {value:.3f}" for name, value in figures["ratios"].items()]
     return "\n".join(lines)

@@ -92,7 +92,8 @@ def plain_write_early_writeback(path: Path, source: Any, nbytes: int) -> Callabl
     """A plain single-stream write + fsync that asks for writeback every 8 MiB, as the save's writer does."""
     import os  # pylint: disable=import-outside-toplevel
 
-    from hyper_parallel.core.distributed_checkpoint._file_ops import OS_FILE_OPS  # pylint: disable=import-outside-toplevel
+    # pylint: disable-next=import-outside-toplevel
+    from hyper_parallel.core.distributed_checkpoint._file_ops import OS_FILE_OPS
 
     step = _data_file.WRITEBACK_BYTES
 

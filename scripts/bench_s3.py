@@ -190,8 +190,8 @@ def measure(size_gb: float, *, threads: int = 2, connections: int = 4, part_byte
                 run = shape[1] * 4
                 starts = [info.offset + r * cols * 4 + rank * run for r in range(rows)]
                 ranges = [(data_path, starts, [s + run for s in starts])]
-            load_shard_s, raw_s = _paired(sharded_load, lambda ranges=ranges: _raw_get(fs, ranges, threads, connections),
-                                          runs)
+            load_shard_s, raw_s = _paired(
+                sharded_load, lambda ranges=ranges: _raw_get(fs, ranges, threads, connections), runs)
             reshard[label] = {"needed_bytes": needed, "fetched_bytes": fetched[-1], "load_s": load_shard_s,
                               "raw_get_s": raw_s}
     return {

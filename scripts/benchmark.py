@@ -1,6 +1,7 @@
 """Measure the "Performance contract" of DESIGN.md in one run; print a table, write JSON.
 
-Run: ``python scripts/benchmark.py [--size-gb 1] [--state many large] [--threads 2] [--runs 3] [--warm-runs 5] [--out DIR]``;
+Run: ``python scripts/benchmark.py [--size-gb 1] [--state many large] [--threads 2] [--runs 3]
+[--warm-runs 5] [--out DIR]``;
 ``--storage s3`` measures object storage instead (``bench_s3.py``: save, load and a resharded load on a
 local moto S3 server against raw s3fs puts and ranged GETs of the same bytes).
 For each state of MindSpore Parameters (``many``: 1,799 Parameters at 1 GiB, a
@@ -852,7 +853,8 @@ def run_state(kind: str, work: Path, args: argparse.Namespace) -> dict[str, Any]
     times.update(phase_mindspore(state, work, args))
     medians = {name: statistics.median(runs) for name, runs in times.items()}
     table = ratios(medians, args, memory, small_count)
-    return {"tensors": len(state), "small_tensors_loaded_alone": small_count, "state_bytes": nbytes, "cold_cache_method": cold_method, "times_s": times,
+    return {"tensors": len(state), "small_tensors_loaded_alone": small_count, "state_bytes": nbytes,
+            "cold_cache_method": cold_method, "times_s": times,
             "median_s": medians, "memory": memory, "profiles": profiles, "notes": notes,
             "ratios": [{"figure": n, "value": v, "target": tg, "met": m} for n, v, tg, m in table]}
 

@@ -160,7 +160,8 @@ class MemoryWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         """``memory://<name>`` ids."""
-        return isinstance(checkpoint_id, str) and checkpoint_id.startswith(_PREFIX) and len(checkpoint_id) > len(_PREFIX)
+        return (isinstance(checkpoint_id, str) and checkpoint_id.startswith(_PREFIX)
+                and len(checkpoint_id) > len(_PREFIX))
 
 
 def _metadata_key(rank: int | None) -> str:

@@ -20,7 +20,11 @@ import pytest
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel import DTensor, Layout
 from hyper_parallel.core.distributed_checkpoint.metadata import FORMAT_VERSION
-from hyper_parallel.core.distributed_checkpoint._rank_records import RankRecord, encode_rank_record, wait_for_rank_records
+from hyper_parallel.core.distributed_checkpoint._rank_records import (
+    RankRecord,
+    encode_rank_record,
+    wait_for_rank_records,
+)
 from hyper_parallel.core.distributed_checkpoint.strategies import LoadOptions, check_load_compatible
 from hyper_parallel.platform import numpy_dtype
 

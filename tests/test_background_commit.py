@@ -211,7 +211,8 @@ def test_waiting_names_missing_and_failed_ranks(tmp_path: Path) -> None:
     ticks = iter(range(100))
     with pytest.raises(dcp.CollectiveTimeoutError, match=r"rank\(s\) \[1, 2\]"):
         wait_for_rank_records(writer, save_id=writer.save_id, world_size=3, timeout=3, clock=lambda: next(ticks))
-    writer.write_rank_record(1, encode_rank_record(RankRecord(writer.save_id, 1, None, "OSError: disk full")), plan=plan)
+    failed = RankRecord(writer.save_id, 1, None, "OSError: disk full")
+    writer.write_rank_record(1, encode_rank_record(failed), plan=plan)
     cancel = threading.Event()
     cancel.set()  # cancelled: one more look, then what was found (rank 2's record is another save's)
     found = collect_rank_records(writer, save_id=writer.save_id, ranks=range(3), timeout=None, cancel=cancel)

@@ -86,7 +86,8 @@ def test_benchmark_reports_every_figure_for_both_states(tmp_path):
     assert set(result["states"]) == {"many", "large"}
     # hp-ckpt import of 4 MindSpore rank files: each byte of them read once (the replicas to compare them).
     assert result["ms_import"]["median"]["import"]["read_bytes"] < 1.2 * result["ms_import"]["rank_file_bytes"]
-    assert result["ms_import"]["median"]["transform_checkpoints"]["read_bytes"] >= result["ms_import"]["rank_file_bytes"]
+    ms_import = result["ms_import"]
+    assert ms_import["median"]["transform_checkpoints"]["read_bytes"] >= ms_import["rank_file_bytes"]
     assert result["states"]["many"]["tensors"] >= 200 and result["states"]["large"]["tensors"] == 16
     for kind, state in result["states"].items():
         figures = {row["figure"]: row for row in state["ratios"]}
@@ -138,7 +139,8 @@ def test_bench_planning_reports_time_and_bytes_per_rank(tmp_path):
         assert row["reuse_bytes_received_per_rank"] < row["reuse_bytes_sent_per_rank"] * row["ranks"]
         assert row["tensors"] == 20 and row["written_items"] == 10 + 10 * row["ranks"]
         assert row["same_result_as_general"] is True  # the layout merge decides what the per-item merge decides
-        assert 0 < row["bytes_received_per_noncoordinator_rank"] < row["bytes_received_per_noncoordinator_rank_allgather"]
+        assert 0 < row["bytes_received_per_noncoordinator_rank"] < (
+            row["bytes_received_per_noncoordinator_rank_allgather"])
     # With an all-gather a rank receives every rank's plan: it grows with the world, the scatter does not.
     assert rows[1]["bytes_received_per_noncoordinator_rank_allgather"] > 3 * rows[0][
         "bytes_received_per_noncoordinator_rank_allgather"]

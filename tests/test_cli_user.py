@@ -145,7 +145,8 @@ def test_progress_bars_on_a_terminal(recipe: Path, tmp_path: Path, capsys, monke
 
 
 def test_list_reports_in_progress_and_damaged_steps(tmp_path: Path, capsys) -> None:
-    from hyper_parallel.core.distributed_checkpoint._save_lease import SaveLease  # pylint: disable=import-outside-toplevel
+    # pylint: disable-next=import-outside-toplevel
+    from hyper_parallel.core.distributed_checkpoint._save_lease import SaveLease
 
     manager = dcp.CheckpointManager(tmp_path / "run")
     manager.save(1, {"w": np.zeros(4, np.float32)})

@@ -67,7 +67,8 @@ def test_layout_checksums_match_the_general_path_for_every_kind_of_item(tmp_path
     items.append(_tensor_item("vector", arrays["vector"], "float32", offset=(1000,)))  # a shard of the same key
     payload = b"pickled value"
     items.append(WriteItem(index=MetadataIndex("value"), type=WriteItemType.BYTE_IO,
-                           bytes_io_data=BytesWriteData(type_name="str", nbytes=len(payload), digest="", global_shape=())))
+                           bytes_io_data=BytesWriteData(type_name="str", nbytes=len(payload), digest="",
+                                                        global_shape=())))
     views = [byte_view(a) for a in arrays.values()] + [byte_view(arrays["vector"]), byte_view(payload)]
     block = 64 << 10
     layout = lay_out(tuple(items), views, file_metadata={"save_id": "x"}, align=4096, block_bytes=block,

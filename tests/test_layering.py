@@ -27,22 +27,28 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                                   "_format.entry_checks", "_format.grid_holders", "_format.rank_index",
                                   "_format.indexed_storage", "_format.indexed_json",
                                   "_format.deferred_storage"})),
-    ("plans and planners", frozenset({"planner", "mapping", "_chunk_search", "type_handlers", "_builtin_handlers", "_flatten", "_mindspore_sliced", "_device_targets",
+    ("plans and planners", frozenset({"planner", "mapping", "_chunk_search", "type_handlers", "_builtin_handlers",
+                                      "_flatten", "_mindspore_sliced", "_device_targets",
                                       "_state_items", "_global_plan", "_replicated_read", "standard_planner",
                                       "_leaf_entry", "_save_planner", "_load_planner", "_load_target_checks",
                                       "_load_target_match", "_piece_reads",
-                                      "_layout_plan", "_layout_merge", "_layout_writers", "_save_layout", "_layout_memo", "_whole_reads", "_unwritten_keys"})),
+                                      "_layout_plan", "_layout_merge", "_layout_writers", "_save_layout",
+                                      "_layout_memo",
+                                      "_whole_reads", "_unwritten_keys"})),
     ("storage", frozenset({"storage", "filesystem_writer", "filesystem_reader", "_run_reads", "_read_items",
                            "_safe_files", "_save_lease", "_file_ops", "_data_file", "_commit_cleanup", "_device_reads",
-                           "_rank_records", "_data_writing", "_commit_guard", "_index_form", "_index_plan", "_writer_index_form", "_writer_records", "_writer_set_up",
-                           "_verify_reads", "_verify_windows", "_verify_tiles", "_verify_share", "_kept_files", "_read_priming", "_metadata_file", "_reader_headers", "_reader_verify", "_reader_reads"})),
+                           "_rank_records", "_data_writing", "_commit_guard", "_index_form", "_index_plan",
+                           "_writer_index_form", "_writer_records", "_writer_set_up",
+                           "_verify_reads", "_verify_windows", "_verify_tiles", "_verify_share", "_kept_files",
+                           "_read_priming", "_metadata_file", "_reader_headers", "_reader_verify", "_reader_reads"})),
     ("object storage", frozenset({"_object_io", "_object_garbage", "_fsspec_writer", "_fsspec_reader", "_object_steps",
                                    "_index_objects"})),
-    ("engine", frozenset({"_collectives", "_commit_receipt", "_engine", "_load_engine", "_async_engine", "_storage_choice", "_staging", "_stage_copies", "_fork_writer", "_async_queue",
+    ("engine", frozenset({"_collectives", "_commit_receipt", "_engine", "_load_engine", "_async_engine",
+                         "_storage_choice", "_staging", "_stage_copies", "_fork_writer", "_async_queue",
                          "_deferred_save", "_plan_cache", "_background_commit", "_one_checkpoint"})),
     ("strategies", frozenset({"strategies"})),
-    ("public API", frozenset({"api", "async_checkpoint", "_one_line", "manager", "_manager_record", "_step_dirs", "_retention",
-                    "callback", "_breakpoint_steps", "_resume_position", ""})),
+    ("public API", frozenset({"api", "async_checkpoint", "_one_line", "manager", "_manager_record", "_step_dirs",
+                              "_retention", "callback", "_breakpoint_steps", "_resume_position", ""})),
 )
 
 #: Imports that break the rule today, each to be removed by the change that fixes it.
@@ -191,7 +197,8 @@ def test_the_platform_and_the_core_never_import_upward():
         f"{module} imports {target}"
         for module, targets in graph.items()
         for target in targets
-        if (module.startswith("hyper_parallel.platform") and target.startswith(("hyper_parallel.core", "hyper_parallel.cli")))
+        if (module.startswith("hyper_parallel.platform")
+            and target.startswith(("hyper_parallel.core", "hyper_parallel.cli")))
         or (module.startswith("hyper_parallel.core") and target.startswith("hyper_parallel.cli"))
     )
     assert not upward, upward

@@ -37,7 +37,8 @@ def test_a_shorter_list_or_tuple_is_refused(saved: Path) -> None:
 def test_an_empty_dict_the_checkpoint_fills_is_refused(saved: Path) -> None:
     """An optimizer state not created yet ({}) loaded none of the stored state."""
     target = {"w": np.zeros(2, np.float32), "opt": {"state": {}}}
-    with pytest.raises(dcp.CheckpointValueError, match=r"key 'opt.state': the target is an empty dict.*'opt.state.0.m'"):
+    with pytest.raises(dcp.CheckpointValueError,
+                       match=r"key 'opt.state': the target is an empty dict.*'opt.state.0.m'"):
         dcp.load(target, checkpoint_id=saved)
     assert not target["w"].any()
     target = {"w": np.zeros(2, np.float32), "opt": {"state": {"0": {"m": None}, "1": {"m": None}}}}

@@ -219,7 +219,8 @@ def test_load_checkpoint_refuses_those_casts_into_dtensors_and_sharded_tensors(t
     """The dtype check looked at Parameters and arrays only: a DTensor of an int Parameter got a float checkpoint
     truncated, and a ShardedTensor of int8 data got 300.2 wrapped to 44, silently."""
     from hyper_parallel import DTensor, Layout  # pylint: disable=import-outside-toplevel
-    from hyper_parallel.core.distributed_checkpoint.mapping import ShardedTensor  # pylint: disable=import-outside-toplevel
+    # pylint: disable-next=import-outside-toplevel
+    from hyper_parallel.core.distributed_checkpoint.mapping import ShardedTensor
 
     hyper_parallel.save_checkpoint({"w": np.array([[1.7, -2.6], [3.5, 300.2]], np.float32)}, tmp_path / "c")
     shard = ms.Parameter(ms.Tensor(np.zeros((2, 2), np.int32)), name="w")

@@ -17,7 +17,8 @@ ms.set_device("CPU")
 
 _OPTIMIZERS = {
     "Adam": lambda p: nn.Adam(p), "AdamWeightDecay": lambda p: nn.AdamWeightDecay(p), "Lamb": lambda p: nn.Lamb(p, 0.1),
-    "RMSProp": lambda p: nn.RMSProp(p), "SGD": lambda p: nn.SGD(p, momentum=0.9), "Momentum": lambda p: nn.Momentum(p, 0.1, 0.9),
+    "RMSProp": lambda p: nn.RMSProp(p), "SGD": lambda p: nn.SGD(p, momentum=0.9),
+    "Momentum": lambda p: nn.Momentum(p, 0.1, 0.9),
     "Adagrad": lambda p: nn.Adagrad(p), "Adadelta": lambda p: nn.Adadelta(p), "Rprop": lambda p: nn.Rprop(p),
     "FTRL": lambda p: nn.FTRL(p), "LARS": lambda p: nn.LARS(nn.Momentum(p, 0.1, 0.9)),
 }

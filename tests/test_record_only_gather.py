@@ -93,8 +93,8 @@ def _load_all(path, ranks: int, layout: Layout, tensors: int = 1) -> None:
         for k in range(tensors):
             param = ms.Parameter(ms.Tensor(np.zeros(layout.local_shape(FULL.shape), np.float32)), name="w")
             target = DTensor(param, layout, FULL.shape, rank=rank)
-            state = {f"w{k}": target, "rep": np.zeros((3, 2), np.float32), "step": 0, "st": np.zeros((8, 3), np.float32),
-                     "scale": np.zeros((), np.float32)}
+            state = {f"w{k}": target, "rep": np.zeros((3, 2), np.float32), "step": 0,
+                     "st": np.zeros((8, 3), np.float32), "scale": np.zeros((), np.float32)}
             dcp.load(state, checkpoint_id=path, no_dist=True)
             assert np.array_equal(state["st"], STACKED) and float(state["scale"]) == 2.5
             rows, cols = param.shape
@@ -271,7 +271,8 @@ def test_a_replaced_index_file_aborts_the_commit_naming_rank_and_file(tmp_path):
     import hyper_parallel.core.distributed_checkpoint._writer_index_form as index_form_writing
     _index_plan_patch.setattr(index_form_writing, "summarise_rank", damaged)
     try:
-        with pytest.raises(CorruptCheckpointError, match=r"index file r00002_index\.\w+\.json of rank 2 does not match"):
+        with pytest.raises(CorruptCheckpointError,
+                           match=r"index file r00002_index\.\w+\.json of rank 2 does not match"):
             simulate_save(_states(), path, rank_indexes=True, writer_options={"metadata_form": "indexed"})
     finally:
         _index_plan_patch.undo()
@@ -419,11 +420,13 @@ def test_version_two_results_record_carries_the_summary(tmp_path):
     assert results_of(records, save_id=save_id, world_size=4) == sent
     assert len(encode_rank_record(records[3])) < 600  # one index file named, no entry of its chunks
     plain = RankRecord(save_id, 1, ())
-    assert b"version" not in encode_rank_record(plain) and decode_rank_record(encode_rank_record(plain), source="r") == plain
+    assert b"version" not in encode_rank_record(plain)
+    assert decode_rank_record(encode_rank_record(plain), source="r") == plain
     good = json.loads(encode_rank_record(records[1]))
     for edit, match in ((lambda d: d["index"].update(entries=-1), "malformed rank index summary"),
                         (lambda d: d["index"].update(files=[3]), "malformed rank index summary"),
-                        (lambda d: d["index"]["record"].update(rank=0, file=d["index"]["record"]["file"].replace("r00001", "r00000")),
+                        (lambda d: d["index"]["record"].update(
+                            rank=0, file=d["index"]["record"]["file"].replace("r00001", "r00000")),
                          "index file of rank 0 in the record of rank 1"),
                         (lambda d: d["index"]["record"].update(rank=2), "not a new rank"),
                         (lambda d: d["index"]["record"].update(file="../x"), "is not named")):
@@ -439,7 +442,8 @@ def test_a_missing_index_file_aborts_the_commit(tmp_path):
             os.unlink(self.path / results[2].record.file)  # another process removed it before the commit
             return super().finish(metadata, results, **kwargs)
 
-    with pytest.raises(CorruptCheckpointError, match=r"r00002_index\.\w+\.json of rank 2 does not match.*stored: -1 bytes"):
+    with pytest.raises(CorruptCheckpointError,
+                       match=r"r00002_index\.\w+\.json of rank 2 does not match.*stored: -1 bytes"):
         simulate_save(_states(), tmp_path / "c", rank_indexes=True, writer_class=Deleting,
                       writer_options={"metadata_form": "indexed"})
     assert not (tmp_path / "c" / "metadata.json").exists()
@@ -521,7 +525,8 @@ def test_s3_missing_index_object_or_failed_put_aborts(s3_url):
             self.fs = Refusing(self.fs)
             super().store_rank_index(record, data)
 
-    with pytest.raises(dcp.CheckpointIOError, match=r"rank 0: writing its index object .*r00000_index\.\w+\.json failed"):
+    with pytest.raises(dcp.CheckpointIOError,
+                       match=r"rank 0: writing its index object .*r00000_index\.\w+\.json failed"):
         simulate_save(_states(), s3_url + "x", rank_indexes=True, writer_class=FailingPut,
                       writer_options={"metadata_form": "indexed"})
 

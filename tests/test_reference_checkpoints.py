@@ -127,7 +127,8 @@ def test_a_reference_older_than_every_registered_version_is_refused(tmp_path):
 
 @pytest.mark.parametrize("name,version", REFERENCES)
 def test_the_save_id_is_read_from_the_head_of_the_metadata(name, version):
-    from hyper_parallel.core.distributed_checkpoint._format.metadata_json import (  # pylint: disable=import-outside-toplevel
+    # pylint: disable-next=import-outside-toplevel
+    from hyper_parallel.core.distributed_checkpoint._format.metadata_json import (
         save_id_from_head,
         save_id_of,
     )

@@ -62,7 +62,8 @@ def test_manager_with_a_relative_root_keeps_to_it(tmp_path: Path, monkeypatch: p
     assert manager.directory(2) == tmp_path / "run" / "ckpts" / "step_00000002"
 
 
-def test_a_working_directory_removed_fails_only_relative_local_ids(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_working_directory_removed_fails_only_relative_local_ids(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A process whose working directory was deleted still saves to and loads from an object store URL and an
     absolute directory; a relative local id is refused naming it and the fix (was a bare FileNotFoundError for
     the URL too: the object storage classes resolved a placeholder path against the missing directory)."""

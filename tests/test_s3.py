@@ -83,7 +83,8 @@ def test_round_trip_same_files_as_on_disk(s3_url: str, tmp_path: Path) -> None:
     raw_metadata = fs.cat_file(f"{s3_url[5:]}/metadata.json")
     assert metadata_from_json(raw_metadata) == committed
     disk = dcp.save(_state(1), checkpoint_id=tmp_path / "disk", no_dist=True)
-    assert json.loads(raw_metadata)["version"] == json.loads((tmp_path / "disk" / "metadata.json").read_bytes())["version"]
+    on_disk = json.loads((tmp_path / "disk" / "metadata.json").read_bytes())
+    assert json.loads(raw_metadata)["version"] == on_disk["version"]
     assert set(disk.state_dict_metadata) == set(committed.state_dict_metadata)
     tensors = dict(deserialize(fs.cat_file(f"{s3_url[5:]}/{names[1]}")))  # the safetensors library parses it
     assert tensors["bf"]["dtype"] == "BF16" and tensors["w"]["shape"] == [256, 512]

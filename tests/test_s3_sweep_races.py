@@ -175,7 +175,8 @@ def test_saves_of_both_metadata_kinds_at_once_keep_both_checkpoints(
         _load(s3_url, 5, use_collectives=False)
 
 
-def test_save_ids_tell_the_kind_and_each_kind_sweeps_its_own(s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811,E501
+def test_save_ids_tell_the_kind_and_each_kind_sweeps_its_own(
+        s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     ids = {kind: [new_save_id(rank_local=kind) for _ in range(64)] for kind in (False, True)}
     assert all(len(i) == 12 and int(i, 16) >= 0 and commits_per_rank(i) is kind for kind in ids for i in ids[kind])
     assert len(set(ids[False])) == 64 and {i[0] for i in ids[False]} <= set("01234567")
@@ -221,7 +222,8 @@ def test_a_commit_whose_reply_is_lost_keeps_its_data(s3_url: str, monkeypatch: p
     assert len([n for n in names if n.endswith(".safetensors")]) == 1, names  # the superseded data swept
 
 
-def test_a_commit_of_unknown_outcome_deletes_nothing(s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+def test_a_commit_of_unknown_outcome_deletes_nothing(
+        s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     """The PUT's fate is unknown and the store cannot be read back: the save raises and keeps its data objects."""
     dcp.save(_state(1), checkpoint_id=s3_url, no_dist=True)
     real = _object_io._s3

@@ -41,13 +41,15 @@ def test_each_rank_receives_its_own_part(tmp_path: Path, workers: int) -> None:
         assert result["squares"]["value"] == rank * rank
         assert f"rank {workers - 1} has no plan" in result["map_fails"]["value"], result["map_fails"]["value"]
         failing = result["failing"]["value"]
-        assert failing.startswith("CollectivePlanValidationError") and f"bad plan from {workers} ranks" in failing, failing
+        assert failing.startswith("CollectivePlanValidationError"), failing
+        assert f"bad plan from {workers} ranks" in failing, failing
 
 
 def test_a_result_shared_by_every_rank_is_pickled_once():
     import pickle  # pylint: disable=import-outside-toplevel
 
-    from hyper_parallel.core.distributed_checkpoint._collectives import _pickled_parts  # pylint: disable=import-outside-toplevel
+    # pylint: disable-next=import-outside-toplevel
+    from hyper_parallel.core.distributed_checkpoint._collectives import _pickled_parts
 
     shared = {"metadata": list(range(100))}
     blobs = _pickled_parts([shared, shared, shared, {"own": 3}])

@@ -183,7 +183,8 @@ def test_sharded_objects_of_another_grid_are_refused(tmp_path):
                   tmp_path / "c")
     for grid, position in (((1,), (0,)), ((4,), (1,)), ((4,), (3,)), ((2, 1), (1, 0))):
         target = {"rng": dcp.ShardedObject("rng_state", None, grid, position)}
-        with pytest.raises(dcp.ShapeMismatchError, match=re.escape(f"grid of shape [2], the target's grid is {list(grid)}")):
+        with pytest.raises(dcp.ShapeMismatchError,
+                           match=re.escape(f"grid of shape [2], the target's grid is {list(grid)}")):
             dcp.load(target, checkpoint_id=tmp_path / "c", no_dist=True)
         assert isinstance(target["rng"], dcp.ShardedObject) and target["rng"].data is None
     target = {"rng": dcp.ShardedObject("rng_state", None, (2,), (1,))}  # the saved grid, asked for on purpose
@@ -226,7 +227,8 @@ def test_two_main_replicas_of_one_box_on_a_rank_are_refused(tmp_path):
     one of them silently (the later tensor, the earlier object). Now refused naming both paths, the key and the
     box, sync and async; a copy marked replica_id=1, other boxes or other flat ranges of one key still save."""
     ones, zeros = np.ones(4, np.float32), np.zeros(4, np.float32)
-    twice = {"s1": dcp.ShardedTensor.from_rank_offsets("x", ones), "s2": dcp.ShardedTensor.from_rank_offsets("x", zeros)}
+    twice = {"s1": dcp.ShardedTensor.from_rank_offsets("x", ones),
+             "s2": dcp.ShardedTensor.from_rank_offsets("x", zeros)}
     objects = {"o1": dcp.ShardedObject("o", {"v": 1}, (2,), (1,)), "o2": dcp.ShardedObject("o", {"v": 2}, (2,), (1,))}
     for save in (dcp.save, lambda *a, **k: dcp.async_save(*a, **k).result()):
         with pytest.raises(dcp.CheckpointValueError) as refused:

@@ -44,7 +44,8 @@ def _mindspore_slice(full, param, local_rank):
             dev, tmap, step, int(size), shape)
     elif any(isinstance(e, list) for e in tmap):
         dev, tmap, shape = ms_tensor._expand_layout(dev, tmap, shape)  # pylint: disable=protected-access
-    return ms_tensor._load_tensor(mindspore.Tensor(full), dev, tmap, shape, local_rank)  # pylint: disable=protected-access
+    # pylint: disable-next=protected-access
+    return ms_tensor._load_tensor(mindspore.Tensor(full), dev, tmap, shape, local_rank)
 
 
 @pytest.mark.parametrize("case_name", sorted(CASES))
@@ -334,7 +335,8 @@ def test_replica_groups_match_mindspore_parameter_redundancy(tmp_path):
         layouts = layouts_from_strategy(path, rank=0)
         for param, groups in get_parameter_redundancy(path, initial_rank=0).items():
             if any(isinstance(e, tuple) for p in case.stages[0] if p.name == param for e in p.tensor_map):
-                continue  # a multi-dim entry: the redundancy tool disagrees with MindSpore's own slicing (checked above)
+                # A multi-dim entry: the redundancy tool disagrees with MindSpore's own slicing (checked above).
+                continue
             layout = layouts[param]
             mine: dict[tuple[int, ...], list[int]] = {}
             for rank in layout.rank_list:

@@ -53,7 +53,8 @@ def reference_state(version: str, rank: int) -> dict:
 
 def main() -> None:
     """Write ``tests/data/ckpt_v<version>`` (and ``..._zstd`` from 2.0 on) for the current version."""
-    from hyper_parallel.core.distributed_checkpoint.metadata import FORMAT_VERSION  # pylint: disable=import-outside-toplevel
+    # pylint: disable-next=import-outside-toplevel
+    from hyper_parallel.core.distributed_checkpoint.metadata import FORMAT_VERSION
     from sim_ranks import simulate_save  # pylint: disable=import-outside-toplevel
 
     name = "ckpt_v" + FORMAT_VERSION.replace(".", "_")

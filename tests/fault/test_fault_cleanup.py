@@ -120,7 +120,8 @@ def test_lease_of_a_dead_process_is_taken_over_and_its_files_deleted(tmp_path: P
     committed = dcp.read_metadata(path).storage_meta.save_id
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                           check=True)
-    from hyper_parallel.core.distributed_checkpoint._save_lease import _boot_id  # pylint: disable=import-outside-toplevel
+    # pylint: disable-next=import-outside-toplevel
+    from hyper_parallel.core.distributed_checkpoint._save_lease import _boot_id
 
     _write_lease(path, pid=int(dead.stdout), boot_id=_boot_id(), save_id="deadbeef0001", base_save_id=committed)
     (path / "r00000_000.deadbeef0001.safetensors").write_bytes(b"half")  # what the dead save wrote

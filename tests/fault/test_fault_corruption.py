@@ -40,7 +40,8 @@ W = np.random.default_rng(1).standard_normal((16, 24)).astype(np.float32)
 EMB = np.random.default_rng(2).standard_normal((40, 16)).astype(np.float32)
 H = np.random.default_rng(3).standard_normal((20, 10))
 IDS = np.random.default_rng(4).integers(-(2**60), 2**60, 50, dtype=np.int64)
-VALUES = {"step": 7, "lr": 0.25, "name": "run-7", "blob": b"\x00\x01binary", "scale": np.int32(5), "betas": [0.9, 0.999]}
+VALUES = {"step": 7, "lr": 0.25, "name": "run-7", "blob": b"\x00\x01binary", "scale": np.int32(5),
+          "betas": [0.9, 0.999]}
 
 
 def _rank_state(rank: int) -> dict[str, Any]:

@@ -283,7 +283,8 @@ def test_load_refuses_metadata_that_disagrees_with_the_file_header(tmp_path: Pat
     change, key, shown, shape = LIES[lie]
     path = tmp_path / "c"
     dcp.save({"a": np.arange(16, dtype=np.int32).reshape(4, 4), "w": np.arange(16, dtype=np.float32).reshape(4, 4),
-              "v": -np.arange(16, dtype=np.float32).reshape(4, 4), "z": np.ones(3, np.float32)}, checkpoint_id=path, no_dist=True)
+              "v": -np.arange(16, dtype=np.float32).reshape(4, 4), "z": np.ones(3, np.float32)},
+             checkpoint_id=path, no_dist=True)
     _lie(path, change)
     target = {"a": np.full((4, 4), 7, dtype=np.float32 if lie == "dtype" else np.int32),
               "w": np.full(shape, 7, np.float32), "v": np.full((4, 4), 7, np.float32), "z": np.full(3, 7, np.float32)}
@@ -292,7 +293,8 @@ def test_load_refuses_metadata_that_disagrees_with_the_file_header(tmp_path: Pat
             path, verify_checksums=verify))
     message = str(caught.value)
     (data_file,) = [p.name for p in path.glob("*.safetensors")]
-    assert any(f"key '{k}'" in message for k in key) and data_file in message and shown in message and "hp-ckpt verify" in message
+    assert any(f"key '{k}'" in message for k in key)
+    assert data_file in message and shown in message and "hp-ckpt verify" in message
     assert all((value == 7).all() for value in target.values()), "a target changed"
     assert not verify_checkpoint(path).ok
 

@@ -182,7 +182,8 @@ class _Creates:
         return (open, (self.path, "w"))
 
 
-@pytest.mark.parametrize("name,make,error,needles", PATH_CASES + SIZE_CASES, ids=[c[0] for c in PATH_CASES + SIZE_CASES])
+@pytest.mark.parametrize("name,make,error,needles", PATH_CASES + SIZE_CASES,
+                         ids=[c[0] for c in PATH_CASES + SIZE_CASES])
 def test_hostile_metadata_is_refused(base: Path, tmp_path: Path, name: str, make: Callable, error: Any,
                                      needles: tuple[str, ...]) -> None:
     case = Case(base, tmp_path)

@@ -21,7 +21,14 @@ import pytest
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.cli.verify_cmd import verify_checkpoint
 
-from fault_common import assert_only_committed_files, assert_same_state, load_into_blank, make_state, same_state, start_script
+from fault_common import (
+    assert_only_committed_files,
+    assert_same_state,
+    load_into_blank,
+    make_state,
+    same_state,
+    start_script,
+)
 from race_gate import MeetingFileSystemWriter, Rendezvous
 from test_fault_concurrency import GatedWriter
 

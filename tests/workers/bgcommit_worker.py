@@ -237,7 +237,8 @@ def main() -> None:
                 and bool((again["bias"].asnumpy() == 10).all())}
 
     from hyper_parallel.core.distributed_checkpoint._file_ops import FileOps  # pylint: disable=import-outside-toplevel
-    from hyper_parallel.core.distributed_checkpoint._manager_record import read_record  # pylint: disable=import-outside-toplevel
+    # pylint: disable-next=import-outside-toplevel
+    from hyper_parallel.core.distributed_checkpoint._manager_record import read_record
 
     class BlockedCommitOps(FileOps):
         """Once, the commit's rename of metadata.json meets a directory of that name: the kernel refuses it.
@@ -400,7 +401,8 @@ def main() -> None:
         return out
 
     run_scenarios({"commit_without_result": commit_without_result,
-                   "reads_after_result_see_the_commit": reads_after_result_see_the_commit, "failure_reaches_all": failure_reaches_all,
+                   "reads_after_result_see_the_commit": reads_after_result_see_the_commit,
+                   "failure_reaches_all": failure_reaches_all,
                    "coordinator_failure_reaches_all": coordinator_failure_reaches_all,
                    "result_does_not_wait_for_commit": result_does_not_wait_for_commit,
                    "commit_failure_reaches_all_at_next_step": commit_failure_reaches_all_at_next_step,

@@ -333,8 +333,8 @@ def local_then_collective() -> dict:
 
 PHASES = {
     "four": [*FAILING_SAVES.values(), manager_sync, manager_async, key_on_one_rank, shape_on_one_rank,
-             dtype_on_one_rank, dtensor_shape_on_one_rank, save_reshard, save_strategy, async_then_load, async_then_save,
-             two_async_other_order, local_then_collective],
+             dtype_on_one_rank, dtensor_shape_on_one_rank, save_reshard, save_strategy, async_then_load,
+             async_then_save, two_async_other_order, local_then_collective],
     "three": [_load_reshard, load_strategy],
 }
 

@@ -112,7 +112,8 @@ def save_y() -> dict:
     state = {"y": _dtensor(FULL_Y, layout, "y"), "bf": bf, "bias": ms.Tensor(BIAS), "step": 7}
     before = (MERGE_STATS.by_layout, MERGE_STATS.fell_back)
     meta = dcp.save(state, checkpoint_id=BASE / "Y")
-    return {"committed": (BASE / "Y" / "metadata.json").is_file(), "bytes_per_rank": list(meta.storage_meta.bytes_per_rank),
+    return {"committed": (BASE / "Y" / "metadata.json").is_file(),
+            "bytes_per_rank": list(meta.storage_meta.bytes_per_rank),
             "layout_merges": [MERGE_STATS.by_layout - before[0], MERGE_STATS.fell_back - before[1]]}
 
 
@@ -273,7 +274,8 @@ def load_y_on_four() -> dict:
     layout = Layout((2, 2), (1, 0))
     target = {"y": _zero_dtensor(FULL_Y, layout, "y"), "bf": ms.Tensor(np.zeros((8, 4), np.float32)), "step": 0}
     dcp.load(target, checkpoint_id=BASE / "Y")
-    bf_ok = bool(np.array_equal(target["bf"].asnumpy(), ms.Tensor(FULL_Y[:, :4], ms.bfloat16).asnumpy().astype(np.float32)))
+    bf_expected = ms.Tensor(FULL_Y[:, :4], ms.bfloat16).asnumpy().astype(np.float32)
+    bf_ok = bool(np.array_equal(target["bf"].asnumpy(), bf_expected))
     return {"ok": _expect(FULL_Y, target["y"]), "bf_ok": bf_ok, "step": target["step"]}
 
 
@@ -383,9 +385,11 @@ def save_x_indexed() -> dict:
         dcp.save(state, checkpoint_id=where, storage_writer=kept[by_coordinator], remove_redundancy=False)
     same_kept = _normalised_files(BASE / "Xi_kept") == _normalised_files(BASE / "Xi_kept_built") if RANK == 0 else None
     return {"indexes": sorted(n.split(".")[0] for n in os.listdir(path) if "_index." in n),
-            "grid": "grid" in (path / "metadata.json").read_text(), "chunks": len(meta.state_dict_metadata["model.x"].chunks),
+            "grid": "grid" in (path / "metadata.json").read_text(),
+            "chunks": len(meta.state_dict_metadata["model.x"].chunks),
             "kind": type(meta).__name__, "same_as_committed": meta == dcp.read_metadata(path),
-            "ok": _expect(FULL_X, target["model"]["x"]), "bias": target["model"]["bias"].tolist(), "step": target["step"],
+            "ok": _expect(FULL_X, target["model"]["x"]), "bias": target["model"]["bias"].tolist(),
+            "step": target["step"],
             "received": writer.received, "received_built": built.received, "same_files": same_files,
             "received_kept": kept[False].received, "same_kept": same_kept}
 
@@ -515,8 +519,8 @@ def load_mapping_on_two() -> dict:
 
 
 PHASES = {
-    "two_first": [save_y, async_loop, async_early_copies, async_deleted_tensors, async_write_failure, no_collectives, one_liners,
-                  plan_cache],
+    "two_first": [save_y, async_loop, async_early_copies, async_deleted_tensors, async_write_failure, no_collectives,
+                  one_liners, plan_cache],
     "four": [load_y_on_four, replicated_bytes, dedup_modes, save_x, save_failure_planning, save_failure_write,
              save_failure_commit, load_failure_missing_key, load_failure_read, differing_value, save_mapping,
              single_replica_read, load_corrupt_on_one_rank, save_x_indexed,

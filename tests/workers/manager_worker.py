@@ -85,7 +85,8 @@ def main() -> None:
 
     def rank_local_saves_refused() -> dict[str, Any]:
         """use_collectives=False / no_dist=True commit no step the manager lists: refused, nothing written."""
-        from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError  # pylint: disable=import-outside-toplevel
+        # pylint: disable-next=import-outside-toplevel
+        from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 
         local_root = scenario_tmp_dir("manager_rank_local")
         local = CheckpointManager(local_root, max_to_keep=2)
@@ -96,7 +97,8 @@ def main() -> None:
                 refused[option] = ""
             except CheckpointValueError as exc:
                 refused[option] = str(exc)
-        from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper  # pylint: disable=import-outside-toplevel
+        # pylint: disable-next=import-outside-toplevel
+        from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 
         # Listed by rank 0 inside a collective step: every rank is past its refusal, none saves yet.
         written_before = DistWrapper(use_dist=True).broadcast(
