@@ -331,7 +331,8 @@ def writable_views(values: list[Any], shapes: list[tuple[int, ...]] | None = Non
     return views
 
 
-def cached_views_at(values: list[Any], pointers: list[int], dtypes: list[Any]) -> list[np.ndarray] | None:
+def cached_views_at(values: list[Any], pointers: list[int], dtypes: list[Any], *,
+                    is_contiguous: Callable[[Any], bool] | None = None) -> list[np.ndarray] | None:
     """The cached numpy view of each tensor of ``values``, if an earlier save or load made every one for the memory
     and dtype the tensor has now; else ``None``.
 
@@ -341,7 +342,7 @@ def cached_views_at(values: list[Any], pointers: list[int], dtypes: list[Any]) -
     memory, or one whose memory moved since, has none). The caller checks the
     views' shapes against what it expects. ``None`` too when
     ``HYPER_PARALLEL_DEVICE_COPIES=1``. The checks run column by column (no
-    Python per tensor).
+    Python per tensor). ``is_contiguous``: reads a tensor's contiguity (default: its ``is_contiguous()``).
     """
     if not values or os.environ.get(DEVICE_COPIES_ENV) == "1":
         return None
@@ -351,7 +352,7 @@ def cached_views_at(values: list[Any], pointers: list[int], dtypes: list[Any]) -
     if not all(map(is_, map(_DEREF, map(_HIT_REF, hits)), values)) or list(map(_HIT_DTYPE, hits)) != dtypes:
         return None
     try:
-        if not all(map(_IS_CONTIGUOUS, values)):  # a transpose in the same memory: the view reads the old layout
+        if not all(map(is_contiguous or _IS_CONTIGUOUS, values)):  # a transpose in the same memory: stale view
             return None
     except (AttributeError, RuntimeError, TypeError, ValueError):  # pragma: no cover - the views were made for them
         return None

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from hyper_parallel.platform.tensor import cached_views_at
+from hyper_parallel.platform.tensor_readers import column_readers
 
 __all__ = ["LayoutMemo", "recall", "remember", "forget"]
 
@@ -120,7 +121,9 @@ def recall(values: dict[str, Any]) -> tuple[LayoutMemo, list[np.ndarray]] | None
     """The memo and each tensor leaf's numpy view, when ``values`` repeats the remembered state's names and tensors;
     else ``None``. Any thread. The caller checks the other leaves (:attr:`LayoutMemo.others`).
 
-    Reads every leaf's identity, shape, dtype and ``data_ptr``, and checks its cached view's shape and dtype.
+    Reads every leaf's identity, shape, dtype and ``data_ptr`` (through MindSpore's C readers where the tensor class
+    inherits them unchanged, :func:`.platform.tensor_readers.column_readers`), and checks its cached view's shape
+    and dtype.
     """
     memo = _MEMO
     if memo is None or len(values) != len(memo.names) or list(values) != memo.names:
@@ -128,16 +131,17 @@ def recall(values: dict[str, Any]) -> tuple[LayoutMemo, list[np.ndarray]] | None
     tensors = list(map(values.__getitem__, memo.tensor_names)) if memo.others else list(values.values())
     if list(map(id, tensors)) != memo.ids or not all(map(is_, map(_DEREF, memo.refs), tensors)):
         return None
+    read = column_readers(set(map(type, tensors)))
     try:
-        dtypes = list(map(_DTYPE, tensors))
-        if list(map(_SHAPE, tensors)) != memo.shapes or dtypes != memo.dtypes:
+        dtypes = list(map(read.dtype, tensors))
+        if list(map(read.shape, tensors)) != memo.shapes or dtypes != memo.dtypes:
             return None
-        pointers = list(map(_DATA_PTR, tensors))
+        pointers = list(map(read.data_ptr, tensors))
     except (AttributeError, RuntimeError, TypeError, ValueError):  # pragma: no cover - the tensors remembered had them
         return None
     if pointers != memo.pointers:
         return None
-    views = cached_views_at(tensors, pointers, dtypes)
+    views = cached_views_at(tensors, pointers, dtypes, is_contiguous=read.is_contiguous)
     if views is None or list(map(_SHAPE, views)) != memo.shapes or list(map(_DTYPE, views)) != memo.view_dtypes:
         return None
     return memo, views
