@@ -185,18 +185,18 @@ def test_states_it_cannot_vouch_for_are_not_remembered(monkeypatch):
     _layout_memo.forget()
     arrays = {"a": np.ones((4, 4), np.float32), "b": np.zeros(3, np.int32)}
     _described(arrays)
-    assert _layout_memo._MEMO is None  # pylint: disable=protected-access
+    assert not _layout_memo._MEMOS  # pylint: disable=protected-access
     _described({**_state(8), "a": np.ones((4, 4), np.float32)})  # a numpy leaf among Parameters
-    assert _layout_memo._MEMO is None  # pylint: disable=protected-access
+    assert not _layout_memo._MEMOS  # pylint: disable=protected-access
     whole = {"w": ms.Parameter(ms.Tensor(np.ones((4, 4), np.float32)), name="w"), **_state(9)}
     _described(apply_mindspore_layouts(whole, source={"w": Layout((2,), (-1, -1))}, rank=0))  # a DTensor leaf
-    assert _layout_memo._MEMO is None  # pylint: disable=protected-access
+    assert not _layout_memo._MEMOS  # pylint: disable=protected-access
     param = ms.Parameter(ms.Tensor(np.ones((2, 2), np.float32)), name="w")
     _described({"x": param, "y": {"again": param}})  # an alias
-    assert _layout_memo._MEMO is None  # pylint: disable=protected-access
+    assert not _layout_memo._MEMOS  # pylint: disable=protected-access
     state = _state(3)
     _described(state, world_size=2)  # replica digests depend on the values
-    assert _layout_memo._MEMO is None  # pylint: disable=protected-access
+    assert not _layout_memo._MEMOS  # pylint: disable=protected-access
     _described(state)
     assert _layout_memo.recall(flatten_state_dict(state).values) is not None
     monkeypatch.setenv(DEVICE_COPIES_ENV, "1")  # tensors copied out as from a device: no view to recall
@@ -218,7 +218,7 @@ def test_prepare_of_a_state_the_pass_refuses_still_prepares():
     _layout_memo.forget()
     state = {"w": ms.Parameter(ms.Tensor(np.ones((2, 2), np.float32)), name="w"), "bad": object()}
     assert dcp.prepare_async_save(state).result(timeout=60) >= 0
-    assert _layout_memo._MEMO is None  # pylint: disable=protected-access
+    assert not _layout_memo._MEMOS  # pylint: disable=protected-access
 
 
 def test_small_leaves_copied_ahead_under_their_name_take_the_per_leaf_path():
@@ -249,3 +249,31 @@ def test_scalars_beside_the_parameters_flatten_at_once_as_the_walk_does(monkeypa
         walked = _flatten.flatten_state_dict(state)
         assert flat == walked and list(flat.values) == list(walked.values) == list(state)
 
+
+
+def test_two_states_saved_in_turn_are_both_recalled_and_each_still_misses_its_changes(tmp_path):
+    """A model's and an optimizer's state saved in turn: each save recalls its own pass; a third state pushes
+    out the oldest; a change to either state is still seen."""
+    _layout_memo.forget()
+    model, optimizer = _state(20), {f"m.{name}": p for name, p in _state(21).items()}
+    first_model, first_optimizer = _described(model)[1], _described(optimizer)[1]
+    for step in range(2):
+        assert _layout_memo.recall(flatten_state_dict(model).values)[0].layout is first_model, step
+        assert _layout_memo.recall(flatten_state_dict(optimizer).values)[0].layout is first_optimizer, step
+        expected = {**_values(model), **_values(optimizer)}
+        _async(model, tmp_path / f"model{step}")
+        _async(optimizer, tmp_path / f"optimizer{step}")
+        _assert_saved(tmp_path / f"model{step}", {k: v for k, v in expected.items() if not k.startswith("m.")})
+        _assert_saved(tmp_path / f"optimizer{step}", {k: v for k, v in expected.items() if k.startswith("m.")})
+    model["p1"].set_data(ms.Tensor(np.full((7, 5), 3, np.float32), ms.bfloat16))
+    assert _layout_memo.recall(flatten_state_dict(model).values) is None, "new memory: missed"
+    assert _layout_memo.recall(flatten_state_dict(optimizer).values) is not None
+    expected = _values(model)
+    _async(model, tmp_path / "changed")
+    _assert_saved(tmp_path / "changed", expected)
+    third = {f"x.{name}": p for name, p in _state(22).items()}
+    _described(third)
+    assert _layout_memo.recall(flatten_state_dict(third).values) is not None
+    assert _layout_memo.recall(flatten_state_dict(model).values) is not None, "the model's pass was the newer"
+    assert _layout_memo.recall(flatten_state_dict(optimizer).values) is None, "the oldest was pushed out"
+    _layout_memo.forget()

@@ -1,10 +1,12 @@
-"""A save repeating the last save's MindSpore tensors skips its layout pass.
+"""A save repeating a recent save's MindSpore tensors skips its layout pass.
 
 A training job saves the same Parameters again and again. The layout pass
 (:func:`._save_layout.describe_layout`) then meets, leaf by leaf, what the
 previous save met: the same keys, tensors, dtypes and shapes, hence the same
 layout digest. :func:`remember` keeps what a pass found about a state of
-MindSpore tensors in host memory; :func:`recall` hands it back when the state
+MindSpore tensors in host memory (for the last :data:`SLOTS` states of
+different names: a job saving two states in turn recalls both); :func:`recall`
+hands it back when the state
 holds, in the same order under the same names, the very tensor objects with
 their dtype, shape and memory (``data_ptr``) unchanged, and their numpy views
 (:func:`.platform.tensor.cached_views_at`) of the shape and dtype recorded. Every
@@ -45,7 +47,7 @@ import numpy as np
 from hyper_parallel.platform.tensor import cached_views_at
 from hyper_parallel.platform.tensor_readers import column_readers
 
-__all__ = ["LayoutMemo", "recall", "remember", "forget"]
+__all__ = ["SLOTS", "LayoutMemo", "recall", "remember", "forget"]
 
 _SHAPE, _DTYPE, _NBYTES = attrgetter("shape"), attrgetter("dtype"), attrgetter("nbytes")
 _DEREF, _DATA_PTR = methodcaller("__call__"), methodcaller("data_ptr")
@@ -83,7 +85,10 @@ class LayoutMemo:
     layout: Any
 
 
-_MEMO: LayoutMemo | None = None
+#: The memos kept, the most recent first (at most :data:`SLOTS`).
+_MEMOS: tuple[LayoutMemo, ...] = ()
+#: States remembered at once: a job saving two states in turn (a model's and its optimizer's) recalls both.
+SLOTS = 2
 
 
 def remember(values: dict[str, Any], views: dict[str, np.ndarray], layout: Any, *,
@@ -96,25 +101,29 @@ def remember(values: dict[str, Any], views: dict[str, np.ndarray], layout: Any, 
         layout: The pass's result.
         others: ``(name, layout row)`` of every other leaf (skipped, or stored as a value).
     """
-    global _MEMO  # pylint: disable=global-statement
+    global _MEMOS  # pylint: disable=global-statement
+    names = list(values)
+    kept = tuple(memo for memo in _MEMOS if memo.names != names)  # a state of these names again: its new pass
+    _MEMOS = kept
     tensor_names = list(views)
     tensors = list(map(values.__getitem__, tensor_names)) if others else list(values.values())
     views = list(views.values())
     try:
         refs = list(map(weakref.ref, tensors))
-        _MEMO = LayoutMemo(names=list(values), tensor_names=tensor_names, others=others,
-                           ids=list(map(id, tensors)), refs=refs,
-                           shapes=list(map(_SHAPE, tensors)), dtypes=list(map(_DTYPE, tensors)),
-                           pointers=list(map(_DATA_PTR, tensors)), view_dtypes=list(map(_DTYPE, views)),
-                           nbytes=list(map(_NBYTES, views)), layout=layout)
+        memo = LayoutMemo(names=names, tensor_names=tensor_names, others=others,
+                          ids=list(map(id, tensors)), refs=refs,
+                          shapes=list(map(_SHAPE, tensors)), dtypes=list(map(_DTYPE, tensors)),
+                          pointers=list(map(_DATA_PTR, tensors)), view_dtypes=list(map(_DTYPE, views)),
+                          nbytes=list(map(_NBYTES, views)), layout=layout)
     except (AttributeError, RuntimeError, TypeError, ValueError):  # pragma: no cover - a tensor class without weak
-        _MEMO = None  # references, dtype or data_ptr (MindSpore's have them): not kept
+        return  # references, dtype or data_ptr (MindSpore's have them): not kept
+    _MEMOS = (memo,) + kept[: SLOTS - 1]
 
 
 def forget() -> None:
-    """Drop the memo (the next pass walks every leaf)."""
-    global _MEMO  # pylint: disable=global-statement
-    _MEMO = None
+    """Drop the memos (the next pass walks every leaf)."""
+    global _MEMOS  # pylint: disable=global-statement
+    _MEMOS = ()
 
 
 def recall(values: dict[str, Any]) -> tuple[LayoutMemo, list[np.ndarray]] | None:
@@ -125,9 +134,21 @@ def recall(values: dict[str, Any]) -> tuple[LayoutMemo, list[np.ndarray]] | None
     inherits them unchanged, :func:`.platform.tensor_readers.column_readers`), and checks its cached view's shape
     and dtype.
     """
-    memo = _MEMO
-    if memo is None or len(values) != len(memo.names) or list(values) != memo.names:
-        return None
+    names = None
+    for memo in _MEMOS:
+        if len(values) != len(memo.names):
+            continue
+        if names is None:
+            names = list(values)
+        if names == memo.names:
+            found = _recall(memo, values)
+            if found is not None:
+                return memo, found
+    return None
+
+
+def _recall(memo: LayoutMemo, values: dict[str, Any]) -> list[np.ndarray] | None:
+    """Each tensor leaf's numpy view, when ``values`` (of ``memo``'s names) holds ``memo``'s tensors unchanged."""
     tensors = list(map(values.__getitem__, memo.tensor_names)) if memo.others else list(values.values())
     if list(map(id, tensors)) != memo.ids or not all(map(is_, map(_DEREF, memo.refs), tensors)):
         return None
@@ -144,4 +165,4 @@ def recall(values: dict[str, Any]) -> tuple[LayoutMemo, list[np.ndarray]] | None
     views = cached_views_at(tensors, pointers, dtypes, is_contiguous=read.is_contiguous)
     if views is None or list(map(_SHAPE, views)) != memo.shapes or list(map(_DTYPE, views)) != memo.view_dtypes:
         return None
-    return memo, views
+    return views
