@@ -13,7 +13,8 @@ cases give rank 0's sync save the very writer object the pending save uses (``st
 
 Scenario ``split_ids``: each rank passes its own checkpoint_id (``split_<kind>_<rank>``) to one collective
 save, sync then async; returns each outcome (error type and text), what each directory holds after, and
-the values a following save of both ranks to one id loads back.
+the values a following save of both ranks to one id loads back. Then each rank loads its own checkpoint
+(``split_load_<rank>``) in one collective load: its outcome, and whether the targets were left untouched.
 """
 
 from __future__ import annotations
@@ -142,6 +143,16 @@ def main() -> None:
             outcome["held"] = {r: sorted(p.name for p in (shared / f"split_{kind}_{r}").glob("*"))
                                if (shared / f"split_{kind}_{r}").exists() else None for r in (0, 1)}
             outcomes[kind] = outcome
+        dcp.save(state(float(rank + 1)), checkpoint_id=shared / "split_load_0")  # two checkpoints: 1.0, then 2.0
+        dcp.save(state(float(rank + 2)), checkpoint_id=shared / "split_load_1")
+        target = state(0.0)
+        try:  # each rank its own checkpoint: a mix of two across the job's ranks
+            dcp.load(target, checkpoint_id=shared / f"split_load_{rank}")
+            outcomes["load"] = {"error": None, "message": ""}
+        except dcp.CheckpointError as exc:
+            outcomes["load"] = {"error": type(exc).__name__, "message": str(exc),
+                                "value_error": isinstance(exc, ValueError)}
+        outcomes["load"]["untouched"] = bool(np.all(target["w"].to_local().asnumpy() == 0))
         return outcomes
 
     run_scenarios({"alone_after_collective": alone_after_collective, "kinds_race": kinds_race, "split_ids": split_ids})

@@ -354,14 +354,14 @@ def plan_save(
     try:
         if cache is None:
             received = dist.reduce_scatter("plan", sent_with_location(writer, local_step),
-                                           same_location_first(global_step))
+                                           same_location_first(global_step, action="save"))
             plan = _expand(local_plans[0], received)
         else:
             # A digest round first: a save repeating the last layout reuses its plans (see _plan_cache). The
             # coordinator decides from every rank's message; each rank receives the decision only.
             decision = dist.reduce_scatter("plan digest", sent_with_location(writer, layout_step),
                                            same_location_first(lambda messages: _decide(cache, writer, messages,
-                                                                                        merged)))
+                                                                                        merged), action="save"))
             if decision.reuse:
                 cached = cache.take(decision.exchange)
                 plan = replace(cached.final, storage_data=decision.storage_data)

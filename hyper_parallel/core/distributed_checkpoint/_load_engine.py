@@ -25,6 +25,7 @@ from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import (
     apply_mindspore_layouts,
     copy_back_values,
 )
+from hyper_parallel.core.distributed_checkpoint._one_checkpoint import same_location_first, sent_with_location
 from hyper_parallel.core.distributed_checkpoint._storage_choice import rank_alone
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointNotFoundError
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
@@ -91,7 +92,8 @@ def read_checkpoint_metadata(reader: StorageReader, options: LoadOptions) -> Met
     # Each rank reads the metadata itself: a save that commits between two ranks' reads (its cleanup not done
     # yet, or the old files kept open) would have them load two saves, a mix no checksum tells. Only the save ids
     # travel (to the coordinator), as the failures of an agree step would.
-    dist.reduce_scatter("read metadata", read, _one_save)
+    dist.reduce_scatter("read metadata", sent_with_location(reader, read),
+                        same_location_first(_one_save, action="load"))
     return found[0]
 
 
