@@ -292,3 +292,31 @@ def test_copies_ahead_whose_lookup_fails_midway_leave_no_copy_running():
         timer.cancel()
     for future in held:
         future.result()
+
+
+def test_a_fresh_arena_is_copied_into_by_the_threads_alone():
+    """An arena mapped when the layout pass ends (an unprepared first save) is faulted in by the staging threads:
+    the caller's thread copies no lead into it (that made such a save 2.1x -> 3.9x a memcpy)."""
+    from hyper_parallel.core.distributed_checkpoint._save_layout import LayoutDescription  # pylint: disable=C0415
+
+    rng = np.random.default_rng(13)
+    source = rng.integers(0, 256, _stage_copies.LEAD_BYTES + (4 << 20), dtype=np.uint8)
+    arenas = []
+
+    def reserve(nbytes):
+        arenas.append(np.zeros(nbytes, np.uint8))
+        return arenas[-1]
+
+    release, held = _stage_threads_held()
+    try:
+        copies = _stage_copies.EarlyCopies(None, None, reserve)
+        copies.leaf("w", source)
+        copies.described(LayoutDescription(digest="", replica_digests=(), tensor_bytes=source.size, pieces=1))
+        assert len(arenas) == 1 and not arenas[0].any(), "nothing copied on the caller's thread"
+    finally:
+        release.set()
+    for future in held:
+        future.result()
+    copies.wait()
+    offset, nbytes = copies.placed["w"]
+    assert arenas[0][offset : offset + nbytes].tobytes() == source.tobytes()
