@@ -6,8 +6,11 @@ given another ``checkpoint_id`` (a per-rank path: the rank or a timestamp in
 it) wrote its files elsewhere, and the save used to commit, on every rank, a
 checkpoint whose metadata lists files its directory does not hold. The first
 step of a save (and of a load) now carries each rank's checkpoint location,
-and the coordinator refuses when they differ. Local paths are compared
-resolved (``os.path.realpath``), URLs as written.
+and the coordinator refuses a save when they differ. Paths are compared as
+written (a local ``Path`` made absolute, symlinks kept: one path may resolve
+differently on two hosts; an object-store path as given). A load is refused
+only when the ranks also read different saves: ranks may each read their own
+copy of one save (staged to node-local disks), which is one checkpoint.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, TypeVar
 
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError, CheckpointValueError
 
 __all__ = ["sent_with_location", "same_location_first"]
 
@@ -35,9 +38,12 @@ _WHY = {
 def sent_with_location(storage: Any, local: Callable[[], _T]) -> Callable[[], tuple[str | None, _T]]:
     """``local``, whose message also names ``storage``'s checkpoint location (its ``path``). All ranks."""
     location = getattr(storage, "path", None)
-    text = None if location is None else os.fspath(location)
-    if text is not None:
-        text = text.rstrip("/") if "://" in text else os.path.realpath(text)
+    if location is None:
+        text = None
+    elif isinstance(location, os.PathLike):
+        text = os.path.abspath(os.fspath(location))  # normalised, symlinks kept (as local_directory keeps them)
+    else:
+        text = str(location).rstrip("/")  # a URL or an fsspec path: as written, never against this rank's cwd
     return lambda: (text, local())
 
 
@@ -59,13 +65,18 @@ def same_location_first(merge: Callable[[list[_T]], _R], *, action: str) -> Call
         for rank, (location, _) in enumerate(messages):
             if location is not None:
                 ranks.setdefault(location, []).append(rank)
-        if len(ranks) > 1:
-            shown = "; ".join(f"ranks {held} to {location}" for location, held in
-                              sorted(ranks.items(), key=lambda pair: pair[1][0])[:8])
-            raise CheckpointValueError(
-                f"the ranks of one collective {action} name {len(ranks)} different checkpoints ({shown}): "
-                f"{_WHY[action]}"
-            )
-        return merge([message for _, message in messages])
+        merged = [message for _, message in messages]
+        if len(ranks) <= 1:
+            return merge(merged)
+        shown = "; ".join(f"ranks {held} to {location}" for location, held in
+                          sorted(ranks.items(), key=lambda pair: pair[1][0])[:8])
+        refusal = CheckpointValueError(
+            f"the ranks of one collective {action} name {len(ranks)} different checkpoints ({shown}): {_WHY[action]}")
+        if action == "save":
+            raise refusal
+        try:
+            return merge(merged)  # copies of one save at several paths load as one checkpoint
+        except CheckpointError as exc:
+            raise refusal from exc
 
     return checked
