@@ -247,3 +247,12 @@ def test_two_main_replicas_of_one_box_on_a_rank_are_refused(tmp_path):
     target = {"x": np.full(4, -1, np.float32), "f": np.full(4, -1, np.float32)}
     dcp.load(target, checkpoint_id=tmp_path / "ok", no_dist=True)
     assert target["x"].tolist() == [1.0] * 4 and target["f"].tolist() == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_one_sharded_tensor_under_two_paths_is_one_box(tmp_path):
+    """Tied weights: the same ShardedTensor object at two state-dict paths is one box, not two main replicas."""
+    tied = dcp.ShardedTensor.from_rank_offsets("emb", np.arange(6, dtype=np.float32).reshape(2, 3))
+    dcp.save({"embedding": {"weight": tied}, "output": {"weight": tied}}, checkpoint_id=tmp_path / "t", no_dist=True)
+    target = {"emb": np.zeros((2, 3), np.float32)}
+    dcp.load(target, checkpoint_id=tmp_path / "t", no_dist=True)
+    assert target["emb"].ravel().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
