@@ -102,6 +102,8 @@ def test_a_single_file_is_copied_by_both_threads(tmp_path: Path, recording: _Rec
     # every piece read once, none larger than a piece: 4 MiB in 64 pieces
     assert all(got == _PIECE for _, _, got in recording.reads)
     assert len({offset for _, offset, _ in recording.reads}) == len(recording.reads) == 64
+    # verified bytes are counted once, by the verify pass, whichever thread copied a piece
+    assert reader.bytes_read == reader.bytes_verified == 4 << 20
     assert not [t for t in threading.enumerate() if t.name.startswith("hp-ckpt-read")]
 
 

@@ -126,7 +126,9 @@ class ReadPass:
             helping = [pool.submit(share.help, copy_piece) for _ in range(helpers)]
             total = sum(self._read_small(entry, planner) for entry in small_files)
             # A failed piece stopped the other threads at their next piece; its error is raised (helpers first).
-            return total + sum(future.result() for future in helping) + sum(future.result() for future in futures)
+            for future in helping:  # helpers copy verified runs only: their bytes were counted by the verify pass
+                future.result()
+            return total + sum(future.result() for future in futures)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
 
@@ -170,7 +172,9 @@ class ReadPass:
         finally:
             if share is not None:
                 share.owner_done()  # (a failure here leaves the other threads' runs whole: they end them)
-        return total + (share.help(copy_piece) if share is not None else 0)
+        if share is not None:
+            share.help(copy_piece)  # verified runs only: counted by the verify pass
+        return total
 
     def _read_item(
         self, source: FileSource, path: Path, file_size: int, item: ReadItem, planner: LoadPlanner,
