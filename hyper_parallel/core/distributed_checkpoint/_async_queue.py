@@ -63,6 +63,10 @@ class _Runners:
             with self._lock:
                 self._idle.append(inbox)
 
+    def forget_in_child(self) -> None:
+        """In a forked child: no kept thread exists, and the lock may have been copied held. Child only."""
+        self._lock, self._idle, self._pid = threading.Lock(), [], os.getpid()
+
 
 _RUNNERS = _Runners()
 
@@ -131,6 +135,13 @@ class AsyncCall:
             if self._ready is not None:
                 self._ready.set()
             self._done.set()
+
+    def end_in_child(self) -> None:
+        """In a forked child: the parent's thread running this call does not exist here; count it as ended
+        (as ``Thread.is_alive()`` did), so that finalizing or exiting the child does not wait forever."""
+        if self._ready is not None:
+            self._ready.set()
+        self._done.set()
 
     def background_done(self) -> bool:
         """True once the background function returned or raised."""
@@ -208,8 +219,8 @@ class AsyncCallsQueue:
         self.maybe_finalize_async_calls(blocking=True)
         self._counter += 1
         call = AsyncCall(request, name=f"hp-ckpt-async-{self._counter}", uses=uses, all_ranks=all_ranks)
+        call.start()  # a thread that cannot start leaves no call behind that every later save would wait for
         self._calls.append(call)
-        call.start()
         return call
 
     def maybe_finalize_async_calls(self, blocking: bool = False, *, collective: bool = True) -> int:
@@ -332,3 +343,13 @@ def _refuse_finishing_alone(pending: AsyncCall | None) -> None:
 
 
 atexit.register(AsyncCallsQueue._drain_at_exit)  # pylint: disable=protected-access
+
+
+def _after_fork_in_child() -> None:
+    _RUNNERS.forget_in_child()
+    for calls_queue in list(AsyncCallsQueue._instances):  # pylint: disable=protected-access
+        for call in calls_queue._calls:  # pylint: disable=protected-access
+            call.end_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
