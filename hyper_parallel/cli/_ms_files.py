@@ -254,8 +254,9 @@ class MsFile:
         """Read, for the stored crc only, every content not of ``names`` and not read yet. Single process.
 
         The import reads the entries it stores (``names``) as it writes them;
-        a file whose other entries (replicas) are never stored could not be
-        checked otherwise. They are read once, streamed; nothing without a crc.
+        a file whose other entries (replicas not compared, with
+        ``--no-check-replicas``) are never read could not be checked
+        otherwise. They are read once, streamed; nothing without a crc.
 
         Raises:
             CorruptCheckpointError: every content is now read and the stored crc does not match.

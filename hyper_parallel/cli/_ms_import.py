@@ -6,10 +6,9 @@ every slice gets its box in the global tensor. The import stores each
 distinct box once, as a chunk of the global tensor, mapped straight from the
 rank file that holds it (the lowest such rank): each stored byte is written
 from there, and memory holds no tensor. The other ranks' copies of a box (its
-replicas) are read once, to compare digests (unless the caller turns that
-off): copies that differ are refused,
-naming the ranks (a strategy that is not the job's, or rank files of different
-steps). MindSpore's ``transform_checkpoints`` takes each destination rank's
+replicas) are read once, to compare digests (``--no-check-replicas`` turns
+that off): copies that differ are refused, naming the ranks (a strategy that
+is not the job's, or rank files of different steps). MindSpore's ``transform_checkpoints`` takes each destination rank's
 copy from its own source rank, so differing copies have no one meaning there
 either.
 
