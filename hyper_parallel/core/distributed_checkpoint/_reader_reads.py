@@ -6,25 +6,12 @@ runs of small whole items in one call (:func:`._read_items.read_small_whole`),
 every other region as byte runs read straight into the target's memory where
 dtype and layout allow (:mod:`._run_reads`), in pieces of at most
 ``max_inflight_bytes``; compressed items whole, then decompressed.
-
-The I/O threads share the large verified runs, as the verify pass shares its
-windows (:mod:`._verify_share`): a run of one item (a whole tensor, say) is
-copied in pieces of :data:`SHARE_PIECE_BYTES`, its owner taking them from the
-front and a thread done with its own files (or one with no file of its own)
-taking them from the back, so that the read pass ends when the last piece is
-copied, not when the slowest file is. Measured on a 2-core VM after the
-benchmark's pretouch, two threads copying equal bytes out of the page cache
-ended 0.04 s and 0.07 s after they started. Only verified runs are shared:
-their pages are in the page cache (the verify pass read them), so a second
-thread reading the back of a run does not break the kernel's readahead of a
-file read from the device.
 """
 
 from __future__ import annotations
 
 import math
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from itertools import compress
 from operator import attrgetter, not_
 from pathlib import Path
@@ -36,48 +23,15 @@ from hyper_parallel.core.distributed_checkpoint._read_items import ItemFacts, re
 from hyper_parallel.core.distributed_checkpoint._reader_verify import kept_rows, leading_rows
 from hyper_parallel.core.distributed_checkpoint._whole_reads import whole_read_item
 from hyper_parallel.core.distributed_checkpoint._run_reads import FileSource, read_runs, run_rows, scratch
-from hyper_parallel.core.distributed_checkpoint._verify_share import SharedFile, WindowShare
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import StorageInfo, TensorStorageMetadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 from hyper_parallel.platform.tensor import DTYPE_NAMES, numpy_dtype
 
-__all__ = ["ReadPass", "RunCopy", "SHARE_PIECE_BYTES", "copy_piece"]
+__all__ = ["ReadPass"]
 
 #: Whether an item is a small whole chunk (:attr:`._read_items.ItemFacts.small`; a C getter).
 _SMALL = attrgetter("small")
-
-#: Bytes of a shared run copied at a time (a verified run of at least twice this is shared between the I/O threads).
-SHARE_PIECE_BYTES = 8 << 20
-
-
-@dataclass(frozen=True)
-class RunCopy:
-    """Where the pieces of one shared run go (the ``blocks`` of its :class:`._verify_share.SharedFile`).
-
-    Attributes:
-        row: The target's bytes of the run (``uint8``, contiguous).
-        offset: The run's first byte in the data file.
-        fqn: The key it belongs to, for messages.
-    """
-
-    row: np.ndarray
-    offset: int
-    fqn: str
-
-
-def copy_piece(shared: SharedFile, index: int, announce: bool) -> int:  # pylint: disable=unused-argument
-    """Copy piece ``index`` (``shared.windows[index]``: ``(low, high)`` bytes of the run) of a shared run into its
-    target; return the bytes copied. Called by the run's owner and by helpers (:meth:`.WindowShare.help`).
-
-    Raises:
-        CorruptCheckpointError: the file ends inside the piece.
-    """
-    low, high = shared.windows[index]
-    copy: RunCopy = shared.blocks
-    if shared.source.readinto(copy.row[low:high], copy.offset + low) != high - low:
-        raise CorruptCheckpointError(f"data file {shared.path} is truncated while reading key '{copy.fqn}'")
-    return high - low
 
 
 class ReadPass:
@@ -114,20 +68,13 @@ class ReadPass:
                     large_group.append((relative_path, items, list(compress(items, map(not_, flags)))))
             if large_group:
                 large_work.append(large_group)
-        # Threads with no file of their own help copy the others' large verified runs.
-        helpers = max(0, self.thread_count - len(large_work)) if large_work and self.verify_checksums else 0
-        if not large_work or (len(large_work) == 1 and not small_files and not helpers):  # nothing to overlap
+        if not large_work or (len(large_work) == 1 and not small_files):  # nothing to overlap
             return sum(self._read_small(entry, planner) for entry in small_files) + sum(
                 self._read_large(group, planner) for group in large_work)
-        share = WindowShare(len(large_work))
-        pool = ThreadPoolExecutor(max_workers=len(large_work) + helpers, thread_name_prefix="hp-ckpt-read")
+        pool = ThreadPoolExecutor(max_workers=len(large_work), thread_name_prefix="hp-ckpt-read")
         try:
-            futures = [pool.submit(self._read_large, group, planner, share) for group in large_work]
-            helping = [pool.submit(share.help, copy_piece) for _ in range(helpers)]
+            futures = [pool.submit(self._read_large, group, planner) for group in large_work]
             total = sum(self._read_small(entry, planner) for entry in small_files)
-            # A failed piece stopped the other threads at their next piece; its error is raised (helpers first).
-            for future in helping:  # helpers copy verified runs only: their bytes were counted by the verify pass
-                future.result()
             return total + sum(future.result() for future in futures)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
@@ -153,32 +100,17 @@ class ReadPass:
                 total += self._read_item(source, path, size, item, planner, dest)
         return total
 
-    def _read_large(self, group: list[tuple[str, list[ReadItem], list[ReadItem]]], planner: LoadPlanner,
-                    share: WindowShare | None = None) -> int:
-        """Read the other items of a group of files (``(file, its items, the ones to read)``), one by one.
-
-        With ``share``, the other I/O threads may copy pieces of this group's large verified runs (see the
-        module docstring), and this thread then copies pieces of theirs until every run is copied; it stops
-        early when another thread failed (that thread's error is raised).
-        """
+    def _read_large(self, group: list[tuple[str, list[ReadItem], list[ReadItem]]], planner: LoadPlanner) -> int:
+        """Read the other items of a group of files (``(file, its items, the ones to read)``), one by one."""
         total = 0
-        try:
-            for relative_path, items, large in group:
-                with self._open_source(relative_path, items) as (source, path, size):
-                    for item in large:
-                        if share is not None and share.failed:
-                            return total
-                        total += self._read_item(source, path, size, item, planner, share=share)
-        finally:
-            if share is not None:
-                share.owner_done()  # (a failure here leaves the other threads' runs whole: they end them)
-        if share is not None:
-            share.help(copy_piece)  # verified runs only: counted by the verify pass
+        for relative_path, items, large in group:
+            with self._open_source(relative_path, items) as (source, path, size):
+                for item in large:
+                    total += self._read_item(source, path, size, item, planner)
         return total
 
     def _read_item(
-        self, source: FileSource, path: Path, file_size: int, item: ReadItem, planner: LoadPlanner,
-        dest: np.ndarray | None = None, *, share: WindowShare | None = None,
+        self, source: FileSource, path: Path, file_size: int, item: ReadItem, planner: LoadPlanner, dest: np.ndarray | None = None
     ) -> int:
         fqn = item.storage_index.fqn
         check = self._region_check(path, file_size, item)
@@ -220,10 +152,6 @@ class ReadPass:
                 continue
             region = dest[tuple(slice(o, o + n) for o, n in zip(sub_offsets, sub_lengths))] if dest.ndim else dest
             rows = run_rows(region, runs, dtype)
-            if rows is not None and share is not None and self._shared(info, runs, rows):
-                if not _read_shared(share, source, path, RunCopy(rows[0], info.offset + int(runs.starts[0]), fqn)):
-                    return count  # another thread failed: its error is raised, this target is not applied
-                continue  # verified bytes: counted by the verify pass
             if rows is not None:
                 count += self._fill(source, path, fqn, info, runs, rows)
                 continue
@@ -269,12 +197,6 @@ class ReadPass:
         planner.apply_tensor(item, dest)
         return count
 
-    def _shared(self, info: StorageInfo, runs: Runs, rows: np.ndarray) -> bool:
-        """Whether the run ``rows`` receive is shared between the I/O threads: one verified run of at least two
-        pieces, read into contiguous memory."""
-        return (self.verify_checksums and info.checksum is not None and runs.starts.size == 1
-                and runs.length >= 2 * SHARE_PIECE_BYTES and rows[0].flags.c_contiguous)
-
     def _fill(self, source: FileSource, path: Path, fqn: str, info: StorageInfo, runs: Runs, target: np.ndarray) -> int:
         """Fill ``target`` (``uint8``, one row per run) with the runs (verified before); return bytes read.
 
@@ -286,17 +208,3 @@ class ReadPass:
         verified = self.verify_checksums and info.checksum is not None
         count = read_runs(source, path, fqn, info, runs, target, exact=source.exact and not verified)
         return 0 if verified else count  # verified bytes were counted by the verify pass
-
-
-def _read_shared(share: WindowShare, source: FileSource, path: Path, copy: RunCopy) -> bool:
-    """Copy a run into its target, taking its pieces from the front while other threads may take them from the
-    back; return whether every piece was copied (``False``: a thread failed, and stopped taking pieces).
-
-    Returns once the pieces other threads took are copied too.
-    """
-    length = copy.row.size
-    pieces = [(low, min(low + SHARE_PIECE_BYTES, length)) for low in range(0, length, SHARE_PIECE_BYTES)]
-    with share.offered(SharedFile(source, path, pieces, copy, [0] * len(pieces))) as shared:
-        while (taken := share.take_front(shared)) is not None:
-            copy_piece(shared, taken[0], False)
-    return not share.failed
