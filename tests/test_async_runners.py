@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 
+from hyper_parallel.core.distributed_checkpoint import _async_queue
 from hyper_parallel.core.distributed_checkpoint._async_queue import AsyncCallsQueue, AsyncRequest
 
 
@@ -73,4 +74,31 @@ def test_a_forked_child_runs_its_calls_on_threads_of_its_own() -> None:
             os._exit(code)  # pylint: disable=protected-access
     _, status = os.waitpid(pid, 0)
     assert os.WEXITSTATUS(status) == 0, "the child's call ran"
+    queue.close()
+
+
+def test_a_call_ends_once_its_thread_is_idle_again_and_named_so() -> None:
+    """A call counts as ended only once its kept thread is idle again: a call scheduled right after the previous
+    one ended runs on that thread (no thread started, no ``Thread.start`` wait), and an idle thread no longer
+    carries the name of the call it ran."""
+    threads: list[threading.Thread] = []
+    release = threading.Event()
+
+    def work() -> int:
+        threads.append(threading.current_thread())
+        release.wait(10)
+        return len(threads)
+
+    queue = AsyncCallsQueue()
+    queue.maybe_finalize_async_calls(blocking=True)
+    first = queue.schedule_async_request(AsyncRequest(async_fn=work))
+    with _async_queue._RUNNERS._lock:  # pylint: disable=protected-access  # the thread cannot become idle yet
+        release.set()
+        assert not first.join(0.5), "the call counted as ended while its thread was not idle yet"
+    assert first.join(10) and first.finalize() == 1
+    assert threads[0].name == _async_queue._Runners.IDLE_NAME  # pylint: disable=protected-access
+    for expected in range(2, 12):  # each call scheduled as soon as the previous one ended
+        call = queue.schedule_async_request(AsyncRequest(async_fn=work))
+        assert call.join(10) and call.finalize() == expected
+    assert set(threads) == {threads[0]}, "every call ran on the one kept thread"
     queue.close()

@@ -37,35 +37,40 @@ class _Runners:
     Starting a thread per call cost the caller's thread 0.2 ms on a quiet 2-core VM and 1-3 ms while other
     threads ran (``Thread.start`` waits until the new thread runs), at the end of an async save's blocking
     part; handing the function to a kept idle thread does not wait. A call scheduled while the previous one
-    still runs (its commit after ``AsyncRequest.ready``) gets a thread of its own, as before. A forked child
-    starts with none (its parent's threads do not exist in it).
+    still runs (its commit after ``AsyncRequest.ready``) gets a thread of its own, as before. A thread is idle
+    again (named :data:`IDLE_NAME`) before it tells that its function ended, so a call scheduled once the
+    previous one ended finds it. A forked child starts with none (:meth:`forget_in_child`).
     """
+
+    #: The name of a kept thread while no call runs on it.
+    IDLE_NAME = "hp-ckpt-async-idle"
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._idle: list[queue.SimpleQueue[Callable[[], None]]] = []
-        self._pid = os.getpid()
+        self._idle: list[queue.SimpleQueue[tuple[Callable[[], None], Callable[[], None]]]] = []
 
-    def run(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` (which never raises) on an idle kept thread, or a new one. Any thread."""
+    def run(self, fn: Callable[[], None], *, then: Callable[[], None]) -> None:
+        """Run ``fn`` (which never raises) on an idle kept thread, or a new one; ``then`` once the thread is idle
+        again. Any thread."""
         with self._lock:
-            if self._pid != os.getpid():
-                self._idle, self._pid = [], os.getpid()
             inbox = self._idle.pop() if self._idle else None
         if inbox is None:
             inbox = queue.SimpleQueue()
-            threading.Thread(target=self._serve, args=(inbox,), name="hp-ckpt-async", daemon=True).start()
-        inbox.put(fn)
+            threading.Thread(target=self._serve, args=(inbox,), name=self.IDLE_NAME, daemon=True).start()
+        inbox.put((fn, then))
 
-    def _serve(self, inbox: "queue.SimpleQueue[Callable[[], None]]") -> None:
+    def _serve(self, inbox: "queue.SimpleQueue[tuple[Callable[[], None], Callable[[], None]]]") -> None:
         while True:
-            inbox.get()()
+            fn, then = inbox.get()
+            fn()
+            threading.current_thread().name = self.IDLE_NAME
             with self._lock:
                 self._idle.append(inbox)
+            then()
 
     def forget_in_child(self) -> None:
         """In a forked child: no kept thread exists, and the lock may have been copied held. Child only."""
-        self._lock, self._idle, self._pid = threading.Lock(), [], os.getpid()
+        self._lock, self._idle = threading.Lock(), []
 
 
 _RUNNERS = _Runners()
@@ -122,7 +127,7 @@ class AsyncCall:
 
     def start(self) -> None:
         """Run the background function on an idle kept thread (a new one if none is idle). Caller's thread."""
-        _RUNNERS.run(self._run)
+        _RUNNERS.run(self._run, then=self._end)
 
     def _run(self) -> None:
         threading.current_thread().name = self.name
@@ -131,17 +136,19 @@ class AsyncCall:
         except BaseException as exc:  # pylint: disable=broad-except
             _LOG.warning("background call %s failed: %s", self.name, exc)
             self._error = exc
-        finally:
-            if self._ready is not None:
-                self._ready.set()
-            self._done.set()
 
-    def end_in_child(self) -> None:
-        """In a forked child: the parent's thread running this call does not exist here; count it as ended
-        (as ``Thread.is_alive()`` did), so that finalizing or exiting the child does not wait forever."""
+    def _end(self) -> None:
         if self._ready is not None:
             self._ready.set()
         self._done.set()
+
+    def end_in_child(self) -> None:
+        """In a forked child: count the call as ended. Child only.
+
+        The parent's thread running it does not exist in the child (as ``Thread.is_alive()`` told): so that
+        finalizing or exiting the child does not wait forever.
+        """
+        self._end()
 
     def background_done(self) -> bool:
         """True once the background function returned or raised."""
