@@ -108,12 +108,16 @@ def test_the_queue_refuses_to_finish_alone_a_call_whose_finishing_needs_every_ra
     queue.maybe_finalize_async_calls(blocking=True, collective=False)  # nothing needs every rank
     call = queue.schedule_async_request(AsyncRequest(async_fn=lambda: 2), uses=writer, all_ranks=True)
     assert queue.pending_all_ranks() is call
-    for finish in (lambda: queue.maybe_finalize_async_calls(blocking=True, collective=False),
-                   lambda: queue.finish_calls_using(writer, collective=False)):
+    for finish, because, not_because in (
+            (lambda: queue.maybe_finalize_async_calls(blocking=True, collective=False),
+             "an async save starts once this process's earlier ones are finished", "writer"),
+            (lambda: queue.finish_calls_using(writer, collective=False),
+             "a pending async save still uses this save's storage writer", "earlier ones")):
         with pytest.raises(dcp.ConcurrentSaveError) as caught:
             finish()
         assert str(tmp_path / "ckpt") in str(caught.value) and writer.save_id in str(caught.value)
         assert "Call result() on that save's handle on every rank" in str(caught.value)
+        assert because in str(caught.value) and not_because not in str(caught.value), "the reason of its path"
         assert not call.finalized()
     assert not queue.finish_calls_using(dcp.FileSystemWriter(tmp_path / "other"), collective=False)
     assert queue.finish_calls_using(writer)

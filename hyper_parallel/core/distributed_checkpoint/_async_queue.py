@@ -251,7 +251,8 @@ class AsyncCallsQueue:
                 and the fix); nothing was finalized.
         """
         if not collective:
-            _refuse_finishing_alone(self.pending_all_ranks())
+            _refuse_finishing_alone(self.pending_all_ranks(),
+                                    because="an async save starts once this process's earlier ones are finished")
         kept = []
         unseen: BaseException | None = None
         for call in self._calls:
@@ -294,7 +295,10 @@ class AsyncCallsQueue:
         """
         if not any(not call.finalized() and predicate(call.uses) for call in self._calls):
             return False
-        self.maybe_finalize_async_calls(blocking=True, collective=collective)
+        if not collective:
+            _refuse_finishing_alone(self.pending_all_ranks(), because="a pending async save still uses this save's "
+                                    "storage writer, and a writer holds one save at a time")
+        self.maybe_finalize_async_calls(blocking=True)
         return True
 
     @classmethod
@@ -332,11 +336,13 @@ class AsyncCallsQueue:
                     call.join()  # the whole background work, a commit after ``ready`` included
 
 
-def _refuse_finishing_alone(pending: AsyncCall | None) -> None:
+def _refuse_finishing_alone(pending: AsyncCall | None, *, because: str) -> None:
     """Refuse to finish ``pending``, a call whose finalization waits for every rank, on one rank alone.
 
+    ``because``: why the save or load asking must finish it first (for the message).
+
     Raises:
-        ConcurrentSaveError: ``pending`` is not ``None`` (names its checkpoint, save id and the fix).
+        ConcurrentSaveError: ``pending`` is not ``None`` (names its checkpoint, save id, why and the fix).
     """
     if pending is None:
         return
@@ -344,8 +350,8 @@ def _refuse_finishing_alone(pending: AsyncCall | None) -> None:
     raise ConcurrentSaveError(
         f"a save without collectives (no_dist or use_collectives=False) on rank {platform.get_rank()} cannot "
         f"finish this process's collective async save to {getattr(writer, 'path', writer)} (save id "
-        f"{getattr(writer, 'save_id', '?')}), as it must first (it is pending, and a writer holds one save at a "
-        "time): finishing it needs every rank. Call result() on that save's handle on every rank, then save alone"
+        f"{getattr(writer, 'save_id', '?')}), as it must first ({because}): finishing it needs every rank. Call "
+        "result() on that save's handle on every rank, then save alone"
     )
 
 
