@@ -80,6 +80,20 @@ def test_under_msrun_a_key_only_another_rank_holds_is_named_on_every_rank(tmp_pa
             assert "'decoder.only_on_1' on rank(s) [1]" in message and "key #" not in message, message
         assert results[rank]["after"]["value"] == [0.0, 1.0, 2.0, 3.0]
     assert results[1]["sent"]["value"][1] is False and results[0]["sent"]["value"][1] is False  # a hash, not the name
+    # Both ranks offered box [0] of 'decoder.tied' as its main replica: the save kept rank 0's copy (or rank 1's)
+    # without a word. Refused on both ranks, different data or equal, as Megatron's sharding check refuses it.
+    for rank in (0, 1):
+        for name in ("two_main", "two_main_async", "two_main_equal"):
+            assert results[rank][name]["ok"], results[rank][name]
+            kind, message, committed = results[rank][name]["value"]
+            assert "PlanValidationError" in kind and not committed, (name, kind, message)
+            assert ("'decoder.tied': the box at global offset [0] of sizes [3] is offered as the main replica "
+                    "(replica_id 0) of a ShardedTensor by ranks [0, 1]") in message, message
+            assert "give the copies on all ranks but one a replica_id other than 0" in message
+        tied, rows = results[rank]["marked"]["value"]
+        assert tied == (np.arange(6, dtype=np.float32).reshape(2, 3) / 7).tobytes()
+        assert rows == np.concatenate([np.arange(8, dtype=np.float32).reshape(2, 4) * 1.5 + r
+                                       for r in (0, 1)]).tobytes()
 
 
 def test_a_thousand_non_main_keys_cost_about_eight_bytes_each_in_the_local_plan() -> None:

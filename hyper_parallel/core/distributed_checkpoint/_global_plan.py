@@ -196,6 +196,8 @@ def check_replicas_of(key: ItemKey, holders: list[Holder], all_plans: Any) -> li
         if len(shapes) > 1:
             detail = "; ".join(f"ranks {ranks} hold sizes {sizes}" for sizes, ranks in shapes.items())
             return [f"'{key[0]}': shards at offset {key[1]} differ in size ({detail}); they overlap"]
+        if any(item.tensor_data.exclusive for _, item in items) and len({rank for rank, _ in items}) > 1:
+            return [_two_main_replicas(key, items)]  # (one object under two paths of one rank is one box)
         return _check_replica_digests(key, items)
 
     digests = defaultdict(list)
@@ -210,6 +212,18 @@ def check_replicas_of(key: ItemKey, holders: list[Holder], all_plans: Any) -> li
             "equal on every rank: put per-rank values in a ShardedObject"
         ]
     return []
+
+
+def _two_main_replicas(key: ItemKey, items: list[tuple[int, WriteItem]]) -> str:
+    """The problem of a ShardedTensor box several ranks offer as its main replica (only one copy is written)."""
+    ranks = sorted({rank for rank, _ in items})
+    sizes = list(items[0][1].tensor_data.chunk.sizes)
+    return (
+        f"'{key[0]}': the box at global offset {list(key[1])} of sizes {sizes} is offered as the main replica "
+        f"(replica_id 0) of a ShardedTensor by ranks {ranks}; only one copy is saved, so the others would be lost "
+        "without a word if they differ: give the copies on all ranks but one a replica_id other than 0 (e.g. the "
+        "rank's data-parallel index), or give each rank its own global offset"
+    )
 
 
 def _check_replica_digests(key: ItemKey, items: list[tuple[int, WriteItem]]) -> list[str]:

@@ -320,6 +320,7 @@ class StandardSavePlanner(SavePlanner):
     def _tensor_items(self, entry: TensorEntry, name: str, plain: bool) -> list[WriteItem]:
         items = []
         check = self.check_replicas and self.world_size > 1 and entry.may_be_replicated and self.later_replicas is None
+        exclusive = not entry.may_be_replicated and entry.layout is None  # a ShardedTensor's main replica
         for position, piece in enumerate(entry.pieces):
             index = MetadataIndex(entry.fqn, piece.offsets)
             whole = piece.sizes == entry.global_shape
@@ -337,6 +338,7 @@ class StandardSavePlanner(SavePlanner):
                         properties=TensorProperties(dtype=entry.dtype),
                         size=entry.global_shape,
                         replica_digest=replica_digest,
+                        exclusive=exclusive,
                     ),
                 )
             )

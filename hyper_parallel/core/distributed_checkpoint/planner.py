@@ -72,12 +72,16 @@ class TensorWriteData:
         replica_digest: xxh3 digest of the data, set when the chunk may be a
             replica of another rank's and replicas are checked (the
             coordinator compares the digests of every replica).
+        exclusive: The box is a ``ShardedTensor``'s main replica (``replica_id``
+            0): no other rank may offer it, since only one copy is written (the
+            coordinator refuses a box two ranks offer so, naming key, box and ranks).
     """
 
     chunk: ChunkStorageMetadata
     properties: TensorProperties
     size: tuple[int, ...]
     replica_digest: str | None = None
+    exclusive: bool = False
 
 
 @dataclass(frozen=True)
