@@ -219,16 +219,15 @@ def _is_plain(kind: type, value: Any) -> bool:
 
 
 #: id() of a MindSpore or numpy dtype -> (the dtype, its stored name or None: not stored); the dtype is held, so
-#: the identity check makes a reused id harmless. At most :data:`_MAX_DTYPE_NAMES` entries: MindSpore's and
-#: numpy's native dtypes are singletons, but a big-endian, structured or metadata-carrying numpy dtype can be a
-#: new object per array, and each would stay here for good.
+#: the identity check makes a reused id harmless. At most :data:`_MAX_DTYPE_NAMES` entries, emptied when full:
+#: MindSpore's and numpy's native dtypes are singletons, but a big-endian, structured or metadata-carrying numpy
+#: dtype can be a new object per array, and each would stay here for good (and keep the dtypes met later out).
 _DTYPE_NAMES: dict[int, tuple[Any, str | None]] = {}
 _MAX_DTYPE_NAMES = 256
 
 
 def _stored_name(dtype: Any, value: Any) -> str | None:
-    """The stored name of ``value``'s dtype ``dtype`` (looked up once per dtype object, while the table has
-    room); ``None``: not stored."""
+    """The stored name of ``value``'s dtype ``dtype``, looked up once per dtype object; ``None``: not stored."""
     known = _DTYPE_NAMES.get(id(dtype))
     if known is None or known[0] is not dtype:
         try:
@@ -236,7 +235,7 @@ def _stored_name(dtype: Any, value: Any) -> str | None:
         except TypeError:
             name = None  # a dtype no checkpoint stores (an object array too): make_entry classifies or refuses it
         if len(_DTYPE_NAMES) >= _MAX_DTYPE_NAMES:
-            return name
+            _DTYPE_NAMES.clear()  # the dtypes in use come back at their next leaf
         known = _DTYPE_NAMES[id(dtype)] = (dtype, name)
     return known[1]
 
