@@ -41,7 +41,7 @@ from hyper_parallel.platform.tensor import (
     is_cell,
     is_parameter,
     is_tensor,
-    numpy_dtype,
+    ms_dtype,
     parameter_and_cell_types,
 )
 
@@ -205,12 +205,14 @@ def _as_parameter(name: str, value: Any) -> Any:
 
 
 def _whole_targets(metadata: Metadata, keys: list[str]) -> dict[str, Any]:
+    """The targets of ``load_checkpoint(path)``: a zeroed Parameter per stored tensor (the load fills its memory in
+    place, so no copy of the loaded values is made after), ``None`` for a whole stored value."""
     target: dict[str, Any] = {}
     for fqn in keys:
         item = metadata.state_dict_metadata[fqn]
         if isinstance(item, TensorStorageMetadata):
             try:
-                target[fqn] = np.zeros(item.size, dtype=numpy_dtype(item.properties.dtype))
+                target[fqn] = _zeroed_parameter(fqn, tuple(item.size), item.properties.dtype)
             except (MemoryError, ValueError) as exc:  # sizes come from the checkpoint
                 raise UnsafeCheckpointError(
                     f"key '{fqn}': the checkpoint declares shape {list(item.size)}, too large to allocate; "
@@ -219,6 +221,17 @@ def _whole_targets(metadata: Metadata, keys: list[str]) -> dict[str, Any]:
         elif not item.global_shape:  # per-rank ShardedObjects have no single value
             target[fqn] = None
     return target
+
+
+def _zeroed_parameter(fqn: str, shape: tuple[int, ...], dtype: str) -> Any:
+    """A ``mindspore.Parameter`` named ``fqn`` of zeros in memory of its own: numpy's lazily zeroed pages, which
+    MindSpore wraps without a copy when it makes the Parameter of an ``init=Zero()`` tensor. (A Parameter made of
+    a filled array copies it: a second copy of the state.) In an auto-parallel mode MindSpore defers the memory;
+    the load then fills a copy and assigns it."""
+    import mindspore as ms  # pylint: disable=import-outside-toplevel
+    from mindspore.common.initializer import Zero  # pylint: disable=import-outside-toplevel
+
+    return ms.Parameter(ms.Tensor(shape=shape, dtype=ms_dtype(dtype), init=Zero()), name=fqn, requires_grad=False)
 
 
 def _shown(names: list[str]) -> str:
