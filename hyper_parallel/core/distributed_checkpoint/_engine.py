@@ -46,7 +46,7 @@ from hyper_parallel.core.distributed_checkpoint._commit_receipt import (
 from hyper_parallel.core.distributed_checkpoint._deferred_save import DeferredPlan, PlannedSave
 from hyper_parallel.core.distributed_checkpoint._index_plan import IndexPlan, bind_held, own_index, plan_index
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutArgument, apply_mindspore_layouts
-from hyper_parallel.core.distributed_checkpoint._one_checkpoint import same_location_first, sent_with_location
+from hyper_parallel.core.distributed_checkpoint._one_checkpoint import same_save_location, sent_with_location
 from hyper_parallel.core.distributed_checkpoint._plan_cache import (
     PlanCache,
     PlanDecision,
@@ -354,14 +354,14 @@ def plan_save(
     try:
         if cache is None:
             received = dist.reduce_scatter("plan", sent_with_location(writer, local_step),
-                                           same_location_first(global_step, action="save"))
+                                           same_save_location(global_step))
             plan = _expand(local_plans[0], received)
         else:
             # A digest round first: a save repeating the last layout reuses its plans (see _plan_cache). The
             # coordinator decides from every rank's message; each rank receives the decision only.
             decision = dist.reduce_scatter("plan digest", sent_with_location(writer, layout_step),
-                                           same_location_first(lambda messages: _decide(cache, writer, messages,
-                                                                                        merged), action="save"))
+                                           same_save_location(lambda messages: _decide(cache, writer, messages,
+                                                                                       merged)))
             if decision.reuse:
                 cached = cache.take(decision.exchange)
                 plan = replace(cached.final, storage_data=decision.storage_data)

@@ -25,9 +25,8 @@ from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import (
     apply_mindspore_layouts,
     copy_back_values,
 )
-from hyper_parallel.core.distributed_checkpoint._one_checkpoint import same_location_first, sent_with_location
+from hyper_parallel.core.distributed_checkpoint._one_checkpoint import one_save_read, sent_with_location
 from hyper_parallel.core.distributed_checkpoint._storage_choice import rank_alone
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointNotFoundError
 from hyper_parallel.core.distributed_checkpoint.filesystem_reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
@@ -92,23 +91,8 @@ def read_checkpoint_metadata(reader: StorageReader, options: LoadOptions) -> Met
     # Each rank reads the metadata itself: a save that commits between two ranks' reads (its cleanup not done
     # yet, or the old files kept open) would have them load two saves, a mix no checksum tells. Only the save ids
     # travel (to the coordinator), as the failures of an agree step would.
-    dist.reduce_scatter("read metadata", sent_with_location(reader, read),
-                        same_location_first(_one_save, action="load"))
+    dist.reduce_scatter("read metadata", sent_with_location(reader, read), one_save_read)
     return found[0]
-
-
-def _one_save(save_ids: list[str | None]) -> list[None]:
-    """Refuse metadata of different saves on different ranks (coordinator); a ``None`` part for every rank."""
-    if len(set(save_ids)) > 1:
-        ranks: dict[str | None, list[int]] = {}
-        for position, save_id in enumerate(save_ids):
-            ranks.setdefault(save_id, []).append(position)
-        seen = "; ".join(f"save {save_id} on ranks {holders}" for save_id, holders in ranks.items())
-        raise CheckpointNotFoundError(
-            f"the checkpoint was replaced by another save while the ranks read its metadata ({seen}): loading on "
-            "would mix the two saves across ranks. Load again once no save to this checkpoint id runs"
-        )
-    return [None] * len(save_ids)
 
 
 def run_load(
