@@ -106,8 +106,10 @@ def _rank_plan_seconds(metadata: Metadata, ranks: int, tensors: int, rank: int) 
 
 
 def _read_with_memory(path: Path) -> tuple[Metadata, float, float, int, int]:
-    """``dcp.read_metadata(path)`` with its wall and CPU seconds and its peak and retained resident-memory growth in
-    bytes."""
+    """``dcp.read_metadata(path)`` with its wall and CPU seconds.
+
+    Also its peak and retained resident-memory growth, in bytes.
+    """
     process = psutil.Process()
     gc.collect()
     base = process.memory_info().rss

@@ -50,8 +50,10 @@ _PLAIN: dict[type, bool] = {}  # tensor class -> whether it inherits the four ac
 
 
 def column_readers(classes: set[type]) -> ColumnReaders:
-    """The readers for tensors of ``classes``: MindSpore's C readers where every class may use them, else
-    :data:`PUBLIC_READERS`. Any thread."""
+    """The readers for tensors of ``classes``. Any thread.
+
+    MindSpore's C readers where every class may use them, else :data:`PUBLIC_READERS`.
+    """
     ms = sys.modules.get("mindspore")
     if ms is None or not classes:
         return PUBLIC_READERS
@@ -69,8 +71,10 @@ def column_readers(classes: set[type]) -> ColumnReaders:
 
 
 def _probe(ms: Any) -> ColumnReaders | None:
-    """MindSpore's C readers if they give what the public accessors give on a probe tensor (contiguous and
-    transposed), else ``None``."""
+    """MindSpore's C readers if they agree with the public accessors, else ``None``.
+
+    Checked once, on a probe tensor, contiguous and transposed.
+    """
     try:
         import numpy as np  # pylint: disable=import-outside-toplevel
 

@@ -50,8 +50,10 @@ class _Runners:
         self._idle: list[queue.SimpleQueue[tuple[Callable[[], None], Callable[[], None]]]] = []
 
     def run(self, fn: Callable[[], None], *, then: Callable[[], None]) -> None:
-        """Run ``fn`` (which never raises) on an idle kept thread, or a new one; ``then`` once the thread is idle
-        again. Any thread."""
+        """Run ``fn`` (which never raises) on an idle kept thread, or a new one. Any thread.
+
+        ``then`` runs once the thread is idle again.
+        """
         with self._lock:
             inbox = self._idle.pop() if self._idle else None
         if inbox is None:

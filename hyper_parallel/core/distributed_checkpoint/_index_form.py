@@ -81,8 +81,10 @@ def wants_index_form(form: str, entries: int, extra_digests: int = 0) -> bool:
 
 
 def extra_digests(storage: Any) -> int:
-    """The checksum digests of ``storage``'s entries beyond one per entry (a tiled chunk's ``flat_digests``
-    included). Coordinator; pure."""
+    """The checksum digests of ``storage``'s entries beyond one per entry. Coordinator; pure.
+
+    A tiled chunk's ``flat_digests`` are counted too.
+    """
     return sum(len(info.checksum.digests) + len(info.checksum.flat_digests) - 1 for info in storage.values()
                if info.checksum is not None)
 

@@ -121,8 +121,10 @@ def host_array(value: Any) -> np.ndarray | None:
 
 
 def _plain_class(cls: type) -> bool:
-    """Whether values of class ``cls`` may be whole tensors (:func:`plain_tensor`, before a numpy array's dtype
-    test)."""
+    """Whether values of class ``cls`` may be whole tensors (for :func:`plain_tensor`).
+
+    Asked before a numpy array's dtype test.
+    """
     if issubclass(cls, np.ndarray):
         return True
     if issubclass(cls, (DTensor, ShardedTensor)):

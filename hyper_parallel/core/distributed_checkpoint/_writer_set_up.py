@@ -19,10 +19,10 @@ from hyper_parallel.core.distributed_checkpoint._file_ops import FileOps, make_d
 from hyper_parallel.core.distributed_checkpoint._save_lease import SaveLease
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointIOError
 
-__all__ = ["DIRECTORY_ATTEMPTS", "DirectorySetUp"]
+__all__ = ["DirectorySetUp"]
 
 #: Times a save makes its directory again if another rank's abort removes it meanwhile (set-up).
-DIRECTORY_ATTEMPTS = 3
+_DIRECTORY_ATTEMPTS = 3
 
 
 class DirectorySetUp:
@@ -58,10 +58,10 @@ class DirectorySetUp:
         """
         # The new entries are made durable by write_data, before any commit: off the blocking part of an async save.
         self._unsynced_parents = []
-        for attempt in range(DIRECTORY_ATTEMPTS):
+        for attempt in range(_DIRECTORY_ATTEMPTS):
             # Another rank's abort of a save that failed in planning removes the directory it made, if still
             # empty, and may do so just after this rank made or found it: then it is made again.
-            last = attempt == DIRECTORY_ATTEMPTS - 1
+            last = attempt == _DIRECTORY_ATTEMPTS - 1
             self._make_directory(is_coordinator=is_coordinator)
             if not self.path.is_dir() and not last:
                 continue

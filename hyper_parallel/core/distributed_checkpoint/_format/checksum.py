@@ -76,8 +76,11 @@ def flat_count(length: int, block_bytes: int) -> int:
 
 
 def flat_expected(checksum: ChunkChecksum) -> tuple[str, ...]:
-    """The digests ``checksum``'s flat blocks are checked against: a tiled chunk's ``flat_digests``, else its
-    ``digests``. ``()`` for a tiled chunk of format 2.1 (no flat digests): verify it by tiles."""
+    """The digests ``checksum``'s flat blocks are checked against. Any rank; pure.
+
+    A tiled chunk's ``flat_digests``, else its ``digests``; ``()`` for a tiled chunk of format 2.1 (no flat
+    digests): verify it by tiles.
+    """
     return checksum.flat_digests if checksum.block_shape else checksum.digests
 
 

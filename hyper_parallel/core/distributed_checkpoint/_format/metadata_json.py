@@ -372,8 +372,10 @@ _SAVE_ID = re.compile(r"^[0-9a-f]{12}$")
 
 
 def save_id_from_head(head: bytes) -> str | None:
-    """The save id in the first bytes of metadata this code wrote; ``None``: decode the whole with
-    :func:`save_id_of`."""
+    """The save id in the first bytes of metadata this code wrote.
+
+    ``None``: not found there; decode the whole with :func:`save_id_of`.
+    """
     match = _SAVE_ID_HEAD.match(head)
     return match.group(1).decode("ascii") if match else None
 
