@@ -334,8 +334,7 @@ class AsyncCallsQueue:
     def _drain_at_exit(cls) -> None:
         for queue in list(cls._instances):
             for call in queue._calls:  # pylint: disable=protected-access
-                if not call.finalized() or not call.background_done():
-                    call.join()  # the whole background work, a commit after ``ready`` included
+                call.join()  # the whole background work, a commit after ``ready`` included (at once if over)
 
 
 def _refuse_finishing_alone(pending: AsyncCall | None, *, because: str) -> None:
