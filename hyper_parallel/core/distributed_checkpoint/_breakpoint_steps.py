@@ -11,19 +11,35 @@ Which step the Parameters are at when training raised is found from the step
 ``Model.train`` began and whether its network already returned
 (:func:`trained_step`). No MindSpore import; the callback calls these on every
 rank.
+
+Only some ranks may raise (a data error on one host): the others go on
+training, or wait in the step's gradient all-reduce. A save is collective, so
+a rank raising alone waited in it for the collective timeout (1800 s), then
+showed a communication error instead of its own. Before any collective of the
+exception path, the raising ranks therefore check that every rank arrived
+(:func:`everyone_arrived`, at most ``HP_CKPT_BREAKPOINT_TIMEOUT`` seconds);
+otherwise nothing is saved and the training's own error propagates at once.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
+from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.manager import CheckpointManager
 
 __all__ = [
     "BREAKPOINT_PREFIX",
+    "BREAKPOINT_TIMEOUT_ENV",
+    "DEFAULT_BREAKPOINT_TIMEOUT",
+    "arrival_problem",
+    "breakpoint_timeout",
+    "everyone_arrived",
     "RunningStep",
     "breakpoint_manager",
     "net_outputs",
@@ -35,6 +51,93 @@ __all__ = [
 _LOG = logging.getLogger(__name__)
 #: Step prefix of the steps ``exception_save`` writes (``<directory>/breakpoint_<n:08d>``).
 BREAKPOINT_PREFIX = "breakpoint_"
+#: Environment variable: seconds a rank that raised waits for the others before saving (:func:`everyone_arrived`).
+BREAKPOINT_TIMEOUT_ENV = "HP_CKPT_BREAKPOINT_TIMEOUT"
+#: Default of :data:`BREAKPOINT_TIMEOUT_ENV`: ranks raising at one step (a NaN loss everywhere) arrive well within.
+DEFAULT_BREAKPOINT_TIMEOUT = 60.0
+
+
+@dataclass(frozen=True)
+class _Arrival:
+    """What a rank that raised sends on reaching the exception path's first collective.
+
+    Attributes:
+        step: The step it would save.
+        started: Its ``time.time()`` on arrival.
+    """
+
+    step: int
+    started: float
+
+
+def breakpoint_timeout() -> float:
+    """Seconds a rank that raised waits for every rank (:data:`BREAKPOINT_TIMEOUT_ENV`, default 60).
+
+    Raises:
+        CheckpointValueError: Not a positive number.
+    """
+    text = os.environ.get(BREAKPOINT_TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_BREAKPOINT_TIMEOUT
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise CheckpointValueError(f"{BREAKPOINT_TIMEOUT_ENV}={text!r} is not a positive number of seconds; set "
+                                   "e.g. 60")
+    return seconds
+
+
+def arrival_problem(found: list[Any], timeout: float) -> str | None:
+    """Why the gathered messages ``found`` (one per rank) do not let the ranks save, or ``None``. Pure.
+
+    Args:
+        found: What each rank sent (an ``_Arrival``, or another step's message).
+        timeout: The seconds each rank waits (:func:`breakpoint_timeout`).
+    """
+    arrivals = [a for a in found if isinstance(a, _Arrival)]
+    if len(arrivals) < len(found):
+        return f"rank(s) {[r for r, a in enumerate(found) if not isinstance(a, _Arrival)]} were in another step"
+    steps = sorted({a.step for a in arrivals})
+    if len(steps) > 1:
+        return f"the ranks are at different steps {steps}"
+    spread = max(a.started for a in arrivals) - min(a.started for a in arrivals)
+    if spread > timeout - min(timeout / 2, 5.0):  # (a margin for the hosts' clocks)
+        return f"the last rank arrived {spread:.1f} s after the first, which may have stopped waiting"
+    return None
+
+
+def everyone_arrived(step: int, reason: str) -> bool:
+    """Whether every rank raised too and reached this point within :func:`breakpoint_timeout` seconds of the
+    first. Every rank whose training raised calls it before any collective of the exception path.
+
+    ``False`` (logged: the ranks, the wait, that nothing is saved) when the wait ran out or the communication
+    failed (then this process's later collective steps fail at once), when the gathered messages are not all
+    arrivals for ``step``, or when the last one came so late that the first may have given up: every rank that
+    completed the gather decides the same from the same messages, so none of them goes on to wait alone.
+
+    Args:
+        step: The step this rank would save.
+        reason: The training's exception name, for the log.
+    """
+    timeout = breakpoint_timeout()
+    dist = DistWrapper(use_dist=True, timeout=timeout)
+    if not dist.use_dist:
+        return True
+    mine = _Arrival(step=step, started=time.time())
+    why = None
+    try:
+        found = dist.all_gather("breakpoint arrival", lambda: mine)
+    except Exception as exc:  # pylint: disable=broad-except  # a timeout, or MindSpore's own collective failing
+        why = f"not every rank arrived within {timeout:g} s ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+    else:
+        why = arrival_problem(found, timeout)
+    if why is None:
+        return True
+    _LOG.error("rank %d: training raised %s, but exception_save saves nothing: %s (did only some ranks raise? %s "
+               "is the wait). The error training raised follows", dist.rank, reason, why, BREAKPOINT_TIMEOUT_ENV)
+    return False
 
 
 @dataclass(frozen=True, eq=False)

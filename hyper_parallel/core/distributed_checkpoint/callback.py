@@ -45,6 +45,7 @@ from mindspore.train import Callback, RunContext
 from hyper_parallel.core.distributed_checkpoint._breakpoint_steps import (
     RunningStep,
     breakpoint_manager,
+    everyone_arrived,
     resume_point,
     save_breakpoint,
     trained_step,
@@ -136,7 +137,10 @@ class CheckpointCallback(Callback):
             keeps the newest ``keep_checkpoint_max`` of them, at least 1, and
             deletes those above the step it saves: a run this one resumed
             before left them). It deletes no regular step, and a resume does
-            not load it unless asked.
+            not load it unless asked. Only when every rank raised (each waits
+            for the others at most ``HP_CKPT_BREAKPOINT_TIMEOUT`` seconds,
+            default 60); otherwise nothing is saved and training's own error
+            propagates after that wait.
         append_info: MindSpore's list: ``"epoch_num"`` / ``"step_num"`` store
             the current counters, one dict stores its (plain) values.
         resume: ``True``: load the newest committed regular step when training
@@ -428,11 +432,23 @@ class CheckpointCallback(Callback):
     ) -> None:
         """Leaving ``Model.train``: with ``exception_save``, save the last completed step on an exception, as a
         step of :attr:`breakpoint_manager` (committed before the exception propagates)."""
-        try:
-            if exc_type is not None and self.exception_save and self._state is not None:
-                step, epoch = trained_step(self._running, self._completed, self._epoch)
-                if step != self._last_saved and step > 0:
-                    save_breakpoint(self.breakpoint_manager, self.manager, step, self._step_state(step, epoch),
-                                    reason=exc_type.__name__, io_kwargs=self._io_kwargs)
-        finally:
+        if exc_type is None:
             self.manager.close()
+            return
+        # Training raised: its error propagates; what fails here is logged, never raised in its place.
+        try:
+            step, epoch = trained_step(self._running, self._completed, self._epoch)
+            save = self.exception_save and self._state is not None and step != self._last_saved and step > 0
+            pending = self.manager._handle is not None  # pylint: disable=protected-access
+            # Every collective waits for the other ranks: first make sure they raised too (a rank raising alone
+            # waited the collective timeout, then showed a communication error instead of its own).
+            if (save or pending) and not everyone_arrived(step, exc_type.__name__):
+                return
+            if save:
+                save_breakpoint(self.breakpoint_manager, self.manager, step, self._step_state(step, epoch),
+                                reason=exc_type.__name__, io_kwargs=self._io_kwargs)
+            self.manager.close()
+        except Exception as error:  # pylint: disable=broad-except
+            _LOG.error("training raised %s; %s failed too (%s: %s)", exc_type.__name__,
+                       "exception_save" if self.exception_save else "finishing the last async save",
+                       type(error).__name__, error)
