@@ -171,6 +171,23 @@ def test_plain_values_come_back_as_mindspore_returns_them(tmp_path):
     ms.load_param_into_net(nn.Dense(2, 2), ours)  # accepted, as MindSpore's own dict is
 
 
+def test_loaded_parameters_require_grad_as_mindspore_gives_them(tmp_path):
+    """load_checkpoint gave Parameters with requires_grad=False where mindspore.load_checkpoint gives True
+    (load_param_into_net does not copy the flag, but a user building a network from the dict, or an
+    optimizer from its Parameters, trained nothing)."""
+    net, opt = _net_and_opt(4)
+    net.head.bias.requires_grad = False  # saved as such: MindSpore gives True back all the same
+    cell = _train_cell(net, opt)
+    ms.save_checkpoint(cell, str(tmp_path / "ms.ckpt"), append_dict={"epoch_num": 3, "lr": 0.5})
+    theirs = ms.load_checkpoint(str(tmp_path / "ms.ckpt"))
+    hyper_parallel.save_checkpoint(cell, tmp_path / "c", append_dict={"epoch_num": 3, "lr": 0.5})
+    ours = hyper_parallel.load_checkpoint(tmp_path / "c")
+    assert set(ours) == set(theirs)
+    assert {k: (type(v).__name__, v.requires_grad) for k, v in ours.items()} == {
+        k: (type(v).__name__, v.requires_grad) for k, v in theirs.items()}
+    assert all(v.requires_grad for v in ours.values())
+
+
 def test_an_int_no_mindspore_dtype_holds_comes_back_as_the_int(tmp_path):
     """A 128-bit seed made load_checkpoint raise MindSpore's TypeError: the checkpoint did not load at all."""
     hyper_parallel.save_checkpoint({"w": np.ones(2, np.float32), "seed": 2**100 + 7, "low": -(2**63),

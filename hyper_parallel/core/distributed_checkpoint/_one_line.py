@@ -200,7 +200,7 @@ def _as_parameter(name: str, value: Any) -> Any:
     if isinstance(value, np.ndarray):
         value = from_numpy(value)
     if is_tensor(value):
-        return ms.Parameter(value, name=name, requires_grad=False)
+        return ms.Parameter(value, name=name)  # requires_grad True, as mindspore.load_checkpoint gives it
     return value
 
 
