@@ -231,7 +231,7 @@ def _zeroed_parameter(fqn: str, shape: tuple[int, ...], dtype: str) -> Any:
     import mindspore as ms  # pylint: disable=import-outside-toplevel
     from mindspore.common.initializer import Zero  # pylint: disable=import-outside-toplevel
 
-    return ms.Parameter(ms.Tensor(shape=shape, dtype=ms_dtype(dtype), init=Zero()), name=fqn, requires_grad=False)
+    return ms.Parameter(ms.Tensor(shape=shape, dtype=ms_dtype(dtype), init=Zero()), name=fqn)
 
 
 def _shown(names: list[str]) -> str:
