@@ -134,3 +134,49 @@ def test_a_sliced_parameter_loaded_on_the_device_path_can_be_saved_again(tmp_pat
     assert not whole.sliced and float(whole.float().asnumpy().sum()) == 16
     platform.assign(w, np.full((4, 4), 2, np.float32))  # a staged target's whole assign, whatever the dtype
     assert w.sliced and float(w.float().asnumpy().sum()) == 32
+
+
+_WHOLE_DTYPES = [ms.float32, ms.bfloat16, ms.float16, ms.int32, ms.int8, ms.bool_, ms.float64]
+
+
+def test_whole_targets_are_copied_in_place(tmp_path, device_copies):
+    """A target read as one region (a small tensor, the usual leaf) is copied into its own memory, bfloat16 too
+    (MindSpore's CPU region write refuses bfloat16: it was assigned new memory)."""
+    rng = np.random.default_rng(5)
+    saved, targets = {}, {}
+    for i, dtype in enumerate(_WHOLE_DTYPES * 2):
+        values = rng.standard_normal((3, 4) if i % 3 else (7,)) * 30
+        saved[f"k{i}"] = ms.Tensor(values, dtype)
+        target = ms.Tensor(np.zeros_like(values), dtype)
+        targets[f"k{i}"] = ms.Parameter(target, name=f"k{i}") if i % 2 else target
+    dcp.save(saved, checkpoint_id=tmp_path / "c", no_dist=True)
+    before = {key: (value, value.data_ptr()) for key, value in targets.items()}
+    dcp.load(targets, checkpoint_id=tmp_path / "c", no_dist=True)
+    for key, (value, pointer) in before.items():
+        assert targets[key] is value and value.data_ptr() == pointer, key
+        assert value.asnumpy().tobytes() == saved[key].asnumpy().tobytes(), key
+
+
+class _NoCopy(ms.Tensor):
+    """A tensor type without an in-place copy (as a framework may lack one)."""
+
+    def copy_(self, *args, **kwargs):
+        raise RuntimeError("no in-place copy")
+
+
+class _NoStorage(ms.Tensor):
+    """A tensor whose memory cannot be asked for (it might view another tensor's: no in-place copy into it)."""
+
+    def storage_offset(self):
+        raise RuntimeError("no storage")
+
+    def copy_(self, *args, **kwargs):
+        raise AssertionError("copy_ into a tensor that may be a view")
+
+
+@pytest.mark.parametrize("kind", [_NoCopy, _NoStorage])
+def test_a_whole_region_without_an_in_place_copy_is_written_the_other_way(tmp_path, device_copies, kind):
+    dcp.save({"w": np.arange(6, dtype=np.float32)}, checkpoint_id=tmp_path / "c", no_dist=True)
+    target = kind(np.zeros(6, np.float32))
+    dcp.load({"w": target}, checkpoint_id=tmp_path / "c", no_dist=True)
+    np.testing.assert_array_equal(target.asnumpy(), np.arange(6))

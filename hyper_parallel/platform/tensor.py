@@ -424,23 +424,40 @@ def assign_region(target: Any, region: tuple[slice, ...], array: np.ndarray) -> 
     """Write ``array`` into ``target[region]`` in place (same object): copy in of one region.
 
     For a tensor whose memory numpy cannot alias (device memory). Uses the
-    framework's region write (``target[region] = value``); where the
-    framework refuses it for this dtype (MindSpore's CPU kernel has no
-    bfloat16 region copy), copies the whole tensor out, patches the region
-    and assigns the whole tensor back. Serialised by a lock (reader threads
-    call it concurrently).
+    framework's region write (``target[region] = value``), or for a region
+    that is the whole tensor and all of its memory (no view) its in-place
+    copy (``copy_``: no index to parse, any dtype); where the framework refuses it for this dtype
+    (MindSpore's CPU kernel has no bfloat16 region copy), copies the whole
+    tensor out, patches the region and assigns the whole tensor back.
+    Serialised by a lock (reader threads call it concurrently).
     """
     if isinstance(target, np.ndarray):
         np.copyto(target[region], array, casting="unsafe")
         return
     value = from_numpy(np.asarray(array, dtype=to_numpy_dtype(target)), copy=True)
+    shape = tuple(target.shape)
+    whole = len(region) == len(shape) and all(r.start == 0 and r.stop == n for r, n in zip(region, shape)) and (
+        _own_memory(target))
     with _REGION_LOCK:
         try:
-            target[region] = value
-        except (RuntimeError, TypeError, ValueError):
-            whole = np.array(to_numpy(target), copy=True)
-            whole[region] = array
-            assign(target, whole)
+            if whole:
+                target.copy_(value)
+            else:
+                target[region] = value
+        except (AttributeError, RuntimeError, TypeError, ValueError):
+            patched = np.array(to_numpy(target), copy=True)
+            patched[region] = array
+            assign(target, patched)
+
+
+def _own_memory(value: Any) -> bool:
+    """Whether a tensor is all of its memory (no view of another tensor's): ``copy_`` into a view writes nothing
+    or fails (MindSpore on CPU), a region write does not."""
+    try:
+        return (int(value.storage_offset()) == 0 and bool(value.is_contiguous())
+                and int(value.untyped_storage().nbytes()) == int(value.nbytes))
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return False
 
 
 def to_numpy_dtype(value: Any) -> np.dtype:
