@@ -3,7 +3,8 @@
 On CPU a load reads straight into the target's memory. A tensor in device
 memory offers no such view: each read region goes into a host buffer of the
 target's dtype and is then copied into its region of the tensor
-(:func:`hyper_parallel.platform.assign_region`, MindSpore's ``t[region] = v``).
+(:func:`hyper_parallel.platform.assign_region`: MindSpore's ``t[region] = v``,
+or ``t.copy_(v)`` for a region that is all of a tensor's own memory, as a small tensor's is).
 Reads into such a target are cut into regions of at most ``device_region_bytes``
 when planned, and each buffer is dropped once copied in, so the host memory
 of a load stays bounded (about the reader threads times that size) whatever
