@@ -12,6 +12,7 @@ saved bytes; a failing small copy fails the save with nothing committed.
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import mindspore as ms
@@ -157,6 +158,30 @@ def test_a_failed_small_copy_fails_the_save_and_commits_nothing(tmp_path, pool, 
     monkeypatch.setattr(_stage_copies, "_copy_all", real)
     expected = _save_then_overwrite(state, tmp_path / "after")
     _assert_saved(tmp_path / "after", expected)
+
+
+def test_the_callers_thread_copies_the_small_leaves_while_the_threads_copy_the_large_ones(tmp_path, pool,
+                                                                                         monkeypatch):
+    """Each small copy needs the GIL: the caller's thread, idle while it waits for the early copies, makes them all,
+    none is handed to a staging thread (where they came last, after every large copy, and took turns for the GIL);
+    the values at the call are saved."""
+    state = _state(9)
+    state["huge"] = ms.Parameter(ms.Tensor(np.ones((4096, 1024), np.float32)), name="huge")  # past the caller's lead
+    _save_then_overwrite(state, tmp_path / "warm")
+    real = _stage_copies._copy_all  # pylint: disable=protected-access
+    threads: dict[bool, set[str]] = {True: set(), False: set()}  # small copies? -> threads that made them
+
+    def recording(pairs):
+        for _, source in pairs:
+            threads[source.nbytes < SMALL_COPY_BYTES].add(threading.current_thread().name)
+        real(pairs)
+
+    monkeypatch.setattr(_stage_copies, "_copy_all", recording)
+    for step in range(2):  # a first save of the state in this arena, then a steady one (the kept small places)
+        expected = _save_then_overwrite(state, tmp_path / f"s{step}")
+        _assert_saved(tmp_path / f"s{step}", expected)
+    assert threads[True] == {threading.main_thread().name}
+    assert threads[False] - {threading.main_thread().name}, "the large ones: by the staging threads"
 
 
 def test_held_small_copies_are_split_in_order_by_bytes():
