@@ -6,11 +6,12 @@ every slice gets its box in the global tensor. The import stores each
 distinct box once, as a chunk of the global tensor, mapped straight from the
 rank file that holds it (the lowest such rank): each stored byte is written
 from there, and memory holds no tensor. The other ranks' copies of a box (its
-replicas) are read once, to compare digests (``--no-check-replicas`` turns
-that off): copies that differ are refused, naming the ranks (a strategy that
-is not the job's, or rank files of different steps). MindSpore's ``transform_checkpoints`` takes each destination rank's
-copy from its own source rank, so differing copies have no one meaning there
-either.
+replicas) are read once, to compare their digests with the stored copy's as
+it is written (:mod:`._ms_replicas`; ``--no-check-replicas`` turns that
+off): copies that differ are refused, naming the ranks (a strategy that is
+not the job's, or rank files of different steps). MindSpore's
+``transform_checkpoints`` takes each destination rank's copy from its own
+source rank, so differing copies have no one meaning there either.
 
 A parameter absent from the strategy is taken whole from the lowest rank
 holding it (as MindSpore's ``transform_checkpoints`` does), after checking
@@ -30,6 +31,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from hyper_parallel.cli._ms_files import STRING_DTYPE, MsEntry, MsFile, ReadBudget
+from hyper_parallel.cli._ms_replicas import BoxCopies, box_copies
 from hyper_parallel.core.distributed_checkpoint._format.checksum import digest
 from hyper_parallel.core.distributed_checkpoint._format.cover import check_exact_cover
 from hyper_parallel.core.distributed_checkpoint._global_plan import build_global_save_plan
@@ -115,8 +117,8 @@ def find_rank_files(src: Path) -> dict[int, Path]:
 
 def _layout_pieces(
     name: str, layouts: Sequence[Layout], files: Mapping[int, MsFile], check_replicas: bool
-) -> list[SourcePiece]:
-    """One piece per distinct box of ``name``, from the lowest rank holding it; its other copies are compared."""
+) -> tuple[list[SourcePiece], list[BoxCopies]]:
+    """One piece per distinct box of ``name``, from the lowest rank holding it; its other copies' digests."""
     holders = [(r, layout) for layout in layouts for r in layout.rank_list
                if r in files and name in files[r].entries]
     first_rank, first_layout = holders[0]
@@ -142,30 +144,9 @@ def _layout_pieces(
         pieces.setdefault(offsets, SourcePiece(name, files[rank], entry, offsets, global_shape))
         copies.setdefault(offsets, []).append(rank)
     _check_cover(name, global_shape, list(pieces.values()), layouts, files)
-    if check_replicas:
-        _check_copies(name, global_shape, copies, files)
-    return list(pieces.values())
-
-
-def _check_copies(
-    name: str, global_shape: tuple[int, ...], copies: Mapping[tuple[int, ...], Sequence[int]],
-    files: Mapping[int, MsFile],
-) -> None:
-    """Refuse a box of ``name`` whose copies (the ranks holding it, first the one stored) differ in bytes."""
-    problems = []
-    for offsets, ranks in copies.items():
-        if len(ranks) < 2:
-            continue
-        differ = _differing_copies(name, ranks, files)
-        if differ:
-            problems.append(f"ranks {differ} hold other values than rank {ranks[0]} for the box at {list(offsets)}")
-    if problems:
-        raise LayoutError(
-            f"parameter '{name}' (global shape {list(global_shape)}): the strategy makes replicas of ranks' slices "
-            f"that differ: {'; '.join(problems)}. Either the strategy file is not the one of the job that wrote "
-            "these files (pass that job's strategy file(s), one per pipeline stage), or the rank files are of "
-            "different steps (take every rank's file of one step)"
-        )
+    replicas = [box_copies(name, offsets, global_shape, ranks, files, listed=True)
+                for offsets, ranks in copies.items() if check_replicas and len(ranks) > 1]
+    return list(pieces.values()), replicas
 
 
 def _check_cover(
@@ -187,10 +168,11 @@ def _check_cover(
     )
 
 
-def _whole_piece(name: str, files: Mapping[int, MsFile]) -> SourcePiece:
-    """A tensor absent from the strategy: the lowest rank's copy, all copies alike in shape, dtype and bytes.
+def _whole_piece(name: str, files: Mapping[int, MsFile]) -> tuple[SourcePiece, list[BoxCopies]]:
+    """A tensor absent from the strategy: the lowest rank's copy, all copies alike in shape and dtype; the other
+    copies' digests, compared with the stored copy's bytes as they are written.
 
-    Its copies are read on every rank holding it (such tensors are small: ``global_step``, ``learning_rate``):
+    Its copies are compared on every rank holding it (such tensors are small: ``global_step``, ``learning_rate``):
     a parameter the strategy does not list but the job sliced has slices of one shape on every rank, and only
     their bytes tell it from a replicated tensor (stored whole, the lowest rank's slice would pass for it).
     """
@@ -204,31 +186,9 @@ def _whole_piece(name: str, files: Mapping[int, MsFile]) -> SourcePiece:
                 f"{list(first.shape)} and rank {rank} holds {entry.dtype} {list(entry.shape)}: it is sliced; "
                 "pass the strategy file(s) that list it (one per pipeline stage)"
             )
-    if len(holders) > 1:
-        differ = _differing_copies(name, holders, files)
-        if differ:
-            raise LayoutError(
-                f"parameter '{name}' is not in the strategy file but ranks {differ} hold other values than rank "
-                f"{holders[0]} ({first.dtype} {list(first.shape)} on each), so it is no replica: either it is "
-                f"sliced (slices of one shape; rank {holders[0]}'s would be stored as the whole tensor): pass the "
-                "strategy file(s) that list it (one per pipeline stage); or the rank files are of different steps "
-                "(a global_step, a learning rate): take every rank's file of one step"
-            )
-    return SourcePiece(name, files[holders[0]], first, (0,) * len(first.shape), first.shape)
-
-
-def _differing_copies(name: str, ranks: Sequence[int], files: Mapping[int, MsFile]) -> list[int]:
-    """The ranks after ``ranks[0]`` whose copy of ``name`` differs in bytes from ``ranks[0]``'s (by digest).
-
-    Raises:
-        CorruptCheckpointError: copies differ and one of the files involved fails its stored crc (read whole
-            here): damage, not a strategy or step problem.
-    """
-    held = digest(files[ranks[0]].raw(name))
-    differ = sorted(rank for rank in ranks[1:] if digest(files[rank].raw(name)) != held)
-    for rank in (ranks[0], *differ) if differ else ():
-        files[rank].check_crc_except(set())
-    return differ
+    offsets = (0,) * len(first.shape)
+    replicas = [box_copies(name, offsets, first.shape, holders, files, listed=False)] if len(holders) > 1 else []
+    return SourcePiece(name, files[holders[0]], first, offsets, first.shape), replicas
 
 
 def _follows_parameter(name: str, layouts: Sequence[Layout], files: Mapping[int, MsFile]) -> bool:
@@ -244,7 +204,7 @@ def _follows_parameter(name: str, layouts: Sequence[Layout], files: Mapping[int,
 
 def plan_rank_import(
     files: Mapping[int, MsFile], records: Mapping[str, Sequence[Any]], *, check_replicas: bool = True
-) -> tuple[list[SourcePiece], dict[str, Any]]:
+) -> tuple[list[SourcePiece], dict[str, Any], list[BoxCopies]]:
     """Decide, for every parameter of the rank files, which boxes to store from which file.
 
     Args:
@@ -253,12 +213,16 @@ def plan_rank_import(
         check_replicas: Compare the copies of every box the strategy gives several ranks.
 
     Returns:
-        The pieces to store (every distinct box once) and the string values.
+        The pieces to store (every distinct box once), the string values, and
+        the other copies of the stored boxes, read here (each once) to be
+        compared with the stored copies as they are written
+        (:class:`~hyper_parallel.cli._ms_replicas.ReplicaCheckingWriter`): the
+        boxes the strategy gives several ranks (``check_replicas``) and the
+        tensors it does not list that several ranks hold.
 
     Raises:
-        LayoutError: a slice shape or dtype that contradicts the strategy, a
-            tensor absent from the strategy that differs between ranks, or
-            (``check_replicas``) copies of one box that differ.
+        LayoutError: a slice shape or dtype that contradicts the strategy, or a
+            tensor absent from the strategy whose shape or dtype differs between ranks.
         CheckpointNotFoundError: slices of a parameter are missing (names the ranks).
         CheckpointValueError: a rank directory beyond the strategy's ranks.
     """
@@ -273,6 +237,7 @@ def plan_rank_import(
     names = sorted({name for f in files.values() for name in f.entries})
     pieces: list[SourcePiece] = []
     values: dict[str, Any] = {}
+    replicas: list[BoxCopies] = []
     for name in names:
         holder = next(f for _, f in sorted(files.items()) if name in f.entries)
         if holder.entries[name].dtype == STRING_DTYPE:
@@ -283,8 +248,14 @@ def plan_rank_import(
             inherited = layout_for_state_key(layouts, name)
             if inherited is not None and _follows_parameter(name, inherited, files):
                 own = inherited
-        pieces.extend(_layout_pieces(name, own, files, check_replicas) if own else [_whole_piece(name, files)])
-    return pieces, values
+        if own:
+            boxes, copies = _layout_pieces(name, own, files, check_replicas)
+        else:
+            whole, copies = _whole_piece(name, files)
+            boxes = [whole]
+        pieces.extend(boxes)
+        replicas.extend(copies)
+    return pieces, values, replicas
 
 
 def whole_pieces(files: Sequence[MsFile]) -> tuple[list[SourcePiece], dict[str, Any]]:

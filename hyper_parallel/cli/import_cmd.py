@@ -42,6 +42,7 @@ from hyper_parallel.cli._ms_import import (
     total_bytes,
     whole_pieces,
 )
+from hyper_parallel.cli._ms_replicas import BoxCopies, ReplicaCheckingWriter
 from hyper_parallel.core.distributed_checkpoint.api import save
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointNotFoundError,
@@ -206,7 +207,7 @@ def _check_out(src: Path, out: Path) -> None:
 def _plan_source(
     src: Path, strategy_files: Sequence[str | os.PathLike] | None, show_progress: bool | None,
     check_replicas: bool,
-) -> tuple[list[SourcePiece], dict[str, Any]]:
+) -> tuple[list[SourcePiece], dict[str, Any], list[BoxCopies]]:
     if not src.exists():
         raise CheckpointNotFoundError(f"{src} does not exist")
     if src.is_dir():
@@ -221,9 +222,9 @@ def _plan_source(
             files = {rank: open_ms_file(path) for rank, path in
                      progress(sorted(rank_files.items()), desc="index rank files", unit="file",
                                        enabled=show_progress)}
-            pieces, values = plan_rank_import(files, records, check_replicas=check_replicas)
+            pieces, values, replicas = plan_rank_import(files, records, check_replicas=check_replicas)
             check_unstored_crcs(files.values(), pieces)
-            return pieces, values
+            return pieces, values, replicas
     if strategy_files:
         raise CheckpointValueError(
             f"--strategy applies to a directory of MindSpore per-rank files (rank_<i>/...); {src} is not one"
@@ -248,7 +249,7 @@ def _plan_source(
     for file in files:
         for key, value in restored_values(file).items():
             values.setdefault(key, value)
-    return pieces, values
+    return pieces, values, []
 
 
 def _bytes_written() -> int | None:
@@ -259,8 +260,10 @@ def _bytes_written() -> int | None:
         return None
 
 
-def _save_with_progress(out: Path, planner: PieceSavePlanner, total: int, show_progress: bool | None) -> Metadata:
-    """``dcp.save`` of the pieces, with a bar of the bytes this process writes (``/proc/self/io``)."""
+def _save_with_progress(out: Path, planner: PieceSavePlanner, replicas: list[BoxCopies], total: int,
+                        show_progress: bool | None) -> Metadata:
+    """``dcp.save`` of the pieces, with a bar of the bytes this process writes (``/proc/self/io``); ``replicas``
+    compared with the stored copies before the commit."""
     bar = progress(desc="import", unit="B", unit_scale=True, total=total, enabled=show_progress)
     start = _bytes_written()
     stop = threading.Event()
@@ -273,7 +276,7 @@ def _save_with_progress(out: Path, planner: PieceSavePlanner, total: int, show_p
     if not bar.disable and start is not None:
         watcher.start()
     try:
-        return save({}, checkpoint_id=out, planner=planner, no_dist=True)
+        return save({}, storage_writer=ReplicaCheckingWriter(out, replicas), planner=planner, no_dist=True)
     finally:
         stop.set()
         if watcher.is_alive():
@@ -321,8 +324,9 @@ def import_checkpoint(
     """
     src_path, out_path = Path(os.fspath(src)), Path(os.fspath(out))
     _check_out(src_path, out_path)
-    pieces, values = _plan_source(src_path, strategy_files, show_progress, check_replicas)
-    return _save_with_progress(out_path, PieceSavePlanner(pieces, values), total_bytes(pieces), show_progress)
+    pieces, values, replicas = _plan_source(src_path, strategy_files, show_progress, check_replicas)
+    return _save_with_progress(out_path, PieceSavePlanner(pieces, values), replicas, total_bytes(pieces),
+                               show_progress)
 
 
 def _run(args: argparse.Namespace) -> int:
