@@ -394,9 +394,14 @@ def _cached_views(values: list[Any], shapes: list[Any], tensor_type: type) -> li
 
 
 def from_numpy(array: np.ndarray, *, copy: bool = False) -> Any:
-    """Wrap a numpy array as a MindSpore Tensor (sharing memory unless ``copy``)."""
+    """Wrap a numpy array as a MindSpore Tensor (sharing memory unless ``copy``).
+
+    An array of another byte order (``>f4``) is copied in this machine's: MindSpore wraps no other.
+    """
     import mindspore as ms  # pylint: disable=import-outside-toplevel
 
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
     if np.ndim(array) == 0:
         return ms.Tensor(np.array(array, copy=True))
     data = np.array(array, copy=True, order="C") if copy else np.ascontiguousarray(array)
