@@ -85,6 +85,9 @@ def test_two_ranks_commit_in_the_background(tmp_path: Path) -> None:
         assert value["first_ok"] and value["second_ok"], value
         if rank == 0:
             assert value["read"] == {"world": 2}, value
+            # dcp.load(no_dist=True) right after result() waited for rank 0's own commit (3 s): save 12, not 11
+            assert value["lone_step"] == 12 and value["lone_bias"] == [12.0] * 5, value
+            assert value["lone_waited"] > 1.0, value
         else:
             assert "still be committing it in the background" in value["read"]["error"], value
             assert "CheckpointManager.wait()" in value["read"]["error"], value

@@ -229,8 +229,20 @@ def main() -> None:
         path = shared / "c10"  # no flag: the commit takes 3 s, and load_checkpoint must wait for it
         dcp.async_save(state(10), storage_writer=DelayedCommitWriter(path)).result()
         again = hyper_parallel.load_checkpoint(str(path))
+        path = shared / "lone_load"  # a load without collectives on rank 0: waits for its own commit, not the save before
+        dcp.save(state(11), checkpoint_id=path)
+        dcp.async_save(state(12), storage_writer=DelayedCommitWriter(path)).result()
+        lone = {"bias": mindspore.Tensor(np.zeros(5, np.float32)), "step": -1}
+        if rank == 0:
+            start = time.monotonic()
+            dcp.load(lone, checkpoint_id=path, no_dist=True)
+            lone_waited = time.monotonic() - start
+        else:
+            lone_waited = 0.0
+        dcp.load(zeros(), checkpoint_id=path)  # every rank: settles the commit
         step = loaded["step"]
-        return {"read": read,
+        return {"read": read, "lone_step": lone["step"], "lone_bias": lone["bias"].asnumpy().tolist(),
+                "lone_waited": lone_waited,
                 "first_ok": bool(np.array_equal(loaded["w"].asnumpy(), full_value(9)))
                 and int(np.asarray(step.asnumpy() if hasattr(step, "asnumpy") else step)) == 9,
                 "second_ok": bool(np.array_equal(again["w"].asnumpy(), full_value(10)))

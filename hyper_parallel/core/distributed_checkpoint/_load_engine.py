@@ -18,7 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyper_parallel import platform
-from hyper_parallel.core.distributed_checkpoint._background_commit import finish_own_saves_to, settle_background_commits
+from hyper_parallel.core.distributed_checkpoint._background_commit import (
+    await_own_commits,
+    finish_own_saves_to,
+    settle_background_commits,
+)
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import (
     LayoutArgument,
@@ -65,12 +69,19 @@ def settle_before_load(*, collective: bool, location: Any = None) -> None:
     just before is then committed on every rank, or its failure raises on
     every rank. So a load right after ``async_save`` reads that save. A
     process alone (a world of one) finishes its save to ``location`` too:
-    its ``result()`` needs no other rank. Otherwise, without collectives,
-    nothing runs (another rank may not reach that save's collective step).
+    its ``result()`` needs no other rank. Otherwise, without collectives, no
+    save is finished (another rank may not reach that save's collective
+    step), but the coordinator waits for its own background commits to
+    ``location`` whose ``result()`` returned (every rank's data and results
+    record are written then: no other rank is waited for), as :func:`~.api.read_metadata` does:
+    a load of its own just after ``async_save(...).result()`` reads that save,
+    not the one before. Their outcome stays for the next collective step.
     """
     finish_own_saves_to(location, collective=collective)
     if collective:
         settle_background_commits()
+    else:
+        await_own_commits(location)
 
 
 def read_checkpoint_metadata(reader: StorageReader, options: LoadOptions) -> Metadata:

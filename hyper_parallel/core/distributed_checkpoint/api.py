@@ -133,7 +133,9 @@ def load(
     ``parameter_layout_dict`` of the Cell holding them. With collectives, or
     in a process alone, an async save of this process still writing to the
     checkpoint is finished first (as its ``result()``), so a load right after
-    ``async_save`` reads it.
+    ``async_save`` reads it. Without collectives, the coordinator waits for
+    its own background commit of the checkpoint when that save's ``result()``
+    has returned (no other rank is waited for).
 
     Raises:
         CheckpointNotFoundError: no such directory.
