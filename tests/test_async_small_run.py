@@ -21,6 +21,7 @@ import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.core.distributed_checkpoint import _async_engine, _stage_copies
+from hyper_parallel.core.distributed_checkpoint._lazy_pool import lazy_executor
 from hyper_parallel.core.distributed_checkpoint._stage_copies import SMALL_COPY_BYTES, Copier
 from hyper_parallel.platform.tensor import DEVICE_COPIES_ENV, shared_view, shared_view_reader
 
@@ -160,37 +161,82 @@ def test_a_failed_small_copy_fails_the_save_and_commits_nothing(tmp_path, pool, 
     _assert_saved(tmp_path / "after", expected)
 
 
-def test_the_callers_thread_copies_the_small_leaves_while_the_threads_copy_the_large_ones(tmp_path, pool,
-                                                                                         monkeypatch):
-    """Each small copy needs the GIL: the caller's thread, idle while it waits for the early copies, makes them all,
-    none is handed to a staging thread (where they came last, after every large copy, and took turns for the GIL);
-    the values at the call are saved."""
-    state = _state(9)
-    state["huge"] = ms.Parameter(ms.Tensor(np.ones((4096, 1024), np.float32)), name="huge")  # past the caller's lead
-    _save_then_overwrite(state, tmp_path / "warm")
+def _busy_staging_threads(until: threading.Event) -> None:
+    """Occupy every staging thread until ``until`` is set (returns once they are all occupied)."""
+    started = threading.Semaphore(0)
+
+    def occupy() -> None:
+        started.release()
+        until.wait(timeout=10)
+
+    for _ in range(_stage_copies.STAGING_THREADS):
+        lazy_executor("stage", _stage_copies.STAGING_THREADS).submit(occupy)
+    for _ in range(_stage_copies.STAGING_THREADS):
+        assert started.acquire(timeout=60)
+
+
+def _recording_copies(monkeypatch, first_small_on_caller: threading.Event | None = None) -> dict[bool, set[str]]:
+    """Record which threads make the small and the large copies (``{small?: thread names}``); set
+    ``first_small_on_caller`` when the caller's thread begins a small copy."""
     real = _stage_copies._copy_all  # pylint: disable=protected-access
-    threads: dict[bool, set[str]] = {True: set(), False: set()}  # small copies? -> threads that made them
+    threads: dict[bool, set[str]] = {True: set(), False: set()}
 
     def recording(pairs):
         for _, source in pairs:
-            threads[source.nbytes < SMALL_COPY_BYTES].add(threading.current_thread().name)
+            small = source.nbytes < SMALL_COPY_BYTES
+            threads[small].add(threading.current_thread().name)
+            if small and first_small_on_caller is not None and threading.current_thread() is threading.main_thread():
+                first_small_on_caller.set()
         real(pairs)
 
     monkeypatch.setattr(_stage_copies, "_copy_all", recording)
+    return threads
+
+
+def test_the_callers_thread_takes_back_the_small_copies_no_thread_has_begun(tmp_path, pool, monkeypatch):
+    """Each small copy needs the GIL: handed to the staging threads, they came after every large copy and took
+    turns for it. A save whose threads are still busy when the caller's thread waits for the copies: the caller's
+    thread makes every small copy (taken back from the threads), the threads the large ones; the values at the
+    call are saved."""
+    state = _state(9)
+    state["huge"] = ms.Parameter(ms.Tensor(np.ones((4096, 1024), np.float32)), name="huge")  # past the caller's lead
     for step in range(2):  # a first save of the state in this arena, then a steady one (the kept small places)
+        _save_then_overwrite(state, tmp_path / f"warm{step}")
+        free = threading.Event()
+        threads = _recording_copies(monkeypatch, first_small_on_caller=free)
+        _busy_staging_threads(until=free)
         expected = _save_then_overwrite(state, tmp_path / f"s{step}")
+        monkeypatch.undo()
         _assert_saved(tmp_path / f"s{step}", expected)
-    assert threads[True] == {threading.main_thread().name}
-    assert threads[False] - {threading.main_thread().name}, "the large ones: by the staging threads"
+        assert threads[True] == {threading.main_thread().name}
+        assert threads[False] - {threading.main_thread().name}, "the large ones: by the staging threads"
 
 
-def test_held_small_copies_are_split_in_order_by_bytes():
-    rng = np.random.default_rng(6)
-    sizes = [int(s) for s in rng.integers(0, 5000, 300)]
+def _held_copies(seed: int, count: int) -> tuple[Copier, list[int], list[np.ndarray], list[np.ndarray]]:
+    """A copier holding ``count`` small uint8 copies of random sizes: (copier, sizes, targets, sources)."""
+    rng = np.random.default_rng(seed)
+    sizes = [int(s) for s in rng.integers(0, 5000, count)]
     sources = [rng.integers(0, 256, size, dtype=np.uint8) for size in sizes]
     targets = [np.zeros_like(s) for s in sources]
     copier = Copier(caller_share=False)
     copier.add_small(list(zip(targets, sources)), sizes)
+    return copier, sizes, targets, sources
+
+
+def test_small_runs_a_thread_began_are_not_copied_again(monkeypatch):
+    """Small runs the threads copied before :meth:`Copier.finish` stay theirs; every byte lands once."""
+    copier, _, targets, sources = _held_copies(12, 200)
+    threads = _recording_copies(monkeypatch)
+    copier.release_small()
+    for future, _ in copier._released:  # pylint: disable=protected-access
+        future.result(timeout=60)
+    copier.finish()
+    assert threads[True] and threading.main_thread().name not in threads[True], "nothing copied again"
+    assert all(t.tobytes() == s.tobytes() for t, s in zip(targets, sources))
+
+
+def test_held_small_copies_are_split_in_order_by_bytes():
+    copier, sizes, targets, sources = _held_copies(6, 300)
     runs = copier._split_small(3)  # pylint: disable=protected-access
     assert [pair for run in runs for pair in run] == list(zip(targets, sources)), "every copy once, in order"
     assert len(runs) == 3

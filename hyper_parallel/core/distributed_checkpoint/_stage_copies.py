@@ -57,6 +57,8 @@ LEAD_BYTES = 8 << 20
 _HANDOFF_SECONDS = 1e-4
 #: Bytes of copies handed to a staging thread at a time.
 _BATCH_BYTES = 8 << 20
+#: Runs the small copies are handed to the threads in (:meth:`Copier.release_small`).
+_SMALL_RUNS = 4 * STAGING_THREADS
 #: A staging thread copies a large piece this many bytes at a time (one ``memcpy`` each). Copies between the
 #: core's L2 size and glibc's non-temporal threshold (here 1 MiB and 288 MiB) run its vector loop, whose stores
 #: first read every target line (write-allocate); below the L2 size ``rep movsb`` writes whole lines without
@@ -112,8 +114,15 @@ class Copier:
     Copies of less than :data:`SMALL_COPY_BYTES` are held back until
     :meth:`release_small` or :meth:`finish`: each needs the GIL to start and
     end, so a thread copying them while the caller's thread runs Python (the
-    layout pass) would mostly wait for the GIL. They are then split by bytes
-    over the threads (and the caller's thread in :meth:`finish`).
+    layout pass) would mostly wait for the GIL. They are then handed to the
+    threads in runs of about equal bytes, queued after the large copies
+    handed before; :meth:`finish` takes back every run no thread has begun
+    and copies it on the caller's thread, idle there anyway, while the
+    threads copy the large ones without the GIL (a steady async save of one
+    rank reaches :meth:`finish` long before the large copies end: its 1,747
+    small copies of 8-16 KiB no longer come last, ~3 ms of two threads taking
+    turns for the GIL; with several ranks the threads may copy them while
+    the caller's thread waits in a collective).
 
     Args:
         caller_share: The caller's thread copies every ``STAGING_THREADS + 1``-th
@@ -132,6 +141,7 @@ class Copier:
         self._batch_bytes = 0
         self._small: list[tuple[np.ndarray, np.ndarray]] = []
         self._small_sizes: list[int] = []
+        self._released: list[tuple[Future[None], list[tuple[np.ndarray, np.ndarray]]]] = []  # small runs handed out
         self._turn = 0
 
     def add(self, target: np.ndarray, source: np.ndarray) -> None:
@@ -164,10 +174,11 @@ class Copier:
         if self._caller_share and self._turn % (STAGING_THREADS + 1) == 0:
             _copy_all(batch)
         else:
-            self._submit(batch)
+            self._pending.append(self._start(batch))
 
-    def _submit(self, batch: list[tuple[np.ndarray, np.ndarray]]) -> None:
-        self._pending.append(lazy_executor("stage", STAGING_THREADS).submit(_copy_all, batch))
+    @staticmethod
+    def _start(batch: list[tuple[np.ndarray, np.ndarray]]) -> Future[None]:
+        return lazy_executor("stage", STAGING_THREADS).submit(_copy_all, batch)
 
     def add_small(self, pairs: list[tuple[np.ndarray, np.ndarray]], sizes: list[int]) -> None:
         """Hold the copies ``pairs`` (``(target, source)`` of one dtype and shape, each under
@@ -184,27 +195,26 @@ class Copier:
         return [small[start:stop] for start, stop in zip(cuts, cuts[1:]) if stop > start]
 
     def release_small(self) -> None:
-        """Hand the held small copies to the threads now (the caller's thread stops running Python soon)."""
+        """Hand the held small copies to the threads now, in :data:`_SMALL_RUNS` runs (the caller's thread stops
+        running Python soon); :meth:`finish` copies those no thread has begun."""
         if self._small:
-            for run in self._split_small(STAGING_THREADS):
-                self._submit(run)
+            for run in self._split_small(_SMALL_RUNS):
+                self._released.append((self._start(run), run))
 
-    def finish(self, *, small_shares: int = STAGING_THREADS + 1) -> None:
+    def finish(self) -> None:
         """Copy what is left on the caller's thread and wait for every copy (re-raises a copy's error).
 
-        Args:
-            small_shares: The held small copies are split in this many runs of about equal bytes: the caller's
-                thread copies the first, the threads the others (queued after every copy handed to them before).
+        What is left: the last batch, and every small run no thread has begun (taken back from the threads).
         """
         batch, self._batch, self._batch_bytes = self._batch, [], 0
-        runs = self._split_small(small_shares) if self._small else []
-        for run in runs[1:]:
-            self._submit(run)
-        pending, self._pending = self._pending, []
+        self.release_small()
+        taken = [run for future, run in self._released if future.cancel()]
+        pending = self._pending + [future for future, _ in self._released if not future.cancelled()]
+        self._pending, self._released = [], []
         try:
             _copy_all(batch)
-            if runs:
-                _copy_all(runs[0])
+            for run in taken:
+                _copy_all(run)
         finally:
             for future in pending:
                 future.result()
@@ -322,8 +332,8 @@ class EarlyCopies:
 
     Places: the copies ahead first, then the other large tensors as the
     layout pass meets them, then (when it is over) the small ones in the
-    order met, whose copies wait for the pass's end anyway (:class:`Copier`):
-    the caller's thread makes them in :meth:`wait`.
+    order met, whose copies wait for the pass's end anyway (:class:`Copier`;
+    the caller's thread makes those no thread has begun in :meth:`wait`).
     A save whose large tensors are the ones the previous save copied (ahead)
     thus repeats its places, and staging reuses its layout.
 
@@ -470,8 +480,9 @@ class EarlyCopies:
                 self._copier.add(self.arena[offset : offset + source.size], source)
         self._issued = len(self._arrays)
         self._arrays = []
-        if run is not None:  # copied by the caller's thread in wait(), while the threads copy the large ones
+        if run is not None:
             self._copier.add_small(*run.copies(self.arena, small))
+        self._copier.release_small()
 
     def _place_small(self) -> SmallRun | None:
         """Place the small leaves met, in order, after the others; ``None`` if none was met.
@@ -523,10 +534,7 @@ class EarlyCopies:
         if not self._done:
             self._done = True
             self._arrays = []
-            # The small copies each need the GIL: handed to the threads, they came last and took turns for it
-            # (1,747 of 8-16 KiB: ~3 ms after the last large copy). The caller's thread, idle here, copies them
-            # alone while the threads copy the large ones without the GIL.
-            self._copier.finish(small_shares=1)
+            self._copier.finish()
 
     def abandon(self) -> None:
         """Wait for the copies in flight, ignoring their errors (the save failed anyway)."""
