@@ -175,16 +175,26 @@ def _within(collective: Callable[[], T], *, step: str, rank: int, timeout: float
 
     threading.Thread(target=gather, name=f"hp-ckpt-gather-{step}", daemon=True).start()
     if not done.wait(timeout):
-        message = (
-            f"rank {rank}: checkpoint step '{step}' did not complete within {timeout:g} s (another rank died or "
-            f"hangs?). Communication of this process is unusable now: restart the job and load the last committed "
-            f"checkpoint (the timeout is {COLLECTIVE_TIMEOUT_ENV}, seconds)"
-        )
-        _broken.append(message)
-        raise CollectiveTimeoutError(message)
+        _broken.append(_unusable(rank, step, f"did not complete within {timeout:g} s") +
+                       f" (the timeout is {COLLECTIVE_TIMEOUT_ENV}, seconds)")
+        raise CollectiveTimeoutError(_broken[-1])
     if "error" in box:
-        raise box["error"]
+        error = box["error"]
+        if isinstance(error, RuntimeError):  # MindSpore's collective gave up waiting (CPU: after 30 s)
+            _broken.append(_unusable(rank, step, f"failed in MindSpore's collective ({str(error).splitlines()[0]})"))
+            raise CollectiveTimeoutError(_broken[-1]) from error
+        raise error
     return box["value"]
+
+
+def _unusable(rank: int, step: str, what: str) -> str:
+    """The message of a collective step that never completed: why, and what to do."""
+    return (
+        f"rank {rank}: checkpoint step '{step}' {what}: another rank died, hangs, or never called this step (every "
+        "rank calls save and load: a save on rank 0 only is not a collective save; for a state rank 0 holds "
+        "whole, pass no_dist=True there). Communication of this process is unusable now: restart the job and load "
+        "the last committed checkpoint"
+    )
 
 
 def _pickled_parts(parts: list[Any]) -> list[bytes]:

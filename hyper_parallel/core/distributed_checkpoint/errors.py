@@ -133,9 +133,10 @@ class CollectiveStepError(CheckpointError):
 class CollectiveTimeoutError(CheckpointError, TimeoutError):
     """A collective step of a save or load did not finish in time on this rank.
 
-    Usually another rank died (killed, out of memory, lost its host) and the
-    collective can never complete. The message names the step, this rank and
-    the timeout. Communication is unusable afterwards: every later
+    Usually another rank died (killed, out of memory, lost its host) or never
+    called the step (a save on rank 0 only), and the collective can never
+    complete. The message names the step, this rank and the timeout (or
+    MindSpore's own collective failure, its cause). Communication is unusable afterwards: every later
     collective step of this process raises this error at once; restart the
     job. The timeout is ``HP_CKPT_COLLECTIVE_TIMEOUT`` seconds (default 1800;
     0 waits forever).
