@@ -123,6 +123,29 @@ def test_exception_save_keeps_the_last_completed_step(tmp_path: Path) -> None:
     assert not (tmp_path / "b").exists() or _steps_on_disk(tmp_path / "b") == []
 
 
+def test_resume_from_a_modelcheckpoint_directory_warns_that_it_starts_fresh(tmp_path: Path, caplog) -> None:
+    """CheckpointCallback(resume=True) on the directory MindSpore's ModelCheckpoint filled: training started from
+    the network's current values without a word, as if it had resumed. Now a warning names the files and how to
+    load them; the training itself is unchanged (it saves its own steps beside them)."""
+    model, net, _ = _model()
+    ms.save_checkpoint(net, str(tmp_path / "net-1_4.ckpt"))
+    callback = hyper_parallel.CheckpointCallback(tmp_path, save_checkpoint_steps=3, async_save=False)
+    with caplog.at_level("WARNING", logger="hyper_parallel.core.distributed_checkpoint.callback"):
+        model.train(1, _data(), callbacks=[callback], dataset_sink_mode=False)
+    warned = [r.getMessage() for r in caplog.records if "MindSpore checkpoint files" in r.getMessage()]
+    assert warned == [f"resume=True: {tmp_path} holds no committed step of hyper_parallel, only MindSpore "
+                      "checkpoint files (net-1_4.ckpt): training starts from the network's current values. To "
+                      "continue from them, load one first (mindspore.load_checkpoint and load_param_into_net) or "
+                      "convert it with hp-ckpt import"]
+    assert callback.resumed_step is None and _steps_on_disk(tmp_path) == [3]
+    caplog.clear()
+    model, _, _ = _model()
+    with caplog.at_level("WARNING", logger="hyper_parallel.core.distributed_checkpoint.callback"):
+        model.train(1, _data(), callbacks=[hyper_parallel.CheckpointCallback(tmp_path, save_checkpoint_steps=3)],
+                    dataset_sink_mode=False)
+    assert not [r for r in caplog.records if "MindSpore checkpoint files" in r.getMessage()]  # resumed from step 3
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(save_checkpoint_steps=0, keep_checkpoint_max=0), "all 0"),
     (dict(save_checkpoint_steps=-1), "save_checkpoint_steps"),

@@ -251,3 +251,29 @@ def test_load_checkpoint_refuses_those_casts_into_dtensors_and_sharded_tensors(t
     half = np.zeros((2, 2), np.float16)  # within the float family, converted as before
     hyper_parallel.load_checkpoint(tmp_path / "c", {"x": ShardedTensor.from_rank_offsets("w", half)})
     np.testing.assert_array_equal(half, np.array([[1.7, -2.6], [3.5, 300.2]], np.float16))
+
+
+def test_a_directory_of_mindspore_files_is_named_as_such(tmp_path):
+    """load_checkpoint of a MindSpore job's checkpoint directory said 'the save did not commit (it crashed or is
+    still running); load an earlier checkpoint': a user went looking for a crash. Now the files are named, with
+    the converter; a save of ours that did not commit keeps its message."""
+    net = nn.Dense(4, 3)
+    (tmp_path / "ranks" / "rank_0").mkdir(parents=True)
+    (tmp_path / "ranks" / "rank_1").mkdir()
+    (tmp_path / "one").mkdir()
+    ms.save_checkpoint(net, str(tmp_path / "one" / "net.ckpt"))
+    for rank in (0, 1):
+        ms.save_checkpoint(net, str(tmp_path / "ranks" / f"rank_{rank}" / "net.safetensors"), format="safetensors")
+    with pytest.raises(dcp.IncompleteCheckpointError) as one:
+        hyper_parallel.load_checkpoint(tmp_path / "one")
+    assert str(one.value) == (
+        f"{tmp_path / 'one'} holds MindSpore checkpoint files (net.ckpt), not a checkpoint of hyper_parallel (no "
+        "metadata.json): read them with mindspore.load_checkpoint, or convert them once with `hp-ckpt import "
+        f"{tmp_path / 'one' / 'net.ckpt'} OUT_DIR` and load OUT_DIR")
+    with pytest.raises(dcp.IncompleteCheckpointError, match=r"holds MindSpore checkpoint files \(rank_0/net"
+                                                            r"\.safetensors, rank_1/net\.safetensors\).*--strategy"):
+        dcp.load({"weight": np.zeros((3, 4), np.float32)}, checkpoint_id=tmp_path / "ranks")
+    hyper_parallel.save_checkpoint(net, tmp_path / "ours")
+    (tmp_path / "ours" / "metadata.json").unlink()  # our data files without the commit: a save that crashed
+    with pytest.raises(dcp.IncompleteCheckpointError, match="the save did not commit"):
+        hyper_parallel.load_checkpoint(tmp_path / "ours")

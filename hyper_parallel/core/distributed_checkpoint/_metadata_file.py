@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 from pathlib import Path
 from typing import Iterable
 
@@ -24,7 +25,8 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
 )
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 
-__all__ = ["MAX_METADATA_BYTES", "IndexFiles", "bind_index_files", "not_a_directory", "rank_local_names",
+__all__ = ["MAX_METADATA_BYTES", "IndexFiles", "bind_index_files", "mindspore_files", "not_a_directory",
+           "rank_local_names",
            "read_committed_metadata", "read_index_file", "uncommitted_message"]
 
 _ANONYMOUS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
@@ -50,6 +52,29 @@ def _committed_subdirectories(path: Path, metadata_file: str) -> list[str]:
     except OSError:
         return []
     return [name for name in entries if (path / name / metadata_file).is_file()]
+
+
+#: A data file of ours: ``r<rank>_<counter>.<save id>.safetensors`` (a save that did not commit leaves them).
+_OUR_DATA_FILE = re.compile(r"r\d+_\d+\.[0-9a-f]+\.safetensors")
+
+
+def mindspore_files(path: Path) -> list[str]:
+    """MindSpore checkpoint files in ``path`` or in its ``rank_<i>`` directories (a MindSpore job's output), as
+    paths relative to ``path``, sorted; at most a few looked at."""
+    found: list[str] = []
+    try:
+        entries = sorted(os.scandir(path), key=lambda e: e.name)[:1000]
+        for entry in entries:
+            if entry.name.startswith("rank_") and entry.is_dir():
+                found.extend(f"{entry.name}/{name}" for name in sorted(os.listdir(entry.path))
+                             if name.endswith((".ckpt", ".safetensors")))
+            elif entry.name.endswith((".ckpt", ".safetensors")) and not _OUR_DATA_FILE.fullmatch(entry.name):
+                found.append(entry.name)
+            if len(found) >= 3:
+                break
+    except OSError:
+        return []
+    return found
 
 
 def _rank_local_metadata(path: Path, metadata_file: str) -> list[str]:
@@ -99,6 +124,15 @@ def read_committed_metadata(path: Path, metadata_file: str) -> Metadata:
                 f"{path} is a CheckpointManager root (it holds the checkpoints {', '.join(steps[-3:])}), "
                 f"not one checkpoint: pass a step directory such as {path / steps[-1]} (the newest), or "
                 f"load with CheckpointManager({str(path)!r}).load(state_dict)"
+            )
+        theirs = mindspore_files(path)
+        if theirs:
+            convert = (f"`hp-ckpt import {path} OUT_DIR --strategy FILE` (the job's strategy file)"
+                       if "/" in theirs[0] else f"`hp-ckpt import {path / theirs[0]} OUT_DIR`")
+            raise IncompleteCheckpointError(
+                f"{path} holds MindSpore checkpoint files ({', '.join(theirs)}), not a checkpoint of "
+                f"hyper_parallel (no {metadata_file}): read them with mindspore.load_checkpoint, or convert "
+                f"them once with {convert} and load OUT_DIR"
             )
         raise IncompleteCheckpointError(uncommitted_message(str(path), metadata_file,
                                                             _rank_local_metadata(path, metadata_file)))

@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import Future
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable
 
@@ -51,6 +52,7 @@ from hyper_parallel.core.distributed_checkpoint._breakpoint_steps import (
     trained_step,
 )
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
+from hyper_parallel.core.distributed_checkpoint._metadata_file import mindspore_files
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutSources, cells_in
 from hyper_parallel.core.distributed_checkpoint._one_line import mindspore_state_dict
 from hyper_parallel.core.distributed_checkpoint.async_checkpoint import prepare_async_save
@@ -347,6 +349,13 @@ class CheckpointCallback(Callback):
             self._staging = prepare_async_save(self._state)
         point = (position.source, position.step) if position is not None else self._resume_point()
         if point is None:
+            root = self.manager.root
+            theirs = mindspore_files(root) if self.resume and isinstance(root, Path) else []
+            if theirs:  # a ModelCheckpoint directory: a silent fresh start looked like a resume
+                _LOG.warning("resume=%r: %s holds no committed step of hyper_parallel, only MindSpore checkpoint "
+                             "files (%s): training starts from the network's current values. To continue from "
+                             "them, load one first (mindspore.load_checkpoint and load_param_into_net) or convert "
+                             "it with hp-ckpt import", self.resume, root, ", ".join(theirs))
             return
         source, latest = point
         if source is self.manager and latest == self._last_saved == trained and running is None:
