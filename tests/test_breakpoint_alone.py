@@ -64,3 +64,4 @@ def test_the_gathered_arrivals_decide_the_same_on_every_rank(monkeypatch) -> Non
         monkeypatch.setenv(BREAKPOINT_TIMEOUT_ENV, bad)
         with pytest.raises(dcp.CheckpointValueError, match=f"HP_CKPT_BREAKPOINT_TIMEOUT='{bad}' is not a positive"):
             breakpoint_timeout()
+        assert everyone_arrived(7, "RuntimeError")  # one process reads no setting: a bad one costs no save

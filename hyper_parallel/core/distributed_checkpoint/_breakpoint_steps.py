@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
+from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper, collectives_on
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.manager import CheckpointManager
 
@@ -121,10 +121,10 @@ def everyone_arrived(step: int, reason: str) -> bool:
         step: The step this rank would save.
         reason: The training's exception name, for the log.
     """
+    if not collectives_on(no_dist=False, use_collectives=True):
+        return True  # one process: nobody to wait for (and no setting to read)
     timeout = breakpoint_timeout()
     dist = DistWrapper(use_dist=True, timeout=timeout)
-    if not dist.use_dist:
-        return True
     mine = _Arrival(step=step, started=time.time())
     why = None
     try:
