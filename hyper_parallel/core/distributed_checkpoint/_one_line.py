@@ -25,6 +25,7 @@ from hyper_parallel.core.distributed_checkpoint import api
 from hyper_parallel.core.distributed_checkpoint._load_engine import LoadOptions
 from hyper_parallel.core.distributed_checkpoint._flatten import cell_parameters, flatten_state_dict, set_by_path
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutSources, cells_in
+from hyper_parallel.core.distributed_checkpoint._ms_keywords import LOAD_INSTEAD, SAVE_INSTEAD, check_keywords
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointValueError,
     MissingKeyError,
@@ -129,7 +130,11 @@ def save_checkpoint(save_obj: Any, checkpoint_id: Any, *, append_dict: dict[str,
     Raises:
         CheckpointValueError: ``save_obj`` is not a Cell or dict, or an
             ``append_dict`` key clashes with a Parameter name.
+        TypeError: A keyword it does not take (one of ``mindspore.save_checkpoint``'s
+            says what to do instead).
     """
+    if kwargs:
+        check_keywords("save_checkpoint", kwargs, _SAVE_KEYWORDS, SAVE_INSTEAD)
     state = mindspore_state_dict(save_obj)
     for key, value in (append_dict or {}).items():
         if key in state:
@@ -142,6 +147,13 @@ def save_checkpoint(save_obj: Any, checkpoint_id: Any, *, append_dict: dict[str,
     # The Cells are flattened away here: hand their parameter_layout_dict on.
     kwargs["strategy_file"] = LayoutSources(kwargs.get("strategy_file"), cells=cells_in(save_obj))
     return api.save(state, checkpoint_id=checkpoint_id, **kwargs)
+
+
+#: Every keyword save_checkpoint / load_checkpoint takes: their own and those they hand to dcp.save / dcp.load.
+_SAVE_KEYWORDS = ("append_dict", "allow_pickle", "check_replicas", "no_dist", "planner", "remove_redundancy",
+                  "save_to_minimum_rank", "storage_writer", "strategy_file", "use_collectives")
+_LOAD_KEYWORDS = ("net", "strict_load", "filter_prefix", "specify_prefix", "choice_func", "allow_partial_load",
+                  "allow_pickle", "no_dist", "planner", "storage_reader", "strategy_file", "use_collectives")
 
 
 def _prefixes(name: str, prefix: str | Sequence[str] | None) -> tuple[str, ...] | None:
@@ -385,17 +397,19 @@ def load_checkpoint(
     Raises:
         CheckpointValueError: Nothing left to load after the selection, or no
             ``net`` entry matches any checkpoint key (both lists shown).
+        TypeError: A keyword it does not take (one of ``mindspore.load_checkpoint``'s
+            says what to do instead).
         MissingKeyError: Some ``net`` entries are not in the checkpoint (unless
             ``allow_partial_load``).
         CheckpointError: As :func:`load`.
     """
+    if kwargs:
+        check_keywords("load_checkpoint", kwargs, _LOAD_KEYWORDS, LOAD_INSTEAD)
     select = _selector(filter_prefix, specify_prefix, choice_func)
     planner = kwargs.pop("planner", None) or StandardLoadPlanner(allow_pickle=allow_pickle)
     reader = kwargs.pop("storage_reader", None)
     options = LoadOptions(no_dist=kwargs.pop("no_dist", False), use_collectives=kwargs.pop("use_collectives", True),
                           strategy_file=kwargs.pop("strategy_file", None))
-    if kwargs:
-        raise TypeError(f"load_checkpoint() got unexpected keyword arguments {sorted(kwargs)}")
     # All ranks read the metadata once (an async save of this process committed first); the checks below and the
     # load use that one save, so a save landing meanwhile is neither checked nor loaded.
     opened = api.open_checkpoint(checkpoint_id, reader, options)

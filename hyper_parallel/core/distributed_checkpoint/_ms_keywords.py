@@ -1,0 +1,95 @@
+"""The keywords of ``mindspore.save_checkpoint`` / ``load_checkpoint`` that the one-line forms do not take.
+
+A MindSpore user passes them out of habit; the refusal names the function the
+user called (not the ``dcp.save`` / ``dcp.load`` it calls) and says what to do
+instead. Any other unknown keyword is refused naming the keywords that are taken.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+__all__ = ["LOAD_INSTEAD", "SAVE_INSTEAD", "check_keywords"]
+
+_ENCRYPTION_SAVE = (
+    "hyper_parallel checkpoints are not encrypted: keep the checkpoint directory on encrypted storage, or write an "
+    "encrypted MindSpore file with mindspore.save_checkpoint(net, FILE, enc_key=...)"
+)
+_ENCRYPTION_LOAD = (
+    "hyper_parallel checkpoints are not encrypted, so there is nothing to decrypt: drop it (an encrypted MindSpore "
+    "file is read with mindspore.load_checkpoint(FILE, dec_key=...))"
+)
+_CHECKSUMS = (
+    "not needed: every file carries checksums of its bytes, checked on each load (`hp-ckpt verify CKPT` checks a "
+    "whole checkpoint); drop it"
+)
+
+#: MindSpore keyword -> what to do instead, for ``save_checkpoint``.
+SAVE_INSTEAD: dict[str, str] = {
+    "integrated_save": (
+        "not needed: every rank saves its own shards and load_checkpoint reshards them to any layout; drop it "
+        "(for one file of whole tensors run `hp-ckpt export-mindspore CKPT OUT`)"
+    ),
+    "async_save": (
+        "save in the background with hyper_parallel.core.distributed_checkpoint.async_save(net.parameters_dict(), "
+        "checkpoint_id=...) and call .result() on the handle it returns (under Model.train, "
+        "hyper_parallel.CheckpointCallback saves in the background by default)"
+    ),
+    "enc_key": _ENCRYPTION_SAVE,
+    "enc_mode": _ENCRYPTION_SAVE,
+    "choice_func": (
+        "pass the Parameters to save as a dict instead: "
+        "save_checkpoint({p.name: p for p in net.get_parameters() if choice_func(p.name)}, checkpoint_id)"
+    ),
+    "crc_check": _CHECKSUMS,
+    "format": (
+        "a checkpoint is always a directory of safetensors files with its metadata; for MindSpore .ckpt or "
+        ".safetensors files run `hp-ckpt export-mindspore CKPT OUT --format ckpt` on the saved checkpoint"
+    ),
+    "global_step_num": "store the step as a value: append_dict={'global_step_num': step}",
+    "incremental": (
+        "each save writes a checkpoint directory of its own; save to a new checkpoint_id each time "
+        "(hyper_parallel.core.distributed_checkpoint.CheckpointManager numbers and prunes them)"
+    ),
+}
+
+#: MindSpore keyword -> what to do instead, for ``load_checkpoint``.
+LOAD_INSTEAD: dict[str, str] = {
+    "dec_key": _ENCRYPTION_LOAD,
+    "dec_mode": _ENCRYPTION_LOAD,
+    "crc_check": _CHECKSUMS,
+    "remove_redundancy": (
+        "not needed: each rank reads the values of its own layout whether the save stored a replica once or on "
+        "every rank; drop it"
+    ),
+    "format": (
+        "load_checkpoint reads hyper_parallel checkpoint directories; convert MindSpore .ckpt or .safetensors "
+        "files once with `hp-ckpt import FILE OUT_DIR` and load OUT_DIR"
+    ),
+}
+
+
+def check_keywords(function: str, given: Iterable[str], accepted: Iterable[str], instead: dict[str, Any]) -> None:
+    """Refuse keywords ``function`` does not take, naming ``function``. Any rank; no communication.
+
+    Args:
+        function: The name the user called (``"save_checkpoint"``).
+        given: The keywords passed.
+        accepted: The keywords ``function`` takes.
+        instead: MindSpore keywords not taken, each with what to do instead.
+
+    Raises:
+        TypeError: A keyword not in ``accepted``; a MindSpore one says what to do instead, any other lists
+            the keywords taken.
+    """
+    taken = set(accepted)
+    unknown = [key for key in given if key not in taken]
+    if not unknown:
+        return
+    lines = [f"{key}= (a keyword of mindspore.{function}) is not supported by hyper_parallel.{function}: "
+             f"{instead[key]}" for key in unknown if key in instead]
+    others = [key for key in unknown if key not in instead]
+    if others:
+        lines.append(f"unexpected keyword argument(s) {', '.join(repr(k) for k in others)}; "
+                     f"it takes {', '.join(sorted(taken))}")
+    raise TypeError(f"{function}(): " + "; ".join(lines))

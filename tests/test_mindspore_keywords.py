@@ -1,0 +1,83 @@
+"""mindspore.save_checkpoint / load_checkpoint keywords given to the one-liners: refused naming the call and the fix."""
+
+import inspect
+import re
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import nn
+
+import hyper_parallel
+from hyper_parallel.core.distributed_checkpoint import _one_line, api
+
+ms.set_device("CPU")
+
+
+@pytest.mark.parametrize("keyword, value, advice", [
+    ("enc_key", b"0" * 16, "not encrypted"),
+    ("enc_mode", "AES-CBC", "encrypted storage"),
+    ("async_save", True, r"async_save\(net.parameters_dict\(\)"),
+    ("integrated_save", False, "reshards them to any layout"),
+    ("format", "ckpt", "hp-ckpt export-mindspore CKPT OUT --format ckpt"),
+    ("crc_check", True, "checksums"),
+    ("choice_func", lambda name: True, r"p.name: p for p in net.get_parameters\(\) if choice_func"),
+    ("global_step_num", 3, "append_dict={'global_step_num': step}"),
+    ("incremental", True, "new checkpoint_id"),
+])
+def test_a_mindspore_save_keyword_names_save_checkpoint_and_the_fix(tmp_path, keyword, value, advice):
+    with pytest.raises(TypeError) as info:
+        hyper_parallel.save_checkpoint(nn.Dense(2, 2), tmp_path / "ckpt", **{keyword: value})
+    message = str(info.value)
+    assert message.startswith(f"save_checkpoint(): {keyword}= (a keyword of mindspore.save_checkpoint) is not "
+                              "supported by hyper_parallel.save_checkpoint: "), message
+    assert "save()" not in message
+    assert re.search(advice, message), message
+    assert not (tmp_path / "ckpt").exists()  # refused before anything is written
+
+
+@pytest.mark.parametrize("keyword, value, advice", [
+    ("dec_key", b"0" * 16, r"mindspore.load_checkpoint\(FILE, dec_key=...\)"),
+    ("dec_mode", "AES-GCM", "nothing to decrypt"),
+    ("crc_check", True, "hp-ckpt verify CKPT"),
+    ("remove_redundancy", True, "each rank reads the values of its own layout"),
+    ("format", "safetensors", "hp-ckpt import FILE OUT_DIR"),
+])
+def test_a_mindspore_load_keyword_names_load_checkpoint_and_the_fix(tmp_path, keyword, value, advice):
+    hyper_parallel.save_checkpoint({"w": np.ones(2, np.float32)}, tmp_path / "ckpt")
+    with pytest.raises(TypeError) as info:
+        hyper_parallel.load_checkpoint(tmp_path / "ckpt", **{keyword: value})
+    message = str(info.value)
+    assert message.startswith(f"load_checkpoint(): {keyword}= (a keyword of mindspore.load_checkpoint) is not "
+                              "supported by hyper_parallel.load_checkpoint: "), message
+    assert re.search(advice, message), message
+
+
+def test_unknown_keywords_are_listed_with_the_keywords_taken(tmp_path):
+    with pytest.raises(TypeError) as info:
+        hyper_parallel.save_checkpoint({"w": np.ones(2)}, tmp_path / "c", enc_key=b"k", colective=False)
+    message = str(info.value)
+    assert "enc_key= (a keyword of mindspore.save_checkpoint)" in message
+    assert "unexpected keyword argument(s) 'colective'; it takes " in message
+    assert "use_collectives" in message and "append_dict" in message and "allow_pickle" in message
+
+
+def test_the_keywords_taken_are_those_of_dcp_save_and_load():
+    """The lists in the messages follow dcp.save / dcp.load and the one-liners' own signatures."""
+    def named(function):
+        return {name for name, p in inspect.signature(function).parameters.items()
+                if p.kind is not inspect.Parameter.VAR_KEYWORD}
+
+    assert set(_one_line._SAVE_KEYWORDS) == (named(api.save) | named(_one_line.save_checkpoint) | {"allow_pickle"}) - {
+        "state_dict", "checkpoint_id", "save_obj"}
+    assert set(_one_line._LOAD_KEYWORDS) == (named(api.load) | named(_one_line.load_checkpoint)) - {
+        "state_dict", "checkpoint_id"}
+    # the MindSpore keywords refused are MindSpore's, and none is one the one-liners take
+    ms_save = set(inspect.signature(ms.save_checkpoint).parameters) | {"global_step_num", "incremental"}
+    ms_load = set(inspect.signature(ms.load_checkpoint).parameters)
+    from hyper_parallel.core.distributed_checkpoint._ms_keywords import LOAD_INSTEAD, SAVE_INSTEAD
+    assert set(SAVE_INSTEAD) <= ms_save and not set(SAVE_INSTEAD) & set(_one_line._SAVE_KEYWORDS)
+    assert set(LOAD_INSTEAD) <= ms_load and not set(LOAD_INSTEAD) & set(_one_line._LOAD_KEYWORDS)
+    # every keyword of MindSpore's is either taken or refused with advice
+    assert ms_save - {"save_obj", "ckpt_file_name", "kwargs"} <= set(SAVE_INSTEAD) | set(_one_line._SAVE_KEYWORDS)
+    assert ms_load - {"ckpt_file_name"} <= set(LOAD_INSTEAD) | set(_one_line._LOAD_KEYWORDS)
