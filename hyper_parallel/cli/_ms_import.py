@@ -266,7 +266,11 @@ def whole_pieces(files: Sequence[MsFile]) -> tuple[list[SourcePiece], dict[str, 
     for file in files:
         for name, entry in file.entries.items():
             if name in seen:
-                raise CheckpointValueError(f"tensor '{name}' appears in both {seen[name]} and {file.path}")
+                raise CheckpointValueError(
+                    f"tensor '{name}' appears in both {seen[name]} and {file.path}: they are not shards of one "
+                    "model (two saves of one network, as ModelCheckpoint writes one per step?); import one file "
+                    f"(hp-ckpt import {file.path} OUT), or move the other away"
+                )
             seen[name] = file.path
             if entry.dtype == STRING_DTYPE:
                 values[name] = file.text(name)

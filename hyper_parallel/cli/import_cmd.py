@@ -6,7 +6,8 @@ Sources:
   ``.safetensors`` file (MindSpore's ``format="safetensors"`` or any writer);
 - a Hugging Face directory: ``*.safetensors.index.json`` plus its shards, or a
   single ``model.safetensors``, or else every ``*.safetensors`` file in it (a
-  directory with several index files is refused: name the one to use);
+  directory with several index files is refused: name the one to use); a
+  directory holding one ``.ckpt`` file and no safetensors file: that file;
 - a ``*.safetensors.index.json`` file: the files its ``weight_map`` names;
 - a directory of a MindSpore parallel job's per-rank files (``rank_<i>/``
   holding one ``.ckpt`` or ``.safetensors`` each) with the job's strategy
@@ -45,6 +46,7 @@ from hyper_parallel.cli._ms_import import (
 from hyper_parallel.cli._ms_replicas import BoxCopies, ReplicaCheckingWriter
 from hyper_parallel.core.distributed_checkpoint.api import save
 from hyper_parallel.core.distributed_checkpoint.errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     CheckpointValueError,
     CorruptCheckpointError,
@@ -77,14 +79,17 @@ def safetensors_files(directory: Path) -> list[Path]:
     """Return the safetensors files of a Hugging Face model directory.
 
     The index json's ``weight_map`` names them when present; else
-    ``model.safetensors``; else every ``*.safetensors`` file, sorted. Another
+    ``model.safetensors``; else every ``*.safetensors`` file, sorted; else the
+    directory's one ``.ckpt`` file (a ``mindspore.save_checkpoint`` file). Another
     ``*.safetensors`` file beside the ones named is refused (its tensors would
     be left out).
 
     Raises:
-        UnsupportedFormatError: no safetensors file, or already a hyper_parallel checkpoint.
+        UnsupportedFormatError: no safetensors or .ckpt file (names what the directory holds), or already a
+            hyper_parallel checkpoint.
         CorruptCheckpointError: the index json is malformed.
-        CheckpointValueError: a safetensors file of the directory that would not be imported.
+        CheckpointValueError: a safetensors file of the directory that would not be imported, or several .ckpt
+            files and no safetensors file (each a checkpoint of its own: import one, named).
     """
     files = _named_files(directory)
     named = {path.resolve() for path in files}
@@ -169,9 +174,34 @@ def _named_files(directory: Path) -> list[Path]:
     if (directory / "model.safetensors").is_file():
         return [directory / "model.safetensors"]
     files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise UnsupportedFormatError(f"{directory} holds no .safetensors file to import")
-    return files
+    if files:
+        return files
+    ckpts = sorted(path for path in directory.glob("*.ckpt") if path.is_file())
+    if len(ckpts) == 1:
+        return ckpts  # a directory holding one mindspore.save_checkpoint file: that file
+    raise _nothing_to_import(directory, ckpts)
+
+
+def _nothing_to_import(directory: Path, ckpts: list[Path]) -> CheckpointError:
+    """The refusal of a directory with no .safetensors file and not one .ckpt file, naming what it holds."""
+    if ckpts:
+        newest = max(ckpts, key=lambda path: (path.stat().st_mtime, path.name))
+        shown = ", ".join(path.name for path in ckpts[:5]) + (f" and {len(ckpts) - 5} more" if len(ckpts) > 5 else "")
+        return CheckpointValueError(
+            f"{directory} holds {len(ckpts)} MindSpore .ckpt files ({shown}) and no .safetensors file: each .ckpt "
+            f"file is a whole checkpoint of its own (ModelCheckpoint writes one per save), so import one file: "
+            f"hp-ckpt import {newest} OUT (the newest). A parallel job's per-rank files are imported from the "
+            "directory of their rank_<i>/ subdirectories, with --strategy FILE"
+        )
+    found = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in directory.iterdir())
+    held = (f"it holds {', '.join(found[:5])}" + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+            if found else "it is empty")
+    return UnsupportedFormatError(
+        f"{directory} holds no checkpoint file to import ({held}): hp-ckpt import reads a MindSpore .ckpt or "
+        ".safetensors file, a directory of .safetensors files (a Hugging Face model, with or without its index "
+        "json) or of one .ckpt file, or a MindSpore parallel job's directory of rank_<i>/ subdirectories "
+        "(with --strategy FILE)"
+    )
 
 
 def restored_values(file: MsFile) -> dict[str, Any]:
