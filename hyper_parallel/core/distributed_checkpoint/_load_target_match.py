@@ -21,9 +21,10 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     MissingKeyError,
     ShapeMismatchError,
     UnsafeCheckpointError,
+    UnsupportedTypeError,
 )
 from hyper_parallel.core.distributed_checkpoint._flatten import FlatStateDict
-from hyper_parallel.core.distributed_checkpoint._leaf_entry import classify_leaf
+from hyper_parallel.core.distributed_checkpoint._leaf_entry import classify_leaf, unstorable_target
 from hyper_parallel.core.distributed_checkpoint._load_target_checks import aliased_targets, cut_containers
 from hyper_parallel.core.distributed_checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from hyper_parallel.core.distributed_checkpoint._state_items import (
@@ -95,7 +96,13 @@ def match_targets(
             entries[name] = entry
             continue
         if entry is None:
-            entry = classify_leaf(fqn, value)
+            try:
+                entry = classify_leaf(fqn, value)
+            except UnsupportedTypeError as exc:
+                refusal = unstorable_target(fqn, value, stored)  # (a dtype no checkpoint holds: what to load into)
+                if refusal is None:
+                    raise
+                raise refusal from exc
         if isinstance(entry, SkipEntry):
             entries[name] = entry
             skipped.append(name)

@@ -24,6 +24,7 @@ import numpy as np
 from hyper_parallel.core.distributed_checkpoint import api
 from hyper_parallel.core.distributed_checkpoint._load_engine import LoadOptions
 from hyper_parallel.core.distributed_checkpoint._flatten import cell_parameters, flatten_state_dict, set_by_path
+from hyper_parallel.core.distributed_checkpoint._leaf_entry import unstorable_target
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutSources, cells_in
 from hyper_parallel.core.distributed_checkpoint._ms_keywords import LOAD_INSTEAD, SAVE_INSTEAD, check_keywords
 from hyper_parallel.core.distributed_checkpoint.errors import (
@@ -328,10 +329,13 @@ def _check_dtypes(pairs: dict[str, str], flat_values: dict[str, Any], metadata: 
         value = flat_values[name]
         want = plain_dtype_name(value)  # a plain Parameter or array (most targets): its dtype's name, cached
         if want is None:
-            value = _local_data(value)
-            if not (is_tensor(value) or isinstance(value, np.ndarray)):
+            local = _local_data(value)
+            if not (is_tensor(local) or isinstance(local, np.ndarray)):
                 continue
-            want = dtype_name(value)
+            refusal = unstorable_target(key, value, stored, target=name)
+            if refusal is not None:  # a dtype no checkpoint holds (float128, complex, structured)
+                raise refusal
+            want = dtype_name(local)
         have = stored.properties.dtype
         if have == want:
             continue

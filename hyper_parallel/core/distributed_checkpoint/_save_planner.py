@@ -22,7 +22,7 @@ from hyper_parallel.core.distributed_checkpoint._flatten import (
     check_one_main_replica_per_box,
     flatten_state_dict,
 )
-from hyper_parallel.core.distributed_checkpoint._leaf_entry import classify_leaf
+from hyper_parallel.core.distributed_checkpoint._leaf_entry import classify_leaf, dtype_advice
 from hyper_parallel.core.distributed_checkpoint._global_plan import build_global_save_plan
 from hyper_parallel.core.distributed_checkpoint._save_layout import (
     LayoutDescription,
@@ -231,9 +231,7 @@ class StandardSavePlanner(SavePlanner):
         try:
             return dtype_name(value)
         except TypeError as exc:
-            raise UnsupportedTypeError(
-                f"checkpoint item {fqn!r}: {exc}; convert it to bool, an integer or float dtype, or bfloat16"
-            ) from exc
+            raise UnsupportedTypeError(f"checkpoint item {fqn!r}: {exc}; {dtype_advice(value)}") from exc
 
     def keep_replica_digest(self, fqn: str, offsets: tuple[int, ...], found: str) -> None:
         """Remember a replicated piece's digest for the local plan of this save."""
