@@ -18,7 +18,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import TensorStorageMet
 from hyper_parallel.core.distributed_checkpoint._state_items import SkipEntry, TensorEntry, ValueEntry, make_entry
 from hyper_parallel.platform.tensor import dtype_name
 
-__all__ = ["classify_leaf", "dtype_advice", "unstorable_target"]
+__all__ = ["classify_leaf", "dtype_advice", "local_data", "unstorable_target"]
 
 _STORED_KINDS = "a checkpoint holds bool, integer and float dtypes and bfloat16"
 
@@ -36,7 +36,7 @@ def classify_leaf(fqn: str, value: Any) -> TensorEntry | ValueEntry | SkipEntry:
         ) from exc
 
 
-def _local(value: Any) -> Any:
+def local_data(value: Any) -> Any:
     """The tensor holding a leaf's values: a ShardedTensor's data, a DTensor's shard, else the leaf."""
     if isinstance(value, ShardedTensor):
         return value.data
@@ -48,7 +48,7 @@ def _local(value: Any) -> Any:
 def _unstorable_dtype(value: Any) -> str | None:
     """The name of a tensor leaf's dtype when no checkpoint holds it (a structured dtype shown with its fields);
     ``None`` for a storable dtype or a leaf that is no tensor. Error paths only."""
-    local = _local(value)
+    local = local_data(value)
     if not hasattr(local, "dtype") or not hasattr(local, "shape"):
         return None
     try:
@@ -65,7 +65,7 @@ def _unstorable_dtype(value: Any) -> str | None:
 def dtype_advice(value: Any) -> str:
     """What to do with a tensor leaf of a dtype no checkpoint holds, by its kind (complex, extended float,
     structured, string)."""
-    dtype = getattr(_local(value), "dtype", None)
+    dtype = getattr(local_data(value), "dtype", None)
     text = str(dtype).lower()
     if isinstance(dtype, np.dtype) and dtype.names:
         return f"store each field as an array of its own (value['{dtype.names[0]}'], ...); {_STORED_KINDS}"
@@ -90,7 +90,7 @@ def unstorable_target(fqn: str, value: Any, stored: Any, *, target: str | None =
     dtype = _unstorable_dtype(value)
     if dtype is None:
         return None
-    kind = "numpy array" if isinstance(_local(value), np.ndarray) else type(_local(value)).__name__
+    kind = "numpy array" if isinstance(local_data(value), np.ndarray) else type(local_data(value)).__name__
     named = f"the target '{target}'" if target is not None and target != fqn else "the target"
     if isinstance(stored, TensorStorageMetadata):
         stored_dtype, shape = stored.properties.dtype, list(stored.size)

@@ -24,7 +24,7 @@ import numpy as np
 from hyper_parallel.core.distributed_checkpoint import api
 from hyper_parallel.core.distributed_checkpoint._load_engine import LoadOptions
 from hyper_parallel.core.distributed_checkpoint._flatten import cell_parameters, flatten_state_dict, set_by_path
-from hyper_parallel.core.distributed_checkpoint._leaf_entry import unstorable_target
+from hyper_parallel.core.distributed_checkpoint._leaf_entry import local_data, unstorable_target
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutSources, cells_in
 from hyper_parallel.core.distributed_checkpoint._ms_keywords import LOAD_INSTEAD, SAVE_INSTEAD, check_keywords
 from hyper_parallel.core.distributed_checkpoint.errors import (
@@ -32,7 +32,6 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     MissingKeyError,
     UnsafeCheckpointError,
 )
-from hyper_parallel.core.distributed_checkpoint.mapping import ShardedTensor
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, TensorStorageMetadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlanner
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardLoadPlanner, StandardSavePlanner
@@ -308,15 +307,6 @@ _CONVERTIBLE = (frozenset({"float16", "float32", "float64", "bfloat16"}),
                 frozenset({"int8", "int16", "int32", "int64"}))
 
 
-def _local_data(value: Any) -> Any:
-    """The tensor a target's values land in: a DTensor's shard, a ShardedTensor's data, else the value."""
-    if isinstance(value, ShardedTensor):
-        return value.data
-    if hasattr(value, "to_local") and hasattr(value, "layout"):
-        return value.to_local()
-    return value
-
-
 def _check_dtypes(pairs: dict[str, str], flat_values: dict[str, Any], metadata: Metadata, stored_names: dict[str, str],
                   *, strict_load: bool) -> None:
     """Refuse, before anything is read, the casts MindSpore refuses: any with ``strict_load``, else a change of
@@ -329,7 +319,7 @@ def _check_dtypes(pairs: dict[str, str], flat_values: dict[str, Any], metadata: 
         value = flat_values[name]
         want = plain_dtype_name(value)  # a plain Parameter or array (most targets): its dtype's name, cached
         if want is None:
-            local = _local_data(value)
+            local = local_data(value)
             if not (is_tensor(local) or isinstance(local, np.ndarray)):
                 continue
             refusal = unstorable_target(key, value, stored, target=name)
