@@ -81,3 +81,48 @@ def test_the_keywords_taken_are_those_of_dcp_save_and_load():
     # every keyword of MindSpore's is either taken or refused with advice
     assert ms_save - {"save_obj", "ckpt_file_name", "kwargs"} <= set(SAVE_INSTEAD) | set(_one_line._SAVE_KEYWORDS)
     assert ms_load - {"ckpt_file_name"} <= set(LOAD_INSTEAD) | set(_one_line._LOAD_KEYWORDS)
+
+
+def test_mindspore_s_list_of_name_data_dicts_is_named_with_the_dict_to_pass(tmp_path):
+    listed = [{"name": "w", "data": ms.Tensor(np.ones(2, np.float32))}]
+    with pytest.raises(hyper_parallel.core.distributed_checkpoint.CheckpointValueError) as info:
+        hyper_parallel.save_checkpoint(listed, tmp_path / "c")
+    assert str(info.value) == (
+        "save_obj must be a mindspore.nn.Cell or a state dict, got list; for mindspore.save_checkpoint's list of "
+        "{'name': ..., 'data': ...} dicts pass {item['name']: item['data'] for item in save_obj} (a dict of the "
+        "same entries)")
+    saved = {item["name"]: item["data"] for item in listed}  # the advice works
+    hyper_parallel.save_checkpoint(saved, tmp_path / "c")
+    assert np.array_equal(hyper_parallel.load_checkpoint(tmp_path / "c")["w"].asnumpy(), [1.0, 1.0])
+    with pytest.raises(hyper_parallel.core.distributed_checkpoint.CheckpointValueError) as other:
+        hyper_parallel.save_checkpoint([1, 2], tmp_path / "d")
+    assert str(other.value) == "save_obj must be a mindspore.nn.Cell or a state dict, got list"
+
+
+def test_checkpoint_callback_given_a_checkpoint_config_names_the_keywords_of_its_settings(tmp_path):
+    config = ms.train.CheckpointConfig(save_checkpoint_steps=100, keep_checkpoint_max=3)
+    with pytest.raises(TypeError) as info:
+        hyper_parallel.CheckpointCallback(tmp_path, config=config)
+    assert str(info.value) == (
+        "CheckpointCallback(): config= (a keyword of mindspore.train.ModelCheckpoint / CheckpointConfig) is not "
+        "supported by hyper_parallel.CheckpointCallback: pass its settings as keywords: CheckpointCallback(directory, "
+        "save_checkpoint_steps=100, keep_checkpoint_max=3, async_save=False, exception_save=False) (append_info= as "
+        "in CheckpointConfig)")
+    made = hyper_parallel.CheckpointCallback(tmp_path, save_checkpoint_steps=100, keep_checkpoint_max=3,
+                                             async_save=False, exception_save=False)  # the advice is taken
+    assert made.save_checkpoint_steps == 100
+
+
+@pytest.mark.parametrize("keyword, advice", [
+    ("prefix", "steps are saved as directory/step_<n>"),
+    ("enc_key", "not encrypted"),
+    ("integrated_save", "reshards them to any layout"),
+    ("saved_network", "saves the network Model.train trains"),
+    ("remove_redundancy", "stores each replicated Parameter once"),
+    ("sav_checkpoint_steps", "unexpected keyword argument(s) 'sav_checkpoint_steps'; it takes append_info, "
+                             "async_save, directory, exception_save, keep_checkpoint_max"),
+])
+def test_checkpoint_callback_given_a_model_checkpoint_keyword_says_what_to_do(tmp_path, keyword, advice):
+    with pytest.raises(TypeError) as info:
+        hyper_parallel.CheckpointCallback(tmp_path, **{keyword: "x"})
+    assert str(info.value).startswith("CheckpointCallback(): ") and advice in str(info.value), str(info.value)

@@ -1,15 +1,16 @@
-"""The keywords of ``mindspore.save_checkpoint`` / ``load_checkpoint`` that the one-line forms do not take.
+"""The keywords of MindSpore's ``save_checkpoint`` / ``load_checkpoint`` / ``ModelCheckpoint`` not taken here.
 
-A MindSpore user passes them out of habit; the refusal names the function the
+A MindSpore user passes them out of habit to ``save_checkpoint``,
+``load_checkpoint`` or ``CheckpointCallback``; the refusal names the function the
 user called (not the ``dcp.save`` / ``dcp.load`` it calls) and says what to do
 instead. Any other unknown keyword is refused naming the keywords that are taken.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
-__all__ = ["LOAD_INSTEAD", "SAVE_INSTEAD", "check_keywords"]
+__all__ = ["CALLBACK_INSTEAD", "LOAD_INSTEAD", "SAVE_INSTEAD", "check_keywords"]
 
 _ENCRYPTION_SAVE = (
     "hyper_parallel checkpoints are not encrypted: keep the checkpoint directory on encrypted storage, or write an "
@@ -69,14 +70,39 @@ LOAD_INSTEAD: dict[str, str] = {
 }
 
 
-def check_keywords(function: str, given: Iterable[str], accepted: Iterable[str], instead: dict[str, Any]) -> None:
+#: The CheckpointConfig settings CheckpointCallback takes as keywords of its own.
+_CONFIG_SETTINGS = ("save_checkpoint_steps", "save_checkpoint_seconds", "keep_checkpoint_max",
+                    "keep_checkpoint_per_n_minutes", "async_save", "exception_save")
+
+
+def _config_advice(config: Any) -> str:
+    settings = ", ".join(f"{name}={getattr(config, name)!r}" for name in _CONFIG_SETTINGS
+                         if getattr(config, name, None) is not None)  # (None: a setting the config left unset)
+    return (f"pass its settings as keywords: CheckpointCallback(directory, {settings or '...'}) "
+            "(append_info= as in CheckpointConfig)")
+
+
+#: ModelCheckpoint / CheckpointConfig keyword -> what to do instead, for ``CheckpointCallback``.
+CALLBACK_INSTEAD: dict[str, Any] = {
+    **{key: advice for key, advice in SAVE_INSTEAD.items() if key not in ("async_save", "global_step_num")},
+    "prefix": "steps are saved as directory/step_<n>; drop it (give each run a directory of its own)",
+    "config": _config_advice,
+    "saved_network": "the callback saves the network Model.train trains and its optimizer; drop it",
+    "remove_redundancy": "a save stores each replicated Parameter once already; drop it",
+}
+
+
+def check_keywords(function: str, given: Mapping[str, Any], accepted: Iterable[str], instead: dict[str, Any], *,
+                   origin: str | None = None) -> None:
     """Refuse keywords ``function`` does not take, naming ``function``. Any rank; no communication.
 
     Args:
         function: The name the user called (``"save_checkpoint"``).
-        given: The keywords passed.
+        given: The keywords passed, with their values.
         accepted: The keywords ``function`` takes.
-        instead: MindSpore keywords not taken, each with what to do instead.
+        instead: MindSpore keywords not taken, each with what to do instead (a str, or a function of the
+            value given returning it).
+        origin: The MindSpore API the keywords come from (default ``mindspore.<function>``).
 
     Raises:
         TypeError: A keyword not in ``accepted``; a MindSpore one says what to do instead, any other lists
@@ -86,8 +112,10 @@ def check_keywords(function: str, given: Iterable[str], accepted: Iterable[str],
     unknown = [key for key in given if key not in taken]
     if not unknown:
         return
-    lines = [f"{key}= (a keyword of mindspore.{function}) is not supported by hyper_parallel.{function}: "
-             f"{instead[key]}" for key in unknown if key in instead]
+    origin = origin or f"mindspore.{function}"
+    lines = [f"{key}= (a keyword of {origin}) is not supported by hyper_parallel.{function}: "
+             f"{instead[key](given[key]) if callable(instead[key]) else instead[key]}"
+             for key in unknown if key in instead]
     others = [key for key in unknown if key not in instead]
     if others:
         lines.append(f"unexpected keyword argument(s) {', '.join(repr(k) for k in others)}; "

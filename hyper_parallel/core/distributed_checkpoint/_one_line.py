@@ -86,7 +86,12 @@ def mindspore_state_dict(obj: Any, what: str = "save_obj") -> dict[str, Any]:
     if is_cell(obj):
         return cell_parameters(obj, what)  # one Cell: its Parameters by name (each name once, refused otherwise)
     if not isinstance(obj, dict):
-        raise CheckpointValueError(f"{what} must be a mindspore.nn.Cell or a state dict, got {type(obj).__name__}")
+        listed = isinstance(obj, list) and obj and all(isinstance(item, dict) and "name" in item for item in obj)
+        raise CheckpointValueError(
+            f"{what} must be a mindspore.nn.Cell or a state dict, got {type(obj).__name__}"
+            + ("; for mindspore.save_checkpoint's list of {'name': ..., 'data': ...} dicts pass "
+               f"{{item['name']: item['data'] for item in {what}}} (a dict of the same entries)" if listed else "")
+        )
     out: dict[str, Any] = {}
     origin: dict[str, str] = {}
     for key, value in obj.items():

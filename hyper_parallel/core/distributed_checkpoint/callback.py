@@ -33,6 +33,7 @@ on first use only.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from concurrent.futures import Future
@@ -54,6 +55,7 @@ from hyper_parallel.core.distributed_checkpoint._breakpoint_steps import (
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._metadata_file import mindspore_files
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutSources, cells_in
+from hyper_parallel.core.distributed_checkpoint._ms_keywords import CALLBACK_INSTEAD, check_keywords
 from hyper_parallel.core.distributed_checkpoint._one_line import mindspore_state_dict
 from hyper_parallel.core.distributed_checkpoint.async_checkpoint import prepare_async_save
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
@@ -152,6 +154,9 @@ class CheckpointCallback(Callback):
             ``False``: load nothing.
         strategy_file: MindSpore strategy file(s) describing how Parameters
             are sliced, passed to every save and load.
+        **mindspore_keywords: None taken: a keyword of MindSpore's ``ModelCheckpoint`` /
+            ``CheckpointConfig`` (``config``, ``prefix``, ``enc_key``, ...) is refused saying what to do
+            instead (``config``: the keywords giving its settings).
 
     Attributes:
         manager: The :class:`CheckpointManager` of the regular steps (``step_<n:08d>``).
@@ -163,6 +168,8 @@ class CheckpointCallback(Callback):
     Raises:
         CheckpointValueError: A knob out of range, all four save/keep knobs 0, or ``resume`` not
             ``True``, ``False`` or ``"breakpoint"``.
+        TypeError: A keyword it does not take (one of MindSpore's ``ModelCheckpoint`` /
+            ``CheckpointConfig`` says what to do instead).
             When training begins: ``resume=False`` on a directory holding newer
             steps, or a dataset not as :meth:`resume_dataset` prepared it.
     """
@@ -180,7 +187,12 @@ class CheckpointCallback(Callback):
         append_info: list[Any] | None = None,
         resume: bool | str = True,
         strategy_file: Any = None,
+        **mindspore_keywords: Any,
     ) -> None:
+        if mindspore_keywords:
+            taken = [name for name in inspect.signature(CheckpointCallback).parameters if name != "mindspore_keywords"]
+            check_keywords("CheckpointCallback", mindspore_keywords, taken, CALLBACK_INSTEAD,
+                           origin="mindspore.train.ModelCheckpoint / CheckpointConfig")
         super().__init__()
         steps = _non_negative("save_checkpoint_steps", save_checkpoint_steps)
         seconds = _non_negative("save_checkpoint_seconds", save_checkpoint_seconds)
