@@ -106,7 +106,9 @@ def _protobuf_items(path: str) -> tuple[int, list[tuple[str, dict[str, Any]]]]:
     try:
         strategy_map.ParseFromString(content)
     except Exception as exc:  # protobuf raises its own DecodeError
-        raise StrategyFileError(f"strategy file {path!r} is not a ParallelStrategyMap protobuf: {exc}") from exc
+        raise StrategyFileError(
+            f"strategy file {path!r} is not a ParallelStrategyMap protobuf ({str(exc).rstrip('.')})"
+            + (_what_else(path) or f"; {_WRITTEN_BY}")) from exc
     stage = int(strategy_map.parallel_strategy_item[0].parallel_strategys.stage) \
         if strategy_map.parallel_strategy_item else 0
     items = []
@@ -149,6 +151,40 @@ def _json_items(path: str) -> tuple[int, list[tuple[str, dict[str, Any]]]]:
     return stage, items
 
 
+_WRITTEN_BY = "pass the file MindSpore wrote through set_auto_parallel_context(strategy_ckpt_config={'save_file': ...})"
+
+
+def _what_else(path: str) -> str:
+    """``"; it is <what> ..."`` with the fix when the file is a checkpoint given as a strategy file (both are
+    ``.ckpt`` files in MindSpore), else ``""``. Error paths only."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(9)
+            size = os.fstat(handle.fileno()).st_size
+            content = handle.read() if size < (64 << 20) else b""
+    except OSError:
+        return ""
+    what = ""
+    if len(head) == 9 and head[8:] == b"{" and int.from_bytes(head[:8], "little") < size:
+        what = "a safetensors file (a checkpoint's tensors)"
+    elif path.endswith(".json") and b'"state_dict_metadata"' in head + content:
+        what = "a hyper_parallel checkpoint's metadata"
+    elif content:
+        from mindspore.train import checkpoint_pb2  # pylint: disable=import-outside-toplevel
+
+        checkpoint = checkpoint_pb2.Checkpoint()
+        try:
+            checkpoint.ParseFromString(head + content)
+        except Exception:  # pylint: disable=broad-except  # protobuf's DecodeError: not a checkpoint either
+            return ""
+        tags = [value.tag for value in checkpoint.value if value.tag]
+        if tags:
+            what = f"a MindSpore checkpoint file ({len(tags)} parameter(s), e.g. {tags[0]!r})"
+    if not what:
+        return ""
+    return f"; {path!r} is {what}, not a strategy file: {_WRITTEN_BY}"
+
+
 def read_strategy_records(strategy_file: StrategySource) -> dict[str, tuple[MindSporeLayoutRecord, ...]]:
     """Read every parameter's layout record on every pipeline stage.
 
@@ -178,7 +214,9 @@ def read_strategy_records(strategy_file: StrategySource) -> dict[str, tuple[Mind
                     f"files ({path!r} and an earlier one): pass one file per stage")
             found[name][stage] = record
     if not found:
-        raise StrategyFileError(f"strategy file(s) {strategy_paths(strategy_file)} hold no parameter layout")
+        paths = strategy_paths(strategy_file)
+        raise StrategyFileError(f"strategy file(s) {paths} hold no parameter layout"
+                                + "".join(_what_else(path) for path in paths))
     return {name: tuple(by_stage[s] for s in sorted(by_stage)) for name, by_stage in found.items()}
 
 
