@@ -123,7 +123,9 @@ def match_targets(
                     not entry.allow_shape_mismatch):
                 raise ShapeMismatchError(
                     f"key '{fqn}': checkpoint global shape {list(stored.size)} differs from the target's "
-                    f"global shape {list(entry.global_shape)}"
+                    f"global shape {list(entry.global_shape)}: the checkpoint is of a model of another "
+                    "configuration, or the key names another tensor; build the target with the saved shape, or "
+                    "leave the key out (load_checkpoint: filter_prefix= or choice_func=); nothing was loaded"
                 )
         elif isinstance(stored, BytesStorageMetadata):
             grid = entry.grid_shape if isinstance(entry, ValueEntry) else ()
