@@ -78,3 +78,28 @@ def test_two_saves_of_one_network_as_safetensors_are_named_not_taken_for_shards(
     assert "they are not shards of one model" in err and f"hp-ckpt import {run / 'net-2_20.safetensors'} OUT" in err
     save_file({"a": np.ones(2, np.float32)}, str(run / "extra.safetensors"))  # (still refused: 'bias' twice)
     assert _run(capsys, "import", run, tmp_path / "out")[0] == 2
+
+
+def test_load_of_a_directory_of_ckpt_files_names_the_newest_file_to_import(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    old, new = mindspore.nn.Dense(3, 2), mindspore.nn.Dense(3, 2)
+    _save(new, run / "net-10_100.ckpt", 2_000)  # sorts before net-2_20 by name, written after it
+    _save(old, run / "net-2_20.ckpt", 1_000)
+    with pytest.raises(hyper_parallel.core.distributed_checkpoint.IncompleteCheckpointError) as info:
+        hyper_parallel.load_checkpoint(run)
+    command = f"hp-ckpt import {run / 'net-10_100.ckpt'} OUT_DIR"
+    assert f"`{command}` (the newest; each .ckpt file is a checkpoint of its own)" in str(info.value), info.value
+    assert _run(capsys, *command.replace("OUT_DIR", str(tmp_path / "out")).split()[1:])[0] == 0  # the advice works
+    loaded = hyper_parallel.load_checkpoint(tmp_path / "out")
+    assert np.array_equal(loaded["weight"].asnumpy(), new.weight.asnumpy())
+
+
+def test_load_of_a_directory_of_safetensors_shards_names_the_directory_to_import(tmp_path):
+    model = tmp_path / "hf"
+    model.mkdir()
+    save_file({"a": np.ones(2, np.float32)}, str(model / "model-00001-of-00002.safetensors"))
+    save_file({"b": np.ones(3, np.float32)}, str(model / "model-00002-of-00002.safetensors"))
+    with pytest.raises(hyper_parallel.core.distributed_checkpoint.IncompleteCheckpointError) as info:
+        hyper_parallel.load_checkpoint(model)
+    assert f"`hp-ckpt import {model} OUT_DIR`" in str(info.value), info.value  # all shards, not the first one

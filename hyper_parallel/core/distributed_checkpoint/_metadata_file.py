@@ -77,6 +77,23 @@ def mindspore_files(path: Path) -> list[str]:
     return found
 
 
+def _flat_import(path: Path) -> str:
+    """The ``hp-ckpt import`` command for MindSpore files directly in ``path``: the directory when it holds
+    safetensors files (a model's shards, imported together), else its one ``.ckpt`` file, or the newest of
+    several (each is a checkpoint of its own: ModelCheckpoint writes one per save)."""
+    try:
+        files = [entry for entry in sorted(os.scandir(path), key=lambda e: e.name)[:1000]
+                 if entry.name.endswith((".ckpt", ".safetensors")) and not _OUR_DATA_FILE.fullmatch(entry.name)]
+        ckpts = [entry for entry in files if entry.name.endswith(".ckpt")]
+        if len(files) > len(ckpts) or not ckpts:
+            return f"`hp-ckpt import {path} OUT_DIR`"
+        newest = max(ckpts, key=lambda entry: (entry.stat().st_mtime, entry.name))
+    except OSError:
+        return f"`hp-ckpt import {path} OUT_DIR`"
+    return f"`hp-ckpt import {path / newest.name} OUT_DIR`" + (
+        " (the newest; each .ckpt file is a checkpoint of its own)" if len(ckpts) > 1 else "")
+
+
 def _rank_local_metadata(path: Path, metadata_file: str) -> list[str]:
     """Names of the rank-local metadata files (``metadata.rank<r>.json``) beside a missing ``metadata_file``, sorted."""
     try:
@@ -128,7 +145,7 @@ def read_committed_metadata(path: Path, metadata_file: str) -> Metadata:
         theirs = mindspore_files(path)
         if theirs:
             convert = (f"`hp-ckpt import {path} OUT_DIR --strategy FILE` (the job's strategy file)"
-                       if "/" in theirs[0] else f"`hp-ckpt import {path / theirs[0]} OUT_DIR`")
+                       if "/" in theirs[0] else _flat_import(path))
             raise IncompleteCheckpointError(
                 f"{path} holds MindSpore checkpoint files ({', '.join(theirs)}), not a checkpoint of "
                 f"hyper_parallel (no {metadata_file}): read them with mindspore.load_checkpoint, or convert "
