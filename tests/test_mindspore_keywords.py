@@ -126,3 +126,24 @@ def test_checkpoint_callback_given_a_model_checkpoint_keyword_says_what_to_do(tm
     with pytest.raises(TypeError) as info:
         hyper_parallel.CheckpointCallback(tmp_path, **{keyword: "x"})
     assert str(info.value).startswith("CheckpointCallback(): ") and advice in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("name", ["net.ckpt", "net.safetensors"])
+def test_a_save_to_a_mindspore_file_name_warns_once_that_it_is_a_directory(tmp_path, caplog, name):
+    path = str(tmp_path / name)
+    with caplog.at_level("WARNING", logger="hyper_parallel.core.distributed_checkpoint._ms_keywords"):
+        hyper_parallel.save_checkpoint({"w": np.ones(2, np.float32)}, path)
+        hyper_parallel.save_checkpoint({"w": np.ones(2, np.float32)}, path)
+    warned = [r.getMessage() for r in caplog.records if "named like a MindSpore checkpoint file" in r.getMessage()]
+    assert warned == [
+        f"save_checkpoint: {path} is named like a MindSpore checkpoint file, but a hyper_parallel checkpoint is a "
+        "directory, written there now: mindspore.load_checkpoint cannot read it. Load it with "
+        f"hyper_parallel.load_checkpoint, or write MindSpore files from it with `hp-ckpt export-mindspore {path} "
+        "OUT` (a directory name without the suffix avoids the confusion)"]
+    assert (tmp_path / name).is_dir()
+
+
+def test_a_save_to_a_directory_name_does_not_warn(tmp_path, caplog):
+    with caplog.at_level("WARNING"):
+        hyper_parallel.save_checkpoint({"w": np.ones(2, np.float32)}, tmp_path / "step_1")
+    assert not [r for r in caplog.records if "named like a MindSpore" in r.getMessage()]

@@ -4,13 +4,20 @@ A MindSpore user passes them out of habit to ``save_checkpoint``,
 ``load_checkpoint`` or ``CheckpointCallback``; the refusal names the function the
 user called (not the ``dcp.save`` / ``dcp.load`` it calls) and says what to do
 instead. Any other unknown keyword is refused naming the keywords that are taken.
+A checkpoint id named like a MindSpore file (``net.ckpt``) is warned about: the
+save writes a directory there, which ``mindspore.load_checkpoint`` cannot read.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any, Iterable, Mapping
 
-__all__ = ["CALLBACK_INSTEAD", "LOAD_INSTEAD", "SAVE_INSTEAD", "check_keywords"]
+__all__ = ["CALLBACK_INSTEAD", "LOAD_INSTEAD", "SAVE_INSTEAD", "check_keywords", "warn_file_name"]
+
+_LOG = logging.getLogger(__name__)
+_WARNED: set[str] = set()
 
 _ENCRYPTION_SAVE = (
     "hyper_parallel checkpoints are not encrypted: keep the checkpoint directory on encrypted storage, or write an "
@@ -121,3 +128,21 @@ def check_keywords(function: str, given: Mapping[str, Any], accepted: Iterable[s
         lines.append(f"unexpected keyword argument(s) {', '.join(repr(k) for k in others)}; "
                      f"it takes {', '.join(sorted(taken))}")
     raise TypeError(f"{function}(): " + "; ".join(lines))
+
+
+def warn_file_name(checkpoint_id: Any) -> None:
+    """Warn (once per id) that a ``save_checkpoint`` id named like a MindSpore file is written as a directory.
+
+    Any rank; no communication. Ids of other kinds (a storage URL object) are let be.
+    """
+    if not isinstance(checkpoint_id, (str, os.PathLike)):
+        return
+    name = os.fspath(checkpoint_id)
+    if not str(name).endswith((".ckpt", ".safetensors")) or name in _WARNED:
+        return
+    _WARNED.add(name)
+    _LOG.warning(
+        "save_checkpoint: %s is named like a MindSpore checkpoint file, but a hyper_parallel checkpoint is a "
+        "directory, written there now: mindspore.load_checkpoint cannot read it. Load it with "
+        "hyper_parallel.load_checkpoint, or write MindSpore files from it with `hp-ckpt export-mindspore %s OUT` "
+        "(a directory name without the suffix avoids the confusion)", name, name)

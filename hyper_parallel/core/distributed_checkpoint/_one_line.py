@@ -26,7 +26,8 @@ from hyper_parallel.core.distributed_checkpoint._load_engine import LoadOptions
 from hyper_parallel.core.distributed_checkpoint._flatten import cell_parameters, flatten_state_dict, set_by_path
 from hyper_parallel.core.distributed_checkpoint._leaf_entry import local_data, unstorable_target
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutSources, cells_in
-from hyper_parallel.core.distributed_checkpoint._ms_keywords import LOAD_INSTEAD, SAVE_INSTEAD, check_keywords
+from hyper_parallel.core.distributed_checkpoint._ms_keywords import (LOAD_INSTEAD, SAVE_INSTEAD, check_keywords,
+                                                                 warn_file_name)
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointValueError,
     MissingKeyError,
@@ -140,6 +141,7 @@ def save_checkpoint(save_obj: Any, checkpoint_id: Any, *, append_dict: dict[str,
     """
     if kwargs:
         check_keywords("save_checkpoint", kwargs, _SAVE_KEYWORDS, SAVE_INSTEAD)
+    warn_file_name(checkpoint_id)
     state = mindspore_state_dict(save_obj)
     for key, value in (append_dict or {}).items():
         if key in state:
