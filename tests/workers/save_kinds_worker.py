@@ -115,7 +115,10 @@ def main() -> None:
                     time.sleep(0.02)
             handle.result()
             whole = plain(0.0)
-            dcp.load(whole, checkpoint_id=shared / f"collective_{name}", no_dist=True)
+            # A collective load: result() does not wait for rank 0's background commit, and a load without
+            # collectives on rank 1 could run before that commit (IncompleteCheckpointError); a collective load
+            # finishes the pending save on every rank first.
+            dcp.load(whole, checkpoint_id=shared / f"collective_{name}")
             outcome["collective"] = sorted(set(whole["w"].asnumpy().ravel().tolist()))
             if rank == 0:
                 if outcome["error"] is not None:
