@@ -29,3 +29,36 @@ def test_a_save_on_rank_0_only_names_the_cause_and_the_fix(tmp_path: Path) -> No
     assert not first["committed"] and not second["committed"]
     assert second["error"] == first["error"] and second["seconds"] < 5, second  # unusable: at once
     assert outcome["value"]["fixed"]
+
+
+def test_only_mindspores_own_collective_failure_marks_communication_unusable(monkeypatch) -> None:
+    """A plain RuntimeError from a collective call (MindSpore giving up) marks communication unusable; a subclass
+    (RecursionError, NotImplementedError: a failure of this process) is raised as it is and leaves communication
+    usable, with a timeout and without one. An infinite timeout (HP_CKPT_COLLECTIVE_TIMEOUT=inf,
+    HP_CKPT_BREAKPOINT_TIMEOUT=inf) waits instead of overflowing Event.wait."""
+    import math  # pylint: disable=import-outside-toplevel
+
+    import pytest  # pylint: disable=import-outside-toplevel
+
+    from hyper_parallel.core.distributed_checkpoint import _collectives
+    from hyper_parallel.core.distributed_checkpoint.errors import CollectiveTimeoutError
+
+    monkeypatch.setattr(_collectives, "_broken", [])
+
+    def raising(error: BaseException):
+        def call():
+            raise error
+        return call
+
+    for timeout in (5.0, None):
+        for error in (RecursionError("deep"), NotImplementedError("no")):
+            with pytest.raises(type(error)) as caught:
+                _collectives._within(raising(error), step="plan", rank=0, timeout=timeout)
+            assert caught.value is error
+            assert _collectives._within(lambda: 7, step="plan", rank=0, timeout=timeout) == 7
+    assert _collectives._within(lambda: 8, step="plan", rank=0, timeout=math.inf) == 8
+    assert _collectives._within(lambda: 9, step="plan", rank=0, timeout=1e300) == 9
+    with pytest.raises(CollectiveTimeoutError, match="failed in MindSpore's collective \\(AllGather failed\\)"):
+        _collectives._within(raising(RuntimeError("AllGather failed\nC++ stack")), step="plan", rank=0, timeout=None)
+    with pytest.raises(CollectiveTimeoutError, match="checkpoint step 'plan' failed in MindSpore"):
+        _collectives._within(lambda: 1, step="next", rank=0, timeout=5.0)  # unusable now: at once

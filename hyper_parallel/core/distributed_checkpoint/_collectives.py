@@ -160,8 +160,13 @@ def _within(collective: Callable[[], T], *, step: str, rank: int, timeout: float
     """Run one collective call, giving up after ``timeout`` seconds."""
     if _broken:
         raise CollectiveTimeoutError(_broken[0])
-    if timeout is None:
-        return collective()
+    if timeout is None or not timeout < threading.TIMEOUT_MAX:  # (inf: forever; Event.wait(inf) would overflow)
+        try:
+            return collective()
+        except RuntimeError as error:
+            if type(error) is RuntimeError:  # pylint: disable=unidiomatic-typecheck
+                raise _gave_up(error, rank=rank, step=step) from error
+            raise
     box: dict[str, Any] = {}
     done = threading.Event()
 
@@ -180,11 +185,18 @@ def _within(collective: Callable[[], T], *, step: str, rank: int, timeout: float
         raise CollectiveTimeoutError(_broken[-1])
     if "error" in box:
         error = box["error"]
-        if isinstance(error, RuntimeError):  # MindSpore's collective gave up waiting (CPU: after 30 s)
-            _broken.append(_unusable(rank, step, f"failed in MindSpore's collective ({str(error).splitlines()[0]})"))
-            raise CollectiveTimeoutError(_broken[-1]) from error
+        if type(error) is RuntimeError:  # pylint: disable=unidiomatic-typecheck
+            raise _gave_up(error, rank=rank, step=step) from error
         raise error
     return box["value"]
+
+
+def _gave_up(error: RuntimeError, *, rank: int, step: str) -> CollectiveTimeoutError:
+    """MindSpore's own collective gave up (a plain ``RuntimeError``; CPU: after 30 s): communication of this
+    process is marked unusable. (Subclasses, ``RecursionError`` or ``NotImplementedError``, are failures of this
+    process and are raised as they are by the caller.)"""
+    _broken.append(_unusable(rank, step, f"failed in MindSpore's collective ({str(error).splitlines()[0]})"))
+    return CollectiveTimeoutError(_broken[-1])
 
 
 def _unusable(rank: int, step: str, what: str) -> str:
