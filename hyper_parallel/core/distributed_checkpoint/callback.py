@@ -167,11 +167,11 @@ class CheckpointCallback(Callback):
 
     Raises:
         CheckpointValueError: A knob out of range, all four save/keep knobs 0, or ``resume`` not
-            ``True``, ``False`` or ``"breakpoint"``.
+            ``True``, ``False`` or ``"breakpoint"``; when training begins:
+            ``resume=False`` on a directory holding newer steps, or a dataset
+            not as :meth:`resume_dataset` prepared it.
         TypeError: A keyword it does not take (one of MindSpore's ``ModelCheckpoint`` /
             ``CheckpointConfig`` says what to do instead).
-            When training begins: ``resume=False`` on a directory holding newer
-            steps, or a dataset not as :meth:`resume_dataset` prepared it.
     """
 
     def __init__(
