@@ -6,10 +6,11 @@ every slice gets its box in the global tensor. The import stores each
 distinct box once, as a chunk of the global tensor, mapped straight from the
 rank file that holds it (the lowest such rank): each stored byte is written
 from there, and memory holds no tensor. The other ranks' copies of a box (its
-replicas) are read once, to compare their digests with the stored copy's as
-it is written (:mod:`._ms_replicas`; ``--no-check-replicas`` turns that
-off): copies that differ are refused, naming the ranks (a strategy that is
-not the job's, or rank files of different steps). MindSpore's
+replicas) are read once, to compare their digests with the stored copy's:
+while the import is planned for a small box, as it is written for a larger
+one (:mod:`._ms_replicas`; ``--no-check-replicas`` turns that off): copies
+that differ are refused, naming the ranks (a strategy that is not the job's,
+or rank files of different steps). MindSpore's
 ``transform_checkpoints`` takes each destination rank's copy from its own
 source rank, so differing copies have no one meaning there either.
 
@@ -31,7 +32,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from hyper_parallel.cli._ms_files import STRING_DTYPE, MsEntry, MsFile, ReadBudget
-from hyper_parallel.cli._ms_replicas import BoxCopies, box_copies
+from hyper_parallel.cli._ms_replicas import BoxCopies, box_copies, check_small_copies
 from hyper_parallel.core.distributed_checkpoint._format.checksum import digest
 from hyper_parallel.core.distributed_checkpoint._format.cover import check_exact_cover
 from hyper_parallel.core.distributed_checkpoint._global_plan import build_global_save_plan
@@ -118,7 +119,8 @@ def find_rank_files(src: Path) -> dict[int, Path]:
 def _layout_pieces(
     name: str, layouts: Sequence[Layout], files: Mapping[int, MsFile], check_replicas: bool
 ) -> tuple[list[SourcePiece], list[BoxCopies]]:
-    """One piece per distinct box of ``name``, from the lowest rank holding it; its other copies' digests."""
+    """One piece per distinct box of ``name``, from the lowest rank holding it; its small boxes' copies compared,
+    the larger boxes' other copies' digests."""
     holders = [(r, layout) for layout in layouts for r in layout.rank_list
                if r in files and name in files[r].entries]
     first_rank, first_layout = holders[0]
@@ -146,7 +148,7 @@ def _layout_pieces(
     _check_cover(name, global_shape, list(pieces.values()), layouts, files)
     replicas = [box_copies(name, offsets, global_shape, ranks, files, listed=True)
                 for offsets, ranks in copies.items() if check_replicas and len(ranks) > 1]
-    return list(pieces.values()), replicas
+    return list(pieces.values()), check_small_copies(replicas)
 
 
 def _check_cover(
@@ -168,11 +170,11 @@ def _check_cover(
     )
 
 
-def _whole_piece(name: str, files: Mapping[int, MsFile]) -> tuple[SourcePiece, list[BoxCopies]]:
-    """A tensor absent from the strategy: the lowest rank's copy, all copies alike in shape and dtype; the other
-    copies' digests, compared with the stored copy's bytes as they are written.
+def _whole_piece(name: str, files: Mapping[int, MsFile]) -> SourcePiece:
+    """A tensor absent from the strategy: the lowest rank's copy, all copies alike in shape, dtype and bytes.
 
-    Its copies are compared on every rank holding it (such tensors are small: ``global_step``, ``learning_rate``):
+    Its copies are compared on every rank holding it, here (such tensors are small: ``global_step``,
+    ``learning_rate``; rank files of different steps are refused before a byte is written):
     a parameter the strategy does not list but the job sliced has slices of one shape on every rank, and only
     their bytes tell it from a replicated tensor (stored whole, the lowest rank's slice would pass for it).
     """
@@ -187,8 +189,9 @@ def _whole_piece(name: str, files: Mapping[int, MsFile]) -> tuple[SourcePiece, l
                 "pass the strategy file(s) that list it (one per pipeline stage)"
             )
     offsets = (0,) * len(first.shape)
-    replicas = [box_copies(name, offsets, first.shape, holders, files, listed=False)] if len(holders) > 1 else []
-    return SourcePiece(name, files[holders[0]], first, offsets, first.shape), replicas
+    if len(holders) > 1:
+        check_small_copies([box_copies(name, offsets, first.shape, holders, files, listed=False)])
+    return SourcePiece(name, files[holders[0]], first, offsets, first.shape)
 
 
 def _follows_parameter(name: str, layouts: Sequence[Layout], files: Mapping[int, MsFile]) -> bool:
@@ -214,15 +217,18 @@ def plan_rank_import(
 
     Returns:
         The pieces to store (every distinct box once), the string values, and
-        the other copies of the stored boxes, read here (each once) to be
+        the other copies of the stored boxes larger than
+        :data:`~hyper_parallel.cli._ms_replicas.PLAN_CHECK_BYTES` the strategy
+        gives several ranks (``check_replicas``), read here (each once) to be
         compared with the stored copies as they are written
-        (:class:`~hyper_parallel.cli._ms_replicas.ReplicaCheckingWriter`): the
-        boxes the strategy gives several ranks (``check_replicas``) and the
-        tensors it does not list that several ranks hold.
+        (:class:`~hyper_parallel.cli._ms_replicas.ReplicaCheckingWriter`). The
+        copies of the smaller boxes and of the tensors the strategy does not
+        list are compared here.
 
     Raises:
-        LayoutError: a slice shape or dtype that contradicts the strategy, or a
-            tensor absent from the strategy whose shape or dtype differs between ranks.
+        LayoutError: a slice shape or dtype that contradicts the strategy, a
+            tensor absent from the strategy that differs between ranks, or
+            (``check_replicas``) copies of a box of at most ``PLAN_CHECK_BYTES`` that differ.
         CheckpointNotFoundError: slices of a parameter are missing (names the ranks).
         CheckpointValueError: a rank directory beyond the strategy's ranks.
     """
@@ -250,11 +256,10 @@ def plan_rank_import(
                 own = inherited
         if own:
             boxes, copies = _layout_pieces(name, own, files, check_replicas)
+            pieces.extend(boxes)
+            replicas.extend(copies)
         else:
-            whole, copies = _whole_piece(name, files)
-            boxes = [whole]
-        pieces.extend(boxes)
-        replicas.extend(copies)
+            pieces.append(_whole_piece(name, files))
     return pieces, values, replicas
 
 

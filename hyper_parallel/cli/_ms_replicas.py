@@ -2,13 +2,17 @@
 
 A box the strategy gives several ranks (and a tensor the strategy does not
 list, held whole by several ranks) is stored from its lowest rank's copy; the
-other copies must hold the same bytes. Every copy is read once: the other
-ranks' while the import is planned (:func:`box_copies` keeps their block
-digests, 16 bytes per MiB), the stored one by the writer, which takes the
-same block digests of the bytes it writes. :class:`ReplicaCheckingWriter`
-compares the two before the commit, so copies that differ fail the import
-with nothing committed (a :class:`LayoutError` naming the parameter, the box
-and the ranks), and the stored copy is not read a second time to be compared.
+other copies must hold the same bytes, else the import is refused (a
+:class:`LayoutError` naming the parameter, the box and the ranks). The other
+ranks' copies are read once, while the import is planned (:func:`box_copies`
+keeps their block digests, 16 bytes per MiB). A tensor the strategy does not
+list and a box of at most :data:`PLAN_CHECK_BYTES` are compared there, their
+stored copy read too (:func:`check_small_copies`; it costs little), so the
+usual mismatch, rank files of different steps (a ``global_step``), is
+refused before a byte is written. A larger box is compared as it is written:
+:class:`ReplicaCheckingWriter` takes the same block digests of the bytes it
+writes and compares them before the commit (nothing committed, its data files
+removed), so its stored copy is not read a second time to be compared.
 """
 
 from __future__ import annotations
@@ -24,7 +28,12 @@ from hyper_parallel.core.distributed_checkpoint.filesystem_writer import FileSys
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner
 from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, WriteResult
 
-__all__ = ["BoxCopies", "box_copies", "check_written_copies", "differing_ranks", "ReplicaCheckingWriter"]
+__all__ = ["PLAN_CHECK_BYTES", "BoxCopies", "box_copies", "check_small_copies", "check_written_copies",
+           "differing_ranks", "ReplicaCheckingWriter"]
+
+#: A listed box of at most this many bytes (one checksum block: biases, norms, a small share of a model's bytes)
+#: has its copies compared while the import is planned, its stored copy read there and again when written.
+PLAN_CHECK_BYTES = DEFAULT_BLOCK_BYTES
 
 
 @dataclass(frozen=True)
@@ -61,9 +70,13 @@ def box_copies(
 
     ``ranks[0]`` holds the copy stored; it is not read here.
     """
-    digests = {rank: flat_digests(memoryview(files[rank].raw(fqn)), DEFAULT_BLOCK_BYTES)
-               for rank in ranks[1:]}
+    digests = {rank: _copy_digests(files[rank], fqn) for rank in ranks[1:]}
     return BoxCopies(fqn, offsets, global_shape, listed, ranks[0], {rank: files[rank] for rank in ranks}, digests)
+
+
+def _copy_digests(file: MsFile, fqn: str) -> tuple[str, ...]:
+    """The digests of the flat blocks of ``file``'s copy of ``fqn``, read here (its crc accounted)."""
+    return flat_digests(memoryview(file.raw(fqn)), DEFAULT_BLOCK_BYTES)
 
 
 def differing_ranks(copies: BoxCopies, stored: tuple[str, ...]) -> list[int]:
@@ -94,6 +107,23 @@ def _refusal(copies: BoxCopies, differ: Sequence[int]) -> str:
             f"{list(copies.offsets)}")
 
 
+def check_small_copies(all_copies: Sequence[BoxCopies]) -> list[BoxCopies]:
+    """Compare now the copies of the unlisted tensors and of the boxes of at most :data:`PLAN_CHECK_BYTES`, their
+    stored copy read here; return the other boxes, to be compared as they are written. The importing process, while
+    it plans.
+
+    Raises:
+        LayoutError: copies that differ, for the first parameter (by name) holding some: every box of it named.
+        CorruptCheckpointError: a file involved fails its stored crc.
+    """
+    now = [copies for copies in all_copies if not copies.listed
+           or copies.files[copies.stored_rank].entries[copies.fqn].nbytes <= PLAN_CHECK_BYTES]
+    stored = {(copies.fqn, copies.offsets): _copy_digests(copies.files[copies.stored_rank], copies.fqn)
+              for copies in now}
+    _refuse_differing(now, stored)
+    return [copies for copies in all_copies if (copies.fqn, copies.offsets) not in stored]
+
+
 def check_written_copies(all_copies: Sequence[BoxCopies], results: Sequence[WriteResult]) -> None:
     """Compare every box's other copies with the checksums of the stored copy just written. The importing process.
 
@@ -102,9 +132,17 @@ def check_written_copies(all_copies: Sequence[BoxCopies], results: Sequence[Writ
         CorruptCheckpointError: a file involved fails its stored crc.
     """
     written = {(result.index.fqn, result.index.offset): result.storage_data.checksum for result in results}
+    _refuse_differing(all_copies, {(copies.fqn, copies.offsets): flat_expected(written[(copies.fqn, copies.offsets)])
+                                   for copies in all_copies})
+
+
+def _refuse_differing(all_copies: Sequence[BoxCopies], stored: Mapping[tuple[str, tuple[int, ...]], tuple[str, ...]]
+                      ) -> None:
+    """Refuse the first parameter (by name) one of whose boxes has copies that differ from the stored copy, whose
+    flat block digests ``stored`` holds by (parameter, offsets)."""
     problems: dict[str, list[tuple[BoxCopies, list[int]]]] = {}
     for copies in all_copies:
-        differ = differing_ranks(copies, flat_expected(written[(copies.fqn, copies.offsets)]))
+        differ = differing_ranks(copies, stored[(copies.fqn, copies.offsets)])
         if differ:
             problems.setdefault(copies.fqn, []).append((copies, differ))
     if not problems:
