@@ -46,7 +46,8 @@ import bench_ms_import
 import bench_protections
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.core.distributed_checkpoint import _async_engine
-from hyper_parallel.core.distributed_checkpoint._stage_copies import ALIGN, Copier
+from hyper_parallel.core.distributed_checkpoint._copy_threads import Copier
+from hyper_parallel.core.distributed_checkpoint._stage_copies import ALIGN
 from hyper_parallel.core.distributed_checkpoint._plan_cache import clear_plan_cache
 from hyper_parallel.platform import tensor as host_views
 
@@ -385,7 +386,7 @@ def phase_async(state: dict[str, Any], work: Path, args: argparse.Namespace,
 
 def staging_copy_floor(state: dict[str, Any], args: argparse.Namespace) -> list[float]:
     """The blocking part's floor: every tensor of ``state`` copied into the staging arena (as placed by a save,
-    64-byte aligned) by the library's staging threads (:class:`._stage_copies.Copier`), with no planning,
+    64-byte aligned) by the library's staging threads (:class:`._copy_threads.Copier`), with no planning,
     layout pass or Python per tensor on the calling thread. Run right after copying async saves (their arena)."""
     arena = _async_engine.staging_pool()._arena  # pylint: disable=protected-access
     pairs, offset = [], 0

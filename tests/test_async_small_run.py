@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
-from hyper_parallel.core.distributed_checkpoint import _async_engine, _stage_copies
+from hyper_parallel.core.distributed_checkpoint import _async_engine, _copy_threads
 from hyper_parallel.core.distributed_checkpoint._lazy_pool import lazy_executor
-from hyper_parallel.core.distributed_checkpoint._stage_copies import SMALL_COPY_BYTES, Copier
+from hyper_parallel.core.distributed_checkpoint._copy_threads import SMALL_COPY_BYTES, Copier
 from hyper_parallel.platform.tensor import DEVICE_COPIES_ENV, shared_view, shared_view_reader
 
 ms.set_device("CPU")
@@ -143,20 +143,20 @@ def test_a_failed_small_copy_fails_the_save_and_commits_nothing(tmp_path, pool, 
     state = _state(4)
     for step in range(2):
         _save_then_overwrite(state, tmp_path / f"warm{step}")
-    real = _stage_copies._copy_all  # pylint: disable=protected-access
+    real = _copy_threads._copy_all  # pylint: disable=protected-access
 
     def failing(pairs):
         if any(source.nbytes < SMALL_COPY_BYTES for _, source in pairs):
             raise MemoryError("injected: a small copy failed")
         real(pairs)
 
-    monkeypatch.setattr(_stage_copies, "_copy_all", failing)
+    monkeypatch.setattr(_copy_threads, "_copy_all", failing)
     with pytest.raises(MemoryError, match="injected"):
         dcp.async_save(state, checkpoint_id=tmp_path / "failed", no_dist=True)
     assert not (tmp_path / "failed" / ".metadata").exists()
     with pytest.raises(Exception):
         dcp.read_metadata(tmp_path / "failed")
-    monkeypatch.setattr(_stage_copies, "_copy_all", real)
+    monkeypatch.setattr(_copy_threads, "_copy_all", real)
     expected = _save_then_overwrite(state, tmp_path / "after")
     _assert_saved(tmp_path / "after", expected)
 
@@ -169,16 +169,16 @@ def _busy_staging_threads(until: threading.Event) -> None:
         started.release()
         until.wait(timeout=10)
 
-    for _ in range(_stage_copies.STAGING_THREADS):
-        lazy_executor("stage", _stage_copies.STAGING_THREADS).submit(occupy)
-    for _ in range(_stage_copies.STAGING_THREADS):
+    for _ in range(_copy_threads.STAGING_THREADS):
+        lazy_executor("stage", _copy_threads.STAGING_THREADS).submit(occupy)
+    for _ in range(_copy_threads.STAGING_THREADS):
         assert started.acquire(timeout=60)
 
 
 def _recording_copies(monkeypatch, first_small_on_caller: threading.Event | None = None) -> dict[bool, set[str]]:
     """Record which threads make the small and the large copies (``{small?: thread names}``); set
     ``first_small_on_caller`` when the caller's thread begins a small copy."""
-    real = _stage_copies._copy_all  # pylint: disable=protected-access
+    real = _copy_threads._copy_all  # pylint: disable=protected-access
     threads: dict[bool, set[str]] = {True: set(), False: set()}
 
     def recording(pairs):
@@ -189,7 +189,7 @@ def _recording_copies(monkeypatch, first_small_on_caller: threading.Event | None
                 first_small_on_caller.set()
         real(pairs)
 
-    monkeypatch.setattr(_stage_copies, "_copy_all", recording)
+    monkeypatch.setattr(_copy_threads, "_copy_all", recording)
     return threads
 
 

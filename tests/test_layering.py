@@ -44,7 +44,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("object storage", frozenset({"_object_io", "_object_garbage", "_fsspec_writer", "_fsspec_reader", "_object_steps",
                                    "_index_objects"})),
     ("engine", frozenset({"_collectives", "_commit_receipt", "_engine", "_load_engine", "_async_engine",
-                         "_storage_choice", "_staging", "_stage_copies", "_fork_writer", "_async_queue",
+                         "_storage_choice", "_staging", "_stage_copies", "_copy_threads", "_fork_writer", "_async_queue",
                          "_deferred_save", "_plan_cache", "_background_commit", "_one_checkpoint"})),
     ("strategies", frozenset({"strategies"})),
     ("public API", frozenset({"api", "async_checkpoint", "_one_line", "_ms_keywords", "manager", "_manager_record",

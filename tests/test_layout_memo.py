@@ -18,7 +18,8 @@ from hyper_parallel.core.distributed_checkpoint import _layout_memo
 from hyper_parallel.core.distributed_checkpoint._flatten import flatten_state_dict
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import apply_mindspore_layouts
 from hyper_parallel.core.distributed_checkpoint._save_layout import LayoutDescription
-from hyper_parallel.core.distributed_checkpoint._stage_copies import SMALL_COPY_BYTES, EarlyCopies
+from hyper_parallel.core.distributed_checkpoint._copy_threads import SMALL_COPY_BYTES
+from hyper_parallel.core.distributed_checkpoint._stage_copies import EarlyCopies
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
 from hyper_parallel.platform.tensor import DEVICE_COPIES_ENV
 

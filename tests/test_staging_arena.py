@@ -4,7 +4,7 @@ import mindspore as ms
 import numpy as np
 
 from hyper_parallel.core import distributed_checkpoint as dcp
-from hyper_parallel.core.distributed_checkpoint import _async_engine, _stage_copies
+from hyper_parallel.core.distributed_checkpoint import _async_engine, _copy_threads, _stage_copies
 from hyper_parallel.core.distributed_checkpoint._staging import StagingPool
 
 ms.set_device("CPU")
@@ -90,7 +90,7 @@ def test_small_copies_wait_for_the_layout_pass_then_every_byte_lands_and_the_swi
 
     import pytest  # pylint: disable=import-outside-toplevel
 
-    from hyper_parallel.core.distributed_checkpoint._stage_copies import Copier, gil_handoff  # pylint: disable=C0415
+    from hyper_parallel.core.distributed_checkpoint._copy_threads import Copier, gil_handoff  # pylint: disable=C0415
 
     rng = np.random.default_rng(5)
     sources = [rng.integers(0, 256, size, dtype=np.uint8) for size in (3, 4096, 70_000, 5 << 20, 17, 1 << 19)]
@@ -160,9 +160,9 @@ def test_large_copies_run_in_steps_below_the_l2_size_and_land_every_byte(monkeyp
     ``rep movsb`` skips the write-allocate reads), the steps of a piece in two numpy calls (every other step, so
     numpy cannot merge them into one memcpy, and the GIL is taken twice per piece); odd tails and small typed copies
     land exactly."""
-    step = _stage_copies._COPY_BYTES  # pylint: disable=protected-access
+    step = _copy_threads._COPY_BYTES  # pylint: disable=protected-access
     rng = np.random.default_rng(3)
-    sizes = [3 * step + 17, _stage_copies._PIECE_BYTES + 5, step, 2 * step - 1]  # pylint: disable=protected-access
+    sizes = [3 * step + 17, _copy_threads._PIECE_BYTES + 5, step, 2 * step - 1]  # pylint: disable=protected-access
     sources = [rng.integers(0, 256, size, dtype=np.uint8) for size in sizes]
     targets = [np.zeros_like(source) for source in sources]
     typed = rng.standard_normal((3, 1000)).astype(np.float32)
@@ -181,7 +181,7 @@ def test_large_copies_run_in_steps_below_the_l2_size_and_land_every_byte(monkeyp
         return real(target, source, **kwargs)
 
     monkeypatch.setattr(np, "copyto", counting)
-    copier = _stage_copies.Copier(caller_share=True)
+    copier = _copy_threads.Copier(caller_share=True)
     for target, source in zip(targets, sources):
         copier.add(target, source)
     copier.add_small([(typed_target, typed)], [typed.nbytes])
@@ -199,7 +199,7 @@ def test_stepped_copies_of_large_parameters_hold_the_bytes_at_the_call_and_follo
     written right after the call returns never reach the checkpoint, and a Parameter given new memory by
     ``set_data`` between two saves of the same layout is saved with its new data."""
     rng = np.random.default_rng(11)
-    step = _stage_copies._COPY_BYTES  # pylint: disable=protected-access
+    step = _copy_threads._COPY_BYTES  # pylint: disable=protected-access
     shapes = [(3 * step // 4 + 5,), (2 * step // 2 + 3, 3), (4096, 9)]
     state = {}
     for i, shape in enumerate(shapes * 2):
@@ -237,14 +237,14 @@ def _stage_threads_held():
 
     from hyper_parallel.core.distributed_checkpoint._lazy_pool import lazy_executor  # pylint: disable=C0415
 
-    release, started = threading.Event(), threading.Barrier(_stage_copies.STAGING_THREADS + 1)
+    release, started = threading.Event(), threading.Barrier(_copy_threads.STAGING_THREADS + 1)
 
     def hold():
         started.wait()
         release.wait(30)
 
-    pool = lazy_executor("stage", _stage_copies.STAGING_THREADS)
-    held = [pool.submit(hold) for _ in range(_stage_copies.STAGING_THREADS)]
+    pool = lazy_executor("stage", _copy_threads.STAGING_THREADS)
+    held = [pool.submit(hold) for _ in range(_copy_threads.STAGING_THREADS)]
     started.wait(30)
     return release, held
 
@@ -258,7 +258,7 @@ def test_the_caller_copies_the_lead_of_the_first_large_copy_itself_while_the_thr
     targets = [np.zeros_like(s) for s in sources]
     release, held = _stage_threads_held()
     try:
-        copier = _stage_copies.Copier(caller_share=False, lead_bytes=lead)
+        copier = _copy_threads.Copier(caller_share=False, lead_bytes=lead)
         for target, source in zip(targets, sources):
             copier.add(target, source)
         assert targets[0][:lead].tobytes() == sources[0][:lead].tobytes(), "the lead is copied by the caller"
@@ -271,7 +271,7 @@ def test_the_caller_copies_the_lead_of_the_first_large_copy_itself_while_the_thr
     copier.finish()
     assert all(t.tobytes() == s.tobytes() for t, s in zip(targets, sources)), "every byte once the threads ran"
     early = _stage_copies.EarlyCopies(None, None, lambda n: np.zeros(n, np.uint8))
-    assert early._copier._lead == _stage_copies.LEAD_BYTES > 0, "a save's early copies have a lead"  # pylint: disable=W0212
+    assert early._copier._lead == _copy_threads.LEAD_BYTES > 0, "a save's early copies have a lead"  # pylint: disable=W0212
 
 
 def test_copies_ahead_whose_lookup_fails_midway_leave_no_copy_running():
@@ -282,7 +282,7 @@ def test_copies_ahead_whose_lookup_fails_midway_leave_no_copy_running():
     import pytest  # pylint: disable=import-outside-toplevel
 
     rng = np.random.default_rng(12)
-    first = rng.integers(0, 256, _stage_copies.LEAD_BYTES + (6 << 20), dtype=np.uint8)  # beyond the caller's lead
+    first = rng.integers(0, 256, _copy_threads.LEAD_BYTES + (6 << 20), dtype=np.uint8)  # beyond the caller's lead
     arena = np.zeros(first.size + (1 << 20), np.uint8)
 
     def ahead():
@@ -309,7 +309,7 @@ def test_a_fresh_arena_is_copied_into_by_the_threads_alone():
     from hyper_parallel.core.distributed_checkpoint._save_layout import LayoutDescription  # pylint: disable=C0415
 
     rng = np.random.default_rng(13)
-    source = rng.integers(0, 256, _stage_copies.LEAD_BYTES + (4 << 20), dtype=np.uint8)
+    source = rng.integers(0, 256, _copy_threads.LEAD_BYTES + (4 << 20), dtype=np.uint8)
     arenas = []
 
     def reserve(nbytes):

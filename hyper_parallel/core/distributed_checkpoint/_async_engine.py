@@ -23,7 +23,8 @@ from hyper_parallel.core.distributed_checkpoint._collectives import collectives_
 from hyper_parallel.core.distributed_checkpoint._deferred_save import DeferredPlan, deferred_request
 from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions, SaveSession, commit_save, plan_save, write_local
 from hyper_parallel.core.distributed_checkpoint._fork_writer import fork_write, fork_write_and_hash
-from hyper_parallel.core.distributed_checkpoint._stage_copies import ALIGN, EarlyCopies, arena_bytes, gil_handoff, round_up
+from hyper_parallel.core.distributed_checkpoint._copy_threads import gil_handoff
+from hyper_parallel.core.distributed_checkpoint._stage_copies import ALIGN, EarlyCopies, arena_bytes, round_up
 from hyper_parallel.core.distributed_checkpoint._save_layout import host_array
 from hyper_parallel.core.distributed_checkpoint._staging import StagedSavePlanner, StagingPool, staged_views
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointIOError

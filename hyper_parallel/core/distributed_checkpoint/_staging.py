@@ -22,19 +22,12 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from hyper_parallel.platform.tensor import DTYPE_NAMES, numpy_dtype
-from hyper_parallel.core.distributed_checkpoint._stage_copies import (
-    ALIGN,
-    SMALL_COPY_BYTES,
-    STAGING_THREADS,
-    Copier,
-    EarlyCopies,
-    SmallRun,
-    round_up,
-)
+from hyper_parallel.core.distributed_checkpoint._copy_threads import SMALL_COPY_BYTES, Copier
+from hyper_parallel.core.distributed_checkpoint._stage_copies import ALIGN, EarlyCopies, SmallRun, round_up
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
-__all__ = ["ARENA_HEADROOM", "STAGING_THREADS", "StagedSavePlanner", "StagingPool", "staged_views"]
+__all__ = ["ARENA_HEADROOM", "StagedSavePlanner", "StagingPool", "staged_views"]
 
 
 class StagingPool:
@@ -208,7 +201,7 @@ class StagingPool:
 
         The offsets come from the plan alone, so the copies start while the
         caller's thread is still resolving later items (batches go to
-        :data:`STAGING_THREADS` threads; numpy releases the GIL while
+        :data:`._copy_threads.STAGING_THREADS` threads; numpy releases the GIL while
         copying). Items and early copies identical to the previous save's
         (a reused plan) are staged at the same offsets into the same views.
         """

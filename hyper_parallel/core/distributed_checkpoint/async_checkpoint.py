@@ -46,7 +46,8 @@ from hyper_parallel.core.distributed_checkpoint._flatten import flatten_state_di
 from hyper_parallel.core.distributed_checkpoint._gc_pause import gc_paused
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutArgument
 from hyper_parallel.core.distributed_checkpoint._save_layout import host_array, plain_tensor
-from hyper_parallel.core.distributed_checkpoint._stage_copies import ALIGN, SMALL_COPY_BYTES, arena_bytes, round_up
+from hyper_parallel.core.distributed_checkpoint._copy_threads import SMALL_COPY_BYTES
+from hyper_parallel.core.distributed_checkpoint._stage_copies import ALIGN, arena_bytes, round_up
 from hyper_parallel.core.distributed_checkpoint._storage_choice import writer_for
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
