@@ -103,3 +103,37 @@ def test_load_of_a_directory_of_safetensors_shards_names_the_directory_to_import
     with pytest.raises(hyper_parallel.core.distributed_checkpoint.IncompleteCheckpointError) as info:
         hyper_parallel.load_checkpoint(model)
     assert f"`hp-ckpt import {model} OUT_DIR`" in str(info.value), info.value  # all shards, not the first one
+
+
+@pytest.mark.parametrize("model_files, model_command", [
+    (("model.safetensors",), "hp-ckpt import {run}/model.safetensors OUT"),
+    (("a.safetensors", "b.safetensors"), "move the .ckpt files out of {run} and import it again"),
+    (("model-1.safetensors", "model.safetensors.index.json"), "hp-ckpt import {run}/model.safetensors.index.json OUT"),
+])
+def test_a_directory_holding_safetensors_and_ckpt_files_names_both_and_imports_neither(tmp_path, capsys, model_files,
+                                                                                       model_command):
+    # The .ckpt files were skipped quietly: their tensors were left out of the import.
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in model_files:
+        if name.endswith(".json"):
+            (run / name).write_text('{"weight_map": {"a": "model-1.safetensors"}}')
+        else:
+            save_file({name[:-12].replace("-", "_"): np.ones(2, np.float32)}, str(run / name))
+    net = mindspore.nn.Dense(3, 2)
+    _save(net, run / "net-2_20.ckpt", 2_000)
+    _save(net, run / "net-1_10.ckpt", 1_000)
+    code, out, err = _run(capsys, "import", run, tmp_path / "out")
+    assert code == 2, out
+    assert (f"{run} holds both .safetensors files ({', '.join(n for n in model_files if n.endswith('.safetensors'))}) "
+            "and MindSpore .ckpt files (net-1_10.ckpt, net-2_20.ckpt); importing the directory would leave the .ckpt "
+            f"files' tensors out. Name what to import: for the safetensors model, {model_command.format(run=run)}; "
+            f"for a .ckpt file, hp-ckpt import {run / 'net-2_20.ckpt'} OUT (the newest; each .ckpt file is a "
+            "checkpoint of its own)") in err, err
+    assert not (tmp_path / "out").exists()
+    if len(model_files) == 1:  # the advice works, each way
+        command = model_command.format(run=run).replace("OUT", str(tmp_path / "model"))
+        assert _run(capsys, *command.split()[1:])[0] == 0
+        assert sorted(hyper_parallel.load_checkpoint(tmp_path / "model")) == ["model"]
+        assert _run(capsys, "import", run / "net-2_20.ckpt", tmp_path / "net")[0] == 0
+        assert sorted(hyper_parallel.load_checkpoint(tmp_path / "net")) == ["bias", "weight"]

@@ -81,17 +81,20 @@ def safetensors_files(directory: Path) -> list[Path]:
     The index json's ``weight_map`` names them when present; else
     ``model.safetensors``; else every ``*.safetensors`` file, sorted; else the
     directory's one ``.ckpt`` file (a ``mindspore.save_checkpoint`` file). Another
-    ``*.safetensors`` file beside the ones named is refused (its tensors would
-    be left out).
+    ``*.safetensors`` file beside the ones named, or a ``.ckpt`` file beside
+    safetensors files, is refused (its tensors would be left out).
 
     Raises:
         UnsupportedFormatError: no safetensors or .ckpt file (names what the directory holds), or already a
             hyper_parallel checkpoint.
         CorruptCheckpointError: the index json is malformed.
-        CheckpointValueError: a safetensors file of the directory that would not be imported, or several .ckpt
-            files and no safetensors file (each a checkpoint of its own: import one, named).
+        CheckpointValueError: a safetensors file of the directory that would not be imported, several .ckpt
+            files and no safetensors file (each a checkpoint of its own: import one, named), or .ckpt files beside
+            the safetensors files (both kinds named, with the command for each).
     """
     files = _named_files(directory)
+    if files[0].suffix != ".ckpt":
+        _refuse_ckpt_beside(directory, files)
     named = {path.resolve() for path in files}
     unread = sorted(path for path in directory.glob("*.safetensors") if path.resolve() not in named)
     if unread:
@@ -102,6 +105,42 @@ def safetensors_files(directory: Path) -> list[Path]:
             "move the others away"
         )
     return files
+
+
+def _refuse_ckpt_beside(directory: Path, files: list[Path]) -> None:
+    """Refuse MindSpore ``.ckpt`` files beside the safetensors ``files`` of ``directory``: they would be left out.
+
+    A directory is imported whole only when it holds one kind of file; which one the user means (a Hugging Face
+    model and a MindSpore save beside it, or one network saved in both formats) only the user knows.
+
+    Raises:
+        CheckpointValueError: names both kinds of file and the command that imports each.
+    """
+    ckpts = sorted(path for path in directory.glob("*.ckpt") if path.is_file())
+    if not ckpts:
+        return
+    index_path = _index_path(directory)
+    if index_path is not None or len(files) == 1:
+        model = f"hp-ckpt import {index_path or files[0]} OUT"
+    else:
+        model = f"move the .ckpt files out of {directory} and import it again"
+    newest = _newest(ckpts)
+    raise CheckpointValueError(
+        f"{directory} holds both .safetensors files ({_shown(files)}) and MindSpore .ckpt files ({_shown(ckpts)}); "
+        "importing the directory would leave the .ckpt files' tensors out. Name what to import: for the "
+        f"safetensors model, {model}; for a .ckpt file, hp-ckpt import {newest} OUT"
+        + (" (the newest; each .ckpt file is a checkpoint of its own)" if len(ckpts) > 1 else "")
+    )
+
+
+def _newest(paths: list[Path]) -> Path:
+    """The file written last (``ModelCheckpoint``'s latest step), by modification time, then name."""
+    return max(paths, key=lambda path: (path.stat().st_mtime, path.name))
+
+
+def _shown(paths: list[Path]) -> str:
+    """At most five file names, then how many more."""
+    return ", ".join(path.name for path in paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
 
 
 def _index_path(directory: Path) -> Path | None:
@@ -185,10 +224,9 @@ def _named_files(directory: Path) -> list[Path]:
 def _nothing_to_import(directory: Path, ckpts: list[Path]) -> CheckpointError:
     """The refusal of a directory with no .safetensors file and not one .ckpt file, naming what it holds."""
     if ckpts:
-        newest = max(ckpts, key=lambda path: (path.stat().st_mtime, path.name))
-        shown = ", ".join(path.name for path in ckpts[:5]) + (f" and {len(ckpts) - 5} more" if len(ckpts) > 5 else "")
+        newest = _newest(ckpts)
         return CheckpointValueError(
-            f"{directory} holds {len(ckpts)} MindSpore .ckpt files ({shown}) and no .safetensors file: each .ckpt "
+            f"{directory} holds {len(ckpts)} MindSpore .ckpt files ({_shown(ckpts)}) and no .safetensors file: each .ckpt "
             f"file is a whole checkpoint of its own (ModelCheckpoint writes one per save), so import one file: "
             f"hp-ckpt import {newest} OUT (the newest). A parallel job's per-rank files are imported from the "
             "directory of their rank_<i>/ subdirectories, with --strategy FILE"
