@@ -13,9 +13,14 @@ import numpy as np
 import pytest
 
 from hyper_parallel.core.distributed_checkpoint import FileSystemWriter
-from hyper_parallel.core.distributed_checkpoint import _index_plan
-from hyper_parallel.core.distributed_checkpoint._index_form import DIGEST_JSON_BYTES, ENTRY_JSON_BYTES, extra_digests
-from hyper_parallel.core.distributed_checkpoint._index_plan import chunk_digests, plan_wants_index
+from hyper_parallel.core.distributed_checkpoint import _metadata_form
+from hyper_parallel.core.distributed_checkpoint._metadata_form import (
+    DIGEST_JSON_BYTES,
+    ENTRY_JSON_BYTES,
+    chunk_digests,
+    extra_digests,
+    plan_wants_index,
+)
 from sim_ranks import plan_ranks, simulate_save
 
 BLOCK = 4096
@@ -66,8 +71,7 @@ def test_plan_estimate_counts_the_digests_the_save_stores(tmp_path, tiles):
     assert extra == (127 + 128 + 3 + 8 + 0 + 4 + 31 + 16 + 15 + 4 if tiles else 127 + 3 + 0 + 31 + 15 + 4)
     planners, plans = plan_ranks(_states())
     _, metadata = planners[0].build_global_plan(plans)
-    assert _index_plan._inline_estimate(metadata, block_bytes=BLOCK, tiles=tiles) == (
-        entries * ENTRY_JSON_BYTES + extra * DIGEST_JSON_BYTES)
+    assert _metadata_form._inline_estimate(metadata, block_bytes=BLOCK, tiles=tiles) == (entries, extra)
     assert extra_digests(committed.storage_data) == extra
 
 
@@ -76,8 +80,8 @@ def test_the_writer_decides_with_its_tile_option(tmp_path, monkeypatch):
     when its writer stores tiles, in-line when it does not (the estimate is remembered per tile option)."""
     planners, plans = plan_ranks(_states())
     _, metadata = planners[0].build_global_plan(plans)
-    flat_only = _index_plan._inline_estimate(metadata, block_bytes=BLOCK, tiles=False)
-    monkeypatch.setattr(_index_plan, "AUTO_INDEX_BYTES", flat_only)
+    entries, extra = _metadata_form._inline_estimate(metadata, block_bytes=BLOCK, tiles=False)
+    monkeypatch.setattr(_metadata_form, "AUTO_INDEX_BYTES", entries * ENTRY_JSON_BYTES + extra * DIGEST_JSON_BYTES)
     tiled = FileSystemWriter(tmp_path / "t", checksum_block_bytes=BLOCK)
     plain = FileSystemWriter(tmp_path / "p", checksum_block_bytes=BLOCK, tile_checksums=False)
     zstd = FileSystemWriter(tmp_path / "z", checksum_block_bytes=BLOCK, compression="zstd")

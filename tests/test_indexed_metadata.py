@@ -490,7 +490,8 @@ def test_rank_index_codec_refusals():
 
 
 def test_grid_of_and_unbound_storage(tmp_path):
-    from hyper_parallel.core.distributed_checkpoint._index_form import grid_of, wants_index_form
+    from hyper_parallel.core.distributed_checkpoint._index_form import grid_of
+    from hyper_parallel.core.distributed_checkpoint._metadata_form import wants_index_form
     from hyper_parallel.core.distributed_checkpoint._format.metadata_json import metadata_from_json
     from hyper_parallel.core.distributed_checkpoint.metadata import (
         ChunkStorageMetadata as C, TensorProperties, TensorStorageMetadata)
@@ -524,13 +525,13 @@ def test_grid_of_and_unbound_storage(tmp_path):
 
 
 def test_auto_form_indexes_a_large_save(tmp_path, monkeypatch):
-    from hyper_parallel.core.distributed_checkpoint import _index_form
+    from hyper_parallel.core.distributed_checkpoint import _metadata_form
 
-    monkeypatch.setattr(_index_form, "AUTO_INDEX_BYTES", 2000)  # 9 entries x 225 bytes: over it
+    monkeypatch.setattr(_metadata_form, "AUTO_INDEX_BYTES", 2000)  # 9 entries x 225 bytes: over it
     _save(tmp_path / "big", form="auto")
     assert "rank_indexes" in json.loads((tmp_path / "big" / "metadata.json").read_bytes())
     _check(_load(tmp_path / "big", Layout((2,), (0, -1)), 2))
-    monkeypatch.setattr(_index_form, "AUTO_INDEX_BYTES", 2100)
+    monkeypatch.setattr(_metadata_form, "AUTO_INDEX_BYTES", 2100)
     _save(tmp_path / "small", form="auto")
     assert "rank_indexes" not in json.loads((tmp_path / "small" / "metadata.json").read_bytes())
 

@@ -19,12 +19,8 @@ import xxhash
 
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel import DTensor, Layout
-from hyper_parallel.core.distributed_checkpoint._index_plan import (
-    RankIndexSummary,
-    plan_index,
-    plan_wants_index,
-    record_only_metadata,
-)
+from hyper_parallel.core.distributed_checkpoint._index_plan import RankIndexSummary, plan_index, record_only_metadata
+from hyper_parallel.core.distributed_checkpoint._metadata_form import plan_wants_index
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, CorruptCheckpointError
 from s3_server import new_filesystem, s3_endpoint, s3_url  # noqa: F401  (fixtures)
 from sim_ranks import plan_ranks, simulate_save
@@ -555,7 +551,7 @@ def test_one_rank_async_saves_commit_from_the_summary_also_reusing_a_deferred_pl
 def test_auto_estimate_counts_digests_beyond_the_first_of_each_chunk_exactly(monkeypatch, layout_form):
     """The plan-time ``"auto"`` estimate: 225 bytes per entry plus 19 per checksum digest past each chunk's first
     (ceil(chunk bytes / block) - 1), at the byte: a chunk of exactly one block adds none, one byte more adds one."""
-    from hyper_parallel.core.distributed_checkpoint import _index_plan
+    from hyper_parallel.core.distributed_checkpoint import _metadata_form
 
     planners, plans = plan_ranks([{"w": np.zeros(24, np.float32)}])  # one chunk of 96 bytes
     if layout_form:
@@ -563,16 +559,16 @@ def test_auto_estimate_counts_digests_beyond_the_first_of_each_chunk_exactly(mon
     else:
         _, metadata = planners[0].build_global_plan(plans)
     for block, size in ((96, 225), (95, 225 + 19), (32, 225 + 2 * 19), (1, 225 + 95 * 19)):
-        monkeypatch.setattr(_index_plan, "AUTO_INDEX_BYTES", size - 1)
+        monkeypatch.setattr(_metadata_form, "AUTO_INDEX_BYTES", size - 1)
         assert plan_wants_index("auto", metadata, block_bytes=block)
-        monkeypatch.setattr(_index_plan, "AUTO_INDEX_BYTES", size)
+        monkeypatch.setattr(_metadata_form, "AUTO_INDEX_BYTES", size)
         assert not plan_wants_index("auto", metadata, block_bytes=block)
 
 
 def test_auto_estimate_of_a_reused_plan_is_made_once(monkeypatch):
     """A cached plan's metadata comes back at every save: its in-line estimate is made once (the decision still
     follows the threshold of each call); another metadata object, or another block size, is estimated anew."""
-    from hyper_parallel.core.distributed_checkpoint import _index_plan
+    from hyper_parallel.core.distributed_checkpoint import _metadata_form
 
     planners, plans = plan_ranks([{"w": np.zeros(24, np.float32)}])
     _, metadata = planners[0].build_global_plan(plans)
@@ -587,7 +583,7 @@ def test_auto_estimate_of_a_reused_plan_is_made_once(monkeypatch):
     for _ in range(3):
         assert not plan_wants_index("auto", counted, block_bytes=1 << 20)
     assert len(walks) == 1
-    monkeypatch.setattr(_index_plan, "AUTO_INDEX_BYTES", 0)
+    monkeypatch.setattr(_metadata_form, "AUTO_INDEX_BYTES", 0)
     assert plan_wants_index("auto", counted, block_bytes=1 << 20) and len(walks) == 1
     assert plan_wants_index("auto", counted, block_bytes=32) and len(walks) == 2
     again = counted.replace(state_dict_metadata=Counted(metadata.state_dict_metadata))

@@ -1,10 +1,9 @@
-"""The coordinator's choice of metadata form, and the indexed form built from every rank's write results.
+"""The indexed form of the metadata, built by the coordinator from every rank's write results.
 
 Small saves keep one ``metadata.json`` listing every storage entry (the
-in-line form). A save whose in-line metadata would be large (an estimate of
-:data:`ENTRY_JSON_BYTES` per entry over :data:`AUTO_INDEX_BYTES`), or whose
-writer was told ``metadata_form="indexed"``, is committed in the indexed
-form of docs/format.md section 12.1: every tensor whose chunks form an even
+in-line form). A save whose in-line metadata would be large, or whose writer
+was told ``metadata_form="indexed"`` (the choice: :mod:`._metadata_form`), is
+committed in the indexed form of docs/format.md section 12.1: every tensor whose chunks form an even
 grid (one whole chunk included) is written as its ``grid`` and the rank that
 holds each chunk (a formula where one fits), and the storage entries of its
 chunks go into one index file per holder rank, which the commit writes before
@@ -13,7 +12,7 @@ chunks go into one index file per holder rank, which the commit writes before
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 from hyper_parallel.core.distributed_checkpoint._format.grid_holders import (
     GridHolders,
@@ -34,59 +33,12 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
 from hyper_parallel.core.distributed_checkpoint.storage import WriteResult
 
 __all__ = [
-    "METADATA_FORMS",
-    "AUTO_INDEX_BYTES",
-    "ENTRY_JSON_BYTES",
-    "DIGEST_JSON_BYTES",
-    "check_metadata_form",
-    "wants_index_form",
-    "extra_digests",
     "grid_of",
+    "grid_tensors",
     "build_indexed",
     "index_files",
     "indexed_metadata",
 ]
-
-#: Values of the writers' ``metadata_form`` option.
-METADATA_FORMS = ("auto", "inline", "indexed")
-#: With ``metadata_form="auto"``, a save whose in-line metadata is estimated above this is indexed.
-AUTO_INDEX_BYTES = 64 << 20
-#: Estimated JSON bytes per storage entry and chunk box of the in-line form, its first digest included
-#: (``scripts/bench_metadata.py``).
-ENTRY_JSON_BYTES = 225
-#: JSON bytes of each further checksum digest of an entry (16 hex digits, quotes, comma).
-DIGEST_JSON_BYTES = 19
-
-
-def check_metadata_form(form: object) -> str:
-    """``form`` if it is one of :data:`METADATA_FORMS`. Any rank.
-
-    Raises:
-        CheckpointValueError: anything else (names the choices).
-    """
-    if form not in METADATA_FORMS:
-        raise CheckpointValueError(f"metadata_form must be one of {', '.join(METADATA_FORMS)}; got {form!r}")
-    return form  # type: ignore[return-value]
-
-
-def wants_index_form(form: str, entries: int, extra_digests: int = 0) -> bool:
-    """Whether a save of ``entries`` storage entries commits the indexed form. Coordinator; pure.
-
-    ``extra_digests``: the checksum digests of those entries beyond one per entry (a chunk of many checksum
-    blocks, e.g. a large tensor at one digest per MiB, weighs more in-line than the entry estimate).
-    """
-    if form == "auto":
-        return entries * ENTRY_JSON_BYTES + extra_digests * DIGEST_JSON_BYTES > AUTO_INDEX_BYTES
-    return form == "indexed"
-
-
-def extra_digests(storage: Any) -> int:
-    """The checksum digests of ``storage``'s entries beyond one per entry. Coordinator; pure.
-
-    A tiled chunk's ``flat_digests`` are counted too.
-    """
-    return sum(len(info.checksum.digests) + len(info.checksum.flat_digests) - 1 for info in storage.values()
-               if info.checksum is not None)
 
 
 def grid_of(item: TensorStorageMetadata) -> GridChunks | None:
@@ -111,6 +63,21 @@ def grid_of(item: TensorStorageMetadata) -> GridChunks | None:
     return grid
 
 
+def grid_tensors(metadata: Metadata) -> tuple[dict[str, GridChunks], frozenset[str]]:
+    """The grid of every tensor of ``metadata`` whose chunks form one (metadata order), and the tensors that form
+    none (:func:`grid_of`). Pure."""
+    grids: dict[str, GridChunks] = {}
+    inline: set[str] = set()
+    for fqn, item in metadata.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            grid = grid_of(item)
+            if grid is None:
+                inline.add(fqn)
+            else:
+                grids[fqn] = grid
+    return grids, frozenset(inline)
+
+
 def build_indexed(metadata: Metadata, results: Sequence[Sequence[WriteResult]], *,
                   save_id: str) -> tuple[Metadata, list[tuple[IndexRecord, bytes]]]:
     """The indexed form of a save: its metadata and each holder rank's index file. Coordinator; pure.
@@ -127,12 +94,7 @@ def build_indexed(metadata: Metadata, results: Sequence[Sequence[WriteResult]], 
         The metadata (its ``storage_data`` an :class:`.IndexedStorage` holding every entry) and, for each
         rank that holds a grid chunk, its index record and file bytes.
     """
-    grids: dict[str, GridChunks] = {}
-    for fqn, item in metadata.state_dict_metadata.items():
-        if isinstance(item, TensorStorageMetadata):
-            grid = grid_of(item)
-            if grid is not None:
-                grids[fqn] = grid
+    grids, _ = grid_tensors(metadata)
     holder_lists = {fqn: [-1] * len(grid) for fqn, grid in grids.items()}
     inline: dict[MetadataIndex, StorageInfo] = {}
     per_rank: dict[int, dict[tuple[str, tuple[int, ...]], StorageInfo]] = {}

@@ -27,14 +27,12 @@ planner's ``finalize_plan`` may reorder or filter them.
 
 from __future__ import annotations
 
-import math
-import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from hyper_parallel.core.distributed_checkpoint._format.checksum import digest, flat_count, grid_shape, tile_shape
+from hyper_parallel.core.distributed_checkpoint._format.checksum import digest
 from hyper_parallel.core.distributed_checkpoint._format.grid_holders import (
     GridHolders,
     fit_holders,
@@ -47,31 +45,21 @@ from hyper_parallel.core.distributed_checkpoint._format.rank_index import (
     index_file_name,
 )
 from hyper_parallel.core.distributed_checkpoint._grid_chunks import GridChunks
-from hyper_parallel.core.distributed_checkpoint._index_form import (
-    AUTO_INDEX_BYTES,
-    DIGEST_JSON_BYTES,
-    ENTRY_JSON_BYTES,
-    grid_of,
-    indexed_metadata,
-)
+from hyper_parallel.core.distributed_checkpoint._index_form import grid_tensors, indexed_metadata
 from hyper_parallel.core.distributed_checkpoint._layout_plan import WHOLE, LayoutSavePlan, decode_table, shard_grid
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     Metadata,
     MetadataIndex,
     StorageInfo,
-    TensorStorageMetadata,
 )
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, WriteItemType
 from hyper_parallel.core.distributed_checkpoint.storage import WriteResult
-from hyper_parallel.platform.tensor import DTYPE_NAMES
 
 __all__ = [
     "IndexPlan",
     "RankIndexPlan",
     "RankIndexSummary",
-    "plan_wants_index",
-    "chunk_digests",
     "plan_index",
     "summarise_rank",
     "own_index",
@@ -149,85 +137,6 @@ class RankIndexSummary:
     bytes_written: int
     files: tuple[str, ...]
     inline: tuple[WriteResult, ...]
-
-
-#: The in-line size estimates of the last few plans: ``(metadata, block_bytes, tiles, bytes)``, newest first. A
-#: reused cached plan brings back its metadata object at every save, so its estimate is made once, not per save.
-_ESTIMATES: list[tuple["weakref.ref[Metadata]", int, bool, int]] = []
-_KEPT_ESTIMATES = 4
-
-
-def plan_wants_index(form: str, metadata: Metadata, *, block_bytes: int, tiles: bool = True) -> bool:
-    """Whether the save of ``metadata`` commits the indexed form, decided from the plan. Coordinator; pure.
-
-    ``"auto"`` estimates the in-line size as :func:`._index_form.wants_index_form` does at commit, each
-    chunk's checksum digests counted from its shape as the save will store them (:func:`chunk_digests`;
-    ``tiles``: the writer's ``tile_checksums``). The estimate of a plan's metadata (not changed once the plan
-    is built) is remembered for the next saves of that plan.
-    """
-    if form != "auto":
-        return form == "indexed"
-    for known, block, tiled, estimate in tuple(_ESTIMATES):
-        if known() is metadata and block == block_bytes and tiled == tiles:
-            return estimate > AUTO_INDEX_BYTES
-    estimate = _inline_estimate(metadata, block_bytes=block_bytes, tiles=tiles)
-    _ESTIMATES.insert(0, (weakref.ref(metadata), block_bytes, tiles, estimate))
-    del _ESTIMATES[_KEPT_ESTIMATES:]
-    return estimate > AUTO_INDEX_BYTES
-
-
-def chunk_digests(sizes: tuple[int, ...], itemsize: int, *, block_bytes: int, tiles: bool) -> int:
-    """How many checksum digests a save stores for an uncompressed tensor chunk of ``sizes``. Any rank; pure.
-
-    Its flat blocks (at least one), and, when the chunk gets tiles (``tiles`` and a wide enough chunk of two or
-    more dims, :func:`._format.checksum.tile_shape`), its tiles as well: a tiled chunk lists both
-    (``digests`` and ``flat_digests``, format 2.2).
-    """
-    flat = flat_count(math.prod(sizes) * itemsize, block_bytes)
-    shape = tile_shape(sizes, itemsize, block_bytes) if tiles else ()
-    if not shape:
-        return flat
-    rows, columns = grid_shape(sizes, shape)
-    return flat + rows * columns
-
-
-def _inline_estimate(metadata: Metadata, *, block_bytes: int, tiles: bool) -> int:
-    """Bytes of ``metadata``'s storage entries in the in-line form, estimated from its chunks."""
-    entries = extra = 0
-    counted: dict[tuple[tuple[int, ...], int], int] = {}  # digests of a chunk shape and item size
-    for item in metadata.state_dict_metadata.values():  # runs at a new plan's step: no call a chunk can skip
-        if not isinstance(item, TensorStorageMetadata):
-            entries += 1
-            continue
-        chunks = item.chunks
-        count = len(chunks)
-        entries += count
-        itemsize = DTYPE_NAMES.get(item.properties.dtype, 1)
-        if isinstance(chunks, GridChunks):
-            extra += count * (chunk_digests(tuple(chunks.chunk_sizes), itemsize, block_bytes=block_bytes,
-                                            tiles=tiles) - 1)
-            continue
-        for chunk in chunks:
-            key = (tuple(chunk.sizes), itemsize)
-            digests = counted.get(key)
-            if digests is None:
-                digests = counted[key] = chunk_digests(key[0], itemsize, block_bytes=block_bytes, tiles=tiles)
-            extra += digests - 1
-    return entries * ENTRY_JSON_BYTES + extra * DIGEST_JSON_BYTES
-
-
-def _grids(metadata: Metadata) -> tuple[dict[str, GridChunks], frozenset[str]]:
-    """The grid of every grid tensor (metadata order), and the tensors that are none."""
-    grids: dict[str, GridChunks] = {}
-    inline: set[str] = set()
-    for fqn, item in metadata.state_dict_metadata.items():
-        if isinstance(item, TensorStorageMetadata):
-            grid = grid_of(item)
-            if grid is None:
-                inline.add(fqn)
-            else:
-                grids[fqn] = grid
-    return grids, frozenset(inline)
 
 
 class _Irregular(Exception):
@@ -334,7 +243,7 @@ def plan_index(metadata: Metadata, plans: Sequence[Any], masks: Sequence[bytes] 
         The plan, or ``None`` when some grid chunk is written by no rank (or, without ``replicas``, by several),
         or the plan is not one this function follows: that save commits from its write results.
     """
-    grids, inline = _grids(metadata)
+    grids, inline = grid_tensors(metadata)
     unset = np.iinfo(np.int64).max
     holders = {fqn: np.full(len(grid), unset, dtype=np.int64) for fqn, grid in grids.items()}
 

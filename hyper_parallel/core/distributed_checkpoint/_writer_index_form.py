@@ -21,18 +21,18 @@ from typing import Any
 
 from hyper_parallel.core.distributed_checkpoint._file_ops import FileOps, write_atomically
 from hyper_parallel.core.distributed_checkpoint._format.rank_index import IndexRecord
-from hyper_parallel.core.distributed_checkpoint._index_form import build_indexed, extra_digests, wants_index_form
+from hyper_parallel.core.distributed_checkpoint._index_form import build_indexed
 from hyper_parallel.core.distributed_checkpoint._index_plan import (
     IndexPlan,
     RankIndexSummary,
     check_stored_indexes,
     inline_results,
-    plan_wants_index,
     record_only_metadata,
     summarise_rank,
     with_rank_plans,
 )
 from hyper_parallel.core.distributed_checkpoint._metadata_file import bind_index_files
+from hyper_parallel.core.distributed_checkpoint._metadata_form import extra_digests, plan_wants_index, wants_index_form
 from hyper_parallel.core.distributed_checkpoint._safe_files import read_regular
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointIOError
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex, StorageInfo

@@ -43,7 +43,7 @@ from hyper_parallel.core.distributed_checkpoint._file_ops import (
     fsync_directory,
     write_atomically,
 )
-from hyper_parallel.core.distributed_checkpoint._index_form import check_metadata_form
+from hyper_parallel.core.distributed_checkpoint._metadata_form import check_metadata_form
 from hyper_parallel.core.distributed_checkpoint._index_plan import IndexPlan, RankIndexPlan
 from hyper_parallel.core.distributed_checkpoint._options import check_option
 from hyper_parallel.core.distributed_checkpoint._writer_index_form import MAX_RECORD_BYTES, IndexFormWriting
