@@ -24,8 +24,15 @@ import numpy as np
 from hyper_parallel.core.distributed_checkpoint import api
 from hyper_parallel.core.distributed_checkpoint._load_engine import LoadOptions
 from hyper_parallel.core.distributed_checkpoint._flatten import cell_parameters, flatten_state_dict, set_by_path
-from hyper_parallel.core.distributed_checkpoint._leaf_entry import local_data, unstorable_target
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutSources, cells_in
+from hyper_parallel.core.distributed_checkpoint._ms_name_match import (
+    check_dtypes,
+    every,
+    match_names,
+    selector,
+    shown,
+    stored_names,
+)
 from hyper_parallel.core.distributed_checkpoint._ms_keywords import (LOAD_INSTEAD, SAVE_INSTEAD, check_keywords,
                                                                  warn_file_name)
 from hyper_parallel.core.distributed_checkpoint.errors import (
@@ -36,9 +43,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, TensorStorageMetadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlanner
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardLoadPlanner, StandardSavePlanner
-from hyper_parallel.core.distributed_checkpoint._state_items import plain_dtype_name
 from hyper_parallel.platform.tensor import (
-    dtype_name,
     from_numpy,
     is_cell,
     is_parameter,
@@ -50,7 +55,6 @@ from hyper_parallel.platform.tensor import (
 __all__ = ["save_checkpoint", "load_checkpoint", "LoadedParameters", "mindspore_state_dict"]
 
 _LOG = logging.getLogger(__name__)
-_SHOWN = 10
 
 
 class LoadedParameters(dict):
@@ -163,48 +167,6 @@ _LOAD_KEYWORDS = ("net", "strict_load", "filter_prefix", "specify_prefix", "choi
                   "allow_pickle", "no_dist", "planner", "storage_reader", "strategy_file", "use_collectives")
 
 
-def _prefixes(name: str, prefix: str | Sequence[str] | None) -> tuple[str, ...] | None:
-    if prefix is None:
-        return None
-    prefixes = (prefix,) if isinstance(prefix, str) else prefix
-    if not isinstance(prefixes, (list, tuple)) or not prefixes or not all(
-        isinstance(p, str) and p for p in prefixes
-    ):
-        raise CheckpointValueError(
-            f"{name} must be a non-empty str or a non-empty list of non-empty str, got {prefix!r}")
-    return tuple(prefixes)
-
-
-def _selector(
-    filter_prefix: Any, specify_prefix: Any, choice_func: Callable[[str], bool] | None
-) -> Callable[[str], bool]:
-    """MindSpore's rule: ``specify_prefix`` / ``filter_prefix`` when given (they override ``choice_func``)."""
-    specify = _prefixes("specify_prefix", specify_prefix)
-    exclude = _prefixes("filter_prefix", filter_prefix)
-    if specify is None and exclude is None:
-        if choice_func is None:
-            return _every
-        if not callable(choice_func):
-            raise CheckpointValueError(f"choice_func must be callable (name -> bool), got {type(choice_func).__name__}")
-        return lambda name: bool(choice_func(name))
-    return lambda name: (specify is None or name.startswith(specify)) and not (exclude and name.startswith(exclude))
-
-
-def _every(name: str) -> bool:  # pylint: disable=unused-argument
-    """The selection without filter_prefix / specify_prefix / choice_func: every key."""
-    return True
-
-
-def _stored_names(metadata: Metadata) -> dict[str, str]:
-    """Checkpoint keys, plus the paths saved as aliases of them (a Parameter saved once), each -> its stored key."""
-    keys = list(metadata.state_dict_metadata)
-    names = dict(zip(keys, keys))
-    data = metadata.planner_data
-    if isinstance(data, dict):
-        names.update((alias, key) for alias, key in data.get("aliases", {}).items() if key in names)
-    return names
-
-
 def _as_parameter(name: str, value: Any) -> Any:
     import mindspore as ms  # pylint: disable=import-outside-toplevel
 
@@ -251,103 +213,6 @@ def _zeroed_parameter(fqn: str, shape: tuple[int, ...], dtype: str) -> Any:
     from mindspore.common.initializer import Zero  # pylint: disable=import-outside-toplevel
 
     return ms.Parameter(ms.Tensor(shape=shape, dtype=ms_dtype(dtype), init=Zero()), name=fqn)
-
-
-def _shown(names: list[str]) -> str:
-    more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
-    return ", ".join(f"'{n}'" for n in names[:_SHOWN]) + more
-
-
-def _match(wanted: list[str], stored: dict[str, str], strict_load: bool,
-           select: Callable[[str], bool] = lambda key: True) -> dict[str, str]:
-    """Target name -> checkpoint key (``stored``: every stored name -> its key): exact; else (not strict) through
-    the prefixes the checkpoint adds.
-
-    As MindSpore's ``load_param_into_net`` does for one prefix: a missing name
-    found as the tail of a stored key (of the fewest dots, the shortest) gives a prefix,
-    which is then tried for every missing name; repeated while it finds more
-    (``model.`` for the network and ``optimizer.`` for the moments of a
-    ``dcp.save({"model": net, "optimizer": opt})``). Only keys ``select`` keeps give prefixes, and a key another
-    entry matched already (by its own name first) goes to no second entry: that entry stays unmatched.
-
-    Raises:
-        CheckpointValueError: Two prefixes of as few dots hold the name as two stored tensors (``model.`` and
-            ``ema.``): which copy is meant is not known (names both and the fix).
-    """
-    matched = {name: name for name in wanted if name in stored}
-    if strict_load:
-        return matched
-    # A stored key goes to one net entry: one that another entry already matched (by its own name, or through an
-    # earlier prefix) is not a candidate. Two entries of one key loaded one of them only (one target per key),
-    # and the other, reported loaded, kept its old values.
-    claimed = set(matched.values())
-    tried: set[str] = set()
-    for name in wanted:
-        if name in matched:
-            continue
-        prefixes = {key[: -len(name)] for key in stored
-                    if key.endswith("." + name) and key not in claimed and select(key)} - tried
-        if not prefixes:
-            continue
-        depth = min(prefix.count(".") for prefix in prefixes)
-        nearest = sorted((prefix for prefix in prefixes if prefix.count(".") == depth), key=lambda p: (len(p), p))
-        if len({stored[prefix + name] for prefix in nearest}) > 1:  # copies, not one Parameter saved once
-            raise CheckpointValueError(
-                f"net entry '{name}' is not in the checkpoint under its own name, and it is there under several "
-                f"prefixes ({', '.join(repr(p + name) for p in nearest)}): which copy to load is not known; pass "
-                "specify_prefix (e.g. specify_prefix='" + nearest[0] + "') or filter_prefix to pick one"
-            )
-        prefix = nearest[0]
-        tried.add(prefix)
-        found = {n: prefix + n for n in wanted
-                 if n not in matched and prefix + n in stored and prefix + n not in claimed}
-        claimed.update(found.values())
-        _LOG.warning("load_checkpoint: %d checkpoint keys carry the prefix '%s'; loaded by name without it",
-                     len(found), prefix)
-        matched.update(found)
-    return matched
-
-
-#: The dtypes MindSpore's non-strict ``load_param_into_net`` converts among (its ``_type_convert``): floats
-#: among floats, signed integers among signed integers; any other change of dtype it refuses.
-_CONVERTIBLE = (frozenset({"float16", "float32", "float64", "bfloat16"}),
-                frozenset({"int8", "int16", "int32", "int64"}))
-
-
-def _check_dtypes(pairs: dict[str, str], flat_values: dict[str, Any], metadata: Metadata, stored_names: dict[str, str],
-                  *, strict_load: bool) -> None:
-    """Refuse, before anything is read, the casts MindSpore refuses: any with ``strict_load``, else a change of
-    dtype family (a float checkpoint into an int Parameter was truncated silently). Any rank."""
-    stored_of = metadata.state_dict_metadata
-    for name, key in pairs.items():
-        stored = stored_of.get(stored_names.get(key, key))
-        if not isinstance(stored, TensorStorageMetadata):
-            continue
-        value = flat_values[name]
-        want = plain_dtype_name(value)  # a plain Parameter or array (most targets): its dtype's name, cached
-        if want is None:
-            local = local_data(value)
-            if not (is_tensor(local) or isinstance(local, np.ndarray)):
-                continue
-            refusal = unstorable_target(key, value, stored, target=name)
-            if refusal is not None:  # a dtype no checkpoint holds (float128, complex, structured)
-                raise refusal
-            want = dtype_name(local)
-        have = stored.properties.dtype
-        if have == want:
-            continue
-        if strict_load:
-            raise CheckpointValueError(
-                f"key '{key}': stored as {have}, the target '{name}' is {want}; "
-                "strict_load=True refuses the cast (pass strict_load=False to convert)"
-            )
-        if not any({have, want} <= family for family in _CONVERTIBLE):
-            raise CheckpointValueError(
-                f"key '{key}': stored as {have}, the target '{name}' is {want}: as MindSpore's load_param_into_net, "
-                "load_checkpoint converts only among float dtypes or among signed int dtypes (this one would "
-                "truncate or wrap values); check that the key is meant for this Parameter, or give a target of "
-                "the stored dtype"
-            )
 
 
 def load_checkpoint(
@@ -406,7 +271,7 @@ def load_checkpoint(
     """
     if kwargs:
         check_keywords("load_checkpoint", kwargs, _LOAD_KEYWORDS, LOAD_INSTEAD)
-    select = _selector(filter_prefix, specify_prefix, choice_func)
+    select = selector(filter_prefix, specify_prefix, choice_func)
     planner = kwargs.pop("planner", None) or StandardLoadPlanner(allow_pickle=allow_pickle)
     reader = kwargs.pop("storage_reader", None)
     options = LoadOptions(no_dist=kwargs.pop("no_dist", False), use_collectives=kwargs.pop("use_collectives", True),
@@ -420,7 +285,7 @@ def load_checkpoint(
         if not keys:
             raise CheckpointValueError(
                 f"checkpoint {checkpoint_id}: no key is left after filter_prefix / specify_prefix / choice_func "
-                f"(keys: {_shown(sorted(metadata.state_dict_metadata))}); check the prefixes"
+                f"(keys: {shown(sorted(metadata.state_dict_metadata))}); check the prefixes"
             )
         target = _whole_targets(metadata, keys)
         api.load_opened(target, opened, planner=planner)
@@ -441,30 +306,30 @@ def _load_into(
     metadata = opened.metadata
     state = mindspore_state_dict(net, "net")
     flat = flatten_state_dict(state)
-    stored = _stored_names(metadata)
+    stored = stored_names(metadata)
     wanted = list(map(flat.storage_keys.__getitem__, flat.values))
     by_key = dict(zip(wanted, flat.values))
-    matched = _match(wanted, stored, strict_load, select)
+    matched = match_names(wanted, stored, strict_load, select)
     if not matched:
         raise CheckpointValueError(
             f"checkpoint {checkpoint_id}: no entry of net matches a checkpoint key, nothing would load. "
-            f"net has {_shown(sorted(wanted))}; the checkpoint has {_shown(sorted(metadata.state_dict_metadata))}. "
+            f"net has {shown(sorted(wanted))}; the checkpoint has {shown(sorted(metadata.state_dict_metadata))}. "
             "Load the checkpoint of this network, or map the names (strict_load=False strips one common prefix)"
         )
-    chosen = dict(matched) if select is _every else {key: ck for key, ck in matched.items() if select(ck)}
+    chosen = dict(matched) if select is every else {key: ck for key, ck in matched.items() if select(ck)}
     if not chosen:
         raise CheckpointValueError(
             f"checkpoint {checkpoint_id}: filter_prefix / specify_prefix / choice_func left out every matching key "
-            f"({_shown(sorted(matched.values()))}); check the prefixes"
+            f"({shown(sorted(matched.values()))}); check the prefixes"
         )
     absent = [key for key in wanted if key not in matched]
     if absent and not allow_partial_load:
         raise MissingKeyError(
-            f"checkpoint {checkpoint_id}: net entries {_shown(absent)} are not in the checkpoint "
-            f"({len(matched)} of {len(wanted)} matched, e.g. {_shown(sorted(matched)[:3])}); pass "
+            f"checkpoint {checkpoint_id}: net entries {shown(absent)} are not in the checkpoint "
+            f"({len(matched)} of {len(wanted)} matched, e.g. {shown(sorted(matched)[:3])}); pass "
             "allow_partial_load=True to load the matching ones, or filter_prefix to leave some out"
         )
-    _check_dtypes({by_key[k]: ck for k, ck in chosen.items()}, flat.values, metadata, stored, strict_load=strict_load)
+    check_dtypes({by_key[k]: ck for k, ck in chosen.items()}, flat.values, metadata, stored, strict_load=strict_load)
     targets = {ck: flat.values[by_key[key]] for key, ck in chosen.items()}
     layouts = LayoutSources(opened.options.strategy_file, cells=cells_in(net))
     api.load_opened(targets, replace(opened, options=replace(opened.options, strategy_file=layouts)), planner=planner)
@@ -487,7 +352,7 @@ def _load_into(
     ckpt_not_load = sorted(k for k in metadata.state_dict_metadata if k not in used)
     if param_not_load:
         _LOG.warning("load_checkpoint: %d entries of net are not loaded: %s", len(param_not_load),
-                     _shown(param_not_load))
+                     shown(param_not_load))
     if ckpt_not_load:
-        _LOG.info("load_checkpoint: %d checkpoint keys are not loaded: %s", len(ckpt_not_load), _shown(ckpt_not_load))
+        _LOG.info("load_checkpoint: %d checkpoint keys are not loaded: %s", len(ckpt_not_load), shown(ckpt_not_load))
     return LoadedParameters(loaded, param_not_load, ckpt_not_load)

@@ -113,7 +113,8 @@ class SmallRun:
                              for at in self._copied]
             self._arena = arena
 
-    def copies(self, arena: np.ndarray, arrays: list[np.ndarray]) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[int]]:
+    def copies(self, arena: np.ndarray,
+               arrays: list[np.ndarray]) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[int]]:
         """``(place in arena, source)`` and bytes of each non-empty leaf of ``arrays`` (this run's arrays).
 
         The places are made once per arena.
