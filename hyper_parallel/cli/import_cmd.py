@@ -44,6 +44,7 @@ from hyper_parallel.cli._ms_import import (
     whole_pieces,
 )
 from hyper_parallel.cli._ms_replicas import BoxCopies, ReplicaCheckingWriter
+from hyper_parallel.core.distributed_checkpoint._metadata_file import NEWEST_NOTE, newest_file
 from hyper_parallel.core.distributed_checkpoint.api import save
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointError,
@@ -124,18 +125,13 @@ def _refuse_ckpt_beside(directory: Path, files: list[Path]) -> None:
         model = f"hp-ckpt import {index_path or files[0]} OUT"
     else:
         model = f"move the .ckpt files out of {directory} and import it again"
-    newest = _newest(ckpts)
+    newest = newest_file(ckpts)
     raise CheckpointValueError(
         f"{directory} holds both .safetensors files ({_shown(files)}) and MindSpore .ckpt files ({_shown(ckpts)}); "
         "importing the directory would leave the .ckpt files' tensors out. Name what to import: for the "
         f"safetensors model, {model}; for a .ckpt file, hp-ckpt import {newest} OUT"
-        + (" (the newest; each .ckpt file is a checkpoint of its own)" if len(ckpts) > 1 else "")
+        + (NEWEST_NOTE if len(ckpts) > 1 else "")
     )
-
-
-def _newest(paths: list[Path]) -> Path:
-    """The file written last (``ModelCheckpoint``'s latest step), by modification time, then name."""
-    return max(paths, key=lambda path: (path.stat().st_mtime, path.name))
 
 
 def _shown(paths: list[Path]) -> str:
@@ -224,7 +220,7 @@ def _named_files(directory: Path) -> list[Path]:
 def _nothing_to_import(directory: Path, ckpts: list[Path]) -> CheckpointError:
     """The refusal of a directory with no .safetensors file and not one .ckpt file, naming what it holds."""
     if ckpts:
-        newest = _newest(ckpts)
+        newest = newest_file(ckpts)
         return CheckpointValueError(
             f"{directory} holds {len(ckpts)} MindSpore .ckpt files ({_shown(ckpts)}) and no .safetensors file: each .ckpt "
             f"file is a whole checkpoint of its own (ModelCheckpoint writes one per save), so import one file: "

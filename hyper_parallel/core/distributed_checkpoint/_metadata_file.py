@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import mmap
 import os
-import re
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence, TypeVar
 
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import MAX_METADATA_BYTES, metadata_from_json
-from hyper_parallel.core.distributed_checkpoint._commit_cleanup import committed_save_id
+from hyper_parallel.core.distributed_checkpoint._commit_cleanup import DATA_FILE_PATTERN, committed_save_id
 from hyper_parallel.core.distributed_checkpoint._format.deferred_storage import DecodedMetadata
 from hyper_parallel.core.distributed_checkpoint._format.indexed_storage import IndexedStorage
 from hyper_parallel.core.distributed_checkpoint._format.rank_index import MAX_INDEX_BYTES
@@ -25,9 +24,8 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
 )
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 
-__all__ = ["MAX_METADATA_BYTES", "IndexFiles", "bind_index_files", "mindspore_files", "not_a_directory",
-           "rank_local_names",
-           "read_committed_metadata", "read_index_file", "uncommitted_message"]
+__all__ = ["MAX_METADATA_BYTES", "NEWEST_NOTE", "IndexFiles", "bind_index_files", "mindspore_files", "newest_file",
+           "not_a_directory", "rank_local_names", "read_committed_metadata", "read_index_file", "uncommitted_message"]
 
 _ANONYMOUS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
 #: Metadata files smaller than this are read into a bytearray, larger ones into an anonymous map.
@@ -54,8 +52,14 @@ def _committed_subdirectories(path: Path, metadata_file: str) -> list[str]:
     return [name for name in entries if (path / name / metadata_file).is_file()]
 
 
-#: A data file of ours: ``r<rank>_<counter>.<save id>.safetensors`` (a save that did not commit leaves them).
-_OUR_DATA_FILE = re.compile(r"r\d+_\d+\.[0-9a-f]+\.safetensors")
+#: Said after the command importing the newest of several ``.ckpt`` files (:func:`newest_file`).
+NEWEST_NOTE = " (the newest; each .ckpt file is a checkpoint of its own)"
+_File = TypeVar("_File", Path, os.DirEntry)
+
+
+def newest_file(files: Sequence[_File]) -> _File:
+    """The file of ``files`` written last (``ModelCheckpoint``'s latest step): by modification time, then name."""
+    return max(files, key=lambda file: (file.stat().st_mtime, file.name))
 
 
 def mindspore_files(path: Path) -> list[str]:
@@ -68,7 +72,7 @@ def mindspore_files(path: Path) -> list[str]:
             if entry.name.startswith("rank_") and entry.is_dir():
                 found.extend(f"{entry.name}/{name}" for name in sorted(os.listdir(entry.path))
                              if name.endswith((".ckpt", ".safetensors")))
-            elif entry.name.endswith((".ckpt", ".safetensors")) and not _OUR_DATA_FILE.fullmatch(entry.name):
+            elif entry.name.endswith((".ckpt", ".safetensors")) and not DATA_FILE_PATTERN.match(entry.name):
                 found.append(entry.name)
             if len(found) >= 3:
                 break
@@ -83,15 +87,14 @@ def _flat_import(path: Path) -> str:
     several (each is a checkpoint of its own: ModelCheckpoint writes one per save)."""
     try:
         files = [entry for entry in sorted(os.scandir(path), key=lambda e: e.name)[:1000]
-                 if entry.name.endswith((".ckpt", ".safetensors")) and not _OUR_DATA_FILE.fullmatch(entry.name)]
+                 if entry.name.endswith((".ckpt", ".safetensors")) and not DATA_FILE_PATTERN.match(entry.name)]
         ckpts = [entry for entry in files if entry.name.endswith(".ckpt")]
         if len(files) > len(ckpts) or not ckpts:
             return f"`hp-ckpt import {path} OUT_DIR`"
-        newest = max(ckpts, key=lambda entry: (entry.stat().st_mtime, entry.name))
+        newest = newest_file(ckpts)
     except OSError:
         return f"`hp-ckpt import {path} OUT_DIR`"
-    return f"`hp-ckpt import {path / newest.name} OUT_DIR`" + (
-        " (the newest; each .ckpt file is a checkpoint of its own)" if len(ckpts) > 1 else "")
+    return f"`hp-ckpt import {path / newest.name} OUT_DIR`" + (NEWEST_NOTE if len(ckpts) > 1 else "")
 
 
 def _rank_local_metadata(path: Path, metadata_file: str) -> list[str]:
