@@ -74,6 +74,9 @@ def test_content_above_the_chunk_size_is_split_and_joined(tmp_path, monkeypatch)
     assert len(file.entries["net.w"].segments) == 3  # 140 bytes in 48-byte values
     for name, tensor in tensors.items():
         assert loaded[name].asnumpy().tobytes() == tensor.asnumpy().tobytes() == file.raw(name).tobytes()
+    # Sample windows of the content (the import's replica samples), across the values' boundaries.
+    whole = tensors["net.w"].asnumpy().tobytes()
+    assert file.peek("net.w", (0, 40, 90, 130), 10) == whole[0:10] + whole[40:50] + whole[90:100] + whole[130:140]
 
 
 def test_safetensors_written_and_read(tmp_path):

@@ -250,6 +250,32 @@ class MsFile:
                 self.crc.read(offset, part)
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
+    def peek(self, name: str, starts: tuple[int, ...], length: int) -> bytes:
+        """Return the ``length`` bytes of ``name``'s content at each of ``starts`` (positions in the content), joined.
+
+        Only the pages of these bytes are read (announced together, so the
+        device reads them at once); the content is not announced and its crc
+        not accounted: what peeks at a copy reads it whole later (``raw``),
+        from the page cache for the pages read here.
+        """
+        entry = self.entries[name]
+        wanted = []  # (file offset, length) of every window's part, in order
+        for start in starts:
+            at, left = start, length
+            for offset, size in entry.segments:
+                if at < size and left:
+                    take = min(left, size - at)
+                    wanted.append((offset + at, take))
+                    left -= take
+                    at = 0
+                else:
+                    at -= size
+        if hasattr(mmap, "MADV_WILLNEED"):
+            for offset, size in wanted:
+                first = offset - offset % mmap.PAGESIZE
+                self._map.madvise(mmap.MADV_WILLNEED, first, offset + size - first)
+        return b"".join(self._map[offset:offset + size] for offset, size in wanted)
+
     def check_crc_except(self, names: set[str]) -> None:
         """Read, for the stored crc only, every content not of ``names`` and not read yet. Single process.
 

@@ -7,10 +7,11 @@ distinct box once, as a chunk of the global tensor, mapped straight from the
 rank file that holds it (the lowest such rank): each stored byte is written
 from there, and memory holds no tensor. The other ranks' copies of a box (its
 replicas) are read once, to compare their digests with the stored copy's:
-while the import is planned for a small box, as it is written for a larger
-one (:mod:`._ms_replicas`; ``--no-check-replicas`` turns that off): copies
-that differ are refused, naming the ranks (a strategy that is not the job's,
-or rank files of different steps). MindSpore's
+while the import is planned for a small box, by sample pages there and whole
+as it is written for a larger one (:mod:`._ms_replicas`;
+``--no-check-replicas`` turns that off): copies that differ are refused,
+naming the ranks and files (a strategy that is not the job's, or rank files
+of different steps). MindSpore's
 ``transform_checkpoints`` takes each destination rank's copy from its own
 source rank, so differing copies have no one meaning there either.
 
@@ -32,7 +33,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from hyper_parallel.cli._ms_files import STRING_DTYPE, MsEntry, MsFile, ReadBudget
-from hyper_parallel.cli._ms_replicas import BoxCopies, box_copies, check_small_copies
+from hyper_parallel.cli._ms_replicas import BoxCopies, box_copies, check_copies_while_planning
 from hyper_parallel.core.distributed_checkpoint._format.checksum import digest
 from hyper_parallel.core.distributed_checkpoint._format.cover import check_exact_cover
 from hyper_parallel.core.distributed_checkpoint._global_plan import build_global_save_plan
@@ -148,7 +149,7 @@ def _layout_pieces(
     _check_cover(name, global_shape, list(pieces.values()), layouts, files)
     replicas = [box_copies(name, offsets, global_shape, ranks, files, listed=True)
                 for offsets, ranks in copies.items() if check_replicas and len(ranks) > 1]
-    return list(pieces.values()), check_small_copies(replicas)
+    return list(pieces.values()), check_copies_while_planning(replicas)
 
 
 def _check_cover(
@@ -190,7 +191,7 @@ def _whole_piece(name: str, files: Mapping[int, MsFile]) -> SourcePiece:
             )
     offsets = (0,) * len(first.shape)
     if len(holders) > 1:
-        check_small_copies([box_copies(name, offsets, first.shape, holders, files, listed=False)])
+        check_copies_while_planning([box_copies(name, offsets, first.shape, holders, files, listed=False)])
     return SourcePiece(name, files[holders[0]], first, offsets, first.shape)
 
 
@@ -220,15 +221,16 @@ def plan_rank_import(
         the other copies of the stored boxes larger than
         :data:`~hyper_parallel.cli._ms_replicas.PLAN_CHECK_BYTES` the strategy
         gives several ranks (``check_replicas``), read here (each once) to be
-        compared with the stored copies as they are written
+        compared whole with the stored copies as they are written
         (:class:`~hyper_parallel.cli._ms_replicas.ReplicaCheckingWriter`). The
         copies of the smaller boxes and of the tensors the strategy does not
-        list are compared here.
+        list are compared here, those of the larger boxes by sample pages.
 
     Raises:
         LayoutError: a slice shape or dtype that contradicts the strategy, a
             tensor absent from the strategy that differs between ranks, or
-            (``check_replicas``) copies of a box of at most ``PLAN_CHECK_BYTES`` that differ.
+            (``check_replicas``) copies of a box that differ: of at most
+            ``PLAN_CHECK_BYTES``, or of a larger box in its sample pages or between copies not stored.
         CheckpointNotFoundError: slices of a parameter are missing (names the ranks).
         CheckpointValueError: a rank directory beyond the strategy's ranks.
     """

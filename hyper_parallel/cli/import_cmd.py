@@ -372,7 +372,9 @@ def import_checkpoint(
         show_progress: Progress bars on stderr; ``None``: only on a terminal.
         check_replicas: Compare every replica of a slice the strategy lists
             with the stored copy (reads each replica once); copies that
-            differ are refused naming the parameter and ranks. ``False``
+            differ are refused naming the parameter, ranks and files (before
+            a byte is written, unless a large slice's copies differ only off
+            the 16 pages sampled while planning). ``False``
             reads only the stored copies. A tensor the strategy does not
             list is compared in any case.
 
@@ -384,7 +386,7 @@ def import_checkpoint(
         CheckpointValueError: per-rank files without a strategy, or a strategy without them.
         CheckpointError: the source is missing, unsupported, malformed, or
             contradicts the strategy (names the parameter, rank and file).
-        LayoutError: replicas of a slice differ (names the parameter, box and ranks).
+        LayoutError: replicas of a slice differ (names the parameter, box, ranks and files).
     """
     src_path, out_path = Path(os.fspath(src)), Path(os.fspath(out))
     _check_out(src_path, out_path)
