@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper, collectives_on
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
+from hyper_parallel.core.distributed_checkpoint._options import seconds_from_env
 from hyper_parallel.core.distributed_checkpoint.manager import CheckpointManager
 
 __all__ = [
@@ -76,17 +76,8 @@ def breakpoint_timeout() -> float:
     Raises:
         CheckpointValueError: Not a positive number.
     """
-    text = os.environ.get(BREAKPOINT_TIMEOUT_ENV, "").strip()
-    if not text:
-        return DEFAULT_BREAKPOINT_TIMEOUT
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise CheckpointValueError(f"{BREAKPOINT_TIMEOUT_ENV}={text!r} is not a positive number of seconds; set "
-                                   "e.g. 60")
-    return seconds
+    seconds = seconds_from_env(BREAKPOINT_TIMEOUT_ENV, DEFAULT_BREAKPOINT_TIMEOUT, example=60, zero_waits_forever=False)
+    return DEFAULT_BREAKPOINT_TIMEOUT if seconds is None else seconds  # (never None without zero_waits_forever)
 
 
 def arrival_problem(found: list[Any], timeout: float) -> str | None:

@@ -22,7 +22,6 @@ process fails at once, since the abandoned gather still holds the channel.
 
 from __future__ import annotations
 
-import os
 import pickle
 import threading
 import traceback
@@ -31,11 +30,8 @@ from typing import Any, Callable, TypeVar
 
 from hyper_parallel import platform
 from hyper_parallel.core.distributed_checkpoint import errors
-from hyper_parallel.core.distributed_checkpoint.errors import (
-    CheckpointValueError,
-    CollectiveStepError,
-    CollectiveTimeoutError,
-)
+from hyper_parallel.core.distributed_checkpoint._options import seconds_from_env
+from hyper_parallel.core.distributed_checkpoint.errors import CollectiveStepError, CollectiveTimeoutError
 
 __all__ = [
     "COLLECTIVE_TIMEOUT_ENV",
@@ -139,16 +135,7 @@ def collective_timeout() -> float | None:
     Raises:
         CheckpointValueError: ``HP_CKPT_COLLECTIVE_TIMEOUT`` is not a number.
     """
-    text = os.environ.get(COLLECTIVE_TIMEOUT_ENV, "").strip()
-    if not text:
-        return DEFAULT_COLLECTIVE_TIMEOUT
-    try:
-        seconds = float(text)
-    except ValueError as exc:
-        raise CheckpointValueError(
-            f"{COLLECTIVE_TIMEOUT_ENV}={text!r} is not a number of seconds; set e.g. 600, or 0 to wait forever"
-        ) from exc
-    return seconds if seconds > 0 else None
+    return seconds_from_env(COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT, example=600, zero_waits_forever=True)
 
 
 def _gather_within(payload: Any, *, step: str, rank: int, timeout: float | None) -> list[Any]:
