@@ -66,7 +66,7 @@ def test_the_keywords_taken_are_those_of_dcp_save_and_load():
     """The lists in the messages follow dcp.save / dcp.load and the one-liners' own signatures."""
     def named(function):
         return {name for name, p in inspect.signature(function).parameters.items()
-                if p.kind is not inspect.Parameter.VAR_KEYWORD}
+                if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)}
 
     assert set(_one_line._SAVE_KEYWORDS) == (named(api.save) | named(_one_line.save_checkpoint) | {"allow_pickle"}) - {
         "state_dict", "checkpoint_id", "save_obj"}
@@ -147,3 +147,95 @@ def test_a_save_to_a_directory_name_does_not_warn(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         hyper_parallel.save_checkpoint({"w": np.ones(2, np.float32)}, tmp_path / "step_1")
     assert not [r for r in caplog.records if "named like a MindSpore" in r.getMessage()]
+
+
+def test_mindspore_s_positional_order_is_named_argument_by_argument(tmp_path):
+    """MindSpore's own positional order, by habit: Python's bare 'takes 2 positional arguments but 5 were given'
+    said neither which argument nor what to do. Each is named by its MindSpore parameter, with the fix."""
+    net = nn.Dense(2, 2)
+    with pytest.raises(TypeError) as info:
+        hyper_parallel.save_checkpoint(net, tmp_path / "c", True, False, {"epoch": 1})
+    assert str(info.value).startswith(
+        "save_checkpoint() takes only save_obj and checkpoint_id positionally, the rest by keyword; in "
+        "mindspore.save_checkpoint's order the arguments given are: integrated_save=True: not needed: every rank "
+        "saves its own shards"), info.value
+    assert str(info.value).endswith("; append_dict={'epoch': 1}: pass it by keyword (append_dict=...)"), info.value
+    assert "async_save=False: save in the background with" in str(info.value)
+    assert not (tmp_path / "c").exists()
+    hyper_parallel.save_checkpoint(net, tmp_path / "c")
+    with pytest.raises(TypeError) as info:
+        hyper_parallel.load_checkpoint(tmp_path / "c", net, True, None, b"key", "AES-GCM", None, None, False, False,
+                                       "ckpt", 1)
+    message = str(info.value)
+    assert message.startswith(
+        "load_checkpoint() takes only checkpoint_id and net positionally, the rest by keyword; in "
+        "mindspore.load_checkpoint's order the arguments given are: strict_load=True: pass it by keyword "
+        "(strict_load=...); filter_prefix=None: pass it by keyword (filter_prefix=...); dec_key=b'key': "
+        "hyper_parallel checkpoints are not encrypted"), message
+    assert message.endswith("; 1 more than mindspore.load_checkpoint takes"), message
+    # The positions are MindSpore's own.
+    from hyper_parallel.core.distributed_checkpoint._ms_keywords import CALLBACK_POSITIONS, LOAD_POSITIONS, \
+        SAVE_POSITIONS
+    assert ("save_obj", "ckpt_file_name", *SAVE_POSITIONS, "kwargs") == tuple(
+        inspect.signature(ms.save_checkpoint).parameters)
+    assert ("ckpt_file_name", "net", *LOAD_POSITIONS) == tuple(inspect.signature(ms.load_checkpoint).parameters)
+    assert ("self", *CALLBACK_POSITIONS) == tuple(inspect.signature(ms.train.ModelCheckpoint.__init__).parameters)
+
+
+def test_model_checkpoint_s_positional_order_names_prefix_directory_and_config(tmp_path):
+    config = ms.train.CheckpointConfig(save_checkpoint_steps=10, keep_checkpoint_max=3)
+    with pytest.raises(TypeError) as info:
+        hyper_parallel.CheckpointCallback("net", str(tmp_path / "ckpt"), config)
+    assert str(info.value) == (
+        "CheckpointCallback() takes only directory positionally, the rest by keyword; in "
+        "mindspore.train.ModelCheckpoint's order the arguments given are: prefix='net': steps are saved as "
+        f"directory/step_<n>; drop it (give each run a directory of its own); directory='{tmp_path / 'ckpt'}': pass "
+        "it as the first argument; config=<CheckpointConfig>: pass its settings as keywords: "
+        "CheckpointCallback(directory, save_checkpoint_steps=10, keep_checkpoint_max=3, async_save=False, "
+        "exception_save=False) (append_info= as in CheckpointConfig)")
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "net").exists()
+    with pytest.raises(hyper_parallel.core.distributed_checkpoint.CheckpointValueError) as info:
+        hyper_parallel.CheckpointCallback(None)
+    assert str(info.value) == (
+        "CheckpointCallback() got directory=None: pass the directory its steps are saved under (ModelCheckpoint's "
+        "directory=None means the current directory; name it: CheckpointCallback('.'))")
+
+
+def test_a_missing_or_swapped_checkpoint_id_names_the_function_called(tmp_path):
+    """load_checkpoint(None) said 'load needs a checkpoint_id', naming dcp.load; a Cell where the id goes printed
+    the whole network's repr as a path."""
+    net = nn.Dense(2, 2)
+    errors = hyper_parallel.core.distributed_checkpoint
+    cases = [
+        (lambda: hyper_parallel.load_checkpoint(None, net), "load_checkpoint() got checkpoint_id=None: pass the "
+         "checkpoint directory (a path, or an s3:// URL), or a storage_reader"),
+        (lambda: hyper_parallel.save_checkpoint(net, None), "save_checkpoint() got checkpoint_id=None: pass the "
+         "checkpoint directory (a path, or an s3:// URL), or a storage_writer"),
+        (lambda: hyper_parallel.load_checkpoint(net, tmp_path / "c"), "load_checkpoint() got a Dense (a Cell) as "
+         "checkpoint_id: the arguments go in the order load_checkpoint(checkpoint_id, net), as in "
+         "mindspore.load_checkpoint"),
+        (lambda: hyper_parallel.save_checkpoint(tmp_path / "c", net), "save_checkpoint() got a Dense (a Cell) as "
+         "checkpoint_id: the arguments go in the order save_checkpoint(save_obj, checkpoint_id), as in "
+         "mindspore.save_checkpoint"),
+    ]
+    for call, message in cases:
+        with pytest.raises(errors.CheckpointValueError) as info:
+            call()
+        assert str(info.value) == message
+    assert not (tmp_path / "c").exists()
+    # A storage given instead of the id is taken.
+    hyper_parallel.save_checkpoint(net, None, storage_writer=errors.FileSystemWriter(tmp_path / "c"))
+    loaded = hyper_parallel.load_checkpoint(None, storage_reader=errors.FileSystemReader(tmp_path / "c"))
+    assert np.array_equal(loaded["weight"].asnumpy(), net.weight.asnumpy())
+
+
+def test_the_crc_check_advice_says_what_the_checksums_cover():
+    """The advice said every file carries checksums; the format makes them optional (docs/format.md, section 6)."""
+    with pytest.raises(TypeError) as info:
+        hyper_parallel.load_checkpoint("unused", crc_check=True)
+    assert str(info.value) == (
+        "load_checkpoint(): crc_check= (a keyword of mindspore.load_checkpoint) is not supported by "
+        "hyper_parallel.load_checkpoint: not needed: a save stores a checksum of every block it writes, and a load "
+        "verifies the checksums stored (unless its storage_reader was made with verify_checksums=False; an item "
+        "stored without one, which the format allows, is read unverified: `hp-ckpt verify CKPT` checks a whole "
+        "checkpoint and counts such items); drop it")

@@ -1,9 +1,12 @@
-"""The keywords of MindSpore's ``save_checkpoint`` / ``load_checkpoint`` / ``ModelCheckpoint`` not taken here.
+"""The arguments of MindSpore's ``save_checkpoint`` / ``load_checkpoint`` / ``ModelCheckpoint`` not taken here.
 
 A MindSpore user passes them out of habit to ``save_checkpoint``,
-``load_checkpoint`` or ``CheckpointCallback``; the refusal names the function the
-user called (not the ``dcp.save`` / ``dcp.load`` it calls) and says what to do
-instead. Any other unknown keyword is refused naming the keywords that are taken.
+``load_checkpoint`` or ``CheckpointCallback``, by keyword or in MindSpore's
+positional order; the refusal names the function the user called (not the
+``dcp.save`` / ``dcp.load`` it calls), each argument by the MindSpore name its
+position has there, and says what to do instead. Any other unknown keyword is
+refused naming the keywords that are taken; a missing checkpoint id (``None``)
+or a Cell where the id goes (arguments swapped) is refused naming the function.
 A checkpoint id named like a MindSpore file (``net.ckpt``) is warned about: the
 save writes a directory there, which ``mindspore.load_checkpoint`` cannot read.
 """
@@ -14,7 +17,10 @@ import logging
 import os
 from typing import Any, Iterable, Mapping
 
-__all__ = ["CALLBACK_INSTEAD", "LOAD_INSTEAD", "SAVE_INSTEAD", "check_keywords", "warn_file_name"]
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
+
+__all__ = ["CALLBACK_INSTEAD", "CALLBACK_POSITIONS", "LOAD_INSTEAD", "LOAD_POSITIONS", "SAVE_INSTEAD",
+           "SAVE_POSITIONS", "check_checkpoint_id", "check_keywords", "check_positional", "warn_file_name"]
 
 _LOG = logging.getLogger(__name__)
 _WARNED: set[str] = set()
@@ -28,8 +34,9 @@ _ENCRYPTION_LOAD = (
     "file is read with mindspore.load_checkpoint(FILE, dec_key=...))"
 )
 _CHECKSUMS = (
-    "not needed: every file carries checksums of its bytes, checked on each load (`hp-ckpt verify CKPT` checks a "
-    "whole checkpoint); drop it"
+    "not needed: a save stores a checksum of every block it writes, and a load verifies the checksums stored "
+    "(unless its storage_reader was made with verify_checksums=False; an item stored without one, which the format "
+    "allows, is read unverified: `hp-ckpt verify CKPT` checks a whole checkpoint and counts such items); drop it"
 )
 
 #: MindSpore keyword -> what to do instead, for ``save_checkpoint``.
@@ -97,6 +104,82 @@ CALLBACK_INSTEAD: dict[str, Any] = {
     "saved_network": "the callback saves the network Model.train trains and its optimizer; drop it",
     "remove_redundancy": "a save stores each replicated Parameter once already; drop it",
 }
+
+
+#: The parameters of ``mindspore.save_checkpoint`` after ``save_obj, ckpt_file_name``, in order.
+SAVE_POSITIONS = ("integrated_save", "async_save", "append_dict", "enc_key", "enc_mode", "choice_func", "crc_check",
+                  "format")
+#: The parameters of ``mindspore.load_checkpoint`` after ``ckpt_file_name, net``, in order.
+LOAD_POSITIONS = ("strict_load", "filter_prefix", "dec_key", "dec_mode", "specify_prefix", "choice_func", "crc_check",
+                  "remove_redundancy", "format")
+#: The parameters of ``mindspore.train.ModelCheckpoint``, in order (all of them: its first is not a directory).
+CALLBACK_POSITIONS = ("prefix", "directory", "config")
+
+
+def _short(value: Any) -> str:
+    """``value`` for a message: a path or plain value as it is, any other of a long repr (a Cell) by its type."""
+    text = repr(os.fspath(value) if isinstance(value, os.PathLike) else value)
+    plain = isinstance(value, (str, bytes, int, float, os.PathLike)) or value is None
+    return text if (plain or len(text) <= 60) and "\n" not in text else f"<{type(value).__name__}>"
+
+
+def check_positional(function: str, taken: tuple[str, ...], extra: tuple[Any, ...], names: tuple[str, ...],
+                     accepted: Iterable[str], instead: dict[str, Any], *, origin: str | None = None) -> None:
+    """Refuse the positional arguments ``extra`` that ``function`` does not take (it takes ``taken``), naming each
+    by the parameter its position has in MindSpore's API (``names``) and saying what to do instead. Any rank; no
+    communication.
+
+    Args:
+        function: The name the user called (``"save_checkpoint"``).
+        taken: The parameters ``function`` takes positionally.
+        extra: The positional arguments past ``taken`` (or, for ``names`` that cover every position, all of them).
+        names: The MindSpore parameters these positions are, in order.
+        accepted: The keywords ``function`` takes (those of ``names`` among them are to be passed by keyword).
+        instead: MindSpore parameters not taken, each with what to do instead (a str, or a function of the value).
+        origin: The MindSpore API (default ``mindspore.<function>``).
+
+    Raises:
+        TypeError: when ``extra`` is not empty.
+    """
+    if not extra:
+        return
+    origin = origin or f"mindspore.{function}"
+    keywords = set(accepted)
+    lines = []
+    for name, value in zip(names, extra):
+        if name in taken:
+            lines.append(f"{name}={_short(value)}: pass it as the first argument")
+        elif name in keywords:
+            lines.append(f"{name}={_short(value)}: pass it by keyword ({name}=...)")
+        else:
+            advice = instead[name]
+            lines.append(f"{name}={_short(value)}: {advice(value) if callable(advice) else advice}")
+    if len(extra) > len(names):
+        lines.append(f"{len(extra) - len(names)} more than {origin} takes")
+    raise TypeError(
+        f"{function}() takes only {' and '.join(taken)} positionally, the rest by keyword; in {origin}'s order "
+        "the arguments given are: " + "; ".join(lines)
+    )
+
+
+def check_checkpoint_id(function: str, checkpoint_id: Any, storage: Any, kind: str) -> None:
+    """Refuse a missing checkpoint id (``None`` and no ``kind`` storage) or a Cell given as the id, naming
+    ``function``. Any rank; no communication.
+
+    Raises:
+        CheckpointValueError: as said.
+    """
+    if checkpoint_id is None and storage is None:
+        raise CheckpointValueError(
+            f"{function}() got checkpoint_id=None: pass the checkpoint directory (a path, or an s3:// URL), or a "
+            f"{kind}"
+        )
+    if hasattr(checkpoint_id, "parameters_dict"):
+        order = "save_obj, checkpoint_id" if function == "save_checkpoint" else "checkpoint_id, net"
+        raise CheckpointValueError(
+            f"{function}() got a {type(checkpoint_id).__name__} (a Cell) as checkpoint_id: the arguments go in the "
+            f"order {function}({order}), as in mindspore.{function}"
+        )
 
 
 def check_keywords(function: str, given: Mapping[str, Any], accepted: Iterable[str], instead: dict[str, Any], *,

@@ -33,8 +33,16 @@ from hyper_parallel.core.distributed_checkpoint._ms_name_match import (
     shown,
     stored_names,
 )
-from hyper_parallel.core.distributed_checkpoint._ms_keywords import (LOAD_INSTEAD, SAVE_INSTEAD, check_keywords,
-                                                                 warn_file_name)
+from hyper_parallel.core.distributed_checkpoint._ms_keywords import (
+    LOAD_INSTEAD,
+    LOAD_POSITIONS,
+    SAVE_INSTEAD,
+    SAVE_POSITIONS,
+    check_checkpoint_id,
+    check_keywords,
+    check_positional,
+    warn_file_name,
+)
 from hyper_parallel.core.distributed_checkpoint.errors import (
     CheckpointValueError,
     MissingKeyError,
@@ -115,8 +123,8 @@ def mindspore_state_dict(obj: Any, what: str = "save_obj") -> dict[str, Any]:
     return out
 
 
-def save_checkpoint(save_obj: Any, checkpoint_id: Any, *, append_dict: dict[str, Any] | None = None,
-                    **kwargs: Any) -> Any:
+def save_checkpoint(save_obj: Any, checkpoint_id: Any, *mindspore_positional: Any,
+                    append_dict: dict[str, Any] | None = None, **kwargs: Any) -> Any:
     """Save a Cell's parameters or a state dict under MindSpore's names. All ranks call it.
 
     ``save_checkpoint(net, path)`` stores the keys ``mindspore.save_checkpoint(net)``
@@ -128,6 +136,9 @@ def save_checkpoint(save_obj: Any, checkpoint_id: Any, *, append_dict: dict[str,
         save_obj: A ``mindspore.nn.Cell`` or a state dict (top-level Cells stand
             for their Parameters under their own names).
         checkpoint_id: The checkpoint directory.
+        *mindspore_positional: None taken: the arguments of
+            ``mindspore.save_checkpoint`` after its first two are refused, each
+            named, saying what to do instead (``append_dict`` by keyword).
         append_dict: Extra plain values to store beside the Parameters (as
             MindSpore's ``append_dict``).
         **kwargs: ``allow_pickle`` and any argument of ``dcp.save``
@@ -138,13 +149,17 @@ def save_checkpoint(save_obj: Any, checkpoint_id: Any, *, append_dict: dict[str,
         The committed metadata.
 
     Raises:
-        CheckpointValueError: ``save_obj`` is not a Cell or dict, or an
-            ``append_dict`` key clashes with a Parameter name.
-        TypeError: A keyword it does not take (one of ``mindspore.save_checkpoint``'s
-            says what to do instead).
+        CheckpointValueError: ``save_obj`` is not a Cell or dict, an
+            ``append_dict`` key clashes with a Parameter name, or
+            ``checkpoint_id`` is None (without ``storage_writer``) or a Cell.
+        TypeError: A keyword it does not take or a third positional argument
+            (one of ``mindspore.save_checkpoint``'s says what to do instead).
     """
+    check_positional("save_checkpoint", ("save_obj", "checkpoint_id"), mindspore_positional, SAVE_POSITIONS,
+                     _SAVE_KEYWORDS, SAVE_INSTEAD)
     if kwargs:
         check_keywords("save_checkpoint", kwargs, _SAVE_KEYWORDS, SAVE_INSTEAD)
+    check_checkpoint_id("save_checkpoint", checkpoint_id, kwargs.get("storage_writer"), "storage_writer")
     warn_file_name(checkpoint_id)
     state = mindspore_state_dict(save_obj)
     for key, value in (append_dict or {}).items():
@@ -218,7 +233,7 @@ def _zeroed_parameter(fqn: str, shape: tuple[int, ...], dtype: str) -> Any:
 def load_checkpoint(
     checkpoint_id: Any,
     net: Any = None,
-    *,
+    *mindspore_positional: Any,
     strict_load: bool = False,
     filter_prefix: str | Sequence[str] | None = None,
     specify_prefix: str | Sequence[str] | None = None,
@@ -233,6 +248,9 @@ def load_checkpoint(
         checkpoint_id: The checkpoint directory.
         net: A Cell or state dict to load into in place (resharded to its
             layout); ``None`` to get the whole checkpoint back.
+        *mindspore_positional: None taken: the arguments of
+            ``mindspore.load_checkpoint`` after its first two are refused, each
+            named, saying what to do instead (``strict_load``... by keyword).
         strict_load: Match names exactly and refuse dtype casts. Otherwise a
             ``net`` name missing from the checkpoint is also looked up with the
             one prefix the checkpoint adds (``model.`` of a ``{"model": net}``
@@ -261,16 +279,20 @@ def load_checkpoint(
         list what was not loaded (both are also logged).
 
     Raises:
-        CheckpointValueError: Nothing left to load after the selection, or no
-            ``net`` entry matches any checkpoint key (both lists shown).
-        TypeError: A keyword it does not take (one of ``mindspore.load_checkpoint``'s
-            says what to do instead).
+        CheckpointValueError: Nothing left to load after the selection, no
+            ``net`` entry matches any checkpoint key (both lists shown), or
+            ``checkpoint_id`` is None (without ``storage_reader``) or a Cell.
+        TypeError: A keyword it does not take or a third positional argument
+            (one of ``mindspore.load_checkpoint``'s says what to do instead).
         MissingKeyError: Some ``net`` entries are not in the checkpoint (unless
             ``allow_partial_load``).
         CheckpointError: As :func:`load`.
     """
+    check_positional("load_checkpoint", ("checkpoint_id", "net"), mindspore_positional, LOAD_POSITIONS,
+                     _LOAD_KEYWORDS, LOAD_INSTEAD)
     if kwargs:
         check_keywords("load_checkpoint", kwargs, _LOAD_KEYWORDS, LOAD_INSTEAD)
+    check_checkpoint_id("load_checkpoint", checkpoint_id, kwargs.get("storage_reader"), "storage_reader")
     select = selector(filter_prefix, specify_prefix, choice_func)
     planner = kwargs.pop("planner", None) or StandardLoadPlanner(allow_pickle=allow_pickle)
     reader = kwargs.pop("storage_reader", None)

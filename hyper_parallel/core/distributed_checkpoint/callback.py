@@ -55,7 +55,12 @@ from hyper_parallel.core.distributed_checkpoint._breakpoint_steps import (
 from hyper_parallel.core.distributed_checkpoint._collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint._metadata_file import mindspore_files
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutSources, cells_in
-from hyper_parallel.core.distributed_checkpoint._ms_keywords import CALLBACK_INSTEAD, check_keywords
+from hyper_parallel.core.distributed_checkpoint._ms_keywords import (
+    CALLBACK_INSTEAD,
+    CALLBACK_POSITIONS,
+    check_keywords,
+    check_positional,
+)
 from hyper_parallel.core.distributed_checkpoint._one_line import mindspore_state_dict
 from hyper_parallel.core.distributed_checkpoint.async_checkpoint import prepare_async_save
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
@@ -154,6 +159,9 @@ class CheckpointCallback(Callback):
             ``False``: load nothing.
         strategy_file: MindSpore strategy file(s) describing how Parameters
             are sliced, passed to every save and load.
+        *mindspore_positional: None taken: arguments after the directory, as
+            ``ModelCheckpoint(prefix, directory, config)`` takes them, are refused naming each by
+            ModelCheckpoint's parameter and saying what to do instead.
         **mindspore_keywords: None taken: a keyword of MindSpore's ``ModelCheckpoint`` /
             ``CheckpointConfig`` (``config``, ``prefix``, ``enc_key``, ...) is refused saying what to do
             instead (``config``: the keywords giving its settings).
@@ -166,18 +174,18 @@ class CheckpointCallback(Callback):
             loads one.
 
     Raises:
-        CheckpointValueError: A knob out of range, all four save/keep knobs 0, or ``resume`` not
+        CheckpointValueError: ``directory`` None, a knob out of range, all four save/keep knobs 0, or ``resume`` not
             ``True``, ``False`` or ``"breakpoint"``; when training begins:
             ``resume=False`` on a directory holding newer steps, or a dataset
             not as :meth:`resume_dataset` prepared it.
-        TypeError: A keyword it does not take (one of MindSpore's ``ModelCheckpoint`` /
-            ``CheckpointConfig`` says what to do instead).
+        TypeError: A keyword it does not take or a second positional argument (one of MindSpore's
+            ``ModelCheckpoint`` / ``CheckpointConfig`` says what to do instead).
     """
 
     def __init__(
         self,
         directory: str | os.PathLike[str],
-        *,
+        *mindspore_positional: Any,
         save_checkpoint_steps: int = 1,
         save_checkpoint_seconds: int = 0,
         keep_checkpoint_max: int = 5,
@@ -189,10 +197,18 @@ class CheckpointCallback(Callback):
         strategy_file: Any = None,
         **mindspore_keywords: Any,
     ) -> None:
+        taken = [name for name in inspect.signature(CheckpointCallback).parameters if not name.startswith("mindspore_")]
+        if mindspore_positional:  # ModelCheckpoint(prefix, directory, config): named in that order
+            check_positional("CheckpointCallback", ("directory",), (directory, *mindspore_positional),
+                             CALLBACK_POSITIONS, taken, CALLBACK_INSTEAD, origin="mindspore.train.ModelCheckpoint")
         if mindspore_keywords:
-            taken = [name for name in inspect.signature(CheckpointCallback).parameters if name != "mindspore_keywords"]
             check_keywords("CheckpointCallback", mindspore_keywords, taken, CALLBACK_INSTEAD,
                            origin="mindspore.train.ModelCheckpoint / CheckpointConfig")
+        if directory is None:
+            raise CheckpointValueError(
+                "CheckpointCallback() got directory=None: pass the directory its steps are saved under "
+                "(ModelCheckpoint's directory=None means the current directory; name it: CheckpointCallback('.'))"
+            )
         super().__init__()
         steps = _non_negative("save_checkpoint_steps", save_checkpoint_steps)
         seconds = _non_negative("save_checkpoint_seconds", save_checkpoint_seconds)
