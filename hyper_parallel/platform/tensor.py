@@ -25,7 +25,7 @@ import threading
 import weakref
 from itertools import repeat
 from operator import attrgetter, is_, itemgetter, methodcaller
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -455,14 +455,34 @@ def assign_region(target: Any, region: tuple[slice, ...], array: np.ndarray) -> 
             assign(target, patched)
 
 
+class _MemorySpan(NamedTuple):
+    """Where a MindSpore tensor lies in its memory (:func:`_memory_span`)."""
+
+    offset: int  #: storage offset, in elements
+    contiguous: bool
+    storage: int  #: bytes of the memory it views
+    nbytes: int  #: its own bytes
+
+    @property
+    def whole(self) -> bool:
+        """Whether the tensor is all of its memory: no view of part of another tensor's."""
+        return not self.offset and self.contiguous and self.storage == self.nbytes
+
+
+def _memory_span(value: Any) -> _MemorySpan | None:
+    """Where the tensor ``value`` lies in its memory; ``None`` when the framework does not tell."""
+    try:
+        return _MemorySpan(int(value.storage_offset()), bool(value.is_contiguous()),
+                           int(value.untyped_storage().nbytes()), int(value.nbytes))
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
+
+
 def _own_memory(value: Any) -> bool:
     """Whether a tensor is all of its memory (no view of another tensor's): ``copy_`` into a view writes nothing
-    or fails (MindSpore on CPU), a region write does not."""
-    try:
-        return (int(value.storage_offset()) == 0 and bool(value.is_contiguous())
-                and int(value.untyped_storage().nbytes()) == int(value.nbytes))
-    except (AttributeError, RuntimeError, TypeError, ValueError):
-        return False
+    or fails (MindSpore on CPU), a region write does not. ``False`` when not known."""
+    span = _memory_span(value)
+    return span is not None and span.whole
 
 
 def to_numpy_dtype(value: Any) -> np.dtype:
@@ -542,18 +562,16 @@ def view_of_other_memory(value: Any) -> str | None:
     contiguity and storage size; in host memory also by ``asnumpy()`` not aliasing its memory (a view of the
     whole memory). For a load's targets without a writable view only: it may copy the tensor.
     """
-    if not is_tensor(value):
+    span = _memory_span(value) if is_tensor(value) else None
+    if span is None:
         return None
-    try:
-        offset, contiguous = int(value.storage_offset()), bool(value.is_contiguous())
-        storage = int(value.untyped_storage().nbytes())
-        nbytes = int(value.nbytes)
-        if not offset and contiguous and storage == nbytes:
-            if not host_memory_shared(value) or not nbytes:
+    if span.whole:
+        try:
+            if not host_memory_shared(value) or not span.nbytes:
                 return None
             copied = value.asnumpy().__array_interface__["data"][0] != int(value.data_ptr())
-            return "a view of all of another tensor's memory (e.g. a reshape)" if copied else None
-    except (AttributeError, RuntimeError, TypeError, ValueError):
-        return None
-    return (f"{nbytes} bytes at element {offset} of another tensor's {storage}-byte memory"
-            f"{'' if contiguous else ', not contiguous (e.g. a transpose)'}")
+        except (AttributeError, RuntimeError, TypeError, ValueError):
+            return None
+        return "a view of all of another tensor's memory (e.g. a reshape)" if copied else None
+    return (f"{span.nbytes} bytes at element {span.offset} of another tensor's {span.storage}-byte memory"
+            f"{'' if span.contiguous else ', not contiguous (e.g. a transpose)'}")
