@@ -9,7 +9,7 @@ import pytest
 from mindspore import nn
 
 import hyper_parallel
-from hyper_parallel.core.distributed_checkpoint import _one_line, api
+from hyper_parallel.core.distributed_checkpoint import _ms_keywords, _one_line, api
 
 ms.set_device("CPU")
 
@@ -141,6 +141,19 @@ def test_a_save_to_a_mindspore_file_name_warns_once_that_it_is_a_directory(tmp_p
         f"hyper_parallel.load_checkpoint, or write MindSpore files from it with `hp-ckpt export-mindspore {path} "
         "OUT` (a directory name without the suffix avoids the confusion)"]
     assert (tmp_path / name).is_dir()
+
+
+def test_the_ids_warned_about_are_bounded(caplog):
+    """A loop saving to a new id named like a MindSpore file each step kept every id it warned about, one more per
+    save for as long as the process ran; now the last _KEPT_WARNED are kept (each still warned about once)."""
+    kept = _ms_keywords._KEPT_WARNED  # pylint: disable=protected-access
+    names = [f"/nonexistent/step_{step}.ckpt" for step in range(3 * kept)]
+    with caplog.at_level("WARNING", logger="hyper_parallel.core.distributed_checkpoint._ms_keywords"):
+        for name in names:
+            _ms_keywords.warn_file_name(name)
+            _ms_keywords.warn_file_name(name)
+    assert [r.args[0] for r in caplog.records] == names
+    assert list(_ms_keywords._WARNED) == names[-kept:]  # pylint: disable=protected-access
 
 
 def test_a_save_to_a_directory_name_does_not_warn(tmp_path, caplog):

@@ -23,7 +23,10 @@ __all__ = ["CALLBACK_INSTEAD", "CALLBACK_POSITIONS", "LOAD_INSTEAD", "LOAD_POSIT
            "SAVE_POSITIONS", "check_checkpoint_id", "check_keywords", "check_positional", "warn_file_name"]
 
 _LOG = logging.getLogger(__name__)
-_WARNED: set[str] = set()
+#: The ids :func:`warn_file_name` warned about, oldest first: at most :data:`_KEPT_WARNED` (a loop saving to a new
+#: such id each step would otherwise add one per save, for as long as the process runs).
+_WARNED: dict[str, None] = {}
+_KEPT_WARNED = 64
 
 _ENCRYPTION_SAVE = (
     "hyper_parallel checkpoints are not encrypted: keep the checkpoint directory on encrypted storage, or write an "
@@ -214,7 +217,8 @@ def check_keywords(function: str, given: Mapping[str, Any], accepted: Iterable[s
 
 
 def warn_file_name(checkpoint_id: Any) -> None:
-    """Warn (once per id) that a ``save_checkpoint`` id named like a MindSpore file is written as a directory.
+    """Warn (once per id, of the last :data:`_KEPT_WARNED`) that a ``save_checkpoint`` id named like a MindSpore
+    file is written as a directory.
 
     Any rank; no communication. Ids of other kinds (a storage URL object) are let be.
     """
@@ -223,7 +227,9 @@ def warn_file_name(checkpoint_id: Any) -> None:
     name = os.fspath(checkpoint_id)
     if not str(name).endswith((".ckpt", ".safetensors")) or name in _WARNED:
         return
-    _WARNED.add(name)
+    _WARNED[name] = None
+    if len(_WARNED) > _KEPT_WARNED:
+        del _WARNED[next(iter(_WARNED))]
     _LOG.warning(
         "save_checkpoint: %s is named like a MindSpore checkpoint file, but a hyper_parallel checkpoint is a "
         "directory, written there now: mindspore.load_checkpoint cannot read it. Load it with "
