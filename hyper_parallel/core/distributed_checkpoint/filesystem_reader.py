@@ -62,7 +62,12 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
 from hyper_parallel.core.distributed_checkpoint.filesystem_writer import METADATA_FILE, rank_metadata_file
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
-from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, local_directory, StorageReader
+from hyper_parallel.core.distributed_checkpoint.storage import (
+    CheckpointId,
+    StorageReader,
+    is_local_path,
+    local_directory,
+)
 from hyper_parallel.core.distributed_checkpoint._whole_reads import WholeReadPlan, WholeReads
 
 __all__ = ["FileSystemReader", "MAX_METADATA_BYTES", "DEFAULT_MAX_INFLIGHT_BYTES"]
@@ -480,6 +485,4 @@ class FileSystemReader(VerifyPass, ReadPass, HeaderCheck, StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: CheckpointId) -> bool:
         """Any local path string or ``os.PathLike`` is a filesystem checkpoint id."""
-        if isinstance(checkpoint_id, os.PathLike):
-            return True
-        return isinstance(checkpoint_id, str) and bool(checkpoint_id) and "://" not in checkpoint_id
+        return is_local_path(checkpoint_id)

@@ -69,7 +69,13 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
 from hyper_parallel.core.distributed_checkpoint.metadata import BACKEND_NAME, Metadata
 from hyper_parallel.core.distributed_checkpoint._format.metadata_json import metadata_to_json
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner
-from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId, local_directory, StorageWriter, WriteResult
+from hyper_parallel.core.distributed_checkpoint.storage import (
+    CheckpointId,
+    StorageWriter,
+    WriteResult,
+    is_local_path,
+    local_directory,
+)
 
 __all__ = [
     "AUTO_THREAD_BYTES",
@@ -436,6 +442,4 @@ class FileSystemWriter(DirectorySetUp, RankRecordFiles, IndexFormWriting, Storag
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: CheckpointId) -> bool:
         """Any local path string or ``os.PathLike`` is a filesystem checkpoint id."""
-        if isinstance(checkpoint_id, os.PathLike):
-            return True
-        return isinstance(checkpoint_id, str) and bool(checkpoint_id) and "://" not in checkpoint_id
+        return is_local_path(checkpoint_id)

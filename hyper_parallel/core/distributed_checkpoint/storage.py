@@ -26,6 +26,7 @@ from hyper_parallel.core.distributed_checkpoint.planner import LoadPlan, LoadPla
 
 __all__ = [
     "CheckpointId",
+    "is_local_path",
     "local_directory",
     "WriteResult",
     "StorageWriter",
@@ -70,6 +71,13 @@ def check_metadata(metadata: Metadata, *, source: str = "metadata") -> None:
 
 #: What callers may pass as ``checkpoint_id``.
 CheckpointId = Union[str, os.PathLike]
+
+
+def is_local_path(checkpoint_id: object) -> bool:
+    """Whether ``checkpoint_id`` names a local path: any ``os.PathLike``, or a non-empty string without ``://``."""
+    if isinstance(checkpoint_id, os.PathLike):
+        return True
+    return isinstance(checkpoint_id, str) and bool(checkpoint_id) and "://" not in checkpoint_id
 
 
 def local_directory(checkpoint_id: CheckpointId) -> Path:
