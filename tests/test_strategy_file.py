@@ -6,6 +6,7 @@ Shards cut with the returned Layouts are compared with shards cut by hand
 """
 
 import math
+import os
 
 import mindspore
 import numpy as np
@@ -262,6 +263,11 @@ def test_scalar_refusals_and_group_of_one():
 def test_bad_strategy_files(tmp_path):
     with pytest.raises(StrategyFileError, match="does not exist"):
         layouts_from_strategy(str(tmp_path / "missing.ckpt"), rank=0)
+    os.mkfifo(tmp_path / "fifo.ckpt")  # never opened (an open would wait for a writer); was "does not exist"
+    with pytest.raises(StrategyFileError) as info:
+        layouts_from_strategy(str(tmp_path / "fifo.ckpt"), rank=0)
+    assert str(info.value).startswith(f"strategy file {str(tmp_path / 'fifo.ckpt')!r} is not a regular file (a FIFO "
+                                      "or device): pass the file MindSpore wrote"), info.value
     (tmp_path / "empty.ckpt").write_bytes(b"")
     with pytest.raises(StrategyFileError, match="is empty"):
         layouts_from_strategy(str(tmp_path / "empty.ckpt"), rank=0)

@@ -56,7 +56,7 @@ def strategy_paths(strategy_file: StrategySource) -> list[str]:
     ``merge_pipeline_strategys`` reads it).
 
     Raises:
-        StrategyFileError: A path that does not exist, an empty directory, or
+        StrategyFileError: A path that does not exist or is not a regular file, an empty directory, or
             a directory mixing both formats.
     """
     if isinstance(strategy_file, (str, os.PathLike)):
@@ -78,7 +78,8 @@ def strategy_paths(strategy_file: StrategySource) -> list[str]:
         elif os.path.isfile(source):
             paths.append(source)
         else:
-            raise StrategyFileError(f"strategy file {source!r} does not exist: pass the file MindSpore wrote "
+            what = "is not a regular file (a FIFO or device)" if os.path.exists(source) else "does not exist"
+            raise StrategyFileError(f"strategy file {source!r} {what}: pass the file MindSpore wrote "
                                     f"through strategy_ckpt_config={{'save_file': ...}}")
     return paths
 
