@@ -206,3 +206,17 @@ def test_other_copies_that_differ_from_each_other_off_the_sample_are_refused_whi
         _plan_source(src, [strategy], False, True)
     assert (f"ranks [3] hold other values than rank 1 for the box at [0, 0] (files: rank 1 "
             f"{src}/rank_1/checkpoint_1.ckpt, rank 3 {src}/rank_3/checkpoint_3.ckpt)") in str(refused.value)
+
+
+def test_two_directories_of_one_rank_are_refused_naming_both(tmp_path):
+    # rank_1/ and rank_01/ (two copies of one rank, say of two steps): the second one scanned silently replaced
+    # the first, so one rank's file was left out unread.
+    src, strategy, _ = _job(tmp_path)
+    (src / "rank_01").mkdir()
+    mindspore.save_checkpoint([{"name": "s", "data": mindspore.Tensor(np.zeros((512, 1024), np.float32))}],
+                              str(src / "rank_01" / "checkpoint_1.ckpt"))
+    with pytest.raises(dcp.UnsupportedFormatError) as refused:
+        import_checkpoint(src, tmp_path / "out", strategy_files=[strategy])
+    assert str(refused.value) == (f"{src} holds two directories of rank 1 (rank_01/ and rank_1/): one would be left "
+                                  "out; keep the one of the job's step to import")
+    assert not (tmp_path / "out").exists()

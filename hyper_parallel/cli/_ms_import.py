@@ -95,7 +95,8 @@ def find_rank_files(src: Path) -> dict[int, Path]:
 
     Raises:
         UnsupportedFormatError: a rank directory with no checkpoint file, with
-            several, or mixing ``.ckpt`` and ``.safetensors`` across ranks.
+            several, two directories of one rank (``rank_1``, ``rank_01``), or
+            mixing ``.ckpt`` and ``.safetensors`` across ranks.
     """
     found: dict[int, Path] = {}
     for entry in sorted(os.scandir(src), key=lambda e: e.name):
@@ -110,7 +111,13 @@ def find_rank_files(src: Path) -> dict[int, Path]:
                 f"{entry.path} holds {what}: each rank_<i> directory must hold exactly one MindSpore "
                 "checkpoint file (move the other steps' files away)"
             )
-        found[int(match.group(1))] = Path(entry.path) / names[0]
+        rank = int(match.group(1))
+        if rank in found:
+            raise UnsupportedFormatError(
+                f"{src} holds two directories of rank {rank} ({found[rank].parent.name}/ and {entry.name}/): one "
+                "would be left out; keep the one of the job's step to import"
+            )
+        found[rank] = Path(entry.path) / names[0]
     suffixes = {path.suffix for path in found.values()}
     if len(suffixes) > 1:
         raise UnsupportedFormatError(f"{src} mixes .ckpt and .safetensors rank files; import one format at a time")
