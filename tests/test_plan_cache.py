@@ -153,3 +153,27 @@ def test_a_strategy_given_as_a_list_or_mapping_reuses_the_plan(tmp_path, form):
         target = _sliced_net(0.0)
         dcp.load({"model": target}, checkpoint_id=tmp_path / name, no_dist=True, strategy_file=layout)
         np.testing.assert_array_equal(target.w.asnumpy(), np.full((4, 6), 2.0, np.float32))
+
+
+def test_a_cached_plan_names_every_chunk_whose_replicas_differ_now():
+    """A reused plan (not in layout form) compares this save's replica digests by its cached groups: each chunk
+    whose holders disagree is named with the ranks that agree, in one error; equal digests pass."""
+    from hyper_parallel.core.distributed_checkpoint.planner import SavePlan  # pylint: disable=import-outside-toplevel
+
+    keys = ((("w", (0,)), ("v", (0,))),) * 3
+    cached = _plan_cache.CachedPlan(exchange="x", final=SavePlan(items=()), all_final=None, metadata=None,
+                                    replica_keys=keys)
+
+    def messages(*digests):
+        return [_plan_cache.PlanMessage(local_digest="a", cached_exchange="", replica_digests=d) for d in digests]
+
+    _plan_cache.check_cached_replicas(cached, messages(("1", "5"), ("1", "5"), ("1", "5")))
+    with pytest.raises(dcp.PlanValidationError) as info:
+        _plan_cache.check_cached_replicas(cached, messages(("1", "5"), ("1", "6"), ("2", "6")))
+    advice = ("a tensor saved as replicated must be equal on every rank holding it: synchronise it, give it its "
+              "layout (a DTensor or strategy_file=) if each rank holds a different part, or pass check_replicas=False "
+              "to skip this check")
+    assert str(info.value) == (
+        "the global save plan is invalid (2 problem(s)):\n"
+        f"  'w': replicas differ between ranks (ranks [0, 1]; ranks [2] each agree); {advice}\n"
+        f"  'v': replicas differ between ranks (ranks [0]; ranks [1, 2] each agree); {advice}")

@@ -52,10 +52,9 @@ from hyper_parallel.core.distributed_checkpoint._rank_records import (
     encode_rank_record,
     results_of,
 )
-from hyper_parallel.core.distributed_checkpoint._format.cover import MAX_REPORTED_PROBLEMS
 from hyper_parallel.core.distributed_checkpoint._index_plan import RankIndexSummary, own_index
-from hyper_parallel.core.distributed_checkpoint._global_plan import replica_problems
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError, CheckpointIOError, PlanValidationError
+from hyper_parallel.core.distributed_checkpoint._global_plan import differing_replicas, refuse_problems
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError, CheckpointIOError
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan
 from hyper_parallel.core.distributed_checkpoint.storage import StorageWriter, WriteResult
@@ -294,16 +293,9 @@ def check_record_replicas(records: Any) -> None:
     Raises:
         PlanValidationError: Replicas of a chunk differ (names the key, the chunk and the ranks).
     """
-    holders: dict[tuple[str, tuple[int, ...]], list[tuple[int, str]]] = {}
-    for rank in sorted(records):
-        for key, offsets, found in records[rank].replicas:
-            holders.setdefault((key, offsets), []).append((rank, found))
-    problems = [p for key, found in holders.items() if len(found) > 1 for p in replica_problems(key, found)]
-    if problems:
-        shown = problems[:MAX_REPORTED_PROBLEMS]
-        raise PlanValidationError(
-            f"the save was not committed: replicas differ ({len(problems)} problem(s)):\n  " + "\n  ".join(shown)
-        )
+    problems = differing_replicas(((key, offsets), rank, found) for rank in sorted(records)
+                                  for key, offsets, found in records[rank].replicas)
+    refuse_problems(problems, what="the save was not committed: replicas differ")
 
 
 def take_pending_commits() -> list[BackgroundCommit]:

@@ -15,7 +15,7 @@ sort of the replicated items by size):
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import Any, Iterable
 
 from hyper_parallel.core.distributed_checkpoint._format.cover import MAX_REPORTED_PROBLEMS, check_exact_cover
 from hyper_parallel.core.distributed_checkpoint._gc_pause import paused_gc
@@ -30,7 +30,8 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
 )
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, WriteItem
 
-__all__ = ["build_global_save_plan", "assign_writers", "replica_problems", "check_replicas_of", "describe_general"]
+__all__ = ["build_global_save_plan", "assign_writers", "replica_problems", "differing_replicas", "check_replicas_of",
+           "describe_general", "refuse_problems"]
 
 Holder = tuple[int, int]  # (rank, position of the item in that rank's plan)
 ItemKey = tuple[str, tuple[int, ...]]  # (fqn, global offset): plain tuples hash fast
@@ -126,11 +127,7 @@ def _build_global_save_plan(
     for fqn, keys in by_fqn.items():
         problems.extend(describe_general(fqn, keys, groups, all_plans, state_dict_metadata))
 
-    if problems:
-        shown = problems[:MAX_REPORTED_PROBLEMS]
-        more = len(problems) - len(shown)
-        text = "\n  ".join(shown) + (f"\n  ... and {more} more" if more else "")
-        raise PlanValidationError(f"the global save plan is invalid ({len(problems)} problem(s)):\n  {text}")
+    refuse_problems(problems, what="the global save plan is invalid")
 
     writers = assign_writers(
         groups,
@@ -234,6 +231,28 @@ def _check_replica_digests(key: ItemKey, items: list[tuple[int, WriteItem]]) -> 
     if any(d is None for _, d in found):
         return []
     return replica_problems(key, found)
+
+
+def refuse_problems(problems: list[str], *, what: str) -> None:
+    """Raise one error listing ``problems`` (the first :data:`.MAX_REPORTED_PROBLEMS`), if any. Coordinator.
+
+    Raises:
+        PlanValidationError: ``"<what> (<n> problem(s)):"`` and the problems, one a line.
+    """
+    if problems:
+        shown = problems[:MAX_REPORTED_PROBLEMS]
+        more = len(problems) - len(shown)
+        text = "\n  ".join(shown) + (f"\n  ... and {more} more" if more else "")
+        raise PlanValidationError(f"{what} ({len(problems)} problem(s)):\n  {text}")
+
+
+def differing_replicas(found: Iterable[tuple[ItemKey, int, str]]) -> list[str]:
+    """The problems of the chunks whose holders sent different digests (``found``: key, rank and digest of each
+    holder). Coordinator; pure."""
+    holders: dict[ItemKey, list[tuple[int, str]]] = {}
+    for key, rank, digest in found:
+        holders.setdefault(key, []).append((rank, digest))
+    return [problem for key, held in holders.items() if len(held) > 1 for problem in replica_problems(key, held)]
 
 
 def replica_problems(key: ItemKey, found: list[tuple[int, str]]) -> list[str]:

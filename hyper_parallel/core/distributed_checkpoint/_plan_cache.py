@@ -42,8 +42,7 @@ from typing import Any
 
 import xxhash
 
-from hyper_parallel.core.distributed_checkpoint._format.cover import MAX_REPORTED_PROBLEMS
-from hyper_parallel.core.distributed_checkpoint._global_plan import replica_problems
+from hyper_parallel.core.distributed_checkpoint._global_plan import differing_replicas, refuse_problems
 from hyper_parallel.core.distributed_checkpoint._layout_merge import merge_layout_plans
 from hyper_parallel.core.distributed_checkpoint._layout_plan import DIGEST_BYTES, LayoutSavePlan, expand_save_plan
 from hyper_parallel.core.distributed_checkpoint._mindspore_sliced import LayoutSources
@@ -160,16 +159,10 @@ def check_cached_replicas(cached: CachedPlan, messages: list[PlanMessage]) -> No
         return
     if cached.replica_keys is None:
         return
-    holders: dict[tuple[str, tuple[int, ...]], list[tuple[int, str]]] = {}
-    for rank, (keys, message) in enumerate(zip(cached.replica_keys, messages)):
-        for key, found in zip(keys, message.replica_digests):
-            holders.setdefault(key, []).append((rank, found))
-    problems = [p for key, found in holders.items() if len(found) > 1 for p in replica_problems(key, found)]
-    if problems:
-        shown = problems[:MAX_REPORTED_PROBLEMS]
-        raise PlanValidationError(
-            f"the global save plan is invalid ({len(problems)} problem(s)):\n  " + "\n  ".join(shown)
-        )
+    problems = differing_replicas((key, rank, found) for rank, (keys, message)
+                                  in enumerate(zip(cached.replica_keys, messages))
+                                  for key, found in zip(keys, message.replica_digests))
+    refuse_problems(problems, what="the global save plan is invalid")
 
 
 def _with_digests(plan: LayoutSavePlan | SavePlan, digests: tuple[str, ...], rank: int) -> LayoutSavePlan | SavePlan:
