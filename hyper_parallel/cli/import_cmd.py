@@ -44,6 +44,7 @@ from hyper_parallel.cli._ms_import import (
     whole_pieces,
 )
 from hyper_parallel.cli._ms_replicas import BoxCopies, ReplicaCheckingWriter
+from hyper_parallel.cli._ms_whole_ranks import refuse_whole_tensors
 from hyper_parallel.core.distributed_checkpoint._metadata_file import NEWEST_NOTE, newest_file
 from hyper_parallel.core.distributed_checkpoint.api import save
 from hyper_parallel.core.distributed_checkpoint.errors import (
@@ -287,6 +288,8 @@ def _plan_source(
                      progress(sorted(rank_files.items()), desc="index rank files", unit="file",
                                        enabled=show_progress)}
             pieces, values, replicas = plan_rank_import(files, records, check_replicas=check_replicas)
+            if check_replicas:
+                refuse_whole_tensors(pieces, ", ".join(map(str, strategy_files)))
             check_unstored_crcs(files.values(), pieces)
             return pieces, values, replicas
     if strategy_files:
@@ -374,9 +377,12 @@ def import_checkpoint(
             with the stored copy (reads each replica once); copies that
             differ are refused naming the parameter, ranks and files (before
             a byte is written, unless a large slice's copies differ only off
-            the 16 pages sampled while planning). ``False``
-            reads only the stored copies. A tensor the strategy does not
-            list is compared in any case.
+            the 16 pages sampled while planning). Also refuses rank files
+            holding whole tensors instead of the strategy's slices
+            (MindSpore's ``integrated_save=True``): the boxes of every
+            parameter the strategy splits equal. ``False`` reads only the
+            stored copies. A tensor the strategy does not list is compared in
+            any case.
 
     Returns:
         The committed metadata of the new checkpoint.
@@ -422,5 +428,6 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--strategy", action="append", metavar="FILE",
                         help="strategy file of the job that wrote rank_<i>/ files (repeat once per pipeline stage)")
     parser.add_argument("--no-check-replicas", action="store_true",
-                        help="do not read the replicas of listed slices to compare them with the stored copy")
+                        help="do not read the replicas of listed slices to compare them with the stored copy, nor "
+                             "compare the slices of a parameter to tell whole tensors (integrated_save) from slices")
     parser.set_defaults(func=_run)

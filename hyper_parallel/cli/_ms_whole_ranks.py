@@ -1,0 +1,84 @@
+"""Rank files that hold whole tensors, not the slices their strategy describes: refused before the import writes.
+
+Under MindSpore's auto / semi-auto parallel, ``save_checkpoint(...,
+integrated_save=True)`` (the default, and ``ModelCheckpoint``'s) gathers every
+sliced Parameter, so each rank's file holds the whole tensors. The strategy file
+still describes the slices, and it records no global shape: the global shape an
+import takes (a rank's tensor times the splits) is then too large, and the
+"slices" of the ranks are copies of one tensor, placed side by side.
+MindSpore's ``transform_checkpoints`` merges such files into tensors twice
+(or more) their size, silently; so did this import.
+
+:func:`refuse_whole_tensors` tells them from slices by their bytes: slices of a
+trained (or randomly initialised) tensor differ, while these copies are equal.
+It compares a page of each box first, then :data:`._ms_replicas.SAMPLE_PAGES`
+pages (a small box whole): at the first parameter whose boxes differ it stops
+(slices: usually after two pages, which the writer then finds in the page
+cache). Only when every parameter the strategy splits has equal boxes, and one
+of them is not a constant (a bias of zeros, a norm of ones: equal as slices
+too), is the import refused (``--no-check-replicas`` skips the check).
+"""
+
+from __future__ import annotations
+
+import mmap
+from typing import Sequence
+
+import numpy as np
+
+from hyper_parallel.cli._ms_import import SourcePiece
+from hyper_parallel.cli._ms_replicas import sample_starts
+from hyper_parallel.core.distributed_checkpoint.errors import LayoutError
+
+__all__ = ["refuse_whole_tensors"]
+
+
+def _sample(piece: SourcePiece, *, first_page: bool) -> bytes:
+    """The first page of ``piece``'s bytes, or its sample pages (the whole box when it is small)."""
+    nbytes = piece.entry.nbytes
+    if first_page or nbytes <= 16 * mmap.PAGESIZE:
+        return piece.file.peek(piece.entry.name, (0,), min(nbytes, mmap.PAGESIZE if first_page else nbytes))
+    return piece.file.peek(piece.entry.name, sample_starts(nbytes, piece.entry.segments[0][0]), mmap.PAGESIZE)
+
+
+def _constant(data: bytes, itemsize: int) -> bool:
+    """Whether ``data`` repeats one element (zeros, ones...)."""
+    return len(data) <= itemsize or data == data[:itemsize] * (len(data) // itemsize)
+
+
+def refuse_whole_tensors(pieces: Sequence[SourcePiece], strategy: str) -> None:
+    """Refuse rank files whose every parameter split by the strategy has equal boxes (whole tensors on every
+    rank). The importing process, while it plans, before a byte is written.
+
+    Args:
+        pieces: The boxes to store; those of parameters split into several boxes are looked at.
+        strategy: The strategy file(s), for the message.
+
+    Raises:
+        LayoutError: names a parameter, its files and the import that takes such files.
+    """
+    boxes: dict[str, list[SourcePiece]] = {}
+    for piece in pieces:
+        if piece.entry.shape != piece.global_shape and piece.entry.nbytes:
+            boxes.setdefault(piece.fqn, []).append(piece)
+    shown = None
+    for fqn, split in sorted(boxes.items()):
+        for first_page in (True, False):
+            samples = [_sample(piece, first_page=first_page) for piece in split]
+            if any(sample != samples[0] for sample in samples[1:]):
+                return  # slices
+        itemsize = max(1, split[0].entry.nbytes // max(1, int(np.prod(split[0].entry.shape))))
+        if shown is None and not _constant(samples[0], itemsize):
+            shown = split
+    if shown is None:
+        return
+    first = shown[0]
+    raise LayoutError(
+        f"parameter '{first.fqn}': the strategy ({strategy}) splits it into {len(shown)} slices of "
+        f"{list(first.entry.shape)}, but {first.file.path} and {shown[1].file.path} hold the same values, as do the "
+        "boxes of every parameter it splits: the rank files hold whole tensors, not slices (MindSpore's "
+        "save_checkpoint(..., integrated_save=True), ModelCheckpoint's default, gathers them), and importing them "
+        f"with the strategy would make tensors of global shape {list(first.global_shape)}. Import one rank's file, "
+        f"without --strategy: hp-ckpt import {first.file.path} OUT (slices equal by design are imported with "
+        "--no-check-replicas)"
+    )
