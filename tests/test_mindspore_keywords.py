@@ -252,3 +252,19 @@ def test_the_crc_check_advice_says_what_the_checksums_cover():
         "verifies the checksums stored (unless its storage_reader was made with verify_checksums=False; an item "
         "stored without one, which the format allows, is read unverified: `hp-ckpt verify CKPT` checks a whole "
         "checkpoint and counts such items); drop it")
+
+
+def test_a_model_is_answered_with_its_train_network(tmp_path):
+    net = nn.Dense(2, 2)
+    model = ms.train.Model(net, nn.MSELoss(), nn.Momentum(net.trainable_params(), 0.1, 0.9))
+    advice = ("must be a mindspore.nn.Cell or a state dict, got Model; for a mindspore.train.Model pass "
+              "model.train_network (its network and optimizer, each Parameter once), or the network alone")
+    with pytest.raises(hyper_parallel.core.distributed_checkpoint.CheckpointValueError) as info:
+        hyper_parallel.save_checkpoint(model, tmp_path / "c")
+    assert str(info.value) == "save_obj " + advice
+    hyper_parallel.save_checkpoint(model.train_network, tmp_path / "c")  # the advice works: the keys MindSpore saves
+    ms.save_checkpoint(model.train_network, str(tmp_path / "ms.ckpt"))
+    assert sorted(hyper_parallel.load_checkpoint(tmp_path / "c")) == sorted(ms.load_checkpoint(str(tmp_path / "ms.ckpt")))
+    with pytest.raises(hyper_parallel.core.distributed_checkpoint.CheckpointValueError) as info:
+        hyper_parallel.load_checkpoint(tmp_path / "c", model)
+    assert str(info.value) == "net " + advice

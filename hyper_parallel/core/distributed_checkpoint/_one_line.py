@@ -100,10 +100,13 @@ def mindspore_state_dict(obj: Any, what: str = "save_obj") -> dict[str, Any]:
         return cell_parameters(obj, what)  # one Cell: its Parameters by name (each name once, refused otherwise)
     if not isinstance(obj, dict):
         listed = isinstance(obj, list) and obj and all(isinstance(item, dict) and "name" in item for item in obj)
+        model = is_cell(getattr(obj, "train_network", None))  # a mindspore.train.Model
         raise CheckpointValueError(
             f"{what} must be a mindspore.nn.Cell or a state dict, got {type(obj).__name__}"
             + ("; for mindspore.save_checkpoint's list of {'name': ..., 'data': ...} dicts pass "
                f"{{item['name']: item['data'] for item in {what}}} (a dict of the same entries)" if listed else "")
+            + ("; for a mindspore.train.Model pass model.train_network (its network and optimizer, each "
+               "Parameter once), or the network alone" if model else "")
         )
     out: dict[str, Any] = {}
     origin: dict[str, str] = {}
