@@ -53,17 +53,19 @@ def test_whole_tensors_on_every_rank_are_refused_where_transform_checkpoints_dou
         f"{src}/rank_0/net.ckpt and {src}/rank_1/net.ckpt hold the same values, as do the boxes of every parameter "
         "it splits: the rank files hold whole tensors, not slices (MindSpore's save_checkpoint(..., "
         "integrated_save=True), ModelCheckpoint's default, gathers them), and importing them with the strategy would "
-        f"make tensors of global shape [1024, 256]. Import one rank's file, without --strategy: hp-ckpt import "
-        f"{src}/rank_0/net.ckpt OUT (slices equal by design are imported with --no-check-replicas)")
+        f"make tensors of global shape [1024, 256]. Import them as whole tensors, without --strategy: hp-ckpt import "
+        f"{src} OUT --whole-tensors (slices equal by design are imported with --no-check-replicas)")
     assert not (tmp_path / "out").exists()
     # MindSpore's own merge of these files: tensors of twice the rows, silently.
     mindspore.parallel.transform_checkpoints(str(src), str(tmp_path / "ms"), "m_", strategy, None)
     merged = mindspore.load_checkpoint(str(tmp_path / "ms" / "rank_0" / "m_0.ckpt"))
     assert merged["dense.weight"].shape == (1024, 256)
-    # The advised import gives the tensors.
-    assert main(["import", str(src / "rank_0" / "net.ckpt"), str(tmp_path / "one")]) == 0
-    loaded = _load(tmp_path / "one")
+    # The advised import gives the tensors, each stored once.
+    assert main(["import", str(src), str(tmp_path / "whole"), "--whole-tensors"]) == 0
+    loaded = _load(tmp_path / "whole")
     assert all(np.array_equal(loaded[name], value) for name, value in full.items())
+    stored = dcp.read_metadata(tmp_path / "whole").storage_data
+    assert sum(info.length for info in stored.values()) == sum(value.nbytes for value in full.values())
     # The caller's choice: slices equal by design.
     assert main(["import", str(src), str(tmp_path / "unchecked"), "--strategy", strategy, "--no-check-replicas"]) == 0
     assert _load(tmp_path / "unchecked")["dense.weight"].shape == (1024, 256)
@@ -89,3 +91,35 @@ def test_slices_are_told_from_whole_tensors_by_a_page_each(tmp_path):
     import_checkpoint(src, only / "out", strategy_files=[strategy])
     assert np.array_equal(_load(only / "out")["a.ones"], np.ones(8192))
     assert os.listdir(only / "out")
+
+
+def test_whole_tensors_of_a_pipeline_job_are_imported_from_each_stage_with_copies_compared(tmp_path):
+    """integrated_save under pipeline parallel: each stage's ranks hold that stage's tensors whole."""
+    rng = np.random.default_rng(2)
+    stage0 = {"embed.weight": rng.standard_normal((1024, 512)).astype(np.float32), "global_step": np.array([7])}
+    stage1 = {"head.weight": rng.standard_normal((512, 64)).astype(np.float32), "global_step": np.array([7])}
+    src = _ranks(tmp_path, {0: stage0, 1: stage0, 2: stage1, 3: stage1})
+    import_checkpoint(src, tmp_path / "out", whole_tensors=True)
+    loaded = _load(tmp_path / "out")
+    assert sorted(loaded) == ["embed.weight", "global_step", "head.weight"]
+    assert np.array_equal(loaded["embed.weight"], stage0["embed.weight"])
+    assert np.array_equal(loaded["head.weight"], stage1["head.weight"])
+    # A copy that differs (rank 3's file of another step) is refused, naming both files, before a byte is written.
+    later = dict(stage1, **{"head.weight": stage1["head.weight"] + 1})
+    other = tmp_path / "steps"
+    other.mkdir()
+    src = _ranks(other, {0: stage0, 1: stage0, 2: stage1, 3: later})
+    with pytest.raises(LayoutError) as refused:
+        import_checkpoint(src, other / "out", whole_tensors=True)
+    assert (f"parameter 'head.weight' is not in the strategy file but ranks [3] hold other values than rank 2 "
+            f"(float32 [512, 64] on each; files: rank 2 {src}/rank_2/net.ckpt, rank 3 {src}/rank_3/net.ckpt)"
+            ) in str(refused.value), refused.value
+    assert not (other / "out").exists()
+    # --whole-tensors with a strategy, or without rank files; rank files with neither.
+    with pytest.raises(dcp.CheckpointValueError, match="not both"):
+        import_checkpoint(src, other / "out", whole_tensors=True, strategy_files=["s.ckpt"])
+    with pytest.raises(dcp.CheckpointValueError, match="--whole-tensors applies to a directory of MindSpore per-rank"):
+        import_checkpoint(src / "rank_0" / "net.ckpt", other / "out", whole_tensors=True)
+    with pytest.raises(dcp.CheckpointValueError, match="integrated_save=True .MindSpore's default. hold whole "
+                                                       "tensors: pass --whole-tensors"):
+        import_checkpoint(src, other / "out")

@@ -178,13 +178,14 @@ def _check_cover(
     )
 
 
-def _whole_piece(name: str, files: Mapping[int, MsFile]) -> SourcePiece:
+def _whole_piece(name: str, files: Mapping[int, MsFile]) -> tuple[SourcePiece, list[BoxCopies]]:
     """A tensor absent from the strategy: the lowest rank's copy, all copies alike in shape, dtype and bytes.
 
-    Its copies are compared on every rank holding it, here (such tensors are small: ``global_step``,
-    ``learning_rate``; rank files of different steps are refused before a byte is written):
-    a parameter the strategy does not list but the job sliced has slices of one shape on every rank, and only
-    their bytes tell it from a replicated tensor (stored whole, the lowest rank's slice would pass for it).
+    Its copies are compared on every rank holding it, here (a small one whole, a larger one by sample pages; rank
+    files of different steps are refused before a byte is written), and a larger one's returned to be compared
+    whole as it is written: a parameter the strategy does not list but the job sliced has slices of one shape on
+    every rank, and only their bytes tell it from a replicated tensor (stored whole, the lowest rank's slice would
+    pass for it).
     """
     holders = sorted(r for r, f in files.items() if name in f.entries)
     first = files[holders[0]].entries[name]
@@ -197,9 +198,9 @@ def _whole_piece(name: str, files: Mapping[int, MsFile]) -> SourcePiece:
                 "pass the strategy file(s) that list it (one per pipeline stage)"
             )
     offsets = (0,) * len(first.shape)
-    if len(holders) > 1:
-        check_copies_while_planning([box_copies(name, offsets, first.shape, holders, files, listed=False)])
-    return SourcePiece(name, files[holders[0]], first, offsets, first.shape)
+    later = check_copies_while_planning([box_copies(name, offsets, first.shape, holders, files, listed=False)]) \
+        if len(holders) > 1 else []
+    return SourcePiece(name, files[holders[0]], first, offsets, first.shape), later
 
 
 def _follows_parameter(name: str, layouts: Sequence[Layout], files: Mapping[int, MsFile]) -> bool:
@@ -220,7 +221,8 @@ def plan_rank_import(
 
     Args:
         files: Rank -> its indexed file.
-        records: :func:`hyper_parallel.core.strategy_file.read_strategy_records` output.
+        records: :func:`hyper_parallel.core.strategy_file.read_strategy_records` output; empty for rank files
+            that hold whole tensors (``integrated_save=True``): each tensor stored once, its copies compared.
         check_replicas: Compare the copies of every box the strategy gives several ranks.
 
     Returns:
@@ -229,9 +231,10 @@ def plan_rank_import(
         :data:`~hyper_parallel.cli._ms_replicas.PLAN_CHECK_BYTES` the strategy
         gives several ranks (``check_replicas``), read here (each once) to be
         compared whole with the stored copies as they are written
-        (:class:`~hyper_parallel.cli._ms_replicas.ReplicaCheckingWriter`). The
-        copies of the smaller boxes and of the tensors the strategy does not
-        list are compared here, those of the larger boxes by sample pages.
+        (:class:`~hyper_parallel.cli._ms_replicas.ReplicaCheckingWriter`); a
+        tensor the strategy does not list is among them whatever
+        ``check_replicas``. The copies of the smaller boxes are compared here,
+        those of the larger boxes by sample pages.
 
     Raises:
         LayoutError: a slice shape or dtype that contradicts the strategy, a
@@ -242,7 +245,7 @@ def plan_rank_import(
         CheckpointValueError: a rank directory beyond the strategy's ranks.
     """
     layouts = {name: [record.to_layout() for record in stage_records] for name, stage_records in records.items()}
-    world = max(r for ls in layouts.values() for layout in ls for r in layout.rank_list) + 1
+    world = max((r for ls in layouts.values() for layout in ls for r in layout.rank_list), default=max(files)) + 1
     beyond = sorted(r for r in files if r >= world)
     if beyond:
         raise CheckpointValueError(
@@ -268,7 +271,9 @@ def plan_rank_import(
             pieces.extend(boxes)
             replicas.extend(copies)
         else:
-            pieces.append(_whole_piece(name, files))
+            piece, copies = _whole_piece(name, files)
+            pieces.append(piece)
+            replicas.extend(copies)
     return pieces, values, replicas
 
 

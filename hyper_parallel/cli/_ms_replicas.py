@@ -5,11 +5,11 @@ list, held whole by several ranks) is stored from its lowest rank's copy; the
 other copies must hold the same bytes, else the import is refused (a
 :class:`LayoutError` naming the parameter, the box and the ranks). The other
 ranks' copies are read once, while the import is planned (:func:`box_copies`
-keeps their block digests, 16 bytes per MiB). A tensor the strategy does not
-list and a box of at most :data:`PLAN_CHECK_BYTES` are compared there, their
+keeps their block digests, 16 bytes per MiB). A box of at most
+:data:`PLAN_CHECK_BYTES` (a ``global_step``, a bias) is compared there, its
 stored copy read too (:func:`check_copies_while_planning`; it costs little),
-so the usual mismatch, rank files of different steps (a ``global_step``), is
-refused before a byte is written. A larger box is compared there by a sample:
+so the usual mismatch, rank files of different steps, is refused before a
+byte is written. A larger box is compared there by a sample:
 :data:`SAMPLE_PAGES` pages spread over it, of the stored copy (read from the
 device once: the writer finds them in the page cache) and of the other copies
 (read whole already); the other copies are compared with each other whole.
@@ -95,13 +95,12 @@ def box_copies(
     files: Mapping[int, MsFile], *, listed: bool,
 ) -> BoxCopies:
     """Read the copies of ``fqn`` of ``ranks[1:]`` once each (its crc accounted) and keep their digests, and those
-    of their sample pages for a box of more than :data:`PLAN_CHECK_BYTES` the strategy lists.
+    of their sample pages for a box of more than :data:`PLAN_CHECK_BYTES`.
 
     ``ranks[0]`` holds the copy stored; it is not read here.
     """
     stored = files[ranks[0]].entries[fqn]
-    starts = sample_starts(stored.nbytes, stored.segments[0][0]) if listed and stored.nbytes > PLAN_CHECK_BYTES \
-        else ()
+    starts = sample_starts(stored.nbytes, stored.segments[0][0]) if stored.nbytes > PLAN_CHECK_BYTES else ()
     digests, samples = {}, {}
     for rank in ranks[1:]:
         data = memoryview(files[rank].raw(fqn))
@@ -148,10 +147,10 @@ def _refusal(copies: BoxCopies, reference: int, differ: Sequence[int]) -> str:
 
 
 def check_copies_while_planning(all_copies: Sequence[BoxCopies]) -> list[BoxCopies]:
-    """Compare now the copies of the unlisted tensors and of the boxes of at most :data:`PLAN_CHECK_BYTES`, their
-    stored copy read here; of the larger boxes, the sample pages of every copy (the stored copy's read here) and
-    the other copies with each other. Return the larger boxes, to be compared whole as they are written. The
-    importing process, while it plans.
+    """Compare now the copies of the boxes of at most :data:`PLAN_CHECK_BYTES`, their stored copy read here; of
+    the larger boxes, the sample pages of every copy (the stored copy's read here) and the other copies with each
+    other. Return the larger boxes, to be compared whole as they are written. The importing process, while it
+    plans.
 
     Raises:
         LayoutError: copies that differ, for the first parameter (by name) holding some: every box of it named.

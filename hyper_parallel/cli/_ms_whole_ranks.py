@@ -22,6 +22,7 @@ too), is the import refused (``--no-check-replicas`` skips the check).
 from __future__ import annotations
 
 import mmap
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -46,12 +47,13 @@ def _constant(data: bytes, itemsize: int) -> bool:
     return len(data) <= itemsize or data == data[:itemsize] * (len(data) // itemsize)
 
 
-def refuse_whole_tensors(pieces: Sequence[SourcePiece], strategy: str) -> None:
+def refuse_whole_tensors(pieces: Sequence[SourcePiece], src: Path, strategy: str) -> None:
     """Refuse rank files whose every parameter split by the strategy has equal boxes (whole tensors on every
     rank). The importing process, while it plans, before a byte is written.
 
     Args:
         pieces: The boxes to store; those of parameters split into several boxes are looked at.
+        src: The directory of the rank files, for the message.
         strategy: The strategy file(s), for the message.
 
     Raises:
@@ -78,7 +80,7 @@ def refuse_whole_tensors(pieces: Sequence[SourcePiece], strategy: str) -> None:
         f"{list(first.entry.shape)}, but {first.file.path} and {shown[1].file.path} hold the same values, as do the "
         "boxes of every parameter it splits: the rank files hold whole tensors, not slices (MindSpore's "
         "save_checkpoint(..., integrated_save=True), ModelCheckpoint's default, gathers them), and importing them "
-        f"with the strategy would make tensors of global shape {list(first.global_shape)}. Import one rank's file, "
-        f"without --strategy: hp-ckpt import {first.file.path} OUT (slices equal by design are imported with "
-        "--no-check-replicas)"
+        f"with the strategy would make tensors of global shape {list(first.global_shape)}. Import them as whole "
+        f"tensors, without --strategy: hp-ckpt import {src} OUT --whole-tensors (slices equal by design are "
+        "imported with --no-check-replicas)"
     )

@@ -13,7 +13,10 @@ Sources:
   holding one ``.ckpt`` or ``.safetensors`` each) with the job's strategy
   file(s): the slices become chunks of the global tensors (see
   :mod:`hyper_parallel.cli._ms_import`). Without a strategy such a directory
-  is refused: its tensors are slices, never full tensors.
+  is refused: its tensors are slices, never full tensors, unless
+  ``--whole-tensors`` says they are whole (``integrated_save=True``: each
+  stored once, its copies compared); such files given with a strategy are
+  refused (:mod:`hyper_parallel.cli._ms_whole_ranks`).
 
 Every tensor is mapped from its file and written once (no MindSpore import,
 no unpickling, memory holds no tensor). Plain values that ``hp-ckpt convert``
@@ -271,27 +274,34 @@ def _check_out(src: Path, out: Path) -> None:
 
 def _plan_source(
     src: Path, strategy_files: Sequence[str | os.PathLike] | None, show_progress: bool | None,
-    check_replicas: bool,
+    check_replicas: bool, whole_tensors: bool = False,
 ) -> tuple[list[SourcePiece], dict[str, Any], list[BoxCopies]]:
     if not src.exists():
         raise CheckpointNotFoundError(f"{src} does not exist")
-    if src.is_dir():
-        rank_files = find_rank_files(src)
-        if rank_files:
-            if not strategy_files:
-                raise CheckpointValueError(
-                    f"{src} holds MindSpore per-rank files (rank_{min(rank_files)}/...) whose tensors are slices: "
-                    "pass the job's strategy file with --strategy FILE (once per pipeline stage)"
-                )
-            records = read_strategy_records(list(strategy_files))
-            files = {rank: open_ms_file(path) for rank, path in
-                     progress(sorted(rank_files.items()), desc="index rank files", unit="file",
-                                       enabled=show_progress)}
-            pieces, values, replicas = plan_rank_import(files, records, check_replicas=check_replicas)
-            if check_replicas:
-                refuse_whole_tensors(pieces, ", ".join(map(str, strategy_files)))
-            check_unstored_crcs(files.values(), pieces)
-            return pieces, values, replicas
+    rank_files = find_rank_files(src) if src.is_dir() else {}
+    if rank_files:
+        if whole_tensors == bool(strategy_files):
+            raise CheckpointValueError(
+                f"{src} holds MindSpore per-rank files (rank_{min(rank_files)}/...): pass the job's strategy file "
+                "with --strategy FILE (once per pipeline stage) when they hold slices, or --whole-tensors when they "
+                "hold whole tensors (saved with integrated_save=True, MindSpore's default), not both"
+                if whole_tensors else
+                f"{src} holds MindSpore per-rank files (rank_{min(rank_files)}/...) whose tensors are slices: "
+                "pass the job's strategy file with --strategy FILE (once per pipeline stage); files saved with "
+                "integrated_save=True (MindSpore's default) hold whole tensors: pass --whole-tensors"
+            )
+        records = read_strategy_records(list(strategy_files)) if strategy_files else {}
+        files = {rank: open_ms_file(path) for rank, path in
+                 progress(sorted(rank_files.items()), desc="index rank files", unit="file", enabled=show_progress)}
+        pieces, values, replicas = plan_rank_import(files, records, check_replicas=check_replicas)
+        if check_replicas and strategy_files:
+            refuse_whole_tensors(pieces, src, ", ".join(map(str, strategy_files)))
+        check_unstored_crcs(files.values(), pieces)
+        return pieces, values, replicas
+    if whole_tensors:
+        raise CheckpointValueError(
+            f"--whole-tensors applies to a directory of MindSpore per-rank files (rank_<i>/...); {src} is not one"
+        )
     if strategy_files:
         raise CheckpointValueError(
             f"--strategy applies to a directory of MindSpore per-rank files (rank_<i>/...); {src} is not one"
@@ -354,7 +364,7 @@ def _save_with_progress(out: Path, planner: PieceSavePlanner, replicas: list[Box
 
 def import_checkpoint(
     src: str | os.PathLike, out: str | os.PathLike, *, strategy_files: Sequence[str | os.PathLike] | None = None,
-    show_progress: bool | None = None, check_replicas: bool = True,
+    show_progress: bool | None = None, check_replicas: bool = True, whole_tensors: bool = False,
 ) -> Metadata:
     """Save MindSpore or Hugging Face weights as a checkpoint. Single process.
 
@@ -368,11 +378,17 @@ def import_checkpoint(
             safetensors shards (with or without an index json; with several,
             pass the index json to use), a ``*.safetensors.index.json`` file
             (the shards it names), or a directory of MindSpore per-rank files (``rank_<i>/`` holding one ``.ckpt`` or
-            ``.safetensors`` each, which needs ``strategy_files``).
+            ``.safetensors`` each, which needs ``strategy_files``, or ``whole_tensors``).
         out: The checkpoint directory to write (new or empty).
         strategy_files: The strategy file(s) of the job that wrote per-rank
             files (one per pipeline stage, or one merged file).
         show_progress: Progress bars on stderr; ``None``: only on a terminal.
+        whole_tensors: The per-rank files hold whole tensors, not slices
+            (MindSpore's ``save_checkpoint(..., integrated_save=True)``, its
+            default, under auto parallel): each tensor is stored once, from the
+            lowest rank holding it, its copies on the other ranks compared
+            (each stage's ranks of a pipeline job hold that stage's
+            tensors). Takes no ``strategy_files``.
         check_replicas: Compare every replica of a slice the strategy lists
             with the stored copy (reads each replica once); copies that
             differ are refused naming the parameter, ranks and files (before
@@ -389,21 +405,23 @@ def import_checkpoint(
 
     Raises:
         CheckpointExistsError: ``out`` is not empty (a committed checkpoint is never replaced).
-        CheckpointValueError: per-rank files without a strategy, or a strategy without them.
+        CheckpointValueError: per-rank files without a strategy (or ``whole_tensors``), or a strategy (or
+            ``whole_tensors``) without them.
         CheckpointError: the source is missing, unsupported, malformed, or
             contradicts the strategy (names the parameter, rank and file).
-        LayoutError: replicas of a slice differ (names the parameter, box, ranks and files).
+        LayoutError: replicas of a slice differ (names the parameter, box, ranks and files), or the files hold
+            whole tensors where the strategy describes slices (pass ``whole_tensors``).
     """
     src_path, out_path = Path(os.fspath(src)), Path(os.fspath(out))
     _check_out(src_path, out_path)
-    pieces, values, replicas = _plan_source(src_path, strategy_files, show_progress, check_replicas)
+    pieces, values, replicas = _plan_source(src_path, strategy_files, show_progress, check_replicas, whole_tensors)
     return _save_with_progress(out_path, PieceSavePlanner(pieces, values), replicas, total_bytes(pieces),
                                show_progress)
 
 
 def _run(args: argparse.Namespace) -> int:
     metadata = import_checkpoint(args.src, args.out, strategy_files=args.strategy,
-                                 check_replicas=not args.no_check_replicas)
+                                 check_replicas=not args.no_check_replicas, whole_tensors=args.whole_tensors)
     stored = metadata.state_dict_metadata.values()
     tensors = [s for s in stored if isinstance(s, TensorStorageMetadata)]
     total = sum(info.length for info in (metadata.storage_data or {}).values())
@@ -427,6 +445,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("out", help="the checkpoint directory to write (new or empty)")
     parser.add_argument("--strategy", action="append", metavar="FILE",
                         help="strategy file of the job that wrote rank_<i>/ files (repeat once per pipeline stage)")
+    parser.add_argument("--whole-tensors", action="store_true",
+                        help="the rank_<i>/ files hold whole tensors (saved with integrated_save=True, MindSpore's "
+                             "default): store each once, its copies compared; instead of --strategy")
     parser.add_argument("--no-check-replicas", action="store_true",
                         help="do not read the replicas of listed slices to compare them with the stored copy, nor "
                              "compare the slices of a parameter to tell whole tensors (integrated_save) from slices")
