@@ -24,7 +24,6 @@ stored crc is checked as the contents are read (:mod:`._ms_crc`).
 
 from __future__ import annotations
 
-import functools
 import math
 import mmap
 import os
@@ -35,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from hyper_parallel.cli._ms_crc import StoredCrc, ckpt_crc, safetensors_crc
+from hyper_parallel.cli._ms_read_budget import ReadBudget, read_ahead_window
 from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import (
     DTYPE_FROM_SAFETENSORS,
     read_header_and_metadata,
@@ -50,9 +50,7 @@ __all__ = [
     "MS_DTYPE_NAMES",
     "STRING_DTYPE",
     "MsEntry",
-    "ReadBudget",
     "MsFile",
-    "read_ahead_window",
     "open_regular",
     "open_ms_file",
 ]
@@ -116,63 +114,6 @@ class MsEntry:
     def nbytes(self) -> int:
         """Bytes of the content."""
         return sum(length for _, length in self.segments)
-
-
-def _available_memory() -> int:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes (0 where unknown)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
-@functools.lru_cache(maxsize=None)
-def read_ahead_window(device: int) -> int | None:
-    """Bytes the kernel reads ahead in a file on ``device`` (an ``st_dev``), or None where unknown.
-
-    The ``read_ahead_kb`` of the device's backing device (``/sys/dev/block``,
-    the whole disk for a partition, or ``/sys/class/bdi``).
-    """
-    name = f"{os.major(device)}:{os.minor(device)}"
-    for path in (f"/sys/dev/block/{name}/bdi/read_ahead_kb", f"/sys/dev/block/{name}/../bdi/read_ahead_kb",
-                 f"/sys/class/bdi/{name}/read_ahead_kb"):
-        try:
-            with open(path, encoding="ascii") as handle:
-                return int(handle.read()) * 1024
-        except (OSError, ValueError):
-            continue
-    return None
-
-
-class ReadBudget:
-    """Bytes an import may announce to the kernel before the writer uses them. Single process.
-
-    Announced bytes (``MADV_WILLNEED``) are read at once, exactly; the writer
-    asks for every tensor before it hashes and writes them, so announcing
-    more than memory holds would evict announced pages before their use.
-
-    Args:
-        nbytes: The budget.
-    """
-
-    def __init__(self, nbytes: int) -> None:
-        self.left = nbytes
-
-    @classmethod
-    def of_memory(cls) -> "ReadBudget":
-        """A quarter of the available memory."""
-        return cls(_available_memory() // 4)
-
-    def take(self, nbytes: int) -> bool:
-        """Spend ``nbytes`` if they are left; return whether they were."""
-        if nbytes > self.left:
-            return False
-        self.left -= nbytes
-        return True
 
 
 class MsFile:

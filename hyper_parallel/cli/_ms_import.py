@@ -32,7 +32,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from hyper_parallel.cli._ms_files import STRING_DTYPE, MsEntry, MsFile, ReadBudget
+from hyper_parallel.cli._ms_files import STRING_DTYPE, MsEntry, MsFile
+from hyper_parallel.cli._ms_read_budget import ReadBudget
 from hyper_parallel.cli._ms_replicas import BoxCopies, box_copies, check_copies_while_planning
 from hyper_parallel.core.distributed_checkpoint._format.checksum import digest
 from hyper_parallel.core.distributed_checkpoint._format.cover import check_exact_cover

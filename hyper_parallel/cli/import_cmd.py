@@ -226,8 +226,8 @@ def _nothing_to_import(directory: Path, ckpts: list[Path]) -> CheckpointError:
     if ckpts:
         newest = newest_file(ckpts)
         return CheckpointValueError(
-            f"{directory} holds {len(ckpts)} MindSpore .ckpt files ({_shown(ckpts)}) and no .safetensors file: each .ckpt "
-            f"file is a whole checkpoint of its own (ModelCheckpoint writes one per save), so import one file: "
+            f"{directory} holds {len(ckpts)} MindSpore .ckpt files ({_shown(ckpts)}) and no .safetensors file: "
+            f"each .ckpt file is a whole checkpoint of its own (ModelCheckpoint writes one per save), so import one file: "
             f"hp-ckpt import {newest} OUT (the newest). A parallel job's per-rank files are imported from the "
             "directory of their rank_<i>/ subdirectories, with --strategy FILE"
         )
