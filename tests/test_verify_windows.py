@@ -12,8 +12,11 @@ import pytest
 
 import hyper_parallel.core.distributed_checkpoint as dcp
 from tile_only import strip_flat_digests
-from hyper_parallel.core.distributed_checkpoint._verify_reads import announces, lookahead_limits
+import xxhash
+
+from hyper_parallel.core.distributed_checkpoint._verify_reads import _bad_block_read, announces, lookahead_limits
 from hyper_parallel.core.distributed_checkpoint._verify_windows import Blocks, flat_windows
+from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 
 ms.set_device("CPU")
 
@@ -121,6 +124,37 @@ def test_announce_policy_leaves_whole_windows_to_kernel_readahead():
 def _blocks(*spans):
     return Blocks(starts=np.array([s for s, _ in spans], dtype=np.int64),
                   ends=np.array([e for _, e in spans], dtype=np.int64), digests=[""] * len(spans), keys=[""] * len(spans))
+
+
+def test_window_read_piece_by_piece_checks_every_block_against_its_own_bytes(tmp_path):
+    # a window read whole: small blocks sharing 1 MiB pieces (one read and one hash loop each), a block
+    # crossing a piece edge, whole 1 MiB blocks (a piece each); each digest is compared with xxh3 of the
+    # block's own bytes, and a damaged byte is found in the block that holds it
+    data = np.random.default_rng(5).integers(0, 256, size=6 * MIB, dtype=np.uint8)
+    path = tmp_path / "data.bin"
+    path.write_bytes(data.tobytes())
+    spans = [(0, MIB)] + [(MIB + 4096 * k, MIB + 4096 * (k + 1)) for k in range(200)]
+    spans += [(MIB + 200 * 4096, 2 * MIB + 5000), (2 * MIB + 5000, 3 * MIB), (3 * MIB, 4 * MIB),
+              (4 * MIB, 5 * MIB + 512)]
+    digests = [xxhash.xxh3_64_hexdigest(data[low:high].tobytes()) for low, high in spans]
+    blocks = Blocks(starts=np.array([low for low, _ in spans], dtype=np.int64),
+                    ends=np.array([high for _, high in spans], dtype=np.int64), digests=digests,
+                    keys=[f"k{i}" for i in range(len(spans))])
+    (window,) = flat_windows(blocks, 8 * MIB)
+    assert window.whole and (window.first, window.stop) == (0, len(spans))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert _bad_block_read(fd, path, window, blocks) is None
+        for bad in (0, 8, 200, 201, 202, 204):  # whole blocks, small ones, the edge-crossing one
+            damaged = data.copy()
+            damaged[spans[bad][1] - 1] ^= 1
+            path.write_bytes(damaged.tobytes())
+            assert _bad_block_read(fd, path, window, blocks) == bad
+        os.truncate(path, 5 * MIB)  # the last block ends past the file's end
+        with pytest.raises(CorruptCheckpointError, match=r"data\.bin is truncated"):
+            _bad_block_read(fd, path, window, blocks)
+    finally:
+        os.close(fd)
 
 
 def test_flat_windows_span_small_gaps_but_not_a_window_hashed_apart():

@@ -34,12 +34,13 @@ import contextlib
 import math
 import mmap
 import os
+from operator import sub
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from hyper_parallel.core.distributed_checkpoint._format.checksum import digests_of
+from hyper_parallel.core.distributed_checkpoint._format.checksum import digest, digests_of
 from hyper_parallel.core.distributed_checkpoint._run_reads import FileSource, scratch
 from hyper_parallel.core.distributed_checkpoint._verify_share import SharedFile, WindowShare
 from hyper_parallel.core.distributed_checkpoint._verify_tiles import bad_tile, bad_tile_scattered, scatters, tile_problem
@@ -147,27 +148,37 @@ def _bad_block_read(fd: int, path: Path, window: Window, blocks: Blocks) -> int 
     window: read into the same small buffer and hashed at once, while the
     core's own cache holds it (one read of the whole window left its first
     bytes to the shared cache before they were hashed). The window's digests
-    are compared at once, at the end.
+    are compared at once, at the end. The pieces are found on the file's
+    block bounds as lists (:attr:`.Blocks.bounds`), with no array operation
+    per window: a piece of one block (the blocks of a large chunk) costs a
+    read, a hash and a few Python steps.
 
     Raises:
         CorruptCheckpointError: the file ends inside the window.
     """
     first, stop = window.first, window.stop
     base = window.start
-    starts = blocks.starts[first:stop] - base
-    ends = blocks.ends[first:stop] - base
-    cuts = (np.flatnonzero(np.diff(starts // _PIECE_BYTES)) + 1).tolist()
-    starts_list, ends_list = starts.tolist(), ends.tolist()
-    size = min(window.end - base, _PIECE_BYTES + int((ends - starts).max()))
-    buffer = memoryview(scratch(size, slot=2, huge=True))
+    all_starts, all_ends = blocks.bounds
+    starts, ends = all_starts[first:stop], all_ends[first:stop]
+    buffer = memoryview(scratch(min(window.end - base, _PIECE_BYTES + max(map(sub, ends, starts))), slot=2, huge=True))
     got: list[str] = []
+    count = stop - first
     low = 0
-    for high in cuts + [stop - first]:
-        offset, length = starts_list[low], ends_list[high - 1] - starts_list[low]
-        if os.preadv(fd, [buffer[:length]], base + offset) != length:
+    while low < count:
+        offset = starts[low]
+        limit = base + ((offset - base) // _PIECE_BYTES + 1) * _PIECE_BYTES  # the blocks starting before it
+        high = low + 1
+        while high < count and starts[high] < limit:
+            high += 1
+        length = ends[high - 1] - offset
+        piece = buffer[:length]
+        if os.preadv(fd, [piece], offset) != length:
             raise CorruptCheckpointError(f"data file {path} is truncated (bytes {base}..{window.end} are verified)")
-        got += digests_of(buffer, [start - offset for start in starts_list[low:high]],
-                          [end - offset for end in ends_list[low:high]])
+        if high == low + 1:
+            got.append(digest(piece))
+        else:
+            got += digests_of(buffer, [start - offset for start in starts[low:high]],
+                              [end - offset for end in ends[low:high]])
         low = high
     return _first_bad(got, blocks, first, stop)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -85,6 +86,12 @@ class Blocks:
     ends: np.ndarray
     digests: Sequence[str]
     keys: Sequence[str]
+
+    @cached_property
+    def bounds(self) -> tuple[list[int], list[int]]:
+        """``starts`` and ``ends`` as lists of ints, made once per file: a window read piece by piece slices them
+        (a few array operations per window cost more than its Python, about 7% of a warm verify pass's CPU)."""
+        return self.starts.tolist(), self.ends.tolist()
 
 
 @dataclass(frozen=True)
