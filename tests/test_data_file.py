@@ -16,11 +16,13 @@ from hyper_parallel.core.distributed_checkpoint._data_file import (
     WRITEBACK_BYTES,
     CoalescingWriter,
     LocalDataFile,
+    StoredShape,
     byte_view,
     lay_out,
+    write_hashed,
 )
 from hyper_parallel.core.distributed_checkpoint._file_ops import FileOps
-from hyper_parallel.core.distributed_checkpoint._format.checksum import chunk_checksum
+from hyper_parallel.core.distributed_checkpoint._format.checksum import RUN_BYTES, chunk_checksum
 from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import read_header
 from hyper_parallel.core.distributed_checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from hyper_parallel.core.distributed_checkpoint.planner import BytesWriteData, TensorWriteData, WriteItem, WriteItemType
@@ -53,13 +55,26 @@ def _tensor_item(name: str, array: np.ndarray, dtype: str, offset: tuple[int, ..
     )
 
 
-def test_layout_checksums_match_the_general_path_for_every_kind_of_item(tmp_path: Path) -> None:
+def _write_file(path: Path, layout_header: bytes, views: list[memoryview], shapes: list, *, block: int,
+                tiles: bool) -> list:
+    """Write a data file as the writer does (header, then every item hashed and written run by run)."""
+    sink = LocalDataFile(path, FileOps(), sync=False, drop_page_cache=False)
+    out = CoalescingWriter(sink)
+    out.write(memoryview(layout_header))
+    checksums = [write_hashed(out, view, shape, block_bytes=block, tiles=tiles) for view, shape in zip(views, shapes)]
+    out.flush()
+    sink.commit()
+    return checksums
+
+
+def test_layout_and_checksums_match_the_general_path_for_every_kind_of_item(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     arrays = {
         "vector": rng.random(1000, dtype=np.float32),  # 1-D, one flat block
         "narrow": rng.random((8, 16), dtype=np.float32),  # 2-D too narrow for column tiles: one flat block
         "wide": rng.random((4, 2048), dtype=np.float32),  # 2-D small but wide: tiles
-        "big": rng.random(300_000, dtype=np.float32),  # several flat blocks at block_bytes=64 KiB
+        "big": rng.random(300_000, dtype=np.float32),  # several flat blocks at block_bytes=64 KiB, 2 runs
+        "slabs": rng.random((600, 1024), dtype=np.float32),  # tiles in 10 row slabs
         "empty": np.zeros(0, np.float32),
         "__metadata__": rng.random(3, dtype=np.float32),  # the reserved safetensors key
     }
@@ -71,31 +86,66 @@ def test_layout_checksums_match_the_general_path_for_every_kind_of_item(tmp_path
                                                         global_shape=())))
     views = [byte_view(a) for a in arrays.values()] + [byte_view(arrays["vector"]), byte_view(payload)]
     block = 64 << 10
-    layout = lay_out(tuple(items), views, file_metadata={"save_id": "x"}, align=4096, block_bytes=block,
-                     tiles=True, stored_as_bytes=False)
-    for item, view, checksum in zip(items, views, layout.checksums):
+    layout = lay_out(tuple(items), [len(view) for view in views], file_metadata={"save_id": "x"}, align=4096,
+                     stored_as_bytes=False)
+    path = tmp_path / "f.safetensors"
+    checksums = _write_file(path, layout.header, views, layout.shapes, block=block, tiles=True)
+    for item, view, checksum in zip(items, views, checksums):
         data = item.tensor_data
         expected = chunk_checksum(view, block, sizes=data.chunk.sizes if data else None,
                                   itemsize=DTYPE_NAMES[data.properties.dtype] if data else 1, tiles=True)
         assert checksum == expected, item.index.fqn
-    assert layout.checksums[2].block_shape and len(layout.checksums[3].digests) == 19
-    # The header and offsets make a file any safetensors reader opens, names kept unique.
-    path = tmp_path / "f.safetensors"
-    path.write_bytes(layout.header + b"".join(bytes(v) for v in views))
+    assert checksums[2].block_shape and len(checksums[3].digests) == 19
+    assert checksums[4].block_shape == (64, 256) and len(checksums[4].flat_digests) == 38
+    # The header and offsets make a file any safetensors reader opens, names kept unique; the bytes as written.
+    assert path.read_bytes() == layout.header + b"".join(bytes(v) for v in views)
     header, data_start = read_header(path)
     assert data_start == len(layout.header) and data_start % 4096 == 0
     assert layout.offsets == sorted(layout.offsets) and layout.offsets[0] == data_start
     loaded = load_file(str(path))
-    assert set(loaded) == {"vector", "narrow", "wide", "big", "empty", "__metadata__#", "vector@1000", "value"}
-    for name in ("narrow", "wide", "big"):
+    assert set(loaded) == {"vector", "narrow", "wide", "big", "slabs", "empty", "__metadata__#", "vector@1000",
+                           "value"}
+    for name in ("narrow", "wide", "big", "slabs"):
         np.testing.assert_array_equal(loaded[name], arrays[name])
     np.testing.assert_array_equal(loaded["__metadata__#"], arrays["__metadata__"])
     assert loaded["value"].tobytes() == payload
     # Stored as bytes (compressed): every item a flat uint8 entry.
-    flat = lay_out(tuple(items), views, file_metadata={}, align=8, block_bytes=block, tiles=False,
-                   stored_as_bytes=True)
-    assert not any(c.block_shape for c in flat.checksums)
-    assert flat.checksums[3] == chunk_checksum(views[3], block)
+    flat = lay_out(tuple(items), [len(view) for view in views], file_metadata={}, align=8, stored_as_bytes=True)
+    assert flat.shapes == [None] * len(items)
+    flat_sums = _write_file(tmp_path / "g", flat.header, views, flat.shapes, block=block, tiles=True)
+    assert not any(c.block_shape for c in flat_sums)
+    assert flat_sums[3] == chunk_checksum(views[3], block) and flat_sums[4] == chunk_checksum(views[4], block)
+
+
+class ChangingSource(LocalDataFile):
+    """A real data file whose source array changes after each write: every byte not yet written is incremented."""
+
+    def __init__(self, path: Path, source: np.ndarray) -> None:
+        super().__init__(path, FileOps(), sync=False, drop_page_cache=False)
+        self.source = source
+        self.writes: list[int] = []
+
+    def write(self, view: memoryview) -> None:
+        super().write(view)
+        self.writes.append(len(view))
+        written = sum(self.writes)
+        self.source[written:] += 1
+
+
+@pytest.mark.parametrize("shape", [(5 << 20,), (256, 8192)], ids=["flat", "tiles"])
+def test_each_run_is_hashed_just_before_it_is_written(tmp_path: Path, shape: tuple[int, ...]) -> None:
+    """The checksums describe the bytes as each run was written: a run is hashed when its turn comes, not all
+    first (an import's memory-mapped source larger than the page cache is then read once, not twice)."""
+    source = np.zeros(shape, np.uint8)
+    sink = ChangingSource(tmp_path / "f", source.reshape(-1))
+    shape_info = StoredShape(sizes=shape, itemsize=1) if len(shape) > 1 else None
+    checksum = write_hashed(CoalescingWriter(sink), byte_view(source), shape_info, block_bytes=64 << 10, tiles=True)
+    sink.commit()
+    written = np.fromfile(tmp_path / "f", np.uint8)
+    # Runs of RUN_BYTES (flat) or of one row slab of tiles (256 rows x 8192 bytes at 64 KiB blocks: 64 rows).
+    assert sink.writes == ([RUN_BYTES] * 5 if len(shape) == 1 else [64 * 8192] * 4)
+    assert written.max() == len(sink.writes) - 1  # the source did change between runs
+    assert checksum == chunk_checksum(memoryview(written), 64 << 10, sizes=shape, itemsize=1, tiles=True)
 
 
 @pytest.mark.parametrize("sync", [True, False])

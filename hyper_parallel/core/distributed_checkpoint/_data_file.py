@@ -1,9 +1,12 @@
 """One data file of a save: its safetensors layout, its checksums, and its bytes on disk.
 
-:func:`lay_out` turns a file's items into the safetensors header, each
-item's absolute offset and its checksums: one pass over the file's items,
-small flat items hashed by one list comprehension, offsets by one running
-sum. :class:`LocalDataFile` streams the bytes to disk in order through the
+:func:`lay_out` turns a file's items into the safetensors header and each
+item's absolute offset (sizes only: no byte of the data is read), offsets by
+one running sum. :func:`write_hashed` then checksums each item and writes it
+run by run (about a MiB, or a row slab of tiles): every source byte is read
+once, hashed and written while it is still in the CPU cache, and a source
+larger than the page cache (memory-mapped rank files of an import) is not
+read twice. :class:`LocalDataFile` streams the bytes to disk in order through the
 writer's :class:`._file_ops.FileOps`: small pieces many per ``writev``, and,
 when the file is to be fsynced, the device is asked to start writing every
 :data:`WRITEBACK_BYTES` (``sync_file_range``), so the final ``fsync`` waits
@@ -26,25 +29,47 @@ from hyper_parallel.core.distributed_checkpoint.metadata import ChunkChecksum, M
 from hyper_parallel.core.distributed_checkpoint.planner import WriteItem, WriteItemType
 from hyper_parallel.platform.tensor import DTYPE_NAMES
 
-__all__ = ["WRITEBACK_BYTES", "CoalescingWriter", "FileLayout", "LocalDataFile", "byte_view", "lay_out"]
+__all__ = [
+    "WRITEBACK_BYTES",
+    "CoalescingWriter",
+    "FileLayout",
+    "LocalDataFile",
+    "StoredShape",
+    "byte_view",
+    "lay_out",
+    "write_hashed",
+]
 
 #: A file that is to be fsynced asks the device to start writing after every this many bytes.
 WRITEBACK_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
+class StoredShape:
+    """How an item is stored as a typed tensor (what its tile checksums follow).
+
+    Attributes:
+        sizes: The chunk's shape.
+        itemsize: Bytes per element.
+    """
+
+    sizes: tuple[int, ...]
+    itemsize: int
+
+
+@dataclass(frozen=True)
 class FileLayout:
-    """Where each item of one data file goes, and its checksums.
+    """Where each item of one data file goes.
 
     Attributes:
         header: The safetensors header (length prefix included).
         offsets: Each item's absolute offset in the file, in item order.
-        checksums: Each item's block checksums, in item order.
+        shapes: Each item's stored shape, ``None`` for an item stored as bytes, in item order.
     """
 
     header: bytes
     offsets: list[int]
-    checksums: list[ChunkChecksum]
+    shapes: list[StoredShape | None]
 
 
 def _tensor_name(index: MetadataIndex, whole: bool) -> str:
@@ -55,23 +80,19 @@ def _tensor_name(index: MetadataIndex, whole: bool) -> str:
 
 def lay_out(
     items: tuple[WriteItem, ...],
-    views: list[memoryview],
+    lengths: list[int],
     *,
     file_metadata: dict[str, str],
     align: int,
-    block_bytes: int,
-    tiles: bool,
     stored_as_bytes: bool,
 ) -> FileLayout:
-    """The header, offsets and checksums of a data file holding ``views`` (the items' stored bytes).
+    """The header and offsets of a data file holding items of ``lengths`` stored bytes. The writing rank.
 
     Args:
         items: The file's items, in file order.
-        views: Each item's stored bytes.
+        lengths: Each item's stored length in bytes.
         file_metadata: The header's ``__metadata__`` strings.
         align: The data region starts at a multiple of this.
-        block_bytes: Checksum block size.
-        tiles: Tile checksums for wide 2-D and larger chunks.
         stored_as_bytes: Every item stored as ``uint8`` bytes (compressed).
 
     Raises:
@@ -79,7 +100,7 @@ def lay_out(
     """
     names: list[str] = []
     used = {"__metadata__"}  # the safetensors header's reserved key
-    tensors: list[tuple[str, tuple[int, ...], int] | None] = []
+    tensors: list[tuple[str, StoredShape] | None] = []
     for item in items:
         name = _tensor_name(item.index, item.type == WriteItemType.TENSOR)
         while name in used:  # a key that itself looks like "fqn@offsets"
@@ -87,25 +108,49 @@ def lay_out(
         used.add(name)
         names.append(name)
         data = item.tensor_data
-        tensors.append(None if data is None or stored_as_bytes else
-                       (data.properties.dtype, data.chunk.sizes, DTYPE_NAMES[data.properties.dtype]))
-    lengths = [len(view) for view in views]
+        tensors.append(None if data is None or stored_as_bytes else (
+            data.properties.dtype, StoredShape(sizes=data.chunk.sizes, itemsize=DTYPE_NAMES[data.properties.dtype])))
     relative = [0, *accumulate(lengths)]
     entries = {}
     for name, tensor, begin, end in zip(names, tensors, relative, relative[1:]):
-        dtype, shape = ("uint8", (end - begin,)) if tensor is None else tensor[:2]
+        dtype, shape = ("uint8", (end - begin,)) if tensor is None else (tensor[0], tensor[1].sizes)
         entries[name] = (dtype, shape, begin, end)
     header = header_bytes(entries, file_metadata, align=align)
     base = len(header)
-    checksums = []
-    for view, tensor in zip(views, tensors):
-        if len(view) <= block_bytes and (tensor is None or not tiles or len(tensor[1]) < 2
-                                         or not tile_shape(tensor[1], tensor[2], block_bytes)):
-            checksums.append(ChunkChecksum(algorithm=ALGORITHM, block_bytes=block_bytes, digests=(digest(view),)))
-        else:
-            checksums.append(chunk_checksum(view, block_bytes, sizes=None if tensor is None else tensor[1],
-                                            itemsize=1 if tensor is None else tensor[2], tiles=tiles))
-    return FileLayout(header=header, offsets=[base + r for r in relative[:-1]], checksums=checksums)
+    return FileLayout(header=header, offsets=[base + r for r in relative[:-1]],
+                      shapes=[None if tensor is None else tensor[1] for tensor in tensors])
+
+
+def write_hashed(
+    out: "CoalescingWriter", view: memoryview, shape: StoredShape | None, *, block_bytes: int, tiles: bool
+) -> ChunkChecksum:
+    """Checksum one item's stored bytes ``view`` and append them to ``out``, each run right after it is hashed.
+
+    The writing rank. An item of at most ``block_bytes`` without tiles is one
+    digest, then one write; a larger one is hashed and written in the runs of
+    :func:`.chunk_checksum` (``after``), so each byte is read from its source once.
+
+    Args:
+        out: The file being written (at this item's offset).
+        view: The item's stored bytes.
+        shape: Its stored shape (tiles follow it), ``None`` for bytes.
+        block_bytes: Checksum block size.
+        tiles: Tile checksums for wide 2-D and larger chunks.
+    """
+    if len(view) <= block_bytes and (shape is None or not tiles or len(shape.sizes) < 2
+                                     or not tile_shape(shape.sizes, shape.itemsize, block_bytes)):
+        checksum = ChunkChecksum(algorithm=ALGORITHM, block_bytes=block_bytes, digests=(digest(view),))
+        out.write(view)
+        return checksum
+    written = 0
+
+    def write_run(end: int) -> None:
+        nonlocal written
+        out.write(view[written:end])
+        written = end
+
+    return chunk_checksum(view, block_bytes, sizes=None if shape is None else shape.sizes,
+                          itemsize=1 if shape is None else shape.itemsize, tiles=tiles, after=write_run)
 
 
 class LocalDataFile:

@@ -4,10 +4,12 @@
 thread; the largest items first, each to the least loaded file) and names
 each file from the rank, a counter and the save id, never from tensor names.
 :func:`write_data_file` lays out one file's safetensors header from the plan
-(sizes, offsets, checksums) before any byte is written, then streams every
-item from its own memory to its offset through the sink it is given (a local
-file, or an object upload): no second copy of the state. Items are
-compressed one by one when asked (``compression="zstd"``).
+(sizes and offsets: the checksums go to the metadata, not the header) before
+any byte is written, then streams every item from its own memory to its
+offset through the sink it is given (a local file, or an object upload),
+hashing each run of about a MiB just before writing it: no second copy of
+the state, and each source byte read once. Items are compressed one by one,
+before the header, when asked (``compression="zstd"``).
 :func:`drop_pages_in_background` advises the kernel that durable data files' pages may go.
 
 The :class:`.FileSystemWriter` (and the object-store writer built on it)
@@ -22,7 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from hyper_parallel.core.distributed_checkpoint._data_file import CoalescingWriter, LocalDataFile, byte_view, lay_out
+from hyper_parallel.core.distributed_checkpoint._data_file import (
+    CoalescingWriter,
+    LocalDataFile,
+    byte_view,
+    lay_out,
+    write_hashed,
+)
 from hyper_parallel.core.distributed_checkpoint._file_ops import FileOps
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError, CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.metadata import StorageInfo
@@ -106,21 +114,21 @@ def file_jobs(
     return jobs
 
 
-def _stored_views(
-    job: FileJob, planner: SavePlanner, compression: str | None, compression_level: int
-) -> list[tuple[memoryview, int]]:
-    """Each item's stored bytes (compressed when asked) and its raw length."""
+def _item_view(item: WriteItem, size: int, planner: SavePlanner) -> memoryview:
+    """The stored (uncompressed) bytes of ``item``, checked against its planned ``size``."""
+    view = byte_view(planner.get_data(item))
+    if len(view) != size:
+        raise CheckpointError(f"key '{item.index.fqn}': planner returned {len(view)} bytes, plan says {size}")
+    return view
+
+
+def _compressed_views(job: FileJob, planner: SavePlanner, compression_level: int) -> list[tuple[memoryview, int]]:
+    """Each item's zstd-compressed bytes and its raw length (the header needs every stored length first)."""
+    compressor = zstd_module().ZstdCompressor
     views = []
     for item, size in zip(job.items, job.sizes):
-        view = byte_view(planner.get_data(item))
-        if len(view) != size:
-            raise CheckpointError(
-                f"key '{item.index.fqn}': planner returned {len(view)} bytes, plan says {size}"
-            )
-        raw_length = len(view)
-        if compression == "zstd":
-            view = memoryview(zstd_module().ZstdCompressor(level=compression_level).compress(view))
-        views.append((view, raw_length))
+        view = _item_view(item, size, planner)
+        views.append((memoryview(compressor(level=compression_level).compress(view)), len(view)))
     return views
 
 
@@ -137,6 +145,9 @@ def write_data_file(
 ) -> list[WriteResult]:
     """Write data file ``job.name`` whole (header, then every item) and return its write results. The writing rank.
 
+    Each item's data is asked of the planner when its turn comes, and hashed
+    run by run just before the run is written (:func:`.write_hashed`).
+
     Args:
         job: The file and its items.
         planner: Hands each item's data (``get_data``).
@@ -148,30 +159,33 @@ def write_data_file(
         block_bytes: Block size of the stored checksums.
         tiles: Checksum 2-D and larger chunks by tiles (never for compressed items).
     """
-    stored = _stored_views(job, planner, compression, compression_level)
-    views = [view for view, _ in stored]
-    layout = lay_out(
-        job.items, views, file_metadata={"format": "hyper_parallel", "save_id": save_id},
-        align=DATA_ALIGNMENT, block_bytes=block_bytes,
-        tiles=tiles and not compression, stored_as_bytes=bool(compression),
-    )
+    if compression:
+        compressed = _compressed_views(job, planner, compression_level)
+        lengths, raw_lengths = [len(view) for view, _ in compressed], [raw for _, raw in compressed]
+        views = iter([view for view, _ in compressed])
+    else:
+        lengths, raw_lengths = list(job.sizes), [None] * len(job.items)
+        views = map(_item_view, job.items, job.sizes, [planner] * len(job.items))
+    layout = lay_out(job.items, lengths, file_metadata={"format": "hyper_parallel", "save_id": save_id},
+                     align=DATA_ALIGNMENT, stored_as_bytes=bool(compression))
     sink = open_sink(job.name)
     try:
         out = CoalescingWriter(sink)
         out.write(memoryview(layout.header))
-        for view in views:
-            out.write(view)
+        checksums = [write_hashed(out, view, shape, block_bytes=block_bytes, tiles=tiles and not compression)
+                     for view, shape in zip(views, layout.shapes)]
         out.flush()
     except BaseException:
         sink.abort()
         raise
     sink.commit()
     return [
-        WriteResult(index=item.index, size_in_bytes=len(view), storage_data=StorageInfo(
-            relative_path=job.name, offset=offset, length=len(view), checksum=checksum,
-            compression=compression, raw_length=raw_length if compression else None,
+        WriteResult(index=item.index, size_in_bytes=length, storage_data=StorageInfo(
+            relative_path=job.name, offset=offset, length=length, checksum=checksum,
+            compression=compression, raw_length=raw_length,
         ))
-        for item, (view, raw_length), offset, checksum in zip(job.items, stored, layout.offsets, layout.checksums)
+        for item, length, raw_length, offset, checksum in zip(
+            job.items, lengths, raw_lengths, layout.offsets, checksums)
     ]
 
 
