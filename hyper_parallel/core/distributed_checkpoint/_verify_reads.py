@@ -34,6 +34,7 @@ import contextlib
 import math
 import mmap
 import os
+from bisect import bisect_left
 from operator import sub
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -149,9 +150,9 @@ def _bad_block_read(fd: int, path: Path, window: Window, blocks: Blocks) -> int 
     core's own cache holds it (one read of the whole window left its first
     bytes to the shared cache before they were hashed). The window's digests
     are compared at once, at the end. The pieces are found on the file's
-    block bounds as lists (:attr:`.Blocks.bounds`), with no array operation
-    per window: a piece of one block (the blocks of a large chunk) costs a
-    read, a hash and a few Python steps.
+    block bounds as lists (:attr:`.Blocks.bounds`) by bisection, with no
+    array operation per window: a piece of one block (the blocks of a large
+    chunk) costs a read, a hash and a few Python steps.
 
     Raises:
         CorruptCheckpointError: the file ends inside the window.
@@ -166,10 +167,8 @@ def _bad_block_read(fd: int, path: Path, window: Window, blocks: Blocks) -> int 
     low = 0
     while low < count:
         offset = starts[low]
-        limit = base + ((offset - base) // _PIECE_BYTES + 1) * _PIECE_BYTES  # the blocks starting before it
-        high = low + 1
-        while high < count and starts[high] < limit:
-            high += 1
+        # the piece: the blocks starting before the next step of the window (found by bisection, no Python per block)
+        high = bisect_left(starts, base + ((offset - base) // _PIECE_BYTES + 1) * _PIECE_BYTES, low + 1, count)
         length = ends[high - 1] - offset
         piece = buffer[:length]
         if os.preadv(fd, [piece], offset) != length:
