@@ -11,8 +11,9 @@ the device asked to write every 8 MiB as the save's writer does; cold and warm s
 own save/load, this project's save (each label's thread count checked against the data files written), async
 save (first call and steady, the commit timed and its thread named) and load, the cost of every protection
 (``bench_protections.py``: checksums on/off for save, paired; the commit; the save lease; fsync; verify on/off
-and the header check for load; replica checks), a resharded load on msrun ranks (``bench_reshard_worker.py``) and
-the extra memory of a load, and ``hp-ckpt import`` of a 4-rank MindSpore
+and the header check for load; replica checks), the one-line ``hyper_parallel.load_checkpoint`` (path alone
+and into a net, against ``mindspore.load_checkpoint``: ``bench_one_line.py``), a resharded load on msrun ranks
+(``bench_reshard_worker.py``) and the extra memory of a load, and ``hp-ckpt import`` of a 4-rank MindSpore
 checkpoint against ``transform_checkpoints`` on the same files
 (``bench_ms_import.py``, also runnable alone with ``--size``). This VM returns freed memory to its host, so every
 timed run is preceded by touching ``--pretouch-gb`` GiB of fresh memory."""
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import os
@@ -43,6 +45,7 @@ import psutil
 
 import bench_cold_load
 import bench_ms_import
+import bench_one_line
 import bench_protections
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.core.distributed_checkpoint import _async_engine
@@ -197,11 +200,15 @@ def phase_baseline(work: Path, nbytes: int, args: argparse.Namespace) -> tuple[d
 
 
 def phase_memcpy(nbytes: int, args: argparse.Namespace) -> dict[str, list[float]]:
-    """Host memcpy of ``nbytes`` into a pre-touched buffer."""
+    """Host memcpy of ``nbytes`` into a pre-touched buffer, and into memory allocated for it (page faults too)."""
     source = np.ones(nbytes, dtype=np.uint8)
     target = np.ones(nbytes, dtype=np.uint8)  # np.zeros would leave the pages untouched
-    return {"host memcpy": timed(lambda: np.copyto(target, source), runs=args.warm_runs,
-                                 pretouch_gb=args.pretouch_gb)}
+    times = {"host memcpy": timed(lambda: np.copyto(target, source), runs=args.warm_runs,
+                                  pretouch_gb=args.pretouch_gb)}
+    del source, target
+    times.update(bench_one_line.phase_memcpy_new(nbytes, warm_runs=args.warm_runs,
+                                                 before_each=lambda: pretouch(args.pretouch_gb)))
+    return times
 
 
 def phase_mindspore(state: dict[str, Any], work: Path, args: argparse.Namespace) -> dict[str, list[float]]:
@@ -209,14 +216,24 @@ def phase_mindspore(state: dict[str, Any], work: Path, args: argparse.Namespace)
 
     MindSpore's safetensors load maps the file: its pages are read on first
     access, so the timed load touches one byte of every page of every Parameter.
-    Run it last: afterwards the Parameters live in that file mapping.
+    Each load goes into a fresh net of Parameters in their own memory: the
+    previous run's Parameters live in the file mapping, and no eviction drops
+    the pages of a mapped file (the cold runs were warm).
     """
     path = work / "ms.safetensors"
     params = list(state.values())
-    net = ms.nn.Cell()
-    for param in params:
-        net.insert_param_to_cell(param.name, param)
+    nets: list[Any] = []
     save_only: list[float] = []
+
+    def fresh_net() -> None:
+        nets.clear()
+        gc.collect()  # the last run's Parameters, and with them the mapping
+        net = ms.nn.Cell()
+        for param in params:
+            net.insert_param_to_cell(param.name, ms.Parameter(
+                ms.Tensor(np.zeros(param.shape, np.float32), param.dtype), name=param.name))
+        nets.append(net)
+        drop_page_cache([path])
 
     def save() -> None:
         start = time.perf_counter()
@@ -226,17 +243,22 @@ def phase_mindspore(state: dict[str, Any], work: Path, args: argparse.Namespace)
             os.fsync(handle.fileno())
 
     def load() -> None:
-        not_loaded, _ = ms.load_param_into_net(net, ms.load_checkpoint(str(path), format="safetensors"))
+        not_loaded, _ = ms.load_param_into_net(nets[0], ms.load_checkpoint(str(path), format="safetensors"))
         if not_loaded:
             raise RuntimeError(f"mindspore did not load {not_loaded[:5]}")
-        for param in params:  # the load maps the file lazily: touch every page so that it is read
+        for param in nets[0].get_parameters():  # the load maps the file lazily: touch every page so it is read
             param.asnumpy().reshape(-1).view(np.uint8)[::4096].max()
 
     times = {"ms.save_checkpoint+fsync": timed(save, runs=args.runs, pretouch_gb=args.pretouch_gb,
                                                setup=lambda: remove(path))}
     times["ms.save_checkpoint (no fsync)"] = save_only
+    times.update(bench_one_line.phase_ms_load_checkpoint(
+        path, runs=args.runs, warm_runs=args.warm_runs, before_each=lambda: pretouch(args.pretouch_gb),
+        warm=lambda: warm_cache([path]), cold=lambda: drop_page_cache([path])))
     times["ms.load+load_param_into_net cold (pages touched)"] = timed(
-        load, runs=args.runs, pretouch_gb=args.pretouch_gb, setup=lambda: drop_page_cache([path]))
+        load, runs=args.runs, pretouch_gb=args.pretouch_gb, setup=fresh_net)
+    nets.clear()
+    gc.collect()
     path.unlink()
     return times
 
@@ -732,6 +754,8 @@ def ratios(t: dict[str, float], args: argparse.Namespace, memory: dict[str, Any]
             / t[f"dcp.load {cache}, verify off ({T} threads)"], None)
     add("protection: verify, warm load on / off, CPU time (paired)",
         t[f"dcp.load warm, verify on ({T} threads), CPU"] / t[f"dcp.load warm, verify off ({T} threads), CPU"], None)
+    for name, value, limit in bench_one_line.load_checkpoint_ratios(t):
+        add(name, value, limit)
     for name, mem in memory.items():
         add(f"load extra memory / bound, {name.split(',')[0]}, {mem['bound_bytes'] >> 20} MiB",
             mem["extra_bytes"] / mem["bound_bytes"], 1.0)
@@ -849,6 +873,9 @@ def run_state(kind: str, work: Path, args: argparse.Namespace) -> dict[str, Any]
         state, work, load_path, threads=args.threads, runs=args.runs, before_each=lambda: pretouch(args.pretouch_gb),
         remove=remove, warm=lambda: warm_cache(data_files(load_path))))
     memory = phase_memory(state, load_path, args)
+    times.update(bench_one_line.phase_load_checkpoint(
+        state, load_path, runs=args.runs, warm_runs=args.warm_runs, before_each=lambda: pretouch(args.pretouch_gb),
+        warm=lambda: warm_cache(data_files(load_path)), cold=lambda: drop_page_cache(data_files(load_path))))
     profiles = phase_profile(state, work, load_path) if args.profile else []
     remove(load_path)
     times.update(phase_mindspore(state, work, args))

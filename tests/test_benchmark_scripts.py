@@ -57,6 +57,14 @@ STATE_FIGURES = (
     "warm verified read floor (2 threads) / memcpy",
     "warm load, verify on / its floor",
     "warm load, verify off / its floor",
+    "hyper_parallel.load_checkpoint(path, net) cold / cold read",
+    "hyper_parallel.load_checkpoint(path, net) warm / memcpy",
+    "hyper_parallel.load_checkpoint(path) cold / cold read",
+    "hyper_parallel.load_checkpoint(path) warm / memcpy",
+    "hyper_parallel.load_checkpoint(path) warm / host memcpy into new memory",
+    "hyper_parallel.load_checkpoint(path) cold / ms.load_checkpoint cold",
+    "hyper_parallel.load_checkpoint(path) warm / ms.load_checkpoint warm",
+    "hyper_parallel.load_checkpoint(path, net) cold / ms.load+load_param_into_net cold",
 )
 RESHARD_FIGURES = (
     "reshard reader bytes / needed, verify on, worst rank",
