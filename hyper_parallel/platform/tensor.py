@@ -432,9 +432,11 @@ def assign_region(target: Any, region: tuple[slice, ...], array: np.ndarray) -> 
     framework's region write (``target[region] = value``), or for a region
     that is the whole tensor and all of its memory (no view) its in-place
     copy (``copy_``: no index to parse, any dtype); where the framework refuses it for this dtype
-    (MindSpore's CPU kernel has no bfloat16 region copy), copies the whole
-    tensor out, patches the region and assigns the whole tensor back.
-    Serialised by a lock (reader threads call it concurrently).
+    (MindSpore's CPU kernel has no bfloat16 region copy), writes the region
+    through an unsigned integer view of the same memory and element size
+    (``Tensor.view(dtype)``), and only where no such view aliases the tensor
+    copies the whole tensor out, patches the region and assigns the whole
+    tensor back. Serialised by a lock (reader threads call it concurrently).
     """
     if isinstance(target, np.ndarray):
         np.copyto(target[region], array, casting="unsafe")
@@ -450,9 +452,29 @@ def assign_region(target: Any, region: tuple[slice, ...], array: np.ndarray) -> 
             else:
                 target[region] = value
         except (AttributeError, RuntimeError, TypeError, ValueError):
-            patched = np.array(to_numpy(target), copy=True)
-            patched[region] = array
-            assign(target, patched)
+            if not _assign_bits(target, region, value):
+                patched = np.array(to_numpy(target), copy=True)
+                patched[region] = array
+                assign(target, patched)
+
+
+#: Unsigned integer dtype names by element size: the region write of a dtype the framework has none for.
+_BITS = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}
+
+
+def _assign_bits(target: Any, region: tuple[slice, ...], value: Any) -> bool:
+    """Write tensor ``value`` (of ``target``'s dtype) into ``target[region]`` as raw bits, through an unsigned
+    integer view of ``target``'s memory: no copy of the whole tensor. ``False`` (nothing written) where the
+    framework offers no such view that aliases ``target``, or refuses its region write."""
+    name = _BITS.get(np.dtype(to_numpy_dtype(target)).itemsize)
+    try:
+        alias = target.view(ms_dtype(name))
+        if alias.data_ptr() != target.data_ptr():  # a copy, not a view: writing it would change nothing
+            return False
+        alias[region] = value.view(ms_dtype(name))
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return False
+    return True
 
 
 class _MemorySpan(NamedTuple):
