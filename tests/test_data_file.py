@@ -218,3 +218,24 @@ def test_pages_of_a_durable_save_are_dropped_off_the_critical_path(tmp_path: Pat
     dcp.save(state, storage_writer=writer, no_dist=True)  # a second save waits for the first advice first
     writer.wait_page_drop()
     assert len(ops.drops) == 4
+
+
+def test_an_empty_chunk_hashed_in_runs_is_one_run() -> None:
+    ends: list[int] = []
+    checksum = chunk_checksum(memoryview(b""), 1 << 20, after=ends.append)
+    assert ends == [0] and checksum.digests == ("2d06800538d394c2",)
+
+
+class _ShortPlanner(dcp.StandardSavePlanner):
+    """Hands one item an element short of its plan (a planner bug)."""
+
+    def get_data(self, item: WriteItem):
+        data = super().get_data(item)
+        return data[:-1] if item.index.fqn == "b" else data
+
+
+def test_an_item_of_other_bytes_than_planned_fails_the_save_and_leaves_no_data_file(tmp_path: Path) -> None:
+    state = {"a": np.arange(4096, dtype=np.float32), "b": np.arange(10, dtype=np.float32)}
+    with pytest.raises(dcp.CheckpointError, match=r"key 'b': planner returned 36 bytes, plan says 40"):
+        dcp.save(state, checkpoint_id=tmp_path / "c", planner=_ShortPlanner(), no_dist=True)
+    assert not list((tmp_path / "c").glob("*.safetensors"))
