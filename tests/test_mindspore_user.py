@@ -277,3 +277,32 @@ def test_a_directory_of_mindspore_files_is_named_as_such(tmp_path):
     (tmp_path / "ours" / "metadata.json").unlink()  # our data files without the commit: a save that crashed
     with pytest.raises(dcp.IncompleteCheckpointError, match="the save did not commit"):
         hyper_parallel.load_checkpoint(tmp_path / "ours")
+
+
+def test_a_directory_of_both_kinds_of_mindspore_file_names_a_command_for_each(tmp_path):
+    """A directory holding a .safetensors and a .ckpt file advised `hp-ckpt import DIR OUT_DIR`, which refuses
+    such a directory and names two other commands: the user ran a refused command to learn the right ones. The
+    load's message now gives both, and each of them imports."""
+    from hyper_parallel.cli import import_checkpoint
+
+    net = nn.Dense(4, 3)
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    ms.save_checkpoint(net, str(mixed / "net.ckpt"))
+    ms.save_checkpoint(net, str(mixed / "net.safetensors"), format="safetensors")
+    with pytest.raises(dcp.IncompleteCheckpointError) as both:
+        hyper_parallel.load_checkpoint(mixed)
+    assert str(both.value) == (
+        f"{mixed} holds MindSpore checkpoint files (net.ckpt, net.safetensors), not a checkpoint of hyper_parallel "
+        f"(no metadata.json): read them with mindspore.load_checkpoint, or convert them once with `hp-ckpt import "
+        f"{mixed / 'net.safetensors'} OUT_DIR` for the .safetensors files, or `hp-ckpt import {mixed / 'net.ckpt'} "
+        "OUT_DIR` for the .ckpt file (the directory itself holds both kinds and is not imported whole) and load OUT_DIR")
+    for name in ("net.safetensors", "net.ckpt"):
+        import_checkpoint(mixed / name, tmp_path / name, show_progress=False)
+        loaded = hyper_parallel.load_checkpoint(tmp_path / name)
+        np.testing.assert_array_equal(loaded["weight"].asnumpy(), net.weight.asnumpy())
+    ms.save_checkpoint(net, str(mixed / "other.safetensors"), format="safetensors")
+    with pytest.raises(dcp.IncompleteCheckpointError, match=(
+            rf"`hp-ckpt import {mixed} OUT_DIR` after moving its \.ckpt files out for the \.safetensors files, "
+            rf"or `hp-ckpt import {mixed / 'net.ckpt'} OUT_DIR` for the \.ckpt file")):
+        dcp.load({"weight": np.zeros((3, 4), np.float32)}, checkpoint_id=mixed)

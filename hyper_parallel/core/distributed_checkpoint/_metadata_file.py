@@ -84,17 +84,28 @@ def mindspore_files(path: Path) -> list[str]:
 def _flat_import(path: Path) -> str:
     """The ``hp-ckpt import`` command for MindSpore files directly in ``path``: the directory when it holds
     safetensors files (a model's shards, imported together), else its one ``.ckpt`` file, or the newest of
-    several (each is a checkpoint of its own: ModelCheckpoint writes one per save)."""
+    several (each is a checkpoint of its own: ModelCheckpoint writes one per save). Both kinds of file: a
+    command for each (``hp-ckpt import`` refuses the directory, it cannot know which one is meant)."""
     try:
         files = [entry for entry in sorted(os.scandir(path), key=lambda e: e.name)[:1000]
                  if entry.name.endswith((".ckpt", ".safetensors")) and not DATA_FILE_PATTERN.match(entry.name)]
         ckpts = [entry for entry in files if entry.name.endswith(".ckpt")]
-        if len(files) > len(ckpts) or not ckpts:
+        if not ckpts:
             return f"`hp-ckpt import {path} OUT_DIR`"
         newest = newest_file(ckpts)
+        indexes = sorted(path.glob("*.safetensors.index.json"))
     except OSError:
         return f"`hp-ckpt import {path} OUT_DIR`"
-    return f"`hp-ckpt import {path / newest.name} OUT_DIR`" + (NEWEST_NOTE if len(ckpts) > 1 else "")
+    ckpt = f"`hp-ckpt import {path / newest.name} OUT_DIR`" + (NEWEST_NOTE if len(ckpts) > 1 else "")
+    safetensors = [entry.name for entry in files if entry.name.endswith(".safetensors")]
+    if not safetensors:
+        return ckpt
+    if len(indexes) == 1 or len(safetensors) == 1:
+        model = f"`hp-ckpt import {indexes[0] if len(indexes) == 1 else path / safetensors[0]} OUT_DIR`"
+    else:
+        model = f"`hp-ckpt import {path} OUT_DIR` after moving its .ckpt files out"
+    return (f"{model} for the .safetensors files, or {ckpt} for the .ckpt file (the directory itself holds both "
+            "kinds and is not imported whole)")
 
 
 def _rank_local_metadata(path: Path, metadata_file: str) -> list[str]:
