@@ -16,7 +16,7 @@ from hyper_parallel.core.distributed_checkpoint import _read_priming, _verify_re
 from hyper_parallel.core.distributed_checkpoint._run_reads import FileSource
 from hyper_parallel.core.distributed_checkpoint._read_priming import PRIME_MIN_BYTES, page_cached, prime
 
-from page_cache import evict
+from page_cache import evict, pinned
 
 ms.set_device("CPU")
 
@@ -86,10 +86,14 @@ def test_cold_load_primes_its_first_bytes_once_and_is_bit_exact(saved, monkeypat
 def test_warm_or_resharded_loads_are_not_primed(saved, monkeypatch) -> None:
     path, expected = saved
     calls = _record_primes(monkeypatch)
-    for data in path.glob("*.safetensors"):
-        data.read_bytes()  # warm (the writer may have dropped its pages)
+    chunks = json.loads((path / "metadata.json").read_text())["storage_data"]
+    (data,) = path.glob("*.safetensors")
+    data.read_bytes()  # warm (the writer may have dropped its pages)
     target = _state(1)
-    dcp.load(target, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    # the reader probes a file's first needed byte to tell a warm file: the page of every chunk's first byte is
+    # kept cached through the load, so memory pressure from other processes cannot make the warm file look cold
+    with pinned(data, [entry["byte_offset"] for entry in chunks]):
+        dcp.load(target, storage_reader=dcp.FileSystemReader(path), no_dist=True)
     _evict(path)
     part = {name: target[name] for name in ("w0", "b3")}  # a few keys: the file is read without readahead
     dcp.load(part, storage_reader=dcp.FileSystemReader(path), no_dist=True)
