@@ -71,6 +71,20 @@ def test_whole_tensors_on_every_rank_are_refused_where_transform_checkpoints_dou
     assert _load(tmp_path / "unchecked")["dense.weight"].shape == (1024, 256)
 
 
+def test_whole_tensors_held_at_other_offsets_of_their_files_are_refused(tmp_path):
+    # Rank 1's file holds global_step first, so dense.weight starts at another offset within a page than in
+    # rank 0's: both copies are sampled at the same positions of the tensor's bytes all the same (they were not,
+    # and the copies were imported silently as slices of a [1024, 256] tensor).
+    rng = np.random.default_rng(3)
+    weight, step = rng.standard_normal((512, 256)).astype(np.float32), np.array([5], np.int32)
+    strategy = write_strategy_file(tmp_path / "strategy.ckpt", (ParamStrategy("dense.weight", (2,), (0, -1)),))
+    src = _ranks(tmp_path, {0: {"dense.weight": weight, "global_step": step},
+                            1: {"global_step": step, "dense.weight": weight}})
+    with pytest.raises(LayoutError, match="hold the same values, as do the boxes of every parameter it splits"):
+        import_checkpoint(src, tmp_path / "out", strategy_files=[strategy])
+    assert not (tmp_path / "out").exists()
+
+
 def test_slices_are_told_from_whole_tensors_by_a_page_each(tmp_path):
     # Real slices: the first parameter split (a constant, moment1 at step 0) has equal boxes, the next differ.
     rng = np.random.default_rng(1)

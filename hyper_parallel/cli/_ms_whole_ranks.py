@@ -34,12 +34,14 @@ from hyper_parallel.core.distributed_checkpoint.errors import LayoutError
 __all__ = ["refuse_whole_tensors"]
 
 
-def _sample(piece: SourcePiece, *, first_page: bool) -> bytes:
-    """The first page of ``piece``'s bytes, or its sample pages (the whole box when it is small)."""
+def _sample(piece: SourcePiece, *, first_page: bool, like: SourcePiece) -> bytes:
+    """The first page of ``piece``'s bytes, or its sample pages (the whole box when it is small), at the positions
+    in the box's bytes that ``like``'s file places on its pages: every box is sampled at the same positions, also
+    when the files hold it at offsets that differ within a page."""
     nbytes = piece.entry.nbytes
     if first_page or nbytes <= 16 * mmap.PAGESIZE:
         return piece.file.peek(piece.entry.name, (0,), min(nbytes, mmap.PAGESIZE if first_page else nbytes))
-    return piece.file.peek(piece.entry.name, sample_starts(nbytes, piece.entry.segments[0][0]), mmap.PAGESIZE)
+    return piece.file.peek(piece.entry.name, sample_starts(nbytes, like.entry.segments[0][0]), mmap.PAGESIZE)
 
 
 def _constant(data: bytes, itemsize: int) -> bool:
@@ -66,7 +68,7 @@ def refuse_whole_tensors(pieces: Sequence[SourcePiece], src: Path, strategy: str
     shown = None
     for fqn, split in sorted(boxes.items()):
         for first_page in (True, False):
-            samples = [_sample(piece, first_page=first_page) for piece in split]
+            samples = [_sample(piece, first_page=first_page, like=split[0]) for piece in split]
             if any(sample != samples[0] for sample in samples[1:]):
                 return  # slices
         itemsize = max(1, split[0].entry.nbytes // max(1, int(np.prod(split[0].entry.shape))))
