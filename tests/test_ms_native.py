@@ -468,3 +468,34 @@ def test_rank_files_saved_without_redundancy_import_whole(jobs, tmp_path):
         _save(entries, tmp_path / "src" / rank_dir.name / f"checkpoint_{rank}.ckpt", "ckpt")
     import_checkpoint(tmp_path / "src", tmp_path / "ours", strategy_files=job.stage_files)
     _assert_same(_load_ours(tmp_path / "ours"), {k: v.asnumpy() for k, v in job.full.items()}, "no redundancy")
+
+
+def test_a_strategy_whose_names_differ_by_a_prefix_is_refused_naming_it(jobs, tmp_path):
+    """Rank files saved under other names than the strategy lists, by one prefix (``network.``: a wrapping
+    Cell's naming), said "'dense.bias' is not in the strategy file" as if the parameter were unlisted, and a
+    slice holding the same values on every rank was stored as the whole tensor. The prefix is named now, both
+    ways, with the fix, before anything is written."""
+    job = jobs("tp2d_8")
+    src = tmp_path / "prefixed"
+    for rank_dir in sorted(job.ranks.iterdir()):
+        entries = dict(mindspore.load_checkpoint(str(next(rank_dir.iterdir()))))
+        _save({(name if name in EXTRAS else f"network.{name}"): value for name, value in entries.items()},
+              src / rank_dir.name / "checkpoint.ckpt", "ckpt")
+    fix = ("all 3 parameters the strategy lists differ only by it), so no parameter would find its layout and each "
+           "rank's slice would pass for a whole tensor (MindSpore's transform_checkpoints matches names exactly "
+           "too). Pass the strategy file the job that wrote these rank files saved (its strategy_ckpt_config "
+           "save_file), or save the rank files from the network the strategy was written for (a parameter named ")
+    with pytest.raises(CheckpointValueError) as refused:
+        import_checkpoint(src, tmp_path / "out", strategy_files=job.stage_files)
+    assert str(refused.value) == (
+        "the rank files name their parameters with the prefix 'network.' that the strategy's names lack ('dense.bias' "
+        f"in the strategy, 'network.dense.bias' in {src / 'rank_0' / 'checkpoint.ckpt'}; {fix}'dense.bias')")
+    case = CASES["tp2d_8"]
+    renamed = StrategyCase(stages=tuple(tuple(ParamStrategy(f"model.{p.name}", p.dev_matrix, p.tensor_map)
+                                              for p in stage) for stage in case.stages))
+    with pytest.raises(CheckpointValueError) as reverse:
+        import_checkpoint(job.ranks, tmp_path / "out", strategy_files=write_case(tmp_path / "renamed", renamed))
+    assert str(reverse.value) == (
+        "the strategy names its parameters with the prefix 'model.' that the rank files' names lack "
+        f"('model.dense.bias' in the strategy, 'dense.bias' in {next((job.ranks / 'rank_0').iterdir())}; {fix}'model.dense.bias')")
+    assert not (tmp_path / "out").exists()

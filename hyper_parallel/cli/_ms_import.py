@@ -254,6 +254,7 @@ def plan_rank_import(
             "pass the strategy file(s) of the job that wrote them (one per pipeline stage)"
         )
     names = sorted({name for f in files.values() for name in f.entries})
+    _refuse_prefix_difference(sorted(layouts), names, files)
     pieces: list[SourcePiece] = []
     values: dict[str, Any] = {}
     replicas: list[BoxCopies] = []
@@ -276,6 +277,52 @@ def plan_rank_import(
             pieces.append(piece)
             replicas.extend(copies)
     return pieces, values, replicas
+
+
+def _prefix_difference(listed: Sequence[str], names: set[str]) -> tuple[str, bool] | None:
+    """The one prefix (ending in a dot) by which every name the strategy ``listed`` differs from a rank-file name
+    of ``names``, and whether the strategy's names carry it; ``None`` without one."""
+    first = listed[0]
+    for cut in (i + 1 for i, char in enumerate(first) if char == "."):
+        if all(name.startswith(first[:cut]) and name[cut:] in names for name in listed):
+            return first[:cut], True
+    for name in names:
+        prefix = name[:-len(first)]
+        if name.endswith("." + first) and all(prefix + other in names for other in listed):
+            return prefix, False
+    return None
+
+
+def _refuse_prefix_difference(listed: Sequence[str], names: Sequence[str], files: Mapping[int, MsFile]) -> None:
+    """Refuse a strategy whose parameter names differ from the rank files' by one prefix (``network.``, as a
+    wrapping Cell names them): none of them matches, so every slice would be taken as a whole tensor.
+
+    MindSpore's ``transform_checkpoints`` matches names exactly too (a name absent from the strategy is not
+    sliced), so such a pair has no meaning there either; the user names the right file.
+
+    Raises:
+        CheckpointValueError: names the prefix, one name of each side, the file holding it, and the fix.
+    """
+    if not listed or not names or set(listed) & set(names):
+        return
+    found = _prefix_difference(listed, set(names))
+    if found is None:
+        return
+    prefix, strategy_has_it = found
+    if strategy_has_it:
+        held = listed[0][len(prefix):]
+        lacking = f"the strategy names its parameters with the prefix '{prefix}' that the rank files' names lack"
+    else:
+        held = prefix + listed[0]
+        lacking = f"the rank files name their parameters with the prefix '{prefix}' that the strategy's names lack"
+    holder = next(f for _, f in sorted(files.items()) if held in f.entries)
+    raise CheckpointValueError(
+        f"{lacking} ('{listed[0]}' in the strategy, '{held}' in {holder.path}; all {len(listed)} parameters the "
+        "strategy lists differ only by it), so no parameter would find its layout and each rank's slice would "
+        "pass for a whole tensor (MindSpore's transform_checkpoints matches names exactly too). Pass the strategy "
+        "file the job that wrote these rank files saved (its strategy_ckpt_config save_file), or save the rank "
+        f"files from the network the strategy was written for (a parameter named '{listed[0]}')"
+    )
 
 
 def whole_pieces(files: Sequence[MsFile]) -> tuple[list[SourcePiece], dict[str, Any]]:
