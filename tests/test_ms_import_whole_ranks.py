@@ -129,6 +129,17 @@ def test_whole_tensors_of_a_pipeline_job_are_imported_from_each_stage_with_copie
             f"(float32 [512, 64] on each; files: rank 2 {src}/rank_2/net.ckpt, rank 3 {src}/rank_3/net.ckpt)"
             ) in str(refused.value), refused.value
     assert not (other / "out").exists()
+    # Slices (integrated_save=False) given as whole tensors: refused, the advice names --strategy instead.
+    sliced = tmp_path / "sliced"
+    sliced.mkdir()
+    src_sliced = _ranks(sliced, {rank: {"head.weight": stage1["head.weight"][rank * 256:(rank + 1) * 256]}
+                                 for rank in range(2)})
+    with pytest.raises(LayoutError) as refused:
+        import_checkpoint(src_sliced, sliced / "out", whole_tensors=True)
+    assert ("either it is sliced (slices of one shape; rank 0's would be stored as the whole tensor): pass the "
+            "strategy file(s) that list it with --strategy (one per pipeline stage), not --whole-tensors; or the rank "
+            "files are of different steps") in str(refused.value), refused.value
+    assert not (sliced / "out").exists()
     # --whole-tensors with a strategy, or without rank files; rank files with neither.
     with pytest.raises(dcp.CheckpointValueError, match="not both"):
         import_checkpoint(src, other / "out", whole_tensors=True, strategy_files=["s.ckpt"])

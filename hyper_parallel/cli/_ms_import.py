@@ -196,7 +196,7 @@ def _whole_piece(name: str, files: Mapping[int, MsFile]) -> tuple[SourcePiece, l
             raise LayoutError(
                 f"parameter '{name}' is not in the strategy file but rank {holders[0]} holds {first.dtype} "
                 f"{list(first.shape)} and rank {rank} holds {entry.dtype} {list(entry.shape)}: it is sliced; "
-                "pass the strategy file(s) that list it (one per pipeline stage)"
+                "pass the strategy file(s) that list it with --strategy (one per pipeline stage), not --whole-tensors"
             )
     offsets = (0,) * len(first.shape)
     later = check_copies_while_planning([box_copies(name, offsets, first.shape, holders, files, listed=False)]) \

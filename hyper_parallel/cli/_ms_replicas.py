@@ -139,8 +139,8 @@ def _refusal(copies: BoxCopies, reference: int, differ: Sequence[int]) -> str:
             f"parameter '{copies.fqn}' is not in the strategy file but ranks {list(differ)} hold other values than "
             f"rank {reference} ({first.dtype} {list(first.shape)} on each; files: {files}), so it is no replica: "
             f"either it is sliced (slices of one shape; rank {reference}'s would be stored as the whole tensor): "
-            "pass the strategy file(s) that list it (one per pipeline stage); or the rank files are of different "
-            "steps (a global_step, a learning rate): take every rank's file of one step"
+            "pass the strategy file(s) that list it with --strategy (one per pipeline stage), not --whole-tensors; or "
+            "the rank files are of different steps (a global_step, a learning rate): take every rank's file of one step"
         )
     return (f"ranks {list(differ)} hold other values than rank {reference} for the box at {list(copies.offsets)} "
             f"(files: {files})")
