@@ -37,7 +37,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                                       "_whole_reads", "_unwritten_keys"})),
     ("storage", frozenset({"storage", "filesystem_writer", "filesystem_reader", "_run_reads", "_read_items",
                            "_safe_files", "_save_lease", "_file_ops", "_data_file", "_commit_cleanup", "_device_reads",
-                           "_rank_records", "_data_writing", "_commit_guard", "_index_form", "_index_plan",
+                           "_rank_records", "_data_writing", "_commit_guard", "_save_id", "_index_form", "_index_plan",
                            "_metadata_form", "_writer_index_form", "_writer_records", "_writer_set_up",
                            "_verify_reads", "_verify_windows", "_verify_tiles", "_verify_share", "_kept_files",
                            "_read_priming", "_metadata_file", "_reader_headers", "_reader_verify", "_reader_reads"})),

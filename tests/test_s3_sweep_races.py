@@ -18,7 +18,7 @@ import pytest
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.core.distributed_checkpoint import _object_io, _storage_choice
 from hyper_parallel.core.distributed_checkpoint._engine import SaveOptions, commit_save, plan_save, write_local
-from hyper_parallel.core.distributed_checkpoint._object_garbage import commits_per_rank, new_save_id
+from hyper_parallel.core.distributed_checkpoint._save_id import commits_per_rank, new_save_id
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointIOError, ConcurrentSaveError
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardSavePlanner
 from s3_server import new_filesystem, s3_endpoint, s3_url  # noqa: F401  (fixtures)

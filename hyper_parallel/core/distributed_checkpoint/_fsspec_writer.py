@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import threading
-import uuid
 from concurrent.futures import Future
 from typing import Any
 
@@ -37,10 +36,10 @@ from hyper_parallel.core.distributed_checkpoint._format.metadata_json import (
 from hyper_parallel.core.distributed_checkpoint._object_garbage import (
     Leftovers,
     leftovers_at_start,
-    new_save_id,
     owner_of,
     sweep,
 )
+from hyper_parallel.core.distributed_checkpoint._save_id import new_save_id
 from hyper_parallel.core.distributed_checkpoint._object_io import (
     DEFAULT_CONNECTIONS,
     DEFAULT_PART_BYTES,
@@ -143,7 +142,7 @@ class FsspecWriter(FileSystemWriter):
         """Start a new save (new save id), optionally to a new location. All ranks."""
         if checkpoint_id is not None:
             self.path, self.fs, self.root = locate(checkpoint_id, self._given_filesystem, self.storage_options)
-        self.save_id = uuid.uuid4().hex[:12]
+        self.save_id = new_save_id(rank_local=False)
         self._seen = None
 
     @property

@@ -22,7 +22,6 @@ from hyper_parallel.core.distributed_checkpoint._gc_pause import paused_gc
 from hyper_parallel.core.distributed_checkpoint.errors import PlanValidationError
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
     StorageMeta,
     TensorProperties,

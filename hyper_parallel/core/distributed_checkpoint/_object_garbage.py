@@ -20,7 +20,7 @@ commit does it instead:
 The guarantee holds for saves committing the same metadata object; a save
 committing another one (``metadata.json`` vs ``metadata.rank<r>.json``) is
 not stopped by this commit and may commit after it. So the save id tells
-which kind a save commits (:func:`new_save_id`: first hex digit 0-7, one
+which kind a save commits (:func:`._save_id.new_save_id`: first hex digit 0-7, one
 metadata per checkpoint; 8-f, one per rank) and only leftovers of saves of
 this save's kind (and rank) are noted. A location that also holds a
 committed checkpoint of the other kind is not swept at all (its save ids
@@ -31,15 +31,14 @@ atomic (see :func:`._object_io.put_if`), and the sweep no more than it.
 from __future__ import annotations
 
 import logging
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from hyper_parallel.core.distributed_checkpoint._commit_cleanup import DATA_FILE_PATTERN
 from hyper_parallel.core.distributed_checkpoint._object_io import is_s3, remove_objects
+from hyper_parallel.core.distributed_checkpoint._save_id import commits_per_rank
 
-__all__ = ["Leftovers", "abort_stale_uploads", "commits_per_rank", "leftovers_at_start", "new_save_id", "owner_of",
-           "sweep"]
+__all__ = ["Leftovers", "abort_stale_uploads", "leftovers_at_start", "owner_of", "sweep"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -55,20 +54,6 @@ class Leftovers:
 
     objects: tuple[str, ...] = ()
     uploads: tuple[tuple[str, str], ...] = ()
-
-
-_PER_RANK_BIT = 1 << 47  # the top bit of the 12 hex digits of a save id
-
-
-def new_save_id(*, rank_local: bool) -> str:
-    """A fresh 12-hex-digit save id whose first digit tells its kind: 8-f for rank-local metadata, 0-7 otherwise."""
-    value = uuid.uuid4().int & (2 * _PER_RANK_BIT - 1)
-    return f"{value | _PER_RANK_BIT if rank_local else value & ~_PER_RANK_BIT:012x}"
-
-
-def commits_per_rank(save_id: str) -> bool:
-    """Whether the save of ``save_id`` (made by :func:`new_save_id`) commits rank-local metadata."""
-    return int(save_id[:1] or "0", 16) >= 8
 
 
 def owner_of(name: str) -> tuple[str, int] | None:
@@ -132,7 +117,7 @@ def leftovers_at_start(fs: Any, root: str, *, save_id: str, metadata_name: str, 
         metadata_name: The metadata object this save commits.
         rank: For rank-local metadata, the only rank whose objects are noted;
             ``None``: one metadata object. Only save ids of the same kind
-            (:func:`commits_per_rank`) are noted.
+            (:func:`._save_id.commits_per_rank`) are noted.
     """
     try:
         try:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import threading
-import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -46,6 +45,7 @@ from hyper_parallel.core.distributed_checkpoint._file_ops import (
 from hyper_parallel.core.distributed_checkpoint._metadata_form import check_metadata_form
 from hyper_parallel.core.distributed_checkpoint._index_plan import IndexPlan, RankIndexPlan
 from hyper_parallel.core.distributed_checkpoint._options import check_option
+from hyper_parallel.core.distributed_checkpoint._save_id import new_save_id
 from hyper_parallel.core.distributed_checkpoint._writer_index_form import MAX_RECORD_BYTES, IndexFormWriting
 from hyper_parallel.core.distributed_checkpoint._data_file import LocalDataFile
 from hyper_parallel.core.distributed_checkpoint._data_writing import (
@@ -202,7 +202,7 @@ class FileSystemWriter(DirectorySetUp, RankRecordFiles, IndexFormWriting, Storag
         self._cleanup: threading.Thread | None = None
         self._page_drop: threading.Thread | None = None
         self.rank = 0
-        self.save_id = uuid.uuid4().hex[:12]
+        self.save_id = new_save_id(rank_local=False)
         #: The holders of the indexed form decided at plan time (coordinator; :meth:`use_index_plan`).
         self.index_plan: IndexPlan | None = None
 
@@ -215,7 +215,7 @@ class FileSystemWriter(DirectorySetUp, RankRecordFiles, IndexFormWriting, Storag
         """Start a new save (new save id), optionally to a new path. All ranks."""
         if checkpoint_id is not None:
             self.path = local_directory(checkpoint_id)
-        self.save_id = uuid.uuid4().hex[:12]
+        self.save_id = new_save_id(rank_local=False)
 
     def set_up_storage_writer(
         self, is_coordinator: bool, *, rank: int = 0, world_size: int = 1, rank_local: bool = False
@@ -236,7 +236,7 @@ class FileSystemWriter(DirectorySetUp, RankRecordFiles, IndexFormWriting, Storag
         """
         self.rank = rank
         self.rank_local = rank_local
-        self.save_id = uuid.uuid4().hex[:12]
+        self.save_id = new_save_id(rank_local=rank_local)
         self.index_plan = None
         self._committed = False
         self._created_directory = False

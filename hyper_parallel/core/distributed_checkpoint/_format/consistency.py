@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM, expected_blocks
+from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITHM
 from hyper_parallel.core.distributed_checkpoint._format.cover import check_exact_cover
 from hyper_parallel.core.distributed_checkpoint._format.deferred_storage import DecodedMetadata
 from hyper_parallel.core.distributed_checkpoint._format.entry_checks import (
