@@ -18,7 +18,7 @@ WORKER = Path(__file__).resolve().parent / "workers" / "one_rank_save_worker.py"
 def test_a_save_on_rank_0_only_names_the_cause_and_the_fix(tmp_path: Path) -> None:
     (tmp_path / "base").mkdir()
     results = run_workers(WORKER, workers=2, tmp_path=tmp_path, args=[str(tmp_path / "base")], timeout=400,
-                          env={"HP_CKPT_COLLECTIVE_TIMEOUT": "100"})
+                          env={"HP_CKPT_COLLECTIVE_TIMEOUT": "100", "HP_CKPT_WAIT_NOTICE": "1.5"})
     outcome = results[0]["only_rank_0"]
     assert outcome["ok"], outcome
     first, second = outcome["value"]["first"], outcome["value"]["second"]
@@ -29,6 +29,18 @@ def test_a_save_on_rank_0_only_names_the_cause_and_the_fix(tmp_path: Path) -> No
     assert not first["committed"] and not second["committed"]
     assert second["error"] == first["error"] and second["seconds"] < 5, second  # unusable: at once
     assert outcome["value"]["fixed"]
+    # The wait is named in the log long before the collective gives up (on Ascend: HCCL's timeout, or 1800 s).
+    assert first["notices"] == [
+        "rank 0: checkpoint step 'plan digest' has waited 1.5 s for the other ranks and waits up to 100 s "
+        "(HP_CKPT_COLLECTIVE_TIMEOUT): a rank is slow, died, hangs, or never called this step. Every rank calls "
+        "save and load: a save on rank 0 only (if get_rank() == 0: save_checkpoint(...)) waits until the timeout; "
+        "for a state rank 0 holds whole, pass no_dist=True there (this notice: HP_CKPT_WAIT_NOTICE, seconds, 0 for "
+        "none)"], first
+    # The notice only reports: a rank arriving after it (rank 1 4 s late, the notice at 1.5 s) saves as before.
+    slow = [results[rank]["slow_rank"] for rank in (0, 1)]
+    assert all(entry["ok"] and entry["value"]["error"] is None and entry["value"]["committed"] for entry in slow), slow
+    assert len(slow[0]["value"]["notices"]) == 1 and "'plan digest' has waited 1.5 s" in slow[0]["value"]["notices"][0]
+    assert slow[1]["value"]["notices"] == [], slow
 
 
 def test_only_mindspores_own_collective_failure_marks_communication_unusable(monkeypatch) -> None:
@@ -62,3 +74,29 @@ def test_only_mindspores_own_collective_failure_marks_communication_unusable(mon
         _collectives._within(raising(RuntimeError("AllGather failed\nC++ stack")), step="plan", rank=0, timeout=None)
     with pytest.raises(CollectiveTimeoutError, match="checkpoint step 'plan' failed in MindSpore"):
         _collectives._within(lambda: 1, step="next", rank=0, timeout=5.0)  # unusable now: at once
+
+
+def test_a_step_waiting_past_the_notice_logs_once_and_completes(monkeypatch, caplog) -> None:
+    """The wait notice only reports: a collective call slower than HP_CKPT_WAIT_NOTICE logs one line naming the
+    step, the rank and both limits, then returns its value; with the notice at 0 nothing is logged."""
+    import logging  # pylint: disable=import-outside-toplevel
+    import time  # pylint: disable=import-outside-toplevel
+
+    from hyper_parallel.core.distributed_checkpoint import _collectives
+
+    monkeypatch.setattr(_collectives, "_broken", [])
+    monkeypatch.setenv("HP_CKPT_WAIT_NOTICE", "0.05")
+
+    def slow() -> int:
+        time.sleep(0.4)
+        return 7
+
+    with caplog.at_level(logging.WARNING, logger=_collectives.__name__):
+        assert _collectives._within(slow, step="plan", rank=3, timeout=30) == 7  # pylint: disable=protected-access
+    assert [r.getMessage()[:98] for r in caplog.records] == [
+        "rank 3: checkpoint step 'plan' has waited 0.05 s for the other ranks and waits up to 30 s (HP_CKPT"]
+    caplog.clear()
+    monkeypatch.setenv("HP_CKPT_WAIT_NOTICE", "0")
+    with caplog.at_level(logging.WARNING, logger=_collectives.__name__):
+        assert _collectives._within(slow, step="plan", rank=3, timeout=30) == 7  # pylint: disable=protected-access
+    assert not caplog.records

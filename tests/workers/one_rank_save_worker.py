@@ -5,11 +5,14 @@ it waits (no collective) until rank 0 is done. Rank 0 reports what its
 save raised (class names and message), the seconds it took, whether a
 ``metadata.json`` exists, and what a second save raised (at once: the
 communication is marked unusable). Then the fix: a save with
-``no_dist=True`` on rank 0 alone, loaded back.
+``no_dist=True`` on rank 0 alone, loaded back. Both report the notices
+logged while a step waited (``HP_CKPT_WAIT_NOTICE``); ``slow_rank`` first:
+rank 1 calls the save seconds after rank 0, and both commit.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from pathlib import Path
@@ -26,6 +29,15 @@ from mindspore import nn  # noqa: E402
 import hyper_parallel  # noqa: E402
 
 BASE = Path(sys.argv[1])
+NOTICES: list[str] = []
+
+
+class _Notices(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        NOTICES.append(record.getMessage())
+
+
+logging.getLogger("hyper_parallel.core.distributed_checkpoint._collectives").addHandler(_Notices(logging.WARNING))
 
 
 def _attempt(path: Path) -> dict:
@@ -40,6 +52,17 @@ def _attempt(path: Path) -> dict:
             "committed": (path / "metadata.json").exists()}
 
 
+def slow_rank() -> dict:
+    """Rank 1 calls the save 4 s after rank 0: the notice is logged on rank 0 and the save still commits."""
+    ms.set_seed(1)  # the same network on both ranks (a replica everywhere)
+    if RANK == 1:
+        time.sleep(4)
+    outcome = _attempt(BASE / "slow")
+    notices = list(NOTICES)
+    NOTICES.clear()
+    return {**outcome, "notices": notices}
+
+
 def only_rank_0() -> dict | None:
     gate = BASE / "rank0_done"
     if RANK != 0:
@@ -49,6 +72,7 @@ def only_rank_0() -> dict | None:
         return None
     ms.set_seed(1)
     first = _attempt(BASE / "c")
+    first["notices"] = list(NOTICES)
     second = _attempt(BASE / "c2")
     net = nn.Dense(4, 2)
     hyper_parallel.save_checkpoint(net, str(BASE / "alone"), no_dist=True)
@@ -58,4 +82,4 @@ def only_rank_0() -> dict | None:
             "fixed": np.array_equal(loaded["weight"].asnumpy(), net.weight.asnumpy())}
 
 
-run_scenarios({"only_rank_0": only_rank_0})
+run_scenarios({"slow_rank": slow_rank, "only_rank_0": only_rank_0})

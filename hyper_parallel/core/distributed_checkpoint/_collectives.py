@@ -22,6 +22,7 @@ process fails at once, since the abandoned gather still holds the channel.
 
 from __future__ import annotations
 
+import logging
 import pickle
 import threading
 import traceback
@@ -36,6 +37,8 @@ from hyper_parallel.core.distributed_checkpoint.errors import CollectiveStepErro
 __all__ = [
     "COLLECTIVE_TIMEOUT_ENV",
     "DEFAULT_COLLECTIVE_TIMEOUT",
+    "DEFAULT_WAIT_NOTICE",
+    "WAIT_NOTICE_ENV",
     "collective_timeout",
     "collectives_on",
     "DistWrapper",
@@ -45,6 +48,7 @@ __all__ = [
 
 T = TypeVar("T")
 R = TypeVar("R")
+_LOG = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,12 @@ COLLECTIVE_TIMEOUT_ENV = "HP_CKPT_COLLECTIVE_TIMEOUT"
 #: Default of :data:`COLLECTIVE_TIMEOUT_ENV`: longer than any rank's writing of its share.
 DEFAULT_COLLECTIVE_TIMEOUT = 1800.0
 
+#: Environment variable: seconds a rank waits in one collective step before it logs that it is waiting, and for
+#: what (0: never). Only a log line: the step goes on waiting until :data:`COLLECTIVE_TIMEOUT_ENV`.
+WAIT_NOTICE_ENV = "HP_CKPT_WAIT_NOTICE"
+#: Default of :data:`WAIT_NOTICE_ENV`: far above a step's usual skew between ranks, far below the timeout.
+DEFAULT_WAIT_NOTICE = 60.0
+
 # Set once a gather was abandoned: the message every later collective step raises.
 _broken: list[str] = []
 
@@ -166,7 +176,10 @@ def _within(collective: Callable[[], T], *, step: str, rank: int, timeout: float
             done.set()
 
     threading.Thread(target=gather, name=f"hp-ckpt-gather-{step}", daemon=True).start()
-    if not done.wait(timeout):
+    notice = seconds_from_env(WAIT_NOTICE_ENV, DEFAULT_WAIT_NOTICE, example=60, zero_waits_forever=True)
+    if notice is not None and notice < timeout and not done.wait(notice):
+        _LOG.warning(_waiting(rank, step, notice, timeout))
+    if not done.wait(timeout if notice is None or notice >= timeout else timeout - notice):
         _broken.append(_unusable(rank, step, f"did not complete within {timeout:g} s") +
                        f" (the timeout is {COLLECTIVE_TIMEOUT_ENV}, seconds)")
         raise CollectiveTimeoutError(_broken[-1])
@@ -184,6 +197,17 @@ def _gave_up(error: RuntimeError, *, rank: int, step: str) -> CollectiveTimeoutE
     process and are raised as they are by the caller.)"""
     _broken.append(_unusable(rank, step, f"failed in MindSpore's collective ({str(error).splitlines()[0]})"))
     return CollectiveTimeoutError(_broken[-1])
+
+
+def _waiting(rank: int, step: str, notice: float, timeout: float) -> str:
+    """The log line of a step still waiting after ``notice`` seconds: a rank is slow, or never comes."""
+    return (
+        f"rank {rank}: checkpoint step '{step}' has waited {notice:g} s for the other ranks and waits up to "
+        f"{timeout:g} s ({COLLECTIVE_TIMEOUT_ENV}): a rank is slow, died, hangs, or never called this step. Every "
+        "rank calls save and load: a save on rank 0 only (if get_rank() == 0: save_checkpoint(...)) waits until "
+        f"the timeout; for a state rank 0 holds whole, pass no_dist=True there (this notice: {WAIT_NOTICE_ENV}, "
+        "seconds, 0 for none)"
+    )
 
 
 def _unusable(rank: int, step: str, what: str) -> str:
