@@ -261,3 +261,31 @@ def test_a_strategy_file_placing_slices_elsewhere_than_the_compile_is_refused(tm
     for layout in (Layout((2,), (0,)), Layout((2,), (0, -1), rank_list=(2, 3))):  # another rank count, other ranks
         with pytest.raises(dcp.SlicedParameterError, match="at no place"):
             apply_mindspore_layouts({"model": _blocks_net(1)[0]}, source={"w": layout}, rank=1)
+
+
+def test_sliced_parameters_named_with_another_prefix_than_the_strategy_are_refused_naming_it(tmp_path):
+    """A strategy file whose names differ from the sliced Parameters' by one prefix (``network.``) said "no layout
+    is known ... pass strategy_file=" to a user who had passed it. The prefix is named now, either way."""
+    weight = ms.Parameter(ms.Tensor(np.zeros((4, 4), np.float32)), name="dense.w")
+    weight.sliced = True
+    prefixed = write_strategy_file(tmp_path / "prefixed.ckpt", (ParamStrategy("network.dense.w", (2,), (0, -1)),))
+    with pytest.raises(dcp.SlicedParameterError) as refused:
+        hyper_parallel.save_checkpoint({"w": weight}, tmp_path / "c", strategy_file=prefixed)
+    assert str(refused.value) == (
+        f"rank 0: key(s) 'w' (Parameter 'dense.w') hold a slice (Parameter.sliced is True) but strategy file "
+        f"{prefixed!r} has no layout under their names: its names differ from theirs by the prefix 'network.' (the "
+        "Parameter 'dense.w', the strategy 'network.dense.w'), so saving them as whole tensors would lose the other "
+        "ranks' parts. Pass the strategy file of the compile that sliced this network (MindSpore names a Parameter "
+        "the same however a Cell wraps it), or leave strategy_file= out and pass the Cell (its "
+        "parameter_layout_dict holds the layouts)")
+    assert not (tmp_path / "c").exists()
+    bare = write_strategy_file(tmp_path / "bare.ckpt", (ParamStrategy("w", (2,), (0, -1)),))
+    wrapped = ms.Parameter(ms.Tensor(np.zeros((4, 4), np.float32)), name="backbone.w")
+    wrapped.sliced = True
+    with pytest.raises(dcp.SlicedParameterError, match=r"key\(s\) 'p' \(Parameter 'backbone\.w'\) hold a slice .* "
+                                                       r"by the prefix 'backbone\.' \(the Parameter 'backbone\.w', "
+                                                       r"the strategy 'w'\)"):
+        apply_mindspore_layouts({"p": wrapped}, source=bare, rank=0)
+    other = write_strategy_file(tmp_path / "other.ckpt", (ParamStrategy("proj.w", (2,), (0, -1)),))
+    with pytest.raises(dcp.SlicedParameterError, match="but no layout is known"):  # no one prefix: as before
+        apply_mindspore_layouts({"p": wrapped}, source=other, rank=0)

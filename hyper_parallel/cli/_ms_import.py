@@ -60,7 +60,7 @@ from hyper_parallel.core.distributed_checkpoint.planner import (
 )
 from hyper_parallel.core.distributed_checkpoint.type_handlers import serialize_value
 from hyper_parallel.core.layout import Layout
-from hyper_parallel.core.strategy_file import OPTIMIZER_STATE_PREFIXES, layout_for_state_key
+from hyper_parallel.core.strategy_file import OPTIMIZER_STATE_PREFIXES, layout_for_state_key, name_prefix_difference
 
 __all__ = ["RANK_DIR_PATTERN", "SourcePiece", "PieceSavePlanner", "check_unstored_crcs", "find_rank_files",
            "plan_rank_import", "total_bytes", "whole_pieces"]
@@ -279,20 +279,6 @@ def plan_rank_import(
     return pieces, values, replicas
 
 
-def _prefix_difference(listed: Sequence[str], names: set[str]) -> tuple[str, bool] | None:
-    """The one prefix (ending in a dot) by which every name the strategy ``listed`` differs from a rank-file name
-    of ``names``, and whether the strategy's names carry it; ``None`` without one."""
-    first = listed[0]
-    for cut in (i + 1 for i, char in enumerate(first) if char == "."):
-        if all(name.startswith(first[:cut]) and name[cut:] in names for name in listed):
-            return first[:cut], True
-    for name in names:
-        prefix = name[:-len(first)]
-        if name.endswith("." + first) and all(prefix + other in names for other in listed):
-            return prefix, False
-    return None
-
-
 def _refuse_prefix_difference(listed: Sequence[str], names: Sequence[str], files: Mapping[int, MsFile]) -> None:
     """Refuse a strategy whose parameter names differ from the rank files' by one prefix (``network.``, as a
     wrapping Cell names them): none of them matches, so every slice would be taken as a whole tensor.
@@ -305,7 +291,7 @@ def _refuse_prefix_difference(listed: Sequence[str], names: Sequence[str], files
     """
     if not listed or not names or set(listed) & set(names):
         return
-    found = _prefix_difference(listed, set(names))
+    found = name_prefix_difference(listed, set(names))
     if found is None:
         return
     prefix, strategy_has_it = found

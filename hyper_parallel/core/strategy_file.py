@@ -34,6 +34,7 @@ __all__ = [
     "StrategySource",
     "layout_for_state_key",
     "layouts_from_strategy",
+    "name_prefix_difference",
     "read_strategy_records",
     "strategy_paths",
 ]
@@ -277,3 +278,19 @@ def _check_stage_sizes(records: Mapping[str, Sequence[MindSporeLayoutRecord]]) -
     if len(sizes) > 1:
         raise LayoutError(f"the strategy's parameters have meshes of different sizes {sorted(sizes)}: the ranks "
                           f"of a pipeline stage cannot be told; pass the strategy files of one job")
+
+
+def name_prefix_difference(names: Sequence[str], others: set[str]) -> tuple[str, bool] | None:
+    """The one prefix (ending in a dot: ``network.``, as a wrapping Cell names its Parameters) by which every
+    name of ``names`` differs from a name of ``others``, and whether ``names`` carry it (``True``) or
+    ``others`` do; ``None`` without one. ``names`` is not empty. Any rank; no collectives.
+    """
+    first = names[0]
+    for cut in (i + 1 for i, char in enumerate(first) if char == "."):
+        if all(name.startswith(first[:cut]) and name[cut:] in others for name in names):
+            return first[:cut], True
+    for other in others:
+        prefix = other[:-len(first)]
+        if other.endswith("." + first) and all(prefix + name in others for name in names):
+            return prefix, False
+    return None

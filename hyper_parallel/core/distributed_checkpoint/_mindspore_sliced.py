@@ -29,6 +29,7 @@ from hyper_parallel.core.strategy_file import (
     StrategySource,
     layout_for_state_key,
     layouts_from_strategy,
+    name_prefix_difference,
 )
 from hyper_parallel.platform.tensor import (
     all_parameters,
@@ -149,6 +150,7 @@ class _Wrapper:
         self.unmarked: list[tuple[str, Any, tuple[int, ...]]] = []
         self.done: dict[int, Any] = {}
         self.unknown: list[str] = []
+        self.unknown_names: list[str] = []  # the Parameter names of ``unknown``
         self.bad: list[str] = []
 
     def leaf(self, path: str, value: Any) -> Any:
@@ -182,6 +184,7 @@ class _Wrapper:
                         self.unmarked.append((path, value, wrapped.shape))
         elif getattr(value, "sliced", False):
             self.unknown.append(f"'{path}' (Parameter '{value.name}')")
+            self.unknown_names.append(value.name)
         self.done[id(value)] = wrapped
         return wrapped
 
@@ -275,6 +278,9 @@ def apply_mindspore_layouts(state_dict: dict[str, Any], *, source: LayoutArgumen
     if wrapper.unknown:
         shown = ", ".join(wrapper.unknown[:_SHOWN])
         more = f" and {len(wrapper.unknown) - _SHOWN} more" if len(wrapper.unknown) > _SHOWN else ""
+        prefixed = _prefix_refusal(sorted(set(wrapper.unknown_names)), given, _origin(source))
+        if prefixed:
+            raise SlicedParameterError(f"rank {rank}: key(s) {shown}{more} {prefixed}")
         raise SlicedParameterError(
             f"rank {rank}: key(s) {shown}{more} hold a slice (Parameter.sliced is True) but no layout is known, "
             "so saving them as whole tensors would lose the other ranks' parts; pass strategy_file= (the file "
@@ -312,6 +318,23 @@ def _owner_name(name: str) -> str:
         if name.startswith(prefix):
             return name[len(prefix):]
     return name
+
+
+def _prefix_refusal(names: list[str], given: Mapping[str, Layout], origin: str) -> str:
+    """Why the sliced Parameters ``names`` found no layout in the strategy's ``given`` ones when all their names
+    differ from the strategy's by one prefix (``network.``); empty otherwise."""
+    found = name_prefix_difference(names, set(given))
+    if found is None:
+        return ""
+    prefix, ours = found
+    theirs = names[0][len(prefix):] if ours else prefix + names[0]
+    return (
+        f"hold a slice (Parameter.sliced is True) but {origin} has no layout under their names: its names differ "
+        f"from theirs by the prefix '{prefix}' (the Parameter '{names[0]}', the strategy '{theirs}'), so saving "
+        "them as whole tensors would lose the other ranks' parts. Pass the strategy file of the compile that "
+        "sliced this network (MindSpore names a Parameter the same however a Cell wraps it), or leave "
+        "strategy_file= out and pass the Cell (its parameter_layout_dict holds the layouts)"
+    )
 
 
 def _origin(source: LayoutArgument) -> str:
