@@ -1,4 +1,5 @@
-"""Test helper: make files cold (their clean pages dropped from the page cache, no root needed), or keep pages cached."""
+"""Test helper: make files cold (their clean pages dropped from the page cache, no root needed), or keep pages
+cached."""
 
 from __future__ import annotations
 

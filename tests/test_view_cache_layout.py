@@ -20,7 +20,7 @@ import hyper_parallel
 import hyper_parallel.core.distributed_checkpoint as dcp
 from hyper_parallel.core.distributed_checkpoint import _layout_memo
 from hyper_parallel.core.distributed_checkpoint._flatten import flatten_state_dict
-from hyper_parallel.platform.tensor import _contiguous, shared_view, writable_views
+from hyper_parallel.platform.tensor import _cached_views, _contiguous, shared_view, writable_views
 
 ms.set_device("CPU")
 
@@ -112,3 +112,25 @@ def test_a_plain_tensor_transposed_in_its_own_memory_saves_its_values_and_a_load
     with pytest.raises(dcp.CheckpointError, match="key 't'.*not contiguous"):
         dcp.load({"t": tensor}, checkpoint_id=tmp_path / "new", no_dist=True)
     np.testing.assert_array_equal(tensor.asnumpy(), expected)
+
+
+@pytest.mark.parametrize("method", ["is_contiguous", "data_ptr"])
+def test_a_tensor_class_overriding_how_it_tells_its_layout_or_memory_is_asked_by_the_cached_view_check(method) -> None:
+    """The column check calls MindSpore's own methods unbound only for classes that keep them: a subclass's own
+    ``is_contiguous`` (now a transpose) or ``data_ptr`` (memory moved) makes the cached view stale."""
+
+    class Told(ms.Tensor):
+        changed = False
+
+        def is_contiguous(self) -> bool:
+            return not (self.changed and method == "is_contiguous")
+
+        def data_ptr(self) -> int:
+            return ms.Tensor.data_ptr(self) + (64 if self.changed and method == "data_ptr" else 0)
+
+    tensor = Told(np.arange(16, dtype=np.float32).reshape(4, 4))
+    (view,) = writable_views([tensor], [(4, 4)])
+    cached = _cached_views([tensor], [(4, 4)], ms.Tensor)
+    assert view is not None and cached is not None and cached[0] is view
+    Told.changed = True
+    assert _cached_views([tensor], [(4, 4)], ms.Tensor) is None

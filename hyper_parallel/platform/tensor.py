@@ -360,7 +360,7 @@ def cached_views_at(values: list[Any], pointers: list[int], dtypes: list[Any], *
 
 
 _HIT_REF, _HIT_VIEW, _HIT_POINTER, _HIT_DTYPE = itemgetter(0), itemgetter(1), itemgetter(2), itemgetter(3)
-_SHAPE, _DTYPE = attrgetter("shape"), attrgetter("dtype")
+_SHAPE, _DTYPE, _DEVICE = attrgetter("shape"), attrgetter("dtype"), attrgetter("device")
 _DATA_PTR, _DEREF = methodcaller("data_ptr"), methodcaller("__call__")
 _IS_CONTIGUOUS = methodcaller("is_contiguous")  # (_contiguous without its call, for the column checks)
 
@@ -370,10 +370,19 @@ def _cached_views(values: list[Any], shapes: list[Any], tensor_type: type) -> li
     tensor, memory, shape and dtype): the checks of the loop, column by column (C loops, no Python per tensor); ``None``
     when any value is something else (the loop then decides each).
     """
-    if not all(issubclass(kind, tensor_type) for kind in set(map(type, values))):
+    kinds = set(map(type, values))
+    if not all(issubclass(kind, tensor_type) for kind in kinds):
         return None
+    # The tensor type's own methods, unbound, where no subclass overrides them (a bound-method lookup per tensor
+    # costs as much as the call).
+    data_ptr, is_contiguous = _DATA_PTR, _IS_CONTIGUOUS
+    own_ptr, own_contiguous = getattr(tensor_type, "data_ptr", None), getattr(tensor_type, "is_contiguous", None)
+    if own_ptr is not None and all(getattr(kind, "data_ptr", None) is own_ptr for kind in kinds):
+        data_ptr = own_ptr
+    if own_contiguous is not None and all(getattr(kind, "is_contiguous", None) is own_contiguous for kind in kinds):
+        is_contiguous = own_contiguous
     try:
-        for device in set(map(getattr, values, repeat("device"), repeat(None))):
+        for device in set(map(_DEVICE, values)):
             if isinstance(device, str) and device and not _HOST_DEVICES.get(device, False):
                 return None  # a device tensor, or a device not seen yet: the loop (it learns the device)
         hits = list(map(_VIEWS.get, map(id, values)))
@@ -382,11 +391,11 @@ def _cached_views(values: list[Any], shapes: list[Any], tensor_type: type) -> li
         views = list(map(_HIT_VIEW, hits))
         if list(map(_SHAPE, views)) != shapes:
             return None
-        if list(map(int, map(_DATA_PTR, values))) != list(map(_HIT_POINTER, hits)):
+        if list(map(int, map(data_ptr, values))) != list(map(_HIT_POINTER, hits)):
             return None
         if not all(map(is_, map(_DTYPE, values), map(_HIT_DTYPE, hits))):
             return None  # memory and shape kept, dtype changed (assign_value of a bitcast): a view of the new dtype
-        if not all(map(_IS_CONTIGUOUS, values)):
+        if not all(map(is_contiguous, values)):
             return None  # memory, shape and dtype kept, now a transpose (assign_value(p.T)): no view reads it
     except (AttributeError, RuntimeError, TypeError, ValueError):  # the loop says what is wrong, value by value
         return None
