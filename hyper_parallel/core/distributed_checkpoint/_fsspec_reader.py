@@ -23,10 +23,9 @@ from hyper_parallel.core.distributed_checkpoint._metadata_file import rank_local
 from hyper_parallel.core.distributed_checkpoint._object_io import (
     DEFAULT_CONNECTIONS,
     DEFAULT_PART_BYTES,
+    ObjectLocation,
     RangedSource,
-    check_transfer_options,
     get_with_tag,
-    locate,
 )
 from hyper_parallel.core.distributed_checkpoint._read_items import read_small_whole
 from hyper_parallel.core.distributed_checkpoint.errors import (
@@ -50,7 +49,7 @@ from hyper_parallel.core.distributed_checkpoint.storage import CheckpointId
 __all__ = ["FsspecReader"]
 
 
-class FsspecReader(FileSystemReader):
+class FsspecReader(ObjectLocation, FileSystemReader):
     """Reads a checkpoint from object storage (S3, OBS, MinIO...) through fsspec.
 
     Args:
@@ -90,21 +89,16 @@ class FsspecReader(FileSystemReader):
             max_inflight_bytes=max_inflight_bytes,
             metadata_file=metadata_file,
         )
-        check_transfer_options(connections, part_bytes)
-        self.connections, self.part_bytes = connections, part_bytes
-        self.storage_options = dict(storage_options)
-        self._given_filesystem = filesystem
+        self._set_up_location(
+            filesystem=filesystem, connections=connections, part_bytes=part_bytes, storage_options=storage_options
+        )
         self.bytes_fetched = 0
         self._count_lock = threading.Lock()
-        self.path = ""  # set by reset: the URL, shown in messages
-        self.fs: Any = None
-        self.root = ""
         self.reset(path)
 
     def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
         """Start a new load, optionally from another location. All ranks."""
-        if checkpoint_id is not None:
-            self.path, self.fs, self.root = locate(checkpoint_id, self._given_filesystem, self.storage_options)
+        self._relocate(checkpoint_id)
         self.metadata_file = self._configured_metadata_file
         self.metadata = None
         self.bytes_read = 0

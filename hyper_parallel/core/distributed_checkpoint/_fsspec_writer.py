@@ -43,12 +43,11 @@ from hyper_parallel.core.distributed_checkpoint._save_id import new_save_id
 from hyper_parallel.core.distributed_checkpoint._object_io import (
     DEFAULT_CONNECTIONS,
     DEFAULT_PART_BYTES,
+    ObjectLocation,
     ObjectSink,
     PreconditionFailed,
     Tagged,
-    check_transfer_options,
     get_with_tag,
-    locate,
     put_if,
     remove_objects,
 )
@@ -76,7 +75,7 @@ def is_object_url(checkpoint_id: object) -> bool:
     return not checkpoint_id.startswith("file://")
 
 
-class FsspecWriter(FileSystemWriter):
+class FsspecWriter(ObjectLocation, FileSystemWriter):
     """Writes a checkpoint to object storage (S3, OBS, MinIO...) through fsspec.
 
     Data objects stream as multipart uploads: ``part_bytes`` parts, up to
@@ -125,23 +124,17 @@ class FsspecWriter(FileSystemWriter):
             tile_checksums=tile_checksums,
             metadata_form=metadata_form,
         )
-        check_transfer_options(connections, part_bytes)
-        self.connections = connections
-        self.part_bytes = part_bytes
-        self.storage_options = dict(storage_options)
-        self._given_filesystem = filesystem
+        self._set_up_location(
+            filesystem=filesystem, connections=connections, part_bytes=part_bytes, storage_options=storage_options
+        )
         self._seen: Tagged | None = None
         self._leftovers = Leftovers()
         self._outcome_unknown = False
-        self.path = ""  # set by reset: the URL, shown in messages
-        self.fs: Any = None
-        self.root = ""
         self.reset(path)
 
     def reset(self, checkpoint_id: CheckpointId | None = None) -> None:
         """Start a new save (new save id), optionally to a new location. All ranks."""
-        if checkpoint_id is not None:
-            self.path, self.fs, self.root = locate(checkpoint_id, self._given_filesystem, self.storage_options)
+        self._relocate(checkpoint_id)
         self.save_id = new_save_id(rank_local=False)
         self._seen = None
 

@@ -36,7 +36,7 @@ __all__ = [
     "PreconditionFailed",
     "filesystem_for",
     "locate",
-    "check_transfer_options",
+    "ObjectLocation",
     "is_s3",
     "ObjectSink",
     "RangedSource",
@@ -112,10 +112,38 @@ def locate(checkpoint_id: object, filesystem: Any, storage_options: dict[str, An
     return url, fs, root
 
 
-def check_transfer_options(connections: int, part_bytes: int) -> None:
-    """Refuse ``connections`` / ``part_bytes`` that are not ints >= 1 (names the option)."""
-    check_option("connections", connections, int, minimum=1)
-    check_option("part_bytes", part_bytes, int, minimum=1)
+class ObjectLocation:
+    """Where an fsspec reader or writer points and how it transfers: set up the same way for both.
+
+    A mixin of :class:`.FsspecReader` and :class:`.FsspecWriter`. After
+    :meth:`_set_up_location` and :meth:`_relocate` the object has ``path`` (the
+    URL, no trailing ``/``, shown in messages), ``fs`` (its filesystem), ``root``
+    (the protocol-less root), ``connections``, ``part_bytes`` and
+    ``storage_options``.
+    """
+
+    def _set_up_location(
+        self, *, filesystem: Any, connections: int, part_bytes: int, storage_options: dict[str, Any]
+    ) -> None:
+        """Check and keep the transfer options (no location yet). Any rank, from ``__init__``; no store access.
+
+        Raises:
+            CheckpointValueError: ``connections`` or ``part_bytes`` is not an int >= 1 (names the option).
+        """
+        check_option("connections", connections, int, minimum=1)
+        check_option("part_bytes", part_bytes, int, minimum=1)
+        self.connections = connections
+        self.part_bytes = part_bytes
+        self.storage_options = dict(storage_options)
+        self._given_filesystem = filesystem
+        self.path = ""  # set by _relocate: the URL, shown in messages
+        self.fs: Any = None
+        self.root = ""
+
+    def _relocate(self, checkpoint_id: object) -> None:
+        """Point at ``checkpoint_id`` (``None``: stay). Any rank, from ``reset``."""
+        if checkpoint_id is not None:
+            self.path, self.fs, self.root = locate(checkpoint_id, self._given_filesystem, self.storage_options)
 
 
 def is_s3(fs: Any) -> bool:
