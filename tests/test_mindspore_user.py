@@ -288,8 +288,10 @@ def test_a_directory_of_both_kinds_of_mindspore_file_names_a_command_for_each(tm
     net = nn.Dense(4, 3)
     mixed = tmp_path / "mixed"
     mixed.mkdir()
-    ms.save_checkpoint(net, str(mixed / "net.ckpt"))
     ms.save_checkpoint(net, str(mixed / "net.safetensors"), format="safetensors")
+    with pytest.raises(dcp.IncompleteCheckpointError, match=rf"once with `hp-ckpt import {mixed} OUT_DIR` and load"):
+        hyper_parallel.load_checkpoint(mixed)  # safetensors files alone: the directory, as before
+    ms.save_checkpoint(net, str(mixed / "net.ckpt"))
     with pytest.raises(dcp.IncompleteCheckpointError) as both:
         hyper_parallel.load_checkpoint(mixed)
     assert str(both.value) == (
