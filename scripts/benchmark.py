@@ -293,7 +293,7 @@ def check_files(label: str, path: Path, threads: int) -> None:
 def phase_checksums(state: dict[str, Any], args: argparse.Namespace) -> dict[str, list[float]]:
     """The checksum protection alone: xxh3 of every Parameter's bytes as the writer stores them, one thread."""
     from hyper_parallel.core.distributed_checkpoint._format.checksum import chunk_checksum  # noqa: PLC0415
-    from hyper_parallel.platform.tensor import DTYPE_NAMES, dtype_name  # noqa: PLC0415
+    from hyper_parallel.platform.dtypes import DTYPE_NAMES, dtype_name  # noqa: PLC0415
 
     arrays = [(param.asnumpy(), DTYPE_NAMES[dtype_name(param)]) for param in state.values()]
 

@@ -26,7 +26,7 @@ from hyper_parallel.core.distributed_checkpoint._format.checksum import RUN_BYTE
 from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import read_header
 from hyper_parallel.core.distributed_checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from hyper_parallel.core.distributed_checkpoint.planner import BytesWriteData, TensorWriteData, WriteItem, WriteItemType
-from hyper_parallel.platform.tensor import DTYPE_NAMES
+from hyper_parallel.platform.dtypes import DTYPE_NAMES
 
 
 class CountingFileOps(FileOps):

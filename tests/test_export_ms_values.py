@@ -77,6 +77,6 @@ def test_exported_numbers_reach_every_rank_file(tmp_path: Path):
 def test_every_stored_dtype_is_a_mindspore_dtype():
     """export writes a stored numpy scalar with its own dtype: MindSpore must know every dtype this library stores."""
     from hyper_parallel.cli._ms_files import MS_DTYPE_NAMES  # pylint: disable=import-outside-toplevel
-    from hyper_parallel.platform.tensor import DTYPE_NAMES  # pylint: disable=import-outside-toplevel
+    from hyper_parallel.platform.dtypes import DTYPE_NAMES  # pylint: disable=import-outside-toplevel
 
     assert set(DTYPE_NAMES) <= set(MS_DTYPE_NAMES.values())

@@ -39,7 +39,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel.core.distributed_checkpoint.strategies import check_load_compatible
 from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value
-from hyper_parallel.platform.tensor import DTYPE_NAMES, numpy_dtype
+from hyper_parallel.platform.dtypes import DTYPE_NAMES, numpy_dtype
 
 __all__ = [
     "open_checkpoint",

@@ -44,7 +44,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
     CorruptCheckpointError,
     UnsupportedFormatError,
 )
-from hyper_parallel.platform.tensor import DTYPE_NAMES
+from hyper_parallel.platform.dtypes import DTYPE_NAMES
 
 __all__ = [
     "MS_DTYPE_NAMES",

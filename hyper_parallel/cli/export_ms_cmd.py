@@ -51,7 +51,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
 from hyper_parallel.core.distributed_checkpoint.type_handlers import deserialize_value
 from hyper_parallel.core.layout import Layout
 from hyper_parallel.core.strategy_file import OPTIMIZER_STATE_PREFIXES, read_strategy_records
-from hyper_parallel.platform.tensor import DTYPE_NAMES
+from hyper_parallel.platform.dtypes import DTYPE_NAMES
 
 __all__ = ["ExportResult", "export_mindspore", "register"]
 

@@ -38,7 +38,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from hyper_parallel.core.distributed_checkpoint._format.header_check import expected_span, header_spans, span_problem
-from hyper_parallel.platform.tensor import DTYPE_NAMES
+from hyper_parallel.platform.dtypes import DTYPE_NAMES
 
 __all__ = ["VerifyProblem", "VerifyReport", "verify_checkpoint", "format_verify", "register"]
 

@@ -1,8 +1,9 @@
 """The one place where the checkpoint talks to the framework.
 
 Communication (rank, world size, object collectives) lives in
-:mod:`hyper_parallel.platform.comm`; tensor conversion and dtype names in
-:mod:`hyper_parallel.platform.tensor`. Nothing here runs at import time.
+:mod:`hyper_parallel.platform.comm`; tensor conversion in
+:mod:`hyper_parallel.platform.tensor`; dtype names in :mod:`hyper_parallel.platform.dtypes`.
+Nothing here runs at import time.
 """
 
 from hyper_parallel.platform.comm import (
@@ -18,20 +19,17 @@ from hyper_parallel.platform.comm import (
 )
 from hyper_parallel.platform.tensor import (
     DEVICE_COPIES_ENV,
-    DTYPE_NAMES,
     assign,
     assign_region,
-    dtype_name,
     from_numpy,
     host_memory_shared,
     is_cell,
     is_parameter,
     is_tensor,
-    ms_dtype,
-    numpy_dtype,
     to_numpy,
     writable_view,
 )
+from hyper_parallel.platform.dtypes import DTYPE_NAMES, dtype_name, ms_dtype, numpy_dtype
 
 __all__ = [
     "DEVICE_COPIES_ENV",

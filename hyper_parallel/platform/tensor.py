@@ -1,4 +1,4 @@
-"""Tensor <-> numpy conversion and framework-neutral dtype names.
+"""Tensor <-> numpy conversion (dtype names: :mod:`hyper_parallel.platform.dtypes`).
 
 The checkpoint works on numpy views of tensors: on CPU ``Tensor.asnumpy()``
 shares memory with the tensor, so saving reads the tensor's own bytes and
@@ -18,7 +18,6 @@ importing it.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import threading
@@ -29,9 +28,10 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
+from hyper_parallel.platform.dtypes import ms_dtype, to_numpy_dtype
+
 __all__ = [
     "all_plain_leaves",
-    "DTYPE_NAMES",
     "is_tensor",
     "is_parameter",
     "is_cell",
@@ -46,33 +46,10 @@ __all__ = [
     "cached_views_at",
     "host_memory_shared",
     "assign_region",
-    "to_numpy_dtype",
-    "tensor_dtype_name",
     "DEVICE_COPIES_ENV",
     "from_numpy",
     "assign",
-    "dtype_name",
-    "numpy_dtype",
-    "ms_dtype",
 ]
-
-#: Every dtype name the checkpoint stores, with its element size in bytes.
-DTYPE_NAMES: dict[str, int] = {
-    "bool": 1,
-    "int8": 1,
-    "uint8": 1,
-    "int16": 2,
-    "uint16": 2,
-    "int32": 4,
-    "uint32": 4,
-    "int64": 8,
-    "uint64": 8,
-    "float16": 2,
-    "bfloat16": 2,
-    "float32": 4,
-    "float64": 8,
-}
-
 
 #: Environment variable forcing the device (copy out / copy in) path for every tensor.
 DEVICE_COPIES_ENV = "HYPER_PARALLEL_DEVICE_COPIES"
@@ -514,74 +491,6 @@ def _own_memory(value: Any) -> bool:
     or fails (MindSpore on CPU), a region write does not. ``False`` when not known."""
     span = _memory_span(value)
     return span is not None and span.whole
-
-
-def to_numpy_dtype(value: Any) -> np.dtype:
-    """Return the numpy dtype of a tensor or array without copying its data."""
-    if isinstance(value, np.ndarray):
-        return value.dtype
-    return numpy_dtype(dtype_name(value))
-
-
-def dtype_name(value: Any) -> str:
-    """Return the framework-neutral dtype name of a tensor, array or dtype.
-
-    Raises:
-        TypeError: the dtype is not one the checkpoint stores.
-    """
-    if is_tensor(value):
-        return tensor_dtype_name(value)  # no asnumpy(): building a bf16 view parses a buffer format
-    dtype = value.dtype if hasattr(value, "dtype") else np.dtype(value)
-    name = np.dtype(dtype).name
-    if name not in DTYPE_NAMES:
-        raise TypeError(f"dtype {name} cannot be stored in a checkpoint")
-    return name
-
-
-def tensor_dtype_name(value: Any) -> str:
-    """:func:`dtype_name` of a value known to be a MindSpore tensor (spares the type test).
-
-    Raises:
-        TypeError: the dtype is not one the checkpoint stores.
-    """
-    name = _ms_dtype_name(value.dtype)
-    if name not in DTYPE_NAMES:
-        raise TypeError(f"dtype {name} cannot be stored in a checkpoint")
-    return name
-
-
-# id() of a MindSpore dtype -> (the dtype, its name): str() of a dtype costs a microsecond and hashing one
-# half of that; the dtype is held, so the identity check below makes a reused id harmless.
-_MS_DTYPE_NAMES: dict[int, tuple[Any, str]] = {}
-
-
-def _ms_dtype_name(dtype: Any) -> str:
-    hit = _MS_DTYPE_NAMES.get(id(dtype))
-    if hit is not None and hit[0] is dtype:
-        return hit[1]
-    text = str(dtype).lower()
-    name = {"bool_": "bool", "bool": "bool"}.get(text, text)
-    _MS_DTYPE_NAMES[id(dtype)] = (dtype, name)
-    return name
-
-
-@functools.cache
-def numpy_dtype(name: str) -> np.dtype:
-    """Return the numpy dtype for a stored dtype name (bfloat16 needs MindSpore); looked up once per name."""
-    if name == "bfloat16":
-        from mindspore.common import np_dtype  # pylint: disable=import-outside-toplevel
-
-        return np.dtype(np_dtype.bfloat16)
-    if name not in DTYPE_NAMES:
-        raise TypeError(f"unknown stored dtype {name!r}")
-    return np.dtype(name)
-
-
-def ms_dtype(name: str) -> Any:
-    """Return the MindSpore dtype object for a stored dtype name."""
-    import mindspore as ms  # pylint: disable=import-outside-toplevel
-
-    return {"bool": ms.bool_}.get(name) or getattr(ms, name)
 
 
 def view_of_other_memory(value: Any) -> str | None:

@@ -27,7 +27,7 @@ from hyper_parallel.core.distributed_checkpoint._format.checksum import ALGORITH
 from hyper_parallel.core.distributed_checkpoint._format.safetensors_file import header_bytes
 from hyper_parallel.core.distributed_checkpoint.metadata import ChunkChecksum, MetadataIndex
 from hyper_parallel.core.distributed_checkpoint.planner import WriteItem, WriteItemType
-from hyper_parallel.platform.tensor import DTYPE_NAMES
+from hyper_parallel.platform.dtypes import DTYPE_NAMES
 
 __all__ = [
     "WRITEBACK_BYTES",

@@ -23,7 +23,8 @@ import numpy as np
 from hyper_parallel.core.distributed_checkpoint._format.byte_ranges import split_box
 from hyper_parallel.core.distributed_checkpoint._state_items import TensorEntry
 from hyper_parallel.core.distributed_checkpoint.planner import ReadItem
-from hyper_parallel.platform.tensor import DTYPE_NAMES, assign_region, host_memory_shared, numpy_dtype
+from hyper_parallel.platform.tensor import assign_region, host_memory_shared
+from hyper_parallel.platform.dtypes import DTYPE_NAMES, numpy_dtype
 
 __all__ = ["DeviceRegions"]
 

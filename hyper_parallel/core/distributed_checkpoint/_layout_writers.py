@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from hyper_parallel.platform.tensor import DTYPE_NAMES
+from hyper_parallel.platform.dtypes import DTYPE_NAMES
 
 __all__ = ["ChunkWriters", "LayoutMerge", "RegularTensor"]
 

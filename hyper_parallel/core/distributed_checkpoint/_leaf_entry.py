@@ -16,7 +16,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import UnsupportedTypeErr
 from hyper_parallel.core.distributed_checkpoint.mapping import ShardedTensor
 from hyper_parallel.core.distributed_checkpoint.metadata import TensorStorageMetadata
 from hyper_parallel.core.distributed_checkpoint._state_items import SkipEntry, TensorEntry, ValueEntry, make_entry
-from hyper_parallel.platform.tensor import dtype_name
+from hyper_parallel.platform.dtypes import dtype_name
 
 __all__ = ["classify_leaf", "dtype_advice", "local_data", "unstorable_target"]
 

@@ -53,7 +53,8 @@ from hyper_parallel.core.distributed_checkpoint._whole_reads import (
     WholeReads,
     whole_read_item,
 )
-from hyper_parallel.platform.tensor import DTYPE_NAMES, assign, numpy_dtype, to_numpy, writable_view, writable_views
+from hyper_parallel.platform.tensor import assign, to_numpy, writable_view, writable_views
+from hyper_parallel.platform.dtypes import DTYPE_NAMES, numpy_dtype
 
 __all__ = ["StandardLoadPlanner"]
 

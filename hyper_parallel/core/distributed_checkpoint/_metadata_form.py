@@ -22,7 +22,7 @@ from hyper_parallel.core.distributed_checkpoint._format.checksum import flat_cou
 from hyper_parallel.core.distributed_checkpoint._grid_chunks import GridChunks
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, TensorStorageMetadata
-from hyper_parallel.platform.tensor import DTYPE_NAMES
+from hyper_parallel.platform.dtypes import DTYPE_NAMES
 
 __all__ = [
     "METADATA_FORMS",

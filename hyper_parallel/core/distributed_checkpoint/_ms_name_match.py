@@ -20,7 +20,8 @@ from hyper_parallel.core.distributed_checkpoint._leaf_entry import local_data, u
 from hyper_parallel.core.distributed_checkpoint._state_items import plain_dtype_name
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, TensorStorageMetadata
-from hyper_parallel.platform.tensor import dtype_name, is_tensor
+from hyper_parallel.platform.tensor import is_tensor
+from hyper_parallel.platform.dtypes import dtype_name
 
 __all__ = ["check_dtypes", "every", "match_names", "selector", "shown", "stored_names"]
 

@@ -51,14 +51,8 @@ from hyper_parallel.core.distributed_checkpoint.errors import (
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, TensorStorageMetadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlanner
 from hyper_parallel.core.distributed_checkpoint.standard_planner import StandardLoadPlanner, StandardSavePlanner
-from hyper_parallel.platform.tensor import (
-    from_numpy,
-    is_cell,
-    is_parameter,
-    is_tensor,
-    ms_dtype,
-    parameter_and_cell_types,
-)
+from hyper_parallel.platform.tensor import from_numpy, is_cell, is_parameter, is_tensor, parameter_and_cell_types
+from hyper_parallel.platform.dtypes import ms_dtype
 
 __all__ = ["save_checkpoint", "load_checkpoint", "LoadedParameters", "mindspore_state_dict"]
 

@@ -19,7 +19,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, ReadItem
 from hyper_parallel.core.distributed_checkpoint._chunk_search import overlapping_chunks
 from hyper_parallel.core.distributed_checkpoint._state_items import TensorEntry, TensorPiece
-from hyper_parallel.platform.tensor import numpy_dtype
+from hyper_parallel.platform.dtypes import numpy_dtype
 
 __all__ = ["fitted", "local_shape", "overlap_reads", "whole_dtype"]
 

@@ -30,7 +30,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
 )
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 from hyper_parallel.core.distributed_checkpoint._whole_reads import SMALL_WHOLE_BYTES, WholeReads
-from hyper_parallel.platform.tensor import DTYPE_NAMES, numpy_dtype
+from hyper_parallel.platform.dtypes import DTYPE_NAMES, numpy_dtype
 
 __all__ = ["ColumnRow", "ItemFacts", "ItemIndex", "SMALL_ITEM_BYTES", "read_columns", "read_small_whole",
            "stored_dtype"]

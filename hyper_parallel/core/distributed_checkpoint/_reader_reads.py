@@ -26,7 +26,7 @@ from hyper_parallel.core.distributed_checkpoint._run_reads import FileSource, re
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import StorageInfo, TensorStorageMetadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
-from hyper_parallel.platform.tensor import DTYPE_NAMES, numpy_dtype
+from hyper_parallel.platform.dtypes import DTYPE_NAMES, numpy_dtype
 
 __all__ = ["ReadPass"]
 

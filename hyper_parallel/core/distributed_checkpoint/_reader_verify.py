@@ -30,7 +30,7 @@ from hyper_parallel.core.distributed_checkpoint._verify_share import WindowShare
 from hyper_parallel.core.distributed_checkpoint.errors import CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import StorageInfo
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, ReadItem
-from hyper_parallel.platform.tensor import numpy_dtype
+from hyper_parallel.platform.dtypes import numpy_dtype
 
 __all__ = ["VerifyPass", "check_within", "kept_rows", "leading_rows"]
 

@@ -41,7 +41,8 @@ from hyper_parallel.core.distributed_checkpoint._state_items import (
 )
 from hyper_parallel.core.distributed_checkpoint.mapping import ShardedTensor
 from hyper_parallel.core.dtensor import DTensor
-from hyper_parallel.platform.tensor import DTYPE_NAMES, is_tensor, shared_view, shared_view_reader, to_numpy
+from hyper_parallel.platform.tensor import is_tensor, shared_view, shared_view_reader, to_numpy
+from hyper_parallel.platform.dtypes import DTYPE_NAMES
 
 __all__ = [
     "LayoutDescription",

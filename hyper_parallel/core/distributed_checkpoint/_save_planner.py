@@ -47,7 +47,7 @@ from hyper_parallel.core.distributed_checkpoint.planner import (
 )
 from hyper_parallel.core.distributed_checkpoint._state_items import SkipEntry, TensorEntry, TensorPiece, ValueEntry
 from hyper_parallel.core.distributed_checkpoint.type_handlers import serialize_value
-from hyper_parallel.platform.tensor import dtype_name
+from hyper_parallel.platform.dtypes import dtype_name
 
 __all__ = ["AliasData", "StandardSavePlanner"]
 

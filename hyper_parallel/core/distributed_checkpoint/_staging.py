@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from hyper_parallel.platform.tensor import DTYPE_NAMES, numpy_dtype
+from hyper_parallel.platform.dtypes import DTYPE_NAMES, numpy_dtype
 from hyper_parallel.core.distributed_checkpoint._copy_threads import SMALL_COPY_BYTES, Copier
 from hyper_parallel.core.distributed_checkpoint._stage_copies import ALIGN, EarlyCopies, SmallRun, round_up
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex

@@ -27,7 +27,8 @@ from hyper_parallel.core.distributed_checkpoint.mapping import (
     is_main_replica,
 )
 from hyper_parallel.core.dtensor import DTensor
-from hyper_parallel.platform.tensor import dtype_name, is_tensor, tensor_dtype_name
+from hyper_parallel.platform.tensor import is_tensor
+from hyper_parallel.platform.dtypes import dtype_name, tensor_dtype_name
 
 __all__ = [
     "TensorPiece",

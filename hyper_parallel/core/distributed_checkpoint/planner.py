@@ -30,7 +30,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     MetadataIndex,
     TensorProperties,
 )
-from hyper_parallel.platform.tensor import DTYPE_NAMES
+from hyper_parallel.platform.dtypes import DTYPE_NAMES
 
 __all__ = [
     "WriteItemType",

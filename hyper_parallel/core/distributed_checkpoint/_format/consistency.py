@@ -27,7 +27,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     StorageInfo,
     TensorStorageMetadata,
 )
-from hyper_parallel.platform.tensor import DTYPE_NAMES
+from hyper_parallel.platform.dtypes import DTYPE_NAMES
 
 __all__ = ["check_consistency", "storage_by_key"]
 

@@ -19,7 +19,7 @@ from hyper_parallel.core.distributed_checkpoint._format.grid_holders import Grid
 from hyper_parallel.core.distributed_checkpoint._format.rank_index import IndexRecord, decode_rank_index
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointValueError, CorruptCheckpointError
 from hyper_parallel.core.distributed_checkpoint.metadata import MetadataIndex, StorageInfo, TensorStorageMetadata
-from hyper_parallel.platform.tensor import DTYPE_NAMES
+from hyper_parallel.platform.dtypes import DTYPE_NAMES
 
 __all__ = ["IndexedStorage"]
 

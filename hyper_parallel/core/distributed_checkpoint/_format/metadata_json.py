@@ -59,7 +59,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from hyper_parallel.platform.tensor import DTYPE_NAMES
+from hyper_parallel.platform.dtypes import DTYPE_NAMES
 
 __all__ = [
     "FORMAT_NAME",

@@ -229,7 +229,7 @@ def read_header_at(
     if not isinstance(file_metadata, dict) or not all(isinstance(v, str) for v in file_metadata.values()):
         raise CorruptCheckpointError(f"{path}: safetensors __metadata__ must map strings to strings")
     data_start = 8 + length
-    from hyper_parallel.platform.tensor import DTYPE_NAMES  # pylint: disable=import-outside-toplevel
+    from hyper_parallel.platform.dtypes import DTYPE_NAMES  # pylint: disable=import-outside-toplevel
 
     sizes = {code: DTYPE_NAMES[name] for code, name in DTYPE_FROM_SAFETENSORS.items()}
     spans = []
