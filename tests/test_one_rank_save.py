@@ -82,6 +82,10 @@ def test_a_step_waiting_past_the_notice_logs_once_and_completes(monkeypatch, cap
     import logging  # pylint: disable=import-outside-toplevel
     import time  # pylint: disable=import-outside-toplevel
 
+    import pytest  # pylint: disable=import-outside-toplevel
+
+    import hyper_parallel.core.distributed_checkpoint as dcp  # pylint: disable=import-outside-toplevel
+
     from hyper_parallel.core.distributed_checkpoint import _collectives
 
     monkeypatch.setattr(_collectives, "_broken", [])
@@ -100,3 +104,9 @@ def test_a_step_waiting_past_the_notice_logs_once_and_completes(monkeypatch, cap
     with caplog.at_level(logging.WARNING, logger=_collectives.__name__):
         assert _collectives._within(slow, step="plan", rank=3, timeout=30) == 7  # pylint: disable=protected-access
     assert not caplog.records
+    monkeypatch.setenv("HP_CKPT_WAIT_NOTICE", "soon")  # refused before the collective call starts
+    called = []
+    with pytest.raises(dcp.CheckpointValueError, match="HP_CKPT_WAIT_NOTICE='soon' is not a number of seconds"):
+        within = _collectives._within  # pylint: disable=protected-access
+        within(lambda: called.append(1), step="plan", rank=3, timeout=30)
+    assert not called and not _collectives._broken  # pylint: disable=protected-access

@@ -175,8 +175,8 @@ def _within(collective: Callable[[], T], *, step: str, rank: int, timeout: float
         finally:
             done.set()
 
-    threading.Thread(target=gather, name=f"hp-ckpt-gather-{step}", daemon=True).start()
     notice = seconds_from_env(WAIT_NOTICE_ENV, DEFAULT_WAIT_NOTICE, example=60, zero_waits_forever=True)
+    threading.Thread(target=gather, name=f"hp-ckpt-gather-{step}", daemon=True).start()
     if notice is not None and notice < timeout and not done.wait(notice):
         _LOG.warning(_waiting(rank, step, notice, timeout))
     if not done.wait(timeout if notice is None or notice >= timeout else timeout - notice):
