@@ -50,11 +50,14 @@ def test_whole_tensors_on_every_rank_are_refused_where_transform_checkpoints_dou
         import_checkpoint(src, tmp_path / "out", strategy_files=[strategy])
     assert str(refused.value) == (
         f"parameter 'dense.weight': the strategy ({strategy}) splits it into 2 slices of [512, 256], but "
-        f"{src}/rank_0/net.ckpt and {src}/rank_1/net.ckpt hold the same values, as do the boxes of every parameter "
-        "it splits: the rank files hold whole tensors, not slices (MindSpore's save_checkpoint(..., "
-        "integrated_save=True), ModelCheckpoint's default, gathers them), and importing them with the strategy would "
-        f"make tensors of global shape [1024, 256]. Import them as whole tensors, without --strategy: hp-ckpt import "
-        f"{src} OUT --whole-tensors (slices equal by design are imported with --no-check-replicas)")
+        f"{src}/rank_0/net.ckpt and {src}/rank_1/net.ckpt hold the same values, and so do the slices of every "
+        f"parameter it splits (2 checked: 'dense.bias', 'dense.weight'; in {src}/rank_0/net.ckpt, "
+        f"{src}/rank_1/net.ckpt): the rank files look like whole tensors, not slices. If they were saved with "
+        "MindSpore's save_checkpoint(..., integrated_save=True) (ModelCheckpoint's default, which gathers them), "
+        "importing them with the strategy would make tensors of global shape [1024, 256]: import them as whole "
+        f"tensors, without --strategy: hp-ckpt import {src} OUT --whole-tensors. If they are slices that are equal "
+        "(experts copied from one layer, saved before training), import them with the strategy and "
+        "--slices-may-be-equal (replicas are still compared)")
     assert not (tmp_path / "out").exists()
     # MindSpore's own merge of these files: tensors of twice the rows, silently.
     mindspore.parallel.transform_checkpoints(str(src), str(tmp_path / "ms"), "m_", strategy, None)
@@ -80,7 +83,7 @@ def test_whole_tensors_held_at_other_offsets_of_their_files_are_refused(tmp_path
     strategy = write_strategy_file(tmp_path / "strategy.ckpt", (ParamStrategy("dense.weight", (2,), (0, -1)),))
     src = _ranks(tmp_path, {0: {"dense.weight": weight, "global_step": step},
                             1: {"global_step": step, "dense.weight": weight}})
-    with pytest.raises(LayoutError, match="hold the same values, as do the boxes of every parameter it splits"):
+    with pytest.raises(LayoutError, match="hold the same values, and so do the slices of every parameter it splits"):
         import_checkpoint(src, tmp_path / "out", strategy_files=[strategy])
     assert not (tmp_path / "out").exists()
 
@@ -148,3 +151,49 @@ def test_whole_tensors_of_a_pipeline_job_are_imported_from_each_stage_with_copie
     with pytest.raises(dcp.CheckpointValueError, match="integrated_save=True .MindSpore's default. hold whole "
                                                        "tensors: pass --whole-tensors"):
         import_checkpoint(src, other / "out")
+
+
+def test_equal_slices_of_an_upcycled_mixture_of_experts_import_with_slices_may_be_equal(tmp_path):
+    """Sparse upcycling: every expert a copy of one dense layer, saved before training, the experts split 2 ways.
+
+    The slices are equal, so the files look like whole tensors: refused with both ways out named;
+    ``--slices-may-be-equal`` imports them as the strategy says, and still compares the router's replicas.
+    """
+    rng = np.random.default_rng(4)
+    dense = rng.standard_normal((256, 512)).astype(np.float32)
+    experts = np.stack([dense] * 4)  # [4, 256, 512]
+    router = rng.standard_normal((512, 4)).astype(np.float32)
+    strategy = write_strategy_file(tmp_path / "strategy.ckpt", (ParamStrategy("moe.experts", (2,), (0, -1, -1)),
+                                                                 ParamStrategy("moe.router", (2,), (-1, -1))))
+    src = _ranks(tmp_path, {rank: {"moe.experts": experts[rank * 2:(rank + 1) * 2], "moe.router": router}
+                            for rank in range(2)})
+    with pytest.raises(LayoutError) as refused:
+        import_checkpoint(src, tmp_path / "out", strategy_files=[strategy])
+    assert str(refused.value) == (
+        f"parameter 'moe.experts': the strategy ({strategy}) splits it into 2 slices of [2, 256, 512], but "
+        f"{src}/rank_0/net.ckpt and {src}/rank_1/net.ckpt hold the same values, and so do the slices of every "
+        f"parameter it splits (1 checked: 'moe.experts'; in {src}/rank_0/net.ckpt, {src}/rank_1/net.ckpt): the rank "
+        "files look like whole tensors, not slices. If they were saved with MindSpore's save_checkpoint(..., "
+        "integrated_save=True) (ModelCheckpoint's default, which gathers them), importing them with the strategy "
+        f"would make tensors of global shape [4, 256, 512]: import them as whole tensors, without --strategy: "
+        f"hp-ckpt import {src} OUT --whole-tensors. If they are slices that are equal (experts copied from one "
+        "layer, saved before training), import them with the strategy and --slices-may-be-equal (replicas are "
+        "still compared)")
+    assert not (tmp_path / "out").exists()
+    assert main(["import", str(src), str(tmp_path / "moe"), "--strategy", strategy, "--slices-may-be-equal"]) == 0
+    loaded = _load(tmp_path / "moe")
+    assert np.array_equal(loaded["moe.experts"], experts) and np.array_equal(loaded["moe.router"], router)
+    # MindSpore's own merge of the slices agrees.
+    mindspore.parallel.transform_checkpoints(str(src), str(tmp_path / "ms"), "m_", strategy, None)
+    merged = mindspore.load_checkpoint(str(tmp_path / "ms" / "rank_0" / "m_0.ckpt"))
+    assert np.array_equal(merged["moe.experts"].asnumpy(), loaded["moe.experts"])
+    assert np.array_equal(merged["moe.router"].asnumpy(), loaded["moe.router"])
+    # The option skips only that check: a router replica that differs (another step's file) is still refused.
+    other = tmp_path / "steps"
+    other.mkdir()
+    src = _ranks(other, {0: {"moe.experts": experts[:2], "moe.router": router},
+                         1: {"moe.experts": experts[2:], "moe.router": router + 1}})
+    with pytest.raises(LayoutError) as refused:
+        import_checkpoint(src, other / "out", strategy_files=[strategy], slices_may_be_equal=True)
+    assert "ranks [1] hold other values than rank 0 for the box at [0, 0]" in str(refused.value), refused.value
+    assert not (other / "out").exists()

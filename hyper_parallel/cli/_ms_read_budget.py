@@ -2,9 +2,11 @@
 
 :class:`~hyper_parallel.cli._ms_files.MsFile` announces the contents it maps
 (``MADV_WILLNEED``) one read-ahead window (:func:`read_ahead_window`) per
-call, so the device reads them at once, exactly; the writer asks for every
-tensor before it uses them, so what is announced is limited by a
-:class:`ReadBudget` (a quarter of the available memory).
+call, so the device reads them at once, exactly. The writer asks for each
+tensor only when its turn comes (just before it hashes and writes it), so
+what is announced is used soon after; the bytes announced over a whole
+import are still bounded by a :class:`ReadBudget` (a quarter of the
+available memory, spent and never given back).
 """
 
 from __future__ import annotations
@@ -48,9 +50,10 @@ def read_ahead_window(device: int) -> int | None:
 class ReadBudget:
     """Bytes an import may announce to the kernel before the writer uses them. Single process.
 
-    Announced bytes (``MADV_WILLNEED``) are read at once, exactly; the writer
-    asks for every tensor before it hashes and writes them, so announcing
-    more than memory holds would evict announced pages before their use.
+    Announced bytes (``MADV_WILLNEED``) are read at once, exactly. The writer
+    asks for each tensor only when its turn comes, just before it hashes and
+    writes it; the budget bounds what one import announces in all (it is
+    spent, never given back), so pages announced cannot outgrow memory.
 
     Args:
         nbytes: The budget.

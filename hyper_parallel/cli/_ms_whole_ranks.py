@@ -16,7 +16,11 @@ pages (a small box whole): at the first parameter whose boxes differ it stops
 (slices: usually after two pages, which the writer then finds in the page
 cache). Only when every parameter the strategy splits has equal boxes, and one
 of them is not a constant (a bias of zeros, a norm of ones: equal as slices
-too), is the import refused (``--no-check-replicas`` skips the check).
+too), is the import refused: the files *look like* whole tensors. Real slices
+can be equal too (a mixture-of-experts model whose experts were copied from
+one dense layer, saved before training, with a strategy splitting only the
+experts): ``--slices-may-be-equal`` skips this check alone (the replicas of
+each slice are still compared); ``--no-check-replicas`` skips it as well.
 """
 
 from __future__ import annotations
@@ -49,6 +53,12 @@ def _constant(data: bytes, itemsize: int) -> bool:
     return len(data) <= itemsize or data == data[:itemsize] * (len(data) // itemsize)
 
 
+def _listed(names: Sequence[str], limit: int = 4) -> str:
+    """``names`` joined for a message, the first ``limit`` of them and how many more."""
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+
+
 def refuse_whole_tensors(pieces: Sequence[SourcePiece], src: Path, strategy: str) -> None:
     """Refuse rank files whose every parameter split by the strategy has equal boxes (whole tensors on every
     rank). The importing process, while it plans, before a byte is written.
@@ -77,12 +87,16 @@ def refuse_whole_tensors(pieces: Sequence[SourcePiece], src: Path, strategy: str
     if shown is None:
         return
     first = shown[0]
+    params = _listed([f"'{fqn}'" for fqn in sorted(boxes)])
+    files = _listed(sorted({str(piece.file.path) for split in boxes.values() for piece in split}))
     raise LayoutError(
         f"parameter '{first.fqn}': the strategy ({strategy}) splits it into {len(shown)} slices of "
-        f"{list(first.entry.shape)}, but {first.file.path} and {shown[1].file.path} hold the same values, as do the "
-        "boxes of every parameter it splits: the rank files hold whole tensors, not slices (MindSpore's "
-        "save_checkpoint(..., integrated_save=True), ModelCheckpoint's default, gathers them), and importing them "
-        f"with the strategy would make tensors of global shape {list(first.global_shape)}. Import them as whole "
-        f"tensors, without --strategy: hp-ckpt import {src} OUT --whole-tensors (slices equal by design are "
-        "imported with --no-check-replicas)"
+        f"{list(first.entry.shape)}, but {first.file.path} and {shown[1].file.path} hold the same values, and so "
+        f"do the slices of every parameter it splits ({len(boxes)} checked: {params}; in {files}): the rank files "
+        "look like whole tensors, not slices. If they were saved with MindSpore's save_checkpoint(..., "
+        "integrated_save=True) (ModelCheckpoint's default, which gathers them), importing them with the strategy "
+        f"would make tensors of global shape {list(first.global_shape)}: import them as whole tensors, without "
+        f"--strategy: hp-ckpt import {src} OUT --whole-tensors. If they are slices that are equal (experts copied "
+        "from one layer, saved before training), import them with the strategy and --slices-may-be-equal "
+        "(replicas are still compared)"
     )

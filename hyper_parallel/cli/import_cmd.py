@@ -274,7 +274,7 @@ def _check_out(src: Path, out: Path) -> None:
 
 def _plan_source(
     src: Path, strategy_files: Sequence[str | os.PathLike] | None, show_progress: bool | None,
-    check_replicas: bool, whole_tensors: bool = False,
+    check_replicas: bool, whole_tensors: bool = False, slices_may_be_equal: bool = False,
 ) -> tuple[list[SourcePiece], dict[str, Any], list[BoxCopies]]:
     if not src.exists():
         raise CheckpointNotFoundError(f"{src} does not exist")
@@ -294,7 +294,7 @@ def _plan_source(
         files = {rank: open_ms_file(path) for rank, path in
                  progress(sorted(rank_files.items()), desc="index rank files", unit="file", enabled=show_progress)}
         pieces, values, replicas = plan_rank_import(files, records, check_replicas=check_replicas)
-        if check_replicas and strategy_files:
+        if check_replicas and strategy_files and not slices_may_be_equal:
             refuse_whole_tensors(pieces, src, ", ".join(map(str, strategy_files)))
         check_unstored_crcs(files.values(), pieces)
         return pieces, values, replicas
@@ -365,6 +365,7 @@ def _save_with_progress(out: Path, planner: PieceSavePlanner, replicas: list[Box
 def import_checkpoint(
     src: str | os.PathLike, out: str | os.PathLike, *, strategy_files: Sequence[str | os.PathLike] | None = None,
     show_progress: bool | None = None, check_replicas: bool = True, whole_tensors: bool = False,
+    slices_may_be_equal: bool = False,
 ) -> Metadata:
     """Save MindSpore or Hugging Face weights as a checkpoint. Single process.
 
@@ -399,6 +400,11 @@ def import_checkpoint(
             parameter the strategy splits equal. ``False`` reads only the
             stored copies. A tensor the strategy does not list is compared in
             any case.
+        slices_may_be_equal: The slices of every parameter the strategy
+            splits may be equal (a mixture-of-experts model whose experts were
+            copied from one layer, saved before training): skips only the
+            refusal of rank files that look like whole tensors; replicas are
+            still compared (``check_replicas``).
 
     Returns:
         The committed metadata of the new checkpoint.
@@ -410,18 +416,21 @@ def import_checkpoint(
         CheckpointError: the source is missing, unsupported, malformed, or
             contradicts the strategy (names the parameter, rank and file).
         LayoutError: replicas of a slice differ (names the parameter, box, ranks and files), or the files hold
-            whole tensors where the strategy describes slices (pass ``whole_tensors``).
+            whole tensors where the strategy describes slices (pass ``whole_tensors``, or
+            ``slices_may_be_equal`` if they are slices).
     """
     src_path, out_path = Path(os.fspath(src)), Path(os.fspath(out))
     _check_out(src_path, out_path)
-    pieces, values, replicas = _plan_source(src_path, strategy_files, show_progress, check_replicas, whole_tensors)
+    pieces, values, replicas = _plan_source(src_path, strategy_files, show_progress, check_replicas, whole_tensors,
+                                            slices_may_be_equal)
     return _save_with_progress(out_path, PieceSavePlanner(pieces, values), replicas, total_bytes(pieces),
                                show_progress)
 
 
 def _run(args: argparse.Namespace) -> int:
     metadata = import_checkpoint(args.src, args.out, strategy_files=args.strategy,
-                                 check_replicas=not args.no_check_replicas, whole_tensors=args.whole_tensors)
+                                 check_replicas=not args.no_check_replicas, whole_tensors=args.whole_tensors,
+                                 slices_may_be_equal=args.slices_may_be_equal)
     stored = metadata.state_dict_metadata.values()
     tensors = [s for s in stored if isinstance(s, TensorStorageMetadata)]
     total = sum(info.length for info in (metadata.storage_data or {}).values())
@@ -448,6 +457,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--whole-tensors", action="store_true",
                         help="the rank_<i>/ files hold whole tensors (saved with integrated_save=True, MindSpore's "
                              "default): store each once, its copies compared; instead of --strategy")
+    parser.add_argument("--slices-may-be-equal", action="store_true",
+                        help="the slices of every parameter the strategy splits may be equal (experts copied from "
+                             "one layer, saved before training): do not refuse the rank files as whole tensors "
+                             "(integrated_save); replicas are still compared")
     parser.add_argument("--no-check-replicas", action="store_true",
                         help="do not read the replicas of listed slices to compare them with the stored copy, nor "
                              "compare the slices of a parameter to tell whole tensors (integrated_save) from slices")
