@@ -151,6 +151,13 @@ def test_whole_tensors_of_a_pipeline_job_are_imported_from_each_stage_with_copie
     with pytest.raises(dcp.CheckpointValueError, match="integrated_save=True .MindSpore's default. hold whole "
                                                        "tensors: pass --whole-tensors"):
         import_checkpoint(src, other / "out")
+    # --slices-may-be-equal only means something with a strategy over per-rank files.
+    with pytest.raises(dcp.CheckpointValueError, match="is imported without a strategy: drop --slices-may-be-equal"):
+        import_checkpoint(src, other / "out", whole_tensors=True, slices_may_be_equal=True)
+    with pytest.raises(dcp.CheckpointValueError,
+                       match=r"--slices-may-be-equal applies to MindSpore per-rank .* is not one"):
+        import_checkpoint(src / "rank_0" / "net.ckpt", other / "out", slices_may_be_equal=True)
+    assert not (other / "out").exists()
 
 
 def test_equal_slices_of_an_upcycled_mixture_of_experts_import_with_slices_may_be_equal(tmp_path):

@@ -279,6 +279,12 @@ def _plan_source(
     if not src.exists():
         raise CheckpointNotFoundError(f"{src} does not exist")
     rank_files = find_rank_files(src) if src.is_dir() else {}
+    if slices_may_be_equal and not (rank_files and strategy_files):
+        raise CheckpointValueError(
+            "--slices-may-be-equal applies to MindSpore per-rank files (rank_<i>/...) imported with --strategy FILE "
+            f"(it lets their slices be equal); {src} " + (
+                "is imported without a strategy: drop --slices-may-be-equal" if rank_files else "is not one")
+        )
     if rank_files:
         if whole_tensors == bool(strategy_files):
             raise CheckpointValueError(
