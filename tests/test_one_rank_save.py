@@ -106,7 +106,9 @@ def test_a_step_waiting_past_the_notice_logs_once_and_completes(monkeypatch, cap
     assert not caplog.records
     monkeypatch.setenv("HP_CKPT_WAIT_NOTICE", "soon")  # refused before the collective call starts
     called = []
-    with pytest.raises(dcp.CheckpointValueError, match="HP_CKPT_WAIT_NOTICE='soon' is not a number of seconds"):
+    with pytest.raises(dcp.CheckpointValueError,
+                       match="HP_CKPT_WAIT_NOTICE='soon' is not a number of seconds; set e.g. 60, "
+                             "or 0 to log no notice$"):
         within = _collectives._within  # pylint: disable=protected-access
         within(lambda: called.append(1), step="plan", rank=3, timeout=30)
     assert not called and not _collectives._broken  # pylint: disable=protected-access

@@ -175,7 +175,8 @@ def _within(collective: Callable[[], T], *, step: str, rank: int, timeout: float
         finally:
             done.set()
 
-    notice = seconds_from_env(WAIT_NOTICE_ENV, DEFAULT_WAIT_NOTICE, example=60, zero_waits_forever=True)
+    notice = seconds_from_env(WAIT_NOTICE_ENV, DEFAULT_WAIT_NOTICE, example=60, zero_waits_forever=True,
+                              zero_means="log no notice")
     threading.Thread(target=gather, name=f"hp-ckpt-gather-{step}", daemon=True).start()
     if notice is not None and notice < timeout and not done.wait(notice):
         _LOG.warning(_waiting(rank, step, notice, timeout))

@@ -41,10 +41,12 @@ def check_option(name: str, value: Any, kind: type, *, minimum: float | None = N
         raise CheckpointValueError(f"option {name} must be {what}, got {value!r} ({type(value).__name__})")
 
 
-def seconds_from_env(name: str, default: float, *, example: float, zero_waits_forever: bool) -> float | None:
+def seconds_from_env(name: str, default: float, *, example: float, zero_waits_forever: bool,
+                     zero_means: str = "wait forever") -> float | None:
     """Seconds to wait, from the environment variable ``name`` (``default`` when unset or blank). Any rank.
 
-    With ``zero_waits_forever``, ``0`` or less means no limit (``None``); else the value must be positive.
+    With ``zero_waits_forever``, ``0`` or less means no limit (``None``; what that does for this variable,
+    ``zero_means``, is said in the refusal); else the value must be positive.
 
     Raises:
         CheckpointValueError: Not a number of seconds (or, without ``zero_waits_forever``, not positive); names
@@ -60,7 +62,7 @@ def seconds_from_env(name: str, default: float, *, example: float, zero_waits_fo
     if zero_waits_forever:
         if seconds is None:
             raise CheckpointValueError(
-                f"{name}={text!r} is not a number of seconds; set e.g. {example:g}, or 0 to wait forever")
+                f"{name}={text!r} is not a number of seconds; set e.g. {example:g}, or 0 to {zero_means}")
         return seconds if seconds > 0 else None
     if seconds is None or not seconds > 0:
         raise CheckpointValueError(f"{name}={text!r} is not a positive number of seconds; set e.g. {example:g}")
